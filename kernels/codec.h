@@ -1,0 +1,181 @@
+#pragma once
+// The codec interface (DESIGN.md §3). A Codec is a configured algorithm: immutable after creation
+// and safe to share between threads. Everything that changes lives in caller-owned memory:
+//   - CodecState: persistent per-tensor state (residuals, momentum), double-buffered so a step
+//     *prepares* the next state and the step's owner *commits* it only when the whole step
+//     succeeded (atomicity, DESIGN.md §1);
+//   - a workspace sized by workspaceBytes() (no allocation on the hot path);
+//   - a CpuStream, the explicit execution context (CUDA codecs take a cudaStream_t instead).
+//
+// One step of one tensor, on the sending side:
+//   analyze(...)                      whole tensor: error feedback / momentum into next_state,
+//                                     thresholds, norms — anything that must see every chunk;
+//   encodeChunk(...) for each chunk   independent per chunk (may run concurrently, or pipelined
+//                                     with sending the previous chunk);
+//   ... exchange; for multi-round codecs (rounds() > 1) encodeChunk is called again with the
+//       reduced result of the previous round ...
+//   decodeChunk(...) for every payload received: out += weight * decoded.
+//   state.commit() when the step succeeded everywhere, otherwise nothing.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/dtype.h"
+#include "kernels/payload.h"
+#include "kernels/status.h"
+
+namespace lightwire::kernels {
+
+class CpuStream;
+
+/// Typed, validated codec settings. Each codec reads the fields it uses and rejects values out of
+/// range; fields it does not use are ignored.
+struct CodecConfig {
+  std::string name = "none";
+  std::optional<double> density;      // topk, dgc: k/n in (0, 1]
+  std::optional<double> ratio;        // topk, dgc: n/k >= 1 (alternative to density)
+  int bits = 8;                       // qsgd: bits per element including sign, 2..8
+  uint32_t bucket_size = 512;         // qsgd: elements per norm bucket
+  double momentum = 0.0;              // dgc: momentum correction factor in [0, 1)
+  double clip_norm = 0.0;             // dgc: local gradient clipping (0 = off)
+  double sample_fraction = 0.01;      // dgc: threshold sample in [0.001, 0.01]
+  DType sparse_values = DType::kF32;  // topk, dgc: value encoding, kF32 or kF16
+  std::optional<bool> error_feedback; // unset = the codec's default (DESIGN.md §3)
+  int approx_rank = 1;                // powersgd
+};
+
+/// Static facts about a codec.
+struct CodecTraits {
+  CodecId id = CodecId::kNone;
+  const char* name = "none";
+  bool summable = false;  // payloads add in the compressed domain (addPayloads)
+  bool sparse = false;    // payload is (index, value) pairs
+  bool own_memory = false;  // keeps its own residual/momentum: never wrapped in error feedback
+  bool default_error_feedback = false;  // biased codecs: EF on unless configured off
+  int rounds = 1;         // exchanges per step (PowerSGD: 2)
+};
+
+/// How a tensor of `elements` is cut into chunks of `chunk_elements` (last one shorter).
+struct Chunking {
+  size_t elements = 0;
+  size_t chunk_elements = 0;  // > 0
+
+  /// A chunking of n elements with chunks of about `requested` elements (0 = one chunk), rounded up
+  /// to a multiple of `alignment`.
+  static Chunking make(size_t n, size_t requested, size_t alignment);
+  size_t count() const { return elements == 0 ? 1 : (elements + chunk_elements - 1) / chunk_elements; }
+  size_t begin(size_t chunk) const { return std::min(elements, chunk * chunk_elements); }
+  size_t size(size_t chunk) const {
+    const size_t b = begin(chunk);
+    return std::min(chunk_elements, elements - b);
+  }
+};
+
+/// Identity and randomness of one step of one tensor.
+struct StepContext {
+  uint32_t seed = 0;       // job seed (Philox key word 0)
+  uint32_t name_key = 0;   // tensorNameKey(name) (Philox key word 1)
+  uint64_t step = 0;       // Philox counter word 0 (low 32 bits)
+  uint32_t rank = 0;       // Philox stream for per-rank randomness
+  std::optional<double> density;  // per-step override for selection codecs (schedules)
+  CpuStream* stream = nullptr;    // execution context; null = calling thread only
+};
+
+/// Persistent per-tensor codec state, double-buffered: `current` is what the last committed step
+/// left, `next` is what the step in progress prepares. Not thread-safe; owned by the caller.
+class CodecState {
+ public:
+  CodecState() = default;
+  explicit CodecState(size_t floats) : current_(floats, 0.0f), next_(floats, 0.0f) {}
+  size_t floats() const { return current_.size(); }
+  size_t bytes() const { return 2 * current_.size() * sizeof(float); }
+  const float* current() const { return current_.empty() ? nullptr : current_.data(); }
+  float* next() { return next_.empty() ? nullptr : next_.data(); }
+  /// Makes the prepared state current (call once the step succeeded everywhere).
+  void commit() { current_.swap(next_); }
+  /// Forgets everything (fresh state, e.g. after a size change or a residual flush).
+  void reset();
+  std::span<const float> currentSpan() const { return current_; }
+
+ private:
+  std::vector<float> current_, next_;
+};
+
+/// A compression algorithm with fixed parameters. Thread-safe (const methods only).
+class Codec {
+ public:
+  virtual ~Codec() = default;
+
+  virtual const CodecTraits& traits() const = 0;
+  virtual const CodecConfig& config() const = 0;
+
+  /// Chunk sizes must be multiples of this (QSGD: its bucket size).
+  virtual size_t chunkAlignment() const { return 1; }
+  /// fp32 values of persistent state for a tensor of n elements (0 = stateless).
+  virtual size_t stateFloats(size_t /*n*/) const { return 0; }
+  /// Scratch bytes one step of a tensor with this chunking needs.
+  virtual size_t workspaceBytes(const Chunking& chunking) const = 0;
+  /// Upper bound of one chunk's payload size.
+  virtual size_t maxPayloadBytes(size_t chunk_elements) const = 0;
+
+  /// Whole-tensor phase of a step: reads `input` and `state` (state.current()), prepares
+  /// state.next(), and leaves in `workspace` what encodeChunk needs. Never touches state.current().
+  virtual Status analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                         CodecState& state, std::span<std::byte> workspace) const = 0;
+
+  /// Encodes chunk `chunk` for exchange round `round` into `out` (at least
+  /// maxPayloadBytes(chunking.size(chunk)) bytes) and returns the payload size. `previous` is the
+  /// reduced payload of round-1 (empty in round 0). Calls for different chunks touch disjoint
+  /// memory and may run concurrently after analyze().
+  virtual Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                                     int round, std::span<const uint8_t> previous,
+                                     ConstTensor input, CodecState& state,
+                                     std::span<std::byte> workspace,
+                                     std::span<uint8_t> out) const = 0;
+
+  /// Validates `payload` and adds weight * decoded to out[0..out_elements) (the chunk's range of
+  /// the result). On error `out` is untouched and the message says what is wrong.
+  virtual Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
+                             size_t out_elements) const = 0;
+
+  /// Summable codecs: out = a + b in the compressed domain; returns the size written.
+  virtual Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,
+                                     std::span<uint8_t> out) const;
+};
+
+/// Bump allocator over a caller-owned workspace; every slice is 64-byte aligned.
+class WorkspaceCarver {
+ public:
+  explicit WorkspaceCarver(std::span<std::byte> ws) : ws_(ws) {}
+  /// Bytes needed for slices of the given byte sizes.
+  static size_t bytesFor(std::initializer_list<size_t> sizes);
+  template <typename T>
+  std::span<T> take(size_t count) {
+    const size_t bytes = (count * sizeof(T) + 63) & ~size_t{63};
+    if (offset_ + bytes > ws_.size()) return {};
+    T* p = reinterpret_cast<T*>(ws_.data() + offset_);
+    offset_ += bytes;
+    return {p, count};
+  }
+
+ private:
+  std::span<std::byte> ws_;
+  size_t offset_ = 0;
+};
+
+/// Convenience for tests, benchmarks and the step loop: compresses a whole tensor into one
+/// payload per chunk (analyze + encodeChunk for each chunk, round 0). Allocates.
+Result<std::vector<std::vector<uint8_t>>> encodeTensor(const Codec& codec, const StepContext& ctx,
+                                                       const Chunking& chunking, ConstTensor input,
+                                                       CodecState& state);
+
+/// Decodes one payload per chunk into out[0..chunking.elements) with `weight`.
+Status decodeTensor(const Codec& codec, const Chunking& chunking,
+                    const std::vector<std::vector<uint8_t>>& payloads, float weight, float* out);
+
+}  // namespace lightwire::kernels

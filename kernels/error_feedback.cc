@@ -1,0 +1,82 @@
+// Error feedback (docs/determinism.md §4.6) as a decorator around a codec without memory of its
+// own: the residual of what was not sent is added to the next step's input.
+
+#include <algorithm>
+
+#include "kernels/parallel.h"
+#include "kernels/registry.h"
+
+namespace lightwire::kernels {
+namespace {
+
+class ErrorFeedbackCodec final : public Codec {
+ public:
+  explicit ErrorFeedbackCodec(std::unique_ptr<Codec> inner) : inner_(std::move(inner)) {
+    config_ = inner_->config();
+    config_.error_feedback = true;
+  }
+
+  const CodecTraits& traits() const override { return inner_->traits(); }
+  const CodecConfig& config() const override { return config_; }
+  size_t chunkAlignment() const override { return inner_->chunkAlignment(); }
+  size_t stateFloats(size_t n) const override { return n; }
+  size_t workspaceBytes(const Chunking& c) const override { return inner_->workspaceBytes(c); }
+  size_t maxPayloadBytes(size_t n) const override { return inner_->maxPayloadBytes(n); }
+
+  Status analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                 CodecState& state, std::span<std::byte> workspace) const override {
+    const size_t n = chunking.elements;
+    const float* e = state.current();
+    float* a = state.next();
+    auto body = [&](size_t lo, size_t hi) {
+      for (size_t i = lo; i < hi; ++i) a[i] = input.at(i) + e[i];
+    };
+    if (ctx.stream != nullptr) {
+      ctx.stream->parallelFor(n, 1 << 16, body);
+    } else {
+      body(0, n);
+    }
+    CodecState none;
+    return inner_->analyze(ctx, chunking, ConstTensor{a, n, DType::kF32}, none, workspace);
+  }
+
+  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                             int round, std::span<const uint8_t> previous, ConstTensor input,
+                             CodecState& state, std::span<std::byte> workspace,
+                             std::span<uint8_t> out) const override {
+    CodecState none;
+    float* a = state.next();
+    auto size = inner_->encodeChunk(ctx, chunking, chunk, round, previous,
+                                    ConstTensor{a, chunking.elements, DType::kF32}, none,
+                                    workspace, out);
+    if (!size) return size;
+    out[4] = static_cast<uint8_t>(input.dtype);  // the header names what the trainer handed in
+    // e' = a - decoded: decoding with weight -1 subtracts exactly what the payload carries.
+    Status s = inner_->decodeChunk(out.first(*size), -1.0f, a + chunking.begin(chunk),
+                                   chunking.size(chunk));
+    if (!s.isOk()) return internalError("error feedback could not decode its own payload: " + s.message());
+    return size;
+  }
+
+  Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
+                     size_t out_elements) const override {
+    return inner_->decodeChunk(payload, weight, out, out_elements);
+  }
+
+  Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,
+                             std::span<uint8_t> out) const override {
+    return inner_->addPayloads(a, b, out);
+  }
+
+ private:
+  std::unique_ptr<Codec> inner_;
+  CodecConfig config_;
+};
+
+}  // namespace
+
+std::unique_ptr<Codec> makeErrorFeedback(std::unique_ptr<Codec> inner) {
+  return std::make_unique<ErrorFeedbackCodec>(std::move(inner));
+}
+
+}  // namespace lightwire::kernels

@@ -1,0 +1,86 @@
+#include "kernels/payload.h"
+
+#include <string>
+
+namespace lightwire::kernels {
+
+void writeHeader(uint8_t* out, const PayloadHeader& h) {
+  out[0] = kMagic0;
+  out[1] = kMagic1;
+  out[2] = kPayloadVersion;
+  out[3] = static_cast<uint8_t>(h.codec);
+  out[4] = static_cast<uint8_t>(h.dtype);
+  out[5] = h.flags;
+  out[6] = h.round;
+  out[7] = 0;
+  storeU64(out + 8, h.elements);
+}
+
+Result<PayloadHeader> readHeader(std::span<const uint8_t> p, CodecId expected,
+                                 uint64_t out_elements, uint8_t allowed_flags) {
+  if (p.size() < kHeaderBytes) {
+    return dataLoss("payload truncated: " + std::to_string(p.size()) +
+                    " bytes, the header alone needs " + std::to_string(kHeaderBytes));
+  }
+  if (p[0] != kMagic0 || p[1] != kMagic1) return dataLoss("payload has a wrong magic");
+  if (p[2] != kPayloadVersion) {
+    return dataLoss("payload version " + std::to_string(p[2]) + " is not supported (expected " +
+                    std::to_string(kPayloadVersion) + ")");
+  }
+  PayloadHeader h;
+  h.codec = static_cast<CodecId>(p[3]);
+  if (h.codec != expected && h.codec != CodecId::kNone) {
+    return dataLoss("payload codec id " + std::to_string(p[3]) + " does not match decoder " +
+                    codecIdName(expected));
+  }
+  if (p[4] > static_cast<uint8_t>(DType::kBF16)) {
+    return dataLoss("payload dtype " + std::to_string(p[4]) + " is unknown");
+  }
+  h.dtype = static_cast<DType>(p[4]);
+  h.flags = p[5];
+  const uint8_t allowed = h.codec == CodecId::kNone ? 0 : allowed_flags;
+  if ((h.flags & ~allowed) != 0) {
+    return dataLoss("payload has unknown flag bits 0x" + std::to_string(h.flags & ~allowed));
+  }
+  h.round = p[6];
+  if (p[7] != 0) return dataLoss("payload reserved header byte is not zero");
+  h.elements = loadU64(p.data() + 8);
+  if (h.elements != out_elements) {
+    return dataLoss("payload holds " + std::to_string(h.elements) +
+                    " elements but the output range has " + std::to_string(out_elements));
+  }
+  return h;
+}
+
+Status decodeDenseF32(std::span<const uint8_t> p, const PayloadHeader& h, float weight,
+                      float* out) {
+  const uint64_t need = kHeaderBytes + 4 * h.elements;
+  if (h.elements > (p.size() / 4) || p.size() != need) {
+    return dataLoss("none payload of " + std::to_string(h.elements) + " elements must be " +
+                    std::to_string(need) + " bytes, got " + std::to_string(p.size()));
+  }
+  const uint8_t* v = p.data() + kHeaderBytes;
+  for (uint64_t i = 0; i < h.elements; ++i) out[i] = out[i] + weight * loadF32(v + 4 * i);
+  return Status::ok();
+}
+
+bool paddingIsZero(std::span<const uint8_t> bytes, uint64_t used_bits) {
+  const uint64_t full = used_bits / 8;
+  if (full < bytes.size() && (used_bits % 8) != 0) {
+    if ((bytes[full] >> (used_bits % 8)) != 0) return false;
+  }
+  for (uint64_t i = (used_bits + 7) / 8; i < bytes.size(); ++i) {
+    if (bytes[i] != 0) return false;
+  }
+  return true;
+}
+
+std::string codecIdName(CodecId id) {
+  static const char* const kNames[] = {"none",     "fp16",     "bf16",    "topk",
+                                       "randomk",  "threshold", "dgc",    "qsgd",
+                                       "terngrad", "signsgd",  "onebit", "powersgd"};
+  const auto i = static_cast<size_t>(id);
+  return i < std::size(kNames) ? kNames[i] : "codec#" + std::to_string(i);
+}
+
+}  // namespace lightwire::kernels

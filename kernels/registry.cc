@@ -1,0 +1,79 @@
+#include "kernels/registry.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+namespace lightwire::kernels {
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, CodecFactory> factories;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry;  // never destroyed: used during static init and exit
+  return *r;
+}
+
+}  // namespace
+
+Status registerCodec(const std::string& name, CodecFactory factory) {
+  auto& r = registry();
+  std::lock_guard lock(r.mu);
+  if (!r.factories.emplace(name, std::move(factory)).second) {
+    return failedPrecondition("codec '" + name + "' is registered twice");
+  }
+  return Status::ok();
+}
+
+std::vector<std::string> codecNames() {
+  auto& r = registry();
+  std::lock_guard lock(r.mu);
+  std::vector<std::string> names;
+  for (const auto& [name, f] : r.factories) names.push_back(name);
+  return names;
+}
+
+Result<std::unique_ptr<Codec>> createCodec(const CodecConfig& config) {
+  CodecFactory factory;
+  {
+    auto& r = registry();
+    std::lock_guard lock(r.mu);
+    auto it = r.factories.find(config.name);
+    if (it == r.factories.end()) {
+      std::string known;
+      for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
+      return invalidArgument("unknown codec '" + config.name + "' (known: " + known + ")");
+    }
+    factory = it->second;
+  }
+  auto made = factory(config);
+  if (!made) return made.status();
+  std::unique_ptr<Codec> codec = std::move(made).value();
+  const CodecTraits& t = codec->traits();
+  if (t.own_memory) {
+    if (config.error_feedback.value_or(false)) {
+      return invalidArgument("codec '" + config.name +
+                             "' keeps its own residual; error_feedback cannot be stacked on it");
+    }
+    return codec;
+  }
+  if (config.error_feedback.value_or(t.default_error_feedback)) {
+    return makeErrorFeedback(std::move(codec));
+  }
+  return codec;
+}
+
+detail::CodecRegistrar::CodecRegistrar(const char* name, CodecFactory factory) {
+  const Status s = registerCodec(name, std::move(factory));
+  if (!s.isOk()) {
+    std::fprintf(stderr, "lightwire: %s\n", s.message().c_str());
+    std::abort();  // a build defect, not input: fail at start, loudly
+  }
+}
+
+}  // namespace lightwire::kernels

@@ -1,0 +1,40 @@
+#pragma once
+// Codec registry: codecs register a factory under their name at static-initialisation time
+// (LW_REGISTER_CODEC); createCodec() builds one from a CodecConfig and, where DESIGN.md §3 says
+// so, wraps it in the error-feedback decorator. Registering a name twice is a programming error.
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+
+namespace lightwire::kernels {
+
+using CodecFactory = std::function<Result<std::unique_ptr<Codec>>(const CodecConfig&)>;
+
+/// Adds a factory; fails when the name is already taken.
+Status registerCodec(const std::string& name, CodecFactory factory);
+
+/// Names of every registered codec, sorted.
+std::vector<std::string> codecNames();
+
+/// Builds the codec `config.name` (validating its parameters), wrapped in error feedback when
+/// config.error_feedback (or, unset, the codec's default) asks for it. A codec with memory of its
+/// own (dgc, powersgd) refuses error_feedback = true.
+Result<std::unique_ptr<Codec>> createCodec(const CodecConfig& config);
+
+/// Wraps `inner` (a codec without memory of its own) in residual error feedback.
+std::unique_ptr<Codec> makeErrorFeedback(std::unique_ptr<Codec> inner);
+
+namespace detail {
+struct CodecRegistrar {
+  CodecRegistrar(const char* name, CodecFactory factory);
+};
+}  // namespace detail
+
+}  // namespace lightwire::kernels
+
+#define LW_REGISTER_CODEC(ident, name, factory) \
+  static const ::lightwire::kernels::detail::CodecRegistrar lw_codec_registrar_##ident(name, factory)
