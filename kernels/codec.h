@@ -130,8 +130,10 @@ class Codec {
 
   /// Encodes chunk `chunk` for exchange round `round` into `out` (at least
   /// maxPayloadBytes(chunking.size(chunk)) bytes) and returns the payload size. `previous` is the
-  /// reduced payload of round-1 (empty in round 0). Calls for different chunks touch disjoint
-  /// memory and may run concurrently after analyze().
+  /// reduced payload of round-1 (empty in round 0). Reads only the chunk's range of `input` and
+  /// writes only the chunk's range of state.next(), so calls for different chunks may run
+  /// concurrently after analyze() (and the error-feedback decorator may update the residual of a
+  /// chunk as soon as that chunk is encoded).
   virtual Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
                                      int round, std::span<const uint8_t> previous,
                                      ConstTensor input, CodecState& state,

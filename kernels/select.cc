@@ -1,1 +1,553 @@
-// placeholder: being written
+#include "kernels/select.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "kernels/parallel.h"
+
+namespace lightwire::kernels {
+namespace {
+
+constexpr size_t kSparseHeaderBytes = kHeaderBytes + 8;  // header, nnz u32, w u8, 3 reserved
+constexpr uint8_t kFlagF16Values = 0x01;
+
+std::string formatNumber(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+constexpr size_t kScanBlock = 16;
+
+/// Scans x[lo, hi) (raw data of dtype D) in blocks of kScanBlock: a block whose keys all lie
+/// outside [key_lo, key_hi] is skipped with a branch-free (vectorisable) test; in the others,
+/// visit(i, key) is called for every element in index order. Sparse selections thus cost about
+/// one streaming read.
+template <DType D, typename Visit>
+inline void scanKeys(const void* data, size_t lo, size_t hi, uint32_t key_lo, uint32_t key_hi,
+                     Visit&& visit) {
+  const uint32_t span = key_hi - key_lo;  // key in range <=> key - key_lo <= span (u32)
+  size_t i = lo;
+  for (; i + kScanBlock <= hi; i += kScanBlock) {
+    uint32_t hit = 0;
+    for (size_t j = 0; j < kScanBlock; ++j) {
+      hit |= static_cast<uint32_t>(magnitudeKey(loadWidened<D>(data, i + j)) - key_lo <= span);
+    }
+    if (hit == 0) continue;
+    for (size_t j = 0; j < kScanBlock; ++j) visit(i + j, magnitudeKey(loadWidened<D>(data, i + j)));
+  }
+  for (; i < hi; ++i) visit(i, magnitudeKey(loadWidened<D>(data, i)));
+}
+
+/// Adds the histogram of key >> 20 over x[lo, hi) to h (SelectWorkspace::kBuckets counters).
+/// Four interleaved u32 sub-histograms break the dependency between equal neighbouring keys.
+template <DType D>
+void histogramKeys(const void* data, size_t lo, size_t hi, uint64_t* h) {
+  constexpr size_t kB = SelectWorkspace::kBuckets;
+  constexpr size_t kPiece = size_t{1} << 30;  // keeps every u32 counter below 2^32
+  uint32_t sub[4][kB];                        // 32 KiB of stack
+  while (lo < hi) {
+    const size_t end = hi - lo > kPiece ? lo + kPiece : hi;
+    std::memset(sub, 0, sizeof sub);
+    size_t i = lo;
+    for (; i + 4 <= end; i += 4) {
+      ++sub[0][magnitudeKey(loadWidened<D>(data, i)) >> 20];
+      ++sub[1][magnitudeKey(loadWidened<D>(data, i + 1)) >> 20];
+      ++sub[2][magnitudeKey(loadWidened<D>(data, i + 2)) >> 20];
+      ++sub[3][magnitudeKey(loadWidened<D>(data, i + 3)) >> 20];
+    }
+    for (; i < end; ++i) ++sub[0][magnitudeKey(loadWidened<D>(data, i)) >> 20];
+    for (size_t b = 0; b < kB; ++b) h[b] += uint64_t{sub[0][b]} + sub[1][b] + sub[2][b] + sub[3][b];
+    lo = end;
+  }
+}
+
+/// G: packed gap bytes rounded up to a multiple of 4. Safe for nnz < 2^32, w <= 32.
+uint64_t gapBytes(uint64_t nnz, unsigned w) { return (packedBytes(nnz, w) + 3) & ~uint64_t{3}; }
+
+}  // namespace
+
+size_t selectionSize(size_t n, double density) {
+  if (n == 0) return 0;
+  const double r = std::floor(density * static_cast<double>(n) + 0.5);
+  if (!(r >= 1.0)) return 1;  // also NaN
+  if (r >= static_cast<double>(n)) return n;
+  return std::min(n, static_cast<size_t>(r));
+}
+
+Status checkDensity(double density, std::string_view what) {
+  if (!(density > 0.0 && density <= 1.0)) {
+    return invalidArgument(std::string(what) + " must be in (0, 1], got " + formatNumber(density));
+  }
+  return Status::ok();
+}
+
+Result<double> configuredDensity(const CodecConfig& config, std::string_view codec) {
+  const std::string name(codec);
+  if (config.density && config.ratio) {
+    return invalidArgument(name + ": set either density or ratio, not both (density " +
+                           formatNumber(*config.density) + ", ratio " +
+                           formatNumber(*config.ratio) + ")");
+  }
+  if (!config.density && !config.ratio) {
+    return invalidArgument(name + ": needs density (in (0, 1]) or ratio (>= 1)");
+  }
+  if (config.density) {
+    LW_RETURN_IF_ERROR(checkDensity(*config.density, name + ": density"));
+    return *config.density;
+  }
+  const double ratio = *config.ratio;
+  if (!(ratio >= 1.0) || !std::isfinite(ratio)) {
+    return invalidArgument(name + ": ratio must be a finite number >= 1, got " +
+                           formatNumber(ratio));
+  }
+  return 1.0 / ratio;
+}
+
+Status checkSparseValues(const CodecConfig& config, std::string_view codec) {
+  if (config.sparse_values != DType::kF32 && config.sparse_values != DType::kF16) {
+    return invalidArgument(std::string(codec) + ": sparse_values must be fp32 or fp16, got " +
+                           std::string(dtypeName(config.sparse_values)));
+  }
+  return Status::ok();
+}
+
+TaskSplit TaskSplit::of(size_t n) {
+  TaskSplit s;
+  s.elements = n;
+  s.tasks = std::clamp<size_t>((n + kMinTaskElements - 1) / kMinTaskElements, 1, kMaxTasks);
+  return s;
+}
+
+void runTasks(CpuStream* stream, const TaskSplit& split, const std::function<void(size_t)>& fn) {
+  if (stream == nullptr || stream->threads() <= 1 || split.tasks <= 1) {
+    for (size_t t = 0; t < split.tasks; ++t) fn(t);
+    return;
+  }
+  stream->parallelFor(split.tasks, 1, [&](size_t lo, size_t hi) {
+    for (size_t t = lo; t < hi; ++t) fn(t);
+  });
+}
+
+size_t SelectWorkspace::sampleCount(size_t n) { return n >= kGuideMinElements ? kGuideSamples : 0; }
+
+size_t SelectWorkspace::bytes(size_t n) {
+  return WorkspaceCarver::bytesFor({sizeof(SelectionPlan),
+                                    TaskSplit::of(n).tasks * kBuckets * sizeof(uint64_t),
+                                    sampleCount(n) * sizeof(uint32_t), n * sizeof(uint32_t)});
+}
+
+SelectWorkspace SelectWorkspace::carve(WorkspaceCarver& carver, size_t n) {
+  SelectWorkspace ws;
+  ws.plan = carver.take<SelectionPlan>(1).data();
+  ws.histograms = carver.take<uint64_t>(TaskSplit::of(n).tasks * kBuckets);
+  ws.samples = carver.take<uint32_t>(sampleCount(n));
+  ws.slots = carver.take<uint32_t>(n);
+  return ws;
+}
+
+namespace {
+
+/// The k-th largest key is among cand[0..count), and `above` keys are larger than every
+/// candidate: finds it (T) and where the ties with T are cut.
+void finishSelection(ConstTensor x, size_t k, uint64_t above, uint32_t* cand, uint64_t count,
+                     CpuStream* stream, SelectionPlan* plan) {
+  const size_t n = x.elements;
+  const uint64_t kk = k - above;  // 1 <= kk <= count
+  std::nth_element(cand, cand + (kk - 1), cand + count, std::greater<uint32_t>());
+  const uint32_t threshold = cand[kk - 1];
+  uint64_t greater = 0, equal = 0;
+  for (uint64_t j = 0; j < count; ++j) {
+    greater += cand[j] > threshold;
+    equal += cand[j] == threshold;
+  }
+  const uint64_t need = kk - greater;  // ties to take, 1 <= need <= equal
+  plan->threshold = threshold;
+  plan->select_none = false;
+  if (need == equal) {
+    plan->tie_end = n;
+    return;
+  }
+
+  // Ties are cut: the need-th element (in index order) with key == threshold is the last taken.
+  const TaskSplit split = TaskSplit::of(n);
+  std::array<uint64_t, TaskSplit::kMaxTasks> ties{};
+  visitDType(x.dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    runTasks(stream, split, [&](size_t t) {
+      uint64_t c = 0;
+      const size_t hi = split.end(t);
+      for (size_t i = split.begin(t); i < hi; ++i) {
+        c += magnitudeKey(loadWidened<D>(x.data, i)) == threshold;
+      }
+      ties[t] = c;
+    });
+  });
+  uint64_t before = 0;
+  size_t task = 0;
+  while (before + ties[task] < need) before += ties[task++];
+  uint64_t left = need - before;
+  const size_t hi = split.end(task);
+  for (size_t i = split.begin(task); i < hi; ++i) {
+    if (magnitudeKey(x.at(i)) == threshold && --left == 0) {
+      plan->tie_end = i + 1;
+      return;
+    }
+  }
+  plan->tie_end = n;  // unreachable: the counts above guarantee the element exists
+}
+
+/// Counts keys above b and copies keys in [a, b] to dst, over raw x[lo, hi). Keys are < 2^31,
+/// so signed compares are exact (and vectorise on baseline x86-64).
+template <DType D>
+void collectBetween(const void* data, size_t lo, size_t hi, uint32_t a, uint32_t b, uint32_t* dst,
+                    uint64_t* above, uint64_t* count) {
+  const int32_t sa = static_cast<int32_t>(a), sb = static_cast<int32_t>(b);
+  uint64_t up = 0, c = 0;
+  size_t i = lo;
+  for (; i + kScanBlock <= hi; i += kScanBlock) {
+    int32_t keys[kScanBlock];
+    for (size_t j = 0; j < kScanBlock; ++j) {
+      keys[j] = static_cast<int32_t>(magnitudeKey(loadWidened<D>(data, i + j)));
+    }
+    uint32_t gt = 0, hit = 0;
+    for (size_t j = 0; j < kScanBlock; ++j) {
+      gt += static_cast<uint32_t>(keys[j] > sb);
+      hit |= static_cast<uint32_t>((keys[j] >= sa) & (keys[j] <= sb));
+    }
+    up += gt;
+    if (hit == 0) continue;
+    for (size_t j = 0; j < kScanBlock; ++j) {
+      if (keys[j] >= sa && keys[j] <= sb) dst[c++] = static_cast<uint32_t>(keys[j]);
+    }
+  }
+  for (; i < hi; ++i) {
+    const int32_t key = static_cast<int32_t>(magnitudeKey(loadWidened<D>(data, i)));
+    up += key > sb;
+    if (key >= sa && key <= sb) dst[c++] = static_cast<uint32_t>(key);
+  }
+  *above = up;
+  *count = c;
+}
+
+/// One pass when a strided sample brackets the k-th largest key: the sample gives a key range
+/// [a, b] that very likely holds it; the pass counts the keys above b and collects those in
+/// [a, b]. Returns false (plan untouched) when the k-th largest key lies outside [a, b]. The
+/// sample only decides the speed, never the result.
+bool selectGuided(ConstTensor x, size_t k, CpuStream* stream, const SelectWorkspace& ws,
+                  SelectionPlan* plan) {
+  const size_t n = x.elements;
+  const size_t m = ws.samples.size();
+  uint32_t* s = ws.samples.data();
+  auto sample = [&](size_t lo, size_t hi) {
+    for (size_t j = lo; j < hi; ++j) {
+      s[j] = magnitudeKey(x.at(static_cast<size_t>((static_cast<unsigned __int128>(j) * n) / m)));
+    }
+  };
+  if (stream != nullptr) {
+    stream->parallelFor(m, 2048, sample);
+  } else {
+    sample(0, m);
+  }
+  // Rank (0-based, descending) the k-th largest key would have in the sample, with a margin of
+  // about four standard deviations.
+  const double q = static_cast<double>(k) * static_cast<double>(m) / static_cast<double>(n);
+  const double margin = 4.0 * std::sqrt(q) + 8.0;
+  uint32_t b = 0x7FFFFFFFu, a = 0;
+  if (q - margin >= 0.0) {
+    const size_t r = static_cast<size_t>(q - margin);
+    std::nth_element(s, s + r, s + m, std::greater<uint32_t>());
+    b = s[r];
+  }
+  if (q + margin < static_cast<double>(m)) {
+    const size_t r = static_cast<size_t>(q + margin);
+    std::nth_element(s, s + r, s + m, std::greater<uint32_t>());
+    a = s[r];
+  }
+
+  const TaskSplit split = TaskSplit::of(n);
+  std::array<uint64_t, TaskSplit::kMaxTasks> above{}, counts{};
+  uint32_t* cand = ws.slots.data();
+  visitDType(x.dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    runTasks(stream, split, [&](size_t t) {
+      collectBetween<D>(x.data, split.begin(t), split.end(t), a, b, cand + split.begin(t),
+                        &above[t], &counts[t]);
+    });
+  });
+  uint64_t total_above = 0, total = 0;
+  for (size_t t = 0; t < split.tasks; ++t) {
+    total_above += above[t];
+    if (total != split.begin(t) && counts[t] > 0) {
+      std::memmove(cand + total, cand + split.begin(t), counts[t] * sizeof(uint32_t));
+    }
+    total += counts[t];
+  }
+  if (!(total_above < k && k <= total_above + total)) return false;
+  finishSelection(x, k, total_above, cand, total, stream, plan);
+  return true;
+}
+
+/// Two passes whatever the data: a histogram of the top 11 key bits finds the bucket holding the
+/// k-th largest key, then that bucket's keys are collected.
+void selectByHistogram(ConstTensor x, size_t k, CpuStream* stream, const SelectWorkspace& ws,
+                       SelectionPlan* plan) {
+  constexpr size_t kB = SelectWorkspace::kBuckets;
+  const TaskSplit split = TaskSplit::of(x.elements);
+  uint64_t* hist = ws.histograms.data();
+  visitDType(x.dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    runTasks(stream, split, [&](size_t t) {
+      uint64_t* h = hist + t * kB;
+      std::fill(h, h + kB, uint64_t{0});
+      histogramKeys<D>(x.data, split.begin(t), split.end(t), h);
+    });
+  });
+
+  uint64_t above = 0, in_bucket = 0;
+  size_t bucket = 0;
+  for (size_t b = kB; b-- > 0;) {
+    uint64_t count = 0;
+    for (size_t t = 0; t < split.tasks; ++t) count += hist[t * kB + b];
+    if (above + count >= k) {
+      bucket = b;
+      in_bucket = count;
+      break;
+    }
+    above += count;
+  }
+
+  // Each task writes the bucket's keys at its own exact offset.
+  std::array<uint64_t, TaskSplit::kMaxTasks> offset{};
+  for (size_t t = 0, o = 0; t < split.tasks; ++t) {
+    offset[t] = o;
+    o += hist[t * kB + bucket];
+  }
+  uint32_t* cand = ws.slots.data();
+  visitDType(x.dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    runTasks(stream, split, [&](size_t t) {
+      uint32_t* dst = cand + offset[t];
+      const uint32_t key_lo = static_cast<uint32_t>(bucket) << 20;
+      scanKeys<D>(x.data, split.begin(t), split.end(t), key_lo, key_lo | 0xFFFFFu,
+                  [&](size_t, uint32_t key) {
+                    if ((key >> 20) == bucket) *dst++ = key;
+                  });
+    });
+  });
+  finishSelection(x, k, above, cand, in_bucket, stream, plan);
+}
+
+}  // namespace
+
+void selectExact(ConstTensor x, size_t k, CpuStream* stream, const SelectWorkspace& ws,
+                 SelectionPlan* plan) {
+  const size_t n = x.elements;
+  if (n == 0 || k == 0) {
+    *plan = SelectionPlan{};
+    return;
+  }
+  if (k >= n) {  // everything: key > 0, or key == 0 anywhere
+    *plan = SelectionPlan{0, n, false};
+    return;
+  }
+  if (!ws.samples.empty() && selectGuided(x, k, stream, ws, plan)) return;
+  selectByHistogram(x, k, stream, ws, plan);
+}
+
+uint64_t countKeysAtLeast(const float* x, size_t n, uint32_t threshold, CpuStream* stream) {
+  const TaskSplit split = TaskSplit::of(n);
+  std::array<uint64_t, TaskSplit::kMaxTasks> counts{};
+  runTasks(stream, split, [&](size_t t) {
+    uint64_t c = 0;
+    const size_t hi = split.end(t);
+    for (size_t i = split.begin(t); i < hi; ++i) c += magnitudeKey(x[i]) >= threshold;
+    counts[t] = c;
+  });
+  uint64_t total = 0;
+  for (size_t t = 0; t < split.tasks; ++t) total += counts[t];
+  return total;
+}
+
+size_t sparseMaxPayloadBytes(size_t n, DType values) {
+  // Every gap is <= n - 1, so w <= bit_width(n - 1); the size grows with nnz and w.
+  const unsigned w = n == 0 ? 0 : static_cast<unsigned>(std::bit_width(uint64_t{n} - 1));
+  return kSparseHeaderBytes + gapBytes(n, w) + dtypeSize(values) * n;
+}
+
+Result<SparseWritten> writeSparsePayload(CodecId codec, DType source, DType values,
+                                         const SelectionPlan& plan, ConstTensor x, size_t begin,
+                                         size_t len, std::span<uint32_t> indices, CpuStream* stream,
+                                         std::span<uint8_t> out) {
+  if (values != DType::kF32 && values != DType::kF16) {
+    return invalidArgument("sparse values must be fp32 or fp16");
+  }
+  if (len > std::numeric_limits<uint32_t>::max()) {
+    return outOfRange("chunk of " + std::to_string(len) +
+                      " elements exceeds the sparse layout's u32 index range");
+  }
+  if (begin > x.elements || len > x.elements - begin) {
+    return outOfRange("chunk [" + std::to_string(begin) + ", +" + std::to_string(len) +
+                      ") lies outside the tensor of " + std::to_string(x.elements) + " elements");
+  }
+  if (indices.size() < len) return internalError("sparse index scratch too small");
+  const size_t max_bytes = sparseMaxPayloadBytes(len, values);
+  if (out.size() < max_bytes) {
+    return outOfRange("payload buffer of " + std::to_string(out.size()) + " bytes, needs " +
+                      std::to_string(max_bytes));
+  }
+
+  // Selected chunk-local indices, each task into its own slots, then compacted in task order.
+  size_t nnz = 0;
+  if (!plan.select_none && len > 0) {
+    const TaskSplit split = TaskSplit::of(len);
+    std::array<size_t, TaskSplit::kMaxTasks> counts{};
+    const uint32_t threshold = plan.threshold;
+    const uint64_t tie_end = plan.tie_end;
+    visitDType(x.dtype, [&](auto d) {
+      constexpr DType D = decltype(d)::value;
+      runTasks(stream, split, [&](size_t t) {
+        const size_t lo = split.begin(t), hi = split.end(t);
+        uint32_t* dst = indices.data() + lo;
+        size_t c = 0;
+        // Scanned in whole-tensor coordinates; slots and indices are chunk-local.
+        scanKeys<D>(x.data, begin + lo, begin + hi, threshold, 0x7FFFFFFFu,
+                    [&](size_t i, uint32_t key) {
+                      const bool take = (key > threshold) | ((key == threshold) & (i < tie_end));
+                      dst[c] = static_cast<uint32_t>(i - begin);  // c <= i - lo: own slots
+                      c += take;
+                    });
+        counts[t] = c;
+      });
+    });
+    for (size_t t = 0; t < split.tasks; ++t) {
+      if (nnz != split.begin(t) && counts[t] > 0) {
+        std::memmove(indices.data() + nnz, indices.data() + split.begin(t),
+                     counts[t] * sizeof(uint32_t));
+      }
+      nnz += counts[t];
+    }
+  }
+
+  // Gaps: w is the bit length of the largest, which is that of the OR of all of them.
+  const uint32_t* idx = indices.data();
+  uint32_t gap_or = 0;
+  for (size_t j = 0, next = 0; j < nnz; ++j) {
+    gap_or |= static_cast<uint32_t>(idx[j] - next);
+    next = size_t{idx[j]} + 1;
+  }
+  const unsigned w = static_cast<unsigned>(std::bit_width(gap_or));
+  const uint64_t packed = packedBytes(nnz, w);
+  const uint64_t g = gapBytes(nnz, w);
+
+  uint8_t* p = out.data();
+  writeHeader(p, {codec, source, values == DType::kF16 ? kFlagF16Values : uint8_t{0}, 0, len});
+  storeU32(p + 16, static_cast<uint32_t>(nnz));
+  p[20] = static_cast<uint8_t>(w);
+  p[21] = p[22] = p[23] = 0;
+  uint8_t* gaps = p + kSparseHeaderBytes;
+  if (w > 0) {
+    BitWriter writer(gaps);
+    for (size_t j = 0, next = 0; j < nnz; ++j) {
+      writer.put(idx[j] - next, w);
+      next = size_t{idx[j]} + 1;
+    }
+    writer.flush();
+  }
+  std::memset(gaps + packed, 0, g - packed);
+
+  uint8_t* vals = gaps + g;
+  visitDType(x.dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    if (values == DType::kF16) {
+      for (size_t j = 0; j < nnz; ++j) {
+        storeU16(vals + 2 * j, floatToHalf(loadWidened<D>(x.data, begin + idx[j])));
+      }
+    } else {
+      for (size_t j = 0; j < nnz; ++j)
+        storeF32(vals + 4 * j, loadWidened<D>(x.data, begin + idx[j]));
+    }
+  });
+  return SparseWritten{kSparseHeaderBytes + g + dtypeSize(values) * nnz, nnz};
+}
+
+Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, float weight,
+                           float* out, size_t out_elements) {
+  auto header = readHeader(payload, codec, out_elements, kFlagF16Values);
+  if (!header) return header.status();
+  if (header->codec == CodecId::kNone) return decodeDenseF32(payload, *header, weight, out);
+
+  const std::string name = codecIdName(codec);
+  if (payload.size() < kSparseHeaderBytes) {
+    return dataLoss(name + " payload truncated: " + std::to_string(payload.size()) +
+                    " bytes, the sparse header needs " + std::to_string(kSparseHeaderBytes));
+  }
+  const uint8_t* p = payload.data();
+  const uint64_t n = header->elements;
+  const uint64_t nnz = loadU32(p + 16);
+  const unsigned w = p[20];
+  if (p[21] != 0 || p[22] != 0 || p[23] != 0) {
+    return dataLoss(name + " payload has non-zero reserved bytes after w");
+  }
+  if (nnz > n) {
+    return dataLoss(name + " payload claims nnz " + std::to_string(nnz) + " > " +
+                    std::to_string(n) + " elements");
+  }
+  if (w > 32) return dataLoss(name + " payload gap width " + std::to_string(w) + " exceeds 32");
+  // nnz < 2^32 and w <= 32: every term below is < 2^40, no overflow.
+  const uint64_t g = gapBytes(nnz, w);
+  const uint64_t value_bytes = (header->flags & kFlagF16Values) ? 2 : 4;
+  const uint64_t need = kSparseHeaderBytes + g + value_bytes * nnz;
+  if (payload.size() != need) {
+    return dataLoss(name + " payload with nnz " + std::to_string(nnz) + " and w " +
+                    std::to_string(w) + " must be " + std::to_string(need) + " bytes, got " +
+                    std::to_string(payload.size()));
+  }
+  const uint8_t* gaps = p + kSparseHeaderBytes;
+  if (!paddingIsZero({gaps, static_cast<size_t>(g)}, nnz * w)) {
+    return dataLoss(name + " payload has non-zero padding bits after its gaps");
+  }
+
+  // First pass: every index must be < n (gaps are non-negative, so indices strictly increase).
+  {
+    BitReader reader(gaps);
+    uint64_t next = 0;
+    for (uint64_t j = 0; j < nnz; ++j) {
+      const uint64_t i = next + reader.get(w);
+      if (i >= n) {
+        return dataLoss(name + " payload index " + std::to_string(i) + " (entry " +
+                        std::to_string(j) + ") is outside the chunk of " + std::to_string(n) +
+                        " elements");
+      }
+      next = i + 1;
+    }
+  }
+
+  // Second pass: validated, so add.
+  const uint8_t* vals = gaps + g;
+  BitReader reader(gaps);
+  uint64_t next = 0;
+  if (value_bytes == 2) {
+    for (uint64_t j = 0; j < nnz; ++j) {
+      const uint64_t i = next + reader.get(w);
+      out[i] = out[i] + weight * halfToFloat(loadU16(vals + 2 * j));
+      next = i + 1;
+    }
+  } else {
+    for (uint64_t j = 0; j < nnz; ++j) {
+      const uint64_t i = next + reader.get(w);
+      out[i] = out[i] + weight * loadF32(vals + 4 * j);
+      next = i + 1;
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace lightwire::kernels

@@ -1,1 +1,104 @@
-// placeholder: being written
+// `topk` (docs/determinism.md §4.3): the k elements of largest magnitude over the whole tensor,
+// ties broken by lower index, sent in the sparse layout. No memory of its own; the registry wraps
+// it in error feedback by default.
+
+#include <limits>
+#include <string>
+
+#include "kernels/parallel.h"
+#include "kernels/registry.h"
+#include "kernels/select.h"
+
+namespace lightwire::kernels {
+namespace {
+
+class TopkCodec final : public Codec {
+ public:
+  TopkCodec(const CodecConfig& c, double density) : config_(c), density_(density) {}
+
+  const CodecTraits& traits() const override {
+    static const CodecTraits t{.id = CodecId::kTopk,
+                               .name = "topk",
+                               .summable = false,
+                               .sparse = true,
+                               .own_memory = false,
+                               .default_error_feedback = true};
+    return t;
+  }
+  const CodecConfig& config() const override { return config_; }
+  size_t workspaceBytes(const Chunking& c) const override {
+    return SelectWorkspace::bytes(c.elements);
+  }
+  size_t maxPayloadBytes(size_t n) const override {
+    return sparseMaxPayloadBytes(n, config_.sparse_values);
+  }
+
+  Status analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input, CodecState&,
+                 std::span<std::byte> workspace) const override {
+    const size_t n = chunking.elements;
+    LW_RETURN_IF_ERROR(checkShapes(chunking, input, workspace));
+    double density = density_;
+    if (ctx.density) {
+      LW_RETURN_IF_ERROR(checkDensity(*ctx.density, "topk: step density"));
+      density = *ctx.density;
+    }
+    WorkspaceCarver carver(workspace);
+    const SelectWorkspace ws = SelectWorkspace::carve(carver, n);
+    selectExact(input, selectionSize(n, density), ctx.stream, ws, ws.plan);
+    return Status::ok();
+  }
+
+  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                             int round, std::span<const uint8_t>, ConstTensor input, CodecState&,
+                             std::span<std::byte> workspace,
+                             std::span<uint8_t> out) const override {
+    LW_RETURN_IF_ERROR(checkShapes(chunking, input, workspace));
+    if (round != 0)
+      return invalidArgument("topk has one round, got round " + std::to_string(round));
+    if (chunk >= chunking.count()) {
+      return outOfRange("chunk " + std::to_string(chunk) + " of " +
+                        std::to_string(chunking.count()));
+    }
+    WorkspaceCarver carver(workspace);
+    const SelectWorkspace ws = SelectWorkspace::carve(carver, chunking.elements);
+    const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
+    auto written =
+        writeSparsePayload(CodecId::kTopk, input.dtype, config_.sparse_values, *ws.plan, input,
+                           begin, len, ws.slots.subspan(begin, len), ctx.stream, out);
+    if (!written) return written.status();
+    return written->bytes;
+  }
+
+  Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
+                     size_t out_elements) const override {
+    return decodeSparsePayload(payload, CodecId::kTopk, weight, out, out_elements);
+  }
+
+ private:
+  Status checkShapes(const Chunking& chunking, ConstTensor input,
+                     std::span<std::byte> workspace) const {
+    if (input.elements != chunking.elements) {
+      return invalidArgument("topk: input has " + std::to_string(input.elements) +
+                             " elements, chunking expects " + std::to_string(chunking.elements));
+    }
+    if (chunking.chunk_elements == 0) return invalidArgument("topk: chunk_elements is 0");
+    if (workspace.size() < workspaceBytes(chunking)) {
+      return invalidArgument("topk: workspace of " + std::to_string(workspace.size()) +
+                             " bytes, needs " + std::to_string(workspaceBytes(chunking)));
+    }
+    return Status::ok();
+  }
+
+  CodecConfig config_;
+  double density_;
+};
+
+LW_REGISTER_CODEC(topk, "topk", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+  auto density = configuredDensity(c, "topk");
+  if (!density) return density.status();
+  LW_RETURN_IF_ERROR(checkSparseValues(c, "topk"));
+  return std::unique_ptr<Codec>(new TopkCodec(c, *density));
+});
+
+}  // namespace
+}  // namespace lightwire::kernels

@@ -1,1 +1,268 @@
+// Golden payloads (docs/determinism.md): every codec must reproduce, byte for byte, the payloads
+// that the independent reference tests/reference/lwref.py computes from the spec, and decode them
+// bit for bit like the reference. The files live in tests/kernels/golden/ (layout: see
+// tests/reference/make_golden.py); regenerate with
+//   ${PYTHON:-/usr/bin/python3} tests/reference/make_golden.py
+// and verify that the committed files are current with `make_golden.py --check`.
 #include <doctest.h>
+
+#include <bit>
+#include <boost/json.hpp>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/parallel.h"
+#include "kernels/philox.h"
+#include "kernels/registry.h"
+
+namespace json = boost::json;
+using namespace lightwire::kernels;
+
+static_assert(std::endian::native == std::endian::little, "golden files are little-endian");
+
+namespace {
+
+const std::string kGoldenDir = std::string(LW_TEST_DATA_DIR) + "/kernels/golden/";
+
+bool readFile(const std::string& rel, std::vector<uint8_t>& out) {
+  std::ifstream in(kGoldenDir + rel, std::ios::binary);
+  if (!in) return false;
+  out.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return true;
+}
+
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", v);
+  return buf;
+}
+
+// Doubles are stored as decimal strings (shortest round trip); strtod rounds correctly.
+double toDouble(const json::value& v) {
+  if (v.is_string()) return std::strtod(v.as_string().c_str(), nullptr);
+  return v.to_number<double>();
+}
+std::optional<double> toOptDouble(const json::value* v) {
+  if (v == nullptr || v->is_null()) return std::nullopt;
+  return toDouble(*v);
+}
+
+CodecConfig configFrom(const json::object& o) {
+  CodecConfig c;
+  c.name = std::string(o.at("name").as_string());
+  c.density = toOptDouble(o.if_contains("density"));
+  c.ratio = toOptDouble(o.if_contains("ratio"));
+  c.bits = static_cast<int>(o.at("bits").to_number<int64_t>());
+  c.bucket_size = static_cast<uint32_t>(o.at("bucket_size").to_number<int64_t>());
+  c.momentum = toDouble(o.at("momentum"));
+  c.clip_norm = toDouble(o.at("clip_norm"));
+  c.sample_fraction = toDouble(o.at("sample_fraction"));
+  c.sparse_values = *parseDType(std::string(o.at("sparse_values").as_string()));
+  const json::value& ef = o.at("error_feedback");
+  if (!ef.is_null()) c.error_feedback = ef.as_bool();
+  return c;
+}
+
+// Runs one manifest case on a CpuStream of `threads`; returns a description of every mismatch
+// (empty: the case matches the golden files).
+std::vector<std::string> runCase(const json::object& c, unsigned threads) {
+  std::vector<std::string> errors;
+  auto fail = [&](const std::string& m) { errors.push_back(m); };
+
+  const std::string name(c.at("name").as_string());
+  const CodecConfig config = configFrom(c.at("config").as_object());
+  const std::string tensor(c.at("tensor_name").as_string());
+  const auto dtype = parseDType(std::string(c.at("dtype").as_string()));
+  if (!dtype) return {"unknown dtype"};
+  const size_t n = static_cast<size_t>(c.at("elements").to_number<uint64_t>());
+  const size_t requested = static_cast<size_t>(c.at("chunk_elements").to_number<uint64_t>());
+
+  auto made = createCodec(config);
+  if (!made.isOk()) return {"createCodec failed: " + made.status().message()};
+  const Codec& codec = **made;
+
+  const Chunking chunking = Chunking::make(n, requested, codec.chunkAlignment());
+  const auto& sizes = c.at("chunk_sizes").as_array();
+  if (chunking.count() != sizes.size()) {
+    return {"chunk count " + std::to_string(chunking.count()) + ", golden " +
+            std::to_string(sizes.size()) + " (alignment " +
+            std::to_string(codec.chunkAlignment()) + ")"};
+  }
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    if (chunking.size(k) != sizes[k].to_number<uint64_t>()) {
+      return {"chunk " + std::to_string(k) + " has " + std::to_string(chunking.size(k)) +
+              " elements, golden " + std::to_string(sizes[k].to_number<uint64_t>())};
+    }
+  }
+
+  CpuStream stream(threads);
+  CodecState state(codec.stateFloats(n));
+  for (const json::value& sv : c.at("steps").as_array()) {
+    const json::object& s = sv.as_object();
+    const uint64_t step_no = s.at("step").to_number<uint64_t>();
+    const std::string where = "step " + std::to_string(step_no) + ": ";
+
+    // Input, raw little-endian, copied into storage aligned for its type.
+    std::vector<uint8_t> raw;
+    if (!readFile(std::string(s.at("input").as_string()), raw)) {
+      fail(where + "cannot read input file");
+      return errors;
+    }
+    if (raw.size() != n * dtypeSize(*dtype)) {
+      fail(where + "input file has " + std::to_string(raw.size()) + " bytes");
+      return errors;
+    }
+    std::vector<float> in32;
+    std::vector<uint16_t> in16;
+    const void* data = nullptr;
+    if (*dtype == DType::kF32) {
+      in32.resize(n);
+      if (n) std::memcpy(in32.data(), raw.data(), raw.size());
+      data = in32.data();
+    } else {
+      in16.resize(n);
+      if (n) std::memcpy(in16.data(), raw.data(), raw.size());
+      data = in16.data();
+    }
+    const ConstTensor input{data, n, *dtype};
+
+    StepContext ctx;
+    ctx.seed = static_cast<uint32_t>(c.at("seed").to_number<uint64_t>());
+    ctx.name_key = tensorNameKey(tensor);
+    ctx.step = step_no;
+    ctx.rank = static_cast<uint32_t>(c.at("rank").to_number<uint64_t>());
+    ctx.density = toOptDouble(s.if_contains("density"));
+    ctx.stream = &stream;
+
+    // --- payloads ---
+    std::vector<uint8_t> golden;
+    if (!readFile(std::string(s.at("payload").as_string()), golden)) {
+      fail(where + "cannot read payload file");
+      return errors;
+    }
+    const auto& psizes = s.at("payload_sizes").as_array();
+    std::vector<std::vector<uint8_t>> golden_payloads;
+    size_t off = 0;
+    for (const auto& ps : psizes) {
+      const size_t len = static_cast<size_t>(ps.to_number<uint64_t>());
+      if (off + len > golden.size()) {
+        fail(where + "payload file shorter than its sizes");
+        return errors;
+      }
+      golden_payloads.emplace_back(golden.begin() + off, golden.begin() + off + len);
+      off += len;
+    }
+
+    auto encoded = encodeTensor(codec, ctx, chunking, input, state);
+    if (!encoded.isOk()) {
+      fail(where + "encodeTensor failed: " + encoded.status().message());
+      return errors;  // the state is no longer comparable
+    }
+    const auto& payloads = *encoded;
+    if (payloads.size() != golden_payloads.size()) {
+      fail(where + std::to_string(payloads.size()) + " payloads, golden " +
+           std::to_string(golden_payloads.size()));
+    } else {
+      for (size_t k = 0; k < payloads.size(); ++k) {
+        const auto& got = payloads[k];
+        const auto& want = golden_payloads[k];
+        if (got == want) continue;
+        size_t first = 0;
+        while (first < got.size() && first < want.size() && got[first] == want[first]) ++first;
+        std::ostringstream m;
+        m << where << "chunk " << k << ": payload differs at byte " << first << " (size "
+          << got.size() << ", golden " << want.size() << ")";
+        if (first < got.size() && first < want.size()) {
+          m << ": got 0x" << std::hex << int(got[first]) << ", golden 0x" << int(want[first])
+            << std::dec;
+        }
+        fail(m.str());
+      }
+    }
+
+    // --- decoding (of the golden payloads: checks the decoder on its own) ---
+    std::vector<uint8_t> dec_raw;
+    if (!readFile(std::string(s.at("decoded").as_string()), dec_raw)) {
+      fail(where + "cannot read decoded file");
+      return errors;
+    }
+    std::vector<uint32_t> want_bits(n, 0u);
+    const std::string format(s.at("decoded_format").as_string());
+    if (format == "dense") {
+      if (dec_raw.size() != 4 * n) {
+        fail(where + "dense decoded file has the wrong size");
+        return errors;
+      }
+      if (n) std::memcpy(want_bits.data(), dec_raw.data(), dec_raw.size());
+    } else {
+      for (size_t p = 0; p + 8 <= dec_raw.size(); p += 8) {
+        uint32_t idx, bits;
+        std::memcpy(&idx, dec_raw.data() + p, 4);
+        std::memcpy(&bits, dec_raw.data() + p + 4, 4);
+        if (idx >= n) {
+          fail(where + "sparse decoded index out of range");
+          return errors;
+        }
+        want_bits[idx] = bits;
+      }
+    }
+    const float weight = static_cast<float>(toDouble(s.at("weight")));
+    std::vector<float> out(n, 0.0f);
+    const lightwire::Status st = decodeTensor(codec, chunking, golden_payloads, weight, out.data());
+    if (!st.isOk()) {
+      fail(where + "decodeTensor(golden payloads) failed: " + st.message());
+    } else {
+      size_t bad = 0, first = n;
+      for (size_t i = 0; i < n; ++i) {
+        if (std::bit_cast<uint32_t>(out[i]) != want_bits[i]) {
+          if (bad++ == 0) first = i;
+        }
+      }
+      if (bad) {
+        fail(where + "decoded output differs at " + std::to_string(bad) + " element(s), first " +
+             std::to_string(first) + ": got " + hex32(std::bit_cast<uint32_t>(out[first])) +
+             ", golden " + hex32(want_bits[first]));
+      }
+    }
+    state.commit();
+  }
+  return errors;
+}
+
+}  // namespace
+
+TEST_CASE("golden payloads: codecs reproduce tests/kernels/golden byte for byte") {
+  std::ifstream in(kGoldenDir + "manifest.json");
+  REQUIRE_MESSAGE(in.good(), "missing " << kGoldenDir << "manifest.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  boost::system::error_code ec;
+  const json::value manifest = json::parse(text.str(), ec);
+  REQUIRE_MESSAGE(!ec, "manifest.json: " << ec.message());
+  const auto& cases = manifest.at("cases").as_array();
+  REQUIRE(!cases.empty());
+
+  size_t passed = 0, total = 0;
+  for (const unsigned threads : {1u, 2u}) {
+    for (const json::value& cv : cases) {
+      const json::object& c = cv.as_object();
+      const std::string name(c.at("name").as_string());
+      const auto errors = runCase(c, threads);
+      ++total;
+      if (errors.empty()) ++passed;
+      for (const auto& e : errors) {
+        CHECK_MESSAGE(false, "case " << name << " [" << threads << " thread(s)] " << e);
+      }
+    }
+  }
+  MESSAGE("golden cases passed: " << passed << " of " << total << " (cases x thread counts)");
+}

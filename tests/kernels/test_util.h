@@ -1,0 +1,66 @@
+#pragma once
+// Helpers shared by the kernels tests.
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/philox.h"
+#include "kernels/registry.h"
+
+using lightwire::Result;
+using lightwire::Status;
+
+namespace lightwire::kernels::testing {
+
+inline std::vector<float> gaussian(size_t n, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> x(n);
+  for (auto& v : x) v = d(gen);
+  return x;
+}
+
+inline std::unique_ptr<Codec> make(const CodecConfig& c) {
+  auto r = createCodec(c);
+  if (!r) throw std::runtime_error(r.status().message());
+  return std::move(r).value();
+}
+
+inline bool bitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+/// The configurations every generic test runs (one per codec family and option).
+inline std::vector<CodecConfig> representativeConfigs() {
+  std::vector<CodecConfig> v;
+  auto add = [&](CodecConfig c) { v.push_back(std::move(c)); };
+  add({.name = "none"});
+  add({.name = "none", .error_feedback = true});
+  add({.name = "fp16"});
+  add({.name = "fp16", .error_feedback = true});
+  add({.name = "bf16"});
+  add({.name = "topk", .density = 0.01});
+  add({.name = "topk", .ratio = 300.0, .sparse_values = DType::kF16});
+  add({.name = "topk", .density = 0.05, .error_feedback = false});
+  add({.name = "dgc", .density = 0.01});
+  add({.name = "dgc", .density = 0.001, .momentum = 0.9, .clip_norm = 50.0});
+  add({.name = "dgc", .density = 0.02, .sparse_values = DType::kF16});
+  add({.name = "qsgd", .bits = 8});
+  add({.name = "qsgd", .bits = 4, .bucket_size = 100});
+  add({.name = "qsgd", .bits = 2, .bucket_size = 64, .error_feedback = true});
+  return v;
+}
+
+inline std::string describe(const CodecConfig& c) {
+  std::string s = c.name;
+  if (c.density) s += " density=" + std::to_string(*c.density);
+  if (c.ratio) s += " ratio=" + std::to_string(*c.ratio);
+  if (c.name == "qsgd") s += " bits=" + std::to_string(c.bits) + " bucket=" + std::to_string(c.bucket_size);
+  if (c.momentum != 0) s += " momentum=" + std::to_string(c.momentum);
+  if (c.error_feedback) s += *c.error_feedback ? " ef=on" : " ef=off";
+  if (c.sparse_values == DType::kF16) s += " values=fp16";
+  return s;
+}
+
+}  // namespace lightwire::kernels::testing

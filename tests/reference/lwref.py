@@ -1,0 +1,726 @@
+#!/usr/bin/env python3
+"""lwref: a deliberately plain, independent reference of lightwire's codecs.
+
+Written from docs/wire-format.md and docs/determinism.md alone (never from the C++ sources), so
+that the golden payload files it produces check the C++ (and CUDA) codecs against the spec.
+
+Conventions used throughout:
+  * fp32 tensors are numpy float32 arrays; every fp32 operation is done on numpy float32 arrays or
+    np.float32 scalars so that each operation rounds to fp32 exactly once (numpy uses the hardware
+    IEEE operations, no FMA). Helper `_f32` asserts the dtype never silently widens.
+  * fp64 reductions are sequential Python float loops in the canonical order of determinism §2.
+  * bit patterns (fp32 as u32, fp16/bf16 as u16) are plain Python ints or numpy uint arrays; NaN
+    values are never round-tripped through Python floats (that could change their bits).
+
+Run with /usr/bin/python3 (needs numpy and Debian's python3-xxhash).
+"""
+
+import math
+import struct
+
+import numpy as np
+import xxhash
+
+MASK32 = 0xFFFFFFFF
+
+# ------------------------------------------------------------------------------------------------
+# Philox4x32-10 (Random123's philox4x32(ctr, key) with R = 10)
+# ------------------------------------------------------------------------------------------------
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+
+
+def philox4x32_10(ctr, key):
+    """ctr: 4 u32, key: 2 u32 -> tuple of 4 u32 words."""
+    c0, c1, c2, c3 = (int(c) & MASK32 for c in ctr)
+    k0, k1 = (int(k) & MASK32 for k in key)
+    for rnd in range(10):
+        if rnd > 0:  # key bump between rounds (9 bumps for 10 rounds)
+            k0 = (k0 + PHILOX_W0) & MASK32
+            k1 = (k1 + PHILOX_W1) & MASK32
+        p0 = PHILOX_M0 * c0  # mulhilo32(M0, ctr[0])
+        p1 = PHILOX_M1 * c2  # mulhilo32(M1, ctr[2])
+        hi0, lo0 = p0 >> 32, p0 & MASK32
+        hi1, lo1 = p1 >> 32, p1 & MASK32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return (c0, c1, c2, c3)
+
+
+PHILOX_KAT = [  # Random123 kat_vectors, philox4x32_10
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((MASK32,) * 4, (MASK32,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+def philox_self_check():
+    for ctr, key, want in PHILOX_KAT:
+        got = philox4x32_10(ctr, key)
+        if got != want:
+            raise AssertionError("Philox KAT failed: ctr=%s key=%s got=%s want=%s" % (
+                [hex(c) for c in ctr], [hex(k) for k in key], [hex(g) for g in got],
+                [hex(w) for w in want]))
+
+
+PURPOSE_QSGD = 1
+PURPOSE_DGC = 2
+
+
+def tensor_name_key(name):
+    """k1: low 32 bits of XXH3-64 (seed 0) of the UTF-8 name."""
+    return xxhash.xxh3_64_intdigest(name.encode("utf-8")) & MASK32
+
+
+class RandomWords:
+    """Words of Philox(step, stream, purpose, group) for one tensor step; item i -> word i%4 of
+    group i//4 (determinism §3)."""
+
+    def __init__(self, seed, name, step, stream, purpose):
+        self.key = (seed & MASK32, tensor_name_key(name))
+        self.step = step & MASK32
+        self.stream = stream & MASK32
+        self.purpose = purpose
+        self.cache = {}
+
+    def word(self, i):
+        g = i // 4
+        words = self.cache.get(g)
+        if words is None:
+            words = philox4x32_10((self.step, self.stream, self.purpose, g & MASK32), self.key)
+            self.cache[g] = words
+        return words[i % 4]
+
+
+# ------------------------------------------------------------------------------------------------
+# fp32 helpers, fp16 / bf16 conversions by bit manipulation (determinism §4.1)
+# ------------------------------------------------------------------------------------------------
+F32 = np.float32
+
+
+def _f32(a):
+    assert isinstance(a, (np.ndarray, np.float32)) and a.dtype == np.float32, type(a)
+    return a
+
+
+def bits_of(a):
+    """u32 bit patterns of a float32 array."""
+    return _f32(a).view(np.uint32)
+
+
+def f32_from_bits(u):
+    return np.asarray(u, dtype=np.uint32).view(np.float32)
+
+
+def key_of(a):
+    """key(x): the u32 pattern with the sign bit cleared (as int64 array for safe comparisons)."""
+    return (bits_of(a) & np.uint32(0x7FFFFFFF)).astype(np.int64)
+
+
+def _float_of_finite_bits(u):
+    return struct.unpack("<f", struct.pack("<I", u))[0]  # exact
+
+
+def f32_bits_to_f16(u):
+    """fp32 bits -> binary16 bits: RNE, >= 65520 -> Inf, correctly rounded subnormals, NaN rule."""
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    if a > 0x7F800000:  # NaN: sign | 0x7E00 | (mantissa23 >> 13)
+        return sign | 0x7E00 | ((a & 0x7FFFFF) >> 13)
+    if a == 0x7F800000:
+        return sign | 0x7C00
+    val = _float_of_finite_bits(a)  # |x| as an exact Python float
+    if val >= 65520.0:
+        return sign | 0x7C00
+    if val == 0.0:
+        return sign
+    _, e = math.frexp(val)  # val = m * 2^e with 0.5 <= m < 1, so floor(log2 val) = e - 1
+    exp = e - 1
+    quantum_exp = -24 if exp < -14 else exp - 10  # spacing of binary16 values around val
+    q = round(math.ldexp(val, -quantum_exp))  # exact scaling; round() is round-half-even
+    if exp < -14:
+        return sign | q  # subnormal (q == 1024 is the smallest normal, encoded the same way)
+    return sign | (((exp + 15) << 10) + (q - 1024))  # q == 2048 carries into the exponent
+
+
+def f16_to_f32_bits(h):
+    """binary16 bits -> fp32 bits, exact (NaN payload kept, signalling bit untouched)."""
+    sign = (h & 0x8000) << 16
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 0x1F:
+        return sign | 0x7F800000 | (m << 13)
+    if e == 0:
+        if m == 0:
+            return sign
+        return sign | struct.unpack("<I", struct.pack("<f", m * 2.0 ** -24))[0]  # exact
+    return sign | ((e - 15 + 127) << 23) | (m << 13)
+
+
+def f32_bits_to_bf16(u):
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return (u >> 16) | 0x0040
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & MASK32) >> 16
+
+
+def bf16_to_f32_bits(h):
+    return h << 16
+
+
+def f32_to_f16_array(a):
+    return np.array([f32_bits_to_f16(int(u)) for u in bits_of(a)], dtype=np.uint16)
+
+
+def f16_to_f32_array(h):
+    return f32_from_bits(np.array([f16_to_f32_bits(int(x)) for x in h], dtype=np.uint32))
+
+
+def f32_to_bf16_array(a):
+    return np.array([f32_bits_to_bf16(int(u)) for u in bits_of(a)], dtype=np.uint16)
+
+
+def bf16_to_f32_array(h):
+    return f32_from_bits(np.array([bf16_to_f32_bits(int(x)) for x in h], dtype=np.uint32))
+
+
+DTYPE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2}
+
+
+def widen(raw, dtype):
+    """Trainer input (float32 array, or uint16 bit array for fp16/bf16) -> fp32 (exact)."""
+    if dtype == "fp32":
+        return _f32(np.array(raw, dtype=np.float32))
+    if dtype == "fp16":
+        return f16_to_f32_array(raw)
+    if dtype == "bf16":
+        return bf16_to_f32_array(raw)
+    raise ValueError(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Canonical fp64 reductions (determinism §2)
+# ------------------------------------------------------------------------------------------------
+def canonical_sum(terms):
+    """terms: sequence of Python floats (each already computed in fp64)."""
+    total = 0.0
+    L = len(terms)
+    for b0 in range(0, L, 4096):
+        acc = [0.0] * 8
+        for i in range(b0, min(b0 + 4096, L)):
+            j = i % 8  # index relative to the start of the array
+            acc[j] = acc[j] + terms[i]
+        s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+        total = total + s
+    return total
+
+
+def norm_f64(x):
+    """fp64 sqrt of the canonical sum of (double)x*(double)x over the fp32 array x."""
+    terms = [float(v) * float(v) for v in _f32(x).tolist()]
+    return math.sqrt(canonical_sum(terms))
+
+
+def to_f32(d):
+    """fp64 Python float -> fp32, round to nearest even (overflow -> Inf)."""
+    with np.errstate(all="ignore"):
+        return np.float32(d)
+
+
+# ------------------------------------------------------------------------------------------------
+# Payload layouts (wire-format.md)
+# ------------------------------------------------------------------------------------------------
+CODEC_ID = {"none": 0, "fp16": 1, "bf16": 2, "topk": 3, "dgc": 6, "qsgd": 7}
+
+
+def header(codec_id, dtype_code, flags, count):
+    return bytes([0x4C, 0x57, 1, codec_id, dtype_code, flags, 0, 0]) + struct.pack("<Q", count)
+
+
+def pack_bits(values, w, nbytes):
+    """LSB-first bit stream: value j occupies bits [j*w, (j+1)*w); zero padding to nbytes."""
+    out = bytearray(nbytes)
+    t = 0
+    for v in values:
+        assert 0 <= v < (1 << w) or (w == 0 and v == 0)
+        for bit in range(w):
+            if (v >> bit) & 1:
+                out[t // 8] |= 1 << (t % 8)
+            t += 1
+    return bytes(out)
+
+
+def unpack_bits(data, count, w):
+    vals = []
+    t = 0
+    for _ in range(count):
+        v = 0
+        for bit in range(w):
+            if (data[t // 8] >> (t % 8)) & 1:
+                v |= 1 << bit
+            t += 1
+        vals.append(v)
+    return vals, t
+
+
+def none_payload(a, dtype_code):
+    return header(0, dtype_code, 0, len(a)) + _f32(a).astype("<f4").tobytes()
+
+
+def sparse_payload(codec_id, dtype_code, n_chunk, local_idx, value_bits, fp16_values):
+    """local_idx: strictly increasing chunk-local indices; value_bits: u32 (fp32) or u16 (fp16)."""
+    nnz = len(local_idx)
+    gaps = []
+    prev = -1
+    for i in local_idx:
+        gaps.append(i - prev - 1)
+        prev = i
+    assert all(g >= 0 for g in gaps)
+    w = max(gaps).bit_length() if nnz else 0
+    G = (nnz * w + 7) // 8
+    G = (G + 3) // 4 * 4
+    body = struct.pack("<IB", nnz, w) + b"\0\0\0" + pack_bits(gaps, w, G)
+    if fp16_values:
+        body += b"".join(struct.pack("<H", v) for v in value_bits)
+    else:
+        body += b"".join(struct.pack("<I", v) for v in value_bits)
+    flags = 1 if fp16_values else 0
+    return header(codec_id, dtype_code, flags, n_chunk) + body
+
+
+# ------------------------------------------------------------------------------------------------
+# Decoding: out[i] = out[i] + (w * v), fp32, two roundings (determinism §1)
+# ------------------------------------------------------------------------------------------------
+def decode_payload(payload, expected_codec_id, weight, out, begin, n_chunk):
+    """Adds weight * decoded into out[begin:begin+n_chunk] (float32 array, modified in place)."""
+    w = F32(weight)
+    p = payload
+    assert len(p) >= 16 and p[0] == 0x4C and p[1] == 0x57 and p[2] == 1, "bad header"
+    cid, dt, flags, rnd, res = p[3], p[4], p[5], p[6], p[7]
+    assert cid in (expected_codec_id, 0) and rnd == 0 and res == 0 and dt in (0, 1, 2)
+    count = struct.unpack_from("<Q", p, 8)[0]
+    assert count == n_chunk
+    body = p[16:]
+    seg = out[begin:begin + n_chunk]
+    with np.errstate(all="ignore"):
+        if cid == 0:
+            assert flags == 0 and len(body) == 4 * n_chunk
+            vals = np.frombuffer(body, dtype="<f4").astype(np.float32)
+            seg[:] = seg + (w * vals)
+        elif cid in (1, 2):
+            assert flags == 0 and len(body) == 2 * n_chunk
+            h = np.frombuffer(body, dtype="<u2")
+            vals = f16_to_f32_array(h) if cid == 1 else bf16_to_f32_array(h)
+            seg[:] = seg + (w * vals)
+        elif cid in (3, 6):
+            assert flags in (0, 1)
+            fp16 = flags == 1
+            nnz, wbits = struct.unpack_from("<IB", body, 0)
+            assert body[5:8] == b"\0\0\0" and nnz <= n_chunk and wbits <= 32
+            G = ((nnz * wbits + 7) // 8 + 3) // 4 * 4
+            vsize = 2 if fp16 else 4
+            assert len(body) == 8 + G + vsize * nnz, "sparse length"
+            gaps, used = unpack_bits(body[8:8 + G], nnz, wbits)
+            for t in range(used, 8 * G):
+                assert not (body[8 + t // 8] >> (t % 8)) & 1, "padding bits"
+            vb = body[8 + G:]
+            idx = -1
+            for j in range(nnz):
+                idx = idx + gaps[j] + 1
+                assert idx < n_chunk
+                if fp16:
+                    v = f32_from_bits(np.uint32(f16_to_f32_bits(struct.unpack_from("<H", vb, 2 * j)[0])))
+                else:
+                    v = f32_from_bits(np.uint32(struct.unpack_from("<I", vb, 4 * j)[0]))
+                v = F32(v)
+                seg[idx] = _f32(seg[idx] + _f32(w * v))
+        elif cid == 7:
+            assert flags == 0
+            b = body[0]
+            assert 2 <= b <= 8 and body[1:4] == b"\0\0\0"
+            d = struct.unpack_from("<I", body, 4)[0]
+            assert d >= 1
+            B = (n_chunk + d - 1) // d
+            C = (n_chunk * b + 7) // 8
+            assert len(body) == 8 + 4 * B + C, "qsgd length"
+            norms = np.frombuffer(body[8:8 + 4 * B], dtype="<f4").astype(np.float32)
+            assert np.all(np.isfinite(norms)) and np.all(norms >= 0)
+            codes, used = unpack_bits(body[8 + 4 * B:], n_chunk, b)
+            for t in range(used, 8 * C):
+                assert not (body[8 + 4 * B + t // 8] >> (t % 8)) & 1, "qsgd padding bits"
+            s = (1 << (b - 1)) - 1
+            vals = np.zeros(n_chunk, dtype=np.float32)
+            for i in range(n_chunk):
+                code = codes[i]
+                level = code & ((1 << (b - 1)) - 1)
+                sign = code >> (b - 1)
+                scale = _f32(norms[i // d] / F32(s))
+                value = _f32(F32(level) * scale)
+                if sign:
+                    value = -value
+                vals[i] = value
+            seg[:] = seg + (w * vals)
+        else:
+            raise AssertionError("codec id %d" % cid)
+    _f32(seg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Chunking (determinism §5)
+# ------------------------------------------------------------------------------------------------
+def chunk_ranges(n, requested, alignment):
+    """[(begin, size)]: chunks of `requested` rounded up to a multiple of alignment (0 = one)."""
+    if requested == 0:
+        return [(0, n)]
+    ce = (requested + alignment - 1) // alignment * alignment
+    if n == 0:
+        return [(0, 0)]
+    return [(b, min(ce, n - b)) for b in range(0, n, ce)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection (determinism §4.2, §4.3, §4.4)
+# ------------------------------------------------------------------------------------------------
+def selection_size(n, density):
+    if n == 0:
+        return 0
+    return min(n, max(1, math.floor(density * n + 0.5)))
+
+
+def topk_select(keys, k):
+    """Sorted indices: the k largest keys, ties broken by lower index (§4.3, via T literally)."""
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    T = int(np.sort(keys)[::-1][k - 1])  # k-th largest key, counting duplicates
+    above = np.nonzero(keys > T)[0]
+    need = k - len(above)
+    ties = np.nonzero(keys == T)[0][:need]
+    sel = np.sort(np.concatenate([above, ties]))
+    assert len(sel) == k
+    return sel
+
+
+def dgc_select(keys, k, n, f, seed, name, step, rank, info):
+    """DGC selection (§4.4); records the path taken in info."""
+    if n <= 32768:
+        info["dgc_path"] = "exact(n<=32768)"
+        return topk_select(keys, k)
+    M = max(1024, math.ceil(f * n))
+    rw = RandomWords(seed, name, step, rank, PURPOSE_DGC)
+    sample_keys = []
+    for j in range(M):
+        r = rw.word(j)
+        idx = (r * n) >> 32
+        sample_keys.append(int(keys[idx]))
+    s = sorted(sample_keys, reverse=True)  # s[r-1] is s_r
+    lo = (8 * k + 9) // 10
+    hi = (13 * k) // 10
+    r = min(max((k * M + n - 1) // n, 1), M)
+    T = s[r - 1]
+    c = int(np.count_nonzero(keys >= T))
+    trace = ["r=%d c=%d" % (r, c)]
+    info["dgc_M"] = M
+    info["dgc_lo_hi"] = [lo, hi]
+    if lo <= c <= hi:
+        info["dgc_path"] = "initial"
+        info["dgc_trace"] = trace
+        return np.nonzero(keys >= T)[0]
+    for attempt in range(3):
+        r2 = min(max((2 * r * k + c) // (2 * c), 1), M)
+        if r2 == r:
+            if c > hi:
+                r2 = r - 1
+            elif c < lo:
+                r2 = r + 1
+            if r2 < 1 or r2 > M:
+                trace.append("stop(r'=%d)" % r2)
+                break
+        r = r2
+        T = s[r - 1]
+        c = int(np.count_nonzero(keys >= T))
+        trace.append("r=%d c=%d" % (r, c))
+        if lo <= c <= hi:
+            info["dgc_path"] = "refined(%d)" % (attempt + 1)
+            info["dgc_trace"] = trace
+            return np.nonzero(keys >= T)[0]
+    info["dgc_path"] = "exact(fallback)"
+    info["dgc_trace"] = trace
+    return topk_select(keys, k)
+
+
+# ------------------------------------------------------------------------------------------------
+# Codecs
+# ------------------------------------------------------------------------------------------------
+def default_error_feedback(name):
+    return name == "topk"
+
+
+def codec_alignment(cfg):
+    return cfg["bucket_size"] if cfg["name"] == "qsgd" else 1
+
+
+def effective_density(cfg, step_density):
+    """density d for §4.2: the per-step override (schedules, §4.4) if any, else density, else
+    1/ratio (fp64)."""
+    if step_density is not None:
+        return step_density
+    if cfg.get("density") is not None:
+        return cfg["density"]
+    return 1.0 / cfg["ratio"]  # fp64
+
+
+class Codec:
+    """One configured codec plus the persistent state of one tensor."""
+
+    def __init__(self, cfg, n):
+        self.cfg = cfg
+        self.n = n
+        name = cfg["name"]
+        ef = cfg.get("error_feedback")
+        if ef is None:
+            ef = default_error_feedback(name)
+        if name == "dgc":
+            assert not ef, "dgc has its own memory"
+        self.ef = ef
+        self.e = np.zeros(n, dtype=np.float32)          # error-feedback residual
+        self.u = np.zeros(n, dtype=np.float32)          # dgc momentum
+        self.v = np.zeros(n, dtype=np.float32)          # dgc accumulated residual
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self, raw, dtype, chunking, seed, name, step, rank, step_density):
+        """Returns (payloads per chunk, info). Commits the prepared state (the step succeeds)."""
+        cfg = self.cfg
+        dcode = DTYPE_CODE[dtype]
+        x = widen(raw, dtype)
+        info = {}
+        with np.errstate(all="ignore"):
+            if cfg["name"] == "dgc":
+                return self._dgc(x, dcode, chunking, seed, name, step, rank, step_density, info)
+            if self.ef:
+                a = _f32(x + self.e)
+                # "exactly as if a were the input": a is fp32, so casts convert it (not as-is)
+                raw_for_inner, dtype_for_inner = a, "fp32"
+            else:
+                a = x
+                raw_for_inner, dtype_for_inner = raw, dtype
+            payloads = self._inner(a, raw_for_inner, dtype_for_inner, dcode, chunking, seed, name,
+                                   step, rank, step_density, info)
+            if self.ef:
+                decoded = np.zeros(self.n, dtype=np.float32)
+                self.decode(payloads, chunking, F32(1.0), decoded)
+                self.e = _f32(a + _f32(F32(-1.0) * decoded))
+        return payloads, info
+
+    def _inner(self, a, raw, rdtype, dcode, chunking, seed, name, step, rank, step_density, info):
+        cfg = self.cfg
+        cname = cfg["name"]
+        out = []
+        if cname == "none":
+            for b, m in chunking:
+                out.append(none_payload(a[b:b + m], dcode))
+        elif cname in ("fp16", "bf16"):
+            cid = CODEC_ID[cname]
+            for b, m in chunking:
+                if cname == rdtype:  # same format as the input: sent as is, bit for bit
+                    h = np.asarray(raw[b:b + m], dtype=np.uint16)
+                elif cname == "fp16":
+                    h = f32_to_f16_array(a[b:b + m])
+                else:
+                    h = f32_to_bf16_array(a[b:b + m])
+                out.append(header(cid, dcode, 0, m) + h.astype("<u2").tobytes())
+        elif cname == "topk":
+            k = selection_size(self.n, effective_density(cfg, step_density))
+            sel = topk_select(key_of(a), k)
+            info["k"] = k
+            info["nnz"] = int(len(sel))
+            out = self._sparse_chunks(3, a, sel, dcode, chunking)
+        elif cname == "qsgd":
+            out = self._qsgd(a, dcode, chunking, seed, name, step, rank, info)
+        else:
+            raise ValueError(cname)
+        return out
+
+    def _sparse_chunks(self, cid, vals, sel, dcode, chunking):
+        fp16 = self.cfg["sparse_values"] == "fp16"
+        out = []
+        for b, m in chunking:
+            idx = [int(i) for i in sel if b <= i < b + m]
+            if fp16:
+                vb = [f32_bits_to_f16(int(bits_of(vals[i:i + 1])[0])) for i in idx]
+            else:
+                vb = [int(bits_of(vals[i:i + 1])[0]) for i in idx]
+            out.append(sparse_payload(cid, dcode, m, [i - b for i in idx], vb, fp16))
+        return out
+
+    def _qsgd(self, a, dcode, chunking, seed, name, step, rank, info):
+        cfg = self.cfg
+        bbits = cfg["bits"]
+        d = cfg["bucket_size"]
+        s = (1 << (bbits - 1)) - 1
+        rw = RandomWords(seed, name, step, rank, PURPOSE_QSGD)
+        out = []
+        escaped = []
+        for ci, (b, m) in enumerate(chunking):
+            chunk = a[b:b + m]
+            norms = []
+            for bb in range(0, m, d):
+                norms.append(to_f32(norm_f64(chunk[bb:bb + d])))
+            if not all(np.isfinite(nv) for nv in norms):
+                escaped.append(ci)
+                out.append(none_payload(chunk, dcode))
+                continue
+            codes = []
+            for li in range(m):
+                i = b + li  # whole-tensor index
+                xv = chunk[li]
+                sign = 1 if xv < 0 else 0
+                norm = norms[li // d]
+                if norm == 0:
+                    level = 0
+                else:
+                    r = (abs(float(xv)) / float(norm)) * s
+                    fl = math.floor(r)
+                    p = r - fl
+                    u = rw.word(i) * 2.0 ** -32
+                    level = fl + (1 if u < p else 0)
+                    level = min(level, s)
+                codes.append((sign << (bbits - 1)) | level)
+            C = (m * bbits + 7) // 8
+            body = struct.pack("<B", bbits) + b"\0\0\0" + struct.pack("<I", d)
+            body += b"".join(struct.pack("<I", int(bits_of(np.array([nv], dtype=np.float32))[0]))
+                             for nv in norms)
+            body += pack_bits(codes, bbits, C)
+            out.append(header(7, dcode, 0, m) + body)
+        info["escaped_chunks"] = escaped
+        return out
+
+    def _dgc(self, x, dcode, chunking, seed, name, step, rank, step_density, info):
+        cfg = self.cfg
+        n = self.n
+        # 1. clipping
+        g = x
+        if cfg["clip_norm"] > 0:
+            N = norm_f64(x)
+            if N > cfg["clip_norm"]:
+                f = to_f32(cfg["clip_norm"] / N)
+                g = _f32(x * f)
+                info["clipped"] = True
+        # 2-3. momentum correction and accumulation
+        m = cfg["momentum"]
+        if m > 0:
+            u2 = _f32(_f32(F32(m) * self.u) + g)
+            v2 = _f32(self.v + u2)
+        else:
+            u2 = np.zeros(n, dtype=np.float32)
+            v2 = _f32(self.v + g)
+        # 4. selection
+        k = selection_size(n, effective_density(cfg, step_density))
+        keys = key_of(v2)
+        sel = dgc_select(keys, k, n, cfg["sample_fraction"], seed, name, step, rank, info)
+        info["k"] = k
+        info["nnz"] = int(len(sel))
+        # spec: "the count always lies in [0.8k, 1.3k]"
+        assert (8 * k + 9) // 10 <= len(sel) <= (13 * k) // 10, info
+        # 5. payload carries v'_i for i in S
+        payloads = self._sparse_chunks(6, v2, sel, dcode, chunking)
+        # 6. masking: v'_i = v'_i - value_i (as decoded), u'_i = 0
+        v2 = v2.copy()
+        u2 = u2.copy()
+        if len(sel):
+            if cfg["sparse_values"] == "fp16":
+                dec = f16_to_f32_array(f32_to_f16_array(v2[sel]))
+            else:
+                dec = v2[sel].copy()
+            v2[sel] = _f32(v2[sel] - dec)
+            u2[sel] = F32(0.0)
+        # 7. commit
+        self.u, self.v = u2, v2
+        return payloads, info
+
+    # -- decoding ---------------------------------------------------------------------------------
+    def decode(self, payloads, chunking, weight, out):
+        cid = CODEC_ID[self.cfg["name"]]
+        for (b, m), p in zip(chunking, payloads):
+            decode_payload(p, cid, weight, out, b, m)
+
+
+philox_self_check()
+
+
+# ------------------------------------------------------------------------------------------------
+# Self-tests (python3 lwref.py): the reference checked against independent facts
+# ------------------------------------------------------------------------------------------------
+def _self_test():
+    from fractions import Fraction
+
+    philox_self_check()
+    assert xxhash.xxh3_64_intdigest(b"") == 0x2D06800538D394C2  # XXH3-64 of the empty input
+    rng = np.random.default_rng(1234)
+    # fp16: against numpy's (correctly rounded, RNE) float16 cast for non-NaN values
+    u = np.concatenate([rng.integers(0, 1 << 32, 200000, dtype=np.uint64).astype(np.uint32),
+                        np.arange(0x33000000 - 64, 0x33000000 + 64, dtype=np.uint32),
+                        np.arange(0x477FF000 - 64, 0x477FF000 + 64, dtype=np.uint32),
+                        np.arange(0x387FE000 - 64, 0x387FE000 + 64, dtype=np.uint32)])
+    u = u[(u & 0x7FFFFFFF) <= 0x7F800000]
+    with np.errstate(all="ignore"):
+        want = u.view(np.float32).astype(np.float16).view(np.uint16)
+    got = np.array([f32_bits_to_f16(int(x)) for x in u], dtype=np.uint16)
+    bad = np.nonzero(got != want)[0]
+    assert len(bad) == 0, [(hex(int(u[i])), hex(int(got[i])), hex(int(want[i]))) for i in bad[:5]]
+    # fp16 widening: against numpy for every non-NaN half
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    h = h[(h & 0x7FFF) <= 0x7C00]
+    w = np.array([f16_to_f32_bits(int(x)) for x in h], dtype=np.uint32)
+    assert np.array_equal(w, h.view(np.float16).astype(np.float32).view(np.uint32))
+    # bf16: the spec's u32 formula against exact rounding with Fractions (finite values)
+    for x in list(rng.integers(0, 0x7F800000, 20000)) + [0x3F808000, 0x3F818000, 0x7F7F8000,
+                                                         0x7F7FFFFF, 0x00008000, 0x00018000]:
+        x = int(x)
+        val = Fraction(_float_of_finite_bits(x))
+        lo = x & 0xFFFF0000
+        lo_v = Fraction(_float_of_finite_bits(lo))
+        hi_v = Fraction(_float_of_finite_bits(lo + 0x10000)) if lo + 0x10000 < 0x7F800000 else \
+            Fraction(2) ** 128  # the next "value" above bf16 max: rounds to Inf
+        if val - lo_v < hi_v - val or (val - lo_v == hi_v - val and ((lo >> 16) & 1) == 0):
+            exp = lo >> 16
+        else:
+            exp = (lo >> 16) + 1
+        assert f32_bits_to_bf16(x) == exp, hex(x)
+    # canonical sum vs exact sum (close) and vs a by-hand small example
+    t = [float(v) for v in rng.standard_normal(10000)]
+    assert abs(canonical_sum(t) - math.fsum(t)) < 1e-9
+    assert canonical_sum([]) == 0.0 and canonical_sum([1e16, 1.0, -1e16]) == 0.0 and canonical_sum([1e16, -1e16, 1.0]) == 1.0
+    assert canonical_sum([1e16] + [0.0] * 7 + [1.0]) == 1e16  # same accumulator: rounds away
+    # selection size
+    assert selection_size(0, 0.5) == 0 and selection_size(10, 0.01) == 1
+    assert selection_size(1000, 0.0125) == 13 and selection_size(3001, 1.0 / 20.0) == 150
+    # topk with error feedback: decoded + e' == x + e exactly (fp32 values)
+    n = 1000
+    c = Codec({"name": "topk", "density": 0.1, "sparse_values": "fp32", "error_feedback": None}, n)
+    ch = chunk_ranges(n, 300, 1)
+    for s in range(3):
+        x = rng.standard_normal(n).astype(np.float32)
+        e0 = c.e.copy()
+        p, _ = c.step(x, "fp32", ch, 0, "t", s, 0, None)
+        dec = np.zeros(n, dtype=np.float32)
+        c.decode(p, ch, F32(1.0), dec)
+        assert np.count_nonzero(dec) == 100
+        assert np.array_equal(_f32(dec + c.e), _f32(x + e0))
+    # qsgd: levels within range, decoded mean close to the input (unbiased)
+    n = 4096
+    x = rng.standard_normal(n).astype(np.float32)
+    acc = np.zeros(n, dtype=np.float64)
+    reps = 40
+    q = Codec({"name": "qsgd", "bits": 4, "bucket_size": 512, "error_feedback": None}, n)
+    for s in range(reps):
+        p, _ = q.step(x, "fp32", [(0, n)], 0, "q", s, 0, None)
+        dec = np.zeros(n, dtype=np.float32)
+        q.decode(p, [(0, n)], F32(1.0), dec)
+        acc += dec
+    assert abs(float(np.mean(acc / reps - x))) < 0.02
+    print("lwref self-test ok")
+
+
+if __name__ == "__main__":
+    _self_test()

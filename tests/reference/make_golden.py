@@ -1,0 +1,807 @@
+#!/usr/bin/env python3
+"""Generates the golden payload files of tests/kernels/golden/ with the reference lwref.py.
+
+    ${PYTHON:-/usr/bin/python3} tests/reference/make_golden.py           # (re)write the files
+    ${PYTHON:-/usr/bin/python3} tests/reference/make_golden.py --check   # compare, exit 1 on diff
+
+Layout of tests/kernels/golden/:
+  manifest.json                 every case: codec config, tensor, chunking, steps
+  <case>/s<j>.in                step j's input, raw little-endian (fp32: 4 bytes, fp16/bf16: the
+                                2-byte bit pattern); a step may name another step's input file
+  <case>/s<j>.payload           the step's payloads, chunk after chunk (sizes in the manifest)
+  <case>/s<j>.decoded           decoded result (weight applied, into a zeroed fp32 output):
+                                "dense": n x fp32; "sparse": (u32 index, u32 fp32 bits) pairs, in
+                                index order, for every element whose bits are not 0x00000000 (all
+                                others are +0.0); whichever is smaller
+
+Doubles of the codec config and the fp32 weights are written as decimal strings (Python repr,
+shortest round-trip) so that a correctly rounded strtod reproduces them exactly.
+
+Inputs are made here from fixed numpy default_rng seeds; the C++ test never needs the generator.
+"""
+
+import argparse
+import filecmp
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lwref  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GOLDEN = os.path.normpath(os.path.join(HERE, "..", "kernels", "golden"))
+
+F32 = np.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# Input helpers
+# ------------------------------------------------------------------------------------------------
+def f32_bits(*bits):
+    return lwref.f32_from_bits(np.array(bits, dtype=np.uint32)).copy()
+
+
+def f32_vals(*vals):
+    return np.array(vals, dtype=np.float32)
+
+
+def gaussian(seed, n, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n) * scale).astype(np.float32)
+
+
+def to_f16_bits(a):
+    return lwref.f32_to_f16_array(np.asarray(a, dtype=np.float32))
+
+
+def to_bf16_bits(a):
+    return lwref.f32_to_bf16_array(np.asarray(a, dtype=np.float32))
+
+
+def fp32_edges():
+    """fp32 values at the edges of the fp16 and bf16 conversions."""
+    b = [
+        0x00000000, 0x80000000,              # +-0
+        0x00000001, 0x80000001,              # fp32 min subnormal
+        0x007FFFFF, 0x00400000,              # fp32 max subnormal, a mid subnormal
+        0x00008000, 0x00018000, 0x00028000,  # bf16 ties inside fp32 subnormals (even/odd)
+        0x00800000,                          # fp32 min normal
+        0x33800000, 0xB3800000,              # fp16 min subnormal 2^-24
+        0x33000000,                          # 2^-25: tie between 0 and 2^-24 -> 0
+        0x33000001,                          # just above that tie -> 2^-24
+        0x33C00000,                          # 1.5 * 2^-24: tie -> 2 * 2^-24 (even)
+        0x34200000,                          # 2.5 * 2^-24: tie -> 2 * 2^-24 (even)
+        0x387FC000,                          # fp16 max subnormal 1023 * 2^-24
+        0x387FE000,                          # 1023.5 * 2^-24: tie -> 2^-14 (min normal)
+        0x38800000,                          # 2^-14
+        0x3F800000, 0xBF800000,              # +-1
+        0x3F801000,                          # 1 + 2^-11: fp16 tie -> 1
+        0x3F803000,                          # 1 + 3 * 2^-11: fp16 tie -> 1 + 2^-9
+        0x3F801001,                          # just above the fp16 tie
+        0x3F808000,                          # 1 + 2^-8: bf16 tie -> 1
+        0x3F818000,                          # 1 + 3 * 2^-8: bf16 tie -> up
+        0x3F817FFF,                          # just below a bf16 tie
+        0x477FE000, 0xC77FE000,              # +-65504 (fp16 max)
+        0x477FEFFF,                          # 65519.996 -> 65504
+        0x477FF000, 0xC77FF000,              # +-65520 -> +-Inf
+        0x47800000,                          # 65536
+        0x501502F9,                          # 1e10
+        0x7F7F7FFF,                          # below the top bf16 tie -> 0x7F7F
+        0x7F7F8000,                          # bf16 tie at the top -> Inf
+        0x7F7FFFFF, 0xFF7FFFFF,              # +-fp32 max
+        0x7F800000, 0xFF800000,              # +-Inf
+        0x7FC00000,                          # default quiet NaN
+        0x7FC12345,                          # quiet NaN with payload
+        0xFFD55555,                          # negative NaN with payload
+        0x7F800001,                          # signalling NaN, payload only in low bits
+        0x7FA00000,                          # signalling NaN, payload in top bits
+        0x7F802000,                          # signalling NaN, payload bit 13
+        0x40490FDB, 0xC02DF854, 0x3DCCCCCD,  # pi, -e, 0.1
+    ]
+    return f32_bits(*b)
+
+
+def fp16_edges():
+    return np.array([
+        0x0000, 0x8000, 0x0001, 0x8001, 0x0200, 0x03FF, 0x0400, 0x8400, 0x3C00, 0x3C01, 0xBC03,
+        0x3555, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00,
+        0x7C01,                      # signalling NaN
+        0x7D23,                      # signalling NaN with payload
+        0x7E00, 0x7E55, 0xFE01, 0xFFFF,  # quiet NaNs
+        0x4248, 0xC000, 0x1400, 0x0155,
+    ], dtype=np.uint16)
+
+
+def bf16_edges():
+    return np.array([
+        0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x0080, 0x3F80, 0xBF80, 0x3F81,
+        0x3380,                      # 2^-24 -> fp16 0x0001
+        0x3300,                      # 2^-25 -> fp16 tie -> 0
+        0x3340,                      # 1.5 * 2^-25 -> fp16 2^-24
+        0x33C0,                      # 1.5 * 2^-24: fp16 tie -> 2 * 2^-24
+        0x3880, 0x477F, 0x4780, 0xC780, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80,
+        0x7F81,                      # signalling NaN
+        0x7FC1, 0xFFC0, 0xFFFF,      # quiet NaNs
+        0x4049, 0x3DCD,
+    ], dtype=np.uint16)
+
+
+def mixed_f32(seed, n):
+    """Random values over many binades, including fp16-subnormal and overflow ranges."""
+    rng = np.random.default_rng(seed)
+    mant = rng.uniform(1.0, 2.0, n)
+    exps = rng.integers(-30, 18, n)
+    sign = np.where(rng.random(n) < 0.5, -1.0, 1.0)
+    return (sign * mant * np.exp2(exps)).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Case definitions
+# ------------------------------------------------------------------------------------------------
+def cfg(name, **kw):
+    c = {
+        "name": name, "density": None, "ratio": None, "bits": 8, "bucket_size": 512,
+        "momentum": 0.0, "clip_norm": 0.0, "sample_fraction": 0.01, "sparse_values": "fp32",
+        "error_feedback": None,
+    }
+    for k, v in kw.items():
+        assert k in c, k
+        c[k] = v
+    return c
+
+
+class Step:
+    def __init__(self, data, step, weight=1.0, density=None, input_of=None, input_case=None):
+        self.data = data            # float32 array (fp32) or uint16 bit array (fp16/bf16)
+        self.step = step
+        self.weight = F32(weight)
+        self.density = density
+        self.input_of = input_of    # reuse the input file of this earlier step index
+        self.input_case = input_case  # ... of that earlier case (default: this case)
+
+
+def case(name, config, dtype, steps, tensor="layer.0.weight", seed=0, rank=0, chunk=0, note=""):
+    n = len(steps[0].data)
+    for s in steps:
+        assert len(s.data) == n
+        assert s.data.dtype == (np.float32 if dtype == "fp32" else np.uint16)
+    return dict(name=name, config=config, dtype=dtype, steps=steps, tensor=tensor, seed=seed,
+                rank=rank, chunk=chunk, n=n, note=note)
+
+
+def tied_pm(seed, n, mags):
+    rng = np.random.default_rng(seed)
+    v = rng.choice(np.array(mags, dtype=np.float32), n)
+    return np.where(rng.random(n) < 0.5, -v, v).astype(np.float32)
+
+
+def cases(log):
+    C = []
+    # --- none ---------------------------------------------------------------------------------
+    C.append(case("none_f32_edges", cfg("none"), "fp32", [Step(fp32_edges(), 0, 0.5)]))
+    C.append(case("none_f16_edges", cfg("none"), "fp16", [Step(fp16_edges(), 3, 1.0)]))
+    C.append(case("none_f32_2049_chunked", cfg("none"), "fp32",
+                  [Step(gaussian(11, 2049), 0, 0.3)],
+                  chunk=1000))
+    C.append(case("none_f32_n0", cfg("none"), "fp32", [Step(f32_vals(), 0, 1.0)]))
+    C.append(case("none_ef", cfg("none", error_feedback=True), "fp32",
+                  [Step(gaussian(13, 50), 0), Step(gaussian(14, 50), 1, 0.5)], chunk=20))
+    # --- fp16 ---------------------------------------------------------------------------------
+    C.append(case("fp16_f32_edges", cfg("fp16"), "fp32", [Step(fp32_edges(), 0, 1.0)]))
+    C.append(case("fp16_f16_edges", cfg("fp16"), "fp16", [Step(fp16_edges(), 0, 0.5)]))
+    C.append(case("fp16_bf16_edges", cfg("fp16"), "bf16", [Step(bf16_edges(), 0, 1.0)]))
+    C.append(case("fp16_f32_n0", cfg("fp16"), "fp32", [Step(f32_vals(), 0, 1.0)]))
+    C.append(case("fp16_f32_n1", cfg("fp16"), "fp32", [Step(f32_vals(-1.0009765625), 0, 1.0)]))
+    C.append(case("fp16_f32_n7", cfg("fp16"), "fp32", [Step(mixed_f32(21, 7), 0, 0.3)]))
+    C.append(case("fp16_f32_4097", cfg("fp16"), "fp32",
+                  [Step(mixed_f32(22, 4097), 0, 0.25)],
+                  chunk=1024))
+    C.append(case("fp16_f16_4097", cfg("fp16"), "fp16", [Step(to_f16_bits(gaussian(24, 4097)), 0)],
+                  chunk=2048))
+    C.append(case("fp16_ef_f32", cfg("fp16", error_feedback=True), "fp32",
+                  [Step(mixed_f32(25, 999), 0, 1.0), Step(mixed_f32(26, 999), 1, 0.5),
+                   Step(mixed_f32(27, 999), 2, 1.0)], chunk=400))
+    C.append(case("fp16_ef_f16_edges", cfg("fp16", error_feedback=True), "fp16",
+                  [Step(fp16_edges(), 0, 1.0)],
+                  note="with error feedback the codec compresses a = x + e (fp32), so -0 and "
+                       "signalling NaNs are not sent as is"))
+    # --- bf16 ---------------------------------------------------------------------------------
+    C.append(case("bf16_f32_edges", cfg("bf16"), "fp32", [Step(fp32_edges(), 0, 1.5)]))
+    C.append(case("bf16_f16_edges", cfg("bf16"), "fp16", [Step(fp16_edges(), 0, 1.0)]))
+    C.append(case("bf16_bf16_edges", cfg("bf16"), "bf16", [Step(bf16_edges(), 0, 0.5)]))
+    C.append(case("bf16_f32_n0", cfg("bf16"), "fp32", [Step(f32_vals(), 0, 1.0)]))
+    C.append(case("bf16_f32_n1", cfg("bf16"), "fp32", [Step(f32_bits(0x3F818000), 0, 1.0)]))
+    C.append(case("bf16_f32_n7", cfg("bf16"), "fp32", [Step(mixed_f32(31, 7), 0, 1.0)]))
+    C.append(case("bf16_f32_4097", cfg("bf16"), "fp32", [Step(mixed_f32(32, 4097), 0, 0.3)],
+                  chunk=1000))
+    C.append(case("bf16_bf16_4097", cfg("bf16"), "bf16",
+                  [Step(to_bf16_bits(gaussian(33, 4097)), 0, 1.0)], chunk=4096))
+    C.append(case("bf16_ef_f32", cfg("bf16", error_feedback=True), "fp32",
+                  [Step(gaussian(34, 1000), 0), Step(gaussian(35, 1000), 1),
+                   Step(gaussian(36, 1000), 2, 0.25)]))
+    # --- topk ---------------------------------------------------------------------------------
+    C.append(case("topk_density_f32", cfg("topk", density=0.01), "fp32",
+                  [Step(gaussian(41, 5000), 0, 1.0), Step(gaussian(42, 5000), 1, 0.5),
+                   Step(gaussian(43, 5000), 2, 0.25)], tensor="encoder.attn.q_proj"))
+    C.append(case("topk_ratio_f16values", cfg("topk", ratio=20.0, sparse_values="fp16"), "fp32",
+                  [Step(gaussian(44, 3001, 1e-3), 0, 1.0), Step(gaussian(45, 3001, 1e-3), 1, 1.0),
+                   Step(gaussian(46, 3001, 1e-3), 2, 0.3)], chunk=1000))
+    C.append(case("topk_f16_input", cfg("topk", density=0.05), "fp16",
+                  [Step(to_f16_bits(gaussian(47, 2000)), 0), Step(to_f16_bits(gaussian(48, 2000)), 1),
+                   Step(to_f16_bits(gaussian(49, 2000)), 2, 0.5)], chunk=700))
+    C.append(case("topk_bf16_input_f16values",
+                  cfg("topk", density=0.02, sparse_values="fp16"), "bf16",
+                  [Step(to_bf16_bits(gaussian(50, 1500, 100.0)), 7),
+                   Step(to_bf16_bits(gaussian(51, 1500, 100.0)), 8)], chunk=512))
+    const = np.full(100, 0.75, dtype=np.float32)
+    C.append(case("topk_constant", cfg("topk", density=0.1), "fp32",
+                  [Step(const, 0), Step(const, 1, input_of=0), Step(const, 2, input_of=0)],
+                  chunk=16))
+    C.append(case("topk_ties_signs", cfg("topk", density=0.3), "fp32",
+                  [Step(tied_pm(52, 1000, [1.0, 2.0, 3.0]), 0),
+                   Step(tied_pm(53, 1000, [1.0, 2.0, 3.0]), 1, 0.5),
+                   Step(tied_pm(54, 1000, [0.5, 1.0]), 2)], chunk=64,
+                  note="many equal magnitudes of both signs; the tie cut falls inside a chunk"))
+    ties_f16 = tied_pm(55, 777, [0.1, 0.2])
+    C.append(case("topk_ties_f16values", cfg("topk", ratio=3.0, sparse_values="fp16"), "fp32",
+                  [Step(ties_f16, 0), Step(tied_pm(56, 777, [0.1, 0.2]), 1),
+                   Step(tied_pm(57, 777, [0.3]), 2)], chunk=100))
+    finite = gaussian(58, 300)
+    nan_inf = gaussian(59, 300)
+    nan_inf[[3, 77, 150]] = f32_bits(0x7FC12345, 0xFFC00001, 0x7FC00000)
+    nan_inf[[10, 299]] = f32_vals(np.inf, -np.inf)
+    nan_inf[[11, 12]] = f32_bits(0x80000000, 0x00000001)
+    C.append(case("topk_nan_inf", cfg("topk", density=0.05), "fp32",
+                  [Step(finite, 0), Step(nan_inf, 1, 0.5)], chunk=128,
+                  note="NaN/Inf only in the last step, so no NaN residual feeds a later payload"))
+    C.append(case("topk_density1", cfg("topk", density=1.0), "fp32",
+                  [Step(gaussian(63, 37), 0), Step(gaussian(64, 37), 1)], chunk=10,
+                  note="k = n: every gap is 0, so w = 0 and there are no gap bytes"))
+    ov0 = gaussian(65, 600)
+    ov0[200:400] = F32(0.0)                      # chunk 1 (200..399) selects nothing
+    ov0[[50, 450]] = f32_vals(1.0e5, -70000.0)   # |v| >= 65520: the fp16 value is +-Inf
+    ov0[451] = F32(65519.0)                      # rounds to 65504
+    C.append(case("topk_f16values_empty_chunk_overflow",
+                  cfg("topk", density=0.01, sparse_values="fp16"), "fp32",
+                  [Step(ov0, 0), Step(gaussian(66, 600), 1, 0.5)], chunk=200,
+                  note="fp16 values: a chunk without selected elements still has flag bit 0 set; "
+                       "values beyond fp16 range go out as Inf, the residual becomes -+Inf"))
+    C.append(case("topk_n0", cfg("topk", density=0.5), "fp32", [Step(f32_vals(), 0)]))
+    C.append(case("topk_n1", cfg("topk", density=0.01), "fp32",
+                  [Step(f32_vals(-2.5), 0), Step(f32_vals(1.0), 1)]))
+    C.append(case("topk_multichunk_large", cfg("topk", density=0.002), "fp32",
+                  [Step(gaussian(60, 5000), 0), Step(gaussian(61, 5000), 1),
+                   Step(gaussian(62, 5000), 2)], chunk=1300, seed=7, rank=1))
+    # --- dgc ----------------------------------------------------------------------------------
+    C.append(case("dgc_exact_m0", cfg("dgc", density=0.01), "fp32",
+                  [Step(gaussian(70, 10000), 0), Step(gaussian(71, 10000), 1, 0.5),
+                   Step(gaussian(70, 10000), 2, input_of=0)], chunk=4096, tensor="fc1.weight"))
+    small = gaussian(85, 1000)
+    small_inf = gaussian(86, 1000)
+    small_inf[[5, 900]] = f32_vals(np.inf, -np.inf)
+    small_nan = gaussian(87, 1000)
+    small_nan[7] = f32_bits(0x7FC0BEEF)[0]
+    C.append(case("dgc_exact_clip_nonfinite", cfg("dgc", density=0.02, momentum=0.5, clip_norm=10.0),
+                  "fp32", [Step(small, 0), Step(small_inf, 1, 0.5), Step(small_nan, 2)], chunk=300,
+                  note="step 1: Inf makes the clipping norm Inf, so f = 0: finite values become "
+                       "+-0, Inf becomes NaN (0 * Inf). Step 2: a NaN makes the norm NaN, so no "
+                       "clipping. NaNs are selected first"))
+    dov = gaussian(89, 500)
+    dov[[10, 20]] = f32_vals(8.0e4, -1.0e6)
+    C.append(case("dgc_exact_f16values_overflow",
+                  cfg("dgc", density=0.01, momentum=0.5, sparse_values="fp16"), "fp32",
+                  [Step(dov, 0), Step(gaussian(90, 500), 1)], chunk=128,
+                  note="v' beyond fp16 range: the value sent is Inf and masking leaves v' - Inf"))
+    C.append(case("dgc_exact_m09_clip_f16values",
+                  cfg("dgc", density=0.02, momentum=0.9, clip_norm=50.0, sparse_values="fp16"),
+                  "fp16",
+                  [Step(to_f16_bits(gaussian(73, 32768)), 0, 1.0, density=0.05),
+                   Step(to_f16_bits(gaussian(73, 32768)), 1, 0.5, input_of=0),
+                   Step(to_f16_bits(gaussian(73, 32768)), 2, 1.0, density=0.01, input_of=0)],
+                  chunk=10000, seed=3))
+    C.append(case("dgc_sample_40000_m0", cfg("dgc", density=0.01), "fp16",
+                  [Step(to_f16_bits(gaussian(76, 40000)), 0),
+                   Step(to_f16_bits(gaussian(76, 40000)), 1, 0.5, input_of=0),
+                   Step(to_f16_bits(gaussian(76, 40000)), 2, input_of=0)],
+                  chunk=16384, tensor="decoder.layers.3.mlp.w2", seed=11, rank=2))
+    C.append(case("dgc_sample_40000_m09_override",
+                  cfg("dgc", ratio=50.0, momentum=0.9, sample_fraction=0.001), "fp16",
+                  [Step(to_f16_bits(gaussian(79, 40000)), 4294967301, 1.0, density=0.05),
+                   Step(to_f16_bits(gaussian(79, 40000)), 4294967302, 1.0, input_of=0),
+                   Step(to_f16_bits(gaussian(79, 40000)), 4294967303, 0.3, density=0.004,
+                        input_of=0)],
+                  tensor="emb/wé", seed=0xDEADBEEF, rank=3, chunk=0))
+    C.append(case("dgc_sample_100000_m09_clip_f16values",
+                  cfg("dgc", density=0.01, momentum=0.9, clip_norm=100.0, sparse_values="fp16"),
+                  "fp16",
+                  [Step(to_f16_bits(gaussian(82, 100000)), 0),
+                   Step(to_f16_bits(gaussian(82, 100000)), 1, 0.5, input_of=0),
+                   Step(to_f16_bits(gaussian(82, 100000)), 2, input_of=0)],
+                  chunk=25000, tensor="lm_head.weight", seed=5, rank=1))
+    nf = to_f16_bits(gaussian(86, 110000))
+    nf[[10, 50000, 109999]] = np.array([0x7E01, 0xFC00, 0x7C00], dtype=np.uint16)  # NaN, -Inf, Inf
+    C.append(case("dgc_sample_110000_M1045_nonfinite",
+                  cfg("dgc", density=0.005, momentum=0.9, sample_fraction=0.0095), "fp16",
+                  [Step(nf, 0), Step(nf, 1, 0.5, input_of=0)], chunk=30000, rank=5,
+                  tensor="transformer.wte", seed=77,
+                  note="M = ceil(0.0095 * 110000) = 1045 > 1024; NaN/Inf selected first"))
+    rng = np.random.default_rng(87)
+    sp = np.zeros(40000, dtype=np.float32)
+    sp[rng.choice(40000, 300, replace=False)] = gaussian(88, 300)
+    C.append(case("dgc_sample_40000_sparse_grad", cfg("dgc", density=0.01), "bf16",
+                  [Step(to_bf16_bits(sp), 0), Step(to_bf16_bits(sp), 1, input_of=0)],
+                  chunk=8192, tensor="embedding.weight", seed=4, rank=1,
+                  note="300 non-zeros, k = 400: most sampled keys are 0"))
+    cst = to_bf16_bits(np.full(40000, -0.5, dtype=np.float32))
+    C.append(case("dgc_constant_40000", cfg("dgc", density=0.01, momentum=0.9), "bf16",
+                  [Step(cst, 0), Step(cst, 1, input_of=0), Step(cst, 2, input_of=0)],
+                  chunk=12000, seed=1, rank=0))
+    # --- qsgd ---------------------------------------------------------------------------------
+    C.append(case("qsgd_b8_d512_ef", cfg("qsgd", bits=8, bucket_size=512, error_feedback=True),
+                  "fp32", [Step(qsgd_input(90, 3500, zero_bucket=(1024, 512)), 0),
+                           Step(qsgd_input(91, 3500, zero_bucket=(1024, 512)), 1, 0.5),
+                           Step(qsgd_input(92, 3500), 2)],
+                  chunk=1500, rank=0, seed=9))
+    C.append(case("qsgd_b4_d100_rank3_nonfinite", cfg("qsgd", bits=4, bucket_size=100), "fp32",
+                  [Step(qsgd_nonfinite(93, 1234), 0), Step(qsgd_nonfinite(94, 1234), 1, 0.25)],
+                  chunk=250, rank=3, seed=42, tensor="blocks.7.ffn.bias",
+                  note="chunks of 300: chunk 0 Inf, chunk 1 NaN, chunk 2 fp32-overflowing norm, "
+                       "chunk 3 an all-zero bucket"))
+    C.append(case("qsgd_b2_d100_f16_ef", cfg("qsgd", bits=2, bucket_size=100, error_feedback=True),
+                  "fp16",
+                  [Step(to_f16_bits(gaussian(95, 1050)), 0), Step(to_f16_bits(gaussian(96, 1050)), 1),
+                   Step(to_f16_bits(qsgd_last_nan(97, 1050)), 2, 0.5)],
+                  chunk=300, rank=3, seed=2))
+    C.append(case("qsgd_b8_d100_single_chunk", cfg("qsgd", bits=8, bucket_size=100), "fp32",
+                  [Step(qsgd_input(98, 1001, zero_bucket=(500, 100)), 12345, 0.3)],
+                  rank=0, seed=0))
+    C.append(case("qsgd_b4_d512_bf16", cfg("qsgd", bits=4, bucket_size=512), "bf16",
+                  [Step(to_bf16_bits(gaussian(99, 3000, 0.01)), 0),
+                   Step(to_bf16_bits(gaussian(100, 3000, 0.01)), 1)],
+                  chunk=1024, rank=3, seed=1))
+    C.append(case("qsgd_b3_d7", cfg("qsgd", bits=3, bucket_size=7), "fp32",
+                  [Step(gaussian(101, 50), 0)], chunk=20, rank=0))
+    # --- reduction order probes (see qsgd_order_probe / dgc_clip_probe) -------------------------
+    qx, _ = qsgd_order_probe(4099, 4, 60, 8198, log)
+    C.append(case("qsgd_b8_d4099_reduction_order", cfg("qsgd", bits=8, bucket_size=4099), "fp32",
+                  [Step(qx, 0)], chunk=8198, rank=0, seed=0, tensor="probe",
+                  note="bucket norms next to fp32 rounding flips: only the canonical order of "
+                       "determinism §2 (blocks of 4096 and 8 accumulators relative to the "
+                       "bucket) reproduces them"))
+    dx, clip_a, clip_b, _ = dgc_clip_probe(12300, 3000, log)
+    C.append(case("dgc_clip_reduction_order_a", cfg("dgc", density=0.01, clip_norm=clip_a), "fp32",
+                  [Step(dx, 0)], chunk=3000, tensor="probe",
+                  note="clip_norm / N lies just above an fp32 rounding boundary"))
+    C.append(case("dgc_clip_reduction_order_b", cfg("dgc", density=0.01, clip_norm=clip_b), "fp32",
+                  [Step(dx, 0, input_of=0, input_case="dgc_clip_reduction_order_a")], chunk=3000,
+                  tensor="probe", note="clip_norm / N lies just below an fp32 rounding boundary"))
+    return C
+
+
+def qsgd_input(seed, n, zero_bucket=None):
+    x = gaussian(seed, n)
+    x[::97] *= F32(8.0)
+    if zero_bucket:
+        b, m = zero_bucket
+        x[b:b + m] = F32(0.0)
+        x[b + 5] = F32(-0.0)
+    return x
+
+
+def qsgd_nonfinite(seed, n):
+    x = gaussian(seed, n)
+    x[17] = F32(np.inf)                          # chunk 0 (elements 0..299): Inf -> none layout
+    x[333] = f32_bits(0x7FC01234)[0]             # chunk 1 (300..599): NaN -> none layout
+    x[600] = F32(3.0e38)                         # chunk 2 (600..899): finite values whose
+    x[601] = F32(-3.0e38)                        #   bucket norm overflows fp32 -> none layout
+    x[900:1000] = F32(0.0)                       # chunk 3 (900..1199): an all-zero bucket
+    x[1200] = F32(-0.0)                          # chunk 4 (1200..1233): tail bucket of 34
+    return x
+
+
+def qsgd_last_nan(seed, n):
+    x = gaussian(seed, n)
+    x[650] = F32(np.nan)                         # chunk 2 (600..899) goes out in none layout
+    x[1000:1050] = F32(0.0)                      # tail bucket all zero
+    return x
+
+# ------------------------------------------------------------------------------------------------
+# Reduction-order probes (determinism §2)
+#
+# The canonical fp64 sum normally disappears in the fp32 rounding of a norm. These inputs make it
+# visible: one element 2^30 (square 2^60, whose fp64 ulp is 256), thousands of small elements
+# (squares < 200, lost or kept depending on which accumulator they meet first), and two tuning
+# elements b, c chosen so that the canonical sum lies right next to the point where the fp32 norm
+# (QSGD) or the fp32 clipping factor (DGC) flips. Then summing in another plausible order (plain
+# loop, pairwise, other block size, other accumulator count, indices relative to the tensor
+# instead of the bucket, ...) changes the payload. The alternatives below are simulated only to
+# choose the inputs and to report what each probe distinguishes.
+# ------------------------------------------------------------------------------------------------
+def _seq(a):
+    t = 0.0
+    for v in a:
+        t = t + v
+    return t
+
+
+def _tree8(a):
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
+
+
+def _halving(a):  # SIMD-style horizontal reduction: add the upper half onto the lower half
+    while len(a) > 1:
+        h = len(a) // 2
+        a = [a[i] + a[i + h] for i in range(h)]
+    return a[0]
+
+
+def _pairs(a):
+    while len(a) > 1:
+        b = [a[i] + a[i + 1] for i in range(0, len(a) - 1, 2)]
+        if len(a) % 2:
+            b.append(a[-1])
+        a = b
+    return a[0]
+
+
+def _blocked(t, block=4096, nacc=8, combine=_tree8, acc_off=0, block_off=0, blocks=_seq):
+    sums = []
+    i = 0
+    while i < len(t):
+        end = min(len(t), ((i + block_off) // block + 1) * block - block_off)
+        acc = [0.0] * nacc
+        for k in range(i, end):
+            acc[(k + acc_off) % nacc] = acc[(k + acc_off) % nacc] + t[k]
+        sums.append(combine(acc))
+        i = end
+    return blocks(sums) if sums else 0.0
+
+
+def alternative_sums(offset, chunk=None):
+    """Plausible wrong orders. offset: index of the array's first element in the tensor."""
+    alts = {
+        "plain loop": _seq,
+        "numpy pairwise": lambda t: float(np.sum(np.array(t, dtype=np.float64))),
+        "no 4096 blocks": lambda t: _blocked(t, block=1 << 40),
+        "blocks of 1024": lambda t: _blocked(t, block=1024),
+        "blocks of 8192": lambda t: _blocked(t, block=8192),
+        "accumulators combined in a row": lambda t: _blocked(t, combine=_seq),
+        "accumulators combined by halving": lambda t: _blocked(t, combine=_halving),
+        "4 accumulators": lambda t: _blocked(t, nacc=4, combine=_pairs),
+        "16 accumulators": lambda t: _blocked(t, nacc=16, combine=_pairs),
+        "block sums combined pairwise": lambda t: _blocked(t, blocks=_pairs),
+    }
+    if offset % 8:
+        alts["accumulator index relative to the tensor"] = lambda t: _blocked(t, acc_off=offset)
+    if offset % 4096:
+        alts["blocks and index relative to the tensor"] = lambda t: _blocked(
+            t, acc_off=offset, block_off=offset)
+    if chunk:
+        def per_chunk(t):
+            total = 0.0
+            for b in range(0, len(t), chunk):
+                total = total + lwref.canonical_sum(t[b:b + chunk])
+            return total
+        alts["per-chunk sums added"] = per_chunk
+    return alts
+
+
+def _fbits(x):
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _bitsf(u):
+    return struct.unpack("<f", struct.pack("<I", u))[0]
+
+
+def _squares(y):
+    return [float(v) * float(v) for v in y.tolist()]
+
+
+def _probe_layout(seed, L, big_late):
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(3.0, 14.0, L).astype(np.float32)
+    x[rng.random(L) < 0.5] *= F32(-1.0)
+    pos = rng.choice(L, 3, replace=False)
+    if big_late:  # the 2^30 element in the last block
+        pos[0] = (L - 1) // 4096 * 4096 + rng.integers(0, L - (L - 1) // 4096 * 4096)
+    return x, [int(p) for p in pos]
+
+
+def _probe_fill(x, pos, b, c):
+    y = x.copy()
+    y[pos[0]] = F32(2.0 ** 30)
+    y[pos[1]] = F32(b)
+    y[pos[2]] = F32(c)
+    return y
+
+
+def _probe_flip(x, pos, value_of):
+    """b, and the two neighbouring fp32 values of c around which value_of(canonical sum) flips;
+    None when the flip is not inside the searched range."""
+    smalls = float(np.sum(x.astype(np.float64) ** 2))
+    b = float(F32(math.sqrt(2.0 ** 37 + 2.0 ** 12 - smalls - 200.0 ** 2)))
+
+    def val(cb):
+        return value_of(lwref.canonical_sum(_squares(_probe_fill(x, pos, b, _bitsf(cb)))))
+
+    lo, hi = _fbits(50.0), _fbits(400.0)
+    v_lo = val(lo)
+    if val(hi) == v_lo:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if val(mid) == v_lo:
+            lo = mid
+        else:
+            hi = mid
+    return b, _bitsf(lo), _bitsf(hi)
+
+
+def qsgd_order_probe(d, buckets, tail, chunk, log):
+    """Input of `buckets` probe buckets of d elements and a gaussian tail; each probe bucket's
+    fp32 norm sits next to a flip (alternately just below and just above it)."""
+    def norm32(S):
+        return float(lwref.to_f32(math.sqrt(S)))
+
+    for trial in range(50):
+        parts, covered = [], {}
+        for k in range(buckets):
+            x, pos = _probe_layout(1000 * trial + k, d, big_late=(k % 3 == 1))
+            flip = _probe_flip(x, pos, norm32)
+            if flip is None:
+                break
+            b, c_below, c_above = flip
+            y = _probe_fill(x, pos, b, c_below if k % 2 == 0 else c_above)
+            t = _squares(y)
+            want = norm32(lwref.canonical_sum(t))
+            chunk_off = (k * d) % chunk
+            for name, fn in alternative_sums(k * d, None).items():
+                if norm32(fn(t)) != want:
+                    covered.setdefault(name, []).append(k)
+            if chunk_off % 8:
+                name = "accumulator index relative to the chunk"
+                if norm32(_blocked(t, acc_off=chunk_off)) != want:
+                    covered.setdefault(name, []).append(k)
+            parts.append(y)
+        if len(parts) < buckets:
+            continue
+        must = set(alternative_sums(d, None)) - {"block sums combined pairwise"}  # 2 blocks only
+        if must <= set(covered):
+            x = np.concatenate(parts + [gaussian(5000 + trial, tail)])
+            for name in sorted(covered):
+                log("    qsgd order probe: '%s' differs in bucket(s) %s" % (name, covered[name]))
+            return x, covered
+    raise SystemExit("qsgd order probe: no layout distinguishes every alternative")
+
+
+def dgc_clip_probe(n, chunk, log):
+    """One input and two clip norms: with the first the canonical norm gives a clipping factor
+    just above an fp32 rounding boundary, with the second just below, so an order that gives a
+    larger (first) or smaller (second) norm changes f and every value sent."""
+    for trial in range(50):
+        x, pos = _probe_layout(7000 + trial, n, big_late=True)
+        y = _probe_fill(x, pos, float(F32(370000.0)), 200.0)
+        t = _squares(y)
+        N = math.sqrt(lwref.canonical_sum(t))
+        alts = {name: math.sqrt(fn(t)) for name, fn in alternative_sums(0, chunk).items()}
+        # m: an fp32 midpoint near 0.7 whose tie rounds down (A) / up (B)
+        lo32 = F32(0.7)
+        up = np.nextafter(lo32, F32(1.0))
+        if _fbits(float(lo32)) & 1:
+            lo32, up = up, np.nextafter(up, F32(1.0))
+        m_down = (float(lo32) + float(up)) / 2.0          # tie -> lo32 (even)
+        m_up = (float(up) + float(np.nextafter(up, F32(1.0)))) / 2.0  # tie -> up2 (even)
+
+        def clip_for(m, above):
+            """The smallest clip with clip / N > m (above), or the largest with clip / N < m."""
+            clip = m * N
+            while clip / N > m:
+                clip = math.nextafter(clip, 0.0)
+            while clip / N <= m:
+                clip = math.nextafter(clip, math.inf)
+            if not above:
+                while clip / N >= m:
+                    clip = math.nextafter(clip, 0.0)
+            return clip
+
+        clip_a = clip_for(m_down, True)    # f rounds up; a larger norm makes it round down
+        clip_b = clip_for(m_up, False)     # f rounds down; a smaller norm makes it round up
+        f_of = lambda clip, NN: float(lwref.to_f32(clip / NN))  # noqa: E731
+        covered = {}
+        for name, Na in alts.items():
+            for tag, clip in (("A", clip_a), ("B", clip_b)):
+                if f_of(clip, Na) != f_of(clip, N):
+                    covered.setdefault(name, []).append(tag)
+        if {"plain loop", "no 4096 blocks", "per-chunk sums added"} <= set(covered):
+            for name in sorted(alts):
+                log("    dgc clip probe: '%s' %s" % (
+                    name, "differs with clip %s" % "/".join(covered[name]) if name in covered
+                    else "not distinguished (its norm rounds the same)"))
+            return y, clip_a, clip_b, covered
+    raise SystemExit("dgc clip probe: no input distinguishes the gross alternatives")
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation
+# ------------------------------------------------------------------------------------------------
+def raw_bytes(data, dtype):
+    if dtype == "fp32":
+        return data.astype("<f4").tobytes()
+    return data.astype("<u2").tobytes()
+
+
+def run_case(c, outdir, log, written):
+    config = c["config"]
+    n = c["n"]
+    codec = lwref.Codec(config, n)
+    chunking = lwref.chunk_ranges(n, c["chunk"], lwref.codec_alignment(config))
+    cdir = os.path.join(outdir, c["name"])
+    os.makedirs(cdir, exist_ok=True)
+    steps_json = []
+    for j, st in enumerate(c["steps"]):
+        data = raw_bytes(st.data, c["dtype"])
+        if st.input_of is None:
+            in_name = "%s/s%d.in" % (c["name"], j)
+            with open(os.path.join(outdir, in_name), "wb") as fh:
+                fh.write(data)
+            written[in_name] = data
+        else:
+            in_name = "%s/s%d.in" % (st.input_case or c["name"], st.input_of)
+            assert written[in_name] == data, in_name  # an earlier file with the same bytes
+        payloads, info = codec.step(st.data, c["dtype"], chunking, c["seed"], c["tensor"],
+                                    st.step, c["rank"], st.density)
+        out = np.zeros(n, dtype=np.float32)
+        codec.decode(payloads, chunking, st.weight, out)
+        pay_name = "%s/s%d.payload" % (c["name"], j)
+        with open(os.path.join(outdir, pay_name), "wb") as fh:
+            fh.write(b"".join(payloads))
+        dec_name = "%s/s%d.decoded" % (c["name"], j)
+        bits = out.view(np.uint32)
+        sparse = 8 * int(np.count_nonzero(bits)) < 4 * n  # whichever file is smaller
+        with open(os.path.join(outdir, dec_name), "wb") as fh:
+            if sparse:
+                nz = np.nonzero(bits != 0)[0]
+                fh.write(b"".join(struct.pack("<II", int(i), int(bits[i])) for i in nz))
+            else:
+                fh.write(out.astype("<f4").tobytes())
+        sj = {
+            "step": st.step,
+            "weight": repr(float(st.weight)),
+            "density": None if st.density is None else repr(float(st.density)),
+            "input": in_name,
+            "payload": pay_name,
+            "payload_sizes": [len(p) for p in payloads],
+            "decoded": dec_name,
+            "decoded_format": "sparse" if sparse else "dense",
+            "info": info,
+        }
+        steps_json.append(sj)
+        desc = " ".join("%s=%s" % (k, v) for k, v in info.items() if k != "dgc_lo_hi")
+        log("    step %d: %d chunk(s), %d payload bytes %s" % (
+            st.step, len(payloads), sum(len(p) for p in payloads), desc))
+    cj = {
+        "name": c["name"],
+        "config": {
+            "name": config["name"],
+            "density": None if config["density"] is None else repr(float(config["density"])),
+            "ratio": None if config["ratio"] is None else repr(float(config["ratio"])),
+            "bits": config["bits"],
+            "bucket_size": config["bucket_size"],
+            "momentum": repr(float(config["momentum"])),
+            "clip_norm": repr(float(config["clip_norm"])),
+            "sample_fraction": repr(float(config["sample_fraction"])),
+            "sparse_values": config["sparse_values"],
+            "error_feedback": config["error_feedback"],
+        },
+        "tensor_name": c["tensor"],
+        "seed": c["seed"],
+        "rank": c["rank"],
+        "dtype": c["dtype"],
+        "elements": n,
+        "chunk_elements": c["chunk"],
+        "chunk_sizes": [m for _, m in chunking],
+        "steps": steps_json,
+    }
+    if c["note"]:
+        cj["note"] = c["note"]
+    return cj
+
+
+def check_coverage(manifest):
+    """The dgc cases must exercise every selection path of §4.4."""
+    paths = set()
+    for cj in manifest["cases"]:
+        for s in cj["steps"]:
+            p = s["info"].get("dgc_path")
+            if p:
+                paths.add(p.split("(")[0] if p.startswith("refined") else p)
+    want = {"exact(n<=32768)", "initial", "refined", "exact(fallback)"}
+    if not want <= paths:
+        raise SystemExit("dgc path coverage incomplete: have %s, want %s" % (sorted(paths),
+                                                                             sorted(want)))
+
+
+def generate(outdir, log):
+    manifest = {
+        "format": 1,
+        "generator": "tests/reference/make_golden.py (reference: tests/reference/lwref.py)",
+        "doc": "See make_golden.py for the file layout. Doubles and weights are decimal strings "
+               "(shortest round-trip). chunk_elements is the requested chunk size (0 = one "
+               "chunk); chunk_sizes are the resulting chunk lengths.",
+        "cases": [],
+    }
+    written = {}
+    for c in cases(log):
+        t0 = time.time()
+        log("case %s (%s, n=%d, %s, %d step(s))" % (c["name"], c["config"]["name"], c["n"],
+                                                   c["dtype"], len(c["steps"])))
+        manifest["cases"].append(run_case(c, outdir, log, written))
+        log("    %.2fs" % (time.time() - t0))
+    check_coverage(manifest)
+    with open(os.path.join(outdir, "manifest.json"), "w") as fh:
+        json.dump(manifest, fh, indent=1)
+        fh.write("\n")
+    return manifest
+
+
+def list_files(root):
+    out = set()
+    for dp, _, fns in os.walk(root):
+        for fn in fns:
+            out.add(os.path.relpath(os.path.join(dp, fn), root))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="regenerate into a temporary directory and compare with the committed files")
+    ap.add_argument("--out", default=GOLDEN, help="output directory (default: %(default)s)")
+    args = ap.parse_args()
+
+    def log(msg):
+        print(msg, flush=True)
+
+    if not args.check:
+        if os.path.isdir(args.out):
+            shutil.rmtree(args.out)
+        os.makedirs(args.out)
+        generate(args.out, log)
+        total = sum(os.path.getsize(os.path.join(args.out, f)) for f in list_files(args.out))
+        log("wrote %s (%d bytes)" % (args.out, total))
+        return 0
+
+    tmp = tempfile.mkdtemp(prefix="lw-golden-")
+    try:
+        generate(tmp, log)
+        have, want = list_files(args.out), list_files(tmp)
+        bad = []
+        for f in sorted(want - have):
+            bad.append("missing in %s: %s" % (args.out, f))
+        for f in sorted(have - want):
+            bad.append("not generated any more: %s" % f)
+        for f in sorted(have & want):
+            if not filecmp.cmp(os.path.join(args.out, f), os.path.join(tmp, f), shallow=False):
+                case_name = f.split("/")[0] if "/" in f else "(manifest)"
+                bad.append("differs: %s (case %s)" % (f, case_name))
+        if bad:
+            for b in bad:
+                print("CHECK FAILED: " + b, file=sys.stderr)
+            return 1
+        log("check ok: %d files identical" % len(want))
+        return 0
+    finally:
+        shutil.rmtree(tmp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
