@@ -68,7 +68,10 @@ struct Chunking {
   /// A chunking of n elements with chunks of about `requested` elements (0 = one chunk), rounded up
   /// to a multiple of `alignment`.
   static Chunking make(size_t n, size_t requested, size_t alignment);
-  size_t count() const { return elements == 0 ? 1 : (elements + chunk_elements - 1) / chunk_elements; }
+  size_t count() const {
+    if (elements == 0 || chunk_elements == 0) return 1;
+    return (elements + chunk_elements - 1) / chunk_elements;
+  }
   size_t begin(size_t chunk) const { return std::min(elements, chunk * chunk_elements); }
   size_t size(size_t chunk) const {
     const size_t b = begin(chunk);

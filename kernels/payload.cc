@@ -1,5 +1,6 @@
 #include "kernels/payload.h"
 
+#include <cstdio>
 #include <string>
 
 namespace lightwire::kernels {
@@ -17,7 +18,7 @@ void writeHeader(uint8_t* out, const PayloadHeader& h) {
 }
 
 Result<PayloadHeader> readHeader(std::span<const uint8_t> p, CodecId expected,
-                                 uint64_t out_elements, uint8_t allowed_flags) {
+                                 uint64_t out_elements, uint8_t allowed_flags, uint8_t max_round) {
   if (p.size() < kHeaderBytes) {
     return dataLoss("payload truncated: " + std::to_string(p.size()) +
                     " bytes, the header alone needs " + std::to_string(kHeaderBytes));
@@ -40,9 +41,15 @@ Result<PayloadHeader> readHeader(std::span<const uint8_t> p, CodecId expected,
   h.flags = p[5];
   const uint8_t allowed = h.codec == CodecId::kNone ? 0 : allowed_flags;
   if ((h.flags & ~allowed) != 0) {
-    return dataLoss("payload has unknown flag bits 0x" + std::to_string(h.flags & ~allowed));
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "0x%02x", unsigned(h.flags & ~allowed));
+    return dataLoss(std::string("payload has unknown flag bits ") + hex);
   }
   h.round = p[6];
+  if (h.round > (h.codec == CodecId::kNone ? 0 : max_round)) {
+    return dataLoss("payload round " + std::to_string(h.round) + " does not exist for " +
+                    codecIdName(h.codec));
+  }
   if (p[7] != 0) return dataLoss("payload reserved header byte is not zero");
   h.elements = loadU64(p.data() + 8);
   if (h.elements != out_elements) {

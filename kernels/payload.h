@@ -57,9 +57,10 @@ void writeHeader(uint8_t* out, const PayloadHeader& h);
 
 /// Parses and validates the header of `payload` for a decoder of codec `expected` that decodes
 /// into `out_elements` elements. Accepts `expected` or kNone (the universal dense escape), and
-/// only flag bits inside `allowed_flags`.
+/// only flag bits inside `allowed_flags`, and rounds up to `max_round` (0 for single-round codecs).
 Result<PayloadHeader> readHeader(std::span<const uint8_t> payload, CodecId expected,
-                                 uint64_t out_elements, uint8_t allowed_flags);
+                                 uint64_t out_elements, uint8_t allowed_flags,
+                                 uint8_t max_round = 0);
 
 /// Decodes a `none`-layout payload whose header was already read: out += weight * values.
 Status decodeDenseF32(std::span<const uint8_t> payload, const PayloadHeader& h, float weight,

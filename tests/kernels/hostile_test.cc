@@ -53,7 +53,7 @@ TEST_CASE("hostile: structural corruption is rejected by every decoder") {
     m.push_back(0);
     CHECK(!decodeGuarded(*codec, m, n));  // trailing byte
     const std::pair<size_t, uint8_t> header_faults[] = {
-        {0, 0x00}, {1, 0x00}, {2, 0x00}, {2, 0x02}, {4, 0x03}, {5, 0x80}, {7, 0x01}};
+        {0, 0x00}, {1, 0x00}, {2, 0x00}, {2, 0x02}, {4, 0x03}, {5, 0x80}, {6, 0x01}, {7, 0x01}};
     for (auto [off, val] : header_faults) {
       CAPTURE(off);
       m = ok;

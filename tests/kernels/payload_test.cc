@@ -13,7 +13,7 @@ TEST_CASE("payload: header bytes are little-endian as documented") {
   writeHeader(h, {CodecId::kQsgd, DType::kBF16, 0x01, 2, 0x0102030405060708ull});
   const uint8_t want[16] = {0x4C, 0x57, 1, 7, 2, 1, 2, 0, 8, 7, 6, 5, 4, 3, 2, 1};
   CHECK(std::equal(h, h + 16, want));
-  auto r = readHeader(std::span<const uint8_t>(h, 16), CodecId::kQsgd, 0x0102030405060708ull, 0x01);
+  auto r = readHeader(std::span<const uint8_t>(h, 16), CodecId::kQsgd, 0x0102030405060708ull, 0x01, 2);
   REQUIRE(r.isOk());
   CHECK(r->codec == CodecId::kQsgd);
   CHECK(r->dtype == DType::kBF16);
@@ -36,6 +36,7 @@ TEST_CASE("payload: header validation names the problem") {
   m = ok; m[4] = 3; check_bad(m, "dtype");
   m = ok; m[5] = 0x02; check_bad(m, "unknown flag");
   m = ok; m[7] = 1; check_bad(m, "reserved");
+  m = ok; m[6] = 1; check_bad(m, "round of a single-round codec");
   m = ok; m[8] = 11; check_bad(m, "count mismatch");
   // The none layout is accepted by every decoder (dense escape), without flags.
   m = ok; m[3] = 0;

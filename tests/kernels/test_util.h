@@ -28,7 +28,8 @@ inline std::unique_ptr<Codec> make(const CodecConfig& c) {
 }
 
 inline bool bitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 /// The configurations every generic test runs (one per codec family and option).
