@@ -1,1 +1,254 @@
-// placeholder: being written
+// `fp16` and `bf16` (docs/determinism.md §4.1, docs/wire-format.md): every value cast to a 16-bit
+// float. One codec template, parameterised by the format; the conversions are those of dtype.h.
+
+#include <bit>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "kernels/parallel.h"
+#include "kernels/registry.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define LW_CAST_F16C 1
+#endif
+
+namespace lightwire::kernels {
+namespace {
+
+constexpr size_t kParallelGrain = 1 << 16;  // elements per thread at least
+
+#ifdef LW_CAST_F16C
+// x86 F16C converts exactly as floatToHalf / halfToFloat do: round to nearest even and the NaN
+// rule of §4.1 are F16C's own, and MXCSR (FTZ/DAZ) does not change the result (checked over all
+// 2^32 inputs). The one difference, vcvtph2ps quieting a signalling NaN, is invisible here because
+// the decoded value is multiplied by the weight, which quiets it anyway.
+bool haveF16c() {
+  static const bool have = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  }();
+  return have;
+}
+
+__attribute__((target("avx,f16c"))) void encodeHalvesF16c(const float* src, size_t n,
+                                                          uint8_t* dst) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), h);
+  }
+  for (; i < n; ++i) storeU16(dst + 2 * i, floatToHalf(src[i]));
+}
+
+__attribute__((target("avx,f16c"))) void decodeHalvesF16c(const uint8_t* src, size_t n,
+                                                          float weight, float* out) {
+  const __m256 w = _mm256_set1_ps(weight);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i)));
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(w, v)));
+  }
+  for (; i < n; ++i) out[i] = out[i] + weight * halfToFloat(loadU16(src + 2 * i));
+}
+#endif
+
+/// binary16 (IEEE half) as a cast-codec format. Stateless.
+struct Fp16Format {
+  static constexpr CodecId kId = CodecId::kFp16;
+  static constexpr DType kDType = DType::kF16;
+  static constexpr const char* kName = "fp16";
+  static uint16_t encode(float f) { return floatToHalf(f); }
+  static float decode(uint16_t h) { return halfToFloat(h); }
+
+  /// dst[0..2n) = the values of src[0..n).
+  static void encodeRange(const float* src, size_t n, uint8_t* dst) {
+#ifdef LW_CAST_F16C
+    if (haveF16c()) return encodeHalvesF16c(src, n, dst);
+#endif
+    for (size_t i = 0; i < n; ++i) storeU16(dst + 2 * i, floatToHalf(src[i]));
+  }
+  /// out[i] = out[i] + weight * value i of src, for i < n.
+  static void decodeRange(const uint8_t* src, size_t n, float weight, float* out) {
+#ifdef LW_CAST_F16C
+    if (haveF16c()) return decodeHalvesF16c(src, n, weight, out);
+#endif
+    for (size_t i = 0; i < n; ++i) out[i] = out[i] + weight * halfToFloat(loadU16(src + 2 * i));
+  }
+};
+
+/// bfloat16 (top half of binary32) as a cast-codec format. Stateless.
+struct Bf16Format {
+  static constexpr CodecId kId = CodecId::kBf16;
+  static constexpr DType kDType = DType::kBF16;
+  static constexpr const char* kName = "bf16";
+  static uint16_t encode(float f) { return floatToBf16(f); }
+  static float decode(uint16_t h) { return bf16ToFloat(h); }
+
+  static void encodeRange(const float* src, size_t n, uint8_t* dst) {
+    for (size_t i = 0; i < n; ++i) storeU16(dst + 2 * i, floatToBf16(src[i]));
+  }
+  static void decodeRange(const uint8_t* src, size_t n, float weight, float* out) {
+    for (size_t i = 0; i < n; ++i) out[i] = out[i] + weight * bf16ToFloat(loadU16(src + 2 * i));
+  }
+};
+
+/// Exact size of a cast payload of n elements; nullopt when it does not fit in size_t.
+std::optional<size_t> castPayloadBytes(uint64_t n) {
+  if (n > (std::numeric_limits<size_t>::max() - kHeaderBytes) / 2) return std::nullopt;
+  return kHeaderBytes + 2 * static_cast<size_t>(n);
+}
+
+/// Checks that a payload whose header `h` was read (own layout or the `none` escape) has exactly
+/// the length its element count needs.
+template <typename F>
+Status checkLength(std::span<const uint8_t> p, const PayloadHeader& h) {
+  const uint64_t n = h.elements;
+  const bool dense = h.codec == CodecId::kNone;
+  const uint64_t width = dense ? 4 : 2;
+  const uint64_t body = p.size() - kHeaderBytes;  // readHeader guarantees size >= header
+  if (body % width != 0 || body / width != n) {
+    return dataLoss(std::string(dense ? "none" : F::kName) + " payload of " + std::to_string(n) +
+                    " elements must be 16 + " + std::to_string(width) + " * " + std::to_string(n) +
+                    " bytes, got " + std::to_string(p.size()));
+  }
+  return Status::ok();
+}
+
+/// Single-round codec: the header's round byte must be 0 (readHeader does not check it).
+template <typename F>
+Status checkRound(const PayloadHeader& h) {
+  if (h.round == 0) return Status::ok();
+  return dataLoss(std::string(F::kName) + " payload has round " + std::to_string(h.round) +
+                  ", must be 0");
+}
+
+/// Value i of a validated payload body, in either layout.
+template <typename F>
+inline float valueAt(const uint8_t* body, bool dense, size_t i) {
+  return dense ? loadF32(body + 4 * i) : F::decode(loadU16(body + 2 * i));
+}
+
+/// The fp16 or bf16 codec. Immutable, thread-safe.
+template <typename F>
+class CastCodec final : public Codec {
+ public:
+  explicit CastCodec(const CodecConfig& c) : config_(c) {}
+
+  const CodecTraits& traits() const override {
+    static const CodecTraits t{.id = F::kId, .name = F::kName, .summable = true};
+    return t;
+  }
+  const CodecConfig& config() const override { return config_; }
+  size_t workspaceBytes(const Chunking&) const override { return 0; }
+  size_t maxPayloadBytes(size_t n) const override { return kHeaderBytes + 2 * n; }
+
+  Status analyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
+                 std::span<std::byte>) const override {
+    return Status::ok();
+  }
+
+  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                             int round, std::span<const uint8_t>, ConstTensor input, CodecState&,
+                             std::span<std::byte>, std::span<uint8_t> out) const override {
+    if (round != 0) return invalidArgument(std::string(F::kName) + " has a single round");
+    if (chunking.chunk_elements == 0) return invalidArgument("chunking has chunk_elements = 0");
+    if (chunk >= chunking.count()) {
+      return outOfRange("chunk " + std::to_string(chunk) + " of " +
+                        std::to_string(chunking.count()));
+    }
+    if (input.elements != chunking.elements) {
+      return invalidArgument("input has " + std::to_string(input.elements) +
+                             " elements, chunking expects " + std::to_string(chunking.elements));
+    }
+    if (input.dtype > DType::kBF16) return invalidArgument("input dtype is unknown");
+    const size_t begin = chunking.begin(chunk), n = chunking.size(chunk);
+    if (out.size() < maxPayloadBytes(n)) return outOfRange("payload buffer too small");
+    writeHeader(out.data(), {F::kId, input.dtype, 0, 0, n});
+    uint8_t* body = out.data() + kHeaderBytes;
+    auto work = [&](size_t lo, size_t hi) { encodeRange(input, begin, lo, hi, body); };
+    if (ctx.stream != nullptr)
+      ctx.stream->parallelFor(n, kParallelGrain, work);
+    else
+      work(0, n);
+    return kHeaderBytes + 2 * n;
+  }
+
+  Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
+                     size_t out_elements) const override {
+    auto h = readHeader(payload, F::kId, out_elements, 0);
+    if (!h) return h.status();
+    LW_RETURN_IF_ERROR(checkRound<F>(*h));
+    if (h->codec == CodecId::kNone) return decodeDenseF32(payload, *h, weight, out);
+    LW_RETURN_IF_ERROR(checkLength<F>(payload, *h));
+    F::decodeRange(payload.data() + kHeaderBytes, out_elements, weight, out);
+    return Status::ok();
+  }
+
+  Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,
+                             std::span<uint8_t> out) const override {
+    if (a.size() < kHeaderBytes || b.size() < kHeaderBytes) {
+      return dataLoss(std::string(F::kName) + " payload to add is shorter than its header");
+    }
+    const uint64_t n = loadU64(a.data() + 8), n_b = loadU64(b.data() + 8);
+    if (n != n_b) {
+      return dataLoss(std::string(F::kName) + " payloads to add hold " + std::to_string(n) +
+                      " and " + std::to_string(n_b) + " elements");
+    }
+    auto ha = readHeader(a, F::kId, n, 0);
+    if (!ha) return ha.status();
+    auto hb = readHeader(b, F::kId, n, 0);
+    if (!hb) return hb.status();
+    LW_RETURN_IF_ERROR(checkRound<F>(*ha));
+    LW_RETURN_IF_ERROR(checkRound<F>(*hb));
+    LW_RETURN_IF_ERROR(checkLength<F>(a, *ha));
+    LW_RETURN_IF_ERROR(checkLength<F>(b, *hb));
+    const std::optional<size_t> size = castPayloadBytes(n);
+    if (!size || out.size() < *size) return outOfRange("payload buffer too small");
+    const bool dense_a = ha->codec == CodecId::kNone, dense_b = hb->codec == CodecId::kNone;
+    const uint8_t* va = a.data() + kHeaderBytes;
+    const uint8_t* vb = b.data() + kHeaderBytes;
+    uint8_t* vo = out.data() + kHeaderBytes;
+    // Element i is read before out[i] is written and the output is never wider than an input, so
+    // `out` may be one of the inputs.
+    for (size_t i = 0; i < n; ++i) {
+      const float sum = valueAt<F>(va, dense_a, i) + valueAt<F>(vb, dense_b, i);
+      storeU16(vo + 2 * i, F::encode(sum));
+    }
+    writeHeader(out.data(), {F::kId, ha->dtype, 0, 0, n});
+    return *size;
+  }
+
+ private:
+  // Codes input[begin + lo .. begin + hi) into body[2 * lo ..).
+  static void encodeRange(ConstTensor input, size_t begin, size_t lo, size_t hi, uint8_t* body) {
+    if (input.dtype == F::kDType) {  // already this format: bit for bit
+      const auto* src = static_cast<const uint16_t*>(input.data) + begin;
+      if constexpr (std::endian::native == std::endian::little) {
+        std::memcpy(body + 2 * lo, src + lo, 2 * (hi - lo));
+      } else {
+        for (size_t i = lo; i < hi; ++i) storeU16(body + 2 * i, src[i]);
+      }
+    } else if (input.dtype == DType::kF32) {
+      F::encodeRange(static_cast<const float*>(input.data) + begin + lo, hi - lo, body + 2 * lo);
+    } else {  // the other 16-bit format: widen (exact), then convert
+      const ConstTensor src = input.slice(begin, hi);
+      for (size_t i = lo; i < hi; ++i) storeU16(body + 2 * i, F::encode(src.at(i)));
+    }
+  }
+
+  CodecConfig config_;
+};
+
+LW_REGISTER_CODEC(fp16, "fp16", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+  return std::unique_ptr<Codec>(new CastCodec<Fp16Format>(c));
+});
+LW_REGISTER_CODEC(bf16, "bf16", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+  return std::unique_ptr<Codec>(new CastCodec<Bf16Format>(c));
+});
+
+}  // namespace
+}  // namespace lightwire::kernels

@@ -1,1 +1,404 @@
-// placeholder: being written
+// `qsgd` (docs/determinism.md §4.5, docs/wire-format.md): per bucket of d elements an fp32 norm,
+// per element a b-bit code (sign, then a level in 0..s rounded stochastically with Philox words
+// indexed by the whole-tensor element index), bit-packed LSB-first without padding. A chunk whose
+// bucket norms are not all finite is sent in the `none` layout instead.
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <string>
+
+#include "kernels/parallel.h"
+#include "kernels/philox.h"
+#include "kernels/reduce.h"
+#include "kernels/registry.h"
+
+namespace lightwire::kernels {
+namespace {
+
+constexpr uint32_t kMaxBucketSize = 1u << 24;
+constexpr size_t kQsgdHeaderBytes = kHeaderBytes + 8;  // + b, 3 reserved bytes, d
+constexpr size_t kSubBlock = 1024;                     // elements quantised per batch
+constexpr size_t kParallelGrain = 1 << 15;             // elements per thread at least
+
+/// Byte sizes of a qsgd payload. Plain value.
+struct QsgdLayout {
+  uint64_t buckets = 0;
+  uint64_t code_bytes = 0;
+  uint64_t total = 0;
+};
+
+/// The layout of n elements in buckets of d with b bits; nullopt when d = 0 or the sizes would
+/// not fit in 64 bits (hostile element counts).
+std::optional<QsgdLayout> qsgdLayout(uint64_t n, uint64_t d, unsigned b) {
+  if (d == 0 || n > (uint64_t{1} << 60)) return std::nullopt;  // then nothing below overflows
+  QsgdLayout l;
+  l.buckets = n / d + (n % d != 0 ? 1 : 0);
+  l.code_bytes = packedBytes(n, b);
+  l.total = kQsgdHeaderBytes + 4 * l.buckets + l.code_bytes;
+  return l;
+}
+
+/// Philox words of consecutive whole-tensor element indices, one philoxBlock call per group of 4
+/// (the last group is remembered, so a group shared by two batches is drawn once). Per thread.
+class RoundingWords {
+ public:
+  explicit RoundingWords(const PhiloxStream& rng) : rng_(rng) {}
+
+  /// w[k] = the word of element first + k, for k < len.
+  void fill(uint64_t first, size_t len, uint32_t* w) {
+    size_t k = 0;
+    uint64_t i = first;
+    if ((i & 3) != 0) {  // finish a group started before
+      load(i >> 2);
+      for (; (i & 3) != 0 && k < len; ++i, ++k) w[k] = words_[i & 3];
+    }
+    for (; k + 4 <= len; k += 4, i += 4) {  // whole groups, straight into w
+      const std::array<uint32_t, 4> g = rng_.group(i >> 2);
+      std::memcpy(w + k, g.data(), sizeof(g));
+    }
+    if (k < len) {
+      load(i >> 2);
+      for (; k < len; ++i, ++k) w[k] = words_[i & 3];
+    }
+  }
+
+ private:
+  void load(uint64_t g) {
+    if (g == group_) return;
+    words_ = rng_.group(g);
+    group_ = g;
+  }
+
+  PhiloxStream rng_;
+  uint64_t group_ = std::numeric_limits<uint64_t>::max();
+  std::array<uint32_t, 4> words_{};
+};
+
+/// fp32 norm of one bucket: canonical fp64 sum of squares (§2: reduce blocks added in order, as
+/// canonicalSum does without a stream), fp64 sqrt, then fp32. `scratch` holds kReduceBlock floats
+/// for widening fp16/bf16 input.
+float bucketNorm(ConstTensor bucket, float* scratch) {
+  double total = 0.0;
+  for (size_t begin = 0; begin < bucket.elements; begin += kReduceBlock) {
+    const size_t len = std::min(kReduceBlock, bucket.elements - begin);
+    const float* v = static_cast<const float*>(bucket.data) + begin;
+    if (bucket.dtype != DType::kF32) {
+      widenToFloat(bucket.slice(begin, len), scratch);
+      v = scratch;
+    }
+    total = total + canonicalBlockSum(v, len, ReduceTerm::kSquare);
+  }
+  return static_cast<float>(std::sqrt(total));
+}
+
+/// codes[k] = (sign << (b-1)) | level for x[0..len), where element k lies in a bucket of fp32
+/// norm norms[k] > 0 and has the rounding word w[k]. fp64 arithmetic in the order of §4.5; every
+/// operation is exact or correctly rounded IEEE, so the vector clones give the scalar bytes.
+__attribute__((target_clones("avx2", "default"))) void quantize(
+    const float* __restrict x, const uint32_t* __restrict w, const float* __restrict norms,
+    size_t len, uint32_t s, unsigned sign_shift, uint8_t* __restrict codes) {
+  const double sd = static_cast<double>(s);
+  const auto s_i = static_cast<int32_t>(s);
+  for (size_t k = 0; k < len; ++k) {
+    const float xk = x[k];
+    const double r = (std::fabs(static_cast<double>(xk)) / static_cast<double>(norms[k])) * sd;
+    // 0 <= r <= s (|x| <= norm): truncation is the floor and fits in 32 bits.
+    const auto fl = static_cast<int32_t>(r);
+    const double p = r - static_cast<double>(fl);
+    // (double)w[k] * 2^-32, via a signed conversion (exact either way; this one vectorises).
+    const double u =
+        (static_cast<double>(static_cast<int32_t>(w[k] ^ 0x80000000u)) + 0x1p31) * 0x1p-32;
+    int32_t level = fl + (u < p ? 1 : 0);
+    level = level < s_i ? level : s_i;
+    const int32_t sign = xk < 0.0f ? 1 : 0;
+    codes[k] = static_cast<uint8_t>((sign << sign_shift) | level);
+  }
+}
+
+/// out[k] = out[k] + weight * value(codes[k]), element k in a bucket of scale scales[k] (§4.5
+/// decoding).
+__attribute__((target_clones("avx2", "default"))) void dequantize(const uint8_t* __restrict codes,
+                                                                  const float* __restrict scales,
+                                                                  size_t len, uint32_t s,
+                                                                  unsigned sign_shift, float weight,
+                                                                  float* __restrict out) {
+  for (size_t k = 0; k < len; ++k) {
+    const uint32_t code = codes[k];
+    const float v = static_cast<float>(static_cast<int32_t>(code & s)) * scales[k];
+    const float value = (code >> sign_shift) != 0 ? -v : v;
+    out[k] = out[k] + weight * value;
+  }
+}
+
+/// Appends codes[0..len) of `bits` bits each to the stream, four codes per BitWriter call.
+void packCodes(const uint8_t* codes, size_t len, unsigned bits, BitWriter& writer) {
+  size_t k = 0;
+  for (; k + 4 <= len; k += 4) {
+    const uint32_t v = uint32_t{codes[k]} | (uint32_t{codes[k + 1]} << bits) |
+                       (uint32_t{codes[k + 2]} << (2 * bits)) |
+                       (uint32_t{codes[k + 3]} << (3 * bits));
+    writer.put(v, 4 * bits);
+  }
+  for (; k < len; ++k) writer.put(codes[k], bits);
+}
+
+/// Reads `len` codes of `bits` bits each from the stream into codes[0..len).
+void unpackCodes(BitReader& reader, size_t len, unsigned bits, uint8_t* codes) {
+  const uint32_t mask = (1u << bits) - 1;
+  size_t k = 0;
+  for (; k + 4 <= len; k += 4) {
+    const uint32_t v = reader.get(4 * bits);
+    codes[k] = static_cast<uint8_t>(v & mask);
+    codes[k + 1] = static_cast<uint8_t>((v >> bits) & mask);
+    codes[k + 2] = static_cast<uint8_t>((v >> (2 * bits)) & mask);
+    codes[k + 3] = static_cast<uint8_t>((v >> (3 * bits)) & mask);
+  }
+  for (; k < len; ++k) codes[k] = static_cast<uint8_t>(reader.get(bits));
+}
+
+/// QSGD with fixed bits and bucket size. Immutable, thread-safe.
+class QsgdCodec final : public Codec {
+ public:
+  explicit QsgdCodec(const CodecConfig& c)
+      : config_(c),
+        bits_(static_cast<unsigned>(c.bits)),
+        levels_((1u << (c.bits - 1)) - 1),
+        bucket_(c.bucket_size) {
+    // Buckets per thread unit: a multiple whose codes end on a byte boundary, so threads never
+    // share a byte of the code stream.
+    const uint64_t bucket_bits = uint64_t{bucket_} * bits_;
+    unit_buckets_ = 8 / std::gcd<uint64_t, uint64_t>(bucket_bits, 8);
+  }
+
+  const CodecTraits& traits() const override {
+    static const CodecTraits t{.id = CodecId::kQsgd, .name = "qsgd"};
+    return t;
+  }
+  const CodecConfig& config() const override { return config_; }
+  size_t chunkAlignment() const override { return bucket_; }
+  size_t workspaceBytes(const Chunking&) const override { return 0; }
+  size_t maxPayloadBytes(size_t n) const override {
+    const auto l = qsgdLayout(n, bucket_, bits_);
+    return std::max<size_t>(l ? l->total : 0, kHeaderBytes + 4 * n);
+  }
+
+  Status analyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
+                 std::span<std::byte>) const override {
+    return Status::ok();
+  }
+
+  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                             int round, std::span<const uint8_t>, ConstTensor input, CodecState&,
+                             std::span<std::byte>, std::span<uint8_t> out) const override {
+    if (round != 0) return invalidArgument("qsgd has a single round");
+    if (chunking.chunk_elements == 0) return invalidArgument("chunking has chunk_elements = 0");
+    if (chunk >= chunking.count()) {
+      return outOfRange("chunk " + std::to_string(chunk) + " of " +
+                        std::to_string(chunking.count()));
+    }
+    if (input.elements != chunking.elements) {
+      return invalidArgument("input has " + std::to_string(input.elements) +
+                             " elements, chunking expects " + std::to_string(chunking.elements));
+    }
+    if (input.dtype > DType::kBF16) return invalidArgument("input dtype is unknown");
+    if (chunking.count() > 1 && chunking.chunk_elements % bucket_ != 0) {
+      return invalidArgument("qsgd chunk size " + std::to_string(chunking.chunk_elements) +
+                             " is not a multiple of bucket_size " + std::to_string(bucket_));
+    }
+    const size_t begin = chunking.begin(chunk), n = chunking.size(chunk);
+    if (out.size() < maxPayloadBytes(n)) return outOfRange("payload buffer too small");
+    const auto layout = qsgdLayout(n, bucket_, bits_);
+    if (!layout) return outOfRange("qsgd chunk of " + std::to_string(n) + " elements is too large");
+
+    uint8_t* p = out.data();
+    writeHeader(p, {CodecId::kQsgd, input.dtype, 0, 0, n});
+    p[16] = static_cast<uint8_t>(bits_);
+    p[17] = p[18] = p[19] = 0;
+    storeU32(p + 20, bucket_);
+    uint8_t* norms = p + kQsgdHeaderBytes;
+    uint8_t* codes = norms + 4 * layout->buckets;
+
+    const PhiloxStream rng(ctx.seed, ctx.name_key, ctx.step, ctx.rank,
+                           RandomPurpose::kQsgdRounding);
+    const ConstTensor x = input.slice(begin, n);
+    std::atomic<bool> non_finite{false};
+    const size_t buckets = layout->buckets;
+    const size_t units = (buckets + unit_buckets_ - 1) / unit_buckets_;
+    auto work = [&](size_t lo, size_t hi) {
+      encodeBuckets(x, begin, lo * unit_buckets_, std::min(hi * unit_buckets_, buckets), rng, norms,
+                    codes, non_finite);
+    };
+    const size_t grain = std::max<size_t>(1, kParallelGrain / (unit_buckets_ * bucket_));
+    if (ctx.stream != nullptr)
+      ctx.stream->parallelFor(units, grain, work);
+    else
+      work(0, units);
+    if (!non_finite.load(std::memory_order_relaxed)) return static_cast<size_t>(layout->total);
+
+    // Escape (§4.5 step 2): the whole chunk as plain fp32 values.
+    writeHeader(p, {CodecId::kNone, input.dtype, 0, 0, n});
+    auto dense = [&](size_t lo, size_t hi) {
+      for (size_t i = lo; i < hi; ++i) storeF32(p + kHeaderBytes + 4 * i, x.at(i));
+    };
+    if (ctx.stream != nullptr)
+      ctx.stream->parallelFor(n, 1 << 16, dense);
+    else
+      dense(0, n);
+    return kHeaderBytes + 4 * n;
+  }
+
+  Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
+                     size_t out_elements) const override {
+    auto h = readHeader(payload, CodecId::kQsgd, out_elements, 0);
+    if (!h) return h.status();
+    if (h->round != 0) {  // single-round codec (readHeader does not check this byte)
+      return dataLoss("qsgd payload has round " + std::to_string(h->round) + ", must be 0");
+    }
+    if (h->codec == CodecId::kNone) return decodeDenseF32(payload, *h, weight, out);
+    const uint8_t* p = payload.data();
+    if (payload.size() < kQsgdHeaderBytes) {
+      return dataLoss("qsgd payload truncated: " + std::to_string(payload.size()) +
+                      " bytes, its headers alone need " + std::to_string(kQsgdHeaderBytes));
+    }
+    const unsigned b = p[16];
+    if (b < 2 || b > 8) {
+      return dataLoss("qsgd payload has b = " + std::to_string(b) + " bits, must be 2..8");
+    }
+    if (p[17] != 0 || p[18] != 0 || p[19] != 0) {
+      return dataLoss("qsgd payload reserved bytes 17..19 are not zero");
+    }
+    const uint32_t d = loadU32(p + 20);
+    if (d == 0) return dataLoss("qsgd payload has bucket size d = 0");
+    const uint64_t n = h->elements;
+    const auto layout = qsgdLayout(n, d, b);
+    if (!layout) {
+      return dataLoss("qsgd payload element count " + std::to_string(n) + " is too large");
+    }
+    if (payload.size() != layout->total) {
+      return dataLoss("qsgd payload of " + std::to_string(n) +
+                      " elements (b = " + std::to_string(b) + ", d = " + std::to_string(d) +
+                      ") must be " + std::to_string(layout->total) + " bytes, got " +
+                      std::to_string(payload.size()));
+    }
+    const uint8_t* norms = p + kQsgdHeaderBytes;
+    for (uint64_t k = 0; k < layout->buckets; ++k) {
+      const float norm = loadF32(norms + 4 * k);
+      if (std::isnan(norm) || std::isinf(norm) || norm < 0.0f) {
+        return dataLoss("qsgd bucket " + std::to_string(k) + " has norm " + std::to_string(norm) +
+                        " (must be finite and >= 0)");
+      }
+    }
+    const uint8_t* codes = norms + 4 * layout->buckets;
+    if (!paddingIsZero({codes, static_cast<size_t>(layout->code_bytes)}, n * b)) {
+      return dataLoss("qsgd payload has non-zero unused bits after its last code");
+    }
+
+    const uint32_t s = (1u << (b - 1)) - 1;
+    const float s_f = static_cast<float>(s);
+    BitReader reader(codes);
+    alignas(64) uint8_t batch_codes[kSubBlock];
+    alignas(64) float scales[kSubBlock];
+    // Batches of whole buckets when they are small, else sub-blocks of one bucket.
+    const uint64_t per_batch = std::max<uint64_t>(1, kSubBlock / d);
+    for (uint64_t k = 0; k < layout->buckets; k += per_batch) {
+      const uint64_t e_end = std::min<uint64_t>(n, (k + per_batch) * d);
+      for (uint64_t off = k * d; off < e_end; off += kSubBlock) {
+        const auto m = static_cast<size_t>(std::min<uint64_t>(kSubBlock, e_end - off));
+        for (uint64_t pos = off; pos < off + m;) {
+          const uint64_t bucket = pos / d, seg_end = std::min<uint64_t>(off + m, (bucket + 1) * d);
+          const float scale = loadF32(norms + 4 * bucket) / s_f;
+          std::fill(scales + (pos - off), scales + (seg_end - off), scale);
+          pos = seg_end;
+        }
+        unpackCodes(reader, m, b, batch_codes);
+        dequantize(batch_codes, scales, m, s, b - 1, weight, out + off);
+      }
+    }
+    return Status::ok();
+  }
+
+ private:
+  // Norms and codes of buckets [first, last) of the chunk starting at tensor index `begin`.
+  // Codes of bucket `first` start on a byte boundary (unit_buckets_).
+  void encodeBuckets(ConstTensor x, size_t begin, size_t first, size_t last,
+                     const PhiloxStream& rng, uint8_t* norms, uint8_t* codes,
+                     std::atomic<bool>& non_finite) const {
+    alignas(64) float scratch[kReduceBlock];
+    alignas(64) float values[kSubBlock];
+    alignas(64) float elem_norms[kSubBlock];
+    alignas(64) uint32_t words[kSubBlock];
+    alignas(64) uint8_t batch_codes[kSubBlock];
+    alignas(64) float batch_norms[kSubBlock];
+    RoundingWords rounding(rng);
+    const unsigned sign_shift = bits_ - 1;
+    const size_t d = bucket_;
+    BitWriter writer(codes + (uint64_t{first} * d * bits_) / 8);
+    // Batches of whole buckets when they are small, else one bucket in sub-blocks.
+    const size_t per_batch = std::max<size_t>(1, kSubBlock / d);
+    for (size_t k = first; k < last; k += per_batch) {
+      if (non_finite.load(std::memory_order_relaxed)) return;  // the chunk is escaped anyway
+      const size_t k_end = std::min(last, k + per_batch);
+      const size_t e_end = std::min(x.elements, k_end * d);
+      for (size_t j = k; j < k_end; ++j) {
+        const float norm = bucketNorm(x.slice(j * d, std::min(d, x.elements - j * d)), scratch);
+        storeF32(norms + 4 * j, norm);
+        if (!std::isfinite(norm)) {
+          non_finite.store(true, std::memory_order_relaxed);
+          return;
+        }
+        batch_norms[j - k] = norm;
+      }
+      for (size_t off = k * d; off < e_end; off += kSubBlock) {
+        const size_t m = std::min(kSubBlock, e_end - off);
+        const float* v = static_cast<const float*>(x.data) + off;
+        if (x.dtype != DType::kF32) {
+          widenToFloat(x.slice(off, m), values);
+          v = values;
+        }
+        for (size_t pos = off; pos < off + m;) {  // bucket by bucket: norms and random words
+          const size_t bucket = pos / d, seg_end = std::min(off + m, (bucket + 1) * d);
+          const float norm = batch_norms[bucket - k];
+          if (norm != 0.0f) {
+            std::fill(elem_norms + (pos - off), elem_norms + (seg_end - off), norm);
+            rounding.fill(begin + pos, seg_end - pos, words + (pos - off));
+          } else {
+            // Every x of the bucket is ±0: dividing by 1 instead gives r = 0, so level 0 (§4.5)
+            // whatever the word, and no word is drawn.
+            std::fill(elem_norms + (pos - off), elem_norms + (seg_end - off), 1.0f);
+            std::fill(words + (pos - off), words + (seg_end - off), 0u);
+          }
+          pos = seg_end;
+        }
+        quantize(v, words, elem_norms, m, levels_, sign_shift, batch_codes);
+        packCodes(batch_codes, m, bits_, writer);
+      }
+    }
+    writer.flush();
+  }
+
+  CodecConfig config_;
+  unsigned bits_;
+  uint32_t levels_;  // s = 2^(b-1) - 1
+  uint32_t bucket_;
+  uint64_t unit_buckets_ = 1;
+};
+
+LW_REGISTER_CODEC(qsgd, "qsgd", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+  if (c.bits < 2 || c.bits > 8) {
+    return invalidArgument("qsgd: bits must be in 2..8, got " + std::to_string(c.bits));
+  }
+  if (c.bucket_size < 1 || c.bucket_size > kMaxBucketSize) {
+    return invalidArgument("qsgd: bucket_size must be in 1.." + std::to_string(kMaxBucketSize) +
+                           ", got " + std::to_string(c.bucket_size));
+  }
+  return std::unique_ptr<Codec>(new QsgdCodec(c));
+});
+
+}  // namespace
+}  // namespace lightwire::kernels
