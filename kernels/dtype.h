@@ -43,6 +43,16 @@ inline uint16_t floatToHalf(float f) {
   return static_cast<uint16_t>(sign | m);
 }
 
+/// fp32 -> binary16 like floatToHalf, but a finite value beyond ±65504 becomes ±65504 instead of
+/// ±Inf (sparse fp16 values: the residual keeps the excess). NaN and ±Inf are kept.
+inline uint16_t floatToHalfSaturating(float f) {
+  const uint32_t abs = floatBits(f) & 0x7FFFFFFFu;
+  if (abs > 0x477FE000u && abs < 0x7F800000u) {  // finite and > 65504
+    return static_cast<uint16_t>(((floatBits(f) >> 16) & 0x8000u) | 0x7BFFu);
+  }
+  return floatToHalf(f);
+}
+
 /// binary16 -> fp32, exact.
 inline float halfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;

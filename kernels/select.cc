@@ -468,7 +468,7 @@ Result<SparseWritten> writeSparsePayload(CodecId codec, DType source, DType valu
     constexpr DType D = decltype(d)::value;
     if (values == DType::kF16) {
       for (size_t j = 0; j < nnz; ++j) {
-        storeU16(vals + 2 * j, floatToHalf(loadWidened<D>(x.data, begin + idx[j])));
+        storeU16(vals + 2 * j, floatToHalfSaturating(loadWidened<D>(x.data, begin + idx[j])));
       }
     } else {
       for (size_t j = 0; j < nnz; ++j)

@@ -154,7 +154,7 @@ class DgcCodec final : public Codec {
     const bool f16 = config_.sparse_values == DType::kF16;
     for (size_t j = 0; j < written->nnz; ++j) {
       const size_t i = begin + indices[j];
-      const float value = f16 ? halfToFloat(floatToHalf(vn[i])) : vn[i];
+      const float value = f16 ? halfToFloat(floatToHalfSaturating(vn[i])) : vn[i];
       vn[i] = vn[i] - value;
       un[i] = 0.0f;
     }

@@ -85,3 +85,18 @@ TEST_CASE("prepare without commit leaves the codec state unchanged") {
     CHECK(testing::bitEqual(a, b));
   }
 }
+
+TEST_CASE("error feedback: fp16 sparse values saturate so the residual stays finite") {
+  auto codec = testing::make({.name = "topk", .density = 0.5, .sparse_values = DType::kF16});
+  CodecState state(codec->stateFloats(2));
+  std::vector<float> x = {1.0e6f, 0.5f};
+  auto sent = step(*codec, state, x, 0);
+  CHECK(sent[0] == 65504.0f);
+  state.commit();
+  CHECK(state.currentSpan()[0] == 1.0e6f - 65504.0f);
+  sent = step(*codec, state, x, 1);  // the excess keeps flowing, nothing becomes Inf or NaN
+  CHECK(sent[0] == 65504.0f);
+  state.commit();
+  CHECK(std::isfinite(state.currentSpan()[0]));
+  CHECK(std::isfinite(state.currentSpan()[1]));
+}

@@ -226,23 +226,25 @@ TEST_CASE("topk payload at 1% density is well under 8 bytes per selected element
   CHECK(static_cast<double>(half[0].size()) / static_cast<double>(expectedK(n, 0.01)) < 4.0);
 }
 
-TEST_CASE("topk fp16 values round-trip as floatToHalf") {
+TEST_CASE("topk fp16 values round-trip as floatToHalfSaturating") {
   std::vector<float> x = gaussian(5000, 13);
-  x[10] = 1e6f;           // overflows to Inf in fp16
+  x[10] = 1e6f;           // saturates to 65504 (a finite value never becomes Inf)
+  x[11] = -INFINITY;      // stays -Inf
   x[20] = std::nanf("");  // NaN is selected first
   x[30] = 3.0e-6f;        // subnormal in fp16; key small, so set density to take all
   const auto codec = makeTopk(1.0, std::nullopt, DType::kF16);
   const auto payloads = encode(*codec, x, 0);
   CHECK(payloads[0][5] == 1);  // flag: fp16 values
+  CHECK(halfToFloat(floatToHalfSaturating(1e6f)) == 65504.0f);
   const Sparse s = parseSparse(payloads[0]);
   REQUIRE(s.indices.size() == x.size());
   for (size_t i = 0; i < x.size(); ++i) {
-    CHECK(floatBits(s.values[i]) == floatBits(halfToFloat(floatToHalf(x[i]))));
+    CHECK(floatBits(s.values[i]) == floatBits(halfToFloat(floatToHalfSaturating(x[i]))));
   }
   std::vector<float> out(x.size(), 0.0f);
   REQUIRE(decodeTensor(*codec, Chunking::make(x.size(), 0, 1), payloads, 1.0f, out.data()).isOk());
   for (size_t i = 0; i < x.size(); ++i) {
-    const float want = 0.0f + 1.0f * halfToFloat(floatToHalf(x[i]));
+    const float want = 0.0f + 1.0f * halfToFloat(floatToHalfSaturating(x[i]));
     CHECK((floatBits(out[i]) == floatBits(want) || (std::isnan(out[i]) && std::isnan(want))));
   }
 }

@@ -145,6 +145,14 @@ def f32_bits_to_f16(u):
     return sign | (((exp + 15) << 10) + (q - 1024))  # q == 2048 carries into the exponent
 
 
+def f32_bits_to_f16_saturating(u):
+    """Sparse fp16 values (determinism §4.3): finite magnitudes above 65504 become +-65504."""
+    a = u & 0x7FFFFFFF
+    if a < 0x7F800000 and _float_of_finite_bits(a) > 65504.0:
+        return ((u >> 16) & 0x8000) | 0x7BFF
+    return f32_bits_to_f16(u)
+
+
 def f16_to_f32_bits(h):
     """binary16 bits -> fp32 bits, exact (NaN payload kept, signalling bit untouched)."""
     sign = (h & 0x8000) << 16
@@ -547,7 +555,7 @@ class Codec:
         for b, m in chunking:
             idx = [int(i) for i in sel if b <= i < b + m]
             if fp16:
-                vb = [f32_bits_to_f16(int(bits_of(vals[i:i + 1])[0])) for i in idx]
+                vb = [f32_bits_to_f16_saturating(int(bits_of(vals[i:i + 1])[0])) for i in idx]
             else:
                 vb = [int(bits_of(vals[i:i + 1])[0]) for i in idx]
             out.append(sparse_payload(cid, dcode, m, [i - b for i in idx], vb, fp16))
@@ -629,7 +637,9 @@ class Codec:
         u2 = u2.copy()
         if len(sel):
             if cfg["sparse_values"] == "fp16":
-                dec = f16_to_f32_array(f32_to_f16_array(v2[sel]))
+                sat = np.array([f32_bits_to_f16_saturating(int(u)) for u in bits_of(v2[sel])],
+                               dtype=np.uint16)
+                dec = f16_to_f32_array(sat)
             else:
                 dec = v2[sel].copy()
             v2[sel] = _f32(v2[sel] - dec)
