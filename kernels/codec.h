@@ -136,7 +136,8 @@ class Codec {
   /// reduced payload of round-1 (empty in round 0). Reads only the chunk's range of `input` and
   /// writes only the chunk's range of state.next(), so calls for different chunks may run
   /// concurrently after analyze() (and the error-feedback decorator may update the residual of a
-  /// chunk as soon as that chunk is encoded).
+  /// chunk as soon as that chunk is encoded). Each chunk is encoded at most once per analyze()
+  /// (DGC's masking updates state.next()); concurrent calls need distinct ctx.stream values.
   virtual Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
                                      int round, std::span<const uint8_t> previous,
                                      ConstTensor input, CodecState& state,
