@@ -89,7 +89,8 @@ Status checkDensity(double density, std::string_view what) {
   return Status::ok();
 }
 
-Result<double> configuredDensity(const CodecConfig& config, std::string_view codec) {
+Result<double> configuredDensity(const CodecConfig& config, std::string_view codec,
+                                 std::optional<double> fallback) {
   const std::string name(codec);
   if (config.density && config.ratio) {
     return invalidArgument(name + ": set either density or ratio, not both (density " +
@@ -97,6 +98,7 @@ Result<double> configuredDensity(const CodecConfig& config, std::string_view cod
                            formatNumber(*config.ratio) + ")");
   }
   if (!config.density && !config.ratio) {
+    if (fallback) return *fallback;
     return invalidArgument(name + ": needs density (in (0, 1]) or ratio (>= 1)");
   }
   if (config.density) {

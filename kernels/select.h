@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <type_traits>
@@ -59,8 +60,10 @@ size_t selectionSize(size_t n, double density);
 Status checkDensity(double density, std::string_view what);
 
 /// The density a sparse codec is configured with: exactly one of config.density (in (0, 1]) and
-/// config.ratio (>= 1, density = 1 / ratio in fp64). `codec` names the codec in messages.
-Result<double> configuredDensity(const CodecConfig& config, std::string_view codec);
+/// config.ratio (>= 1, density = 1 / ratio in fp64), or `fallback` when neither is set and the
+/// codec has a default. `codec` names the codec in messages.
+Result<double> configuredDensity(const CodecConfig& config, std::string_view codec,
+                                 std::optional<double> fallback = std::nullopt);
 
 /// Checks config.sparse_values (fp32 or fp16).
 Status checkSparseValues(const CodecConfig& config, std::string_view codec);

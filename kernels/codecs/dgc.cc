@@ -258,8 +258,11 @@ class DgcCodec final : public Codec {
   double density_;
 };
 
+constexpr double kDgcDefaultDensity = 0.001;
+
 Result<std::unique_ptr<Codec>> makeDgc(const CodecConfig& c) {
-  auto density = configuredDensity(c, "dgc");
+  // 0.1 %: the DGC paper's 99.9 % sparsity; warm-up schedules (policies/) start gentler.
+  auto density = configuredDensity(c, "dgc", kDgcDefaultDensity);
   if (!density) return density.status();
   LW_RETURN_IF_ERROR(checkSparseValues(c, "dgc"));
   if (!(c.momentum >= 0.0 && c.momentum < 1.0)) {

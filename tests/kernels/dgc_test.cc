@@ -591,8 +591,7 @@ TEST_CASE("dgc rejects bad configs with messages naming the parameter") {
   c.density.reset();
   c.ratio = 0.5;
   expectConfigError(c, "ratio");
-  c.ratio.reset();
-  expectConfigError(c, "density");  // neither
+  c.ratio.reset();  // neither: the default density (tested below), not an error
   c.density = 0.1;
   c.momentum = 1.0;
   expectConfigError(c, "momentum");
@@ -648,3 +647,19 @@ TEST_CASE("dgc decoder rejects other codecs' payloads and damaged ones without t
 
 }  // namespace
 }  // namespace lightwire::kernels
+
+TEST_CASE("dgc without density or ratio uses the documented default of 0.001") {
+  auto codec = lightwire::kernels::createCodec({.name = "dgc"});
+  REQUIRE(codec.isOk());
+  const size_t n = 20000;  // exact path: exactly k = 20 selected
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 977) - 488.0f;
+  lightwire::kernels::CodecState state((*codec)->stateFloats(n));
+  auto payloads = lightwire::kernels::encodeTensor(
+      **codec, {}, lightwire::kernels::Chunking::make(n, 0, 1),
+      {x.data(), n, lightwire::kernels::DType::kF32}, state);
+  REQUIRE(payloads.isOk());
+  CHECK(lightwire::kernels::loadU32((*payloads)[0].data() + 16) == 20);
+  auto topk = lightwire::kernels::createCodec({.name = "topk"});
+  CHECK(!topk.isOk());  // topk has no default: the user must choose
+}

@@ -1,0 +1,69 @@
+#pragma once
+// `lightwire bench codec`: throughput of one codec on one fp32 tensor, against the baselines that
+// say whether it is fast (a parallel memcpy of the same bytes, and std::nth_element for the
+// selection codecs). Prints figures; never passes or fails on time. Method: bench/README.md.
+
+#include <boost/json/object.hpp>
+
+#include <cstddef>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/status.h"
+
+namespace lightwire::proxy {
+
+/// How to measure (the same for every codec of one invocation).
+struct BenchSettings {
+  size_t elements = 0;        // N, fp32 elements of the input
+  unsigned threads = 1;       // CpuStream threads, also the memcpy baseline's
+  size_t chunk_elements = 0;  // requested chunk size (0 = kDefaultChunkElements)
+  int runs = 5;               // timed runs per figure (>= 5), after one warm-up run
+};
+
+/// Chunk size when none is asked for: 1 Mi elements (4 MiB of fp32), the granularity at which the
+/// sidecar pipelines compression with sending.
+inline constexpr size_t kDefaultChunkElements = size_t{1} << 20;
+inline constexpr int kMinRuns = 5;
+
+/// Figures of one codec. Seconds are medians of `runs` timed runs.
+struct BenchResult {
+  std::string label;  // e.g. "topk density=0.01"
+  kernels::CodecConfig config;
+  boost::json::object params;  // effective parameters
+  size_t elements = 0;
+  unsigned threads = 0;
+  size_t chunk_elements = 0;
+  size_t chunks = 0;
+  int runs = 0;
+  size_t raw_bytes = 0;   // 4 * elements
+  size_t wire_bytes = 0;  // sum of the payload sizes
+  double compress_s = 0, decompress_s = 0, memcpy_s = 0;
+  std::optional<double> nth_element_s;  // topk, dgc: single-threaded std::nth_element
+
+  double gbps(double seconds) const { return seconds > 0 ? double(raw_bytes) / seconds / 1e9 : 0; }
+  boost::json::object toJson() const;
+};
+
+/// The fixed-seed Gaussian input (mean 0, stddev 1) every codec is measured on.
+std::vector<float> makeBenchInput(size_t elements);
+
+/// Builds the codec of `config` (kernels::createCodec; an invalid config is an error carrying the
+/// codec's message, code kInvalidArgument) and measures it on `input` with `stream`.
+/// `progress` receives one-line notes for stderr (may be empty).
+Result<BenchResult> benchCodec(const kernels::CodecConfig& config, std::span<const float> input,
+                               const BenchSettings& settings, kernels::CpuStream& stream,
+                               const std::function<void(const std::string&)>& progress);
+
+/// The representative list of `bench codec --all`.
+std::vector<kernels::CodecConfig> representativeCodecs();
+
+/// Aligned human-readable table.
+std::string tableHeader();
+std::string tableRow(const BenchResult& r);
+
+}  // namespace lightwire::proxy

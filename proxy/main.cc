@@ -1,0 +1,164 @@
+// The `lightwire` executable. Subcommands so far: `bench codec` (proxy/bench_codec.h). The sidecar
+// (`serve`), `status` and the rest arrive with their issues.
+//
+// Exit codes: 0 success, 1 a failure while running, 2 bad usage or bad parameters.
+
+#include <CLI/CLI.hpp>
+#include <boost/json/serialize.hpp>
+
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "kernels/parallel.h"
+#include "kernels/registry.h"
+#include "proxy/bench_codec.h"
+#include "proxy/version.h"
+
+namespace lightwire::proxy {
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+/// Flags of `lightwire bench codec`, as parsed.
+struct BenchCodecFlags {
+  bool all = false;
+  std::string codec;
+  std::optional<double> density, ratio, momentum;
+  std::optional<int> bits, approx_rank;
+  std::optional<uint32_t> bucket_size;
+  std::string values;
+  std::string error_feedback;
+  size_t elements = 0;
+  unsigned threads = 0;
+  size_t chunk_elements = 0;
+  int runs = kMinRuns;
+  bool json = false;
+};
+
+kernels::CodecConfig toConfig(const BenchCodecFlags& f) {
+  kernels::CodecConfig c;
+  c.name = f.codec;
+  c.density = f.density;
+  c.ratio = f.ratio;
+  if (f.bits) c.bits = *f.bits;
+  if (f.bucket_size) c.bucket_size = *f.bucket_size;
+  if (f.momentum) c.momentum = *f.momentum;
+  if (f.approx_rank) c.approx_rank = *f.approx_rank;
+  if (f.values == "fp16") c.sparse_values = kernels::DType::kF16;
+  if (f.error_feedback == "on") c.error_feedback = true;
+  if (f.error_feedback == "off") c.error_feedback = false;
+  return c;
+}
+
+int runBenchCodec(const BenchCodecFlags& f) {
+  std::vector<kernels::CodecConfig> configs;
+  if (f.all) {
+    configs = representativeCodecs();
+  } else {
+    configs.push_back(toConfig(f));
+  }
+  BenchSettings settings;
+  settings.elements = f.elements;
+  settings.threads = f.threads ? f.threads : std::max(1u, std::thread::hardware_concurrency());
+  settings.chunk_elements = f.chunk_elements;
+  settings.runs = f.runs;
+
+  // Parameters are checked before the (slow) input is made: a typo costs nothing.
+  for (const auto& c : configs) {
+    auto codec = kernels::createCodec(c);
+    if (!codec) {
+      std::fprintf(stderr, "lightwire: %s\n", codec.status().message().c_str());
+      return kExitUsage;
+    }
+  }
+
+  std::fprintf(stderr, "lightwire bench codec: %zu elements (%.1f MB fp32), %u threads, %d runs\n",
+               settings.elements, double(settings.elements) * 4 / 1e6, settings.threads,
+               settings.runs);
+  const std::vector<float> input = makeBenchInput(settings.elements);
+  kernels::CpuStream stream(settings.threads);
+  auto progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
+
+  if (!f.json) std::fputs(tableHeader().c_str(), stdout);
+  for (const auto& c : configs) {
+    auto result = benchCodec(c, input, settings, stream, progress);
+    if (!result) {
+      std::fprintf(stderr, "lightwire: %s: %s\n", c.name.c_str(),
+                   result.status().message().c_str());
+      return result.status().code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure;
+    }
+    if (f.json) {
+      std::cout << boost::json::serialize(result->toJson()) << '\n';
+    } else {
+      std::fputs(tableRow(*result).c_str(), stdout);
+    }
+    std::fflush(stdout);
+    std::cout.flush();
+  }
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"lightwire: gradient-compression sidecar for distributed training", "lightwire"};
+  app.set_version_flag("--version", "lightwire " LIGHTWIRE_VERSION);
+  app.require_subcommand(1);
+
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print figures");
+  bench->require_subcommand(1);
+  CLI::App* codec =
+      bench->add_subcommand("codec", "Throughput of a codec on a Gaussian fp32 tensor");
+
+  BenchCodecFlags f;
+  auto* all = codec->add_flag("--all", f.all, "Run the representative codec list");
+  std::string known;
+  for (const auto& n : kernels::codecNames()) known += (known.empty() ? "" : ", ") + n;
+  auto* name = codec->add_option("--codec", f.codec, "Codec name: " + known);
+  name->excludes(all);
+  auto* density = codec->add_option("--density", f.density, "topk/dgc: k/n in (0, 1]");
+  auto* ratio = codec->add_option("--ratio", f.ratio, "topk/dgc: n/k (alternative to --density)");
+  density->excludes(ratio);
+  codec->add_option("--bits", f.bits, "qsgd: bits per element including sign (2..8)");
+  codec->add_option("--bucket-size", f.bucket_size, "qsgd: elements per norm bucket");
+  codec->add_option("--momentum", f.momentum, "dgc: momentum correction factor in [0, 1)");
+  codec->add_option("--approx-rank", f.approx_rank, "powersgd: rank");
+  codec->add_option("--values", f.values, "topk/dgc: value encoding")
+      ->check(CLI::IsMember({"fp32", "fp16"}));
+  codec->add_option("--error-feedback", f.error_feedback, "on|off (default: the codec's)")
+      ->check(CLI::IsMember({"on", "off"}));
+  codec->add_option("--elements", f.elements, "Input elements (fp32)")
+      ->required()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 34));
+  codec->add_option("--threads", f.threads, "CpuStream threads (default: hardware concurrency)")
+      ->check(CLI::Range(1u, 1024u));
+  codec
+      ->add_option("--chunk-elements", f.chunk_elements,
+                   "Elements per chunk (default 1048576; rounded up to the codec's alignment)")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 34));
+  codec->add_option("--runs", f.runs, "Timed runs per figure; the median is reported (>= 5)")
+      ->check(CLI::Range(kMinRuns, 1000000));
+  codec->add_flag("--json", f.json, "One JSON object per line");
+
+  int rc = 0;
+  codec->callback([&] {
+    if (!f.all && f.codec.empty())
+      throw CLI::ValidationError("--codec", "give --codec NAME or --all");
+    rc = runBenchCodec(f);
+  });
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : kExitUsage;
+  }
+  return rc;
+}
+
+}  // namespace
+}  // namespace lightwire::proxy
+
+int main(int argc, char** argv) { return lightwire::proxy::run(argc, argv); }

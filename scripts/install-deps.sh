@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs every Debian 12 package lightwire needs to build, test and run its demo. Idempotent and
+# quiet: when everything is installed it does nothing at all (not even `apt-get update`).
+# Runs as root, or through sudo otherwise. The CUDA toolkit is optional and not a Debian package:
+# when /usr/local/cuda exists, scripts/build.sh builds the CUDA kernels too.
+set -euo pipefail
+
+packages=(
+  # build
+  meson ninja-build pkg-config g++
+  # libraries
+  libboost1.81-dev libboost-json1.81-dev prometheus-cpp-dev libyaml-cpp-dev libcli11-dev
+  libspdlog-dev libxxhash-dev libssl-dev libhwy-dev librandom123-dev
+  # tests (doctest; the numpy reference implementation behind the golden payloads)
+  doctest-dev python3-numpy python3-xxhash
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$p")
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+if [[ $(id -u) -eq 0 ]]; then
+  as_root=()
+elif command -v sudo >/dev/null 2>&1; then
+  as_root=(sudo)
+else
+  echo "install-deps: missing ${missing[*]}; run as root (no sudo here)" >&2
+  exit 1
+fi
+
+echo "install-deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+"${as_root[@]}" apt-get update -qq
+"${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+  "${missing[@]}" >/dev/null
+echo "install-deps: done" >&2

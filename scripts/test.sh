@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# THE test command (.ci/run runs it): installs the dependencies, builds the release and the
+# ASan+UBSan variants, and runs
+#   - the doctest unit tests in both builds (each test case counts);
+#   - the CUDA tests when the CUDA kernels were built: their host-side part, and the GPU part,
+#     which counts as skipped on a machine without a GPU (exit 77), never as passed;
+#   - the golden payload check of the independent reference implementation (one test);
+#   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan).
+# Ends with exactly one line `N passed, M failed[, K skipped]` and exits non-zero when anything
+# failed, including a build. Logs: <prefix>-test-logs/ (prefix: LW_BUILD_PREFIX, default "build").
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+
+python=${PYTHON:-/usr/bin/python3}
+prefix=${LW_BUILD_PREFIX:-build}
+release_dir=$prefix-release
+asan_dir=$prefix-asan
+logs=$prefix-test-logs
+rm -rf "$logs" && mkdir -p "$logs"
+
+passed=0 failed=0 skipped=0
+failures=()
+start=$SECONDS
+
+note() { printf '%s\n' "$*"; }
+pass() { passed=$((passed + 1)); note "PASS  $1"; }
+fail() { failed=$((failed + 1)); failures+=("$1"); note "FAIL  $1${2:+ ($2)}"; }
+skip() { skipped=$((skipped + 1)); note "SKIP  $1${2:+ ($2)}"; }
+
+# Runs a step quietly into a log; on failure shows the log's tail.
+# quiet NAME LOG CMD...
+quiet() {
+  local name=$1 log=$2
+  shift 2
+  local t0=$SECONDS
+  if "$@" >"$log" 2>&1; then
+    note "ok    $name ($((SECONDS - t0)) s)"
+    return 0
+  fi
+  tail -n 40 "$log"
+  return 1
+}
+
+# Runs a doctest binary and adds its test-case counts.
+# doctest_run NAME BINARY [ENV=VALUE...]
+doctest_run() {
+  local name=$1 binary=$2
+  shift 2
+  local log=$logs/$name.log rc t0=$SECONDS
+  env "$@" "$binary" -r=console --no-version >"$log" 2>&1
+  rc=$?
+  local summary
+  summary=$(grep -E '^\[doctest\] test cases:' "$log" | tail -n 1)
+  if [[ -z "$summary" ]]; then
+    tail -n 40 "$log"
+    fail "$name" "no doctest summary, exit code $rc"
+    return
+  fi
+  # [doctest] test cases: X | Y passed | Z failed | W skipped
+  local p f s
+  p=$(sed -E 's/.*\| *([0-9]+) passed.*/\1/' <<<"$summary")
+  f=$(sed -E 's/.*\| *([0-9]+) failed.*/\1/' <<<"$summary")
+  s=$(sed -E 's/.*\| *([0-9]+) skipped.*/\1/' <<<"$summary")
+  passed=$((passed + p))
+  failed=$((failed + f))
+  skipped=$((skipped + s))
+  note "      $name: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s)"
+  if ((f > 0)); then
+    grep -E 'ERROR|FATAL' "$log" | head -n 20
+    failures+=("$name: $f test case(s)")
+  fi
+  if ((rc != 0 && f == 0)); then
+    # All test cases passed but the process failed: a sanitizer report, a leak, a crash at exit.
+    grep -E 'ERROR: |runtime error|SUMMARY' "$log" | head -n 20
+    fail "$name (process)" "exit code $rc after the tests, see $log"
+  elif grep -q 'runtime error:' "$log"; then
+    # UBSan reports and carries on (so every test case still runs); each report is a failure.
+    grep -A3 'runtime error:' "$log" | head -n 20
+    fail "$name (UBSan)" "$(grep -c 'runtime error:' "$log") report(s), see $log"
+  fi
+}
+
+# ---------------------------------------------------------------------------------------------
+note "== dependencies"
+quiet install-deps "$logs/install-deps.log" bash scripts/install-deps.sh || fail "install-deps"
+
+note "== build"
+release_ok=0 asan_ok=0
+quiet "build $release_dir" "$logs/build-release.log" bash scripts/build.sh release "$release_dir" \
+  && release_ok=1 || fail "build release" "see $logs/build-release.log"
+quiet "build $asan_dir" "$logs/build-asan.log" bash scripts/build.sh asan "$asan_dir" \
+  && asan_ok=1 || fail "build asan" "see $logs/build-asan.log"
+
+note "== unit tests"
+if ((release_ok)); then
+  doctest_run kernels-release "$release_dir/tests/kernels_tests"
+  if [[ -x "$release_dir/tests/kernels_cuda_host_tests" ]]; then
+    doctest_run kernels-cuda-host "$release_dir/tests/kernels_cuda_host_tests"
+  fi
+  if [[ -x "$release_dir/tests/kernels_cuda_tests" ]]; then
+    "$release_dir/tests/kernels_cuda_tests" >"$logs/kernels-cuda.log" 2>&1
+    rc=$?
+    if ((rc == 77)); then
+      skip "kernels-cuda" "$(head -n 1 "$logs/kernels-cuda.log")"
+    else
+      doctest_run kernels-cuda "$release_dir/tests/kernels_cuda_tests"
+    fi
+  else
+    note "      (CUDA kernels not built in $release_dir: no CUDA toolkit)"
+  fi
+fi
+if ((asan_ok)); then
+  doctest_run kernels-asan "$asan_dir/tests/kernels_tests" \
+    ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1 \
+    UBSAN_OPTIONS=print_stacktrace=1
+fi
+
+note "== golden payloads (independent reference implementation)"
+golden=tests/reference/make_golden.py
+if [[ ! -f "$golden" ]]; then
+  fail "golden check" "$golden is missing"
+elif "$python" "$golden" --check >"$logs/golden.log" 2>&1; then
+  pass "golden check ($(tail -n 1 "$logs/golden.log"))"
+else
+  tail -n 40 "$logs/golden.log"
+  fail "golden check" "see $logs/golden.log"
+fi
+
+note "== lightwire smoke"
+if ((release_ok)); then
+  lw=$release_dir/proxy/lightwire
+  version=$("$lw" --version 2>&1)
+  expected=$(sed -nE "s/^ *version: *'([^']+)'.*/\1/p" meson.build | head -n 1)
+  if [[ "$version" == "lightwire $expected" ]]; then
+    pass "lightwire --version ($version)"
+  else
+    fail "lightwire --version" "printed '$version', expected 'lightwire $expected'"
+  fi
+
+  if "$lw" bench codec --codec topk --density 0.01 --elements 100000 --json \
+      >"$logs/bench-smoke.json" 2>"$logs/bench-smoke.err" &&
+    /usr/bin/python3 - "$logs/bench-smoke.json" >"$logs/bench-smoke.check" 2>&1 <<'PY'; then
+import json, sys
+lines = [l for l in open(sys.argv[1]).read().splitlines() if l.strip()]
+assert len(lines) == 1, f"expected one JSON line, got {len(lines)}"
+o = json.loads(lines[0])
+required = ["codec", "params", "elements", "threads", "raw_bytes", "wire_bytes", "compress_gbps",
+            "decompress_gbps", "memcpy_gbps", "nth_element_gbps", "ratio", "compress_vs_memcpy"]
+missing = [k for k in required if k not in o]
+assert not missing, f"missing keys {missing}"
+assert o["codec"] == "topk" and o["elements"] == 100000 and o["raw_bytes"] == 400000, o
+assert isinstance(o["params"], dict) and abs(o["params"]["density"] - 0.01) < 1e-12, o["params"]
+assert 0 < o["wire_bytes"] < o["raw_bytes"], o
+for k in ["compress_gbps", "decompress_gbps", "memcpy_gbps", "nth_element_gbps"]:
+    assert o[k] > 0, (k, o[k])
+print("ok")
+PY
+    pass "lightwire bench codec --codec topk --json"
+  else
+    cat "$logs/bench-smoke.err" "$logs/bench-smoke.check" 2>/dev/null | tail -n 20
+    fail "lightwire bench codec --codec topk --json" "see $logs/bench-smoke.*"
+  fi
+
+  "$lw" bench codec --codec no-such-codec --elements 10 >"$logs/bench-bad.log" 2>&1
+  rc=$?
+  if ((rc == 2)) && grep -q "no-such-codec" "$logs/bench-bad.log"; then
+    pass "lightwire bench codec: an unknown codec is a usage error (exit 2)"
+  else
+    fail "lightwire bench codec: unknown codec" "exit code $rc, see $logs/bench-bad.log"
+  fi
+fi
+if ((asan_ok)); then
+  # Every codec of the representative list through compress and decompress, under ASan+UBSan.
+  if ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    "$asan_dir/proxy/lightwire" bench codec --all --elements 70001 --chunk-elements 16384 --json \
+    >"$logs/bench-asan.json" 2>"$logs/bench-asan.err" &&
+    [[ $(wc -l <"$logs/bench-asan.json") -eq 9 ]] && ! grep -q 'runtime error:' "$logs/bench-asan.err"; then
+    pass "asan: lightwire bench codec --all (9 codecs)"
+  else
+    grep -E 'ERROR|runtime error|lightwire:' "$logs/bench-asan.err" | head -n 20
+    fail "asan: lightwire bench codec --all" "see $logs/bench-asan.*"
+  fi
+fi
+
+note "== $((SECONDS - start)) s"
+for f in "${failures[@]}"; do note "failed: $f"; done
+summary="$passed passed, $failed failed"
+((skipped > 0)) && summary+=", $skipped skipped"
+echo "$summary"
+((failed == 0))
