@@ -16,6 +16,60 @@ void CodecState::reset() {
   std::fill(next_.begin(), next_.end(), 0.0f);
 }
 
+Status Codec::checkStepArgs(const Chunking& chunking, ConstTensor input, const CodecState& state,
+                            std::span<std::byte> workspace) const {
+  const std::string name = traits().name;
+  const size_t n = chunking.elements;
+  if (input.elements != n) {
+    return invalidArgument(name + ": input has " + std::to_string(input.elements) +
+                           " elements, the chunking " + std::to_string(n));
+  }
+  if (input.dtype > DType::kBF16) return invalidArgument(name + ": input dtype is unknown");
+  if (n > 0 && input.data == nullptr) return invalidArgument(name + ": input data is null");
+  if (chunking.chunk_elements == 0) return invalidArgument(name + ": chunk_elements is 0");
+  if (chunking.count() > 1 && chunking.chunk_elements % chunkAlignment() != 0) {
+    return invalidArgument(name + ": chunk size " + std::to_string(chunking.chunk_elements) +
+                           " is not a multiple of " + std::to_string(chunkAlignment()));
+  }
+  if (state.floats() != stateFloats(n)) {
+    return invalidArgument(name + ": codec state holds " + std::to_string(state.floats()) +
+                           " floats, the codec needs " + std::to_string(stateFloats(n)));
+  }
+  if (workspace.size() < workspaceBytes(chunking)) {
+    return invalidArgument(name + ": workspace of " + std::to_string(workspace.size()) +
+                           " bytes, the codec needs " + std::to_string(workspaceBytes(chunking)));
+  }
+  return Status::ok();
+}
+
+Status Codec::analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                      CodecState& state, std::span<std::byte> workspace) const {
+  LW_RETURN_IF_ERROR(checkStepArgs(chunking, input, state, workspace));
+  return doAnalyze(ctx, chunking, input, state, workspace);
+}
+
+Result<size_t> Codec::encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                                  int round, std::span<const uint8_t> previous, ConstTensor input,
+                                  CodecState& state, std::span<std::byte> workspace,
+                                  std::span<uint8_t> out) const {
+  LW_RETURN_IF_ERROR(checkStepArgs(chunking, input, state, workspace));
+  const std::string name = traits().name;
+  if (chunk >= chunking.count()) {
+    return outOfRange(name + ": chunk " + std::to_string(chunk) + " of " +
+                      std::to_string(chunking.count()));
+  }
+  if (round < 0 || round >= traits().rounds) {
+    return invalidArgument(name + " has " + std::to_string(traits().rounds) +
+                           " round(s), got round " + std::to_string(round));
+  }
+  if (out.size() < maxPayloadBytes(chunking.size(chunk))) {
+    return outOfRange(name + ": payload buffer of " + std::to_string(out.size()) +
+                      " bytes, a chunk may need " +
+                      std::to_string(maxPayloadBytes(chunking.size(chunk))));
+  }
+  return doEncodeChunk(ctx, chunking, chunk, round, previous, input, state, workspace, out);
+}
+
 Result<size_t> Codec::addPayloads(std::span<const uint8_t>, std::span<const uint8_t>,
                                   std::span<uint8_t>) const {
   return failedPrecondition(std::string("codec '") + traits().name + "' is not summable");
@@ -30,15 +84,6 @@ size_t WorkspaceCarver::bytesFor(std::initializer_list<size_t> sizes) {
 Result<std::vector<std::vector<uint8_t>>> encodeTensor(const Codec& codec, const StepContext& ctx,
                                                        const Chunking& chunking, ConstTensor input,
                                                        CodecState& state) {
-  if (input.elements != chunking.elements) {
-    return invalidArgument("input has " + std::to_string(input.elements) +
-                           " elements, chunking expects " + std::to_string(chunking.elements));
-  }
-  if (state.floats() != codec.stateFloats(chunking.elements)) {
-    return invalidArgument("codec state holds " + std::to_string(state.floats()) +
-                           " floats, the codec needs " +
-                           std::to_string(codec.stateFloats(chunking.elements)));
-  }
   std::vector<std::byte> ws(codec.workspaceBytes(chunking));
   LW_RETURN_IF_ERROR(codec.analyze(ctx, chunking, input, state, ws));
   std::vector<std::vector<uint8_t>> payloads(chunking.count());

@@ -37,27 +37,27 @@ class CpuStream;
 /// range; fields it does not use are ignored.
 struct CodecConfig {
   std::string name = "none";
-  std::optional<double> density;      // topk, dgc: k/n in (0, 1]
-  std::optional<double> ratio;        // topk, dgc: n/k >= 1 (alternative to density)
-  int bits = 8;                       // qsgd: bits per element including sign, 2..8
-  uint32_t bucket_size = 512;         // qsgd: elements per norm bucket
-  double momentum = 0.0;              // dgc: momentum correction factor in [0, 1)
-  double clip_norm = 0.0;             // dgc: local gradient clipping (0 = off)
-  double sample_fraction = 0.01;      // dgc: threshold sample in [0.001, 0.01]
-  DType sparse_values = DType::kF32;  // topk, dgc: value encoding, kF32 or kF16
-  std::optional<bool> error_feedback; // unset = the codec's default (DESIGN.md §3)
-  int approx_rank = 1;                // powersgd
+  std::optional<double> density;       // topk, dgc: k/n in (0, 1]
+  std::optional<double> ratio;         // topk, dgc: n/k >= 1 (alternative to density)
+  int bits = 8;                        // qsgd: bits per element including sign, 2..8
+  uint32_t bucket_size = 512;          // qsgd: elements per norm bucket
+  double momentum = 0.0;               // dgc: momentum correction factor in [0, 1)
+  double clip_norm = 0.0;              // dgc: local gradient clipping (0 = off)
+  double sample_fraction = 0.01;       // dgc: threshold sample in [0.001, 0.01]
+  DType sparse_values = DType::kF32;   // topk, dgc: value encoding, kF32 or kF16
+  std::optional<bool> error_feedback;  // unset = the codec's default (DESIGN.md §3)
+  int approx_rank = 1;                 // powersgd
 };
 
 /// Static facts about a codec.
 struct CodecTraits {
   CodecId id = CodecId::kNone;
   const char* name = "none";
-  bool summable = false;  // payloads add in the compressed domain (addPayloads)
-  bool sparse = false;    // payload is (index, value) pairs
+  bool summable = false;    // payloads add in the compressed domain (addPayloads)
+  bool sparse = false;      // payload is (index, value) pairs
   bool own_memory = false;  // keeps its own residual/momentum: never wrapped in error feedback
   bool default_error_feedback = false;  // biased codecs: EF on unless configured off
-  int rounds = 1;         // exchanges per step (PowerSGD: 2)
+  int rounds = 1;                       // exchanges per step (PowerSGD: 2)
 };
 
 /// How a tensor of `elements` is cut into chunks of `chunk_elements` (last one shorter).
@@ -81,10 +81,10 @@ struct Chunking {
 
 /// Identity and randomness of one step of one tensor.
 struct StepContext {
-  uint32_t seed = 0;       // job seed (Philox key word 0)
-  uint32_t name_key = 0;   // tensorNameKey(name) (Philox key word 1)
-  uint64_t step = 0;       // Philox counter word 0 (low 32 bits)
-  uint32_t rank = 0;       // Philox stream for per-rank randomness
+  uint32_t seed = 0;              // job seed (Philox key word 0)
+  uint32_t name_key = 0;          // tensorNameKey(name) (Philox key word 1)
+  uint64_t step = 0;              // Philox counter word 0 (low 32 bits)
+  uint32_t rank = 0;              // Philox stream for per-rank randomness
   std::optional<double> density;  // per-step override for selection codecs (schedules)
   CpuStream* stream = nullptr;    // execution context; null = calling thread only
 };
@@ -128,8 +128,10 @@ class Codec {
 
   /// Whole-tensor phase of a step: reads `input` and `state` (state.current()), prepares
   /// state.next(), and leaves in `workspace` what encodeChunk needs. Never touches state.current().
-  virtual Status analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
-                         CodecState& state, std::span<std::byte> workspace) const = 0;
+  /// Checks the arguments every codec relies on (sizes of input, state and workspace; chunk size
+  /// a multiple of chunkAlignment()), then runs doAnalyze().
+  Status analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                 CodecState& state, std::span<std::byte> workspace) const;
 
   /// Encodes chunk `chunk` for exchange round `round` into `out` (at least
   /// maxPayloadBytes(chunking.size(chunk)) bytes) and returns the payload size. `previous` is the
@@ -138,11 +140,11 @@ class Codec {
   /// concurrently after analyze() (and the error-feedback decorator may update the residual of a
   /// chunk as soon as that chunk is encoded). Each chunk is encoded at most once per analyze()
   /// (DGC's masking updates state.next()); concurrent calls need distinct ctx.stream values.
-  virtual Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
-                                     int round, std::span<const uint8_t> previous,
-                                     ConstTensor input, CodecState& state,
-                                     std::span<std::byte> workspace,
-                                     std::span<uint8_t> out) const = 0;
+  /// Checks the arguments as analyze() does plus chunk, round and `out`, then runs doEncodeChunk().
+  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                             int round, std::span<const uint8_t> previous, ConstTensor input,
+                             CodecState& state, std::span<std::byte> workspace,
+                             std::span<uint8_t> out) const;
 
   /// Validates `payload` and adds weight * decoded to out[0..out_elements) (the chunk's range of
   /// the result). On error `out` is untouched and the message says what is wrong.
@@ -152,6 +154,23 @@ class Codec {
   /// Summable codecs: out = a + b in the compressed domain; returns the size written.
   virtual Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,
                                      std::span<uint8_t> out) const;
+
+ protected:
+  /// analyze() and encodeChunk() after their argument checks: implementations may rely on
+  /// input.elements == chunking.elements, a valid dtype, non-null data when non-empty, the state
+  /// and workspace sizes they asked for, chunk < chunking.count(), 0 <= round < rounds, and `out`
+  /// of at least maxPayloadBytes(chunking.size(chunk)) bytes.
+  virtual Status doAnalyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                           CodecState& state, std::span<std::byte> workspace) const = 0;
+  virtual Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking,
+                                       size_t chunk, int round, std::span<const uint8_t> previous,
+                                       ConstTensor input, CodecState& state,
+                                       std::span<std::byte> workspace,
+                                       std::span<uint8_t> out) const = 0;
+
+ private:
+  Status checkStepArgs(const Chunking& chunking, ConstTensor input, const CodecState& state,
+                       std::span<std::byte> workspace) const;
 };
 
 /// Bump allocator over a caller-owned workspace; every slice is 64-byte aligned.

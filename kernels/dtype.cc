@@ -4,9 +4,12 @@ namespace lightwire::kernels {
 
 std::string_view dtypeName(DType t) {
   switch (t) {
-    case DType::kF32: return "fp32";
-    case DType::kF16: return "fp16";
-    case DType::kBF16: return "bf16";
+    case DType::kF32:
+      return "fp32";
+    case DType::kF16:
+      return "fp16";
+    case DType::kBF16:
+      return "bf16";
   }
   return "?";
 }

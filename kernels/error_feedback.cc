@@ -23,8 +23,8 @@ class ErrorFeedbackCodec final : public Codec {
   size_t workspaceBytes(const Chunking& c) const override { return inner_->workspaceBytes(c); }
   size_t maxPayloadBytes(size_t n) const override { return inner_->maxPayloadBytes(n); }
 
-  Status analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
-                 CodecState& state, std::span<std::byte> workspace) const override {
+  Status doAnalyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                   CodecState& state, std::span<std::byte> workspace) const override {
     const size_t n = chunking.elements;
     const float* e = state.current();
     float* a = state.next();
@@ -40,21 +40,22 @@ class ErrorFeedbackCodec final : public Codec {
     return inner_->analyze(ctx, chunking, ConstTensor{a, n, DType::kF32}, none, workspace);
   }
 
-  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
-                             int round, std::span<const uint8_t> previous, ConstTensor input,
-                             CodecState& state, std::span<std::byte> workspace,
-                             std::span<uint8_t> out) const override {
+  Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                               int round, std::span<const uint8_t> previous, ConstTensor input,
+                               CodecState& state, std::span<std::byte> workspace,
+                               std::span<uint8_t> out) const override {
     CodecState none;
     float* a = state.next();
-    auto size = inner_->encodeChunk(ctx, chunking, chunk, round, previous,
-                                    ConstTensor{a, chunking.elements, DType::kF32}, none,
-                                    workspace, out);
+    auto size =
+        inner_->encodeChunk(ctx, chunking, chunk, round, previous,
+                            ConstTensor{a, chunking.elements, DType::kF32}, none, workspace, out);
     if (!size) return size;
     out[4] = static_cast<uint8_t>(input.dtype);  // the header names what the trainer handed in
     // e' = a - decoded: decoding with weight -1 subtracts exactly what the payload carries.
     Status s = inner_->decodeChunk(out.first(*size), -1.0f, a + chunking.begin(chunk),
                                    chunking.size(chunk));
-    if (!s.isOk()) return internalError("error feedback could not decode its own payload: " + s.message());
+    if (!s.isOk())
+      return internalError("error feedback could not decode its own payload: " + s.message());
     return size;
   }
 

@@ -28,7 +28,8 @@ CpuStream::~CpuStream() {
 void CpuStream::parallelFor(size_t count, size_t grain,
                             const std::function<void(size_t, size_t)>& fn) {
   if (count == 0) return;
-  const size_t parts = std::min<size_t>(threads_, std::max<size_t>(1, count / std::max<size_t>(grain, 1)));
+  const size_t parts =
+      std::min<size_t>(threads_, std::max<size_t>(1, count / std::max<size_t>(grain, 1)));
   if (parts <= 1) {
     fn(0, count);
     return;

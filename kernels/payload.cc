@@ -83,9 +83,9 @@ bool paddingIsZero(std::span<const uint8_t> bytes, uint64_t used_bits) {
 }
 
 std::string codecIdName(CodecId id) {
-  static const char* const kNames[] = {"none",     "fp16",     "bf16",    "topk",
+  static const char* const kNames[] = {"none",     "fp16",      "bf16",   "topk",
                                        "randomk",  "threshold", "dgc",    "qsgd",
-                                       "terngrad", "signsgd",  "onebit", "powersgd"};
+                                       "terngrad", "signsgd",   "onebit", "powersgd"};
   const auto i = static_cast<size_t>(id);
   return i < std::size(kNames) ? kNames[i] : "codec#" + std::to_string(i);
 }

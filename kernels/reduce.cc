@@ -29,9 +29,12 @@ double blockSum(const float* x, size_t n) {
 
 double canonicalBlockSum(const float* x, size_t n, ReduceTerm term) {
   switch (term) {
-    case ReduceTerm::kSquare: return blockSum<ReduceTerm::kSquare>(x, n);
-    case ReduceTerm::kAbs: return blockSum<ReduceTerm::kAbs>(x, n);
-    case ReduceTerm::kValue: break;
+    case ReduceTerm::kSquare:
+      return blockSum<ReduceTerm::kSquare>(x, n);
+    case ReduceTerm::kAbs:
+      return blockSum<ReduceTerm::kAbs>(x, n);
+    case ReduceTerm::kValue:
+      break;
   }
   return blockSum<ReduceTerm::kValue>(x, n);
 }

@@ -36,5 +36,6 @@ struct CodecRegistrar {
 
 }  // namespace lightwire::kernels
 
-#define LW_REGISTER_CODEC(ident, name, factory) \
-  static const ::lightwire::kernels::detail::CodecRegistrar lw_codec_registrar_##ident(name, factory)
+#define LW_REGISTER_CODEC(ident, name, factory)                                              \
+  static const ::lightwire::kernels::detail::CodecRegistrar lw_codec_registrar_##ident(name, \
+                                                                                       factory)

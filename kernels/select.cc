@@ -13,16 +13,17 @@
 #include "kernels/parallel.h"
 
 namespace lightwire::kernels {
-namespace {
-
-constexpr size_t kSparseHeaderBytes = kHeaderBytes + 8;  // header, nnz u32, w u8, 3 reserved
-constexpr uint8_t kFlagF16Values = 0x01;
 
 std::string formatNumber(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.17g", v);
   return buf;
 }
+
+namespace {
+
+constexpr size_t kSparseHeaderBytes = kHeaderBytes + 8;  // header, nnz u32, w u8, 3 reserved
+constexpr uint8_t kFlagF16Values = 0x01;
 
 constexpr size_t kScanBlock = 16;
 

@@ -14,6 +14,7 @@
 #include <functional>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -52,6 +53,13 @@ decltype(auto) visitDType(DType t, Fn&& fn) {
   }
   return fn(std::integral_constant<DType, DType::kF32>{});
 }
+
+/// A parameter value for an error message, exactly (%.17g).
+std::string formatNumber(double v);
+
+/// dgc's density when none is configured: the DGC paper's 99.9 % sparsity (warm-up schedules in
+/// policies/ start gentler). topk has no default: its users choose.
+inline constexpr double kDgcDefaultDensity = 0.001;
 
 /// k for n elements at density d (§4.2): 0 if n = 0, else min(n, max(1, floor(d·n + 0.5))).
 size_t selectionSize(size_t n, double density);

@@ -36,7 +36,9 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-inline Status invalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+inline Status invalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
 inline Status dataLoss(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
 inline Status outOfRange(std::string m) { return {StatusCode::kOutOfRange, std::move(m)}; }
 inline Status failedPrecondition(std::string m) {
@@ -48,7 +50,7 @@ inline Status internalError(std::string m) { return {StatusCode::kInternal, std:
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
   Result(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     assert(!std::get<Status>(v_).isOk());
   }
@@ -73,8 +75,8 @@ class [[nodiscard]] Result {
 
 }  // namespace lightwire
 
-#define LW_RETURN_IF_ERROR(expr)           \
-  do {                                     \
-    ::lightwire::Status lw_status_ = (expr); \
+#define LW_RETURN_IF_ERROR(expr)               \
+  do {                                         \
+    ::lightwire::Status lw_status_ = (expr);   \
     if (!lw_status_.isOk()) return lw_status_; \
   } while (0)

@@ -33,7 +33,8 @@ bool isSelection(const std::string& name) { return name == "topk" || name == "dg
 /// Effective density of a selection codec (density, or 1/ratio), as the codec computes it.
 std::optional<double> effectiveDensity(const CodecConfig& c) {
   if (!isSelection(c.name)) return std::nullopt;
-  auto d = kernels::configuredDensity(c, c.name);
+  auto d = kernels::configuredDensity(
+      c, c.name, c.name == "dgc" ? std::optional(kernels::kDgcDefaultDensity) : std::nullopt);
   if (!d) return std::nullopt;
   return *d;
 }

@@ -13,6 +13,8 @@ packages=(
   libspdlog-dev libxxhash-dev libssl-dev libhwy-dev librandom123-dev
   # tests (doctest; the numpy reference implementation behind the golden payloads)
   doctest-dev python3-numpy python3-xxhash
+  # source formatting check (.clang-format)
+  clang-format
 )
 
 missing=()

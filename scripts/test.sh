@@ -94,9 +94,6 @@ quiet "build $asan_dir" "$logs/build-asan.log" bash scripts/build.sh asan "$asan
 note "== unit tests"
 if ((release_ok)); then
   doctest_run kernels-release "$release_dir/tests/kernels_tests"
-  if [[ -x "$release_dir/tests/kernels_cuda_host_tests" ]]; then
-    doctest_run kernels-cuda-host "$release_dir/tests/kernels_cuda_host_tests"
-  fi
   if [[ -x "$release_dir/tests/kernels_cuda_tests" ]]; then
     "$release_dir/tests/kernels_cuda_tests" >"$logs/kernels-cuda.log" 2>&1
     rc=$?
@@ -124,6 +121,17 @@ elif "$python" "$golden" --check >"$logs/golden.log" 2>&1; then
 else
   tail -n 40 "$logs/golden.log"
   fail "golden check" "see $logs/golden.log"
+fi
+
+note "== formatting (.clang-format)"
+mapfile -t sources < <(git ls-files '*.h' '*.cc' '*.cu' 2>/dev/null)
+if ((${#sources[@]} == 0)); then
+  skip "clang-format" "not a git checkout"
+elif clang-format --dry-run --Werror "${sources[@]}" >"$logs/format.log" 2>&1; then
+  pass "clang-format: ${#sources[@]} files formatted"
+else
+  grep -E '^[^ ].*(warning|error):' "$logs/format.log" | cut -d: -f1 | sort -u | head -n 20
+  fail "clang-format" "run: clang-format -i \$(git ls-files '*.h' '*.cc' '*.cu')"
 fi
 
 note "== lightwire smoke"

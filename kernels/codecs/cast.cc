@@ -146,27 +146,16 @@ class CastCodec final : public Codec {
   size_t workspaceBytes(const Chunking&) const override { return 0; }
   size_t maxPayloadBytes(size_t n) const override { return kHeaderBytes + 2 * n; }
 
-  Status analyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
-                 std::span<std::byte>) const override {
+  Status doAnalyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
+                   std::span<std::byte>) const override {
     return Status::ok();
   }
 
-  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
-                             int round, std::span<const uint8_t>, ConstTensor input, CodecState&,
-                             std::span<std::byte>, std::span<uint8_t> out) const override {
-    if (round != 0) return invalidArgument(std::string(F::kName) + " has a single round");
-    if (chunking.chunk_elements == 0) return invalidArgument("chunking has chunk_elements = 0");
-    if (chunk >= chunking.count()) {
-      return outOfRange("chunk " + std::to_string(chunk) + " of " +
-                        std::to_string(chunking.count()));
-    }
-    if (input.elements != chunking.elements) {
-      return invalidArgument("input has " + std::to_string(input.elements) +
-                             " elements, chunking expects " + std::to_string(chunking.elements));
-    }
-    if (input.dtype > DType::kBF16) return invalidArgument("input dtype is unknown");
+  Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                               int /*round*/, std::span<const uint8_t>, ConstTensor input,
+                               CodecState&, std::span<std::byte>,
+                               std::span<uint8_t> out) const override {
     const size_t begin = chunking.begin(chunk), n = chunking.size(chunk);
-    if (out.size() < maxPayloadBytes(n)) return outOfRange("payload buffer too small");
     writeHeader(out.data(), {F::kId, input.dtype, 0, 0, n});
     uint8_t* body = out.data() + kHeaderBytes;
     auto work = [&](size_t lo, size_t hi) { encodeRange(input, begin, lo, hi, body); };

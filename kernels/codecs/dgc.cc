@@ -26,12 +26,6 @@ constexpr size_t kExactMaxElements = 32768;
 constexpr size_t kMinSamples = 1024;
 constexpr int kMaxRefinements = 3;
 
-std::string formatNumber(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
-}
-
 class DgcCodec final : public Codec {
  public:
   DgcCodec(const CodecConfig& c, double density) : config_(c), density_(density) {}
@@ -56,9 +50,8 @@ class DgcCodec final : public Codec {
     return sparseMaxPayloadBytes(n, config_.sparse_values);
   }
 
-  Status analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
-                 CodecState& state, std::span<std::byte> workspace) const override {
-    LW_RETURN_IF_ERROR(checkShapes(chunking, input, state, workspace));
+  Status doAnalyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                   CodecState& state, std::span<std::byte> workspace) const override {
     const size_t n = chunking.elements;
     double density = density_;
     if (ctx.density) {
@@ -128,16 +121,10 @@ class DgcCodec final : public Codec {
     return Status::ok();
   }
 
-  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
-                             int round, std::span<const uint8_t>, ConstTensor input,
-                             CodecState& state, std::span<std::byte> workspace,
-                             std::span<uint8_t> out) const override {
-    LW_RETURN_IF_ERROR(checkShapes(chunking, input, state, workspace));
-    if (round != 0) return invalidArgument("dgc has one round, got round " + std::to_string(round));
-    if (chunk >= chunking.count()) {
-      return outOfRange("chunk " + std::to_string(chunk) + " of " +
-                        std::to_string(chunking.count()));
-    }
+  Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                               int /*round*/, std::span<const uint8_t>, ConstTensor input,
+                               CodecState& state, std::span<std::byte> workspace,
+                               std::span<uint8_t> out) const override {
     const size_t n = chunking.elements;
     WorkspaceCarver carver(workspace);
     const SelectWorkspace ws = SelectWorkspace::carve(carver, n);
@@ -235,33 +222,11 @@ class DgcCodec final : public Codec {
     }
   }
 
-  Status checkShapes(const Chunking& chunking, ConstTensor input, const CodecState& state,
-                     std::span<std::byte> workspace) const {
-    const size_t n = chunking.elements;
-    if (input.elements != n) {
-      return invalidArgument("dgc: input has " + std::to_string(input.elements) +
-                             " elements, chunking expects " + std::to_string(n));
-    }
-    if (chunking.chunk_elements == 0) return invalidArgument("dgc: chunk_elements is 0");
-    if (state.floats() != stateFloats(n)) {
-      return invalidArgument("dgc: state holds " + std::to_string(state.floats()) +
-                             " floats, needs " + std::to_string(stateFloats(n)));
-    }
-    if (workspace.size() < workspaceBytes(chunking)) {
-      return invalidArgument("dgc: workspace of " + std::to_string(workspace.size()) +
-                             " bytes, needs " + std::to_string(workspaceBytes(chunking)));
-    }
-    return Status::ok();
-  }
-
   CodecConfig config_;
   double density_;
 };
 
-constexpr double kDgcDefaultDensity = 0.001;
-
 Result<std::unique_ptr<Codec>> makeDgc(const CodecConfig& c) {
-  // 0.1 %: the DGC paper's 99.9 % sparsity; warm-up schedules (policies/) start gentler.
   auto density = configuredDensity(c, "dgc", kDgcDefaultDensity);
   if (!density) return density.status();
   LW_RETURN_IF_ERROR(checkSparseValues(c, "dgc"));

@@ -19,22 +19,24 @@ class NoneCodec final : public Codec {
   size_t workspaceBytes(const Chunking&) const override { return 0; }
   size_t maxPayloadBytes(size_t n) const override { return kHeaderBytes + 4 * n; }
 
-  Status analyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
-                 std::span<std::byte>) const override {
+  Status doAnalyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
+                   std::span<std::byte>) const override {
     return Status::ok();
   }
 
-  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk, int,
-                             std::span<const uint8_t>, ConstTensor input, CodecState&,
-                             std::span<std::byte>, std::span<uint8_t> out) const override {
+  Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk, int,
+                               std::span<const uint8_t>, ConstTensor input, CodecState&,
+                               std::span<std::byte>, std::span<uint8_t> out) const override {
     const size_t begin = chunking.begin(chunk), n = chunking.size(chunk);
-    if (out.size() < maxPayloadBytes(n)) return outOfRange("payload buffer too small");
     writeHeader(out.data(), {CodecId::kNone, input.dtype, 0, 0, n});
     uint8_t* body = out.data() + kHeaderBytes;
     auto work = [&](size_t lo, size_t hi) {
       for (size_t i = lo; i < hi; ++i) storeF32(body + 4 * i, input.at(begin + i));
     };
-    if (ctx.stream) ctx.stream->parallelFor(n, 1 << 16, work); else work(0, n);
+    if (ctx.stream)
+      ctx.stream->parallelFor(n, 1 << 16, work);
+    else
+      work(0, n);
     return kHeaderBytes + 4 * n;
   }
 

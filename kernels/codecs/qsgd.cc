@@ -188,31 +188,16 @@ class QsgdCodec final : public Codec {
     return std::max<size_t>(l ? l->total : 0, kHeaderBytes + 4 * n);
   }
 
-  Status analyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
-                 std::span<std::byte>) const override {
+  Status doAnalyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
+                   std::span<std::byte>) const override {
     return Status::ok();
   }
 
-  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
-                             int round, std::span<const uint8_t>, ConstTensor input, CodecState&,
-                             std::span<std::byte>, std::span<uint8_t> out) const override {
-    if (round != 0) return invalidArgument("qsgd has a single round");
-    if (chunking.chunk_elements == 0) return invalidArgument("chunking has chunk_elements = 0");
-    if (chunk >= chunking.count()) {
-      return outOfRange("chunk " + std::to_string(chunk) + " of " +
-                        std::to_string(chunking.count()));
-    }
-    if (input.elements != chunking.elements) {
-      return invalidArgument("input has " + std::to_string(input.elements) +
-                             " elements, chunking expects " + std::to_string(chunking.elements));
-    }
-    if (input.dtype > DType::kBF16) return invalidArgument("input dtype is unknown");
-    if (chunking.count() > 1 && chunking.chunk_elements % bucket_ != 0) {
-      return invalidArgument("qsgd chunk size " + std::to_string(chunking.chunk_elements) +
-                             " is not a multiple of bucket_size " + std::to_string(bucket_));
-    }
+  Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                               int /*round*/, std::span<const uint8_t>, ConstTensor input,
+                               CodecState&, std::span<std::byte>,
+                               std::span<uint8_t> out) const override {
     const size_t begin = chunking.begin(chunk), n = chunking.size(chunk);
-    if (out.size() < maxPayloadBytes(n)) return outOfRange("payload buffer too small");
     const auto layout = qsgdLayout(n, bucket_, bits_);
     if (!layout) return outOfRange("qsgd chunk of " + std::to_string(n) + " elements is too large");
 

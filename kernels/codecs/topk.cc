@@ -33,10 +33,9 @@ class TopkCodec final : public Codec {
     return sparseMaxPayloadBytes(n, config_.sparse_values);
   }
 
-  Status analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input, CodecState&,
-                 std::span<std::byte> workspace) const override {
+  Status doAnalyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input, CodecState&,
+                   std::span<std::byte> workspace) const override {
     const size_t n = chunking.elements;
-    LW_RETURN_IF_ERROR(checkShapes(chunking, input, workspace));
     double density = density_;
     if (ctx.density) {
       LW_RETURN_IF_ERROR(checkDensity(*ctx.density, "topk: step density"));
@@ -48,17 +47,10 @@ class TopkCodec final : public Codec {
     return Status::ok();
   }
 
-  Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
-                             int round, std::span<const uint8_t>, ConstTensor input, CodecState&,
-                             std::span<std::byte> workspace,
-                             std::span<uint8_t> out) const override {
-    LW_RETURN_IF_ERROR(checkShapes(chunking, input, workspace));
-    if (round != 0)
-      return invalidArgument("topk has one round, got round " + std::to_string(round));
-    if (chunk >= chunking.count()) {
-      return outOfRange("chunk " + std::to_string(chunk) + " of " +
-                        std::to_string(chunking.count()));
-    }
+  Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                               int /*round*/, std::span<const uint8_t>, ConstTensor input,
+                               CodecState&, std::span<std::byte> workspace,
+                               std::span<uint8_t> out) const override {
     WorkspaceCarver carver(workspace);
     const SelectWorkspace ws = SelectWorkspace::carve(carver, chunking.elements);
     const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
@@ -75,20 +67,6 @@ class TopkCodec final : public Codec {
   }
 
  private:
-  Status checkShapes(const Chunking& chunking, ConstTensor input,
-                     std::span<std::byte> workspace) const {
-    if (input.elements != chunking.elements) {
-      return invalidArgument("topk: input has " + std::to_string(input.elements) +
-                             " elements, chunking expects " + std::to_string(chunking.elements));
-    }
-    if (chunking.chunk_elements == 0) return invalidArgument("topk: chunk_elements is 0");
-    if (workspace.size() < workspaceBytes(chunking)) {
-      return invalidArgument("topk: workspace of " + std::to_string(workspace.size()) +
-                             " bytes, needs " + std::to_string(workspaceBytes(chunking)));
-    }
-    return Status::ok();
-  }
-
   CodecConfig config_;
   double density_;
 };

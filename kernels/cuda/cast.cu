@@ -1,6 +1,6 @@
 // CUDA fp32 <-> fp16/bf16 conversions (kernels/cuda/cast.h). One element per thread per iteration
 // of a grid-stride loop: the loads and stores of a warp are contiguous, so the kernels run at
-// memory bandwidth; the conversions are the integer bit logic of cast_bits.h, shared with the host
+// memory bandwidth; the conversions are the integer bit logic of kernels/half_bits.h, shared with the host
 // build that tests it.
 //
 // Compiled with --fmad=false (kernels/cuda/meson.build); the accumulation also spells out its two
@@ -8,7 +8,7 @@
 
 #include "kernels/cuda/cast.h"
 
-#include "kernels/cuda/cast_bits.h"
+#include "kernels/half_bits.h"
 
 namespace lightwire::kernels::cuda {
 namespace {

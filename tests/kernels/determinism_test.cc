@@ -31,8 +31,11 @@ Outcome run(const Codec& codec, const std::vector<std::vector<float>>& inputs, s
       }
       in = {narrow.data(), n, dtype};
     }
-    StepContext ctx{.seed = 9, .name_key = tensorNameKey("blocks.3.mlp"), .step = 40 + s,
-                    .rank = 2, .stream = stream};
+    StepContext ctx{.seed = 9,
+                    .name_key = tensorNameKey("blocks.3.mlp"),
+                    .step = 40 + s,
+                    .rank = 2,
+                    .stream = stream};
     const auto chunking = Chunking::make(n, chunk, codec.chunkAlignment());
     auto p = encodeTensor(codec, ctx, chunking, in, state);
     REQUIRE_MESSAGE(p.isOk(), p.status().message());
@@ -93,7 +96,8 @@ TEST_CASE("determinism: fp16 and bf16 inputs behave as their exact fp32 widening
     for (DType t : {DType::kF16, DType::kBF16}) {
       auto widened = inputs(5000);
       for (auto& step : widened) {
-        for (auto& v : step) v = t == DType::kF16 ? halfToFloat(floatToHalf(v)) : bf16ToFloat(floatToBf16(v));
+        for (auto& v : step)
+          v = t == DType::kF16 ? halfToFloat(floatToHalf(v)) : bf16ToFloat(floatToBf16(v));
       }
       const auto narrow = run(*codec, widened, 2048, nullptr, t);
       const auto wide = run(*codec, widened, 2048, nullptr, DType::kF32);
@@ -102,7 +106,7 @@ TEST_CASE("determinism: fp16 and bf16 inputs behave as their exact fp32 widening
       for (size_t i = 0; i < narrow.payloads.size(); ++i) {
         auto a = narrow.payloads[i], b = wide.payloads[i];
         REQUIRE(a.size() == b.size());
-        CHECK(a[4] == static_cast<uint8_t>(t));  // the header names the source dtype
+        CHECK(a[4] == static_cast<uint8_t>(t));              // the header names the source dtype
         if (c.name == "fp16" || c.name == "bf16") continue;  // cast of narrow input is a copy
         a[4] = b[4];
         CHECK(a == b);
@@ -121,7 +125,8 @@ TEST_CASE("determinism: lengths 0, 1 and 2 work for every codec") {
       REQUIRE(o.payloads.size() == 1);
       CHECK(o.payloads[0].size() >= kHeaderBytes);
       // Every codec sends at least the largest element of a tiny tensor exactly or close to it.
-      if (n > 0 && c.name != "qsgd") CHECK(o.decoded[0] == doctest::Approx(-1.5f * 0.25f).epsilon(0.01));
+      if (n > 0 && c.name != "qsgd")
+        CHECK(o.decoded[0] == doctest::Approx(-1.5f * 0.25f).epsilon(0.01));
     }
   }
 }

@@ -655,9 +655,9 @@ TEST_CASE("dgc without density or ratio uses the documented default of 0.001") {
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 977) - 488.0f;
   lightwire::kernels::CodecState state((*codec)->stateFloats(n));
-  auto payloads = lightwire::kernels::encodeTensor(
-      **codec, {}, lightwire::kernels::Chunking::make(n, 0, 1),
-      {x.data(), n, lightwire::kernels::DType::kF32}, state);
+  auto payloads =
+      lightwire::kernels::encodeTensor(**codec, {}, lightwire::kernels::Chunking::make(n, 0, 1),
+                                       {x.data(), n, lightwire::kernels::DType::kF32}, state);
   REQUIRE(payloads.isOk());
   CHECK(lightwire::kernels::loadU32((*payloads)[0].data() + 16) == 20);
   auto topk = lightwire::kernels::createCodec({.name = "topk"});

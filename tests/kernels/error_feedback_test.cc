@@ -79,7 +79,8 @@ TEST_CASE("prepare without commit leaves the codec state unchanged") {
     CodecState copy = state;
     // Prepared but never committed: a failed step.
     const auto a = step(*codec, state, testing::gaussian(5000, 2), 1, 1000);
-    CHECK(testing::bitEqual(std::vector<float>(state.currentSpan().begin(), state.currentSpan().end()), before));
+    CHECK(testing::bitEqual(
+        std::vector<float>(state.currentSpan().begin(), state.currentSpan().end()), before));
     // Retrying the same step gives the same result as if the failure never happened.
     const auto b = step(*codec, copy, testing::gaussian(5000, 2), 1, 1000);
     CHECK(testing::bitEqual(a, b));

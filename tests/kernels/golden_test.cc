@@ -94,8 +94,8 @@ std::vector<std::string> runCase(const json::object& c, unsigned threads) {
   const auto& sizes = c.at("chunk_sizes").as_array();
   if (chunking.count() != sizes.size()) {
     return {"chunk count " + std::to_string(chunking.count()) + ", golden " +
-            std::to_string(sizes.size()) + " (alignment " +
-            std::to_string(codec.chunkAlignment()) + ")"};
+            std::to_string(sizes.size()) + " (alignment " + std::to_string(codec.chunkAlignment()) +
+            ")"};
   }
   for (size_t k = 0; k < sizes.size(); ++k) {
     if (chunking.size(k) != sizes[k].to_number<uint64_t>()) {

@@ -52,8 +52,8 @@ TEST_CASE("hostile: structural corruption is rejected by every decoder") {
     auto m = ok;
     m.push_back(0);
     CHECK(!decodeGuarded(*codec, m, n));  // trailing byte
-    const std::pair<size_t, uint8_t> header_faults[] = {
-        {0, 0x00}, {1, 0x00}, {2, 0x00}, {2, 0x02}, {4, 0x03}, {5, 0x80}, {6, 0x01}, {7, 0x01}};
+    const std::pair<size_t, uint8_t> header_faults[] = {{0, 0x00}, {1, 0x00}, {2, 0x00}, {2, 0x02},
+                                                        {4, 0x03}, {5, 0x80}, {6, 0x01}, {7, 0x01}};
     for (auto [off, val] : header_faults) {
       CAPTURE(off);
       m = ok;

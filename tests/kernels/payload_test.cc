@@ -13,7 +13,8 @@ TEST_CASE("payload: header bytes are little-endian as documented") {
   writeHeader(h, {CodecId::kQsgd, DType::kBF16, 0x01, 2, 0x0102030405060708ull});
   const uint8_t want[16] = {0x4C, 0x57, 1, 7, 2, 1, 2, 0, 8, 7, 6, 5, 4, 3, 2, 1};
   CHECK(std::equal(h, h + 16, want));
-  auto r = readHeader(std::span<const uint8_t>(h, 16), CodecId::kQsgd, 0x0102030405060708ull, 0x01, 2);
+  auto r =
+      readHeader(std::span<const uint8_t>(h, 16), CodecId::kQsgd, 0x0102030405060708ull, 0x01, 2);
   REQUIRE(r.isOk());
   CHECK(r->codec == CodecId::kQsgd);
   CHECK(r->dtype == DType::kBF16);
@@ -30,16 +31,33 @@ TEST_CASE("payload: header validation names the problem") {
   };
   std::vector<uint8_t> ok(h, h + 16);
   for (size_t len = 0; len < 16; ++len) check_bad({ok.begin(), ok.begin() + len}, "truncated");
-  auto m = ok; m[0] = 0; check_bad(m, "magic");
-  m = ok; m[2] = 2; check_bad(m, "version");
-  m = ok; m[3] = 6; check_bad(m, "other codec id");
-  m = ok; m[4] = 3; check_bad(m, "dtype");
-  m = ok; m[5] = 0x02; check_bad(m, "unknown flag");
-  m = ok; m[7] = 1; check_bad(m, "reserved");
-  m = ok; m[6] = 1; check_bad(m, "round of a single-round codec");
-  m = ok; m[8] = 11; check_bad(m, "count mismatch");
+  auto m = ok;
+  m[0] = 0;
+  check_bad(m, "magic");
+  m = ok;
+  m[2] = 2;
+  check_bad(m, "version");
+  m = ok;
+  m[3] = 6;
+  check_bad(m, "other codec id");
+  m = ok;
+  m[4] = 3;
+  check_bad(m, "dtype");
+  m = ok;
+  m[5] = 0x02;
+  check_bad(m, "unknown flag");
+  m = ok;
+  m[7] = 1;
+  check_bad(m, "reserved");
+  m = ok;
+  m[6] = 1;
+  check_bad(m, "round of a single-round codec");
+  m = ok;
+  m[8] = 11;
+  check_bad(m, "count mismatch");
   // The none layout is accepted by every decoder (dense escape), without flags.
-  m = ok; m[3] = 0;
+  m = ok;
+  m[3] = 0;
   CHECK(readHeader(m, CodecId::kTopk, 10, 0x01).isOk());
   m[5] = 1;
   CHECK(!readHeader(m, CodecId::kTopk, 10, 0x01).isOk());
@@ -50,7 +68,8 @@ TEST_CASE("payload: bit-packing round trips LSB-first for every width") {
   for (unsigned w = 1; w <= 32; ++w) {
     const size_t count = 77;
     std::vector<uint32_t> values(count);
-    for (auto& v : values) v = static_cast<uint32_t>(gen()) & (w == 32 ? 0xFFFFFFFFu : ((1u << w) - 1));
+    for (auto& v : values)
+      v = static_cast<uint32_t>(gen()) & (w == 32 ? 0xFFFFFFFFu : ((1u << w) - 1));
     std::vector<uint8_t> buf(packedBytes(count, w) + 4, 0);
     BitWriter bw(buf.data());
     for (auto v : values) bw.put(v, w);

@@ -49,8 +49,7 @@ TEST_CASE("reduce: the order is not the naive one") {
   std::vector<float> x = {1e16f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, -1e16f, 1.0f};
   double naive = 0;
   for (float v : x) naive += v;
-  CHECK(canonicalSum(x.data(), x.size(), ReduceTerm::kValue) ==
-        specSum(x, ReduceTerm::kValue));
+  CHECK(canonicalSum(x.data(), x.size(), ReduceTerm::kValue) == specSum(x, ReduceTerm::kValue));
   CHECK(specSum(x, ReduceTerm::kValue) != naive);
 }
 

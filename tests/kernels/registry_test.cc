@@ -31,13 +31,13 @@ TEST_CASE("registry: error feedback defaults follow DESIGN.md §3") {
     auto codec = testing::make(c);
     return codec->stateFloats(1000);
   };
-  CHECK(state_of({.name = "topk", .density = 0.1}) == 1000);               // biased: EF on
+  CHECK(state_of({.name = "topk", .density = 0.1}) == 1000);  // biased: EF on
   CHECK(state_of({.name = "topk", .density = 0.1, .error_feedback = false}) == 0);
-  CHECK(state_of({.name = "fp16"}) == 0);                                  // off by default
+  CHECK(state_of({.name = "fp16"}) == 0);  // off by default
   CHECK(state_of({.name = "fp16", .error_feedback = true}) == 1000);
-  CHECK(state_of({.name = "qsgd"}) == 0);                                  // unbiased: off
+  CHECK(state_of({.name = "qsgd"}) == 0);  // unbiased: off
   CHECK(state_of({.name = "none", .error_feedback = true}) == 1000);
-  CHECK(state_of({.name = "dgc", .density = 0.1}) == 2000);                // own u and v
+  CHECK(state_of({.name = "dgc", .density = 0.1}) == 2000);  // own u and v
   auto stacked = createCodec({.name = "dgc", .density = 0.1, .error_feedback = true});
   REQUIRE(!stacked.isOk());
   CHECK(stacked.status().message().find("error_feedback") != std::string::npos);
@@ -55,5 +55,48 @@ TEST_CASE("registry: traits match the collective each codec needs") {
   CHECK(q->chunkAlignment() == 512);
   for (const auto& c : testing::representativeConfigs()) {
     CHECK_MESSAGE(testing::make(c)->traits().rounds == 1, testing::describe(c));
+  }
+}
+
+TEST_CASE("codec: analyze and encodeChunk reject bad arguments with the codec's name") {
+  for (const auto& c : testing::representativeConfigs()) {
+    CAPTURE(testing::describe(c));
+    auto codec = testing::make(c);
+    const size_t n = 2048;
+    const auto x = testing::gaussian(n, 3);
+    const ConstTensor in{x.data(), n, DType::kF32};
+    const auto chunking = Chunking::make(n, 1024, codec->chunkAlignment());
+    CodecState state(codec->stateFloats(n));
+    std::vector<std::byte> ws(codec->workspaceBytes(chunking));
+    std::vector<uint8_t> out(codec->maxPayloadBytes(chunking.chunk_elements));
+    const StepContext ctx;
+    auto expectError = [&](const Status& s, const char* what) {
+      CHECK_MESSAGE(!s.isOk(), what);
+      CHECK_MESSAGE(s.message().find(codec->traits().name) != std::string::npos, s.message());
+    };
+    expectError(codec->analyze(ctx, chunking, {x.data(), n - 1, DType::kF32}, state, ws), "length");
+    expectError(codec->analyze(ctx, chunking, {nullptr, n, DType::kF32}, state, ws), "null");
+    expectError(codec->analyze(ctx, chunking, {x.data(), n, DType(7)}, state, ws), "dtype");
+    expectError(codec->analyze(ctx, Chunking{n, 0}, in, state, ws), "chunk 0");
+    CodecState wrong(codec->stateFloats(n) + 1);
+    expectError(codec->analyze(ctx, chunking, in, wrong, ws), "state size");
+    if (!ws.empty()) {
+      expectError(codec->analyze(ctx, chunking, in, state, std::span(ws).first(ws.size() - 1)),
+                  "workspace");
+    }
+    if (codec->chunkAlignment() > 1) {
+      expectError(codec->analyze(ctx, Chunking{n, codec->chunkAlignment() + 1}, in, state, ws),
+                  "misaligned chunks");
+    }
+    REQUIRE(codec->analyze(ctx, chunking, in, state, ws).isOk());
+    expectError(codec->encodeChunk(ctx, chunking, 2, 0, {}, in, state, ws, out).status(), "chunk");
+    expectError(codec->encodeChunk(ctx, chunking, 0, 1, {}, in, state, ws, out).status(), "round");
+    expectError(codec->encodeChunk(ctx, chunking, 0, -1, {}, in, state, ws, out).status(), "round");
+    expectError(codec
+                    ->encodeChunk(ctx, chunking, 0, 0, {}, in, state, ws,
+                                  std::span(out).first(out.size() - 1))
+                    .status(),
+                "out");
+    CHECK(codec->encodeChunk(ctx, chunking, 0, 0, {}, in, state, ws, out).isOk());
   }
 }

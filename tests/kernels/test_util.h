@@ -57,7 +57,8 @@ inline std::string describe(const CodecConfig& c) {
   std::string s = c.name;
   if (c.density) s += " density=" + std::to_string(*c.density);
   if (c.ratio) s += " ratio=" + std::to_string(*c.ratio);
-  if (c.name == "qsgd") s += " bits=" + std::to_string(c.bits) + " bucket=" + std::to_string(c.bucket_size);
+  if (c.name == "qsgd")
+    s += " bits=" + std::to_string(c.bits) + " bucket=" + std::to_string(c.bucket_size);
   if (c.momentum != 0) s += " momentum=" + std::to_string(c.momentum);
   if (c.error_feedback) s += *c.error_feedback ? " ef=on" : " ef=off";
   if (c.sparse_values == DType::kF16) s += " values=fp16";

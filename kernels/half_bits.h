@@ -1,9 +1,8 @@
 #pragma once
-// The fp32 <-> fp16/bf16 conversions of docs/determinism.md §4.1 as integer bit manipulation,
-// compiled for both host and device. The CUDA kernels (cast.cu) use these, not __float2half /
-// __float2bfloat16, whose NaN results differ from the specification; the host build lets the
-// logic be checked against kernels/dtype.h on machines without a GPU
-// (tests/kernels/cuda/cast_bits_test.cc). Every function is pure and thread-safe.
+// The fp32 <-> fp16/bf16 conversions of docs/determinism.md §4.1 as integer bit manipulation: the
+// one definition, compiled for the host (kernels/dtype.h wraps it) and for the device (the CUDA
+// kernels use it rather than __float2half / __float2bfloat16, whose NaN results differ from the
+// specification). Exhaustively tested in tests/kernels/dtype_test.cc. Pure and thread-safe.
 
 #include <cstdint>
 
@@ -14,7 +13,7 @@
 #define LW_HOST_DEVICE inline
 #endif
 
-namespace lightwire::kernels::cuda::bits {
+namespace lightwire::kernels::bits {
 
 LW_HOST_DEVICE uint32_t asBits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -87,6 +86,6 @@ LW_HOST_DEVICE uint32_t halfToFloatBits(uint16_t h) {
 
 LW_HOST_DEVICE uint32_t bf16ToFloatBits(uint16_t b) { return static_cast<uint32_t>(b) << 16; }
 
-}  // namespace lightwire::kernels::cuda::bits
+}  // namespace lightwire::kernels::bits
 
 #undef LW_HOST_DEVICE
