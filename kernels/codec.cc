@@ -81,6 +81,11 @@ size_t WorkspaceCarver::bytesFor(std::initializer_list<size_t> sizes) {
   return total;
 }
 
+Chunking chunkingFor(const Codec& codec, size_t n, size_t requested) {
+  if (codec.traits().single_chunk) return Chunking::make(n, 0, 1);
+  return Chunking::make(n, requested, codec.chunkAlignment());
+}
+
 Result<std::vector<std::vector<uint8_t>>> encodeTensor(const Codec& codec, const StepContext& ctx,
                                                        const Chunking& chunking, ConstTensor input,
                                                        CodecState& state) {

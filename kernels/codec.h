@@ -40,11 +40,12 @@ struct CodecConfig {
   std::optional<double> density;       // topk, dgc: k/n in (0, 1]
   std::optional<double> ratio;         // topk, dgc: n/k >= 1 (alternative to density)
   int bits = 8;                        // qsgd: bits per element including sign, 2..8
-  uint32_t bucket_size = 512;          // qsgd: elements per norm bucket
+  uint32_t bucket_size = 512;          // qsgd (and codecs with per-bucket scales): bucket size
   double momentum = 0.0;               // dgc: momentum correction factor in [0, 1)
   double clip_norm = 0.0;              // dgc: local gradient clipping (0 = off)
   double sample_fraction = 0.01;       // dgc: threshold sample in [0.001, 0.01]
-  DType sparse_values = DType::kF32;   // topk, dgc: value encoding, kF32 or kF16
+  DType sparse_values = DType::kF32;   // topk, dgc, threshold: value encoding, kF32 or kF16
+  std::optional<double> threshold;     // threshold: send elements with |g| >= threshold
   std::optional<bool> error_feedback;  // unset = the codec's default (DESIGN.md §3)
   int approx_rank = 1;                 // powersgd
 };
@@ -58,6 +59,7 @@ struct CodecTraits {
   bool own_memory = false;  // keeps its own residual/momentum: never wrapped in error feedback
   bool default_error_feedback = false;  // biased codecs: EF on unless configured off
   int rounds = 1;                       // exchanges per step (PowerSGD: 2)
+  bool single_chunk = false;  // the whole tensor is one payload (PowerSGD's matrix): chunkingFor()
 };
 
 /// How a tensor of `elements` is cut into chunks of `chunk_elements` (last one shorter).
@@ -81,12 +83,14 @@ struct Chunking {
 
 /// Identity and randomness of one step of one tensor.
 struct StepContext {
-  uint32_t seed = 0;              // job seed (Philox key word 0)
-  uint32_t name_key = 0;          // tensorNameKey(name) (Philox key word 1)
-  uint64_t step = 0;              // Philox counter word 0 (low 32 bits)
-  uint32_t rank = 0;              // Philox stream for per-rank randomness
-  std::optional<double> density;  // per-step override for selection codecs (schedules)
-  CpuStream* stream = nullptr;    // execution context; null = calling thread only
+  uint32_t seed = 0;                // job seed (Philox key word 0)
+  uint32_t name_key = 0;            // tensorNameKey(name) (Philox key word 1)
+  uint64_t step = 0;                // Philox counter word 0 (low 32 bits)
+  uint32_t rank = 0;                // Philox stream for per-rank randomness
+  std::optional<double> density;    // per-step override for selection codecs (schedules)
+  CpuStream* stream = nullptr;      // execution context; null = calling thread only
+  std::span<const uint64_t> shape;  // the trainer's tensor shape when known (PowerSGD's matrix
+                                    // view); empty = unknown, the tensor is flat
 };
 
 /// Persistent per-tensor codec state, double-buffered: `current` is what the last committed step
@@ -192,6 +196,10 @@ class WorkspaceCarver {
   std::span<std::byte> ws_;
   size_t offset_ = 0;
 };
+
+/// The chunking a codec uses for n elements when about `requested` elements per chunk are asked
+/// for (0 = one chunk): one chunk for single_chunk codecs, else rounded to chunkAlignment().
+Chunking chunkingFor(const Codec& codec, size_t n, size_t requested);
 
 /// Convenience for tests, benchmarks and the step loop: compresses a whole tensor into one
 /// payload per chunk (analyze + encodeChunk for each chunk, round 0). Allocates.

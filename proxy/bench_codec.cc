@@ -135,9 +135,8 @@ Result<BenchResult> benchCodec(const CodecConfig& config, std::span<const float>
   r.runs = runs;
   r.raw_bytes = n * sizeof(float);
 
-  const Chunking chunking =
-      Chunking::make(n, settings.chunk_elements ? settings.chunk_elements : kDefaultChunkElements,
-                     codec.chunkAlignment());
+  const Chunking chunking = kernels::chunkingFor(
+      codec, n, settings.chunk_elements ? settings.chunk_elements : kDefaultChunkElements);
   r.chunk_elements = chunking.chunk_elements;
   r.chunks = chunking.count();
   auto note = [&](const std::string& what) {

@@ -1,0 +1,1 @@
+// onebit: being written (issue 3)

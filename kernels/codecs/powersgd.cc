@@ -1,0 +1,1 @@
+// powersgd: being written (issue 3)

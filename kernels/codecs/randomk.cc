@@ -1,0 +1,1 @@
+// randomk: being written (issue 3)

@@ -1,0 +1,1 @@
+// signsgd: being written (issue 3)

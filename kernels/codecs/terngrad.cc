@@ -1,0 +1,1 @@
+// terngrad: being written (issue 3)

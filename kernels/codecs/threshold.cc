@@ -1,0 +1,1 @@
+// threshold: being written (issue 3)
