@@ -75,6 +75,22 @@ Result<size_t> Codec::addPayloads(std::span<const uint8_t>, std::span<const uint
   return failedPrecondition(std::string("codec '") + traits().name + "' is not summable");
 }
 
+Status Codec::decodeRounds(std::span<const std::span<const uint8_t>> reduced_rounds, float weight,
+                           float* out, size_t out_elements) const {
+  if (reduced_rounds.size() != 1) {
+    return invalidArgument(std::string(traits().name) + " has " + std::to_string(traits().rounds) +
+                           " round(s), got " + std::to_string(reduced_rounds.size()) +
+                           " reduced payloads");
+  }
+  return decodeChunk(reduced_rounds[0], weight, out, out_elements);
+}
+
+Status Codec::finishStep(const StepContext&, const Chunking&,
+                         std::span<const std::span<const uint8_t>>, float, ConstTensor, CodecState&,
+                         std::span<std::byte>) const {
+  return Status::ok();
+}
+
 size_t WorkspaceCarver::bytesFor(std::initializer_list<size_t> sizes) {
   size_t total = 0;
   for (size_t s : sizes) total += (s + 63) & ~size_t{63};

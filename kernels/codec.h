@@ -16,6 +16,8 @@
 //       reduced result of the previous round ...
 //   decodeChunk(...) for every payload received: out += weight * decoded.
 //   state.commit() when the step succeeded everywhere, otherwise nothing.
+// Multi-round codecs decode with decodeRounds(...) (every round's reduced payload) instead of
+// decodeChunk(...), and need finishStep(...) after the last round and before state.commit().
 
 #include <cstddef>
 #include <cstdint>
@@ -158,6 +160,21 @@ class Codec {
   /// Summable codecs: out = a + b in the compressed domain; returns the size written.
   virtual Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,
                                      std::span<uint8_t> out) const;
+
+  /// Multi-round codecs (traits().rounds > 1, single_chunk): decodes one step from the reduced
+  /// payload of every round, in round order, and adds weight * decoded to out[0..out_elements).
+  /// The default accepts exactly one payload and is decodeChunk(). On error `out` is untouched.
+  virtual Status decodeRounds(std::span<const std::span<const uint8_t>> reduced_rounds,
+                              float weight, float* out, size_t out_elements) const;
+
+  /// Called by the step's owner after the last round and before commit, with the reduced payload of
+  /// every round, the same weight as decodeRounds() and the arguments analyze() had. Codecs whose
+  /// next state depends on the reduced result (PowerSGD's error and warm start) prepare
+  /// state.next() here; the default does nothing. Never touches state.current().
+  virtual Status finishStep(const StepContext& ctx, const Chunking& chunking,
+                            std::span<const std::span<const uint8_t>> reduced_rounds, float weight,
+                            ConstTensor input, CodecState& state,
+                            std::span<std::byte> workspace) const;
 
  protected:
   /// analyze() and encodeChunk() after their argument checks: implementations may rely on

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <optional>
 #include <string_view>
+#include <type_traits>
 
 #include "kernels/half_bits.h"
 
@@ -63,6 +64,32 @@ struct ConstTensor {
     return {static_cast<const char*>(data) + begin * dtypeSize(dtype), count, dtype};
   }
 };
+
+/// Element i of raw tensor data of dtype D, widened to fp32 (exact).
+template <DType D>
+inline float loadWidened(const void* data, size_t i) {
+  if constexpr (D == DType::kF32) {
+    return static_cast<const float*>(data)[i];
+  } else if constexpr (D == DType::kF16) {
+    return halfToFloat(static_cast<const uint16_t*>(data)[i]);
+  } else {
+    return bf16ToFloat(static_cast<const uint16_t*>(data)[i]);
+  }
+}
+
+/// Calls fn(std::integral_constant<DType, t>{}): the one dtype switch in front of a typed loop.
+template <typename Fn>
+decltype(auto) visitDType(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::kF16:
+      return fn(std::integral_constant<DType, DType::kF16>{});
+    case DType::kBF16:
+      return fn(std::integral_constant<DType, DType::kBF16>{});
+    case DType::kF32:
+      break;
+  }
+  return fn(std::integral_constant<DType, DType::kF32>{});
+}
 
 /// Widens src[0..n) to fp32 into dst (exact).
 void widenToFloat(ConstTensor src, float* dst);

@@ -3,6 +3,7 @@
 // (seed, tensor-name hash) and countered by (step, stream, purpose, group).
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 
@@ -26,6 +27,11 @@ uint32_t tensorNameKey(std::string_view name);
 /// Raw Philox4x32-10: four words for (counter, key). Pure function, thread-safe.
 std::array<uint32_t, 4> philoxBlock(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
 
+/// Batch of philoxBlock (SIMD, kernels/simd/kernels.h; the same words on every target):
+/// out[4k + j] = philoxBlock({c0, c1, c2, (uint32_t)(g0 + k)}, key)[j] for k < count.
+void philoxBlocks(std::array<uint32_t, 3> counter_head, std::array<uint32_t, 2> key, uint64_t g0,
+                  size_t count, uint32_t* out);
+
 /// The random words one tensor's step draws for one purpose and stream. Cheap to copy; thread-safe.
 class PhiloxStream {
  public:
@@ -42,6 +48,13 @@ class PhiloxStream {
   }
   /// The word serving item i.
   uint32_t word(uint64_t i) const { return group(i >> 2)[i & 3]; }
+
+  /// out[4k .. 4k+4) = group(g0 + k), for k < count (vectorised).
+  void groups(uint64_t g0, size_t count, uint32_t* out) const {
+    philoxBlocks({step_, stream_, purpose_}, key_, g0, count, out);
+  }
+  /// w[k] = word(first + k), for k < len (vectorised; any alignment of `first`).
+  void words(uint64_t first, size_t len, uint32_t* w) const;
 
  private:
   std::array<uint32_t, 2> key_;

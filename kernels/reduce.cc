@@ -1,42 +1,25 @@
 #include "kernels/reduce.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/parallel.h"
+#include "kernels/simd/kernels.h"
 
 namespace lightwire::kernels {
 
-namespace {
-// One loop per term (no switch inside) so the compiler can keep the eight lanes in registers.
-template <ReduceTerm kTerm>
-double blockSum(const float* x, size_t n) {
-  double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (size_t i = 0; i < n; ++i) {
-    const double v = static_cast<double>(x[i]);
-    double t;
-    if constexpr (kTerm == ReduceTerm::kSquare) {
-      t = v * v;
-    } else if constexpr (kTerm == ReduceTerm::kAbs) {
-      t = std::fabs(v);
-    } else {
-      t = v;
-    }
-    a[i & 7] = a[i & 7] + t;
-  }
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-}  // namespace
-
 double canonicalBlockSum(const float* x, size_t n, ReduceTerm term) {
+  // Vectorised per Highway target (kernels/simd/kernels.cc); the lanes hold the eight canonical
+  // accumulators, so the result is the scalar definition's on every target.
   switch (term) {
     case ReduceTerm::kSquare:
-      return blockSum<ReduceTerm::kSquare>(x, n);
+      return simd::blockSumSquares(x, n);
     case ReduceTerm::kAbs:
-      return blockSum<ReduceTerm::kAbs>(x, n);
+      return simd::blockSumAbs(x, n);
     case ReduceTerm::kValue:
       break;
   }
-  return blockSum<ReduceTerm::kValue>(x, n);
+  return simd::blockSumValues(x, n);
 }
 
 double canonicalSum(const float* x, size_t n, ReduceTerm term, CpuStream* stream,

@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "kernels/parallel.h"
 
@@ -72,6 +73,64 @@ void histogramKeys(const void* data, size_t lo, size_t hi, uint64_t* h) {
 
 /// G: packed gap bytes rounded up to a multiple of 4. Safe for nnz < 2^32, w <= 32.
 uint64_t gapBytes(uint64_t nnz, unsigned w) { return (packedBytes(nnz, w) + 3) & ~uint64_t{3}; }
+
+/// Writes the sparse payload of the chunk x[begin, begin + len) whose selected elements are
+/// idx[0, nnz) − base (chunk-local, ascending). Returns its size.
+constexpr size_t kParallelGather = 8192;
+
+size_t emitSparse(CodecId codec, DType source, DType values, const uint32_t* idx, size_t nnz,
+                  size_t base, ConstTensor x, size_t begin, size_t len, CpuStream* stream,
+                  std::span<uint8_t> out) {
+  // Gaps: w is the bit length of the largest, which is that of the OR of all of them.
+  uint32_t gap_or = 0;
+  for (size_t j = 0, next = 0; j < nnz; ++j) {
+    gap_or |= static_cast<uint32_t>(idx[j] - base - next);
+    next = size_t{idx[j]} - base + 1;
+  }
+  const unsigned w = static_cast<unsigned>(std::bit_width(gap_or));
+  const uint64_t packed = packedBytes(nnz, w);
+  const uint64_t g = gapBytes(nnz, w);
+
+  uint8_t* p = out.data();
+  writeHeader(p, {codec, source, values == DType::kF16 ? kFlagF16Values : uint8_t{0}, 0, len});
+  storeU32(p + 16, static_cast<uint32_t>(nnz));
+  p[20] = static_cast<uint8_t>(w);
+  p[21] = p[22] = p[23] = 0;
+  uint8_t* gaps = p + kSparseHeaderBytes;
+  if (w > 0) {
+    BitWriter writer(gaps);
+    for (size_t j = 0, next = 0; j < nnz; ++j) {
+      writer.put(static_cast<uint32_t>(idx[j] - base - next), w);
+      next = size_t{idx[j]} - base + 1;
+    }
+    writer.flush();
+  }
+  std::memset(gaps + packed, 0, g - packed);
+
+  // Values: a gather, so split over the stream's threads when there are many (cache misses).
+  uint8_t* vals = gaps + g;
+  const size_t offset = begin - base;  // element of entry j: offset + idx[j] (mod 2^64)
+  visitDType(x.dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    auto gather = [&](size_t lo, size_t hi) {
+      if (values == DType::kF16) {
+        for (size_t j = lo; j < hi; ++j) {
+          storeU16(vals + 2 * j, floatToHalfSaturating(loadWidened<D>(x.data, offset + idx[j])));
+        }
+      } else {
+        for (size_t j = lo; j < hi; ++j) {
+          storeF32(vals + 4 * j, loadWidened<D>(x.data, offset + idx[j]));
+        }
+      }
+    };
+    if (stream != nullptr && nnz >= kParallelGather) {
+      stream->parallelFor(nnz, kParallelGather / 2, gather);
+    } else {
+      gather(0, nnz);
+    }
+  });
+  return kSparseHeaderBytes + g + dtypeSize(values) * nnz;
+}
 
 }  // namespace
 
@@ -240,12 +299,11 @@ void collectBetween(const void* data, size_t lo, size_t hi, uint32_t a, uint32_t
   *count = c;
 }
 
-/// One pass when a strided sample brackets the k-th largest key: the sample gives a key range
-/// [a, b] that very likely holds it; the pass counts the keys above b and collects those in
-/// [a, b]. Returns false (plan untouched) when the k-th largest key lies outside [a, b]. The
-/// sample only decides the speed, never the result.
-bool selectGuided(ConstTensor x, size_t k, CpuStream* stream, const SelectWorkspace& ws,
-                  SelectionPlan* plan) {
+/// Key bounds [a, b] that, judged by a strided sample of x, very likely hold the k-th largest key
+/// (about four standard deviations of margin on each side). The sample only decides the speed,
+/// never the result.
+std::pair<uint32_t, uint32_t> guideBounds(ConstTensor x, size_t k, CpuStream* stream,
+                                          const SelectWorkspace& ws) {
   const size_t n = x.elements;
   const size_t m = ws.samples.size();
   uint32_t* s = ws.samples.data();
@@ -259,8 +317,7 @@ bool selectGuided(ConstTensor x, size_t k, CpuStream* stream, const SelectWorksp
   } else {
     sample(0, m);
   }
-  // Rank (0-based, descending) the k-th largest key would have in the sample, with a margin of
-  // about four standard deviations.
+  // Rank (0-based, descending) the k-th largest key would have in the sample, with a margin.
   const double q = static_cast<double>(k) * static_cast<double>(m) / static_cast<double>(n);
   const double margin = 4.0 * std::sqrt(q) + 8.0;
   uint32_t b = 0x7FFFFFFFu, a = 0;
@@ -274,7 +331,91 @@ bool selectGuided(ConstTensor x, size_t k, CpuStream* stream, const SelectWorksp
     std::nth_element(s, s + r, s + m, std::greater<uint32_t>());
     a = s[r];
   }
+  return {a, b};
+}
 
+/// compositeKey of every i in [lo, hi) of raw x (dtype D) with key >= a: the scalar reference of
+/// collectCompositesF32, used for fp16/bf16 input.
+template <DType D>
+uint64_t collectCompositesScalar(const void* data, size_t lo, size_t hi, uint32_t a, uint64_t* dst,
+                                 uint64_t cap) {
+  uint64_t c = 0;
+  for (size_t i = lo; i < hi; ++i) {
+    const uint32_t key = magnitudeKey(loadWidened<D>(data, i));
+    if (key >= a) {
+      if (c < cap) dst[c] = compositeKey(key, i);
+      ++c;
+    }
+  }
+  return c;
+}
+
+/// One pass, and the selection listed: every element with key >= a is collected as its
+/// compositeKey (which orders exactly as §4.3 does); the k-th largest composite among them is
+/// the last selected element, so it gives T and the tie cut at once, and the collected elements
+/// at or above it, in index order, are the list. Returns false (plan untouched) when a is 0, when
+/// fewer than k keys are >= a (the sample missed) or when too many are (no room).
+bool selectGuidedList(ConstTensor x, size_t k, uint32_t a, CpuStream* stream,
+                      const SelectWorkspace& ws, SelectionPlan* plan) {
+  const size_t n = x.elements;
+  if (a == 0 || n > size_t{0xFFFFFFFFu}) return false;
+  const TaskSplit split = TaskSplit::of(n);
+  // Task t owns the u64 cells [begin(t) / 2, end(t) / 2) of the slots.
+  uint64_t* comp = reinterpret_cast<uint64_t*>(ws.slots.data());
+  std::array<uint64_t, TaskSplit::kMaxTasks> counts{};
+  std::array<bool, TaskSplit::kMaxTasks> overflow{};
+  visitDType(x.dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    runTasks(stream, split, [&](size_t t) {
+      const size_t lo = split.begin(t), hi = split.end(t);
+      uint64_t* dst = comp + lo / 2;
+      const uint64_t cap = hi / 2 - lo / 2;
+      uint64_t c;
+      if constexpr (D == DType::kF32) {
+        c = collectCompositesF32(static_cast<const float*>(x.data), lo, hi, a, dst, cap);
+      } else {
+        c = collectCompositesScalar<D>(x.data, lo, hi, a, dst, cap);
+      }
+      counts[t] = c;
+      overflow[t] = c > cap;
+    });
+  });
+  uint64_t total = 0;
+  for (size_t t = 0; t < split.tasks; ++t) {
+    if (overflow[t]) return false;
+    const size_t from = split.begin(t) / 2;
+    if (total != from && counts[t] > 0) {
+      std::memmove(comp + total, comp + from, counts[t] * sizeof(uint64_t));
+    }
+    total += counts[t];
+  }
+  // The copy for nth_element needs `total` more cells: 2 · total u64 <= n u32.
+  if (total < k || 4 * total > n) return false;
+  uint64_t* copy = comp + total;
+  std::memcpy(copy, comp, total * sizeof(uint64_t));
+  std::nth_element(copy, copy + (k - 1), copy + total, std::greater<uint64_t>());
+  const uint64_t last = copy[k - 1];
+  // In place: u32 entry j' <= j is written after u64 cell j is read, never over an unread cell.
+  uint32_t* list = ws.slots.data();
+  uint64_t listed = 0;
+  for (uint64_t j = 0; j < total; ++j) {
+    const uint64_t c = comp[j];
+    if (c >= last) list[listed++] = 0xFFFFFFFFu - static_cast<uint32_t>(c);
+  }
+  plan->threshold = static_cast<uint32_t>(last >> 32);
+  plan->tie_end = uint64_t{0xFFFFFFFFu - static_cast<uint32_t>(last)} + 1;
+  plan->select_none = false;
+  plan->has_list = true;
+  plan->listed = listed;  // == k
+  return true;
+}
+
+/// One pass when [a, b] brackets the k-th largest key: the pass counts the keys above b and
+/// collects those in [a, b]. Returns false (plan untouched) when the k-th largest key lies outside
+/// [a, b].
+bool selectGuided(ConstTensor x, size_t k, uint32_t a, uint32_t b, CpuStream* stream,
+                  const SelectWorkspace& ws, SelectionPlan* plan) {
+  const size_t n = x.elements;
   const TaskSplit split = TaskSplit::of(n);
   std::array<uint64_t, TaskSplit::kMaxTasks> above{}, counts{};
   uint32_t* cand = ws.slots.data();
@@ -353,15 +494,17 @@ void selectByHistogram(ConstTensor x, size_t k, CpuStream* stream, const SelectW
 void selectExact(ConstTensor x, size_t k, CpuStream* stream, const SelectWorkspace& ws,
                  SelectionPlan* plan) {
   const size_t n = x.elements;
-  if (n == 0 || k == 0) {
-    *plan = SelectionPlan{};
-    return;
-  }
+  *plan = SelectionPlan{};
+  if (n == 0 || k == 0) return;
   if (k >= n) {  // everything: key > 0, or key == 0 anywhere
     *plan = SelectionPlan{0, n, false};
     return;
   }
-  if (!ws.samples.empty() && selectGuided(x, k, stream, ws, plan)) return;
+  if (!ws.samples.empty()) {
+    const auto [a, b] = guideBounds(x, k, stream, ws);
+    if (selectGuidedList(x, k, a, stream, ws, plan)) return;
+    if (selectGuided(x, k, a, b, stream, ws, plan)) return;
+  }
   selectByHistogram(x, k, stream, ws, plan);
 }
 
@@ -439,46 +582,39 @@ Result<SparseWritten> writeSparsePayload(CodecId codec, DType source, DType valu
     }
   }
 
-  // Gaps: w is the bit length of the largest, which is that of the OR of all of them.
-  const uint32_t* idx = indices.data();
-  uint32_t gap_or = 0;
-  for (size_t j = 0, next = 0; j < nnz; ++j) {
-    gap_or |= static_cast<uint32_t>(idx[j] - next);
-    next = size_t{idx[j]} + 1;
-  }
-  const unsigned w = static_cast<unsigned>(std::bit_width(gap_or));
-  const uint64_t packed = packedBytes(nnz, w);
-  const uint64_t g = gapBytes(nnz, w);
+  const size_t bytes =
+      emitSparse(codec, source, values, indices.data(), nnz, 0, x, begin, len, stream, out);
+  return SparseWritten{bytes, nnz, 0};
+}
 
-  uint8_t* p = out.data();
-  writeHeader(p, {codec, source, values == DType::kF16 ? kFlagF16Values : uint8_t{0}, 0, len});
-  storeU32(p + 16, static_cast<uint32_t>(nnz));
-  p[20] = static_cast<uint8_t>(w);
-  p[21] = p[22] = p[23] = 0;
-  uint8_t* gaps = p + kSparseHeaderBytes;
-  if (w > 0) {
-    BitWriter writer(gaps);
-    for (size_t j = 0, next = 0; j < nnz; ++j) {
-      writer.put(idx[j] - next, w);
-      next = size_t{idx[j]} + 1;
-    }
-    writer.flush();
+Result<SparseWritten> writeSparsePayloadFromList(CodecId codec, DType source, DType values,
+                                                 std::span<const uint32_t> list, ConstTensor x,
+                                                 size_t begin, size_t len, CpuStream* stream,
+                                                 std::span<uint8_t> out) {
+  if (values != DType::kF32 && values != DType::kF16) {
+    return invalidArgument("sparse values must be fp32 or fp16");
   }
-  std::memset(gaps + packed, 0, g - packed);
-
-  uint8_t* vals = gaps + g;
-  visitDType(x.dtype, [&](auto d) {
-    constexpr DType D = decltype(d)::value;
-    if (values == DType::kF16) {
-      for (size_t j = 0; j < nnz; ++j) {
-        storeU16(vals + 2 * j, floatToHalfSaturating(loadWidened<D>(x.data, begin + idx[j])));
-      }
-    } else {
-      for (size_t j = 0; j < nnz; ++j)
-        storeF32(vals + 4 * j, loadWidened<D>(x.data, begin + idx[j]));
-    }
-  });
-  return SparseWritten{kSparseHeaderBytes + g + dtypeSize(values) * nnz, nnz};
+  if (begin > x.elements || len > x.elements - begin) {
+    return outOfRange("chunk [" + std::to_string(begin) + ", +" + std::to_string(len) +
+                      ") lies outside the tensor of " + std::to_string(x.elements) + " elements");
+  }
+  if (x.elements > size_t{0xFFFFFFFFu}) {
+    return internalError("listed selection of a tensor of 2^32 or more elements");
+  }
+  const size_t max_bytes = sparseMaxPayloadBytes(len, values);
+  if (out.size() < max_bytes) {
+    return outOfRange("payload buffer of " + std::to_string(out.size()) + " bytes, needs " +
+                      std::to_string(max_bytes));
+  }
+  const auto lo = std::lower_bound(list.begin(), list.end(), static_cast<uint32_t>(begin));
+  const auto hi = begin + len >= size_t{0xFFFFFFFFu}
+                      ? list.end()
+                      : std::lower_bound(lo, list.end(), static_cast<uint32_t>(begin + len));
+  const size_t first = static_cast<size_t>(lo - list.begin());
+  const size_t nnz = static_cast<size_t>(hi - lo);
+  const size_t bytes = emitSparse(codec, source, values, list.data() + first, nnz, begin, x, begin,
+                                  len, stream, out);
+  return SparseWritten{bytes, nnz, first};
 }
 
 Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, float weight,
@@ -518,37 +654,61 @@ Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, floa
     return dataLoss(name + " payload has non-zero padding bits after its gaps");
   }
 
-  // First pass: every index must be < n (gaps are non-negative, so indices strictly increase).
-  {
-    BitReader reader(gaps);
+  // Gap j sits at stream bits [j·w, j·w + w). With nnz >= 8 the value bytes that follow the gaps
+  // (>= 16) keep an 8-byte load at any gap's first byte inside the payload, so gaps are read
+  // with one unaligned load each; shorter payloads use the byte-wise BitReader.
+  const uint64_t gap_mask = w == 32 ? 0xFFFFFFFFull : ((uint64_t{1} << w) - 1);
+  const bool wide = nnz >= 8;
+  auto forEachIndex = [&](auto&& fn) {
     uint64_t next = 0;
-    for (uint64_t j = 0; j < nnz; ++j) {
-      const uint64_t i = next + reader.get(w);
-      if (i >= n) {
-        return dataLoss(name + " payload index " + std::to_string(i) + " (entry " +
-                        std::to_string(j) + ") is outside the chunk of " + std::to_string(n) +
-                        " elements");
+    if (wide) {
+      for (uint64_t j = 0, bit = 0; j < nnz; ++j, bit += w) {
+        uint64_t word;
+        std::memcpy(&word, gaps + bit / 8, sizeof word);
+        const uint64_t i = next + ((word >> (bit % 8)) & gap_mask);
+        if (!fn(j, i)) return;
+        next = i + 1;
       }
-      next = i + 1;
+    } else {
+      BitReader reader(gaps);
+      for (uint64_t j = 0; j < nnz; ++j) {
+        const uint64_t i = next + reader.get(w);
+        if (!fn(j, i)) return;
+        next = i + 1;
+      }
     }
+  };
+
+  // First pass: every index must be < n. Gaps are non-negative, so indices strictly increase
+  // and only the last one needs the check; the message names the first entry outside.
+  uint64_t last = 0;
+  forEachIndex([&](uint64_t, uint64_t i) {
+    last = i;
+    return true;
+  });
+  if (nnz > 0 && last >= n) {
+    Status bad = Status::ok();
+    forEachIndex([&](uint64_t j, uint64_t i) {
+      if (i < n) return true;
+      bad = dataLoss(name + " payload index " + std::to_string(i) + " (entry " + std::to_string(j) +
+                     ") is outside the chunk of " + std::to_string(n) + " elements");
+      return false;
+    });
+    return bad;
   }
 
   // Second pass: validated, so add.
   const uint8_t* vals = gaps + g;
-  BitReader reader(gaps);
-  uint64_t next = 0;
   if (value_bytes == 2) {
-    for (uint64_t j = 0; j < nnz; ++j) {
-      const uint64_t i = next + reader.get(w);
+    forEachIndex([&](uint64_t j, uint64_t i) {
       out[i] = out[i] + weight * halfToFloat(loadU16(vals + 2 * j));
-      next = i + 1;
-    }
+      return true;
+    });
   } else {
-    for (uint64_t j = 0; j < nnz; ++j) {
-      const uint64_t i = next + reader.get(w);
+    forEachIndex([&](uint64_t j, uint64_t i) {
       out[i] = out[i] + weight * loadF32(vals + 4 * j);
-      next = i + 1;
-    }
+      return true;
+    });
   }
   return Status::ok();
 }

@@ -28,32 +28,6 @@ namespace lightwire::kernels {
 /// key(x): the fp32 bits with the sign cleared; orders by magnitude, NaN above +Inf.
 inline uint32_t magnitudeKey(float x) { return floatBits(x) & 0x7FFFFFFFu; }
 
-/// Element i of raw tensor data of dtype D, widened to fp32 (exact).
-template <DType D>
-inline float loadWidened(const void* data, size_t i) {
-  if constexpr (D == DType::kF32) {
-    return static_cast<const float*>(data)[i];
-  } else if constexpr (D == DType::kF16) {
-    return halfToFloat(static_cast<const uint16_t*>(data)[i]);
-  } else {
-    return bf16ToFloat(static_cast<const uint16_t*>(data)[i]);
-  }
-}
-
-/// Calls fn(std::integral_constant<DType, t>{}): the one dtype switch in front of a typed loop.
-template <typename Fn>
-decltype(auto) visitDType(DType t, Fn&& fn) {
-  switch (t) {
-    case DType::kF16:
-      return fn(std::integral_constant<DType, DType::kF16>{});
-    case DType::kBF16:
-      return fn(std::integral_constant<DType, DType::kBF16>{});
-    case DType::kF32:
-      break;
-  }
-  return fn(std::integral_constant<DType, DType::kF32>{});
-}
-
 /// A parameter value for an error message, exactly (%.17g).
 std::string formatNumber(double v);
 
@@ -83,6 +57,11 @@ struct SelectionPlan {
   uint32_t threshold = 0;
   uint64_t tie_end = 0;
   bool select_none = true;  // n = 0: nothing is selected
+  /// When set, the selected set is also listed: its whole-tensor indices, ascending, in
+  /// SelectWorkspace::slots[0, listed). Encoding then reads the list instead of scanning the
+  /// tensor (and uses no slots of its own). Only for n < 2^32.
+  bool has_list = false;
+  uint64_t listed = 0;
 };
 
 /// Contiguous work split of n elements that depends on n only (never on the thread count), so
@@ -102,9 +81,10 @@ struct TaskSplit {
 void runTasks(CpuStream* stream, const TaskSplit& split, const std::function<void(size_t)>& fn);
 
 /// Views of a sparse codec's workspace for a tensor of n elements: the plan, per-task key
-/// histograms, guiding sample keys, and n u32 slots that hold candidate keys during analyze and
-/// chunk-local indices during encodeChunk (chunk c uses slots [begin(c), begin(c) + size(c)), so
-/// concurrent chunks never overlap). Owns nothing.
+/// histograms, guiding sample keys, and n u32 slots that hold candidates (keys, or u64 composite
+/// keys) during analyze, then either the plan's list of selected indices (SelectionPlan::has_list)
+/// or chunk-local indices during encodeChunk (chunk c uses slots [begin(c), begin(c) + size(c)),
+/// so concurrent chunks never overlap). Owns nothing.
 struct SelectWorkspace {
   static constexpr size_t kBuckets = 2048;  // histogram of key >> 20
   static constexpr size_t kGuideSamples = 16384;
@@ -124,14 +104,49 @@ struct SelectWorkspace {
 };
 
 /// Exact top-k of `x` (§4.3): the k largest keys, ties broken by lower index. Writes the plan to
-/// *plan; the result is independent of the thread count. Usually one pass over x (bracketed by a
-/// strided sample), two when the sample misses (a histogram of key >> 20), plus one when ties
-/// with the threshold must be cut.
+/// *plan; the result is independent of the thread count. Usually one pass over x: a strided
+/// sample gives a key bound a, the pass collects every element with key >= a as a u64 composite
+/// key (key, then lower index first), and nth_element over those decides the threshold and the
+/// tie cut at once and lists the selection (has_list: encoding needs no scan). When that does not
+/// apply or the sample misses: a bracketed pass, then a histogram of key >> 20 (two passes), plus
+/// one when ties with the threshold must be cut.
 void selectExact(ConstTensor x, size_t k, CpuStream* stream, const SelectWorkspace& ws,
                  SelectionPlan* plan);
 
 /// #{i : key(x_i) >= threshold} over fp32 x[0..n), in fixed tasks (thread-count independent).
 uint64_t countKeysAtLeast(const float* x, size_t n, uint32_t threshold, CpuStream* stream);
+
+// --- SIMD kernels (kernels/select_simd.cc, Highway with run-time dispatch) ---
+
+/// Composite selection key of element i: (key << 32) | (2^32 − 1 − i). Distinct for distinct i
+/// (i < 2^32), and ordered as §4.3 orders elements: larger key first, then lower index.
+inline uint64_t compositeKey(uint32_t key, size_t i) {
+  return (uint64_t{key} << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+}
+
+/// Writes compositeKey(key(x_i), i) for every i in [lo, hi) with key(x_i) >= a, in index order,
+/// to dst (the first `cap` of them); returns how many there are (possibly more than cap).
+uint64_t collectCompositesF32(const float* x, size_t lo, size_t hi, uint32_t a, uint64_t* dst,
+                              uint64_t cap);
+
+/// One fused pass of dgc's steps 1–3 (docs/determinism.md §4.4) over fp32 input.
+struct DgcPass {
+  const float* x = nullptr;  // input
+  const float* u = nullptr;  // momentum (read only when `momentum`)
+  const float* v = nullptr;  // accumulated residual
+  float* un = nullptr;       // u' (0 without momentum)
+  float* vn = nullptr;       // v'
+  bool clip = false;         // g = clip ? x · factor : x
+  float factor = 1.0f;
+  bool momentum = false;  // u' = m · u + g, v' = v + u'; else u' = 0, v' = v + g
+  float m = 0.0f;
+  uint32_t threshold = 0;  // list the elements with key(v') >= threshold
+};
+
+/// Runs `p` over [lo, hi): writes u', v' there, and the indices i (ascending, as u32; needs
+/// hi <= 2^32) with key(v'_i) >= p.threshold to list[0, count); list must hold hi − lo entries.
+/// Returns count.
+uint64_t dgcFusedPassF32(const DgcPass& p, size_t lo, size_t hi, uint32_t* list);
 
 /// Upper bound of a sparse payload for a chunk of n elements with values of type `values`.
 size_t sparseMaxPayloadBytes(size_t n, DType values);
@@ -140,6 +155,7 @@ size_t sparseMaxPayloadBytes(size_t n, DType values);
 struct SparseWritten {
   size_t bytes = 0;  // payload size
   size_t nnz = 0;    // selected elements; their chunk-local indices are in indices[0..nnz)
+  size_t first = 0;  // writeSparsePayloadFromList: the chunk's first entry in the list
 };
 
 /// Writes the sparse payload (codec id `codec`, header dtype `source`) of the chunk
@@ -150,6 +166,14 @@ Result<SparseWritten> writeSparsePayload(CodecId codec, DType source, DType valu
                                          const SelectionPlan& plan, ConstTensor x, size_t begin,
                                          size_t len, std::span<uint32_t> indices, CpuStream* stream,
                                          std::span<uint8_t> out);
+
+/// Writes the sparse payload of the chunk x[begin, begin + len) from `list`, the ascending
+/// whole-tensor indices of every selected element of the tensor (a plan's list). The chunk's
+/// entries are list[first, first + nnz) (SparseWritten::first). `stream` gathers the values.
+Result<SparseWritten> writeSparsePayloadFromList(CodecId codec, DType source, DType values,
+                                                 std::span<const uint32_t> list, ConstTensor x,
+                                                 size_t begin, size_t len, CpuStream* stream,
+                                                 std::span<uint8_t> out);
 
 /// Validates a sparse payload of codec `codec` (or the `none` escape) completely, then adds
 /// weight · value_j to out[i_j]. On error `out` is untouched.

@@ -9,52 +9,12 @@
 
 #include "kernels/parallel.h"
 #include "kernels/registry.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define LW_CAST_F16C 1
-#endif
+#include "kernels/simd/kernels.h"
 
 namespace lightwire::kernels {
 namespace {
 
 constexpr size_t kParallelGrain = 1 << 16;  // elements per thread at least
-
-#ifdef LW_CAST_F16C
-// x86 F16C converts exactly as floatToHalf / halfToFloat do: round to nearest even and the NaN
-// rule of §4.1 are F16C's own, and MXCSR (FTZ/DAZ) does not change the result (checked over all
-// 2^32 inputs). The one difference, vcvtph2ps quieting a signalling NaN, is invisible here because
-// the decoded value is multiplied by the weight, which quiets it anyway.
-bool haveF16c() {
-  static const bool have = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-  }();
-  return have;
-}
-
-__attribute__((target("avx,f16c"))) void encodeHalvesF16c(const float* src, size_t n,
-                                                          uint8_t* dst) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), h);
-  }
-  for (; i < n; ++i) storeU16(dst + 2 * i, floatToHalf(src[i]));
-}
-
-__attribute__((target("avx,f16c"))) void decodeHalvesF16c(const uint8_t* src, size_t n,
-                                                          float weight, float* out) {
-  const __m256 w = _mm256_set1_ps(weight);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i)));
-    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(w, v)));
-  }
-  for (; i < n; ++i) out[i] = out[i] + weight * halfToFloat(loadU16(src + 2 * i));
-}
-#endif
 
 /// binary16 (IEEE half) as a cast-codec format. Stateless.
 struct Fp16Format {
@@ -64,19 +24,14 @@ struct Fp16Format {
   static uint16_t encode(float f) { return floatToHalf(f); }
   static float decode(uint16_t h) { return halfToFloat(h); }
 
-  /// dst[0..2n) = the values of src[0..n).
+  /// dst[0..2n) = the values of src[0..n) (Highway dispatch: F16C on AVX2 and AVX-512, which
+  /// converts exactly as §4.1; the bit manipulation of dtype.h elsewhere).
   static void encodeRange(const float* src, size_t n, uint8_t* dst) {
-#ifdef LW_CAST_F16C
-    if (haveF16c()) return encodeHalvesF16c(src, n, dst);
-#endif
-    for (size_t i = 0; i < n; ++i) storeU16(dst + 2 * i, floatToHalf(src[i]));
+    simd::floatsToHalves(src, n, dst);
   }
   /// out[i] = out[i] + weight * value i of src, for i < n.
   static void decodeRange(const uint8_t* src, size_t n, float weight, float* out) {
-#ifdef LW_CAST_F16C
-    if (haveF16c()) return decodeHalvesF16c(src, n, weight, out);
-#endif
-    for (size_t i = 0; i < n; ++i) out[i] = out[i] + weight * halfToFloat(loadU16(src + 2 * i));
+    simd::accumulateHalves(src, n, weight, out);
   }
 };
 
@@ -89,10 +44,10 @@ struct Bf16Format {
   static float decode(uint16_t h) { return bf16ToFloat(h); }
 
   static void encodeRange(const float* src, size_t n, uint8_t* dst) {
-    for (size_t i = 0; i < n; ++i) storeU16(dst + 2 * i, floatToBf16(src[i]));
+    simd::floatsToBf16s(src, n, dst);
   }
   static void decodeRange(const uint8_t* src, size_t n, float weight, float* out) {
-    for (size_t i = 0; i < n; ++i) out[i] = out[i] + weight * bf16ToFloat(loadU16(src + 2 * i));
+    simd::accumulateBf16s(src, n, weight, out);
   }
 };
 

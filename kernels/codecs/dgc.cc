@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -44,7 +45,8 @@ class DgcCodec final : public Codec {
   size_t workspaceBytes(const Chunking& c) const override {
     const size_t n = c.elements;
     return SelectWorkspace::bytes(n) +
-           WorkspaceCarver::bytesFor({blocks(n) * sizeof(double), samples(n) * sizeof(uint32_t)});
+           WorkspaceCarver::bytesFor({blocks(n) * sizeof(double), samples(n) * sizeof(uint32_t),
+                                      samples(n) * sizeof(uint32_t)});
   }
   size_t maxPayloadBytes(size_t n) const override {
     return sparseMaxPayloadBytes(n, config_.sparse_values);
@@ -62,6 +64,7 @@ class DgcCodec final : public Codec {
     const SelectWorkspace ws = SelectWorkspace::carve(carver, n);
     const std::span<double> block_sums = carver.take<double>(blocks(n));
     const std::span<uint32_t> sample_keys = carver.take<uint32_t>(samples(n));
+    const std::span<uint32_t> sample_scratch = carver.take<uint32_t>(samples(n));
     if (n == 0) {
       *ws.plan = SelectionPlan{};
       return Status::ok();
@@ -90,32 +93,70 @@ class DgcCodec final : public Codec {
       }
     }
 
-    // 2–3. Momentum correction and accumulation, in the spec's operation order (no FMA).
-    const float m = static_cast<float>(config_.momentum);
-    const bool use_momentum = config_.momentum > 0.0;
+    // 2–3. Momentum correction and accumulation, in the spec's operation order (no FMA), fused
+    // with the selection's first count: the sample is drawn first (v'_i of a sampled i is
+    // computed from x_i, u_i, v_i alone), so the one pass that writes u' and v' also counts and
+    // lists the elements at or above the first sampled threshold. When that count is accepted
+    // (nearly always), the list is the selection and encoding reads only it.
+    DgcPass pass;
+    pass.u = u;
+    pass.v = v;
+    pass.un = un;
+    pass.vn = vn;
+    pass.clip = clip;
+    pass.factor = factor;
+    pass.momentum = config_.momentum > 0.0;
+    pass.m = static_cast<float>(config_.momentum);
+    const size_t k = selectionSize(n, density);
+    const ConstTensor acc{vn, n, DType::kF32};
+    const bool sampled = n > kExactMaxElements;
+    const bool listable = sampled && n <= size_t{0xFFFFFFFFu};
+    uint64_t r = 0;
+    if (listable) {
+      r = initialRank(n, k, sample_keys.size());
+      sampleKeys(ctx, x, pass, n, sample_keys, sample_scratch);
+      pass.threshold = sampleAt(sample_keys, r);
+    }
+    const TaskSplit split = TaskSplit::of(n);
+    std::array<uint64_t, TaskSplit::kMaxTasks> counts{};
+    uint32_t* slots = ws.slots.data();
     visitDType(x.dtype, [&](auto d) {
       constexpr DType D = decltype(d)::value;
-      forEach(ctx.stream, n, [&](size_t lo, size_t hi) {
-        for (size_t i = lo; i < hi; ++i) {
-          const float xi = loadWidened<D>(x.data, i);
-          const float g = clip ? xi * factor : xi;
-          if (use_momentum) {
-            const float mu = m * u[i];
-            const float ui = mu + g;
-            un[i] = ui;
-            vn[i] = v[i] + ui;
-          } else {
-            un[i] = 0.0f;
-            vn[i] = v[i] + g;
-          }
+      runTasks(ctx.stream, split, [&](size_t t) {
+        const size_t lo = split.begin(t), hi = split.end(t);
+        if constexpr (D == DType::kF32) {
+          DgcPass p = pass;
+          p.x = static_cast<const float*>(x.data);
+          counts[t] = dgcFusedPassF32(p, lo, hi, slots + lo);
+        } else {
+          counts[t] = fusedPassScalar<D>(pass, x.data, lo, hi, slots + lo);
         }
       });
     });
+    if (!listable) {
+      if (!sampled || !sampledSelection(ctx, vn, n, k, sample_keys, ws.plan)) {
+        selectExact(acc, k, ctx.stream, ws, ws.plan);
+      }
+      return Status::ok();
+    }
 
-    // 4. Selection on key(v').
-    const size_t k = selectionSize(n, density);
-    const ConstTensor acc{vn, n, DType::kF32};
-    if (n <= kExactMaxElements || !sampledSelection(ctx, vn, n, k, sample_keys, ws.plan)) {
+    // 4. Selection on key(v'): the first count is the fused pass's.
+    uint64_t c = 0;
+    for (size_t t = 0; t < split.tasks; ++t) c += counts[t];
+    const uint64_t lo = (U128{8} * k + 9) / 10;
+    const uint64_t hi = (U128{13} * k) / 10;
+    if (lo <= c && c <= hi) {
+      uint64_t listed = 0;
+      for (size_t t = 0; t < split.tasks; ++t) {
+        if (listed != split.begin(t) && counts[t] > 0) {
+          std::memmove(slots + listed, slots + split.begin(t), counts[t] * sizeof(uint32_t));
+        }
+        listed += counts[t];
+      }
+      *ws.plan = SelectionPlan{pass.threshold, n, false, true, listed};
+      return Status::ok();
+    }
+    if (!refine(ctx, vn, n, k, sample_keys, r, pass.threshold, c, ws.plan)) {
       selectExact(acc, k, ctx.stream, ws, ws.plan);
     }
     return Status::ok();
@@ -131,19 +172,35 @@ class DgcCodec final : public Codec {
     const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
     float* un = state.next();
     float* vn = n == 0 ? nullptr : un + n;
-    const std::span<uint32_t> indices = ws.slots.subspan(begin, len);
+    const ConstTensor acc{vn, n, DType::kF32};
+    const bool listed = ws.plan->has_list;
+    const std::span<uint32_t> indices =
+        listed ? ws.slots.first(ws.plan->listed) : ws.slots.subspan(begin, len);
     auto written =
-        writeSparsePayload(CodecId::kDgc, input.dtype, config_.sparse_values, *ws.plan,
-                           ConstTensor{vn, n, DType::kF32}, begin, len, indices, ctx.stream, out);
+        listed ? writeSparsePayloadFromList(CodecId::kDgc, input.dtype, config_.sparse_values,
+                                            indices, acc, begin, len, ctx.stream, out)
+               : writeSparsePayload(CodecId::kDgc, input.dtype, config_.sparse_values, *ws.plan,
+                                    acc, begin, len, indices, ctx.stream, out);
     if (!written) return written.status();
 
-    // 6. Momentum factor masking of what was sent (the value as decoded).
+    // 6. Momentum factor masking of what was sent (the value as decoded). Without momentum u'
+    // is zero everywhere already (the pass wrote it).
     const bool f16 = config_.sparse_values == DType::kF16;
-    for (size_t j = 0; j < written->nnz; ++j) {
-      const size_t i = begin + indices[j];
-      const float value = f16 ? halfToFloat(floatToHalfSaturating(vn[i])) : vn[i];
-      vn[i] = vn[i] - value;
-      un[i] = 0.0f;
+    const bool momentum = config_.momentum > 0.0;
+    const uint32_t* sent = indices.data() + written->first;
+    const size_t base = listed ? 0 : begin;  // list entries are whole-tensor indices
+    auto mask = [&](size_t lo, size_t hi) {
+      for (size_t j = lo; j < hi; ++j) {
+        const size_t i = base + sent[j];
+        const float value = f16 ? halfToFloat(floatToHalfSaturating(vn[i])) : vn[i];
+        vn[i] = vn[i] - value;
+        if (momentum) un[i] = 0.0f;
+      }
+    };
+    if (ctx.stream != nullptr && written->nnz >= 8192) {
+      ctx.stream->parallelFor(written->nnz, 4096, mask);
+    } else {
+      mask(0, written->nnz);
     }
     return written->bytes;
   }
@@ -171,8 +228,101 @@ class DgcCodec final : public Codec {
     }
   }
 
-  /// The sampled threshold of §4.4. Writes the plan and returns true when a count was accepted;
-  /// false means: fall back to exact selection.
+  /// v'_i of element i (steps 1–3), exactly as the fused pass computes it.
+  template <DType D>
+  static float accumulatedAt(const DgcPass& p, const void* x, size_t i) {
+    const float xi = loadWidened<D>(x, i);
+    const float g = p.clip ? xi * p.factor : xi;
+    if (p.momentum) {
+      const float mu = p.m * p.u[i];
+      const float ui = mu + g;
+      return p.v[i] + ui;
+    }
+    return p.v[i] + g;
+  }
+
+  /// The fused pass over [lo, hi) for fp16/bf16 input (dgcFusedPassF32 takes fp32).
+  template <DType D>
+  static uint64_t fusedPassScalar(const DgcPass& p, const void* x, size_t lo, size_t hi,
+                                  uint32_t* list) {
+    uint64_t c = 0;
+    for (size_t i = lo; i < hi; ++i) {
+      const float xi = loadWidened<D>(x, i);
+      const float g = p.clip ? xi * p.factor : xi;
+      float vi;
+      if (p.momentum) {
+        const float mu = p.m * p.u[i];
+        const float ui = mu + g;
+        p.un[i] = ui;
+        vi = p.v[i] + ui;
+      } else {
+        p.un[i] = 0.0f;
+        vi = p.v[i] + g;
+      }
+      p.vn[i] = vi;
+      list[c] = static_cast<uint32_t>(i);
+      c += magnitudeKey(vi) >= p.threshold;
+    }
+    return c;
+  }
+
+  /// The sample keys key(v'_index(j)) of §4.4, computed from x, u and v (before v' exists), as a
+  /// multiset (only their order statistics matter): each thread's indices are bucketed by
+  /// address (a counting sort on index >> shift) before the gather, so the random reads walk
+  /// memory upwards (far fewer TLB misses) and are prefetched ahead.
+  static void sampleKeys(const StepContext& ctx, ConstTensor x, const DgcPass& p, size_t n,
+                         std::span<uint32_t> keys, std::span<uint32_t> scratch) {
+    const size_t m = keys.size();
+    const PhiloxStream philox(ctx.seed, ctx.name_key, ctx.step, ctx.rank,
+                              RandomPurpose::kDgcSampling);
+    constexpr unsigned kBucketBits = 12;
+    unsigned shift = 0;
+    while ((uint64_t{n - 1} >> shift) >= (uint64_t{1} << kBucketBits)) ++shift;
+    visitDType(x.dtype, [&](auto d) {
+      constexpr DType D = decltype(d)::value;
+      forEach(ctx.stream, m, [&](size_t lo, size_t end) {
+        uint32_t* idx = scratch.data();
+        philox.words(lo, end - lo, keys.data() + lo);  // word j mod 4 of group j / 4
+        std::array<uint32_t, size_t{1} << kBucketBits> start{};
+        for (size_t j = lo; j < end; ++j) {
+          keys[j] = static_cast<uint32_t>((uint64_t{keys[j]} * n) >> 32);
+          ++start[keys[j] >> shift];
+        }
+        uint32_t offset = static_cast<uint32_t>(lo);
+        for (auto& s : start) {
+          offset += s;
+          s = offset - s;
+        }
+        for (size_t j = lo; j < end; ++j) idx[start[keys[j] >> shift]++] = keys[j];
+        constexpr size_t kAhead = 32;
+        for (size_t j = lo; j < end; ++j) {
+          if (j + kAhead < end) {
+            const size_t ahead = idx[j + kAhead];
+            __builtin_prefetch(static_cast<const char*>(x.data) + ahead * dtypeSize(D));
+            __builtin_prefetch(p.v + ahead);
+            if (p.momentum) __builtin_prefetch(p.u + ahead);
+          }
+          keys[j] = magnitudeKey(accumulatedAt<D>(p, x.data, idx[j]));
+        }
+      });
+    });
+  }
+
+  /// s_r (1-based, descending). nth_element on the partly ordered array gives the same value.
+  static uint32_t sampleAt(std::span<uint32_t> keys, uint64_t r) {
+    std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.end(), std::greater<uint32_t>());
+    return keys[r - 1];
+  }
+
+  static uint64_t clampRank(U128 r, size_t m) {
+    return static_cast<uint64_t>(std::clamp<U128>(r, 1, m));
+  }
+  static uint64_t initialRank(size_t n, size_t k, size_t m) {
+    return clampRank((U128{k} * m + n - 1) / n, m);
+  }
+
+  /// The sampled threshold of §4.4 over v' (already written). Writes the plan and returns true
+  /// when a count was accepted; false means: fall back to exact selection.
   bool sampledSelection(const StepContext& ctx, const float* vn, size_t n, size_t k,
                         std::span<uint32_t> keys, SelectionPlan* plan) const {
     const size_t m = keys.size();
@@ -187,26 +337,26 @@ class DgcCodec final : public Codec {
         }
       }
     });
-    // s_r (1-based, descending). nth_element on the partly ordered array gives the same value.
-    auto sampleAt = [&](uint64_t r) {
-      std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.end(), std::greater<uint32_t>());
-      return keys[r - 1];
-    };
+    const uint64_t r = initialRank(n, k, m);
+    const uint32_t threshold = sampleAt(keys, r);
+    const uint64_t c = countKeysAtLeast(vn, n, threshold, ctx.stream);
+    return refine(ctx, vn, n, k, keys, r, threshold, c, plan);
+  }
+
+  /// Acceptance and refinement of §4.4 from rank r, threshold s_r and its count c.
+  static bool refine(const StepContext& ctx, const float* vn, size_t n, size_t k,
+                     std::span<uint32_t> keys, uint64_t r, uint32_t threshold, uint64_t c,
+                     SelectionPlan* plan) {
+    const size_t m = keys.size();
     const uint64_t lo = (U128{8} * k + 9) / 10;
     const uint64_t hi = (U128{13} * k) / 10;
-    auto clampRank = [&](U128 r) -> uint64_t {
-      return static_cast<uint64_t>(std::clamp<U128>(r, 1, m));
-    };
-    uint64_t r = clampRank((U128{k} * m + n - 1) / n);
-    uint32_t threshold = sampleAt(r);
-    uint64_t c = countKeysAtLeast(vn, n, threshold, ctx.stream);
     for (int refinement = 0;; ++refinement) {
       if (lo <= c && c <= hi) {
         *plan = SelectionPlan{threshold, n, false};
         return true;
       }
       if (refinement == kMaxRefinements) return false;
-      uint64_t next = clampRank((U128{2} * r * k + c) / (U128{2} * c));
+      uint64_t next = clampRank((U128{2} * r * k + c) / (U128{2} * c), m);
       if (next == r) {
         if (c > hi) {
           if (r == 1) return false;
@@ -217,7 +367,7 @@ class DgcCodec final : public Codec {
         }
       }
       r = next;
-      threshold = sampleAt(r);
+      threshold = sampleAt(keys, r);
       c = countKeysAtLeast(vn, n, threshold, ctx.stream);
     }
   }

@@ -17,6 +17,7 @@
 #include "kernels/philox.h"
 #include "kernels/reduce.h"
 #include "kernels/registry.h"
+#include "kernels/simd/kernels.h"
 
 namespace lightwire::kernels {
 namespace {
@@ -44,42 +45,6 @@ std::optional<QsgdLayout> qsgdLayout(uint64_t n, uint64_t d, unsigned b) {
   return l;
 }
 
-/// Philox words of consecutive whole-tensor element indices, one philoxBlock call per group of 4
-/// (the last group is remembered, so a group shared by two batches is drawn once). Per thread.
-class RoundingWords {
- public:
-  explicit RoundingWords(const PhiloxStream& rng) : rng_(rng) {}
-
-  /// w[k] = the word of element first + k, for k < len.
-  void fill(uint64_t first, size_t len, uint32_t* w) {
-    size_t k = 0;
-    uint64_t i = first;
-    if ((i & 3) != 0) {  // finish a group started before
-      load(i >> 2);
-      for (; (i & 3) != 0 && k < len; ++i, ++k) w[k] = words_[i & 3];
-    }
-    for (; k + 4 <= len; k += 4, i += 4) {  // whole groups, straight into w
-      const std::array<uint32_t, 4> g = rng_.group(i >> 2);
-      std::memcpy(w + k, g.data(), sizeof(g));
-    }
-    if (k < len) {
-      load(i >> 2);
-      for (; k < len; ++i, ++k) w[k] = words_[i & 3];
-    }
-  }
-
- private:
-  void load(uint64_t g) {
-    if (g == group_) return;
-    words_ = rng_.group(g);
-    group_ = g;
-  }
-
-  PhiloxStream rng_;
-  uint64_t group_ = std::numeric_limits<uint64_t>::max();
-  std::array<uint32_t, 4> words_{};
-};
-
 /// fp32 norm of one bucket: canonical fp64 sum of squares (§2: reduce blocks added in order, as
 /// canonicalSum does without a stream), fp64 sqrt, then fp32. `scratch` holds kReduceBlock floats
 /// for widening fp16/bf16 input.
@@ -95,45 +60,6 @@ float bucketNorm(ConstTensor bucket, float* scratch) {
     total = total + canonicalBlockSum(v, len, ReduceTerm::kSquare);
   }
   return static_cast<float>(std::sqrt(total));
-}
-
-/// codes[k] = (sign << (b-1)) | level for x[0..len), where element k lies in a bucket of fp32
-/// norm norms[k] > 0 and has the rounding word w[k]. fp64 arithmetic in the order of §4.5; every
-/// operation is exact or correctly rounded IEEE, so the vector clones give the scalar bytes.
-__attribute__((target_clones("avx2", "default"))) void quantize(
-    const float* __restrict x, const uint32_t* __restrict w, const float* __restrict norms,
-    size_t len, uint32_t s, unsigned sign_shift, uint8_t* __restrict codes) {
-  const double sd = static_cast<double>(s);
-  const auto s_i = static_cast<int32_t>(s);
-  for (size_t k = 0; k < len; ++k) {
-    const float xk = x[k];
-    const double r = (std::fabs(static_cast<double>(xk)) / static_cast<double>(norms[k])) * sd;
-    // 0 <= r <= s (|x| <= norm): truncation is the floor and fits in 32 bits.
-    const auto fl = static_cast<int32_t>(r);
-    const double p = r - static_cast<double>(fl);
-    // (double)w[k] * 2^-32, via a signed conversion (exact either way; this one vectorises).
-    const double u =
-        (static_cast<double>(static_cast<int32_t>(w[k] ^ 0x80000000u)) + 0x1p31) * 0x1p-32;
-    int32_t level = fl + (u < p ? 1 : 0);
-    level = level < s_i ? level : s_i;
-    const int32_t sign = xk < 0.0f ? 1 : 0;
-    codes[k] = static_cast<uint8_t>((sign << sign_shift) | level);
-  }
-}
-
-/// out[k] = out[k] + weight * value(codes[k]), element k in a bucket of scale scales[k] (§4.5
-/// decoding).
-__attribute__((target_clones("avx2", "default"))) void dequantize(const uint8_t* __restrict codes,
-                                                                  const float* __restrict scales,
-                                                                  size_t len, uint32_t s,
-                                                                  unsigned sign_shift, float weight,
-                                                                  float* __restrict out) {
-  for (size_t k = 0; k < len; ++k) {
-    const uint32_t code = codes[k];
-    const float v = static_cast<float>(static_cast<int32_t>(code & s)) * scales[k];
-    const float value = (code >> sign_shift) != 0 ? -v : v;
-    out[k] = out[k] + weight * value;
-  }
 }
 
 /// Appends codes[0..len) of `bits` bits each to the stream, four codes per BitWriter call.
@@ -301,8 +227,13 @@ class QsgdCodec final : public Codec {
           std::fill(scales + (pos - off), scales + (seg_end - off), scale);
           pos = seg_end;
         }
-        unpackCodes(reader, m, b, batch_codes);
-        dequantize(batch_codes, scales, m, s, b - 1, weight, out + off);
+        // Eight-bit codes are the bytes of the stream themselves.
+        const uint8_t* batch = codes + off;
+        if (b != 8) {
+          unpackCodes(reader, m, b, batch_codes);
+          batch = batch_codes;
+        }
+        simd::qsgdDequantize(batch, scales, m, s, b - 1, weight, out + off);
       }
     }
     return Status::ok();
@@ -316,11 +247,9 @@ class QsgdCodec final : public Codec {
                      std::atomic<bool>& non_finite) const {
     alignas(64) float scratch[kReduceBlock];
     alignas(64) float values[kSubBlock];
-    alignas(64) float elem_norms[kSubBlock];
     alignas(64) uint32_t words[kSubBlock];
     alignas(64) uint8_t batch_codes[kSubBlock];
     alignas(64) float batch_norms[kSubBlock];
-    RoundingWords rounding(rng);
     const unsigned sign_shift = bits_ - 1;
     const size_t d = bucket_;
     BitWriter writer(codes + (uint64_t{first} * d * bits_) / 8);
@@ -330,6 +259,15 @@ class QsgdCodec final : public Codec {
       if (non_finite.load(std::memory_order_relaxed)) return;  // the chunk is escaped anyway
       const size_t k_end = std::min(last, k + per_batch);
       const size_t e_end = std::min(x.elements, k_end * d);
+      {  // The next batch's input, requested while this one is quantised (hides DRAM latency).
+        const size_t width = dtypeSize(x.dtype);
+        const auto* next = static_cast<const char*>(x.data) + e_end * width;
+        const size_t next_bytes =
+            std::min<size_t>(8192, (std::min(x.elements, std::min(last, k_end + per_batch) * d) -
+                                    std::min(x.elements, e_end)) *
+                                       width);
+        for (size_t b = 0; b < next_bytes; b += 64) __builtin_prefetch(next + b);
+      }
       for (size_t j = k; j < k_end; ++j) {
         const float norm = bucketNorm(x.slice(j * d, std::min(d, x.elements - j * d)), scratch);
         storeF32(norms + 4 * j, norm);
@@ -346,22 +284,22 @@ class QsgdCodec final : public Codec {
           widenToFloat(x.slice(off, m), values);
           v = values;
         }
-        for (size_t pos = off; pos < off + m;) {  // bucket by bucket: norms and random words
+        // Eight-bit codes go straight into the stream (byte-aligned), others through packCodes.
+        uint8_t* dst = bits_ == 8 ? codes + off : batch_codes;
+        for (size_t pos = off; pos < off + m;) {  // bucket by bucket: random words, then codes
           const size_t bucket = pos / d, seg_end = std::min(off + m, (bucket + 1) * d);
           const float norm = batch_norms[bucket - k];
           if (norm != 0.0f) {
-            std::fill(elem_norms + (pos - off), elem_norms + (seg_end - off), norm);
-            rounding.fill(begin + pos, seg_end - pos, words + (pos - off));
+            rng.words(begin + pos, seg_end - pos, words);
+            simd::qsgdQuantize(v + (pos - off), words, seg_end - pos, norm, levels_, sign_shift,
+                               dst + (pos - off));
           } else {
-            // Every x of the bucket is ±0: dividing by 1 instead gives r = 0, so level 0 (§4.5)
-            // whatever the word, and no word is drawn.
-            std::fill(elem_norms + (pos - off), elem_norms + (seg_end - off), 1.0f);
-            std::fill(words + (pos - off), words + (seg_end - off), 0u);
+            // Every x of the bucket is ±0, never < 0: level 0 and sign 0 (§4.5), no word drawn.
+            std::memset(dst + (pos - off), 0, seg_end - pos);
           }
           pos = seg_end;
         }
-        quantize(v, words, elem_norms, m, levels_, sign_shift, batch_codes);
-        packCodes(batch_codes, m, bits_, writer);
+        if (bits_ != 8) packCodes(batch_codes, m, bits_, writer);
       }
     }
     writer.flush();

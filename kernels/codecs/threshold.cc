@@ -1,1 +1,96 @@
-// threshold: being written (issue 3)
+// `threshold` (docs/determinism.md §4.8): every element with key(x) >= key((float)t) — |x| >= t
+// in fp32, plus every NaN and ±Inf — sent in the sparse layout of topk. The decision is local to
+// each element, so a chunk needs nothing from the others and analyze() has nothing to do. No
+// memory of its own; the registry wraps it in error feedback by default.
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "kernels/parallel.h"
+#include "kernels/registry.h"
+#include "kernels/select.h"
+
+namespace lightwire::kernels {
+namespace {
+
+class ThresholdCodec final : public Codec {
+ public:
+  ThresholdCodec(const CodecConfig& c, float tau) : config_(c) {
+    plan_.threshold = magnitudeKey(tau);
+    plan_.tie_end = std::numeric_limits<uint64_t>::max();  // every key == threshold is taken
+    plan_.select_none = false;
+  }
+
+  const CodecTraits& traits() const override {
+    static const CodecTraits t{.id = CodecId::kThreshold,
+                               .name = "threshold",
+                               .summable = false,
+                               .sparse = true,
+                               .own_memory = false,
+                               .default_error_feedback = true};
+    return t;
+  }
+  const CodecConfig& config() const override { return config_; }
+  size_t workspaceBytes(const Chunking& c) const override {
+    return WorkspaceCarver::bytesFor({c.elements * sizeof(uint32_t)});
+  }
+  size_t maxPayloadBytes(size_t n) const override {
+    return sparseMaxPayloadBytes(n, config_.sparse_values);
+  }
+
+  Status doAnalyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
+                   std::span<std::byte>) const override {
+    return Status::ok();
+  }
+
+  Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                               int /*round*/, std::span<const uint8_t>, ConstTensor input,
+                               CodecState&, std::span<std::byte> workspace,
+                               std::span<uint8_t> out) const override {
+    WorkspaceCarver carver(workspace);
+    // Chunk c uses index slots [begin(c), begin(c) + size(c)): concurrent chunks never overlap.
+    const std::span<uint32_t> slots = carver.take<uint32_t>(chunking.elements);
+    const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
+    auto written =
+        writeSparsePayload(CodecId::kThreshold, input.dtype, config_.sparse_values, plan_, input,
+                           begin, len, slots.subspan(begin, len), ctx.stream, out);
+    if (!written) return written.status();
+    return written->bytes;
+  }
+
+  Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
+                     size_t out_elements) const override {
+    return decodeSparsePayload(payload, CodecId::kThreshold, weight, out, out_elements);
+  }
+
+ private:
+  CodecConfig config_;
+  SelectionPlan plan_;
+};
+
+LW_REGISTER_CODEC(threshold, "threshold",
+                  [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+                    if (!c.threshold) {
+                      return invalidArgument(
+                          "threshold: parameter 'threshold' is required (elements with |g| >= "
+                          "threshold are sent)");
+                    }
+                    const double t = *c.threshold;
+                    if (!std::isfinite(t) || !(t > 0.0)) {
+                      return invalidArgument("threshold: 'threshold' must be finite and > 0, got " +
+                                             formatNumber(t));
+                    }
+                    const float tau = static_cast<float>(t);
+                    if (!std::isfinite(tau) || !(tau > 0.0f)) {
+                      return invalidArgument("threshold: 'threshold' " + formatNumber(t) +
+                                             " rounds to " + formatNumber(tau) +
+                                             " in fp32; it must stay finite and > 0 there");
+                    }
+                    LW_RETURN_IF_ERROR(checkSparseValues(c, "threshold"));
+                    return std::unique_ptr<Codec>(new ThresholdCodec(c, tau));
+                  });
+
+}  // namespace
+}  // namespace lightwire::kernels

@@ -54,6 +54,13 @@ class TopkCodec final : public Codec {
     WorkspaceCarver carver(workspace);
     const SelectWorkspace ws = SelectWorkspace::carve(carver, chunking.elements);
     const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
+    if (ws.plan->has_list) {
+      auto written = writeSparsePayloadFromList(CodecId::kTopk, input.dtype, config_.sparse_values,
+                                                ws.slots.first(ws.plan->listed), input, begin, len,
+                                                ctx.stream, out);
+      if (!written) return written.status();
+      return written->bytes;
+    }
     auto written =
         writeSparsePayload(CodecId::kTopk, input.dtype, config_.sparse_values, *ws.plan, input,
                            begin, len, ws.slots.subspan(begin, len), ctx.stream, out);

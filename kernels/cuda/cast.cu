@@ -1,7 +1,7 @@
 // CUDA fp32 <-> fp16/bf16 conversions (kernels/cuda/cast.h). One element per thread per iteration
 // of a grid-stride loop: the loads and stores of a warp are contiguous, so the kernels run at
-// memory bandwidth; the conversions are the integer bit logic of kernels/half_bits.h, shared with the host
-// build that tests it.
+// memory bandwidth; the conversions are the integer bit logic of kernels/half_bits.h, shared with
+// the host build that tests it.
 //
 // Compiled with --fmad=false (kernels/cuda/meson.build); the accumulation also spells out its two
 // roundings with __fmul_rn / __fadd_rn, which are never contracted into an FMA.

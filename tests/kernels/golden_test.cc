@@ -23,6 +23,7 @@
 #include "kernels/parallel.h"
 #include "kernels/philox.h"
 #include "kernels/registry.h"
+#include "kernels/simd/targets.h"
 
 namespace json = boost::json;
 using namespace lightwire::kernels;
@@ -56,6 +57,22 @@ std::optional<double> toOptDouble(const json::value* v) {
   return toDouble(*v);
 }
 
+// Reads a file of concatenated payloads and cuts it by the manifest's sizes.
+bool splitPayloads(const std::string& rel, const json::array& sizes,
+                   std::vector<std::vector<uint8_t>>& out) {
+  std::vector<uint8_t> all;
+  if (!readFile(rel, all)) return false;
+  out.clear();
+  size_t off = 0;
+  for (const auto& ps : sizes) {
+    const size_t len = static_cast<size_t>(ps.to_number<uint64_t>());
+    if (off + len > all.size()) return false;
+    out.emplace_back(all.begin() + off, all.begin() + off + len);
+    off += len;
+  }
+  return off == all.size();
+}
+
 CodecConfig configFrom(const json::object& o) {
   CodecConfig c;
   c.name = std::string(o.at("name").as_string());
@@ -69,12 +86,172 @@ CodecConfig configFrom(const json::object& o) {
   c.sparse_values = *parseDType(std::string(o.at("sparse_values").as_string()));
   const json::value& ef = o.at("error_feedback");
   if (!ef.is_null()) c.error_feedback = ef.as_bool();
+  c.threshold = toOptDouble(o.if_contains("threshold"));
+  if (const json::value* r = o.if_contains("approx_rank")) {
+    c.approx_rank = static_cast<int>(r->to_number<int64_t>());
+  }
   return c;
 }
 
 // Runs one manifest case on a CpuStream of `threads`; returns a description of every mismatch
 // (empty: the case matches the golden files).
+// A multi-round (PowerSGD) case: `world` ranks, each with its own state; per step every rank
+// analyzes its input, every round is encoded by every rank (with the previous round's reduced
+// payload) and summed with addPayloads in rank order ((p0 + p1) + p2 ...); then every rank
+// decodes the reduced payloads (decodeRounds) and prepares its next state (finishStep), as
+// tests/kernels/multirank.h does. Checks every sent payload, every reduced payload and the
+// decoded result (of every rank) against the golden files.
+std::vector<std::string> runMultiRoundCase(const json::object& c, unsigned threads) {
+  std::vector<std::string> errors;
+  auto fail = [&](const std::string& m) { errors.push_back(m); };
+  const CodecConfig config = configFrom(c.at("config").as_object());
+  const std::string tensor(c.at("tensor_name").as_string());
+  const auto dtype = parseDType(std::string(c.at("dtype").as_string()));
+  if (!dtype) return {"unknown dtype"};
+  const size_t n = static_cast<size_t>(c.at("elements").to_number<uint64_t>());
+  const size_t world = static_cast<size_t>(c.at("world").to_number<uint64_t>());
+  std::vector<uint64_t> shape;
+  if (const json::value* sh = c.if_contains("shape"); sh != nullptr && !sh->is_null()) {
+    for (const auto& d : sh->as_array()) shape.push_back(d.to_number<uint64_t>());
+  }
+  auto made = createCodec(config);
+  if (!made.isOk()) return {"createCodec failed: " + made.status().message()};
+  const Codec& codec = **made;
+  const Chunking chunking = chunkingFor(codec, n, 0);
+  if (chunking.count() != 1) return {"multi-round codec is not single-chunk"};
+  const int rounds = codec.traits().rounds;
+
+  CpuStream stream(threads);
+  std::vector<CodecState> states;
+  std::vector<std::vector<std::byte>> ws(world);
+  for (size_t r = 0; r < world; ++r) {
+    states.emplace_back(codec.stateFloats(n));
+    ws[r].resize(codec.workspaceBytes(chunking));
+  }
+  for (const json::value& sv : c.at("steps").as_array()) {
+    const json::object& s = sv.as_object();
+    const uint64_t step_no = s.at("step").to_number<uint64_t>();
+    const std::string where = "step " + std::to_string(step_no) + ": ";
+    const float weight = static_cast<float>(toDouble(s.at("weight")));
+    const auto& in_files = s.at("inputs").as_array();
+    const auto& sent_files = s.at("sent").as_array();
+    const auto& red_files = s.at("reduced").as_array();
+    if (in_files.size() != world || sent_files.size() != static_cast<size_t>(rounds) ||
+        red_files.size() != static_cast<size_t>(rounds)) {
+      return {where + "manifest does not match world/rounds"};
+    }
+    std::vector<std::vector<uint8_t>> raw(world);
+    std::vector<ConstTensor> inputs;
+    for (size_t r = 0; r < world; ++r) {
+      if (!readFile(std::string(in_files[r].as_string()), raw[r]) ||
+          raw[r].size() != n * dtypeSize(*dtype)) {
+        return {where + "cannot read input of rank " + std::to_string(r)};
+      }
+      raw[r].resize(raw[r].size() + 4);  // never empty; vector storage is suitably aligned
+      inputs.push_back(ConstTensor{raw[r].data(), n, *dtype});
+    }
+    std::vector<uint64_t> step_shape = shape;
+    if (const json::value* sh = s.if_contains("shape")) {
+      step_shape.clear();
+      if (!sh->is_null()) {
+        for (const auto& d : sh->as_array()) step_shape.push_back(d.to_number<uint64_t>());
+      }
+    }
+    auto ctxOf = [&](size_t r) {
+      StepContext ctx;
+      ctx.seed = static_cast<uint32_t>(c.at("seed").to_number<uint64_t>());
+      ctx.name_key = tensorNameKey(tensor);
+      ctx.step = step_no;
+      ctx.rank = static_cast<uint32_t>(r);
+      ctx.stream = &stream;
+      ctx.shape = step_shape;
+      return ctx;
+    };
+    for (size_t r = 0; r < world; ++r) {
+      const lightwire::Status st = codec.analyze(ctxOf(r), chunking, inputs[r], states[r], ws[r]);
+      if (!st.isOk()) return {where + "analyze failed: " + st.message()};
+    }
+    std::vector<std::vector<uint8_t>> reduced;
+    for (int round = 0; round < rounds; ++round) {
+      const std::string rw = where + "round " + std::to_string(round) + ": ";
+      std::vector<uint8_t> golden_reduced;
+      if (!readFile(std::string(red_files[round].as_string()), golden_reduced)) {
+        return {rw + "cannot read reduced payload"};
+      }
+      const std::span<const uint8_t> previous =
+          round == 0 ? std::span<const uint8_t>{} : std::span<const uint8_t>(reduced.back());
+      std::vector<uint8_t> sum;
+      for (size_t r = 0; r < world; ++r) {
+        std::vector<uint8_t> sent(codec.maxPayloadBytes(n));
+        auto size = codec.encodeChunk(ctxOf(r), chunking, 0, round, previous, inputs[r], states[r],
+                                      ws[r], sent);
+        if (!size.isOk()) return {rw + "encodeChunk failed: " + size.status().message()};
+        sent.resize(*size);
+        std::vector<uint8_t> golden_sent;
+        if (!readFile(std::string(sent_files[round].as_array()[r].as_string()), golden_sent)) {
+          return {rw + "cannot read sent payload"};
+        }
+        if (sent != golden_sent) {
+          size_t first = 0;
+          while (first < sent.size() && first < golden_sent.size() &&
+                 sent[first] == golden_sent[first]) {
+            ++first;
+          }
+          fail(rw + "rank " + std::to_string(r) + ": payload differs at byte " +
+               std::to_string(first) + " (size " + std::to_string(sent.size()) + ", golden " +
+               std::to_string(golden_sent.size()) + ")");
+        }
+        if (r == 0) {
+          sum = sent;
+        } else {
+          std::vector<uint8_t> next(std::max(sum.size(), sent.size()));
+          auto added = codec.addPayloads(sum, sent, next);
+          if (!added.isOk()) return {rw + "addPayloads failed: " + added.status().message()};
+          next.resize(*added);
+          sum = std::move(next);
+        }
+      }
+      if (sum != golden_reduced) fail(rw + "reduced payload differs from the golden one");
+      // Continue with the golden reduced payload, so one mismatch does not hide the next.
+      reduced.push_back(std::move(golden_reduced));
+    }
+    std::vector<uint8_t> dec_raw;
+    if (!readFile(std::string(s.at("decoded").as_string()), dec_raw) || dec_raw.size() != 4 * n) {
+      return {where + "cannot read decoded file"};
+    }
+    std::vector<std::span<const uint8_t>> views(reduced.begin(), reduced.end());
+    for (size_t r = 0; r < world; ++r) {
+      std::vector<float> out(n, 0.0f);
+      const lightwire::Status st = codec.decodeRounds(views, weight, out.data(), n);
+      if (!st.isOk()) {
+        fail(where + "decodeRounds failed: " + st.message());
+      } else {
+        size_t bad = 0, first = n;
+        for (size_t i = 0; i < n; ++i) {
+          uint32_t want;
+          std::memcpy(&want, dec_raw.data() + 4 * i, 4);
+          if (std::bit_cast<uint32_t>(out[i]) != want && bad++ == 0) first = i;
+        }
+        if (bad) {
+          uint32_t want;
+          std::memcpy(&want, dec_raw.data() + 4 * first, 4);
+          fail(where + "rank " + std::to_string(r) + ": decoded output differs at " +
+               std::to_string(bad) + " element(s), first " + std::to_string(first) + ": got " +
+               hex32(std::bit_cast<uint32_t>(out[first])) + ", golden " + hex32(want));
+        }
+      }
+      const lightwire::Status fin =
+          codec.finishStep(ctxOf(r), chunking, views, weight, inputs[r], states[r], ws[r]);
+      if (!fin.isOk()) return {where + "finishStep failed: " + fin.message()};
+    }
+    if (!errors.empty()) return errors;  // later steps depend on this one's state
+    for (auto& st : states) st.commit();
+  }
+  return errors;
+}
+
 std::vector<std::string> runCase(const json::object& c, unsigned threads) {
+  if (c.if_contains("world") != nullptr) return runMultiRoundCase(c, threads);
   std::vector<std::string> errors;
   auto fail = [&](const std::string& m) { errors.push_back(m); };
 
@@ -106,6 +283,7 @@ std::vector<std::string> runCase(const json::object& c, unsigned threads) {
 
   CpuStream stream(threads);
   CodecState state(codec.stateFloats(n));
+  CodecState other_state(codec.stateFloats(n));  // the second rank of "add" steps
   for (const json::value& sv : c.at("steps").as_array()) {
     const json::object& s = sv.as_object();
     const uint64_t step_no = s.at("step").to_number<uint64_t>();
@@ -233,6 +411,66 @@ std::vector<std::string> runCase(const json::object& c, unsigned threads) {
              ", golden " + hex32(want_bits[first]));
       }
     }
+    // --- summable codecs: a second rank's payloads and the compressed-domain sum ---
+    if (const json::value* addv = s.if_contains("add")) {
+      const json::object& add = addv->as_object();
+      const std::string aw = where + "add: ";
+      std::vector<uint8_t> oraw;
+      if (!readFile(std::string(add.at("input").as_string()), oraw) ||
+          oraw.size() != n * dtypeSize(*dtype)) {
+        fail(aw + "cannot read the other input");
+        return errors;
+      }
+      std::vector<float> o32;
+      std::vector<uint16_t> o16;
+      const void* odata = nullptr;
+      if (*dtype == DType::kF32) {
+        o32.resize(n);
+        if (n) std::memcpy(o32.data(), oraw.data(), oraw.size());
+        odata = o32.data();
+      } else {
+        o16.resize(n);
+        if (n) std::memcpy(o16.data(), oraw.data(), oraw.size());
+        odata = o16.data();
+      }
+      std::vector<std::vector<uint8_t>> other, sums;
+      if (!splitPayloads(std::string(add.at("payload").as_string()),
+                         add.at("payload_sizes").as_array(), other) ||
+          !splitPayloads(std::string(add.at("sum").as_string()), add.at("sum_sizes").as_array(),
+                         sums) ||
+          other.size() != golden_payloads.size() || sums.size() != golden_payloads.size()) {
+        fail(aw + "cannot read the other/sum payload files");
+        return errors;
+      }
+      StepContext octx = ctx;
+      octx.rank = static_cast<uint32_t>(add.at("rank").to_number<uint64_t>());
+      auto oenc = encodeTensor(codec, octx, chunking, ConstTensor{odata, n, *dtype}, other_state);
+      if (!oenc.isOk()) {
+        fail(aw + "encodeTensor(other rank) failed: " + oenc.status().message());
+        return errors;
+      }
+      if (*oenc != other) fail(aw + "the other rank's payloads differ from the golden ones");
+      for (size_t k = 0; k < other.size(); ++k) {
+        std::vector<uint8_t> sum(codec.maxPayloadBytes(chunking.size(k)));
+        auto added = codec.addPayloads(golden_payloads[k], other[k], sum);
+        if (!added.isOk()) {
+          fail(aw + "chunk " + std::to_string(k) +
+               ": addPayloads failed: " + added.status().message());
+          continue;
+        }
+        sum.resize(*added);
+        if (sum != sums[k]) {
+          size_t first = 0;
+          while (first < sum.size() && first < sums[k].size() && sum[first] == sums[k][first]) {
+            ++first;
+          }
+          fail(aw + "chunk " + std::to_string(k) + ": sum differs at byte " +
+               std::to_string(first) + " (size " + std::to_string(sum.size()) + ", golden " +
+               std::to_string(sums[k].size()) + ")");
+        }
+      }
+      other_state.commit();
+    }
     state.commit();
   }
   return errors;
@@ -252,17 +490,24 @@ TEST_CASE("golden payloads: codecs reproduce tests/kernels/golden byte for byte"
   REQUIRE(!cases.empty());
 
   size_t passed = 0, total = 0;
-  for (const unsigned threads : {1u, 2u}) {
-    for (const json::value& cv : cases) {
-      const json::object& c = cv.as_object();
-      const std::string name(c.at("name").as_string());
-      const auto errors = runCase(c, threads);
-      ++total;
-      if (errors.empty()) ++passed;
-      for (const auto& e : errors) {
-        CHECK_MESSAGE(false, "case " << name << " [" << threads << " thread(s)] " << e);
+  // Every SIMD target Highway can run here, forced in turn (kernels/simd/targets.h).
+  for (const int64_t target : simd::availableTargets()) {
+    const simd::ScopedTargetForTest force(target);
+    const std::string target_name = simd::targetName(target);
+    for (const unsigned threads : {1u, 2u}) {
+      for (const json::value& cv : cases) {
+        const json::object& c = cv.as_object();
+        const std::string name(c.at("name").as_string());
+        const auto errors = runCase(c, threads);
+        ++total;
+        if (errors.empty()) ++passed;
+        for (const auto& e : errors) {
+          CHECK_MESSAGE(false, "case " << name << " [" << target_name << ", " << threads
+                                       << " thread(s)] " << e);
+        }
       }
     }
   }
-  MESSAGE("golden cases passed: " << passed << " of " << total << " (cases x thread counts)");
+  MESSAGE("golden cases passed: " << passed << " of " << total
+                                  << " (cases x thread counts x SIMD targets)");
 }

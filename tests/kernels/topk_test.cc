@@ -10,13 +10,17 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <utility>
 #include <vector>
+
+#include <hwy/targets.h>
 
 #include "kernels/codec.h"
 #include "kernels/dtype.h"
 #include "kernels/parallel.h"
 #include "kernels/payload.h"
 #include "kernels/registry.h"
+#include "kernels/select.h"
 
 namespace lightwire::kernels {
 namespace {
@@ -542,6 +546,222 @@ TEST_CASE("topk decoder adds weight times fp16 values") {
   std::vector<float> out(5, 1.0f);
   REQUIRE(codec->decodeChunk(p, -2.0f, out.data(), 5).isOk());
   CHECK(out == std::vector<float>{1.0f, -2.0f, 1.0f, 1.0f, 1.5f});
+}
+
+}  // namespace
+}  // namespace lightwire::kernels
+
+// --- The one-pass listed selection (select.cc selectGuidedList) and its SIMD kernels ---
+
+namespace lightwire::kernels {
+namespace {
+
+/// Inputs whose keys defeat a radix or sampled selection: all equal, two values, NaN/Inf among
+/// finite ones, denormals only, keys packed in one key >> 20 bucket, a huge tie at the
+/// threshold, and a run of equal keys at the tensor's end.
+std::vector<std::pair<const char*, std::vector<float>>> adversarialInputs(size_t n) {
+  std::vector<std::pair<const char*, std::vector<float>>> out;
+  std::mt19937 rng(71);
+  out.push_back({"all equal", std::vector<float>(n, -1.5f)});
+  {
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; ++i) x[i] = (rng() % 3 == 0) ? 2.0f : -1.0f;
+    out.push_back({"two values", x});
+  }
+  {
+    auto x = gaussian(n, 72);
+    const float specials[] = {
+        std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+        std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+    for (size_t i = 0; i < n; i += 97) x[i] = specials[(i / 97) % 4];
+    out.push_back({"NaN and Inf", x});
+  }
+  {
+    std::vector<float> x(n);
+    for (auto& v : x) {
+      v = bitsFloat(static_cast<uint32_t>(rng() % 0x007FFFFFu + 1) | (rng() & 0x80000000u));
+    }
+    out.push_back({"denormals", x});
+  }
+  {
+    std::vector<float> x(n);  // [1, 1 + 2^-4): every key in one bucket of key >> 20
+    for (auto& v : x) v = bitsFloat(0x3F800000u | static_cast<uint32_t>(rng() % (1u << 19)));
+    out.push_back({"one bucket", x});
+  }
+  {
+    std::vector<float> x(n);  // 10 % large, then a sea of ties at the threshold, then small
+    for (size_t i = 0; i < n; ++i) {
+      x[i] = (rng() % 10 == 0) ? 5.0f + static_cast<float>(rng() % 100) : 1.0f;
+    }
+    out.push_back({"ties at the threshold", x});
+  }
+  {
+    auto x = gaussian(n, 73);
+    for (size_t i = n - n / 16; i < n; ++i) x[i] = 3.0f;  // equal keys at the end
+    out.push_back({"tail run", x});
+  }
+  {
+    std::vector<float> x(n, 0.0f);  // zeros, -0 and a few values
+    for (size_t i = 0; i < n; i += 1001) x[i] = (i % 2) ? -0.0f : 1e-3f;
+    out.push_back({"mostly zero", x});
+  }
+  return out;
+}
+
+TEST_CASE("topk equals nth_element on adversarial key distributions (all paths, 1-2 threads)") {
+  // Large enough for the sampled (listed or bracketed) paths; densities where the listed path
+  // applies and where it does not.
+  const size_t n = (size_t{1} << 18) + 12345;
+  for (const auto& [name, x] : adversarialInputs(n)) {
+    for (double d : {1e-5, 0.001, 0.01, 0.2, 0.7}) {
+      CAPTURE(name);
+      CAPTURE(d);
+      const auto want = referenceTopk(x, expectedK(n, d));
+      const auto one = encode(*makeTopk(d), x, 0, 1);
+      CHECK(selectedSet(one, n, 0) == want);
+      const size_t chunk = 40000;
+      const auto two = encode(*makeTopk(d), x, chunk, 2);
+      CHECK(selectedSet(two, n, chunk) == want);
+    }
+  }
+}
+
+TEST_CASE("topk selection is exact when the sampled bracket misses on purpose") {
+  // The guiding sample reads every 32nd element (n = 2^19, 16384 samples); only those hold large
+  // keys, so the sample predicts a far higher threshold than the true k-th largest key: the
+  // listed path and the bracketed path both miss and the histogram path decides.
+  const size_t n = size_t{1} << 19;
+  auto x = gaussian(n, 78);
+  for (size_t i = 0; i < n; ++i) x[i] = (i % 32 == 0) ? static_cast<float>(i + 1) : x[i] * 1e-3f;
+  for (double d : {0.001, 0.01, 0.1}) {
+    CAPTURE(d);
+    CHECK(selectedSet(encode(*makeTopk(d), x, 0, 2), n, 0) == referenceTopk(x, expectedK(n, d)));
+  }
+}
+
+/// Payloads of topk and dgc (with and without momentum, fp16 values) for one input.
+std::vector<Bytes> selectionPayloads(const std::vector<float>& x, unsigned threads) {
+  std::vector<Bytes> all;
+  auto add = [&](const std::vector<Bytes>& p) { all.insert(all.end(), p.begin(), p.end()); };
+  add(encode(*makeTopk(0.01), x, 100000, threads));
+  add(encode(*makeTopk(0.003, {}, DType::kF16), x, 0, threads));
+  for (double momentum : {0.0, 0.9}) {
+    CodecConfig c;
+    c.name = "dgc";
+    c.density = 0.01;
+    c.momentum = momentum;
+    auto dgc = createCodec(c);
+    REQUIRE(dgc.isOk());
+    CodecState state((*dgc)->stateFloats(x.size()));
+    for (int step = 0; step < 2; ++step) {
+      add(encode(**dgc, x, 70000, threads, &state));
+      state.commit();
+    }
+    for (float v : state.currentSpan()) {
+      Bytes b(4);
+      storeF32(b.data(), v);
+      if (v != 0.0f) all.push_back(b);
+    }
+  }
+  return all;
+}
+
+TEST_CASE("topk and dgc bytes are identical on every Highway target the machine supports") {
+  const auto x = gaussian(size_t{1} << 19, 74);
+  const auto reference = selectionPayloads(x, 1);
+  const auto targets = hwy::SupportedAndGeneratedTargets();
+  CHECK(!targets.empty());
+  for (const int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    const std::string target_name = hwy::TargetName(target);
+    CAPTURE(target_name);
+    CHECK(selectionPayloads(x, 2) == reference);
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+TEST_CASE("SIMD selection kernels equal their scalar definition on every target and alignment") {
+  const size_t n = 5000;
+  auto x = gaussian(n, 75);
+  x[17] = std::numeric_limits<float>::quiet_NaN();
+  x[18] = -std::numeric_limits<float>::infinity();
+  x[19] = 1e-42f;
+  const auto u = gaussian(n, 76);
+  const auto v = gaussian(n, 77);
+  std::vector<float> scratch(4 * n + 64);
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    const std::string target_name = hwy::TargetName(target);
+    CAPTURE(target_name);
+    for (size_t lo : {size_t{0}, size_t{1}, size_t{7}}) {
+      for (size_t hi : {n, n - 3, size_t{lo + 5}}) {
+        for (uint32_t a : {1u, keyOf(1.0f), keyOf(2.5f), 0x7F800000u}) {
+          CAPTURE(lo);
+          CAPTURE(hi);
+          CAPTURE(a);
+          std::vector<uint64_t> want;
+          for (size_t i = lo; i < hi; ++i) {
+            if (keyOf(x[i]) >= a) want.push_back(compositeKey(keyOf(x[i]), i));
+          }
+          std::vector<uint64_t> got(hi - lo);
+          const uint64_t count = collectCompositesF32(x.data(), lo, hi, a, got.data(), got.size());
+          REQUIRE(count == want.size());
+          got.resize(count);
+          CHECK(got == want);
+          // A cap below the count: the count is still exact, only cap entries are written.
+          if (count > 2) {
+            std::vector<uint64_t> capped(2);
+            CHECK(collectCompositesF32(x.data(), lo, hi, a, capped.data(), 2) == count);
+            CHECK(capped[0] == want[0]);
+            CHECK(capped[1] == want[1]);
+          }
+        }
+        for (bool momentum : {false, true}) {
+          for (bool clip : {false, true}) {
+            for (size_t shift : {size_t{0}, size_t{1}, size_t{3}}) {  // un/vn alignment
+              DgcPass p;
+              p.x = x.data();
+              p.u = u.data();
+              p.v = v.data();
+              p.un = scratch.data() + shift;
+              p.vn = scratch.data() + 2 * n + 32;  // aligned the same as un or not
+              p.clip = clip;
+              p.factor = 0.3f;
+              p.momentum = momentum;
+              p.m = 0.9f;
+              p.threshold = keyOf(1.5f);
+              std::vector<uint32_t> list(hi - lo);
+              const uint64_t count = dgcFusedPassF32(p, lo, hi, list.data());
+              std::vector<uint32_t> want_list;
+              bool same = true;
+              for (size_t i = lo; i < hi; ++i) {
+                const float g = clip ? x[i] * p.factor : x[i];
+                float ui = 0.0f, vi;
+                if (momentum) {
+                  const float mu = p.m * u[i];
+                  ui = mu + g;
+                  vi = v[i] + ui;
+                } else {
+                  vi = v[i] + g;
+                }
+                same = same && floatBits(p.un[i]) == floatBits(ui) &&
+                       floatBits(p.vn[i]) == floatBits(vi);
+                if (keyOf(vi) >= p.threshold) want_list.push_back(static_cast<uint32_t>(i));
+              }
+              CAPTURE(momentum);
+              CAPTURE(clip);
+              CAPTURE(shift);
+              CHECK(same);
+              REQUIRE(count == want_list.size());
+              list.resize(count);
+              CHECK(list == want_list);
+            }
+          }
+        }
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 }  // namespace

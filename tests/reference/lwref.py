@@ -67,6 +67,10 @@ def philox_self_check():
 
 PURPOSE_QSGD = 1
 PURPOSE_DGC = 2
+PURPOSE_RANDOMK = 3
+PURPOSE_TERNGRAD = 4
+PURPOSE_POWERSGD = 5
+SHARED_STREAM = 0xFFFFFFFF
 
 
 def tensor_name_key(name):
@@ -92,6 +96,31 @@ class RandomWords:
             words = philox4x32_10((self.step, self.stream, self.purpose, g & MASK32), self.key)
             self.cache[g] = words
         return words[i % 4]
+
+
+def randomk_selection_word(n, k):
+    """determinism §4.7 step 2: t = max(1, floor((k * 2^32 + floor(n/2)) / n)), 0 when n = 0."""
+    if n == 0:
+        return 0
+    return max(1, (k * (1 << 32) + n // 2) // n)
+
+
+def randomk_local_selection(seed, name_key, step, start, m, t):
+    """Chunk-local indices j in [0, m) whose element start + j is selected (r < t), §4.7 step 3.
+    Philox(step, 0xFFFFFFFF, purpose 3, low 32 bits of (start + j) // 4), key (seed, name_key)."""
+    key = (seed & MASK32, name_key & MASK32)
+    sel = []
+    words = None
+    g_cached = None
+    for j in range(m):
+        i = start + j
+        g = i // 4
+        if g != g_cached:
+            words = philox4x32_10((step & MASK32, SHARED_STREAM, PURPOSE_RANDOMK, g & MASK32), key)
+            g_cached = g
+        if words[i % 4] < t:
+            sel.append(j)
+    return sel
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,7 +268,8 @@ def to_f32(d):
 # ------------------------------------------------------------------------------------------------
 # Payload layouts (wire-format.md)
 # ------------------------------------------------------------------------------------------------
-CODEC_ID = {"none": 0, "fp16": 1, "bf16": 2, "topk": 3, "dgc": 6, "qsgd": 7}
+CODEC_ID = {"none": 0, "fp16": 1, "bf16": 2, "topk": 3, "randomk": 4, "threshold": 5, "dgc": 6,
+            "qsgd": 7, "terngrad": 8, "signsgd": 9, "onebit": 10, "powersgd": 11}
 
 
 def header(codec_id, dtype_code, flags, count):
@@ -321,7 +351,7 @@ def decode_payload(payload, expected_codec_id, weight, out, begin, n_chunk):
             h = np.frombuffer(body, dtype="<u2")
             vals = f16_to_f32_array(h) if cid == 1 else bf16_to_f32_array(h)
             seg[:] = seg + (w * vals)
-        elif cid in (3, 6):
+        elif cid in (3, 5, 6):
             assert flags in (0, 1)
             fp16 = flags == 1
             nnz, wbits = struct.unpack_from("<IB", body, 0)
@@ -368,6 +398,55 @@ def decode_payload(payload, expected_codec_id, weight, out, begin, n_chunk):
                 if sign:
                     value = -value
                 vals[i] = value
+            seg[:] = seg + (w * vals)
+        elif cid == 4:  # randomk
+            assert flags in (0, 1)
+            fp16 = flags == 1
+            seed, name_key, step, res2, start, t, nnz = struct.unpack_from("<IIIIQQQ", body, 0)
+            assert res2 == 0 and t <= (1 << 32) and nnz <= n_chunk
+            assert start + n_chunk <= (1 << 64) - 1
+            vsize = 2 if fp16 else 4
+            assert len(body) == 40 + vsize * nnz, "randomk length"
+            sel = randomk_local_selection(seed, name_key, step, start, n_chunk, t)
+            assert len(sel) == nnz, "randomk count"
+            vb = body[40:]
+            for jj, idx in enumerate(sel):
+                if fp16:
+                    v = f32_from_bits(np.uint32(f16_to_f32_bits(struct.unpack_from("<H", vb, 2 * jj)[0])))
+                else:
+                    v = f32_from_bits(np.uint32(struct.unpack_from("<I", vb, 4 * jj)[0]))
+                v = F32(v)
+                seg[idx] = _f32(seg[idx] + _f32(w * v))
+        elif cid in (8, 9, 10):  # terngrad, signsgd, onebit: shared bucket layout
+            assert flags == 0
+            d = struct.unpack_from("<I", body, 0)[0]
+            assert d >= 1
+            B = (n_chunk + d - 1) // d
+            per = 8 if cid == 10 else 4
+            cb = 2 if cid == 8 else 1
+            C = (n_chunk * cb + 7) // 8
+            assert len(body) == 4 + per * B + C, "bucket layout length"
+            sc = np.frombuffer(body[4:4 + per * B], dtype="<f4").astype(np.float32)
+            assert np.all(np.isfinite(sc))
+            if cid == 10:
+                pos, neg = sc[0::2], sc[1::2]
+                assert np.all(pos >= 0) and np.all(neg <= 0)
+            else:
+                assert np.all(sc >= 0)  # -0.0 compares equal to 0: accepted
+            codes, used = unpack_bits(body[4 + per * B:], n_chunk, cb)
+            for tt in range(used, 8 * C):
+                assert not (body[4 + per * B + tt // 8] >> (tt % 8)) & 1, "padding bits"
+            vals = np.zeros(n_chunk, dtype=np.float32)
+            for i in range(n_chunk):
+                code = codes[i]
+                bk = i // d
+                if cid == 8:
+                    assert code != 3, "terngrad code 3"
+                    vals[i] = F32(0.0) if code == 0 else (sc[bk] if code == 1 else -sc[bk])
+                elif cid == 9:
+                    vals[i] = sc[bk] if code == 0 else -sc[bk]
+                else:
+                    vals[i] = pos[bk] if code == 0 else neg[bk]
             seg[:] = seg + (w * vals)
         else:
             raise AssertionError("codec id %d" % cid)
@@ -461,11 +540,12 @@ def dgc_select(keys, k, n, f, seed, name, step, rank, info):
 # Codecs
 # ------------------------------------------------------------------------------------------------
 def default_error_feedback(name):
-    return name == "topk"
+    # DESIGN.md §3: on for the biased codecs without memory of their own
+    return name in ("topk", "threshold", "signsgd", "onebit")
 
 
 def codec_alignment(cfg):
-    return cfg["bucket_size"] if cfg["name"] == "qsgd" else 1
+    return cfg["bucket_size"] if cfg["name"] in ("qsgd", "terngrad", "signsgd", "onebit") else 1
 
 
 def effective_density(cfg, step_density):
@@ -545,8 +625,101 @@ class Codec:
             out = self._sparse_chunks(3, a, sel, dcode, chunking)
         elif cname == "qsgd":
             out = self._qsgd(a, dcode, chunking, seed, name, step, rank, info)
+        elif cname == "randomk":
+            out = self._randomk(a, dcode, chunking, seed, name, step, step_density, info)
+        elif cname == "threshold":
+            tau = to_f32(cfg["threshold"])
+            assert np.isfinite(tau) and tau > 0
+            ktau = int(bits_of(np.array([tau], dtype=np.float32))[0]) & 0x7FFFFFFF
+            sel = np.nonzero(key_of(a) >= ktau)[0]
+            info["nnz"] = int(len(sel))
+            out = self._sparse_chunks(5, a, sel, dcode, chunking)
+        elif cname in ("terngrad", "signsgd", "onebit"):
+            out = self._bucketed(cname, a, dcode, chunking, seed, name, step, rank, info)
         else:
             raise ValueError(cname)
+        return out
+
+    def _randomk(self, a, dcode, chunking, seed, name, step, step_density, info):
+        cfg = self.cfg
+        n = self.n
+        k = selection_size(n, effective_density(cfg, step_density))
+        t = randomk_selection_word(n, k)
+        fp16 = cfg["sparse_values"] == "fp16"
+        s = to_f32(4294967296.0 / float(t)) if t else None
+        name_key = tensor_name_key(name)
+        out = []
+        total = 0
+        for b, m in chunking:
+            sel = randomk_local_selection(seed, name_key, step, b, m, t)
+            total += len(sel)
+            vals = []
+            for j in sel:
+                v = _f32(a[b + j] * s)  # one fp32 multiplication
+                u = int(np.array([v], dtype=np.float32).view(np.uint32)[0])
+                vals.append(f32_bits_to_f16_saturating(u) if fp16 else u)
+            body = struct.pack("<IIIIQQQ", seed & MASK32, name_key, step & MASK32, 0, b, t,
+                               len(sel))
+            body += b"".join(struct.pack("<H" if fp16 else "<I", v) for v in vals)
+            out.append(header(4, dcode, 1 if fp16 else 0, m) + body)
+        info["k"] = k
+        info["t"] = t
+        info["nnz"] = total
+        if s is not None:
+            info["scale_bits"] = "0x%08x" % int(np.array([s], dtype=np.float32).view(np.uint32)[0])
+        return out
+
+    def _bucketed(self, cname, a, dcode, chunking, seed, name, step, rank, info):
+        d = self.cfg["bucket_size"]
+        rw = RandomWords(seed, name, step, rank, PURPOSE_TERNGRAD) if cname == "terngrad" else None
+        out = []
+        escaped = []
+        for ci, (b, m) in enumerate(chunking):
+            chunk = a[b:b + m]
+            if not np.all(np.isfinite(chunk)):
+                escaped.append(ci)
+                out.append(none_payload(chunk, dcode))
+                continue
+            scales = []   # fp32 values (onebit: pos, neg pairs)
+            codes = []
+            for bb in range(0, m, d):
+                bucket = chunk[bb:bb + d]
+                c = len(bucket)
+                if cname == "terngrad":
+                    sc = F32(0.0)
+                    for v in bucket.tolist():
+                        if abs(v) > float(sc):
+                            sc = F32(abs(v))
+                    scales.append(sc)
+                    for lj, v in enumerate(bucket.tolist()):
+                        i = b + bb + lj  # whole-tensor index
+                        if sc == 0:
+                            codes.append(0)
+                            continue
+                        p = abs(v) / float(sc)
+                        u = rw.word(i) * 2.0 ** -32
+                        codes.append((2 if v < 0 else 1) if u < p else 0)
+                elif cname == "signsgd":
+                    S = canonical_sum([abs(float(v)) for v in bucket.tolist()])
+                    scales.append(to_f32(S / float(c)))
+                    codes.extend(1 if v < 0 else 0 for v in bucket.tolist())
+                else:  # onebit
+                    vl = bucket.tolist()
+                    SP = canonical_sum([0.0 if v < 0 else float(v) for v in vl])
+                    SN = canonical_sum([float(v) if v < 0 else 0.0 for v in vl])
+                    cn = sum(1 for v in vl if v < 0)
+                    cp = c - cn
+                    pos = to_f32(SP / float(cp)) if cp > 0 else F32(0.0)
+                    neg = to_f32(SN / float(cn)) if cn > 0 else F32(0.0)
+                    scales.extend([pos, neg])
+                    codes.extend(1 if v < 0 else 0 for v in vl)
+            cb = 2 if cname == "terngrad" else 1
+            C = (m * cb + 7) // 8
+            body = struct.pack("<I", d)
+            body += np.array(scales, dtype=np.float32).astype("<f4").tobytes()
+            body += pack_bits(codes, cb, C)
+            out.append(header(CODEC_ID[cname], dcode, 0, m) + body)
+        info["escaped_chunks"] = escaped
         return out
 
     def _sparse_chunks(self, cid, vals, sel, dcode, chunking):
@@ -655,6 +828,208 @@ class Codec:
             decode_payload(p, cid, weight, out, b, m)
 
 
+def add_payloads(codec_name, a, b):
+    """Summable codecs: the payload of a + b in the compressed domain (determinism §4.7)."""
+    if codec_name in ("fp16", "bf16"):  # §4.1: encode(decode(a) + decode(b)), fp32 sum
+        assert a[:16] == b[:16] and len(a) == len(b)
+        ha = np.frombuffer(a[16:], dtype="<u2")
+        hb = np.frombuffer(b[16:], dtype="<u2")
+        with np.errstate(all="ignore"):
+            if codec_name == "fp16":
+                sm = _f32(f16_to_f32_array(ha) + f16_to_f32_array(hb))
+                h = f32_to_f16_array(sm)
+            else:
+                sm = _f32(bf16_to_f32_array(ha) + bf16_to_f32_array(hb))
+                h = f32_to_bf16_array(sm)
+        return a[:16] + h.astype("<u2").tobytes()
+    if codec_name != "randomk":
+        raise ValueError("add_payloads: %s" % codec_name)
+    assert a[:16] == b[:16], "randomk add: headers differ"
+    assert a[3] == 4
+    fp16 = a[5] == 1
+    assert a[16:56] == b[16:56], "randomk add: fields differ"
+    nnz = struct.unpack_from("<Q", a, 48)[0]
+    out = bytearray(a[:56])
+    with np.errstate(all="ignore"):
+        for j in range(nnz):
+            if fp16:
+                ua = f16_to_f32_bits(struct.unpack_from("<H", a, 56 + 2 * j)[0])
+                ub = f16_to_f32_bits(struct.unpack_from("<H", b, 56 + 2 * j)[0])
+            else:
+                ua = struct.unpack_from("<I", a, 56 + 4 * j)[0]
+                ub = struct.unpack_from("<I", b, 56 + 4 * j)[0]
+            v = _f32(F32(f32_from_bits(np.uint32(ua))) + F32(f32_from_bits(np.uint32(ub))))
+            u = int(np.array([v], dtype=np.float32).view(np.uint32)[0])
+            out += struct.pack("<H", f32_bits_to_f16_saturating(u)) if fp16 else struct.pack("<I", u)
+    assert len(out) == len(a) == len(b)
+    return bytes(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# PowerSGD (determinism §4.12): two summable rounds, own memory, single chunk
+# ------------------------------------------------------------------------------------------------
+def powersgd_view(n, shape):
+    if n == 0:
+        return 0, 0
+    if shape is not None and len(shape) >= 2:
+        rows = shape[0]
+        prod = 1
+        for d in shape:
+            prod *= d
+        assert prod == n, "shape does not match n"
+        return rows, n // rows
+    cols = math.isqrt(n)
+    if cols * cols < n:
+        cols += 1
+    return (n + cols - 1) // cols, cols
+
+
+def canonical_dot(a, b):
+    """Canonical fp64 sum (§2) of (double)a_t * (double)b_t; a, b: sequences of Python floats
+    (fp32 values)."""
+    return canonical_sum([x * y for x, y in zip(a, b)])
+
+
+def orthonormalize(S, rows, r):
+    """Modified Gram-Schmidt applied twice per column (§4.12 step 4). S: rows x r fp32 (numpy
+    array); returns P-hat as a rows x r float32 array."""
+    A = [[float(v) for v in S[:, j]] for j in range(r)]  # columns as Python floats (fp32 values)
+    for j in range(r):
+        col = A[j]
+        for _ in range(2):
+            for l in range(j):
+                d = canonical_dot(A[l], col)
+                col = [float(to_f32(col[i] - d * A[l][i])) for i in range(rows)]
+        nu = math.sqrt(canonical_sum([v * v for v in col]))
+        if nu != 0:
+            col = [float(to_f32(v / nu)) for v in col]
+        A[j] = col
+    out = np.zeros((rows, r), dtype=np.float32)
+    for j in range(r):
+        out[:, j] = np.array(A[j], dtype=np.float32)
+    return out
+
+
+def powersgd_payload(dcode, n, rnd, rows, cols, r, F):
+    body = struct.pack("<IIII", rows, cols, r, 0) + _f32(F).astype("<f4").tobytes()
+    return bytes([0x4C, 0x57, 1, 11, dcode, 0, rnd, 0]) + struct.pack("<Q", n) + body
+
+
+def powersgd_parse(p, n, rnd, r0):
+    assert len(p) >= 32 and p[:3] == b"LW\x01" and p[3] == 11 and p[5] == 0 and p[6] == rnd
+    assert p[7] == 0 and struct.unpack_from("<Q", p, 8)[0] == n
+    rows, cols, r, res = struct.unpack_from("<IIII", p, 16)
+    assert res == 0
+    if n > 0:
+        assert rows >= 1 and cols >= 1 and rows * cols >= n and (rows - 1) * cols < n
+    assert r == min(r0, rows, cols)
+    F = (rows if rnd == 0 else cols) * r
+    assert len(p) == 32 + 4 * F
+    vals = np.frombuffer(p[32:], dtype="<f4").astype(np.float32).reshape(-1, r) if r else \
+        np.zeros((rows if rnd == 0 else cols, 0), dtype=np.float32)
+    return rows, cols, r, vals
+
+
+def powersgd_add(a, b):
+    assert a[:32] == b[:32] and len(a) == len(b)
+    va = np.frombuffer(a[32:], dtype="<f4").astype(np.float32)
+    vb = np.frombuffer(b[32:], dtype="<f4").astype(np.float32)
+    with np.errstate(all="ignore"):
+        return a[:32] + _f32(va + vb).astype("<f4").tobytes()
+
+
+class PowerSGD:
+    """One rank's PowerSGD state for one tensor, and its step in the order of §4.12."""
+
+    def __init__(self, r0, n):
+        self.r0 = r0
+        self.n = n
+        self.e = np.zeros(n, dtype=np.float32)
+        self.valid = False
+        self.view = None  # (rows, cols, r) of the committed Q
+        self.Q = None
+
+    def begin(self, raw, dtype, seed, name, step, shape):
+        """Steps 1-3: returns the round-0 payload; keeps M and Q for the rest of the step."""
+        n = self.n
+        x = widen(raw, dtype)
+        self.dcode = DTYPE_CODE[dtype]
+        rows, cols = powersgd_view(n, shape)
+        r = min(self.r0, rows, cols)
+        self.rows, self.cols, self.r = rows, cols, r
+        with np.errstate(all="ignore"):
+            M = _f32(x + self.e)
+        self.M = M
+        Mp = np.zeros(rows * cols, dtype=np.float32)
+        Mp[:n] = M
+        self.Mm = Mp.reshape(rows, cols) if n else np.zeros((0, 0), dtype=np.float32)
+        if self.valid and self.view == (rows, cols, r):
+            Q = self.Q.copy()
+            fresh = [bool(np.all(Q[:, j] == 0)) for j in range(r)]
+        else:
+            Q = np.zeros((cols, r), dtype=np.float32)
+            fresh = [True] * r
+        rw = RandomWords(seed, name, step, SHARED_STREAM, PURPOSE_POWERSGD)
+        for j in range(r):
+            if fresh[j]:
+                for k in range(cols):
+                    u = rw.word(k * r + j) * 2.0 ** -32
+                    Q[k, j] = to_f32(2.0 * u - 1.0)
+        self.Qstep = Q
+        self.redrawn = [j for j in range(r) if fresh[j]]
+        Mrows = [[float(v) for v in self.Mm[i]] for i in range(rows)]
+        Qcols = [[float(v) for v in Q[:, j]] for j in range(r)]
+        P = np.zeros((rows, r), dtype=np.float32)
+        for i in range(rows):
+            for j in range(r):
+                P[i, j] = to_f32(canonical_dot(Mrows[i], Qcols[j]))
+        return powersgd_payload(self.dcode, n, 0, rows, cols, r, P)
+
+    def round1(self, reduced0):
+        rows, cols, r = self.rows, self.cols, self.r
+        _, _, _, S = powersgd_parse(reduced0, self.n, 0, self.r0)
+        Ph = orthonormalize(S, rows, r)
+        Mcols = [[float(v) for v in self.Mm[:, k]] for k in range(cols)]
+        Pcols = [[float(v) for v in Ph[:, j]] for j in range(r)]
+        Ql = np.zeros((cols, r), dtype=np.float32)
+        for k in range(cols):
+            for j in range(r):
+                Ql[k, j] = to_f32(canonical_dot(Mcols[k], Pcols[j]))
+        return powersgd_payload(self.dcode, self.n, 1, rows, cols, r, Ql)
+
+    def finish(self, reduced0, reduced1, weight):
+        """Step 7: prepares and commits the next state (the step succeeded)."""
+        v = powersgd_values(reduced0, reduced1, self.n, self.r0)
+        w = F32(weight)
+        _, _, _, T = powersgd_parse(reduced1, self.n, 1, self.r0)
+        with np.errstate(all="ignore"):
+            self.e = _f32(self.M - _f32(w * v))
+            self.Q = _f32(w * T)
+        self.valid = True
+        self.view = (self.rows, self.cols, self.r)
+
+
+def powersgd_values(reduced0, reduced1, n, r0):
+    """Step 6: v for every real element (float32 array of n)."""
+    rows, cols, r, S = powersgd_parse(reduced0, n, 0, r0)
+    rows1, cols1, r1, T = powersgd_parse(reduced1, n, 1, r0)
+    assert (rows, cols, r) == (rows1, cols1, r1)
+    Ph = orthonormalize(S, rows, r)
+    v = np.zeros(n, dtype=np.float32)
+    Prow = [[float(x) for x in Ph[i]] for i in range(rows)]
+    Trow = [[float(x) for x in T[k]] for k in range(cols)]
+    for idx in range(n):
+        i, k = divmod(idx, cols)
+        v[idx] = to_f32(canonical_dot(Prow[i], Trow[k]))
+    return v
+
+
+def powersgd_decode(reduced0, reduced1, n, r0, weight, out):
+    v = powersgd_values(reduced0, reduced1, n, r0)
+    with np.errstate(all="ignore"):
+        out[:] = _f32(out + _f32(F32(weight) * v))
+
+
 philox_self_check()
 
 
@@ -729,6 +1104,47 @@ def _self_test():
         q.decode(p, [(0, n)], F32(1.0), dec)
         acc += dec
     assert abs(float(np.mean(acc / reps - x))) < 0.02
+    # randomk: the selection word and the expected count (k on average)
+    assert randomk_selection_word(1000, 10) == (10 * 2 ** 32 + 500) // 1000
+    assert randomk_selection_word(1, 1) == 2 ** 32 and randomk_selection_word(0, 0) == 0
+    n = 2000
+    rk = Codec({"name": "randomk", "density": 0.05, "sparse_values": "fp32",
+                "error_feedback": None}, n)
+    x = rng.standard_normal(n).astype(np.float32)
+    acc = np.zeros(n, dtype=np.float64)
+    for s in range(200):
+        p, info = rk.step(x, "fp32", chunk_ranges(n, 700, 1), 0, "r", s, s % 4, None)
+        dec = np.zeros(n, dtype=np.float32)
+        rk.decode(p, chunk_ranges(n, 700, 1), F32(1.0), dec)
+        acc += dec
+    assert abs(float(np.mean(acc / 200 - x))) < 0.05
+    # terngrad: unbiased; onebit: each bucket's decoded sum equals its input sum (approximately)
+    tg = Codec({"name": "terngrad", "bucket_size": 64, "error_feedback": None}, n)
+    acc[:] = 0
+    for s in range(100):
+        p, _ = tg.step(x, "fp32", chunk_ranges(n, 640, 64), 0, "t", s, 1, None)
+        dec = np.zeros(n, dtype=np.float32)
+        tg.decode(p, chunk_ranges(n, 640, 64), F32(1.0), dec)
+        acc += dec
+    assert abs(float(np.mean(acc / 100 - x))) < 0.02
+    ob = Codec({"name": "onebit", "bucket_size": 100, "error_feedback": False}, n)
+    p, _ = ob.step(x, "fp32", chunk_ranges(n, 0, 100), 0, "o", 0, 0, None)
+    dec = np.zeros(n, dtype=np.float32)
+    ob.decode(p, chunk_ranges(n, 0, 100), F32(1.0), dec)
+    for b in range(0, n, 100):
+        assert abs(float(np.sum(dec[b:b + 100], dtype=np.float64)) -
+                   float(np.sum(x[b:b + 100], dtype=np.float64))) < 1e-3
+    # powersgd: exact (to fp32 rounding) on a rank-2 matrix held by two ranks, r = 2
+    A = (rng.standard_normal((20, 2)) @ rng.standard_normal((2, 15))).astype(np.float32).ravel()
+    B = _f32(A * F32(0.5))
+    ranks = [PowerSGD(2, A.size), PowerSGD(2, A.size)]
+    p0 = [c.begin(xx, "fp32", 0, "w", 0, (20, 15)) for c, xx in zip(ranks, (A, B))]
+    s0 = powersgd_add(p0[0], p0[1])
+    p1 = [c.round1(s0) for c in ranks]
+    s1 = powersgd_add(p1[0], p1[1])
+    out = np.zeros(A.size, dtype=np.float32)
+    powersgd_decode(s0, s1, A.size, 2, 0.5, out)
+    assert float(np.max(np.abs(out - _f32((A + B) * F32(0.5))))) < 1e-5
     print("lwref self-test ok")
 
 

@@ -14,6 +14,16 @@ Layout of tests/kernels/golden/:
                                 index order, for every element whose bits are not 0x00000000 (all
                                 others are +0.0); whichever is smaller
 
+Summable codecs may carry, per step, "add": a second rank's input (<case>/s<j>.other.in, encoded
+with its own state and rank), its payloads (s<j>.other.payload) and the compressed-domain sums of
+the two (s<j>.sum.payload, addPayloads(this, other) chunk by chunk).
+
+Multi-round cases (PowerSGD; the case has "world" and "shape") hold per step one input per rank
+(s<j>.r<rank>.in), every rank's payload of every round (s<j>.r<rank>.round<q>.payload), the
+reduced payload of every round (s<j>.round<q>.reduced: the rank payloads added in rank order,
+((p0 + p1) + p2) ...) and the decoded result (s<j>.decoded, dense, the same on every rank); every
+rank finishes its step from the reduced payloads before the next step (tests/kernels/multirank.h).
+
 Doubles of the codec config and the fp32 weights are written as decimal strings (Python repr,
 shortest round-trip) so that a correctly rounded strtod reproduces them exactly.
 
@@ -150,7 +160,7 @@ def cfg(name, **kw):
     c = {
         "name": name, "density": None, "ratio": None, "bits": 8, "bucket_size": 512,
         "momentum": 0.0, "clip_norm": 0.0, "sample_fraction": 0.01, "sparse_values": "fp32",
-        "error_feedback": None,
+        "error_feedback": None, "threshold": None, "approx_rank": 1,
     }
     for k, v in kw.items():
         assert k in c, k
@@ -159,7 +169,9 @@ def cfg(name, **kw):
 
 
 class Step:
-    def __init__(self, data, step, weight=1.0, density=None, input_of=None, input_case=None):
+    def __init__(self, data, step, weight=1.0, density=None, input_of=None, input_case=None,
+                 other=None):
+        self.other = other          # summable codecs: another rank's input, added to this one
         self.data = data            # float32 array (fp32) or uint16 bit array (fp16/bf16)
         self.step = step
         self.weight = F32(weight)
@@ -168,13 +180,16 @@ class Step:
         self.input_case = input_case  # ... of that earlier case (default: this case)
 
 
-def case(name, config, dtype, steps, tensor="layer.0.weight", seed=0, rank=0, chunk=0, note=""):
+def case(name, config, dtype, steps, tensor="layer.0.weight", seed=0, rank=0, chunk=0, note="",
+         other_rank=None):
     n = len(steps[0].data)
     for s in steps:
         assert len(s.data) == n
         assert s.data.dtype == (np.float32 if dtype == "fp32" else np.uint16)
+    if other_rank is not None:
+        assert all(s.other is not None and len(s.other) == n for s in steps)
     return dict(name=name, config=config, dtype=dtype, steps=steps, tensor=tensor, seed=seed,
-                rank=rank, chunk=chunk, n=n, note=note)
+                rank=rank, chunk=chunk, n=n, note=note, other_rank=other_rank)
 
 
 def tied_pm(seed, n, mags):
@@ -213,6 +228,10 @@ def cases(log):
                   [Step(fp16_edges(), 0, 1.0)],
                   note="with error feedback the codec compresses a = x + e (fp32), so -0 and "
                        "signalling NaNs are not sent as is"))
+    C.append(case("fp16_add_f32", cfg("fp16"), "fp32",
+                  [Step(mixed_f32(28, 300), 0, 1.0, other=mixed_f32(29, 300))], chunk=128,
+                  other_rank=1, note="add: fp32 sums of the widened halves, converted again "
+                                     "(ties, subnormals, overflow to Inf)"))
     # --- bf16 ---------------------------------------------------------------------------------
     C.append(case("bf16_f32_edges", cfg("bf16"), "fp32", [Step(fp32_edges(), 0, 1.5)]))
     C.append(case("bf16_f16_edges", cfg("bf16"), "fp16", [Step(fp16_edges(), 0, 1.0)]))
@@ -227,6 +246,9 @@ def cases(log):
     C.append(case("bf16_ef_f32", cfg("bf16", error_feedback=True), "fp32",
                   [Step(gaussian(34, 1000), 0), Step(gaussian(35, 1000), 1),
                    Step(gaussian(36, 1000), 2, 0.25)]))
+    C.append(case("bf16_add_f16", cfg("bf16"), "fp16",
+                  [Step(to_f16_bits(gaussian(37, 301)), 0, 1.0, other=to_f16_bits(gaussian(38, 301)))],
+                  chunk=100, other_rank=1))
     # --- topk ---------------------------------------------------------------------------------
     C.append(case("topk_density_f32", cfg("topk", density=0.01), "fp32",
                   [Step(gaussian(41, 5000), 0, 1.0), Step(gaussian(42, 5000), 1, 0.5),
@@ -383,6 +405,237 @@ def cases(log):
     C.append(case("dgc_clip_reduction_order_b", cfg("dgc", density=0.01, clip_norm=clip_b), "fp32",
                   [Step(dx, 0, input_of=0, input_case="dgc_clip_reduction_order_a")], chunk=3000,
                   tensor="probe", note="clip_norm / N lies just below an fp32 rounding boundary"))
+    C.extend(cases_issue3(log))
+    return C
+
+
+def with_nonfinite(x, at):
+    """x with qNaN (payload), +Inf, -Inf at the three indices of `at`."""
+    y = x.copy()
+    y[at[0]] = f32_bits(0x7FC12345)[0]
+    y[at[1]] = F32(np.inf)
+    y[at[2]] = F32(-np.inf)
+    return y
+
+
+def bucket_edges(seed, n):
+    """Gaussian values with an all-zero bucket (+-0), an all-positive and an all-negative run,
+    exact ties of the maximum magnitude and some subnormals."""
+    x = gaussian(seed, n)
+    x[14:21] = F32(0.0)
+    x[16] = F32(-0.0)
+    x[21:28] = np.abs(x[21:28])
+    x[28:35] = -np.abs(x[28:35])
+    x[35:42] = f32_vals(2.0, -2.0, 2.0, 0.5, -0.25, 1e-40, -1e-45)
+    return x
+
+
+def cases_issue3(log):
+    C = []
+    # --- randomk ------------------------------------------------------------------------------
+    C.append(case("randomk_density_f32", cfg("randomk", density=0.05), "fp32",
+                  [Step(gaussian(200, 3001), 0, 1.0), Step(gaussian(201, 3001), 1, 0.5),
+                   Step(gaussian(202, 3001), 4294967301, 0.25, density=0.2)],
+                  chunk=1000, tensor="encoder.attn.k_proj", seed=5, rank=0,
+                  note="step 4294967301: the payload's step field is its low 32 bits (5)"))
+    rk = gaussian(203, 1999, 3000.0)
+    C.append(case("randomk_ratio_f16values_f16", cfg("randomk", ratio=20.0, sparse_values="fp16"),
+                  "fp16", [Step(to_f16_bits(rk), 3), Step(to_f16_bits(gaussian(204, 1999)), 4, 0.3)],
+                  chunk=700, seed=1, rank=3,
+                  note="values x * s beyond 65504 are sent as +-65504 (saturating)"))
+    C.append(case("randomk_bf16_ef", cfg("randomk", density=0.1, error_feedback=True), "bf16",
+                  [Step(to_bf16_bits(gaussian(205, 777)), 0),
+                   Step(to_bf16_bits(gaussian(206, 777)), 1),
+                   Step(to_bf16_bits(gaussian(207, 777)), 2, 0.5)], chunk=100, rank=3))
+    C.append(case("randomk_density1", cfg("randomk", density=1.0), "fp32",
+                  [Step(gaussian(209, 37), 0)], chunk=10,
+                  note="k = n: t = 2^32, every element selected, s = 1"))
+    big = gaussian(210, 1000)
+    big[[5, 6, 7, 8]] = f32_vals(3.0e38, -3.0e38, 1.0e30, -1.0)
+    C.append(case("randomk_overflow_nonfinite", cfg("randomk", density=0.5), "fp32",
+                  [Step(with_nonfinite(big, [100, 200, 300]), 0, 1.0),
+                   Step(with_nonfinite(big, [0, 1, 2]), 1, 1.0)],
+                  chunk=256, seed=9,
+                  note="x * s overflows to Inf for +-3e38; NaN and Inf propagate (qNaN payload "
+                       "kept by x86)"))
+    C.append(case("randomk_n0", cfg("randomk", density=0.5), "fp32", [Step(f32_vals(), 0)]))
+    C.append(case("randomk_n1", cfg("randomk", density=0.01), "fp32",
+                  [Step(f32_vals(-2.5), 0), Step(f32_vals(1.0), 1)],
+                  note="n = 1: k = 1, t = 2^32 (always selected)"))
+    C.append(case("randomk_sparse_t", cfg("randomk", density=0.001), "fp32",
+                  [Step(gaussian(211, 5003), 7)], chunk=1024, seed=3, tensor="emb/wé"))
+    C.append(case("randomk_add_f32", cfg("randomk", density=0.1), "fp32",
+                  [Step(gaussian(212, 1500), 0, 1.0, other=gaussian(213, 1500)),
+                   Step(gaussian(214, 1500), 1, 0.5, other=gaussian(215, 1500))],
+                  chunk=600, rank=0, other_rank=3,
+                  note="add: rank 3's payloads (same indices) added to rank 0's"))
+    ov = gaussian(216, 900, 3000.0)
+    C.append(case("randomk_add_f16values", cfg("randomk", ratio=8.0, sparse_values="fp16"),
+                  "fp32", [Step(ov, 2, 1.0, other=gaussian(217, 900, 3000.0))],
+                  chunk=0, rank=1, other_rank=2,
+                  note="fp16 value sums saturate at +-65504"))
+    # --- threshold ----------------------------------------------------------------------------
+    tx = gaussian(220, 2000)
+    tx[[3, 4, 5]] = f32_vals(1.5, -1.5, np.nextafter(F32(1.5), F32(0.0)))
+    C.append(case("threshold_ef_f32", cfg("threshold", threshold=1.5), "fp32",
+                  [Step(tx, 0), Step(gaussian(221, 2000), 1, 0.5), Step(gaussian(222, 2000), 2)],
+                  chunk=500, note="error feedback on by default; |x| = tau is selected"))
+    tt = gaussian(223, 1001, 0.1)
+    tt[[0, 1, 2, 3]] = f32_vals(0.1, -0.1, np.nextafter(F32(0.1), F32(0.0)), 1.0e5)
+    tt[4] = F32(-70000.0)
+    C.append(case("threshold_f16values_noef", cfg("threshold", threshold=0.1, sparse_values="fp16",
+                                                  error_feedback=False), "fp32",
+                  [Step(tt, 0, 1.0)], chunk=333,
+                  note="tau = (float)0.1; values beyond fp16 range saturate to +-65504"))
+    C.append(case("threshold_f16values_ef", cfg("threshold", threshold=0.1, sparse_values="fp16"),
+                  "fp32", [Step(tt, 0, 1.0, input_of=0, input_case="threshold_f16values_noef"),
+                           Step(gaussian(224, 1001, 0.1), 1, 0.5)], chunk=333,
+                  note="the saturation excess stays in the residual"))
+    tn = fp32_edges()
+    C.append(case("threshold_edges_tiny", cfg("threshold", threshold=1e-45, error_feedback=False),
+                  "fp32", [Step(tn, 0, 0.5)], chunk=16,
+                  note="tau = the smallest subnormal: everything but +-0 is selected, NaN/Inf too"))
+    C.append(case("threshold_f16_input", cfg("threshold", threshold=2.0), "fp16",
+                  [Step(to_f16_bits(gaussian(225, 1500)), 0), Step(to_f16_bits(gaussian(226, 1500)), 1)],
+                  chunk=512))
+    C.append(case("threshold_bf16_nonfinite_last", cfg("threshold", threshold=0.75), "bf16",
+                  [Step(to_bf16_bits(gaussian(227, 300)), 0),
+                   Step(to_bf16_bits(with_nonfinite(gaussian(228, 300), [10, 150, 299])), 1)],
+                  chunk=128, note="NaN/Inf only in the last step"))
+    C.append(case("threshold_none_selected", cfg("threshold", threshold=1e30), "fp32",
+                  [Step(gaussian(229, 50), 0)], chunk=20))
+    C.append(case("threshold_n0", cfg("threshold", threshold=1.0), "fp32", [Step(f32_vals(), 0)]))
+    C.append(case("threshold_n1", cfg("threshold", threshold=1.0), "fp32",
+                  [Step(f32_vals(-2.5), 0), Step(f32_vals(0.5), 1)]))
+    # --- terngrad -----------------------------------------------------------------------------
+    C.append(case("terngrad_d512_rank0", cfg("terngrad"), "fp32",
+                  [Step(gaussian(230, 3000), 0), Step(gaussian(231, 3000), 1, 0.5)],
+                  chunk=1024, rank=0, seed=1, tensor="blocks.0.attn.qkv"))
+    C.append(case("terngrad_d100_rank3_nonfinite", cfg("terngrad", bucket_size=100), "fp32",
+                  [Step(bucket_edges(232, 1234), 4, 0.25), Step(qsgd_nonfinite(233, 1234), 5)],
+                  chunk=250, rank=3, seed=42,
+                  note="chunks of 300: step 5 chunk 0 Inf, chunk 1 NaN (none layout), chunk 2 "
+                       "+-3e38 (finite: scaler 3e38), chunk 3 an all-zero bucket"))
+    C.append(case("terngrad_d7_f16_rank3", cfg("terngrad", bucket_size=7), "fp16",
+                  [Step(to_f16_bits(bucket_edges(234, 50)), 0)], chunk=20, rank=3))
+    C.append(case("terngrad_bf16_ef", cfg("terngrad", bucket_size=64, error_feedback=True), "bf16",
+                  [Step(to_bf16_bits(gaussian(235, 333)), 0), Step(to_bf16_bits(gaussian(236, 333)), 1),
+                   Step(to_bf16_bits(gaussian(237, 333)), 2)], chunk=128, rank=1))
+    C.append(case("terngrad_n0", cfg("terngrad"), "fp32", [Step(f32_vals(), 0)]))
+    C.append(case("terngrad_n1", cfg("terngrad"), "fp32",
+                  [Step(f32_vals(-2.5), 0), Step(f32_vals(0.0), 1)]))
+    # --- signsgd ------------------------------------------------------------------------------
+    C.append(case("signsgd_d512_ef", cfg("signsgd"), "fp32",
+                  [Step(gaussian(240, 2100), 0), Step(gaussian(241, 2100), 1, 0.5),
+                   Step(gaussian(242, 2100), 2)], chunk=1024,
+                  note="error feedback on by default"))
+    C.append(case("signsgd_d100_noef_edges", cfg("signsgd", bucket_size=100, error_feedback=False),
+                  "fp32", [Step(bucket_edges(243, 1234), 0, 0.3), Step(qsgd_nonfinite(244, 1234), 1)],
+                  chunk=250, note="step 1: chunks with NaN/Inf go out in the none layout"))
+    C.append(case("signsgd_d7_f16", cfg("signsgd", bucket_size=7), "fp16",
+                  [Step(to_f16_bits(bucket_edges(245, 50)), 0), Step(to_f16_bits(gaussian(246, 50)), 1)],
+                  chunk=20))
+    C.append(case("signsgd_d5000_bf16", cfg("signsgd", bucket_size=5000, error_feedback=False),
+                  "bf16", [Step(to_bf16_bits(gaussian(247, 5003)), 0)], chunk=0,
+                  note="a bucket longer than one 4096-element block of the canonical sum"))
+    C.append(case("signsgd_n0", cfg("signsgd"), "fp32", [Step(f32_vals(), 0)]))
+    C.append(case("signsgd_n1", cfg("signsgd"), "fp32",
+                  [Step(f32_vals(-2.5), 0), Step(f32_vals(1.0), 1)]))
+    # --- onebit -------------------------------------------------------------------------------
+    C.append(case("onebit_d512_ef", cfg("onebit"), "fp32",
+                  [Step(gaussian(250, 2100), 0), Step(gaussian(251, 2100), 1, 0.5),
+                   Step(gaussian(252, 2100), 2)], chunk=1024,
+                  note="error feedback on by default"))
+    C.append(case("onebit_d7_noef_edges", cfg("onebit", bucket_size=7, error_feedback=False),
+                  "fp32", [Step(bucket_edges(253, 71), 0, 0.3)], chunk=14,
+                  note="buckets all zero, all positive (neg = +0), all negative (pos = +0)"))
+    C.append(case("onebit_d100_noef_nonfinite", cfg("onebit", bucket_size=100,
+                                                     error_feedback=False), "fp32",
+                  [Step(qsgd_nonfinite(254, 1234), 0)], chunk=250))
+    C.append(case("onebit_f16_ef", cfg("onebit", bucket_size=64), "fp16",
+                  [Step(to_f16_bits(gaussian(255, 500)), 0), Step(to_f16_bits(gaussian(256, 500)), 1)],
+                  chunk=128))
+    C.append(case("onebit_d5000_bf16", cfg("onebit", bucket_size=5000, error_feedback=False),
+                  "bf16", [Step(to_bf16_bits(gaussian(257, 5003)), 0)], chunk=0))
+    C.append(case("onebit_n0", cfg("onebit"), "fp32", [Step(f32_vals(), 0)]))
+    sx = mean_order_probe("signsgd", 4099, 4, 60, log)
+    C.append(case("signsgd_d4099_reduction_order", cfg("signsgd", bucket_size=4099,
+                                                       error_feedback=False), "fp32",
+                  [Step(sx, 0)], chunk=8198, tensor="probe",
+                  note="bucket scales next to fp32 rounding flips: only the canonical order of "
+                       "determinism §2 reproduces them"))
+    ox = mean_order_probe("onebit", 4099, 4, 60, log)
+    C.append(case("onebit_d4099_reduction_order", cfg("onebit", bucket_size=4099,
+                                                      error_feedback=False), "fp32",
+                  [Step(ox, 0)], chunk=8198, tensor="probe",
+                  note="pos (even buckets) and neg (odd buckets) next to fp32 rounding flips"))
+    # --- powersgd (two ranks, two rounds) -------------------------------------------------------
+    def lowrank(seed, rows, cols, rank, noise=0.0):
+        rng = np.random.default_rng(seed)
+        m = rng.standard_normal((rows, rank)) @ rng.standard_normal((rank, cols))
+        m = m + noise * rng.standard_normal((rows, cols))
+        return m.astype(np.float32).ravel()
+
+    g0, g1 = lowrank(300, 24, 16, 2, 0.1), lowrank(301, 24, 16, 2, 0.1)
+    C.append(mr_case("powersgd_w2_r2_shape", cfg("powersgd", approx_rank=2), "fp32",
+                     [MRStep([g0, g1], 0, 0.5),
+                      MRStep([lowrank(302, 24, 16, 3), lowrank(303, 24, 16, 3)], 1, 0.5),
+                      MRStep([g0, g1], 2, 0.5)], shape=[24, 16], tensor="fc.weight", seed=3,
+                     note="step 2 repeats step 0's inputs on the warm-started Q"))
+    C.append(mr_case("powersgd_w2_r4_flat_f16", cfg("powersgd", approx_rank=4), "fp16",
+                     [MRStep([to_f16_bits(gaussian(304, 1001)), to_f16_bits(gaussian(305, 1001))],
+                             7, 0.5),
+                      MRStep([to_f16_bits(gaussian(306, 1001)), to_f16_bits(gaussian(307, 1001))],
+                             8, 0.5)], shape=None, tensor="flat.bias",
+                     note="no shape: cols = ceil(sqrt(1001)) = 32, rows = 32, 23 padding zeros"))
+    C.append(mr_case("powersgd_w2_tall_bf16_rank_clamp", cfg("powersgd", approx_rank=4), "bf16",
+                     [MRStep([to_bf16_bits(gaussian(308, 8200)), to_bf16_bits(gaussian(309, 8200))],
+                             0, 0.5)], shape=[4100, 2], seed=1,
+                     note="r = min(4, 4100, 2) = 2; the dots over 4100 rows cross a 4096 block"))
+    z = np.zeros(60, dtype=np.float32)
+    C.append(mr_case("powersgd_w2_zero_redraw_3d", cfg("powersgd", approx_rank=3), "fp32",
+                     [MRStep([z, z], 0, 0.5),
+                      MRStep([lowrank(310, 4, 15, 1), lowrank(311, 4, 15, 1)], 1, 0.5),
+                      MRStep([lowrank(312, 4, 15, 1), z], 2, 0.5)], shape=[4, 3, 5],
+                     note="step 0 all zero: T = 0, so Q' columns are zero and step 1 redraws "
+                          "them; rank-1 inputs at r = 3"))
+    C.append(mr_case("powersgd_w2_rank1_weight1", cfg("powersgd"), "fp32",
+                     [MRStep([gaussian(313, 77), gaussian(314, 77)], 0, 1.0),
+                      MRStep([gaussian(315, 77), gaussian(316, 77)], 1, 1.0)], shape=[7, 11],
+                     tensor="emb/wé", seed=0xDEADBEEF))
+    C.append(mr_case("powersgd_w2_n1", cfg("powersgd", approx_rank=2), "fp32",
+                     [MRStep([f32_vals(-2.5), f32_vals(1.0)], 0, 0.5),
+                      MRStep([f32_vals(3.0), f32_vals(0.0)], 1, 0.5)]))
+    C.append(mr_case("powersgd_w2_n0", cfg("powersgd", approx_rank=2), "fp32",
+                     [MRStep([f32_vals(), f32_vals()], 0, 0.5)]))
+    C.append(mr_case("powersgd_w3_rank1", cfg("powersgd", approx_rank=1), "fp32",
+                     [MRStep([gaussian(317, 50), gaussian(318, 50), gaussian(319, 50)], 5,
+                             F32(1.0) / F32(3.0))]))
+    row2 = np.zeros(30, dtype=np.float32)
+    row2[12:18] = f32_vals(1.0, -2.0, 0.5, 3.0, -1.0, 0.25)
+    C.append(mr_case("powersgd_w2_partial_redraw", cfg("powersgd", approx_rank=3), "fp32",
+                     [MRStep([row2, _f32_scaled(row2, 2.0)], 0, 0.5),
+                      MRStep([gaussian(324, 30), gaussian(325, 30)], 1, 0.5),
+                      MRStep([gaussian(326, 30), gaussian(327, 30)], 2, 0.5)], shape=[5, 6],
+                     note="step 0: one non-zero row, so P-hat columns 1 and 2 are exactly zero, "
+                          "T and Q' too; step 1 keeps column 0 warm and redraws columns 1, 2"))
+    C.append(mr_case("powersgd_w2_view_change", cfg("powersgd", approx_rank=1024), "fp32",
+                     [MRStep([gaussian(328, 96), gaussian(329, 96)], 0, 0.5, shape=[8, 12]),
+                      MRStep([gaussian(330, 96), gaussian(331, 96)], 1, 0.5, shape=None),
+                      MRStep([gaussian(332, 96), gaussian(333, 96)], 2, 0.5, shape=[96]),
+                      MRStep([gaussian(334, 96), gaussian(335, 96)], 3, 0.5, shape=[8, 12])],
+                     note="views 8x12 (r = 8), then flat 10x10 (r = 10, 4 padding), then a 1-d "
+                          "shape (flat again: warm), then 8x12 again: a view change draws a "
+                          "fresh Q; approx_rank 1024 is clamped to min(rows, cols)"))
+    ginf = gaussian(320, 48)
+    ginf[[5]] = F32(np.inf)
+    C.append(mr_case("powersgd_w2_inf_last", cfg("powersgd", approx_rank=2), "fp32",
+                     [MRStep([gaussian(321, 48), gaussian(322, 48)], 0, 0.5),
+                      MRStep([ginf, gaussian(323, 48)], 1, 0.5)], shape=[6, 8],
+                     note="+Inf in the last step: Inf and NaN (Inf - Inf, default NaN) reach "
+                          "the factors and the result"))
+    C.append(case("onebit_n1", cfg("onebit"), "fp32",
+                  [Step(f32_vals(-2.5), 0), Step(f32_vals(1.0), 1)]))
     return C
 
 
@@ -583,6 +836,75 @@ def qsgd_order_probe(d, buckets, tail, chunk, log):
     raise SystemExit("qsgd order probe: no layout distinguishes every alternative")
 
 
+def mean_order_probe(kind, d, buckets, tail, log):
+    """signsgd / onebit scales: fp32(S / count) of a canonical fp64 sum over a bucket. One
+    element 2^36 (fp64 ulp 2^-16) makes the small elements' low bits order dependent; element c
+    is tuned so that the fp32 scale sits next to a flip (alternately below and above it).
+    kind "signsgd": terms |x|; kind "onebit": the positive part (even buckets) or, with the
+    bucket negated, the negative part (odd buckets)."""
+    def terms_of(y, negate):
+        if kind == "signsgd":
+            return [abs(float(v)) for v in y.tolist()], len(y)
+        if negate:
+            t = [float(v) if v < 0 else 0.0 for v in y.tolist()]
+            return t, sum(1 for v in y.tolist() if v < 0)
+        t = [0.0 if v < 0 else float(v) for v in y.tolist()]
+        return t, sum(1 for v in y.tolist() if not v < 0)
+
+    def scale(t, cnt, fn=lwref.canonical_sum):
+        return float(lwref.to_f32(fn(t) / float(cnt)))
+
+    for trial in range(50):
+        parts, covered = [], {}
+        for k in range(buckets):
+            x, pos = _probe_layout(3000 + 1000 * trial + k, d, big_late=(k % 3 == 1))
+            negate = kind == "onebit" and k % 2 == 1
+            if kind == "onebit":
+                x = np.abs(x)
+                x[np.random.default_rng(k).random(d) < 0.3] *= F32(-1.0)  # the other part
+                if negate:
+                    x = -x
+
+            def fill(cb):
+                y = x.copy()
+                sg = F32(-1.0) if negate else F32(1.0)
+                y[pos[0]] = sg * F32(2.0 ** 36)
+                y[pos[1]] = sg * F32(100.0)
+                y[pos[2]] = sg * F32(_bitsf(cb))
+                return y
+
+            def val(cb):
+                t, cnt = terms_of(fill(cb), negate)
+                return scale(t, cnt)
+
+            lo, hi = _fbits(50.0), _fbits(20000.0)
+            v_lo = val(lo)
+            if val(hi) == v_lo:
+                break
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if val(mid) == v_lo:
+                    lo = mid
+                else:
+                    hi = mid
+            y = fill(lo if k % 2 == 0 else hi)
+            t, cnt = terms_of(y, negate)
+            want = scale(t, cnt)
+            for name, fn in alternative_sums(k * d, None).items():
+                if scale(t, cnt, fn) != want:
+                    covered.setdefault(name, []).append(k)
+            parts.append(y)
+        if len(parts) < buckets:
+            continue
+        must = {"plain loop", "no 4096 blocks", "accumulators combined in a row"}
+        if must <= set(covered):
+            for name in sorted(covered):
+                log("    %s order probe: '%s' differs in bucket(s) %s" % (kind, name,
+                                                                         covered[name]))
+            return np.concatenate(parts + [gaussian(6000 + trial, tail)])
+    raise SystemExit("%s order probe: no layout distinguishes the gross alternatives" % kind)
+
+
 def dgc_clip_probe(n, chunk, log):
     """One input and two clip norms: with the first the canonical norm gives a clipping factor
     just above an fp32 rounding boundary, with the second just below, so an order that gives a
@@ -643,6 +965,7 @@ def run_case(c, outdir, log, written):
     config = c["config"]
     n = c["n"]
     codec = lwref.Codec(config, n)
+    other_codec = lwref.Codec(config, n) if c["other_rank"] is not None else None
     chunking = lwref.chunk_ranges(n, c["chunk"], lwref.codec_alignment(config))
     cdir = os.path.join(outdir, c["name"])
     os.makedirs(cdir, exist_ok=True)
@@ -684,6 +1007,24 @@ def run_case(c, outdir, log, written):
             "decoded_format": "sparse" if sparse else "dense",
             "info": info,
         }
+        if other_codec is not None:
+            oin = "%s/s%d.other.in" % (c["name"], j)
+            odata = raw_bytes(st.other, c["dtype"])
+            with open(os.path.join(outdir, oin), "wb") as fh:
+                fh.write(odata)
+            written[oin] = odata
+            opay, _ = other_codec.step(st.other, c["dtype"], chunking, c["seed"], c["tensor"],
+                                       st.step, c["other_rank"], st.density)
+            sums = [lwref.add_payloads(config["name"], pa, pb) for pa, pb in zip(payloads, opay)]
+            opn = "%s/s%d.other.payload" % (c["name"], j)
+            spn = "%s/s%d.sum.payload" % (c["name"], j)
+            with open(os.path.join(outdir, opn), "wb") as fh:
+                fh.write(b"".join(opay))
+            with open(os.path.join(outdir, spn), "wb") as fh:
+                fh.write(b"".join(sums))
+            sj["add"] = {"rank": c["other_rank"], "input": oin, "payload": opn,
+                         "payload_sizes": [len(p) for p in opay], "sum": spn,
+                         "sum_sizes": [len(p) for p in sums]}
         steps_json.append(sj)
         desc = " ".join("%s=%s" % (k, v) for k, v in info.items() if k != "dgc_lo_hi")
         log("    step %d: %d chunk(s), %d payload bytes %s" % (
@@ -701,6 +1042,8 @@ def run_case(c, outdir, log, written):
             "sample_fraction": repr(float(config["sample_fraction"])),
             "sparse_values": config["sparse_values"],
             "error_feedback": config["error_feedback"],
+            "threshold": None if config["threshold"] is None else repr(float(config["threshold"])),
+            "approx_rank": config["approx_rank"],
         },
         "tensor_name": c["tensor"],
         "seed": c["seed"],
@@ -710,6 +1053,110 @@ def run_case(c, outdir, log, written):
         "chunk_elements": c["chunk"],
         "chunk_sizes": [m for _, m in chunking],
         "steps": steps_json,
+    }
+    if c["note"]:
+        cj["note"] = c["note"]
+    return cj
+
+
+class MRStep:
+    """One step of a multi-round (PowerSGD) case: one input per rank."""
+
+    def __init__(self, inputs, step, weight, shape="case"):
+        self.shape = shape          # the trainer's shape at this step ("case": the case's)
+        self.inputs = inputs
+        self.step = step
+        self.weight = F32(weight)
+
+
+def _f32_scaled(x, f):
+    return (x * F32(f)).astype(np.float32)
+
+
+def mr_case(name, config, dtype, steps, shape=None, tensor="layer.0.weight", seed=0, note=""):
+    world = len(steps[0].inputs)
+    n = len(steps[0].inputs[0])
+    for st in steps:
+        assert len(st.inputs) == world
+        for x in st.inputs:
+            assert len(x) == n and x.dtype == (np.float32 if dtype == "fp32" else np.uint16)
+    return dict(name=name, config=config, dtype=dtype, steps=steps, tensor=tensor, seed=seed,
+                n=n, note=note, world=world, shape=shape, multiround=True)
+
+
+def run_mr_case(c, outdir, log, written):
+    """W ranks, every round's payloads summed in rank order ((p0 + p1) + ...), every rank decodes
+    the reduced payloads and finishes its step (tests/kernels/multirank.h does the same)."""
+    config = c["config"]
+    n = c["n"]
+    world = c["world"]
+    ranks = [lwref.PowerSGD(config["approx_rank"], n) for _ in range(world)]
+    cdir = os.path.join(outdir, c["name"])
+    os.makedirs(cdir, exist_ok=True)
+    steps_json = []
+    for j, st in enumerate(c["steps"]):
+        in_names = []
+        for rk, x in enumerate(st.inputs):
+            nm = "%s/s%d.r%d.in" % (c["name"], j, rk)
+            data = raw_bytes(x, c["dtype"])
+            with open(os.path.join(outdir, nm), "wb") as fh:
+                fh.write(data)
+            written[nm] = data
+            in_names.append(nm)
+        shape = c["shape"] if st.shape == "case" else st.shape
+        sent0 = [ranks[rk].begin(st.inputs[rk], c["dtype"], c["seed"], c["tensor"], st.step,
+                                 shape) for rk in range(world)]
+        red0 = sent0[0]
+        for p in sent0[1:]:
+            red0 = lwref.powersgd_add(red0, p)
+        sent1 = [ranks[rk].round1(red0) for rk in range(world)]
+        red1 = sent1[0]
+        for p in sent1[1:]:
+            red1 = lwref.powersgd_add(red1, p)
+        info = {"rows": ranks[0].rows, "cols": ranks[0].cols, "r": ranks[0].r,
+                "redrawn_columns": ranks[0].redrawn}
+        out = np.zeros(n, dtype=np.float32)
+        lwref.powersgd_decode(red0, red1, n, config["approx_rank"], st.weight, out)
+        for rk in range(world):
+            ranks[rk].finish(red0, red1, st.weight)
+        sent_names = []
+        for q, sent in enumerate((sent0, sent1)):
+            names = []
+            for rk, p in enumerate(sent):
+                nm = "%s/s%d.r%d.round%d.payload" % (c["name"], j, rk, q)
+                with open(os.path.join(outdir, nm), "wb") as fh:
+                    fh.write(p)
+                names.append(nm)
+            sent_names.append(names)
+        red_names = []
+        for q, red in enumerate((red0, red1)):
+            nm = "%s/s%d.round%d.reduced" % (c["name"], j, q)
+            with open(os.path.join(outdir, nm), "wb") as fh:
+                fh.write(red)
+            red_names.append(nm)
+        dec_name = "%s/s%d.decoded" % (c["name"], j)
+        with open(os.path.join(outdir, dec_name), "wb") as fh:
+            fh.write(out.astype("<f4").tobytes())
+        steps_json.append({
+            "step": st.step, "weight": repr(float(st.weight)), "density": None,
+            "shape": shape, "inputs": in_names, "sent": sent_names, "reduced": red_names,
+            "decoded": dec_name, "decoded_format": "dense", "info": info})
+        log("    step %d: view %dx%d r=%d, redrawn %s, %d + %d bytes per rank" % (
+            st.step, info["rows"], info["cols"], info["r"], info["redrawn_columns"], len(sent0[0]),
+            len(sent1[0])))
+    cj = {
+        "name": c["name"],
+        "config": {
+            "name": config["name"], "density": None, "ratio": None, "bits": config["bits"],
+            "bucket_size": config["bucket_size"], "momentum": repr(float(config["momentum"])),
+            "clip_norm": repr(float(config["clip_norm"])),
+            "sample_fraction": repr(float(config["sample_fraction"])),
+            "sparse_values": config["sparse_values"], "error_feedback": config["error_feedback"],
+            "threshold": None, "approx_rank": config["approx_rank"],
+        },
+        "tensor_name": c["tensor"], "seed": c["seed"], "rank": 0, "dtype": c["dtype"],
+        "elements": n, "chunk_elements": 0, "chunk_sizes": [n], "world": world,
+        "shape": c["shape"], "steps": steps_json,
     }
     if c["note"]:
         cj["note"] = c["note"]
@@ -744,7 +1191,10 @@ def generate(outdir, log):
         t0 = time.time()
         log("case %s (%s, n=%d, %s, %d step(s))" % (c["name"], c["config"]["name"], c["n"],
                                                    c["dtype"], len(c["steps"])))
-        manifest["cases"].append(run_case(c, outdir, log, written))
+        if c.get("multiround"):
+            manifest["cases"].append(run_mr_case(c, outdir, log, written))
+        else:
+            manifest["cases"].append(run_case(c, outdir, log, written))
         log("    %.2fs" % (time.time() - t0))
     check_coverage(manifest)
     with open(os.path.join(outdir, "manifest.json"), "w") as fh:

@@ -1,0 +1,174 @@
+// Highway kernels of the sparse selection (kernels/select.h, "SIMD kernels"), compiled for every
+// x86 target Highway knows and chosen at run time (HWY_DYNAMIC_DISPATCH): one binary is fast on
+// AVX2/AVX-512 and still runs on SSE2. Every kernel computes exactly what its scalar reference in
+// select.h describes — element-wise fp32 adds and multiplies (no MulAdd, determinism.md §1),
+// integer compares and counts — so the results never depend on the target.
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/select_simd.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/cache_control.h>
+#include <hwy/highway.h>
+
+#include "kernels/select.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace lightwire::kernels::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+/// Keys of x[i..i+N) (sign bit cleared), as i32 lanes (keys are < 2^31: signed compares exact).
+template <class DI>
+HWY_INLINE hn::Vec<DI> keysOf(DI di, hn::Vec<hn::Rebind<float, DI>> v) {
+  return hn::And(hn::BitCast(di, v), hn::Set(di, 0x7FFFFFFF));
+}
+
+uint64_t CollectComposites(const float* HWY_RESTRICT x, size_t lo, size_t hi, uint32_t a,
+                           uint64_t* HWY_RESTRICT dst, uint64_t cap) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const size_t N = hn::Lanes(df);
+  const auto va = hn::Set(di, static_cast<int32_t>(a) - 1);  // key >= a <=> key > a - 1
+  const hn::RebindToUnsigned<decltype(df)> du;
+  // Compressed keys and indices of one block (each vector's are stored whole).
+  HWY_ALIGN uint32_t kbuf[5 * HWY_MAX_BYTES / sizeof(uint32_t)];
+  HWY_ALIGN uint32_t ibuf[5 * HWY_MAX_BYTES / sizeof(uint32_t)];
+  uint64_t c = 0;
+  auto emit = [&](size_t i, uint32_t key) {
+    if (c < cap) dst[c] = compositeKey(key, i);
+    ++c;
+  };
+  auto compress = [&](hn::Vec<decltype(di)> k, size_t at, size_t filled) -> size_t {
+    const auto m = hn::Gt(k, va);
+    if (hn::AllFalse(di, m)) return filled;
+    // Compress + StoreU (whole vectors; the buffers have room) beats a masked compress-store.
+    const auto mu = hn::RebindMask(du, m);
+    hn::StoreU(hn::Compress(hn::BitCast(du, k), mu), du, kbuf + filled);
+    hn::StoreU(hn::Compress(hn::Iota(du, static_cast<uint32_t>(at)), mu), du, ibuf + filled);
+    return filled + hn::CountTrue(du, mu);
+  };
+  size_t i = lo;
+  for (; i + 4 * N <= hi; i += 4 * N) {
+    const auto k0 = keysOf(di, hn::LoadU(df, x + i));
+    const auto k1 = keysOf(di, hn::LoadU(df, x + i + N));
+    const auto k2 = keysOf(di, hn::LoadU(df, x + i + 2 * N));
+    const auto k3 = keysOf(di, hn::LoadU(df, x + i + 3 * N));
+    const auto hit =
+        hn::Or(hn::Or(hn::Gt(k0, va), hn::Gt(k1, va)), hn::Or(hn::Gt(k2, va), hn::Gt(k3, va)));
+    if (hn::AllFalse(di, hit)) continue;
+    size_t filled = compress(k0, i, 0);
+    filled = compress(k1, i + N, filled);
+    filled = compress(k2, i + 2 * N, filled);
+    filled = compress(k3, i + 3 * N, filled);
+    for (size_t j = 0; j < filled; ++j) emit(ibuf[j], kbuf[j]);
+  }
+  for (; i < hi; ++i) {
+    const uint32_t key = magnitudeKey(x[i]);
+    if (key >= a) emit(i, key);
+  }
+  return c;
+}
+
+uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_RESTRICT list) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const size_t N = hn::Lanes(df);
+  // x may be v' itself (widened fp16/bf16 input under clipping): read before written.
+  const float* x = p.x;
+  const float* u = p.u;
+  const float* v = p.v;
+  float* un = p.un;
+  float* vn = p.vn;
+  const auto vt = hn::Set(di, static_cast<int32_t>(p.threshold) - 1);  // >= T <=> > T - 1
+  const auto vf = hn::Set(df, p.factor);
+  const auto vm = hn::Set(df, p.m);
+  const auto zero = hn::Zero(df);
+  const hn::RebindToUnsigned<decltype(df)> du;
+  uint64_t c = 0;
+
+  // One element, exactly as the vector body computes it.
+  auto scalar = [&](size_t i) {
+    const float g = p.clip ? x[i] * p.factor : x[i];
+    float vi;
+    if (p.momentum) {
+      const float mu = p.m * u[i];
+      const float ui = mu + g;
+      un[i] = ui;
+      vi = v[i] + ui;
+    } else {
+      un[i] = 0.0f;
+      vi = v[i] + g;
+    }
+    vn[i] = vi;
+    list[c] = static_cast<uint32_t>(i);
+    c += magnitudeKey(vi) >= p.threshold;
+  };
+
+  // Non-temporal stores need aligned un + i and vn + i; they bypass the cache (the outputs are
+  // far larger than it, and only the selected ~1 % are read again).
+  const size_t bytes = N * sizeof(float);
+  size_t i = lo;
+  const bool stream =
+      (reinterpret_cast<uintptr_t>(un) % bytes) == (reinterpret_cast<uintptr_t>(vn) % bytes) &&
+      reinterpret_cast<uintptr_t>(un) % sizeof(float) == 0;
+  if (stream) {
+    while (i < hi && reinterpret_cast<uintptr_t>(vn + i) % bytes != 0) scalar(i++);
+  }
+  for (; i + N <= hi; i += N) {
+    auto g = hn::LoadU(df, x + i);
+    if (p.clip) g = hn::Mul(g, vf);
+    hn::Vec<decltype(df)> vi;
+    if (p.momentum) {
+      const auto ui = hn::Add(hn::Mul(vm, hn::LoadU(df, u + i)), g);
+      if (stream) {
+        hn::Stream(ui, df, un + i);
+      } else {
+        hn::StoreU(ui, df, un + i);
+      }
+      vi = hn::Add(hn::LoadU(df, v + i), ui);
+    } else {
+      if (stream) {
+        hn::Stream(zero, df, un + i);
+      } else {
+        hn::StoreU(zero, df, un + i);
+      }
+      vi = hn::Add(hn::LoadU(df, v + i), g);
+    }
+    if (stream) {
+      hn::Stream(vi, df, vn + i);
+    } else {
+      hn::StoreU(vi, df, vn + i);
+    }
+    const auto hit = hn::Gt(keysOf(di, vi), vt);
+    if (HWY_LIKELY(hn::AllFalse(di, hit))) continue;
+    // Writes N entries from list[c]: within the caller's hi − lo, as c <= i − lo.
+    const auto mu = hn::RebindMask(du, hit);
+    hn::StoreU(hn::Compress(hn::Iota(du, static_cast<uint32_t>(i)), mu), du, list + c);
+    c += hn::CountTrue(du, mu);
+  }
+  for (; i < hi; ++i) scalar(i);
+  if (stream) hwy::FlushStream();
+  return c;
+}
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace lightwire::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace lightwire::kernels {
+
+HWY_EXPORT(CollectComposites);
+HWY_EXPORT(DgcFusedPass);
+
+uint64_t collectCompositesF32(const float* x, size_t lo, size_t hi, uint32_t a, uint64_t* dst,
+                              uint64_t cap) {
+  return HWY_DYNAMIC_DISPATCH(CollectComposites)(x, lo, hi, a, dst, cap);
+}
+
+uint64_t dgcFusedPassF32(const DgcPass& p, size_t lo, size_t hi, uint32_t* list) {
+  return HWY_DYNAMIC_DISPATCH(DgcFusedPass)(p, lo, hi, list);
+}
+
+}  // namespace lightwire::kernels
+#endif  // HWY_ONCE

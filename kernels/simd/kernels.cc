@@ -1,0 +1,360 @@
+// Per-target bodies of kernels/simd/kernels.h, compiled once per Highway target
+// (foreach_target.h) and dispatched at run time (HWY_DYNAMIC_DISPATCH).
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/simd/kernels.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/cache_control.h>
+#include <hwy/highway.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/half_bits.h"
+#include "kernels/simd/kernels.h"
+#include "kernels/simd/philox_simd-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace lightwire::kernels::simd::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+void PhiloxGroups(const uint32_t* ctr, const uint32_t* key, uint64_t g0, size_t count,
+                  uint32_t* out) {
+  philoxGroupsImpl(ctr, key, g0, count, out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Canonical block sums. K = 8 / lanes vectors of fp64 accumulators hold the eight canonical
+// accumulators in order (accumulator j * lanes + l is lane l of vector j), so each lane adds the
+// same terms in the same order as the scalar loop.
+
+enum class Term { kSquare, kAbs, kValue };
+
+template <Term kTerm>
+HWY_INLINE double blockSum(const float* HWY_RESTRICT x, size_t n) {
+  double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  size_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::CappedTag<double, 8> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  const size_t lanes = hn::Lanes(dd);
+  const size_t vecs = 8 / lanes;
+  using V = decltype(hn::Zero(dd));
+  V acc[8];
+  for (size_t j = 0; j < vecs; ++j) acc[j] = hn::Zero(dd);
+  for (; i + 8 <= n; i += 8) {
+    for (size_t j = 0; j < vecs; ++j) {
+      const V v = hn::PromoteTo(dd, hn::LoadU(df, x + i + j * lanes));
+      V t;
+      if constexpr (kTerm == Term::kSquare) {
+        t = hn::Mul(v, v);
+      } else if constexpr (kTerm == Term::kAbs) {
+        t = hn::Abs(v);
+      } else {
+        t = v;
+      }
+      acc[j] = hn::Add(acc[j], t);
+    }
+  }
+  for (size_t j = 0; j < vecs; ++j) hn::StoreU(acc[j], dd, a + j * lanes);
+#endif
+  for (; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    double t;
+    if constexpr (kTerm == Term::kSquare) {
+      t = v * v;
+    } else if constexpr (kTerm == Term::kAbs) {
+      t = std::fabs(v);
+    } else {
+      t = v;
+    }
+    a[i & 7] = a[i & 7] + t;
+  }
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+double BlockSumSquares(const float* x, size_t n) { return blockSum<Term::kSquare>(x, n); }
+double BlockSumAbs(const float* x, size_t n) { return blockSum<Term::kAbs>(x, n); }
+double BlockSumValues(const float* x, size_t n) { return blockSum<Term::kValue>(x, n); }
+
+// ---------------------------------------------------------------------------------------------
+// fp16 / bf16 casts.
+
+inline void storeU16le(uint8_t* p, uint16_t v) {
+  p[0] = static_cast<uint8_t>(v);
+  p[1] = static_cast<uint8_t>(v >> 8);
+}
+inline uint16_t loadU16le(const uint8_t* p) {
+  return static_cast<uint16_t>(p[0] | (uint16_t{p[1]} << 8));
+}
+
+// Outputs of at least this many elements are written with non-temporal stores (they leave the
+// caches anyway, and streaming saves reading each destination line before writing it).
+constexpr size_t kStreamElements = size_t{1} << 20;
+
+void FloatsToHalves(const float* HWY_RESTRICT src, size_t n, uint8_t* HWY_RESTRICT dst) {
+  size_t i = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+  // vcvtps2ph (immediate round-to-nearest-even) converts exactly as §4.1, NaN rule included,
+  // independent of MXCSR; checked against bits::floatBitsToHalf in tests/kernels/simd_test.cc.
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const hn::Rebind<uint16_t, decltype(df)> du16;
+  const size_t lanes = hn::Lanes(df);
+  if (n >= kStreamElements) {
+    const size_t align = lanes * sizeof(uint16_t);
+    for (; i < n && reinterpret_cast<uintptr_t>(dst + 2 * i) % align != 0; ++i) {
+      storeU16le(dst + 2 * i, bits::floatBitsToHalf(bits::asBits(src[i])));
+    }
+    if (reinterpret_cast<uintptr_t>(dst + 2 * i) % align == 0) {
+      for (; i + lanes <= n; i += lanes) {
+        hn::Stream(hn::BitCast(du16, hn::DemoteTo(dh, hn::LoadU(df, src + i))), du16,
+                   reinterpret_cast<uint16_t*>(dst + 2 * i));
+      }
+      hwy::FlushStream();
+    }
+  }
+  for (; i + lanes <= n; i += lanes) {
+    hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, src + i)), dh,
+               reinterpret_cast<hwy::float16_t*>(dst + 2 * i));
+  }
+#endif
+  for (; i < n; ++i) storeU16le(dst + 2 * i, bits::floatBitsToHalf(bits::asBits(src[i])));
+}
+
+void AccumulateHalves(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
+                      float* HWY_RESTRICT out) {
+  size_t i = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+  // vcvtph2ps is exact; it quiets a signalling NaN, which the multiplication by weight does anyway.
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const size_t lanes = hn::Lanes(df);
+  const auto w = hn::Set(df, weight);
+  for (; i + lanes <= n; i += lanes) {
+    const auto v =
+        hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src + 2 * i)));
+    hn::StoreU(hn::Add(hn::LoadU(df, out + i), hn::Mul(w, v)), df, out + i);
+  }
+#endif
+  for (; i < n; ++i) {
+    out[i] = out[i] + weight * bits::asFloat(bits::halfToFloatBits(loadU16le(src + 2 * i)));
+  }
+}
+
+void FloatsToBf16s(const float* HWY_RESTRICT src, size_t n, uint8_t* HWY_RESTRICT dst) {
+  size_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  // Per 32-bit lane: rounded = u + 0x7FFF + ((u >> 16) & 1), or u | 0x00400000 for a NaN; the
+  // result is the upper 16 bits, i.e. the odd 16-bit lanes (ConcatOdd of two vectors).
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Repartition<uint16_t, decltype(df)> d16;
+  const size_t lanes = hn::Lanes(df);
+  const auto abs_mask = hn::Set(di, 0x7FFFFFFF);
+  const auto inf = hn::Set(di, 0x7F800000);
+  const auto bias = hn::Set(du, 0x7FFFu);
+  const auto one = hn::Set(du, 1u);
+  const auto quiet = hn::Set(du, 0x00400000u);
+  auto convert = [&](const float* p) {
+    const auto u = hn::BitCast(du, hn::LoadU(df, p));
+    const auto is_nan = hn::RebindMask(du, hn::Gt(hn::And(hn::BitCast(di, u), abs_mask), inf));
+    const auto rounded = hn::Add(hn::Add(u, bias), hn::And(hn::ShiftRight<16>(u), one));
+    return hn::BitCast(d16, hn::IfThenElse(is_nan, hn::Or(u, quiet), rounded));
+  };
+  if (n >= kStreamElements) {
+    const size_t align = 2 * lanes * sizeof(uint16_t);
+    for (; i < n && reinterpret_cast<uintptr_t>(dst + 2 * i) % align != 0; ++i) {
+      storeU16le(dst + 2 * i, bits::floatBitsToBf16(bits::asBits(src[i])));
+    }
+    if (reinterpret_cast<uintptr_t>(dst + 2 * i) % align == 0) {
+      for (; i + 2 * lanes <= n; i += 2 * lanes) {
+        hn::Stream(hn::ConcatOdd(d16, convert(src + i + lanes), convert(src + i)), d16,
+                   reinterpret_cast<uint16_t*>(dst + 2 * i));
+      }
+      hwy::FlushStream();
+    }
+  }
+  for (; i + 2 * lanes <= n; i += 2 * lanes) {
+    hn::StoreU(hn::ConcatOdd(d16, convert(src + i + lanes), convert(src + i)), d16,
+               reinterpret_cast<uint16_t*>(dst + 2 * i));
+  }
+#endif
+  for (; i < n; ++i) storeU16le(dst + 2 * i, bits::floatBitsToBf16(bits::asBits(src[i])));
+}
+
+void AccumulateBf16s(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
+                     float* HWY_RESTRICT out) {
+  size_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const size_t lanes = hn::Lanes(df);
+  const auto w = hn::Set(df, weight);
+  for (; i + lanes <= n; i += lanes) {
+    const auto h = hn::LoadU(d16, reinterpret_cast<const uint16_t*>(src + 2 * i));
+    const auto v = hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, h)));
+    hn::StoreU(hn::Add(hn::LoadU(df, out + i), hn::Mul(w, v)), df, out + i);
+  }
+#endif
+  for (; i < n; ++i) {
+    out[i] = out[i] + weight * bits::asFloat(bits::bf16ToFloatBits(loadU16le(src + 2 * i)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// qsgd.
+
+inline uint8_t quantizeOne(float xk, uint32_t wk, float norm, uint32_t s, unsigned sign_shift) {
+  const double r =
+      (std::fabs(static_cast<double>(xk)) / static_cast<double>(norm)) * static_cast<double>(s);
+  const double fl = std::floor(r);  // 0 <= r < 2^8
+  const double p = r - fl;
+  const double u = static_cast<double>(wk) * 0x1p-32;
+  uint32_t level = static_cast<uint32_t>(fl) + (u < p ? 1u : 0u);
+  level = level < s ? level : s;
+  const uint32_t sign = xk < 0.0f ? 1u : 0u;
+  return static_cast<uint8_t>((sign << sign_shift) | level);
+}
+
+// The vector path avoids fp64 and the per-element division, and decides every lane exactly as the
+// specification's fp64 arithmetic or hands it to that arithmetic:
+//
+// 1. With fl = floor(r), p = r - fl (exact), the specification's level is fl + (u < p) =
+//    ceil(r - u) (real arithmetic on the doubles r and u): for u < p, r - u lies in (fl, fl + 1);
+//    for u > p in (fl - 1, fl); for u = p it is fl. The min(., s) is then applied to both alike.
+// 2. Per bucket of norm n in [2^-100, 2^100] (else the scalar fp64 path runs), in fp32:
+//    F = RN(s / n), R = RN(|x| * F), U = RN(RN(w - 2^31) + 2^31) * 2^-32, Q = RN(R - U).
+//    With rho = |x| * s / n (real) < 128 (|x| <= n (1 + 2^-23)):
+//      |r - rho| <= 2^-45 (two fp64 roundings); |R - rho| <= rho * 2^-22.9 + 2^-150 < 2^-15.9
+//      (F is normal: two fp32 roundings, plus the absolute error of a subnormal product);
+//      |U - u| <= 2^-24; |Q - (R - U)| <= 2^-18 (|R - U| < 128).
+//    So |Q - (r - u)| < 2^-15, and where Q lies at least kQsgdEps = 2^-13 from every integer,
+//    ceil(Q) = ceil(r - u). The rest (about 2^-12 of random lanes) goes to quantizeOne.
+//    (Flush-to-zero or denormals-are-zero would change an input or product below 2^-126 and move
+//    R by less than 2^-19: still inside the bound.)
+// tests/kernels/simd_test.cc checks the boundaries (r integral, u = p, extreme norms) per target.
+constexpr float kQsgdEps = 0x1p-13f;
+
+void QsgdQuantize(const float* HWY_RESTRICT x, const uint32_t* HWY_RESTRICT w, size_t len,
+                  float norm, uint32_t s, unsigned sign_shift, uint8_t* HWY_RESTRICT codes) {
+  size_t k = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if (norm >= 0x1p-100f && norm <= 0x1p100f) {
+    const hn::ScalableTag<float> df;
+    const hn::RebindToSigned<decltype(df)> di;
+    const hn::Rebind<uint8_t, decltype(df)> du8;
+    const size_t lanes = hn::Lanes(df);
+    const auto factor = hn::Set(df, static_cast<float>(s) / norm);
+    const auto sf = hn::Set(df, static_cast<float>(s));
+    const auto zero = hn::Zero(df);
+    const auto eps = hn::Set(df, kQsgdEps);
+    const auto one_minus_eps = hn::Set(df, 1.0f - kQsgdEps);
+    const auto sign_value = hn::Set(df, static_cast<float>(1u << sign_shift));
+    const auto two31 = hn::Set(df, 0x1p31f);
+    const auto two_m32 = hn::Set(df, 0x1p-32f);
+    const auto flip = hn::Set(di, static_cast<int32_t>(0x80000000u));
+    for (; k + lanes <= len; k += lanes) {
+      const auto xv = hn::LoadU(df, x + k);
+      const auto r = hn::Mul(hn::Abs(xv), factor);
+      const auto wi = hn::Xor(hn::LoadU(di, reinterpret_cast<const int32_t*>(w + k)), flip);
+      const auto u = hn::Mul(hn::Add(hn::ConvertTo(df, wi), two31), two_m32);
+      const auto q = hn::Sub(r, u);
+      const auto level = hn::Ceil(q);
+      const auto gap = hn::Sub(level, q);  // in [0, 1)
+      const auto unsure = hn::Or(hn::Lt(gap, eps), hn::Gt(gap, one_minus_eps));
+      if (HWY_UNLIKELY(!hn::AllFalse(df, unsure))) {
+        for (size_t j = k; j < k + lanes; ++j) {
+          codes[j] = quantizeOne(x[j], w[j], norm, s, sign_shift);
+        }
+        continue;
+      }
+      const auto code =
+          hn::Add(hn::Min(level, sf), hn::IfThenElseZero(hn::Lt(xv, zero), sign_value));
+      hn::StoreU(hn::DemoteTo(du8, hn::ConvertTo(di, code)), du8, codes + k);
+    }
+  }
+#endif
+  for (; k < len; ++k) codes[k] = quantizeOne(x[k], w[k], norm, s, sign_shift);
+}
+
+void QsgdDequantize(const uint8_t* HWY_RESTRICT codes, const float* HWY_RESTRICT scales, size_t len,
+                    uint32_t s, unsigned sign_shift, float weight, float* HWY_RESTRICT out) {
+  size_t k = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<uint8_t, decltype(df)> du8;
+  const size_t lanes = hn::Lanes(df);
+  const auto s_v = hn::Set(di, static_cast<int32_t>(s));
+  const auto w = hn::Set(df, weight);
+  for (; k + lanes <= len; k += lanes) {
+    const auto c = hn::PromoteTo(di, hn::LoadU(du8, codes + k));
+    const auto v = hn::Mul(hn::ConvertTo(df, hn::And(c, s_v)), hn::LoadU(df, scales + k));
+    const auto negative = hn::RebindMask(df, hn::Gt(c, s_v));  // sign bit set
+    const auto value = hn::IfThenElse(negative, hn::Neg(v), v);
+    hn::StoreU(hn::Add(hn::LoadU(df, out + k), hn::Mul(w, value)), df, out + k);
+  }
+#endif
+  for (; k < len; ++k) {
+    const uint32_t code = codes[k];
+    const float v = static_cast<float>(static_cast<int32_t>(code & s)) * scales[k];
+    const float value = (code >> sign_shift) != 0 ? -v : v;
+    out[k] = out[k] + weight * value;
+  }
+}
+
+}  // namespace lightwire::kernels::simd::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace lightwire::kernels::simd {
+
+HWY_EXPORT(PhiloxGroups);
+HWY_EXPORT(BlockSumSquares);
+HWY_EXPORT(BlockSumAbs);
+HWY_EXPORT(BlockSumValues);
+HWY_EXPORT(FloatsToHalves);
+HWY_EXPORT(AccumulateHalves);
+HWY_EXPORT(FloatsToBf16s);
+HWY_EXPORT(AccumulateBf16s);
+HWY_EXPORT(QsgdQuantize);
+HWY_EXPORT(QsgdDequantize);
+
+void philoxGroups(const uint32_t ctr[3], const uint32_t key[2], uint64_t g0, size_t count,
+                  uint32_t* out) {
+  HWY_DYNAMIC_DISPATCH(PhiloxGroups)(ctr, key, g0, count, out);
+}
+double blockSumSquares(const float* x, size_t n) {
+  return HWY_DYNAMIC_DISPATCH(BlockSumSquares)(x, n);
+}
+double blockSumAbs(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(BlockSumAbs)(x, n); }
+double blockSumValues(const float* x, size_t n) {
+  return HWY_DYNAMIC_DISPATCH(BlockSumValues)(x, n);
+}
+void floatsToHalves(const float* src, size_t n, uint8_t* dst) {
+  HWY_DYNAMIC_DISPATCH(FloatsToHalves)(src, n, dst);
+}
+void floatsToBf16s(const float* src, size_t n, uint8_t* dst) {
+  HWY_DYNAMIC_DISPATCH(FloatsToBf16s)(src, n, dst);
+}
+void accumulateHalves(const uint8_t* src, size_t n, float weight, float* out) {
+  HWY_DYNAMIC_DISPATCH(AccumulateHalves)(src, n, weight, out);
+}
+void accumulateBf16s(const uint8_t* src, size_t n, float weight, float* out) {
+  HWY_DYNAMIC_DISPATCH(AccumulateBf16s)(src, n, weight, out);
+}
+void qsgdQuantize(const float* x, const uint32_t* w, size_t len, float norm, uint32_t s,
+                  unsigned sign_shift, uint8_t* codes) {
+  HWY_DYNAMIC_DISPATCH(QsgdQuantize)(x, w, len, norm, s, sign_shift, codes);
+}
+void qsgdDequantize(const uint8_t* codes, const float* scales, size_t len, uint32_t s,
+                    unsigned sign_shift, float weight, float* out) {
+  HWY_DYNAMIC_DISPATCH(QsgdDequantize)(codes, scales, len, s, sign_shift, weight, out);
+}
+
+}  // namespace lightwire::kernels::simd
+#endif  // HWY_ONCE

@@ -1,0 +1,347 @@
+// Highway vectorisation (kernels/simd): every target this CPU can run gives the bits of the scalar
+// definitions — Philox words, canonical sums, fp16/bf16 casts, qsgd codes and decoding — and the
+// codecs give the same payload bytes on every target.
+#include <doctest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/half_bits.h"
+#include "kernels/parallel.h"
+#include "kernels/philox.h"
+#include "kernels/reduce.h"
+#include "kernels/simd/kernels.h"
+#include "kernels/simd/targets.h"
+#include "tests/kernels/test_util.h"
+
+using namespace lightwire::kernels;
+
+namespace {
+
+// The scalar definitions the vector code must reproduce (written from docs/determinism.md).
+double refBlockSum(const float* x, size_t n, int term) {
+  double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (size_t i = 0; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    const double t = term == 0 ? v * v : term == 1 ? std::fabs(v) : v;
+    a[i & 7] = a[i & 7] + t;
+  }
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+uint8_t refQuantize(float x, uint32_t w, float norm, uint32_t s, unsigned shift) {
+  const double r = (std::fabs(static_cast<double>(x)) / static_cast<double>(norm)) * s;
+  const double fl = std::floor(r);
+  const double p = r - fl;
+  const double u = static_cast<double>(w) * 0x1p-32;
+  uint32_t level = static_cast<uint32_t>(fl) + (u < p ? 1u : 0u);
+  if (level > s) level = s;
+  return static_cast<uint8_t>(((x < 0.0f ? 1u : 0u) << shift) | level);
+}
+
+uint32_t bitsOf(float f) { return std::bit_cast<uint32_t>(f); }
+uint64_t bitsOf(double d) { return std::bit_cast<uint64_t>(d); }
+
+// Floats worth testing: specials, boundaries of the half range, random bit patterns.
+std::vector<uint32_t> interestingFloatBits(size_t random_count, uint64_t seed) {
+  std::vector<uint32_t> v;
+  for (uint32_t hi = 0; hi < 0x200u; ++hi) {  // every sign/exponent
+    for (uint32_t lo :
+         {0u, 1u, 0xFFFu, 0x1000u, 0x1001u, 0x2000u, 0x3000u, 0x7FFFu, 0x8000u, 0x8001u, 0x18000u,
+          0x400000u, 0x7FE000u, 0x7FEFFFu, 0x7FF000u, 0x7FFFFFu, 0x12345u}) {
+      v.push_back((hi << 23) | lo);
+    }
+  }
+  std::mt19937_64 gen(seed);
+  for (size_t i = 0; i < random_count; ++i) v.push_back(static_cast<uint32_t>(gen()));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("simd: this CPU runs at least one Highway target and forcing one takes effect") {
+  const auto targets = simd::availableTargets();
+  REQUIRE(!targets.empty());
+  std::string names;
+  for (int64_t t : targets) names += simd::targetName(t) + " ";
+  MESSAGE("Highway targets available here: " << names);
+  for (int64_t t : targets) {
+    simd::ScopedTargetForTest force(t);
+    CHECK(simd::currentTarget() == t);
+  }
+  CHECK(simd::currentTarget() == targets.front());
+}
+
+TEST_CASE("simd: Philox batch equals scalar philoxBlock on every target") {
+  std::mt19937_64 gen(7);
+  for (int64_t t : simd::availableTargets()) {
+    simd::ScopedTargetForTest force(t);
+    CAPTURE(simd::targetName(t));
+    for (int trial = 0; trial < 40; ++trial) {
+      const std::array<uint32_t, 3> head = {
+          static_cast<uint32_t>(gen()), static_cast<uint32_t>(gen()), static_cast<uint32_t>(gen())};
+      const std::array<uint32_t, 2> key = {static_cast<uint32_t>(gen()),
+                                           static_cast<uint32_t>(gen())};
+      // Counter word 3 wraps at 2^32: start some batches just below it.
+      const uint64_t g0 = trial % 3 == 0 ? 0xFFFFFFF0u + (gen() % 8) : gen() % (uint64_t{1} << 40);
+      const size_t count = gen() % 70;
+      std::vector<uint32_t> out(4 * count + 1, 0xDEADBEEFu);
+      philoxBlocks(head, key, g0, count, out.data());
+      for (size_t k = 0; k < count; ++k) {
+        const auto want =
+            philoxBlock({head[0], head[1], head[2], static_cast<uint32_t>(g0 + k)}, key);
+        for (int j = 0; j < 4; ++j) REQUIRE(out[4 * k + j] == want[j]);
+      }
+      CHECK(out[4 * count] == 0xDEADBEEFu);  // nothing written past the end
+    }
+    // A long batch, and PhiloxStream::words from unaligned starts.
+    const PhiloxStream rng(42, tensorNameKey("w"), 3, 1, RandomPurpose::kQsgdRounding);
+    std::vector<uint32_t> w(5000);
+    for (uint64_t first : {uint64_t{0}, uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{4099},
+                           (uint64_t{1} << 34) - 5}) {
+      for (size_t len : {size_t{0}, size_t{1}, size_t{3}, size_t{5}, size_t{64}, size_t{4999}}) {
+        rng.words(first, len, w.data());
+        for (size_t k = 0; k < len; ++k) REQUIRE(w[k] == rng.word(first + k));
+      }
+    }
+  }
+}
+
+TEST_CASE("simd: canonical block sums are the scalar definition's bits on every target") {
+  std::mt19937_64 gen(11);
+  std::vector<float> x(kReduceBlock);
+  for (auto& v : x) v = std::ldexp(static_cast<float>(gen() % 2000000) - 1e6f, -int(gen() % 40));
+  x[17] = -0.0f;
+  x[100] = 3.0e38f;
+  x[101] = -3.0e38f;
+  x[555] = 1e-45f;
+  for (int64_t t : simd::availableTargets()) {
+    simd::ScopedTargetForTest force(t);
+    CAPTURE(simd::targetName(t));
+    for (size_t n :
+         {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{15}, size_t{16}, size_t{17},
+          size_t{100}, size_t{511}, size_t{512}, size_t{4095}, size_t{4096}}) {
+      for (size_t off : {size_t{0}, size_t{1}, size_t{3}}) {
+        if (off + n > x.size()) continue;
+        const float* p = x.data() + off;
+        CHECK(bitsOf(canonicalBlockSum(p, n, ReduceTerm::kSquare)) == bitsOf(refBlockSum(p, n, 0)));
+        CHECK(bitsOf(canonicalBlockSum(p, n, ReduceTerm::kAbs)) == bitsOf(refBlockSum(p, n, 1)));
+        CHECK(bitsOf(canonicalBlockSum(p, n, ReduceTerm::kValue)) == bitsOf(refBlockSum(p, n, 2)));
+      }
+    }
+    // Whole tensors, with and without a stream.
+    const auto g = testing::gaussian(3 * kReduceBlock + 123, 5);
+    double want = 0;
+    for (size_t b = 0; b < g.size(); b += kReduceBlock) {
+      want = want + refBlockSum(g.data() + b, std::min(kReduceBlock, g.size() - b), 0);
+    }
+    CpuStream stream(2);
+    std::vector<double> block_sums(4);
+    CHECK(bitsOf(canonicalSum(g.data(), g.size(), ReduceTerm::kSquare)) == bitsOf(want));
+    CHECK(bitsOf(canonicalSum(g.data(), g.size(), ReduceTerm::kSquare, &stream, block_sums)) ==
+          bitsOf(want));
+  }
+}
+
+TEST_CASE("simd: fp16 and bf16 conversions are the scalar bit manipulation on every target") {
+  const auto in_bits = interestingFloatBits(200000, 3);
+  std::vector<float> in(in_bits.size());
+  for (size_t i = 0; i < in.size(); ++i) in[i] = std::bit_cast<float>(in_bits[i]);
+  const size_t n = in.size();
+  for (int64_t t : simd::availableTargets()) {
+    simd::ScopedTargetForTest force(t);
+    CAPTURE(simd::targetName(t));
+    std::vector<uint8_t> h(2 * n + 2), b(2 * n + 2);
+    // Odd offsets: the tails and unaligned stores.
+    simd::floatsToHalves(in.data() + 1, n - 1, h.data() + 2);
+    simd::floatsToBf16s(in.data() + 1, n - 1, b.data() + 2);
+    size_t bad_h = 0, bad_b = 0;
+    for (size_t i = 1; i < n; ++i) {
+      const uint16_t gh = static_cast<uint16_t>(h[2 * i] | (h[2 * i + 1] << 8));
+      const uint16_t gb = static_cast<uint16_t>(b[2 * i] | (b[2 * i + 1] << 8));
+      if (gh != bits::floatBitsToHalf(in_bits[i])) ++bad_h;
+      if (gb != bits::floatBitsToBf16(in_bits[i])) ++bad_b;
+    }
+    CHECK(bad_h == 0);
+    CHECK(bad_b == 0);
+
+    // Long outputs take the non-temporal-store path; misaligned destinations take a scalar head.
+    {
+      const size_t big = (size_t{1} << 20) + 37;
+      std::vector<float> src(big);
+      for (size_t i = 0; i < big; ++i) src[i] = in[i % n];
+      for (const size_t shift : {size_t{0}, size_t{2}, size_t{6}}) {
+        std::vector<uint8_t> bh(2 * big + 8), bb(2 * big + 8);
+        simd::floatsToHalves(src.data(), big, bh.data() + shift);
+        simd::floatsToBf16s(src.data(), big, bb.data() + shift);
+        size_t bad = 0;
+        for (size_t i = 0; i < big; ++i) {
+          const uint8_t* ph = bh.data() + shift + 2 * i;
+          const uint8_t* pb = bb.data() + shift + 2 * i;
+          bad += static_cast<uint16_t>(ph[0] | (ph[1] << 8)) !=
+                 bits::floatBitsToHalf(bits::asBits(src[i]));
+          bad += static_cast<uint16_t>(pb[0] | (pb[1] << 8)) !=
+                 bits::floatBitsToBf16(bits::asBits(src[i]));
+        }
+        CHECK_MESSAGE(bad == 0, "destination offset " << shift);
+      }
+    }
+
+    // Decoding: every 16-bit pattern, accumulated into non-zero outputs with a weight.
+    std::vector<uint8_t> all(2 * 65536);
+    for (uint32_t v = 0; v < 65536; ++v) {
+      all[2 * v] = static_cast<uint8_t>(v);
+      all[2 * v + 1] = static_cast<uint8_t>(v >> 8);
+    }
+    for (const float weight : {1.0f, 0.375f, -3.0f}) {
+      std::vector<float> oh(65536), ob(65536), wh(65536), wb(65536);
+      for (uint32_t v = 0; v < 65536; ++v) {
+        oh[v] = ob[v] = wh[v] = wb[v] = static_cast<float>(int(v % 7) - 3) * 0.5f;
+        wh[v] = wh[v] + weight * std::bit_cast<float>(bits::halfToFloatBits(uint16_t(v)));
+        wb[v] = wb[v] + weight * std::bit_cast<float>(bits::bf16ToFloatBits(uint16_t(v)));
+      }
+      simd::accumulateHalves(all.data(), 65536, weight, oh.data());
+      simd::accumulateBf16s(all.data(), 65536, weight, ob.data());
+      size_t bad = 0;
+      for (uint32_t v = 0; v < 65536; ++v) {
+        bad += bitsOf(oh[v]) != bitsOf(wh[v]);
+        bad += bitsOf(ob[v]) != bitsOf(wb[v]);
+      }
+      CHECK(bad == 0);
+    }
+  }
+}
+
+TEST_CASE("simd: qsgd codes equal the specification's fp64 arithmetic on every target") {
+  // Random elements plus the boundaries of the division-free vector path: r an exact integer
+  // (|x| = k * norm / s, |x| = norm, x = ±0) and u = p exactly (norm a power of two, p a multiple
+  // of 2^-32 and the word chosen equal to it), each next to random lanes.
+  std::mt19937_64 gen(99);
+  std::vector<float> x, norms;
+  std::vector<uint32_t> w;
+  const uint32_t s_values[] = {127u, 7u, 1u};
+  auto push = [&](float xv, uint32_t wv, float nv) {
+    x.push_back(xv);
+    w.push_back(wv);
+    norms.push_back(nv);
+  };
+  for (int b = 0; b < 4000; ++b) {  // buckets of 1..100 elements, norms over the whole range
+    const int e = b % 10 == 0 ? int(gen() % 250) - 125 : int(gen() % 60) - 30;
+    const float norm = std::ldexp(1.0f + float(gen() % 1000) / 1000.0f, e);
+    const int len = 1 + int(gen() % 100);
+    for (int i = 0; i < len; ++i) {
+      const float frac = float(gen() % 1000001) / 1000000.0f;
+      push((gen() & 1 ? -1.0f : 1.0f) * norm * frac, static_cast<uint32_t>(gen()), norm);
+    }
+  }
+  for (int k = 0; k <= 127; ++k) {
+    for (const float norm : {127.0f, 1.0f, 3.0f, 0.1f, 1e-30f, 5e37f, 1e-35f, 1e-44f}) {
+      const float xv = static_cast<float>(k) * (norm / 127.0f);  // <= norm (1 + 2^-23)
+      push(xv, static_cast<uint32_t>(gen()), norm);
+      push(-xv, 0u, norm);
+      push(xv, 0xFFFFFFFFu, norm);
+      push(std::nextafter(xv, 0.0f), static_cast<uint32_t>(gen()), norm);
+      push(std::nextafter(xv, 1e38f), static_cast<uint32_t>(gen()), norm);
+    }
+  }
+  for (int i = 0; i < 20000; ++i) {  // u = p exactly: norm = 128, |x| = m * 2^-e with few bits
+    const float xv = std::ldexp(static_cast<float>(gen() % 4096), -int(gen() % 12));
+    if (!(xv <= 128.0f)) continue;
+    const double r = (static_cast<double>(xv) / 128.0) * 127.0;
+    const double p = r - std::floor(r);
+    const double wp = std::ldexp(p, 32);
+    if (wp != std::floor(wp) || wp >= 4294967296.0) continue;
+    const uint32_t wv = static_cast<uint32_t>(wp);
+    push(xv, wv, 128.0f);
+    push(-xv, wv == 0 ? 0u : wv - 1, 128.0f);
+    push(xv, wv + 1, 128.0f);
+  }
+  for (int i = 0; i < 1000; ++i) push(i % 2 ? 0.0f : -0.0f, static_cast<uint32_t>(gen()), 2.0f);
+  const size_t n = x.size();
+  for (int64_t t : simd::availableTargets()) {
+    simd::ScopedTargetForTest force(t);
+    CAPTURE(simd::targetName(t));
+    for (const uint32_t s : s_values) {
+      const unsigned shift = s == 127 ? 7 : s == 7 ? 3 : 1;
+      // Runs of equal norm are one bucket each (the kernel's unit).
+      std::vector<uint8_t> codes(n);
+      for (size_t i = 0; i < n;) {
+        size_t j = i + 1;
+        while (j < n && norms[j] == norms[i]) ++j;
+        simd::qsgdQuantize(x.data() + i, w.data() + i, j - i, norms[i], s, shift, codes.data() + i);
+        i = j;
+      }
+      size_t bad = 0, first = n;
+      for (size_t i = 0; i < n; ++i) {
+        if (codes[i] != refQuantize(x[i], w[i], norms[i], s, shift) && bad++ == 0) first = i;
+      }
+      CHECK_MESSAGE(bad == 0, bad << " codes differ (s = " << s << "), first at " << first);
+
+      // Decoding the codes back.
+      std::vector<float> scales(n), out(n, 0.25f), want(n, 0.25f);
+      for (size_t i = 0; i < n; ++i) scales[i] = norms[i] / static_cast<float>(s);
+      simd::qsgdDequantize(codes.data(), scales.data(), n, s, shift, 0.5f, out.data());
+      size_t bad_dec = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const float v = static_cast<float>(codes[i] & s) * scales[i];
+        want[i] = want[i] + 0.5f * ((codes[i] >> shift) != 0 ? -v : v);
+        bad_dec += bitsOf(out[i]) != bitsOf(want[i]);
+      }
+      CHECK(bad_dec == 0);
+    }
+  }
+}
+
+TEST_CASE("simd: fp16, bf16 and qsgd payloads and decodings are identical on every target") {
+  const auto targets = simd::availableTargets();
+  const size_t n = 100003;
+  auto x = testing::gaussian(n, 21);
+  for (size_t i = 0; i < n; i += 97) x[i] = 0.0f;  // zero elements (and a zero bucket below)
+  for (size_t i = 600; i < 700; ++i) x[i] = 0.0f;
+  x[5] = 1e-42f;
+  x[6] = 70000.0f;
+  const std::vector<CodecConfig> configs = {
+      {.name = "fp16"},
+      {.name = "bf16"},
+      {.name = "qsgd", .bits = 8},
+      {.name = "qsgd", .bits = 4, .bucket_size = 100},
+      {.name = "qsgd", .bits = 2, .bucket_size = 3},
+      {.name = "qsgd", .bits = 8, .bucket_size = 50},
+  };
+  CpuStream stream(2);
+  for (const CodecConfig& config : configs) {
+    CAPTURE(testing::describe(config));
+    auto codec = testing::make(config);
+    const Chunking chunking = chunkingFor(*codec, n, 30000);
+    StepContext ctx;
+    ctx.seed = 5;
+    ctx.name_key = tensorNameKey("layer.simd");
+    ctx.step = 9;
+    ctx.rank = 1;
+    ctx.stream = &stream;
+    std::vector<std::vector<uint8_t>> first_payloads;
+    std::vector<float> first_out;
+    for (int64_t t : targets) {
+      simd::ScopedTargetForTest force(t);
+      CAPTURE(simd::targetName(t));
+      CodecState state(codec->stateFloats(n));
+      auto payloads = encodeTensor(*codec, ctx, chunking, {x.data(), n, DType::kF32}, state);
+      REQUIRE(payloads.isOk());
+      std::vector<float> out(n, 1.0f);
+      REQUIRE(decodeTensor(*codec, chunking, *payloads, 0.5f, out.data()).isOk());
+      if (first_payloads.empty()) {
+        first_payloads = *payloads;
+        first_out = out;
+        continue;
+      }
+      CHECK(*payloads == first_payloads);
+      CHECK(testing::bitEqual(out, first_out));
+    }
+  }
+}
