@@ -28,11 +28,14 @@ using kernels::DType;
 using kernels::StepContext;
 using Clock = std::chrono::steady_clock;
 
+/// Codecs measured against the std::nth_element baseline (they select the k largest).
 bool isSelection(const std::string& name) { return name == "topk" || name == "dgc"; }
+/// Codecs configured by density or ratio.
+bool usesDensity(const std::string& name) { return isSelection(name) || name == "randomk"; }
 
 /// Effective density of a selection codec (density, or 1/ratio), as the codec computes it.
 std::optional<double> effectiveDensity(const CodecConfig& c) {
-  if (!isSelection(c.name)) return std::nullopt;
+  if (!usesDensity(c.name)) return std::nullopt;
   auto d = kernels::configuredDensity(
       c, c.name, c.name == "dgc" ? std::optional(kernels::kDgcDefaultDensity) : std::nullopt);
   if (!d) return std::nullopt;
@@ -49,8 +52,9 @@ std::string formatNumber(double v) {
 boost::json::object effectiveParams(const CodecConfig& c, const Codec& codec) {
   boost::json::object p;
   const auto& t = codec.traits();
-  if (isSelection(c.name)) {
+  if (usesDensity(c.name) || c.name == "threshold") {
     if (auto d = effectiveDensity(c)) p["density"] = *d;
+    if (c.threshold) p["threshold"] = *c.threshold;
     if (c.ratio) p["ratio"] = *c.ratio;
     p["values"] = std::string(kernels::dtypeName(c.sparse_values));
   }
@@ -59,8 +63,8 @@ boost::json::object effectiveParams(const CodecConfig& c, const Codec& codec) {
     p["clip_norm"] = c.clip_norm;
     p["sample_fraction"] = c.sample_fraction;
   }
-  if (c.name == "qsgd") {
-    p["bits"] = c.bits;
+  if (c.name == "qsgd") p["bits"] = c.bits;
+  if (c.name == "qsgd" || c.name == "terngrad" || c.name == "signsgd" || c.name == "onebit") {
     p["bucket_size"] = c.bucket_size;
   }
   if (c.name == "powersgd") p["approx_rank"] = c.approx_rank;
@@ -70,7 +74,8 @@ boost::json::object effectiveParams(const CodecConfig& c, const Codec& codec) {
 
 std::string makeLabel(const CodecConfig& c) {
   std::string label = c.name;
-  if (isSelection(c.name)) {
+  if (c.name == "threshold" && c.threshold) label += " t=" + formatNumber(*c.threshold);
+  if (usesDensity(c.name)) {
     if (c.ratio && !c.density) {
       label += " ratio=" + formatNumber(*c.ratio);
     } else if (auto d = effectiveDensity(c)) {
@@ -85,6 +90,7 @@ std::string makeLabel(const CodecConfig& c) {
       label += " bucket=" + std::to_string(c.bucket_size);
     }
   }
+  if (c.name == "powersgd") label += " rank=" + std::to_string(c.approx_rank);
   if (c.error_feedback) label += *c.error_feedback ? " ef=on" : " ef=off";
   return label;
 }
@@ -154,6 +160,10 @@ Result<BenchResult> benchCodec(const CodecConfig& config, std::span<const float>
   }
   std::vector<uint8_t> payloads(offsets.back());
   std::vector<size_t> sizes(chunking.count(), 0);
+  // Multi-round codecs (PowerSGD) run as one rank: each round's reduced payload is its own.
+  const int rounds = codec.traits().rounds;
+  std::vector<std::vector<uint8_t>> round_payloads(rounds > 1 ? rounds : 0,
+                                                   std::vector<uint8_t>(codec.maxPayloadBytes(n)));
   std::vector<float> output(n);
   std::vector<float> copy(n);
 
@@ -180,6 +190,18 @@ Result<BenchResult> benchCodec(const CodecConfig& config, std::span<const float>
   note("compress");
   auto compress_s = medianSeconds(runs, nullptr, [&]() -> Status {
     LW_RETURN_IF_ERROR(codec.analyze(ctx, chunking, tensor, state, workspace));
+    if (rounds > 1) {  // one chunk (chunkingFor); round r reads round r-1's reduced payload
+      sizes.assign(rounds, 0);
+      for (int round = 0; round < rounds; ++round) {
+        std::span<const uint8_t> previous;
+        if (round > 0) previous = {round_payloads[round - 1].data(), sizes[round - 1]};
+        auto size = codec.encodeChunk(ctx, chunking, 0, round, previous, tensor, state, workspace,
+                                      round_payloads[round]);
+        if (!size) return size.status();
+        sizes[round] = *size;
+      }
+      return Status::ok();
+    }
     for (size_t c = 0; c < chunking.count(); ++c) {
       std::span<uint8_t> out(payloads.data() + offsets[c], offsets[c + 1] - offsets[c]);
       auto size = codec.encodeChunk(ctx, chunking, c, 0, {}, tensor, state, workspace, out);
@@ -204,6 +226,13 @@ Result<BenchResult> benchCodec(const CodecConfig& config, std::span<const float>
         });
       },
       [&]() -> Status {
+        if (rounds > 1) {
+          std::vector<std::span<const uint8_t>> reduced;
+          for (int round = 0; round < rounds; ++round) {
+            reduced.emplace_back(round_payloads[round].data(), sizes[round]);
+          }
+          return codec.decodeRounds(reduced, 1.0f, output.data(), n);
+        }
         stream.parallelFor(chunking.count(), 1, [&](size_t lo, size_t hi) {
           for (size_t c = lo; c < hi; ++c) {
             std::span<const uint8_t> payload(payloads.data() + offsets[c], sizes[c]);
@@ -294,9 +323,34 @@ std::vector<CodecConfig> representativeCodecs() {
     c.momentum = m;
     list.push_back(c);
   }
+  {
+    CodecConfig c = make("dgc");
+    c.density = 0.01;
+    list.push_back(c);
+    c.momentum = 0.9;
+    list.push_back(c);
+  }
   for (int b : {8, 4}) {
     CodecConfig c = make("qsgd");
     c.bits = b;
+    list.push_back(c);
+  }
+  {
+    CodecConfig c = make("randomk");
+    c.density = 0.01;
+    list.push_back(c);
+  }
+  {
+    CodecConfig c = make("threshold");
+    c.threshold = 2.5;  // about 1.2 % of a standard Gaussian
+    list.push_back(c);
+  }
+  list.push_back(make("terngrad"));
+  list.push_back(make("signsgd"));
+  list.push_back(make("onebit"));
+  for (int r : {1, 4}) {
+    CodecConfig c = make("powersgd");
+    c.approx_rank = r;
     list.push_back(c);
   }
   return list;

@@ -27,7 +27,7 @@ constexpr int kExitUsage = 2;
 struct BenchCodecFlags {
   bool all = false;
   std::string codec;
-  std::optional<double> density, ratio, momentum;
+  std::optional<double> density, ratio, momentum, threshold;
   std::optional<int> bits, approx_rank;
   std::optional<uint32_t> bucket_size;
   std::string values;
@@ -48,6 +48,7 @@ kernels::CodecConfig toConfig(const BenchCodecFlags& f) {
   if (f.bucket_size) c.bucket_size = *f.bucket_size;
   if (f.momentum) c.momentum = *f.momentum;
   if (f.approx_rank) c.approx_rank = *f.approx_rank;
+  c.threshold = f.threshold;
   if (f.values == "fp16") c.sparse_values = kernels::DType::kF16;
   if (f.error_feedback == "on") c.error_feedback = true;
   if (f.error_feedback == "off") c.error_feedback = false;
@@ -118,14 +119,17 @@ int run(int argc, char** argv) {
   for (const auto& n : kernels::codecNames()) known += (known.empty() ? "" : ", ") + n;
   auto* name = codec->add_option("--codec", f.codec, "Codec name: " + known);
   name->excludes(all);
-  auto* density = codec->add_option("--density", f.density, "topk/dgc: k/n in (0, 1]");
-  auto* ratio = codec->add_option("--ratio", f.ratio, "topk/dgc: n/k (alternative to --density)");
+  auto* density = codec->add_option("--density", f.density, "topk/dgc/randomk: k/n in (0, 1]");
+  auto* ratio =
+      codec->add_option("--ratio", f.ratio, "topk/dgc/randomk: n/k (alternative to --density)");
+  codec->add_option("--threshold", f.threshold, "threshold: send elements with |g| >= this");
   density->excludes(ratio);
   codec->add_option("--bits", f.bits, "qsgd: bits per element including sign (2..8)");
-  codec->add_option("--bucket-size", f.bucket_size, "qsgd: elements per norm bucket");
+  codec->add_option("--bucket-size", f.bucket_size,
+                    "qsgd/terngrad/signsgd/onebit: elements per scale bucket");
   codec->add_option("--momentum", f.momentum, "dgc: momentum correction factor in [0, 1)");
   codec->add_option("--approx-rank", f.approx_rank, "powersgd: rank");
-  codec->add_option("--values", f.values, "topk/dgc: value encoding")
+  codec->add_option("--values", f.values, "topk/dgc/randomk/threshold: value encoding")
       ->check(CLI::IsMember({"fp32", "fp16"}));
   codec->add_option("--error-feedback", f.error_feedback, "on|off (default: the codec's)")
       ->check(CLI::IsMember({"on", "off"}));

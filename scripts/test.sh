@@ -178,12 +178,18 @@ PY
   fi
 fi
 if ((asan_ok)); then
-  # Every codec of the representative list through compress and decompress, under ASan+UBSan.
+  # Every codec (the representative list) through compress and decompress, under ASan+UBSan.
   if ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     "$asan_dir/proxy/lightwire" bench codec --all --elements 70001 --chunk-elements 16384 --json \
     >"$logs/bench-asan.json" 2>"$logs/bench-asan.err" &&
-    [[ $(wc -l <"$logs/bench-asan.json") -eq 9 ]] && ! grep -q 'runtime error:' "$logs/bench-asan.err"; then
-    pass "asan: lightwire bench codec --all (9 codecs)"
+    "$python" -c '
+import json, sys
+names = {json.loads(l)["codec"] for l in open(sys.argv[1]) if l.strip()}
+want = {"none", "fp16", "bf16", "topk", "randomk", "threshold", "dgc", "qsgd", "terngrad",
+        "signsgd", "onebit", "powersgd"}
+sys.exit(0 if names == want else f"codecs measured {sorted(names)}, want {sorted(want)}")
+' "$logs/bench-asan.json" && ! grep -q 'runtime error:' "$logs/bench-asan.err"; then
+    pass "asan: lightwire bench codec --all (every codec)"
   else
     grep -E 'ERROR|runtime error|lightwire:' "$logs/bench-asan.err" | head -n 20
     fail "asan: lightwire bench codec --all" "see $logs/bench-asan.*"

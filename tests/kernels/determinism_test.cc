@@ -125,7 +125,7 @@ TEST_CASE("determinism: lengths 0, 1 and 2 work for every codec") {
       REQUIRE(o.payloads.size() == 1);
       CHECK(o.payloads[0].size() >= kHeaderBytes);
       // Every codec sends at least the largest element of a tiny tensor exactly or close to it.
-      if (n > 0 && c.name != "qsgd")
+      if (n > 0 && c.name != "qsgd" && c.name != "randomk")
         CHECK(o.decoded[0] == doctest::Approx(-1.5f * 0.25f).epsilon(0.01));
     }
   }

@@ -268,7 +268,7 @@ TEST_CASE(KNAME " payload matches a per-element reference and round-trips") {
       // Unpacking: every decoded value is exactly the reference's.
       const auto out = decodeAll(*codec, payloads, c.n, c.chunk, -0.5f);
       REQUIRE(out.size() == expected_out.size());
-      CHECK(std::memcmp(out.data(), expected_out.data(), 4 * out.size()) == 0);
+      CHECK(testing::bitEqual(out, expected_out));
     }
   }
 }

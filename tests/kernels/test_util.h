@@ -32,7 +32,8 @@ inline bool bitEqual(const std::vector<float>& a, const std::vector<float>& b) {
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
-/// The configurations every generic test runs (one per codec family and option).
+/// The configurations every generic single-round test runs (one per codec family and option);
+/// powersgd (two rounds) has its own tests through tests/kernels/multirank.h.
 inline std::vector<CodecConfig> representativeConfigs() {
   std::vector<CodecConfig> v;
   auto add = [&](CodecConfig c) { v.push_back(std::move(c)); };
@@ -50,6 +51,19 @@ inline std::vector<CodecConfig> representativeConfigs() {
   add({.name = "qsgd", .bits = 8});
   add({.name = "qsgd", .bits = 4, .bucket_size = 100});
   add({.name = "qsgd", .bits = 2, .bucket_size = 64, .error_feedback = true});
+  add({.name = "randomk", .density = 0.05});
+  add({.name = "randomk", .ratio = 50.0, .sparse_values = DType::kF16});
+  add({.name = "threshold", .threshold = 1.5});
+  add({.name = "threshold",
+       .sparse_values = DType::kF16,
+       .threshold = 1.0,
+       .error_feedback = false});
+  add({.name = "terngrad"});
+  add({.name = "terngrad", .bucket_size = 100, .error_feedback = true});
+  add({.name = "signsgd"});
+  add({.name = "signsgd", .bucket_size = 64, .error_feedback = false});
+  add({.name = "onebit"});
+  add({.name = "onebit", .bucket_size = 1000});
   return v;
 }
 
@@ -57,8 +71,11 @@ inline std::string describe(const CodecConfig& c) {
   std::string s = c.name;
   if (c.density) s += " density=" + std::to_string(*c.density);
   if (c.ratio) s += " ratio=" + std::to_string(*c.ratio);
-  if (c.name == "qsgd")
-    s += " bits=" + std::to_string(c.bits) + " bucket=" + std::to_string(c.bucket_size);
+  if (c.name == "qsgd") s += " bits=" + std::to_string(c.bits);
+  if (c.name == "qsgd" || c.name == "terngrad" || c.name == "signsgd" || c.name == "onebit") {
+    s += " bucket=" + std::to_string(c.bucket_size);
+  }
+  if (c.threshold) s += " threshold=" + std::to_string(*c.threshold);
   if (c.momentum != 0) s += " momentum=" + std::to_string(c.momentum);
   if (c.error_feedback) s += *c.error_feedback ? " ef=on" : " ef=off";
   if (c.sparse_values == DType::kF16) s += " values=fp16";
