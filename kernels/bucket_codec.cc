@@ -447,22 +447,11 @@ class BucketCodec final : public Codec {
                     scales, codes, non_finite);
     };
     const size_t grain = std::max<size_t>(1, kParallelGrain / (unit_buckets_ * bucket_));
-    if (ctx.stream != nullptr)
-      ctx.stream->parallelFor(units, grain, work);
-    else
-      work(0, units);
+    parallelFor(ctx.stream, units, grain, work);
     if (!non_finite.load(std::memory_order_relaxed)) return static_cast<size_t>(layout->total);
 
     // Escape: the whole chunk as plain fp32 values.
-    writeHeader(p, {CodecId::kNone, input.dtype, 0, 0, n});
-    auto dense = [&](size_t lo, size_t hi) {
-      for (size_t i = lo; i < hi; ++i) storeF32(p + kHeaderBytes + 4 * i, x.at(i));
-    };
-    if (ctx.stream != nullptr)
-      ctx.stream->parallelFor(n, 1 << 16, dense);
-    else
-      dense(0, n);
-    return kHeaderBytes + 4 * n;
+    return writeDensePayload(x, p, ctx.stream);
   }
 
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
@@ -470,9 +459,6 @@ class BucketCodec final : public Codec {
     const std::string name = info_.name;
     auto h = readHeader(payload, info_.id, out_elements, 0);
     if (!h) return h.status();
-    if (h->round != 0) {
-      return dataLoss(name + " payload has round " + std::to_string(h->round) + ", must be 0");
-    }
     if (h->codec == CodecId::kNone) return decodeDenseF32(payload, *h, weight, out);
     const uint8_t* p = payload.data();
     if (payload.size() < kBucketHeaderBytes) {

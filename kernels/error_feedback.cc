@@ -33,11 +33,7 @@ class ErrorFeedbackCodec final : public Codec {
       auto body = [&](size_t lo, size_t hi) {  // one typed loop: vectorised by the compiler
         for (size_t i = lo; i < hi; ++i) a[i] = loadWidened<D>(input.data, i) + e[i];
       };
-      if (ctx.stream != nullptr) {
-        ctx.stream->parallelFor(n, 1 << 16, body);
-      } else {
-        body(0, n);
-      }
+      parallelFor(ctx.stream, n, 1 << 16, body);
     });
     CodecState none;
     return inner_->analyze(ctx, chunking, ConstTensor{a, n, DType::kF32}, none, workspace);

@@ -41,4 +41,16 @@ class CpuStream {
   bool stop_ = false;
 };
 
+/// stream->parallelFor(count, grain, fn), or fn(0, count) on the calling thread when `stream` is
+/// null (codecs take an optional stream). Does nothing for count = 0.
+inline void parallelFor(CpuStream* stream, size_t count, size_t grain,
+                        const std::function<void(size_t, size_t)>& fn) {
+  if (count == 0) return;
+  if (stream != nullptr) {
+    stream->parallelFor(count, grain, fn);
+  } else {
+    fn(0, count);
+  }
+}
+
 }  // namespace lightwire::kernels

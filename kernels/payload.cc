@@ -1,9 +1,15 @@
 #include "kernels/payload.h"
 
+#include "kernels/parallel.h"
+
+#include <bit>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 namespace lightwire::kernels {
+
+static_assert(std::endian::native == std::endian::little, "payloads are little-endian");
 
 void writeHeader(uint8_t* out, const PayloadHeader& h) {
   out[0] = kMagic0;
@@ -69,6 +75,23 @@ Status decodeDenseF32(std::span<const uint8_t> p, const PayloadHeader& h, float 
   const uint8_t* v = p.data() + kHeaderBytes;
   for (uint64_t i = 0; i < h.elements; ++i) out[i] = out[i] + weight * loadF32(v + 4 * i);
   return Status::ok();
+}
+
+size_t writeDensePayload(ConstTensor x, uint8_t* out, CpuStream* stream) {
+  const size_t n = x.elements;
+  writeHeader(out, {CodecId::kNone, x.dtype, 0, 0, n});
+  uint8_t* body = out + kHeaderBytes;
+  parallelFor(stream, n, size_t{1} << 16, [&](size_t lo, size_t hi) {
+    visitDType(x.dtype, [&](auto d) {
+      constexpr DType D = decltype(d)::value;
+      if constexpr (D == DType::kF32) {  // little-endian fp32 is already the wire layout
+        std::memcpy(body + 4 * lo, static_cast<const float*>(x.data) + lo, 4 * (hi - lo));
+      } else {
+        for (size_t i = lo; i < hi; ++i) storeF32(body + 4 * i, loadWidened<D>(x.data, i));
+      }
+    });
+  });
+  return kHeaderBytes + 4 * n;
 }
 
 bool paddingIsZero(std::span<const uint8_t> bytes, uint64_t used_bits) {

@@ -12,6 +12,8 @@
 
 namespace lightwire::kernels {
 
+class CpuStream;
+
 enum class CodecId : uint8_t {
   kNone = 0,
   kFp16 = 1,
@@ -72,6 +74,11 @@ Result<PayloadHeader> readHeader(std::span<const uint8_t> payload, CodecId expec
 /// Decodes a `none`-layout payload whose header was already read: out += weight * values.
 Status decodeDenseF32(std::span<const uint8_t> payload, const PayloadHeader& h, float weight,
                       float* out);
+
+/// Writes x as a `none`-layout payload (header + fp32 values) at out[0 .. 16 + 4·x.elements) and
+/// returns its size: the `none` codec, and the dense escape of codecs whose chunk holds a
+/// non-finite value.
+size_t writeDensePayload(ConstTensor x, uint8_t* out, CpuStream* stream);
 
 /// Bytes that `count` values of `width` bits occupy, before any padding.
 inline size_t packedBytes(uint64_t count, unsigned width) { return (count * width + 7) / 8; }

@@ -114,10 +114,7 @@ class CastCodec final : public Codec {
     writeHeader(out.data(), {F::kId, input.dtype, 0, 0, n});
     uint8_t* body = out.data() + kHeaderBytes;
     auto work = [&](size_t lo, size_t hi) { encodeRange(input, begin, lo, hi, body); };
-    if (ctx.stream != nullptr)
-      ctx.stream->parallelFor(n, kParallelGrain, work);
-    else
-      work(0, n);
+    parallelFor(ctx.stream, n, kParallelGrain, work);
     return kHeaderBytes + 2 * n;
   }
 

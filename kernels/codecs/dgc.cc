@@ -221,11 +221,7 @@ class DgcCodec final : public Codec {
   }
 
   static void forEach(CpuStream* stream, size_t n, const std::function<void(size_t, size_t)>& fn) {
-    if (stream != nullptr) {
-      stream->parallelFor(n, size_t{1} << 16, fn);
-    } else {
-      fn(0, n);
-    }
+    parallelFor(stream, n, size_t{1} << 16, fn);
   }
 
   /// v'_i of element i (steps 1–3), exactly as the fused pass computes it.

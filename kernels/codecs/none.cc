@@ -1,16 +1,11 @@
 // `none`: the fp32 values as they are (docs/wire-format.md). The baseline, and the layout every
 // decoder accepts as a dense escape.
 
-#include <bit>
-#include <cstring>
-
 #include "kernels/parallel.h"
 #include "kernels/registry.h"
 
 namespace lightwire::kernels {
 namespace {
-
-static_assert(std::endian::native == std::endian::little, "payloads are little-endian");
 
 class NoneCodec final : public Codec {
  public:
@@ -32,22 +27,8 @@ class NoneCodec final : public Codec {
   Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk, int,
                                std::span<const uint8_t>, ConstTensor input, CodecState&,
                                std::span<std::byte>, std::span<uint8_t> out) const override {
-    const size_t begin = chunking.begin(chunk), n = chunking.size(chunk);
-    writeHeader(out.data(), {CodecId::kNone, input.dtype, 0, 0, n});
-    uint8_t* body = out.data() + kHeaderBytes;
-    auto work = [&](size_t lo, size_t hi) {
-      if (input.dtype == DType::kF32) {  // little-endian fp32 is already the wire layout
-        std::memcpy(body + 4 * lo, static_cast<const float*>(input.data) + begin + lo,
-                    4 * (hi - lo));
-        return;
-      }
-      for (size_t i = lo; i < hi; ++i) storeF32(body + 4 * i, input.at(begin + i));
-    };
-    if (ctx.stream)
-      ctx.stream->parallelFor(n, 1 << 16, work);
-    else
-      work(0, n);
-    return kHeaderBytes + 4 * n;
+    return writeDensePayload(input.slice(chunking.begin(chunk), chunking.size(chunk)), out.data(),
+                             ctx.stream);
   }
 
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,

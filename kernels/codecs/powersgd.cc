@@ -215,16 +215,6 @@ inline double dot(const float* a, const float* b, size_t len) {
   return HWY_DYNAMIC_DISPATCH(powersgd_simd::Dot)(a, b, len);
 }
 
-void forEach(CpuStream* stream, size_t count, size_t grain,
-             const std::function<void(size_t, size_t)>& fn) {
-  if (count == 0) return;
-  if (stream != nullptr) {
-    stream->parallelFor(count, grain, fn);
-  } else {
-    fn(0, count);
-  }
-}
-
 /// Orthonormalises the columns of the rows × r matrix `a` (row-major) in place: for each column
 /// j in order, two passes of projections on columns 0..j−1, then normalisation; a column whose
 /// norm is 0 stays as it is.
@@ -302,7 +292,7 @@ class PowerSgdCodec final : public Codec {
     // M = x + e (fp32), kept in the error slot of the next state until finishStep().
     visitDType(input.dtype, [&](auto d) {
       constexpr DType D = decltype(d)::value;
-      forEach(ctx.stream, n, size_t{1} << 16, [&](size_t lo, size_t hi) {
+      parallelFor(ctx.stream, n, size_t{1} << 16, [&](size_t lo, size_t hi) {
         for (size_t i = lo; i < hi; ++i) m[i] = loadWidened<D>(input.data, i) + e[i];
       });
     });
@@ -356,7 +346,7 @@ class PowerSgdCodec final : public Codec {
     float* ws = carveFactor(workspace, n);
     if (round == 0) {
       // P[i][j] = canonical Σ_k M[i][k]·Q[k][j] over the padded row.
-      forEach(ctx.stream, rows, 64, [&](size_t lo, size_t hi) {
+      parallelFor(ctx.stream, rows, 64, [&](size_t lo, size_t hi) {
         for (size_t i = lo; i < hi; ++i) {
           const float* row = m + i * cols;
           const size_t real = std::min<size_t>(cols, n - i * cols);
@@ -382,7 +372,7 @@ class PowerSgdCodec final : public Codec {
                       " view, this rank uses " + describe(v));
     }
     loadOrthonormal(*p, ws);
-    forEach(ctx.stream, (cols + kTile - 1) / kTile, 1, [&](size_t lo, size_t hi) {
+    parallelFor(ctx.stream, (cols + kTile - 1) / kTile, 1, [&](size_t lo, size_t hi) {
       double total[kTileRanks * kTile];
       for (size_t t = lo; t < hi; ++t) {
         const size_t k0 = t * kTile, width = std::min(kTile, cols - k0);
@@ -661,7 +651,7 @@ class PowerSgdCodec final : public Codec {
   static void product(CpuStream* stream, const View& v, size_t n, const float* phat,
                       const float* tt, float w, bool subtract, float* dst) {
     const size_t r = v.rank, cols = v.cols;
-    forEach(stream, v.rows, 64, [&](size_t lo, size_t hi) {
+    parallelFor(stream, v.rows, 64, [&](size_t lo, size_t hi) {
       for (size_t i = lo; i < hi; ++i) {
         const size_t real = std::min<size_t>(cols, n - i * cols);
         HWY_DYNAMIC_DISPATCH(powersgd_simd::RowApply)

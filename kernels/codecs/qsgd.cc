@@ -146,31 +146,17 @@ class QsgdCodec final : public Codec {
                     codes, non_finite);
     };
     const size_t grain = std::max<size_t>(1, kParallelGrain / (unit_buckets_ * bucket_));
-    if (ctx.stream != nullptr)
-      ctx.stream->parallelFor(units, grain, work);
-    else
-      work(0, units);
+    parallelFor(ctx.stream, units, grain, work);
     if (!non_finite.load(std::memory_order_relaxed)) return static_cast<size_t>(layout->total);
 
     // Escape (§4.5 step 2): the whole chunk as plain fp32 values.
-    writeHeader(p, {CodecId::kNone, input.dtype, 0, 0, n});
-    auto dense = [&](size_t lo, size_t hi) {
-      for (size_t i = lo; i < hi; ++i) storeF32(p + kHeaderBytes + 4 * i, x.at(i));
-    };
-    if (ctx.stream != nullptr)
-      ctx.stream->parallelFor(n, 1 << 16, dense);
-    else
-      dense(0, n);
-    return kHeaderBytes + 4 * n;
+    return writeDensePayload(x, p, ctx.stream);
   }
 
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
                      size_t out_elements) const override {
     auto h = readHeader(payload, CodecId::kQsgd, out_elements, 0);
     if (!h) return h.status();
-    if (h->round != 0) {  // single-round codec (readHeader does not check this byte)
-      return dataLoss("qsgd payload has round " + std::to_string(h->round) + ", must be 0");
-    }
     if (h->codec == CodecId::kNone) return decodeDenseF32(payload, *h, weight, out);
     const uint8_t* p = payload.data();
     if (payload.size() < kQsgdHeaderBytes) {
