@@ -15,6 +15,7 @@
 #include "kernels/parallel.h"
 #include "kernels/philox.h"
 #include "kernels/registry.h"
+#include "tests/kernels/hostile_payload_util.h"
 
 namespace lightwire::kernels {
 namespace {
@@ -493,27 +494,9 @@ TEST_CASE("qsgd hostile payloads are refused without touching the output") {
   // n = 37, d = 8, b = 3: B = 5 norms, 111 code bits in 14 bytes (one unused bit).
   const auto good = encodeOne(*codec, makeContext(0), {x.data(), x.size(), DType::kF32});
   REQUIRE(good.size() == 24 + 20 + 14);
-  std::vector<float> out(64);
-  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(i) * 0.25f - 1.0f;
-  out[2] = NAN;
-  const std::vector<float> before = out;
-  int refused = 0;
-  auto refuse = [&](std::span<const uint8_t> p, size_t out_elements, const std::string& what) {
-    const Status s = codec->decodeChunk(p, 1.0f, out.data(), out_elements);
-    CHECK_MESSAGE(!s.isOk(), what);
-    CHECK_MESSAGE(!s.message().empty(), what);
-    REQUIRE_MESSAGE(std::memcmp(out.data(), before.data(), 4 * out.size()) == 0, what);
-    ++refused;
-  };
-  auto mutated = [&](auto edit) {
-    std::vector<uint8_t> p = good;
-    edit(p);
-    return p;
-  };
-  for (size_t len = 0; len < good.size(); ++len) {
-    refuse({good.data(), len}, x.size(), "truncated to " + std::to_string(len));
-  }
-  refuse(mutated([](auto& p) { p.push_back(0); }), x.size(), "trailing byte");
+  testing::HostileDecoder refuse(*codec, good, x.size());
+  auto mutated = [&](auto edit) { return refuse.mutated(edit); };
+  refuse.refuseTruncations();
   for (int b : {0, 1, 9, 16, 255}) {
     refuse(mutated([b](auto& p) { p[16] = static_cast<uint8_t>(b); }), x.size(),
            "b = " + std::to_string(b));
@@ -531,27 +514,7 @@ TEST_CASE("qsgd hostile payloads are refused without touching the output") {
              "norm " + std::to_string(bad));
     }
   }
-  refuse(mutated([](auto& p) { p.back() = static_cast<uint8_t>(p.back() | 0x80); }), x.size(),
-         "non-zero unused bit");
-  refuse(mutated([](auto& p) { p[0] = 0x4D; }), x.size(), "wrong magic");
-  refuse(mutated([](auto& p) { p[1] = 0; }), x.size(), "wrong magic");
-  refuse(mutated([](auto& p) { p[2] = 0; }), x.size(), "version 0");
-  refuse(mutated([](auto& p) { p[2] = 2; }), x.size(), "version 2");
-  for (int id : {1, 2, 3, 6, 8, 11, 12, 255}) {
-    refuse(mutated([id](auto& p) { p[3] = static_cast<uint8_t>(id); }), x.size(),
-           "codec id " + std::to_string(id));
-  }
-  refuse(mutated([](auto& p) { p[3] = 0; }), x.size(), "none header on a qsgd body");
-  refuse(mutated([](auto& p) { p[4] = 3; }), x.size(), "unknown dtype");
-  for (int bit = 0; bit < 8; ++bit) {
-    refuse(mutated([bit](auto& p) { p[5] = static_cast<uint8_t>(1 << bit); }), x.size(),
-           "flag bit " + std::to_string(bit));
-  }
-  refuse(mutated([](auto& p) { p[7] = 0x10; }), x.size(), "reserved header byte");
-  refuse(mutated([](auto& p) { p[6] = 1; }), x.size(), "round byte of a single-round codec");
-  refuse(good, x.size() - 1, "output shorter");
-  refuse(good, x.size() + 1, "output longer");
-  refuse(mutated([](auto& p) { storeU64(p.data() + 8, 38); }), x.size(), "header count");
+  refuse.refuseHeaderEdits({1, 2, 3, 6, 8, 11, 12, 255}, "qsgd");
   // Counts whose naive size wraps around 64 bits: n = 2^62 + 1, d = 1, b = 8 gives
   // 24 + 4n + n = 29 (mod 2^64), exactly this payload's length.
   const uint64_t huge = (uint64_t{1} << 62) + 1;
@@ -565,15 +528,15 @@ TEST_CASE("qsgd hostile payloads are refused without touching the output") {
   refuse(wrap, static_cast<size_t>(~uint64_t{0}), "n = 2^64 - 1");
   storeU32(wrap.data() + 20, 0xFFFFFFFFu);
   refuse(wrap, static_cast<size_t>(~uint64_t{0}), "n = 2^64 - 1, d huge");
-  CHECK(refused > 100);
+  CHECK(refuse.refused() > 100);
 
   // The unmodified payload still decodes; so does a valid `none` escape and an empty chunk.
-  CHECK(codec->decodeChunk(good, 1.0f, out.data(), x.size()).isOk());
+  CHECK(codec->decodeChunk(good, 1.0f, refuse.out(), x.size()).isOk());
   std::vector<float> inf_x = x;
   inf_x[0] = INFINITY;
   const auto escaped = encodeOne(*codec, makeContext(0), {inf_x.data(), inf_x.size(), DType::kF32});
   REQUIRE(escaped[3] == 0);
-  CHECK(codec->decodeChunk(escaped, 1.0f, out.data(), x.size()).isOk());
+  CHECK(codec->decodeChunk(escaped, 1.0f, refuse.out(), x.size()).isOk());
   const auto empty = encodeOne(*codec, makeContext(0), {nullptr, 0, DType::kF32});
   CHECK(empty.size() == 24);
   CHECK(codec->decodeChunk(empty, 1.0f, nullptr, 0).isOk());
@@ -581,23 +544,7 @@ TEST_CASE("qsgd hostile payloads are refused without touching the output") {
 
 TEST_CASE("qsgd encoder refuses bad calls") {
   const auto codec = makeQsgd(8, 16);
-  const std::vector<float> x(100, 1.0f);
-  const ConstTensor input{x.data(), x.size(), DType::kF32};
-  StepContext ctx;
-  CodecState state;
-  std::vector<uint8_t> out(codec->maxPayloadBytes(100));
-  const Chunking good = Chunking::make(100, 32, 16);
-  CHECK(codec->encodeChunk(ctx, good, 3, 0, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(codec->encodeChunk(ctx, good, 4, 0, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(codec->encodeChunk(ctx, good, 0, 1, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(codec->encodeChunk(ctx, Chunking{100, 30}, 0, 0, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(
-      codec->encodeChunk(ctx, Chunking::make(99, 0, 16), 0, 0, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(
-      codec->encodeChunk(ctx, good, 0, 0, {}, input, state, {}, std::span<uint8_t>(out.data(), 10))
-          .isOk());
-  // The buffer must hold the larger of the qsgd and the none layouts.
-  CHECK(codec->maxPayloadBytes(100) >= 16 + 4 * 100);
+  testing::checkEncoderRefusesBadCalls(*codec);
   CHECK(makeQsgd(8, 1)->maxPayloadBytes(100) >= 24 + 4 * 100 + 100);
 }
 

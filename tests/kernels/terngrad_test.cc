@@ -1,631 +1,96 @@
-// The `terngrad` codec (docs/determinism.md §4.9, docs/wire-format.md): bytes against a plain
-// per-element reference written from the spec, packing round trips, unbiasedness and TernGrad's
-// variance, chunk and thread independence, the non-finite escape and hostile payloads.
+// The `terngrad` codec (docs/determinism.md §4.9, docs/wire-format.md): its plain per-element
+// reference, the generic bucket codec tests (tests/kernels/bucket_codec_test_util.h: bytes against
+// the reference, packing round trips, chunk and thread independence, the non-finite escape and
+// hostile payloads), and terngrad's own: codes at the edges, rounding near u, randomness,
+// unbiasedness and TernGrad's variance.
 
 #include <doctest.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
-#include <cstring>
-#include <memory>
-#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kernels/codec.h"
-#include "kernels/parallel.h"
 #include "kernels/philox.h"
-#include "kernels/registry.h"
 #include "kernels/simd/targets.h"
-#include "tests/kernels/test_util.h"
+#include "tests/kernels/bucket_codec_test_util.h"
 
 namespace lightwire::kernels {
 namespace {
 
-constexpr const char* kName = "terngrad";
-#define KNAME "terngrad"
-constexpr uint8_t kId = 8;
-constexpr unsigned kBits = 2;
-constexpr size_t kScales = 1;
-constexpr bool kDefaultErrorFeedback = false;
+using namespace bucket_test;
 
-// s = max |x| (NaN when the bucket holds one; then the chunk is escaped).
-std::vector<float> referenceScales(const float* x, size_t n) {
-  float s = 0.0f;
-  for (size_t i = 0; i < n; ++i) {
-    if (std::isnan(x[i])) return {NAN};
-    s = std::max(s, std::fabs(x[i]));
-  }
-  return {s};
-}
+struct Terngrad {
+  static constexpr const char* kName = "terngrad";
+  static constexpr uint8_t kId = 8;
+  static constexpr unsigned kBits = 2;
+  static constexpr size_t kScales = 1;
+  static constexpr bool kDefaultErrorFeedback = false;
 
-uint32_t referenceCode(float x, size_t i, const std::vector<float>& s, const StepContext& ctx) {
-  if (s[0] == 0.0f) return 0;
-  const double p = std::fabs(static_cast<double>(x)) / static_cast<double>(s[0]);
-  const PhiloxStream rng(ctx.seed, ctx.name_key, ctx.step, ctx.rank,
-                         RandomPurpose::kTerngradRounding);
-  const double u = unitDouble(rng.word(i));
-  if (!(u < p)) return 0;
-  return x < 0.0f ? 2 : 1;
-}
-
-float referenceValue(uint32_t code, const std::vector<float>& s) {
-  return code == 0 ? 0.0f : (code == 1 ? s[0] : -s[0]);
-}
-
-std::vector<float> badScales(size_t) {
-  return {NAN, -NAN, INFINITY, -INFINITY, -1.0f, -FLT_TRUE_MIN, -FLT_MAX};
-}
-
-// The invalid code 3 anywhere.
-template <typename Refuse>
-void hostileExtra(const std::vector<uint8_t>& good, size_t codes_at, Refuse& refuse) {
-  for (size_t i : {size_t{0}, size_t{1}, size_t{3}, size_t{4}, size_t{17}, size_t{36}}) {
-    std::vector<uint8_t> p = good;
-    p[codes_at + i / 4] = static_cast<uint8_t>(p[codes_at + i / 4] | (3u << (2 * (i % 4))));
-    refuse(p, 37, "code 3 at element " + std::to_string(i));
-  }
-}
-
-std::unique_ptr<Codec> makeCodec(uint32_t bucket_size, std::optional<bool> error_feedback = false) {
-  CodecConfig config;
-  config.name = kName;
-  config.bucket_size = bucket_size;
-  config.error_feedback = error_feedback;
-  auto codec = createCodec(config);
-  REQUIRE_MESSAGE(codec.isOk(), codec.status().message());
-  return std::move(codec).value();
-}
-
-StepContext makeContext(uint64_t step, uint32_t rank = 0, CpuStream* stream = nullptr) {
-  StepContext ctx;
-  ctx.seed = 4321;
-  ctx.name_key = tensorNameKey("layer.weight");
-  ctx.step = step;
-  ctx.rank = rank;
-  ctx.stream = stream;
-  return ctx;
-}
-
-std::vector<std::vector<uint8_t>> encodeAll(const Codec& codec, const StepContext& ctx,
-                                            ConstTensor input, size_t chunk_elements = 0) {
-  CodecState state(codec.stateFloats(input.elements));
-  const Chunking chunking = Chunking::make(input.elements, chunk_elements, codec.chunkAlignment());
-  auto payloads = encodeTensor(codec, ctx, chunking, input, state);
-  REQUIRE_MESSAGE(payloads.isOk(), payloads.status().message());
-  return std::move(payloads).value();
-}
-
-std::vector<uint8_t> encodeOne(const Codec& codec, const StepContext& ctx, ConstTensor input) {
-  auto payloads = encodeAll(codec, ctx, input);
-  REQUIRE(payloads.size() == 1);
-  return payloads[0];
-}
-
-std::vector<float> decodeAll(const Codec& codec, const std::vector<std::vector<uint8_t>>& payloads,
-                             size_t n, size_t chunk_elements, float weight = 1.0f) {
-  std::vector<float> out(n, 0.0f);
-  const Chunking chunking = Chunking::make(n, chunk_elements, codec.chunkAlignment());
-  const Status s = decodeTensor(codec, chunking, payloads, weight, out.data());
-  REQUIRE_MESSAGE(s.isOk(), s.message());
-  return out;
-}
-
-// §2 written out plainly for terms t(x): blocks of 4096, eight strided fp64 accumulators.
-template <typename Term>
-double referenceSum(const float* x, size_t n, Term term) {
-  double total = 0.0;
-  for (size_t block = 0; block < n; block += 4096) {
-    double a[8] = {};
-    for (size_t i = block; i < std::min(n, block + 4096); ++i) {
-      a[(i - block) % 8] = a[(i - block) % 8] + term(x[i]);
-    }
-    total = total + (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])));
-  }
-  return total;
-}
-
-uint32_t codeAt(const uint8_t* codes, size_t i) {
-  uint32_t code = 0;
-  for (unsigned bit = 0; bit < kBits; ++bit) {
-    const size_t t = i * kBits + bit;
-    code |= ((codes[t / 8] >> (t % 8)) & 1u) << bit;
-  }
-  return code;
-}
-
-// One chunk [begin, begin + n) of the fp32 tensor x, encoded per the spec one element at a time.
-std::vector<uint8_t> referenceChunk(const std::vector<float>& x, size_t begin, size_t n, uint32_t d,
-                                    const StepContext& ctx, DType source) {
-  const size_t buckets = (n + d - 1) / d;
-  std::vector<std::vector<float>> scales(buckets);
-  bool finite = true;
-  for (size_t k = 0; k < buckets; ++k) {
-    const size_t len = std::min<size_t>(d, n - k * d);
-    scales[k] = referenceScales(&x[begin + k * d], len);
-    for (float s : scales[k]) finite = finite && std::isfinite(s);
-  }
-  // Sized once (growing a 16-byte vector trips a -Warray-bounds false positive in GCC 12).
-  std::vector<uint8_t> p(finite ? 20 + 4 * kScales * buckets + (n * kBits + 7) / 8 : 16 + 4 * n, 0);
-  p[0] = 0x4C, p[1] = 0x57, p[2] = 1, p[4] = static_cast<uint8_t>(source);
-  storeU64(p.data() + 8, n);
-  if (!finite) {
-    p[3] = 0;
-    for (size_t i = 0; i < n; ++i) storeF32(p.data() + 16 + 4 * i, x[begin + i]);
-    return p;
-  }
-  p[3] = kId;
-  storeU32(p.data() + 16, d);
-  for (size_t k = 0; k < buckets; ++k) {
-    for (size_t j = 0; j < kScales; ++j)
-      storeF32(p.data() + 20 + 4 * (kScales * k + j), scales[k][j]);
-  }
-  uint8_t* codes = p.data() + 20 + 4 * kScales * buckets;
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t code = referenceCode(x[begin + i], begin + i, scales[i / d], ctx);
-    for (unsigned bit = 0; bit < kBits; ++bit) {
-      const size_t t = i * kBits + bit;
-      if ((code >> bit) & 1u) codes[t / 8] = static_cast<uint8_t>(codes[t / 8] | (1u << (t % 8)));
-    }
-  }
-  return p;
-}
-
-// The decoded values of a payload of this codec, element by element (out = 0 + w * value).
-std::vector<float> referenceDecode(const std::vector<uint8_t>& p, float weight) {
-  const uint64_t n = loadU64(p.data() + 8);
-  std::vector<float> out(n, 0.0f);
-  if (p[3] == 0) {
-    for (size_t i = 0; i < n; ++i) out[i] = 0.0f + weight * loadF32(p.data() + 16 + 4 * i);
-    return out;
-  }
-  const uint32_t d = loadU32(p.data() + 16);
-  const size_t buckets = (n + d - 1) / d;
-  const uint8_t* codes = p.data() + 20 + 4 * kScales * buckets;
-  for (size_t i = 0; i < n; ++i) {
-    std::vector<float> s(kScales);
-    for (size_t j = 0; j < kScales; ++j)
-      s[j] = loadF32(p.data() + 20 + 4 * (kScales * (i / d) + j));
-    out[i] = 0.0f + weight * referenceValue(codeAt(codes, i), s);
-  }
-  return out;
-}
-
-std::vector<float> randomTensor(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int> exponent(-8, 8);
-  std::vector<float> x(n);
-  for (float& v : x) v = std::ldexp(normal(rng), exponent(rng));
-  // Signed zeros and equal magnitudes of both signs.
-  for (size_t i = 0; i < n; i += 13) x[i] = (i / 13) % 2 == 0 ? 0.0f : -0.0f;
-  for (size_t i = 5; i < n; i += 29) x[i] = (i / 29) % 2 == 0 ? 0.75f : -0.75f;
-  return x;
-}
-
-TEST_CASE(KNAME " configuration and traits") {
-  const auto codec = makeCodec(512);
-  const CodecTraits& t = codec->traits();
-  CHECK(t.id == static_cast<CodecId>(kId));
-  CHECK(std::string(t.name) == kName);
-  CHECK_FALSE(t.summable);
-  CHECK_FALSE(t.sparse);
-  CHECK_FALSE(t.own_memory);
-  CHECK(t.default_error_feedback == kDefaultErrorFeedback);
-  CHECK(t.rounds == 1);
-  CHECK(codec->chunkAlignment() == 512);
-  CHECK(codec->stateFloats(100) == 0);
-  CHECK(makeCodec(7)->chunkAlignment() == 7);
-  CHECK(makeCodec(1u << 24)->chunkAlignment() == (1u << 24));
-  CodecConfig defaults;
-  defaults.name = kName;
-  auto made = createCodec(defaults);
-  REQUIRE(made.isOk());
-  CHECK((*made)->chunkAlignment() == 512);
-  // Error feedback by default (biased codecs): the wrapper keeps one residual per element.
-  CHECK((*made)->stateFloats(100) == (kDefaultErrorFeedback ? 100u : 0u));
-  CHECK(makeCodec(512, true)->stateFloats(100) == 100);
-  CHECK(makeCodec(512, false)->stateFloats(100) == 0);
-
-  for (uint32_t bucket : {0u, (1u << 24) + 1, 0xFFFFFFFFu}) {
-    CodecConfig c;
-    c.name = kName;
-    c.bucket_size = bucket;
-    auto r = createCodec(c);
-    REQUIRE_FALSE(r.isOk());
-    CHECK(r.status().code() == StatusCode::kInvalidArgument);
-    CHECK_MESSAGE(r.status().message().find("bucket_size") != std::string::npos,
-                  r.status().message());
-    CHECK_MESSAGE(r.status().message().find(kName) != std::string::npos, r.status().message());
-  }
-}
-
-TEST_CASE(KNAME " payload matches a per-element reference and round-trips") {
-  struct Case {
-    uint32_t d;
-    size_t n;
-    size_t chunk;
-  };
-  std::vector<Case> cases;
-  for (uint32_t d : {1u, 7u, 512u, 1000u}) {
-    for (size_t n = 0; n <= 17; ++n) cases.push_back({d, n, 0});
-    for (size_t n :
-         {size_t{511}, size_t{513}, size_t{1000}, size_t{1001}, size_t{4103}, size_t{9999}}) {
-      cases.push_back({d, n, 0});
-      cases.push_back({d, n, 3 * size_t{d}});
-    }
-  }
-  cases.push_back({5000, 12345, 5000});
-  cases.push_back({3, 2, 0});
-  for (const Case& c : cases) {
-    CAPTURE(c.d);
-    CAPTURE(c.n);
-    CAPTURE(c.chunk);
-    const auto codec = makeCodec(c.d);
-    const std::vector<float> x = randomTensor(c.n, static_cast<uint32_t>(c.n + c.d));
-    for (uint32_t rank : {0u, 3u}) {
-      const StepContext ctx = makeContext(17, rank);
-      const auto payloads = encodeAll(*codec, ctx, {x.data(), x.size(), DType::kF32}, c.chunk);
-      const Chunking chunking = Chunking::make(c.n, c.chunk, c.d);
-      REQUIRE(payloads.size() == chunking.count());
-      std::vector<float> expected_out;
-      for (size_t k = 0; k < payloads.size(); ++k) {
-        const auto expected =
-            referenceChunk(x, chunking.begin(k), chunking.size(k), c.d, ctx, DType::kF32);
-        REQUIRE(payloads[k] == expected);
-        CHECK(payloads[k].size() <= codec->maxPayloadBytes(chunking.size(k)));
-        const auto values = referenceDecode(expected, -0.5f);
-        expected_out.insert(expected_out.end(), values.begin(), values.end());
-      }
-      // Unpacking: every decoded value is exactly the reference's.
-      const auto out = decodeAll(*codec, payloads, c.n, c.chunk, -0.5f);
-      REQUIRE(out.size() == expected_out.size());
-      CHECK(testing::bitEqual(out, expected_out));
-    }
-  }
-}
-
-TEST_CASE(KNAME " payload size and header fields") {
-  const auto codec = makeCodec(64);
-  const std::vector<float> x = randomTensor(1000, 5);
-  const auto p = encodeOne(*codec, makeContext(0), {x.data(), x.size(), DType::kF32});
-  // B = ceil(1000 / 64) = 16 buckets.
-  REQUIRE(p.size() == 20 + 4 * kScales * 16 + (1000 * kBits + 7) / 8);
-  CHECK(p[0] == 0x4C);
-  CHECK(p[1] == 0x57);
-  CHECK(p[2] == 1);
-  CHECK(p[3] == kId);
-  for (size_t i : {4, 5, 6, 7}) CHECK(p[i] == 0);
-  CHECK(loadU64(p.data() + 8) == 1000);
-  CHECK(loadU32(p.data() + 16) == 64);
-  const auto empty = encodeOne(*codec, makeContext(0), {nullptr, 0, DType::kF32});
-  CHECK(empty.size() == 20);
-  CHECK(codec->decodeChunk(empty, 1.0f, nullptr, 0).isOk());
-}
-
-TEST_CASE(KNAME " decoded result does not depend on the chunk size") {
-  for (uint32_t d : {512u, 7u, 1u, 100u, 1000u}) {
-    CAPTURE(d);
-    const auto codec = makeCodec(d);
-    const std::vector<float> x = randomTensor(10007, d);
-    const ConstTensor input{x.data(), x.size(), DType::kF32};
-    const StepContext ctx = makeContext(5, 1);
-    const auto whole = decodeAll(*codec, encodeAll(*codec, ctx, input), x.size(), 0, 0.5f);
-    for (size_t chunk : {size_t{d}, size_t{3} * d, size_t{1000}, size_t{4099}}) {
-      CAPTURE(chunk);
-      const auto chunked =
-          decodeAll(*codec, encodeAll(*codec, ctx, input, chunk), x.size(), chunk, 0.5f);
-      CHECK(std::memcmp(whole.data(), chunked.data(), 4 * x.size()) == 0);
-    }
-  }
-}
-
-TEST_CASE(KNAME " payload bytes do not depend on the thread count") {
-  CpuStream one(1), two(2), three(3);
-  for (uint32_t d : {512u, 7u, 1u, 4096u, 12345u, 1000u}) {
-    CAPTURE(d);
-    const auto codec = makeCodec(d);
-    const std::vector<float> x = randomTensor(300007, d);
-    const ConstTensor input{x.data(), x.size(), DType::kF32};
-    for (size_t chunk : {size_t{0}, size_t{100000}}) {
-      const auto base = encodeAll(*codec, makeContext(9, 2, nullptr), input, chunk);
-      CHECK(encodeAll(*codec, makeContext(9, 2, &one), input, chunk) == base);
-      CHECK(encodeAll(*codec, makeContext(9, 2, &two), input, chunk) == base);
-      CHECK(encodeAll(*codec, makeContext(9, 2, &three), input, chunk) == base);
-    }
-  }
-}
-
-TEST_CASE(KNAME " payload bytes and decoded values do not depend on the SIMD target") {
-  const std::vector<int64_t> targets = simd::availableTargets();
-  REQUIRE_FALSE(targets.empty());
-  for (uint32_t d : {512u, 7u, 1u, 100u}) {
-    CAPTURE(d);
-    const auto codec = makeCodec(d);
-    std::vector<float> x = randomTensor(20011, d + 1);
-    x[3] = FLT_TRUE_MIN, x[4] = -FLT_MAX, x[5] = FLT_MAX, x[6] = -FLT_TRUE_MIN;
-    const ConstTensor input{x.data(), x.size(), DType::kF32};
-    const StepContext ctx = makeContext(3, 1);
-    std::vector<std::vector<uint8_t>> base;
-    std::vector<float> base_out;
-    for (int64_t target : targets) {
-      CAPTURE(simd::targetName(target));
-      simd::ScopedTargetForTest force(target);
-      const auto payloads = encodeAll(*codec, ctx, input, 3 * size_t{d} + 8 * d);
-      const auto out = decodeAll(*codec, payloads, x.size(), 3 * size_t{d} + 8 * d, 0.375f);
-      if (base.empty()) {
-        base = payloads;
-        base_out = out;
-        const Chunking chunking = Chunking::make(x.size(), 11 * size_t{d}, d);
-        for (size_t k = 0; k < payloads.size(); ++k) {
-          REQUIRE(payloads[k] ==
-                  referenceChunk(x, chunking.begin(k), chunking.size(k), d, ctx, DType::kF32));
-        }
-      } else {
-        CHECK(payloads == base);
-        CHECK(testing::bitEqual(out, base_out));
-      }
-    }
-  }
-}
-
-TEST_CASE(KNAME " non-finite values send the chunk in the none layout") {
-  const auto codec = makeCodec(16);
-  std::vector<float> x = randomTensor(16 * 12, 11);
-  x[16 * 4 + 3] = NAN;                                                     // chunk 1
-  x[16 * 8 + 1] = -INFINITY;                                               // chunk 2
-  x[16 * 11 + 0] = INFINITY;                                               // chunk 2
-  x[16 * 2] = FLT_MAX, x[16 * 2 + 1] = -FLT_MAX, x[16 * 2 + 2] = FLT_MAX;  // chunk 0: finite
-  const ConstTensor input{x.data(), x.size(), DType::kF32};
-  const auto payloads = encodeAll(*codec, makeContext(1), input, 64);
-  REQUIRE(payloads.size() == 3);
-  CHECK(payloads[0][3] == kId);
-  CHECK(payloads[0] == referenceChunk(x, 0, 64, 16, makeContext(1), DType::kF32));
-  for (size_t c : {1, 2}) {
-    CHECK(payloads[c][3] == 0);
-    CHECK(payloads[c].size() == 16 + 4 * 64);
-    CHECK(loadU64(payloads[c].data() + 8) == 64);
-    CHECK(payloads[c] == referenceChunk(x, 64 * c, 64, 16, makeContext(1), DType::kF32));
-  }
-  const auto out = decodeAll(*codec, payloads, x.size(), 64);
-  for (size_t i = 64; i < x.size(); ++i) {
-    if (std::isnan(x[i])) {
-      CHECK(std::isnan(out[i]));
-    } else {
-      CHECK(floatBits(out[i]) == floatBits(0.0f + x[i]));
-    }
-  }
-  // Finite scales in chunk 0 even with ±FLT_MAX.
-  for (size_t j = 0; j < kScales; ++j) {
-    CHECK(std::isfinite(loadF32(payloads[0].data() + 20 + 4 * (kScales * 2 + j))));
-  }
-  // With threads too.
-  CpuStream three(3);
-  std::vector<float> large = randomTensor(200000, 12);
-  large[150001] = NAN;
-  const ConstTensor large_input{large.data(), large.size(), DType::kF32};
-  const auto threaded = encodeOne(*codec, makeContext(1, 0, &three), large_input);
-  CHECK(threaded[3] == 0);
-  CHECK(threaded == encodeOne(*codec, makeContext(1), large_input));
-}
-
-TEST_CASE(KNAME " fp16 and bf16 input equal their widened fp32 input") {
-  std::mt19937 rng(5);
-  std::vector<uint16_t> halves(3000), bf16s(3000);
-  for (auto& h : halves)
-    h = static_cast<uint16_t>(rng() & 0x7BFF) | static_cast<uint16_t>(rng() & 0x8000);
-  for (auto& b : bf16s) {  // magnitudes 2^-27 .. 2^32
-    b = static_cast<uint16_t>((rng() & 0x8000) | ((100 + rng() % 60) << 7) | (rng() & 0x7F));
-  }
-  halves[7] = 0x8000, bf16s[7] = 0x8000;  // -0
-  for (uint32_t d : {512u, 7u, 5000u}) {
-    const auto codec = makeCodec(d);
-    for (auto [data, dtype] : {std::pair{&halves, DType::kF16}, {&bf16s, DType::kBF16}}) {
-      std::vector<float> wide(data->size());
-      widenToFloat({data->data(), data->size(), dtype}, wide.data());
-      const StepContext ctx = makeContext(4);
-      for (size_t chunk : {size_t{0}, size_t{2} * d}) {
-        const auto narrow = encodeAll(*codec, ctx, {data->data(), data->size(), dtype}, chunk);
-        const Chunking chunking = Chunking::make(wide.size(), chunk, d);
-        for (size_t k = 0; k < narrow.size(); ++k) {
-          CHECK(narrow[k][4] == static_cast<uint8_t>(dtype));
-          CHECK(narrow[k] ==
-                referenceChunk(wide, chunking.begin(k), chunking.size(k), d, ctx, dtype));
-        }
-      }
-    }
-  }
-  // Inf in fp16 input: the escape widens exactly.
-  const auto codec = makeCodec(512);
-  std::vector<uint16_t> with_inf = {0x3C00, 0xFC00, 0x0001, 0x7E00};
-  const auto p = encodeOne(*codec, makeContext(0), {with_inf.data(), with_inf.size(), DType::kF16});
-  REQUIRE(p[3] == 0);
-  CHECK(p[4] == 1);
-  for (size_t i = 0; i < with_inf.size(); ++i) {
-    CHECK(floatBits(loadF32(p.data() + 16 + 4 * i)) == floatBits(halfToFloat(with_inf[i])));
-  }
-}
-
-TEST_CASE(KNAME " decoder reads d from the payload and applies the weight") {
-  const auto codec512 = makeCodec(512);
-  const auto codec10 = makeCodec(10);
-  const std::vector<float> x = randomTensor(95, 8);
-  const auto p = encodeOne(*codec10, makeContext(2), {x.data(), x.size(), DType::kF32});
-  std::vector<float> a(x.size(), 1.0f), b(x.size(), 1.0f);
-  REQUIRE(codec10->decodeChunk(p, -0.75f, a.data(), a.size()).isOk());
-  REQUIRE(codec512->decodeChunk(p, -0.75f, b.data(), b.size()).isOk());
-  CHECK(testing::bitEqual(a, b));
-  // out[i] = out[i] + w * value.
-  const auto values = referenceDecode(p, 1.0f);
-  for (size_t i = 0; i < x.size(); ++i)
-    CHECK(floatBits(a[i]) == floatBits(1.0f + -0.75f * values[i]));
-}
-
-TEST_CASE(KNAME " error feedback: sent + new residual = input + old residual") {
-  const auto codec = makeCodec(100, true);
-  const size_t n = 20000;
-  CodecState state(codec->stateFloats(n));
-  REQUIRE(state.floats() == n);
-  for (uint64_t s = 0; s < 4; ++s) {
-    const auto x = testing::gaussian(n, 100 + s);
-    const std::vector<float> old(state.currentSpan().begin(), state.currentSpan().end());
-    StepContext ctx = makeContext(s);
-    const Chunking chunking = Chunking::make(n, 3000, codec->chunkAlignment());
-    auto payloads = encodeTensor(*codec, ctx, chunking, {x.data(), n, DType::kF32}, state);
-    REQUIRE(payloads.isOk());
-    std::vector<float> sent(n, 0.0f);
-    REQUIRE(decodeTensor(*codec, chunking, *payloads, 1.0f, sent.data()).isOk());
-    state.commit();
-    const auto& now = state.currentSpan();
-    size_t bad = 0;
+  // s = max |x| (NaN when the bucket holds one; then the chunk is escaped).
+  static std::vector<float> referenceScales(const float* x, size_t n) {
+    float s = 0.0f;
     for (size_t i = 0; i < n; ++i) {
-      // e' = a + (-1 * decoded) with a = x + e: exactly a - decoded, rounded once.
-      const float a = x[i] + old[i];
-      if (floatBits(now[i]) != floatBits(a + (-1.0f * sent[i]))) ++bad;
-      const float tol = 2.5e-7f * std::max(std::fabs(a), std::fabs(sent[i]));
-      if (std::fabs((sent[i] + now[i]) - a) > tol) ++bad;
+      if (std::isnan(x[i])) return {NAN};
+      s = std::max(s, std::fabs(x[i]));
     }
-    CHECK(bad == 0);
+    return {s};
   }
-}
 
-TEST_CASE(KNAME " hostile payloads are refused without touching the output") {
-  const auto codec = makeCodec(8);
-  const std::vector<float> x = randomTensor(37, 21);
-  // n = 37, d = 8: B = 5 buckets, 37 * kBits code bits (unused bits in the last byte).
-  const auto good = encodeOne(*codec, makeContext(0), {x.data(), x.size(), DType::kF32});
-  const size_t scales_at = 20, codes_at = 20 + 4 * kScales * 5;
-  REQUIRE(good.size() == codes_at + (37 * kBits + 7) / 8);
-  REQUIRE(good[3] == kId);
-  std::vector<float> out(64);
-  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(i) * 0.25f - 1.0f;
-  out[2] = NAN;
-  const std::vector<float> before = out;
-  int refused = 0;
-  auto refuse = [&](std::span<const uint8_t> p, size_t out_elements, const std::string& what) {
-    const Status s = codec->decodeChunk(p, 1.0f, out.data(), out_elements);
-    CHECK_MESSAGE(!s.isOk(), what);
-    CHECK_MESSAGE(!s.message().empty(), what);
-    REQUIRE_MESSAGE(std::memcmp(out.data(), before.data(), 4 * out.size()) == 0, what);
-    ++refused;
-  };
-  auto mutated = [&](auto edit) {
-    std::vector<uint8_t> p = good;
-    edit(p);
-    return p;
-  };
-  for (size_t len = 0; len < good.size(); ++len) {
-    refuse({good.data(), len}, x.size(), "truncated to " + std::to_string(len));
+  static uint32_t referenceCode(float x, size_t i, const std::vector<float>& s,
+                                const StepContext& ctx) {
+    if (s[0] == 0.0f) return 0;
+    const double p = std::fabs(static_cast<double>(x)) / static_cast<double>(s[0]);
+    const PhiloxStream rng(ctx.seed, ctx.name_key, ctx.step, ctx.rank,
+                           RandomPurpose::kTerngradRounding);
+    const double u = unitDouble(rng.word(i));
+    if (!(u < p)) return 0;
+    return x < 0.0f ? 2 : 1;
   }
-  refuse(mutated([](auto& p) { p.push_back(0); }), x.size(), "trailing byte");
-  refuse(mutated([](auto& p) { storeU32(p.data() + 16, 0); }), x.size(), "d = 0");
-  refuse(mutated([](auto& p) { storeU32(p.data() + 16, 4); }), x.size(), "d changes B");
-  refuse(mutated([](auto& p) { storeU32(p.data() + 16, 0xFFFFFFFFu); }), x.size(), "d huge");
-  for (size_t k : {size_t{0}, size_t{4}}) {
-    for (size_t j = 0; j < kScales; ++j) {
-      for (float bad : badScales(j)) {
-        refuse(
-            mutated([&](auto& p) { storeF32(p.data() + scales_at + 4 * (kScales * k + j), bad); }),
-            x.size(), "scale " + std::to_string(j) + " = " + std::to_string(bad));
-      }
+
+  static float referenceValue(uint32_t code, const std::vector<float>& s) {
+    return code == 0 ? 0.0f : (code == 1 ? s[0] : -s[0]);
+  }
+
+  static std::vector<float> badScales(size_t) { return nonFiniteOrNegative(); }
+
+  // The invalid code 3 anywhere.
+  static void hostileExtra(const std::vector<uint8_t>& good, size_t codes_at,
+                           testing::HostileDecoder& refuse) {
+    for (size_t i : {size_t{0}, size_t{1}, size_t{3}, size_t{4}, size_t{17}, size_t{36}}) {
+      std::vector<uint8_t> p = good;
+      p[codes_at + i / 4] = static_cast<uint8_t>(p[codes_at + i / 4] | (3u << (2 * (i % 4))));
+      refuse(p, 37, "code 3 at element " + std::to_string(i));
     }
   }
-  refuse(mutated([](auto& p) { p.back() = static_cast<uint8_t>(p.back() | 0x80); }), x.size(),
-         "non-zero unused bit");
-  refuse(mutated([](auto& p) { p[0] = 0x4D; }), x.size(), "wrong magic");
-  refuse(mutated([](auto& p) { p[1] = 0; }), x.size(), "wrong magic");
-  refuse(mutated([](auto& p) { p[2] = 0; }), x.size(), "version 0");
-  refuse(mutated([](auto& p) { p[2] = 2; }), x.size(), "version 2");
-  for (int id : {1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 255}) {
-    if (id == kId) continue;
-    refuse(mutated([id](auto& p) { p[3] = static_cast<uint8_t>(id); }), x.size(),
-           "codec id " + std::to_string(id));
-  }
-  refuse(mutated([](auto& p) { p[3] = 0; }), x.size(), "none header on a bucket body");
-  refuse(mutated([](auto& p) { p[4] = 3; }), x.size(), "unknown dtype");
-  for (int bit = 0; bit < 8; ++bit) {
-    refuse(mutated([bit](auto& p) { p[5] = static_cast<uint8_t>(1 << bit); }), x.size(),
-           "flag bit " + std::to_string(bit));
-  }
-  refuse(mutated([](auto& p) { p[7] = 0x10; }), x.size(), "reserved header byte");
-  refuse(mutated([](auto& p) { p[6] = 1; }), x.size(), "round byte of a single-round codec");
-  refuse(good, x.size() - 1, "output shorter");
-  refuse(good, x.size() + 1, "output longer");
-  refuse(mutated([](auto& p) { storeU64(p.data() + 8, 38); }), x.size(), "header count");
-  // Counts whose naive size wraps around 64 bits.
-  for (uint64_t huge : {(uint64_t{1} << 62) + 1, (uint64_t{1} << 61) + 3, ~uint64_t{0}}) {
-    std::vector<uint8_t> wrap(good.begin(), good.end());
-    storeU64(wrap.data() + 8, huge);
-    storeU32(wrap.data() + 16, 1);
-    refuse(wrap, static_cast<size_t>(huge), "n = " + std::to_string(huge));
-    storeU32(wrap.data() + 16, 0xFFFFFFFFu);
-    refuse(wrap, static_cast<size_t>(huge), "n = " + std::to_string(huge) + ", d huge");
-  }
-  hostileExtra(good, codes_at, refuse);
-  CHECK(refused > 80);
+};
 
-  // The unmodified payload still decodes; so does a valid `none` escape.
-  CHECK(codec->decodeChunk(good, 1.0f, out.data(), x.size()).isOk());
-  std::vector<float> inf_x = x;
-  inf_x[0] = INFINITY;
-  const auto escaped = encodeOne(*codec, makeContext(0), {inf_x.data(), inf_x.size(), DType::kF32});
-  REQUIRE(escaped[3] == 0);
-  CHECK(codec->decodeChunk(escaped, 1.0f, out.data(), x.size()).isOk());
-  // Accepted edge scales: ±0.
-  for (size_t j = 0; j < kScales; ++j) {
-    for (float edge : {0.0f, -0.0f}) {
-      auto p = good;
-      storeF32(p.data() + scales_at + 4 * j, edge);
-      std::vector<float> o(x.size(), 0.0f);
-      CHECK_MESSAGE(codec->decodeChunk(p, 1.0f, o.data(), o.size()).isOk(), edge);
-    }
-  }
-}
-
-TEST_CASE(KNAME " encoder refuses bad calls") {
-  const auto codec = makeCodec(16);
-  const std::vector<float> x(100, 1.0f);
-  const ConstTensor input{x.data(), x.size(), DType::kF32};
-  StepContext ctx;
-  CodecState state;
-  std::vector<uint8_t> out(codec->maxPayloadBytes(100));
-  const Chunking good = Chunking::make(100, 32, 16);
-  CHECK(codec->encodeChunk(ctx, good, 3, 0, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(codec->encodeChunk(ctx, good, 4, 0, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(codec->encodeChunk(ctx, good, 0, 1, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(codec->encodeChunk(ctx, Chunking{100, 30}, 0, 0, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(
-      codec->encodeChunk(ctx, Chunking::make(99, 0, 16), 0, 0, {}, input, state, {}, out).isOk());
-  CHECK_FALSE(
-      codec->encodeChunk(ctx, good, 0, 0, {}, input, state, {}, std::span<uint8_t>(out.data(), 10))
-          .isOk());
-  // The buffer must hold the larger of the bucket and the none layouts.
-  CHECK(codec->maxPayloadBytes(100) >= 16 + 4 * 100);
-  CHECK(codec->maxPayloadBytes(0) >= 20);
-}
+LW_BUCKET_CODEC_TESTS(Terngrad, "terngrad")
 
 TEST_CASE("terngrad codes: signed zeros, the bucket maximum, all-zero buckets") {
-  const auto codec = makeCodec(8);
+  const auto codec = makeCodec<Terngrad>(8);
   std::vector<float> x = {
       0.0f,  -0.0f,        2.0f,          -2.0f, 1.0f,  -1.0f, 0.5f, -0.0f,  // s = 2
       0.0f,  -0.0f,        0.0f,          0.0f,  -0.0f, 0.0f,  0.0f, 0.0f,   // s = 0
       -3.0f, FLT_TRUE_MIN, -FLT_TRUE_MIN, 0.0f};                             // s = 3
   for (uint64_t step = 0; step < 50; ++step) {
     const auto p = encodeOne(*codec, makeContext(step), {x.data(), x.size(), DType::kF32});
-    REQUIRE(p == referenceChunk(x, 0, x.size(), 8, makeContext(step), DType::kF32));
+    REQUIRE(p == referenceChunk<Terngrad>(x, 0, x.size(), 8, makeContext(step), DType::kF32));
     CHECK(loadF32(p.data() + 20) == 2.0f);
     CHECK(floatBits(loadF32(p.data() + 24)) == 0u);
     CHECK(loadF32(p.data() + 28) == 3.0f);
     const uint8_t* codes = p.data() + 32;
-    CHECK(codeAt(codes, 0) == 0);
-    CHECK(codeAt(codes, 1) == 0);
-    CHECK(codeAt(codes, 2) == 1);  // |x| = s: p = 1, always sent
-    CHECK(codeAt(codes, 3) == 2);
-    CHECK(codeAt(codes, 7) == 0);
-    for (size_t i = 8; i < 16; ++i) CHECK(codeAt(codes, i) == 0);
-    CHECK(codeAt(codes, 16) == 2);
-    CHECK(codeAt(codes, 19) == 0);
+    CHECK(codeAt<Terngrad>(codes, 0) == 0);
+    CHECK(codeAt<Terngrad>(codes, 1) == 0);
+    CHECK(codeAt<Terngrad>(codes, 2) == 1);  // |x| = s: p = 1, always sent
+    CHECK(codeAt<Terngrad>(codes, 3) == 2);
+    CHECK(codeAt<Terngrad>(codes, 7) == 0);
+    for (size_t i = 8; i < 16; ++i) CHECK(codeAt<Terngrad>(codes, i) == 0);
+    CHECK(codeAt<Terngrad>(codes, 16) == 2);
+    CHECK(codeAt<Terngrad>(codes, 19) == 0);
     std::vector<float> out(x.size(), -0.0f);
     REQUIRE(codec->decodeChunk(p, 1.0f, out.data(), out.size()).isOk());
     // Code 0 decodes to +0: -0 + 1 * +0 = +0.
@@ -673,17 +138,17 @@ TEST_CASE("terngrad comparisons where p is within rounding of u, and extreme sca
   for (size_t i = 64 * 34; i < 64 * 35; ++i) x[i] = static_cast<float>(i % 9) * FLT_TRUE_MIN;
   for (size_t i = 64 * 35; i < 64 * 36; ++i) x[i] = std::ldexp(x[i], -100);
   for (size_t i = 64 * 36; i < 64 * 37; ++i) x[i] = std::ldexp(x[i], 100);
-  const auto codec = makeCodec(64);
+  const auto codec = makeCodec<Terngrad>(64);
   for (int64_t target : simd::availableTargets()) {
     CAPTURE(simd::targetName(target));
     simd::ScopedTargetForTest force(target);
     const auto p = encodeOne(*codec, ctx, {x.data(), n, DType::kF32});
-    CHECK(p == referenceChunk(x, 0, n, 64, ctx, DType::kF32));
+    CHECK(p == referenceChunk<Terngrad>(x, 0, n, 64, ctx, DType::kF32));
   }
 }
 
 TEST_CASE("terngrad randomness follows step, rank, seed and tensor name") {
-  const auto codec = makeCodec(64);
+  const auto codec = makeCodec<Terngrad>(64);
   const std::vector<float> x = randomTensor(4096, 3);
   const ConstTensor input{x.data(), x.size(), DType::kF32};
   const auto base = encodeOne(*codec, makeContext(1, 0), input);
@@ -702,7 +167,7 @@ TEST_CASE("terngrad is unbiased and within TernGrad's variance") {
   constexpr int kTrials = 4000;
   for (uint32_t d : {64u, 7u}) {
     CAPTURE(d);
-    const auto codec = makeCodec(d);
+    const auto codec = makeCodec<Terngrad>(d);
     std::mt19937 rng(2024);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> x;
