@@ -91,7 +91,7 @@ inline uint16_t loadU16le(const uint8_t* p) {
 
 // Outputs of at least this many elements are written with non-temporal stores (they leave the
 // caches anyway, and streaming saves reading each destination line before writing it).
-constexpr size_t kStreamElements = size_t{1} << 20;
+constexpr size_t kStreamElements = size_t{1} << 18;
 
 void FloatsToHalves(const float* HWY_RESTRICT src, size_t n, uint8_t* HWY_RESTRICT dst) {
   size_t i = 0;
