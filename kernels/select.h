@@ -134,18 +134,18 @@ struct DgcPass {
   const float* x = nullptr;  // input
   const float* u = nullptr;  // momentum (read only when `momentum`)
   const float* v = nullptr;  // accumulated residual
-  float* un = nullptr;       // u' (0 without momentum)
+  float* un = nullptr;       // u' (written only with `momentum`; may be null without)
   float* vn = nullptr;       // v'
   bool clip = false;         // g = clip ? x · factor : x
   float factor = 1.0f;
-  bool momentum = false;  // u' = m · u + g, v' = v + u'; else u' = 0, v' = v + g
+  bool momentum = false;  // u' = m · u + g, v' = v + u'; else v' = v + g (no u')
   float m = 0.0f;
   uint32_t threshold = 0;  // list the elements with key(v') >= threshold
 };
 
-/// Runs `p` over [lo, hi): writes u', v' there, and the indices i (ascending, as u32; needs
-/// hi <= 2^32) with key(v'_i) >= p.threshold to list[0, count); list must hold hi − lo entries.
-/// Returns count.
+/// Runs `p` over [lo, hi): writes v' (and u' with momentum) there, and the indices i (ascending, as
+/// u32; needs hi <= 2^32) with key(v'_i) >= p.threshold to list[0, count); list must hold hi − lo
+/// entries. Returns count.
 uint64_t dgcFusedPassF32(const DgcPass& p, size_t lo, size_t hi, uint32_t* list);
 
 /// Upper bound of a sparse payload for a chunk of n elements with values of type `values`.

@@ -82,7 +82,6 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
   const auto vt = hn::Set(di, static_cast<int32_t>(p.threshold) - 1);  // >= T <=> > T - 1
   const auto vf = hn::Set(df, p.factor);
   const auto vm = hn::Set(df, p.m);
-  const auto zero = hn::Zero(df);
   const hn::RebindToUnsigned<decltype(df)> du;
   uint64_t c = 0;
 
@@ -96,7 +95,6 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
       un[i] = ui;
       vi = v[i] + ui;
     } else {
-      un[i] = 0.0f;
       vi = v[i] + g;
     }
     vn[i] = vi;
@@ -108,9 +106,9 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
   // far larger than it, and only the selected ~1 % are read again).
   const size_t bytes = N * sizeof(float);
   size_t i = lo;
-  const bool stream =
-      (reinterpret_cast<uintptr_t>(un) % bytes) == (reinterpret_cast<uintptr_t>(vn) % bytes) &&
-      reinterpret_cast<uintptr_t>(un) % sizeof(float) == 0;
+  const bool stream = (!p.momentum || (reinterpret_cast<uintptr_t>(un) % bytes) ==
+                                          (reinterpret_cast<uintptr_t>(vn) % bytes)) &&
+                      reinterpret_cast<uintptr_t>(vn) % sizeof(float) == 0;
   if (stream) {
     while (i < hi && reinterpret_cast<uintptr_t>(vn + i) % bytes != 0) scalar(i++);
   }
@@ -127,11 +125,6 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
       }
       vi = hn::Add(hn::LoadU(df, v + i), ui);
     } else {
-      if (stream) {
-        hn::Stream(zero, df, un + i);
-      } else {
-        hn::StoreU(zero, df, un + i);
-      }
       vi = hn::Add(hn::LoadU(df, v + i), g);
     }
     if (stream) {

@@ -257,8 +257,15 @@ void compareWithReference(const DgcSettings& settings, size_t n, int steps, size
     REQUIRE(got.indices == want.indices);
     CHECK(sameBits(got.values, want.values));
     state.commit();
-    CHECK(sameBits(state.currentSpan().first(n), ref.u));
-    CHECK(sameBits(state.currentSpan().subspan(n), ref.v));
+    if (settings.momentum > 0.0) {  // u then v
+      REQUIRE(state.floats() == 2 * n);
+      CHECK(sameBits(state.currentSpan().first(n), ref.u));
+      CHECK(sameBits(state.currentSpan().subspan(n), ref.v));
+    } else {  // v alone; the reference's u stays zero
+      REQUIRE(state.floats() == n);
+      CHECK(sameBits(state.currentSpan(), ref.v));
+      CHECK(std::all_of(ref.u.begin(), ref.u.end(), [](float f) { return f == 0.0f; }));
+    }
   }
 }
 
@@ -552,15 +559,18 @@ TEST_CASE("dgc with fp16 input equals dgc with the widened fp32 input") {
   CHECK(sameBits(a.currentSpan(), b.currentSpan()));
 }
 
-TEST_CASE("dgc traits: own memory with state u then v, never wrapped in error feedback") {
+TEST_CASE("dgc traits: own memory with state (u then) v, never wrapped in error feedback") {
   const auto codec = makeDgc({});
   const CodecTraits& t = codec->traits();
   CHECK(t.id == CodecId::kDgc);
   CHECK(t.own_memory);
   CHECK(t.sparse);
   CHECK_FALSE(t.summable);
-  CHECK(codec->stateFloats(1000) == 2000);
+  CHECK(codec->stateFloats(1000) == 1000);  // momentum 0: v alone
   CHECK(codec->config().error_feedback.value_or(false) == false);
+  DgcSettings with_momentum;
+  with_momentum.momentum = 0.9;
+  CHECK(makeDgc(with_momentum)->stateFloats(1000) == 2000);
 }
 
 TEST_CASE("dgc of an empty tensor sends an empty payload") {

@@ -38,7 +38,8 @@ TEST_CASE("registry: error feedback defaults follow DESIGN.md §3") {
   CHECK(state_of({.name = "fp16", .error_feedback = true}) == 1000);
   CHECK(state_of({.name = "qsgd"}) == 0);  // unbiased: off
   CHECK(state_of({.name = "none", .error_feedback = true}) == 1000);
-  CHECK(state_of({.name = "dgc", .density = 0.1}) == 2000);  // own u and v
+  CHECK(state_of({.name = "dgc", .density = 0.1}) == 1000);                   // own v (momentum 0)
+  CHECK(state_of({.name = "dgc", .density = 0.1, .momentum = 0.9}) == 2000);  // own u and v
   auto stacked = createCodec({.name = "dgc", .density = 0.1, .error_feedback = true});
   REQUIRE(!stacked.isOk());
   CHECK(stacked.status().message().find("error_feedback") != std::string::npos);

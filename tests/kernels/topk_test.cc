@@ -723,8 +723,8 @@ TEST_CASE("SIMD selection kernels equal their scalar definition on every target 
               p.x = x.data();
               p.u = u.data();
               p.v = v.data();
-              p.un = scratch.data() + shift;
-              p.vn = scratch.data() + 2 * n + 32;  // aligned the same as un or not
+              p.un = momentum ? scratch.data() + shift : nullptr;  // no u' without momentum
+              p.vn = scratch.data() + 2 * n + 32;                  // aligned the same as un or not
               p.clip = clip;
               p.factor = 0.3f;
               p.momentum = momentum;
@@ -744,7 +744,7 @@ TEST_CASE("SIMD selection kernels equal their scalar definition on every target 
                 } else {
                   vi = v[i] + g;
                 }
-                same = same && floatBits(p.un[i]) == floatBits(ui) &&
+                same = same && (!momentum || floatBits(p.un[i]) == floatBits(ui)) &&
                        floatBits(p.vn[i]) == floatBits(vi);
                 if (keyOf(vi) >= p.threshold) want_list.push_back(static_cast<uint32_t>(i));
               }
