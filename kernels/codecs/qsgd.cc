@@ -1,11 +1,12 @@
 // `qsgd` (docs/determinism.md §4.5, docs/wire-format.md): per bucket of d elements an fp32 norm,
-// per element a b-bit code (sign, then a level in 0..s rounded stochastically with Philox words
-// indexed by the whole-tensor element index), bit-packed LSB-first without padding. A chunk whose
-// bucket norms are not all finite is sent in the `none` layout instead.
+// per element a b-bit code (sign, then a level in 0..s rounded stochastically with a 16-bit half of
+// a Philox word, indexed by the whole-tensor element index), bit-packed LSB-first without padding.
+// A chunk whose bucket norms are not all finite is sent in the `none` layout instead.
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,6 +27,11 @@ constexpr uint32_t kMaxBucketSize = 1u << 24;
 constexpr size_t kQsgdHeaderBytes = kHeaderBytes + 8;  // + b, 3 reserved bytes, d
 constexpr size_t kSubBlock = 1024;                     // elements quantised per batch
 constexpr size_t kParallelGrain = 1 << 15;             // elements per thread at least
+
+// Element i rounds with half i mod 2 (0 = low 16 bits) of stream word i / 2 (§4.5 step 3); the
+// encoder copies a run of words into a uint16_t array, which is that order only here.
+static_assert(std::endian::native == std::endian::little,
+              "qsgd reads the 16-bit halves of Philox words in little-endian order");
 
 /// Byte sizes of a qsgd payload. Plain value.
 struct QsgdLayout {
@@ -233,7 +239,8 @@ class QsgdCodec final : public Codec {
                      std::atomic<bool>& non_finite) const {
     alignas(64) float scratch[kReduceBlock];
     alignas(64) float values[kSubBlock];
-    alignas(64) uint32_t words[kSubBlock];
+    alignas(64) uint32_t words[kSubBlock / 2 + 1];  // halves of a run of up to kSubBlock elements
+    alignas(64) uint16_t halves[kSubBlock + 2];     // the same words as 16-bit halves
     alignas(64) uint8_t batch_codes[kSubBlock];
     alignas(64) float batch_norms[kSubBlock];
     const unsigned sign_shift = bits_ - 1;
@@ -276,9 +283,14 @@ class QsgdCodec final : public Codec {
           const size_t bucket = pos / d, seg_end = std::min(off + m, (bucket + 1) * d);
           const float norm = batch_norms[bucket - k];
           if (norm != 0.0f) {
-            rng.words(begin + pos, seg_end - pos, words);
-            simd::qsgdQuantize(v + (pos - off), words, seg_end - pos, norm, levels_, sign_shift,
-                               dst + (pos - off));
+            // Tensor indices [i0, i1) use the halves of stream words i0 / 2 .. (i1 - 1) / 2.
+            const uint64_t i0 = uint64_t{begin} + pos, i1 = uint64_t{begin} + seg_end;
+            const uint64_t w0 = i0 >> 1;
+            const size_t word_count = static_cast<size_t>(((i1 - 1) >> 1) - w0 + 1);
+            rng.words(w0, word_count, words);
+            std::memcpy(halves, words, word_count * sizeof(uint32_t));  // no aliasing through casts
+            simd::qsgdQuantize(v + (pos - off), halves + (i0 & 1), seg_end - pos, norm, levels_,
+                               sign_shift, dst + (pos - off));
           } else {
             // Every x of the bucket is ±0, never < 0: level 0 and sign 0 (§4.5), no word drawn.
             std::memset(dst + (pos - off), 0, seg_end - pos);

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kernels/half_bits.h"
 #include "kernels/simd/kernels.h"
@@ -208,77 +209,54 @@ void AccumulateBf16s(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
 // ---------------------------------------------------------------------------------------------
 // qsgd.
 
-inline uint8_t quantizeOne(float xk, uint32_t wk, float norm, uint32_t s, unsigned sign_shift) {
-  const double r =
-      (std::fabs(static_cast<double>(xk)) / static_cast<double>(norm)) * static_cast<double>(s);
-  const double fl = std::floor(r);  // 0 <= r < 2^8
-  const double p = r - fl;
-  const double u = static_cast<double>(wk) * 0x1p-32;
-  uint32_t level = static_cast<uint32_t>(fl) + (u < p ? 1u : 0u);
-  level = level < s ? level : s;
-  const uint32_t sign = xk < 0.0f ? 1u : 0u;
-  return static_cast<uint8_t>((sign << sign_shift) | level);
+// Per bucket: F = (float)s / norm, +Inf (norm below about s / FLT_MAX) replaced by FLT_MAX.
+inline float qsgdFactor(float norm, uint32_t s) {
+  const float f = static_cast<float>(s) / norm;
+  return f > std::numeric_limits<float>::max() ? std::numeric_limits<float>::max() : f;
 }
 
-// The vector path avoids fp64 and the per-element division, and decides every lane exactly as the
-// specification's fp64 arithmetic or hands it to that arithmetic:
-//
-// 1. With fl = floor(r), p = r - fl (exact), the specification's level is fl + (u < p) =
-//    ceil(r - u) (real arithmetic on the doubles r and u): for u < p, r - u lies in (fl, fl + 1);
-//    for u > p in (fl - 1, fl); for u = p it is fl. The min(., s) is then applied to both alike.
-// 2. Per bucket of norm n in [2^-100, 2^100] (else the scalar fp64 path runs), in fp32:
-//    F = RN(s / n), R = RN(|x| * F), U = RN(RN(w - 2^31) + 2^31) * 2^-32, Q = RN(R - U).
-//    With rho = |x| * s / n (real) < 128 (|x| <= n (1 + 2^-23)):
-//      |r - rho| <= 2^-45 (two fp64 roundings); |R - rho| <= rho * 2^-22.9 + 2^-150 < 2^-15.9
-//      (F is normal: two fp32 roundings, plus the absolute error of a subnormal product);
-//      |U - u| <= 2^-24; |Q - (R - U)| <= 2^-18 (|R - U| < 128).
-//    So |Q - (r - u)| < 2^-15, and where Q lies at least kQsgdEps = 2^-13 from every integer,
-//    ceil(Q) = ceil(r - u). The rest (about 2^-12 of random lanes) goes to quantizeOne.
-//    (Flush-to-zero or denormals-are-zero would change an input or product below 2^-126 and move
-//    R by less than 2^-19: still inside the bound.)
-// tests/kernels/simd_test.cc checks the boundaries (r integral, u = p, extreme norms) per target.
-constexpr float kQsgdEps = 0x1p-13f;
+// One element, the specification's fp32 arithmetic (§4.5 step 3) as written. Every operation is
+// exact or a single correctly rounded fp32 multiply, so the vector path below gives the same bits.
+inline uint8_t quantizeOne(float xk, uint16_t hk, float factor, float s_f, unsigned sign_shift) {
+  const float r = std::fabs(xk) * factor;
+  const float fl = std::floor(r);
+  const float p = r - fl;                             // exact
+  const float u = static_cast<float>(hk) * 0x1p-16f;  // exact
+  float level = fl + (u < p ? 1.0f : 0.0f);           // exact (fl <= 2^8)
+  level = level < s_f ? level : s_f;
+  const uint32_t sign = xk < 0.0f ? 1u : 0u;
+  return static_cast<uint8_t>((sign << sign_shift) | static_cast<uint32_t>(level));
+}
 
-void QsgdQuantize(const float* HWY_RESTRICT x, const uint32_t* HWY_RESTRICT w, size_t len,
+void QsgdQuantize(const float* HWY_RESTRICT x, const uint16_t* HWY_RESTRICT h, size_t len,
                   float norm, uint32_t s, unsigned sign_shift, uint8_t* HWY_RESTRICT codes) {
+  const float factor = qsgdFactor(norm, s);
+  const float s_f = static_cast<float>(s);
   size_t k = 0;
 #if HWY_TARGET != HWY_SCALAR
-  if (norm >= 0x1p-100f && norm <= 0x1p100f) {
-    const hn::ScalableTag<float> df;
-    const hn::RebindToSigned<decltype(df)> di;
-    const hn::Rebind<uint8_t, decltype(df)> du8;
-    const size_t lanes = hn::Lanes(df);
-    const auto factor = hn::Set(df, static_cast<float>(s) / norm);
-    const auto sf = hn::Set(df, static_cast<float>(s));
-    const auto zero = hn::Zero(df);
-    const auto eps = hn::Set(df, kQsgdEps);
-    const auto one_minus_eps = hn::Set(df, 1.0f - kQsgdEps);
-    const auto sign_value = hn::Set(df, static_cast<float>(1u << sign_shift));
-    const auto two31 = hn::Set(df, 0x1p31f);
-    const auto two_m32 = hn::Set(df, 0x1p-32f);
-    const auto flip = hn::Set(di, static_cast<int32_t>(0x80000000u));
-    for (; k + lanes <= len; k += lanes) {
-      const auto xv = hn::LoadU(df, x + k);
-      const auto r = hn::Mul(hn::Abs(xv), factor);
-      const auto wi = hn::Xor(hn::LoadU(di, reinterpret_cast<const int32_t*>(w + k)), flip);
-      const auto u = hn::Mul(hn::Add(hn::ConvertTo(df, wi), two31), two_m32);
-      const auto q = hn::Sub(r, u);
-      const auto level = hn::Ceil(q);
-      const auto gap = hn::Sub(level, q);  // in [0, 1)
-      const auto unsure = hn::Or(hn::Lt(gap, eps), hn::Gt(gap, one_minus_eps));
-      if (HWY_UNLIKELY(!hn::AllFalse(df, unsure))) {
-        for (size_t j = k; j < k + lanes; ++j) {
-          codes[j] = quantizeOne(x[j], w[j], norm, s, sign_shift);
-        }
-        continue;
-      }
-      const auto code =
-          hn::Add(hn::Min(level, sf), hn::IfThenElseZero(hn::Lt(xv, zero), sign_value));
-      hn::StoreU(hn::DemoteTo(du8, hn::ConvertTo(di, code)), du8, codes + k);
-    }
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<uint16_t, decltype(df)> du16;
+  const hn::Rebind<uint8_t, decltype(df)> du8;
+  const size_t lanes = hn::Lanes(df);
+  const auto f = hn::Set(df, factor);
+  const auto sf = hn::Set(df, s_f);
+  const auto zero = hn::Zero(df);
+  const auto one = hn::Set(df, 1.0f);
+  const auto two_m16 = hn::Set(df, 0x1p-16f);
+  const auto sign_value = hn::Set(df, static_cast<float>(1u << sign_shift));
+  for (; k + lanes <= len; k += lanes) {
+    const auto xv = hn::LoadU(df, x + k);
+    const auto r = hn::Mul(hn::Abs(xv), f);
+    const auto fl = hn::Floor(r);
+    const auto p = hn::Sub(r, fl);
+    const auto u = hn::Mul(hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(du16, h + k))), two_m16);
+    const auto level = hn::Min(hn::Add(fl, hn::IfThenElseZero(hn::Lt(u, p), one)), sf);
+    const auto code = hn::Add(level, hn::IfThenElseZero(hn::Lt(xv, zero), sign_value));
+    hn::StoreU(hn::DemoteTo(du8, hn::ConvertTo(di, code)), du8, codes + k);
   }
 #endif
-  for (; k < len; ++k) codes[k] = quantizeOne(x[k], w[k], norm, s, sign_shift);
+  for (; k < len; ++k) codes[k] = quantizeOne(x[k], h[k], factor, s_f, sign_shift);
 }
 
 void QsgdDequantize(const uint8_t* HWY_RESTRICT codes, const float* HWY_RESTRICT scales, size_t len,
@@ -347,9 +325,9 @@ void accumulateHalves(const uint8_t* src, size_t n, float weight, float* out) {
 void accumulateBf16s(const uint8_t* src, size_t n, float weight, float* out) {
   HWY_DYNAMIC_DISPATCH(AccumulateBf16s)(src, n, weight, out);
 }
-void qsgdQuantize(const float* x, const uint32_t* w, size_t len, float norm, uint32_t s,
+void qsgdQuantize(const float* x, const uint16_t* h, size_t len, float norm, uint32_t s,
                   unsigned sign_shift, uint8_t* codes) {
-  HWY_DYNAMIC_DISPATCH(QsgdQuantize)(x, w, len, norm, s, sign_shift, codes);
+  HWY_DYNAMIC_DISPATCH(QsgdQuantize)(x, h, len, norm, s, sign_shift, codes);
 }
 void qsgdDequantize(const uint8_t* codes, const float* scales, size_t len, uint32_t s,
                     unsigned sign_shift, float weight, float* out) {

@@ -30,13 +30,14 @@ void floatsToBf16s(const float* src, size_t n, uint8_t* dst);
 void accumulateHalves(const uint8_t* src, size_t n, float weight, float* out);
 void accumulateBf16s(const uint8_t* src, size_t n, float weight, float* out);
 
-/// qsgd codes (docs/determinism.md §4.5) of len elements of one bucket of norm `norm` (finite,
-/// > 0): for k < len,
-///   r = ((double)|x[k]| / (double)norm) * s; fl = floor(r); p = r - fl;
-///   u = (double)w[k] * 2^-32; level = min(fl + (u < p), s);
-///   codes[k] = ((x[k] < 0) << sign_shift) | level.
+/// qsgd codes (docs/determinism.md §4.5 step 3) of len elements of one bucket of norm `norm`
+/// (finite, > 0), h[k] the 16-bit random half of element k. All fp32, no FMA: once
+///   F = (float)s / norm, FLT_MAX where that is +Inf;
+/// then for k < len
+///   r = |x[k]| * F; fl = floor(r); p = r - fl; u = (float)h[k] * 2^-16;
+///   level = min(fl + (u < p), s); codes[k] = ((x[k] < 0) << sign_shift) | level.
 /// (|x[k]| <= norm up to the fp32 rounding of the norm.)
-void qsgdQuantize(const float* x, const uint32_t* w, size_t len, float norm, uint32_t s,
+void qsgdQuantize(const float* x, const uint16_t* h, size_t len, float norm, uint32_t s,
                   unsigned sign_shift, uint8_t* codes);
 
 /// qsgd decoding: out[k] = out[k] + weight * v, v = (float)(codes[k] & s) * scales[k], negated when

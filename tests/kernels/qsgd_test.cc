@@ -101,11 +101,15 @@ std::vector<uint8_t> referenceChunk(const std::vector<float>& x, size_t begin, s
     const float xi = x[begin + i];
     const float norm = norms[i / d];
     uint32_t level = 0;
-    if (norm != 0.0f) {
-      const double r = (std::fabs(static_cast<double>(xi)) / static_cast<double>(norm)) * s;
-      const double fl = std::floor(r);
-      const double pr = r - fl;
-      const double u = unitDouble(rng.word(begin + i));
+    if (norm != 0.0f) {  // all fp32; element t uses half t mod 2 of stream word t / 2
+      float f = static_cast<float>(s) / norm;
+      if (std::isinf(f)) f = FLT_MAX;
+      const float r = std::fabs(xi) * f;
+      const float fl = std::floor(r);
+      const float pr = r - fl;
+      const uint64_t t = begin + i;
+      const uint32_t h = (rng.word(t / 2) >> (16 * (t % 2))) & 0xFFFFu;
+      const float u = static_cast<float>(h) / 65536.0f;
       level = std::min(static_cast<uint32_t>(fl) + (u < pr ? 1u : 0u), s);
     }
     const uint32_t code = ((xi < 0.0f ? 1u : 0u) << (b - 1)) | level;

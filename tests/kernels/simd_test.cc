@@ -3,6 +3,7 @@
 // codecs give the same payload bytes on every target.
 #include <doctest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -35,11 +36,14 @@ double refBlockSum(const float* x, size_t n, int term) {
   return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
-uint8_t refQuantize(float x, uint32_t w, float norm, uint32_t s, unsigned shift) {
-  const double r = (std::fabs(static_cast<double>(x)) / static_cast<double>(norm)) * s;
-  const double fl = std::floor(r);
-  const double p = r - fl;
-  const double u = static_cast<double>(w) * 0x1p-32;
+// §4.5 step 3, all fp32: F = s / norm (FLT_MAX for +Inf), r = |x| * F, level = floor(r) + (u < p).
+uint8_t refQuantize(float x, uint16_t h, float norm, uint32_t s, unsigned shift) {
+  float f = static_cast<float>(s) / norm;
+  if (std::isinf(f)) f = std::numeric_limits<float>::max();
+  const float r = std::fabs(x) * f;
+  const float fl = std::floor(r);
+  const float p = r - fl;
+  const float u = static_cast<float>(h) / 65536.0f;
   uint32_t level = static_cast<uint32_t>(fl) + (u < p ? 1u : 0u);
   if (level > s) level = s;
   return static_cast<uint8_t>(((x < 0.0f ? 1u : 0u) << shift) | level);
@@ -218,68 +222,95 @@ TEST_CASE("simd: fp16 and bf16 conversions are the scalar bit manipulation on ev
   }
 }
 
-TEST_CASE("simd: qsgd codes equal the specification's fp64 arithmetic on every target") {
-  // Random elements plus the boundaries of the division-free vector path: r an exact integer
-  // (|x| = k * norm / s, |x| = norm, x = ±0) and u = p exactly (norm a power of two, p a multiple
-  // of 2^-32 and the word chosen equal to it), each next to random lanes.
+TEST_CASE("simd: qsgd codes equal the specification's fp32 arithmetic on every target") {
+  // Random elements plus the boundaries: u = p exactly (F = 1 or 1/2, |x| = fl + h / 2^16), r an
+  // exact integer, |x| = norm (min clamps), norms whose F overflows to FLT_MAX or is tiny,
+  // subnormal x (p > 0 = u for h = 0), ±0; each next to random lanes.
   std::mt19937_64 gen(99);
   std::vector<float> x, norms;
-  std::vector<uint32_t> w;
+  std::vector<uint16_t> h;
   const uint32_t s_values[] = {127u, 7u, 1u};
-  auto push = [&](float xv, uint32_t wv, float nv) {
+  auto push = [&](float xv, uint32_t hv, float nv) {
     x.push_back(xv);
-    w.push_back(wv);
+    h.push_back(static_cast<uint16_t>(hv));
     norms.push_back(nv);
   };
+  auto random_h = [&] { return static_cast<uint32_t>(gen() & 0xFFFFu); };
   for (int b = 0; b < 4000; ++b) {  // buckets of 1..100 elements, norms over the whole range
     const int e = b % 10 == 0 ? int(gen() % 250) - 125 : int(gen() % 60) - 30;
     const float norm = std::ldexp(1.0f + float(gen() % 1000) / 1000.0f, e);
     const int len = 1 + int(gen() % 100);
     for (int i = 0; i < len; ++i) {
       const float frac = float(gen() % 1000001) / 1000000.0f;
-      push((gen() & 1 ? -1.0f : 1.0f) * norm * frac, static_cast<uint32_t>(gen()), norm);
+      push((gen() & 1 ? -1.0f : 1.0f) * norm * frac, random_h(), norm);
     }
   }
-  for (int k = 0; k <= 127; ++k) {
-    for (const float norm : {127.0f, 1.0f, 3.0f, 0.1f, 1e-30f, 5e37f, 1e-35f, 1e-44f}) {
-      const float xv = static_cast<float>(k) * (norm / 127.0f);  // <= norm (1 + 2^-23)
-      push(xv, static_cast<uint32_t>(gen()), norm);
+  const float flt_max = std::numeric_limits<float>::max();
+  // Each boundary family in long runs of one norm, so that the vector path sees them.
+  for (const float norm : {127.0f, 1.0f, 3.0f, 0.1f, 1e-30f, 5e37f, 1e38f, flt_max, 1e-35f, 1e-39f,
+                           1e-44f, 127.0f / flt_max, std::nextafter(127.0f / flt_max, 0.0f),
+                           std::nextafter(127.0f / flt_max, 1.0f)}) {
+    for (int k = 0; k <= 127; ++k) {  // r integral or nearly, |x| = norm at k = 127
+      // <= norm (1 + 2^-23); min: 127 * (FLT_MAX / 127) rounds to +Inf
+      const float xv = std::min(static_cast<float>(k) * (norm / 127.0f), norm);
+      push(xv, random_h(), norm);
       push(-xv, 0u, norm);
-      push(xv, 0xFFFFFFFFu, norm);
-      push(std::nextafter(xv, 0.0f), static_cast<uint32_t>(gen()), norm);
-      push(std::nextafter(xv, 1e38f), static_cast<uint32_t>(gen()), norm);
+      push(xv, 0xFFFFu, norm);
+      push(std::nextafter(xv, 0.0f), random_h(), norm);
+      if (xv < flt_max) push(std::nextafter(xv, flt_max), random_h(), norm);
+      push(-norm, random_h(), norm);
+      push(norm, 0u, norm);
     }
   }
-  for (int i = 0; i < 20000; ++i) {  // u = p exactly: norm = 128, |x| = m * 2^-e with few bits
-    const float xv = std::ldexp(static_cast<float>(gen() % 4096), -int(gen() % 12));
-    if (!(xv <= 128.0f)) continue;
-    const double r = (static_cast<double>(xv) / 128.0) * 127.0;
-    const double p = r - std::floor(r);
-    const double wp = std::ldexp(p, 32);
-    if (wp != std::floor(wp) || wp >= 4294967296.0) continue;
-    const uint32_t wv = static_cast<uint32_t>(wp);
-    push(xv, wv, 128.0f);
-    push(-xv, wv == 0 ? 0u : wv - 1, 128.0f);
-    push(xv, wv + 1, 128.0f);
+  for (const uint32_t s : s_values) {  // u = p exactly: F = 1 (norm = s) or 1/2 (norm = 2s)
+    for (const float scale : {1.0f, 2.0f}) {
+      const float norm = scale * static_cast<float>(s);
+      for (int i = 0; i < 3000; ++i) {
+        const uint32_t fl = static_cast<uint32_t>(gen() % s), hv = random_h();
+        const float xv = scale * (static_cast<float>(fl) + static_cast<float>(hv) / 65536.0f);
+        push(xv, hv, norm);                           // u = p: level fl
+        push(-xv, hv == 0 ? 0u : hv - 1, norm);       // u < p (unless p = 0): fl + 1
+        push(xv, hv == 0xFFFFu ? hv : hv + 1, norm);  // u > p: fl
+      }
+    }
   }
-  for (int i = 0; i < 1000; ++i) push(i % 2 ? 0.0f : -0.0f, static_cast<uint32_t>(gen()), 2.0f);
+  for (const float norm : {1.0f, std::ldexp(1024.0f, -149)}) {  // subnormal x
+    for (int i = 0; i < 1000; ++i) {
+      const float xv = std::ldexp(static_cast<float>(gen() % 1024), -149);
+      push(i % 4 < 2 ? xv : -xv, i % 3 == 0 ? 0u : random_h(), norm);
+    }
+  }
+  for (int i = 0; i < 1000; ++i) push(i % 2 ? 0.0f : -0.0f, random_h(), 2.0f);
   const size_t n = x.size();
+  // The halves as the codec reads them: a run of u32 words viewed as uint16_t (little-endian),
+  // starting at half 0 or half 1 of its first word.
+  static_assert(std::endian::native == std::endian::little);
+  std::vector<uint32_t> words(n / 2 + 2);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t shift =
+        16 * ((i + 1) % 2);  // element i is half (i + 1) mod 2 of word (i + 1) / 2
+    words[(i + 1) / 2] |= uint32_t{h[i]} << shift;
+  }
   for (int64_t t : simd::availableTargets()) {
     simd::ScopedTargetForTest force(t);
     CAPTURE(simd::targetName(t));
     for (const uint32_t s : s_values) {
       const unsigned shift = s == 127 ? 7 : s == 7 ? 3 : 1;
-      // Runs of equal norm are one bucket each (the kernel's unit).
+      // Runs of equal norm are one bucket each (the kernel's unit); the halves from the packed
+      // words (odd and even starts) or from the plain array.
       std::vector<uint8_t> codes(n);
-      for (size_t i = 0; i < n;) {
+      const auto* halves = reinterpret_cast<const uint16_t*>(words.data()) + 1;
+      for (size_t i = 0, run = 0; i < n; ++run) {
         size_t j = i + 1;
         while (j < n && norms[j] == norms[i]) ++j;
-        simd::qsgdQuantize(x.data() + i, w.data() + i, j - i, norms[i], s, shift, codes.data() + i);
+        const uint16_t* hp = run % 2 ? halves + i : h.data() + i;
+        REQUIRE(std::equal(hp, hp + (j - i), h.data() + i));
+        simd::qsgdQuantize(x.data() + i, hp, j - i, norms[i], s, shift, codes.data() + i);
         i = j;
       }
       size_t bad = 0, first = n;
       for (size_t i = 0; i < n; ++i) {
-        if (codes[i] != refQuantize(x[i], w[i], norms[i], s, shift) && bad++ == 0) first = i;
+        if (codes[i] != refQuantize(x[i], h[i], norms[i], s, shift) && bad++ == 0) first = i;
       }
       CHECK_MESSAGE(bad == 0, bad << " codes differ (s = " << s << "), first at " << first);
 

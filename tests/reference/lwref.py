@@ -760,11 +760,18 @@ class Codec:
                 if norm == 0:
                     level = 0
                 else:
-                    r = (abs(float(xv)) / float(norm)) * s
-                    fl = math.floor(r)
-                    p = r - fl
-                    u = rw.word(i) * 2.0 ** -32
-                    level = fl + (1 if u < p else 0)
+                    # all fp32 (np.float32 scalars, one IEEE rounding per operation)
+                    with np.errstate(over="ignore"):
+                        F = _f32(F32(s) / norm)
+                    if np.isinf(F):
+                        F = F32(np.finfo(np.float32).max)
+                    r = _f32(F32(abs(xv)) * F)
+                    fl = _f32(np.floor(r))
+                    p = _f32(r - fl)
+                    # element i: half i % 2 (0 = low 16 bits) of stream word i // 2
+                    hbits = (rw.word(i // 2) >> (16 * (i % 2))) & 0xFFFF
+                    u = _f32(F32(hbits) * F32(2.0 ** -16))
+                    level = int(fl) + (1 if u < p else 0)
                     level = min(level, s)
                 codes.append((sign << (bbits - 1)) | level)
             C = (m * bbits + 7) // 8
