@@ -1,5 +1,5 @@
-// The `lightwire` executable. Subcommands so far: `bench codec` (proxy/bench_codec.h). The sidecar
-// (`serve`), `status` and the rest arrive with their issues.
+// The `lightwire` executable. Subcommands: `serve` (the sidecar, proxy/serve.h) and `bench codec`
+// (proxy/bench_codec.h).
 //
 // Exit codes: 0 success, 1 a failure while running, 2 bad usage or bad parameters.
 
@@ -15,6 +15,8 @@
 #include "kernels/parallel.h"
 #include "kernels/registry.h"
 #include "proxy/bench_codec.h"
+#include "proxy/config.h"
+#include "proxy/serve.h"
 #include "proxy/version.h"
 
 namespace lightwire::proxy {
@@ -108,6 +110,14 @@ int run(int argc, char** argv) {
   app.set_version_flag("--version", "lightwire " LIGHTWIRE_VERSION);
   app.require_subcommand(1);
 
+  CLI::App* serve = app.add_subcommand(
+      "serve", "Run the sidecar (configuration: --config FILE < LIGHTWIRE_* < flags)");
+  FlagValues serve_flags;
+  std::optional<std::string> check_config;
+  addServeFlags(*serve, serve_flags);
+  serve->add_option("--check-config", check_config,
+                    "Validate a configuration file (with the environment) and exit");
+
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print figures");
   bench->require_subcommand(1);
   CLI::App* codec =
@@ -152,6 +162,8 @@ int run(int argc, char** argv) {
       throw CLI::ValidationError("--codec", "give --codec NAME or --all");
     rc = runBenchCodec(f);
   });
+
+  serve->callback([&] { rc = runServe(serve_flags, check_config); });
 
   try {
     app.parse(argc, argv);

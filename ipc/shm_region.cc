@@ -1,0 +1,142 @@
+#include "ipc/shm_region.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace lightwire::ipc {
+namespace {
+
+constexpr size_t kMaxNameBytes = 255;
+
+bool validName(const std::string& name, std::string* error) {
+  if (name.size() < 2 || name.size() > kMaxNameBytes || name[0] != '/') {
+    *error = "shared-memory name must be '/' followed by 1 to 254 characters";
+    return false;
+  }
+  for (size_t i = 1; i < name.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(name[i]);
+    if (c == '/' || c < 0x20 || c == 0x7F) {
+      *error =
+          "shared-memory name may not contain '/' after the first character or control "
+          "characters";
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<ShmRegion> ShmRegion::open(const std::string& name, uint64_t size,
+                                           std::string* error) {
+  if (!validName(name, error)) return nullptr;
+  if (size == 0) {
+    *error = "buffer size must be at least 1 byte";
+    return nullptr;
+  }
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    *error = "cannot open shared-memory segment '" + name + "': " + std::strerror(errno);
+    return nullptr;
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    *error = "cannot stat shared-memory segment '" + name + "': " + std::strerror(errno);
+    ::close(fd);
+    return nullptr;
+  }
+  if (static_cast<uint64_t>(st.st_size) < size) {
+    *error = "shared-memory segment '" + name + "' holds " + std::to_string(st.st_size) +
+             " bytes, fewer than the " + std::to_string(size) + " registered";
+    ::close(fd);
+    return nullptr;
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    *error = "cannot map shared-memory segment '" + name + "': " + std::strerror(errno);
+    ::close(fd);
+    return nullptr;
+  }
+  return std::unique_ptr<ShmRegion>(new ShmRegion(name, fd, static_cast<std::byte*>(p), size));
+}
+
+ShmRegion::~ShmRegion() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool ShmRegion::stillBacked() const {
+  struct stat st {};
+  return ::fstat(fd_, &st) == 0 && static_cast<uint64_t>(st.st_size) >= size_;
+}
+
+std::string BufferTable::add(const std::string& name, uint64_t size, AddError* why,
+                             std::string* error) {
+  {
+    std::lock_guard lock(mu_);
+    if (buffers_.size() >= max_buffers_) {
+      *why = AddError::kLimit;
+      *error = "at most " + std::to_string(max_buffers_) +
+               " buffers may be registered (limits.max_buffers); release one first";
+      return "";
+    }
+  }
+  auto region = ShmRegion::open(name, size, error);  // outside the lock: a system call
+  if (!region) {
+    *why = AddError::kInvalid;
+    return "";
+  }
+  std::lock_guard lock(mu_);
+  if (buffers_.size() >= max_buffers_) {  // another registration won the race
+    *why = AddError::kLimit;
+    *error = "at most " + std::to_string(max_buffers_) +
+             " buffers may be registered (limits.max_buffers); release one first";
+    return "";
+  }
+  std::string id = "b";  // (not "b" + ...: g++ 12 warns falsely, -Wrestrict)
+  id += std::to_string(next_id_++);
+  buffers_.emplace(id, std::shared_ptr<ShmRegion>(std::move(region)));
+  *why = AddError::kNone;
+  return id;
+}
+
+bool BufferTable::remove(const std::string& id) {
+  std::shared_ptr<ShmRegion> released;  // unmapped after the lock is dropped
+  std::lock_guard lock(mu_);
+  auto it = buffers_.find(id);
+  if (it == buffers_.end()) return false;
+  released = std::move(it->second);
+  buffers_.erase(it);
+  return true;
+}
+
+std::shared_ptr<ShmRegion> BufferTable::find(const std::string& id) const {
+  std::lock_guard lock(mu_);
+  auto it = buffers_.find(id);
+  return it == buffers_.end() ? nullptr : it->second;
+}
+
+size_t BufferTable::count() const {
+  std::lock_guard lock(mu_);
+  return buffers_.size();
+}
+
+std::vector<BufferTable::Listed> BufferTable::list() const {
+  std::vector<Listed> out;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [id, region] : buffers_) out.push_back({id, region->name(), region->size()});
+  }
+  std::sort(out.begin(), out.end(), [](const Listed& a, const Listed& b) {
+    return std::stoull(a.id.substr(1)) < std::stoull(b.id.substr(1));
+  });
+  return out;
+}
+
+}  // namespace lightwire::ipc

@@ -1,0 +1,145 @@
+#include "metrics/metrics.h"
+
+#include <prometheus/text_serializer.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace lightwire::metrics {
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+
+prometheus::Family<prometheus::Counter>& counterFamily(prometheus::Registry& r, const char* name,
+                                                       const char* help) {
+  return BuildCounter().Name(name).Help(help).Register(r);
+}
+
+/// Microseconds to tens of seconds: a step's stages span that whole range.
+prometheus::Histogram::BucketBoundaries stageBuckets() {
+  return {1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+          5e-2, 0.1,  0.25, 0.5,    1.0,  2.5,  5.0,    10.0, 30.0};
+}
+
+double nowSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+/// The standard process_* family, read from /proc at exposition time.
+std::string processMetrics(double start_time) {
+  std::ostringstream out;
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  const double cpu = static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+                     static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+  long rss_pages = 0;
+  {
+    std::ifstream statm("/proc/self/statm");
+    long size = 0;
+    statm >> size >> rss_pages;
+  }
+  size_t fds = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/fd", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++fds;
+  }
+  char buf[64];
+  auto num = [&](double v) {
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    return std::string(buf);
+  };
+  out << "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n"
+      << "# TYPE process_cpu_seconds_total counter\n"
+      << "process_cpu_seconds_total " << num(cpu) << "\n"
+      << "# HELP process_resident_memory_bytes Resident memory size in bytes.\n"
+      << "# TYPE process_resident_memory_bytes gauge\n"
+      << "process_resident_memory_bytes "
+      << num(static_cast<double>(rss_pages) * static_cast<double>(sysconf(_SC_PAGESIZE))) << "\n"
+      << "# HELP process_open_fds Number of open file descriptors.\n"
+      << "# TYPE process_open_fds gauge\n"
+      << "process_open_fds " << num(static_cast<double>(fds)) << "\n"
+      << "# HELP process_start_time_seconds Start time of the process since unix epoch in "
+         "seconds.\n"
+      << "# TYPE process_start_time_seconds gauge\n"
+      << "process_start_time_seconds " << num(start_time) << "\n";
+  return out.str();
+}
+
+}  // namespace
+
+Metrics::Metrics() : Metrics(std::make_shared<prometheus::Registry>()) {}
+
+Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
+    : raw_bytes(counterFamily(*r, "lightwire_raw_bytes_total",
+                              "Uncompressed bytes of the tensors compressed.")
+                    .Add({})),
+      wire_bytes_sent(counterFamily(*r, "lightwire_wire_bytes_total",
+                                    "Compressed bytes sent to and received from peers.")
+                          .Add({{"direction", "sent"}})),
+      wire_bytes_received(BuildCounter()
+                              .Name("lightwire_wire_bytes_total")
+                              .Help("Compressed bytes sent to and received from peers.")
+                              .Register(*r)
+                              .Add({{"direction", "received"}})),
+      steps_ok(counterFamily(*r, "lightwire_steps_total", "Steps completed, by result.")
+                   .Add({{"result", "ok"}})),
+      steps_failed(counterFamily(*r, "lightwire_steps_total", "Steps completed, by result.")
+                       .Add({{"result", "failed"}})),
+      steps_nonfinite(counterFamily(*r, "lightwire_steps_total", "Steps completed, by result.")
+                          .Add({{"result", "nonfinite"}})),
+      fallbacks(counterFamily(*r, "lightwire_fallbacks_total",
+                              "Steps the clients fell back to their own process group, as they "
+                              "reported them.")
+                    .Add({})),
+      state_resets(counterFamily(*r, "lightwire_state_resets_total",
+                                 "Tensors whose codec state started fresh (size or codec change).")
+                       .Add({})),
+      state_bytes(BuildGauge()
+                      .Name("lightwire_state_bytes")
+                      .Help("Bytes of codec state (residuals, momentum) held.")
+                      .Register(*r)
+                      .Add({})),
+      registered_buffers(BuildGauge()
+                             .Name("lightwire_registered_buffers")
+                             .Help("Shared-memory buffers registered by clients.")
+                             .Register(*r)
+                             .Add({})),
+      registry_(std::move(r)),
+      ratio_family_(BuildGauge()
+                        .Name("lightwire_compression_ratio")
+                        .Help("Raw bytes over wire bytes of the last step, per tensor group.")
+                        .Register(*registry_)),
+      http_family_(counterFamily(*registry_, "lightwire_http_requests_total",
+                                 "HTTP requests served, by route template and status code.")),
+      start_time_(nowSeconds()) {
+  auto& stage_family = BuildHistogram()
+                           .Name("lightwire_stage_duration_seconds")
+                           .Help("Duration of each stage of a step.")
+                           .Register(*registry_);
+  const char* names[kStageCount] = {"ingest", "compress", "exchange", "decompress", "total"};
+  for (size_t i = 0; i < kStageCount; ++i) {
+    stages_[i] = &stage_family.Add({{"stage", names[i]}}, stageBuckets());
+  }
+}
+
+prometheus::Gauge& Metrics::compressionRatio(std::string_view group) {
+  return ratio_family_.Add({{"group", std::string(group)}});
+}
+
+prometheus::Counter& Metrics::httpRequests(std::string_view route, unsigned code) {
+  return http_family_.Add({{"route", std::string(route)}, {"code", std::to_string(code)}});
+}
+
+std::string Metrics::exposition() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect()) + processMetrics(start_time_);
+}
+
+}  // namespace lightwire::metrics

@@ -1,0 +1,68 @@
+#pragma once
+// The sidecar's Prometheus registry (prometheus-cpp) and the stats its components touch on the hot
+// path (DESIGN.md §7). Every family and every fixed-label child is built once in the constructor
+// and held as a reference; the hot path only increments and observes.
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <array>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+namespace lightwire::metrics {
+
+/// Stages of one step, as labelled in lightwire_stage_duration_seconds{stage}.
+enum class Stage { kIngest, kCompress, kExchange, kDecompress, kTotal };
+inline constexpr size_t kStageCount = 5;
+
+/// The registry and every family the sidecar exports. Thread-safe (prometheus-cpp's counters,
+/// gauges and histograms are; the labelled lookups below take a lock and cache children).
+class Metrics {
+ public:
+  Metrics();
+
+  /// Prometheus text exposition of everything registered (also the process_* family).
+  std::string exposition() const;
+  prometheus::Registry& registry() { return *registry_; }
+
+  // lightwire_raw_bytes_total: uncompressed bytes of the tensors compressed.
+  prometheus::Counter& raw_bytes;
+  // lightwire_wire_bytes_total{direction}: compressed bytes sent / received.
+  prometheus::Counter& wire_bytes_sent;
+  prometheus::Counter& wire_bytes_received;
+  // lightwire_steps_total{result}.
+  prometheus::Counter& steps_ok;
+  prometheus::Counter& steps_failed;
+  prometheus::Counter& steps_nonfinite;
+  // lightwire_fallbacks_total: steps the clients fell back to their process group (reported).
+  prometheus::Counter& fallbacks;
+  // lightwire_state_resets_total: tensors whose codec state started fresh (size or codec change).
+  prometheus::Counter& state_resets;
+  // lightwire_state_bytes: bytes of codec state held.
+  prometheus::Gauge& state_bytes;
+  // lightwire_registered_buffers.
+  prometheus::Gauge& registered_buffers;
+
+  /// lightwire_stage_duration_seconds{stage}.
+  prometheus::Histogram& stage(Stage s) { return *stages_[static_cast<size_t>(s)]; }
+  /// lightwire_compression_ratio{group} (raw / wire bytes of the group's last step).
+  prometheus::Gauge& compressionRatio(std::string_view group);
+  /// lightwire_http_requests_total{route,code}; `route` is a template (bounded set).
+  prometheus::Counter& httpRequests(std::string_view route, unsigned code);
+
+ private:
+  explicit Metrics(std::shared_ptr<prometheus::Registry> registry);
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Gauge>& ratio_family_;
+  prometheus::Family<prometheus::Counter>& http_family_;
+  std::array<prometheus::Histogram*, kStageCount> stages_{};
+  double start_time_ = 0;
+};
+
+}  // namespace lightwire::metrics

@@ -1,0 +1,932 @@
+#include "proxy/config.h"
+
+#include <fnmatch.h>
+
+#include <yaml-cpp/yaml.h>
+#include <CLI/CLI.hpp>
+#include <boost/json/array.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <set>
+#include <utility>
+
+#include "kernels/registry.h"
+
+namespace lightwire::proxy {
+namespace {
+
+namespace json = boost::json;
+using kernels::CodecConfig;
+
+constexpr char kEnvPrefix[] = "LIGHTWIRE_";
+constexpr char kSocketAlias[] = "LIGHTWIRE_SOCKET";
+constexpr char kRulesPath[] = "compression.rules";
+constexpr char kDefaultCodecPath[] = "compression.default";
+constexpr char kRedacted[] = "<redacted>";
+constexpr int kMaxDepth = 16;          // far deeper than any key; bounds recursion on hostile input
+constexpr size_t kMaxShownValue = 80;  // longer values are cut in error messages
+constexpr double kMaxSeconds = 1e9;    // keeps durations representable as int64 nanoseconds
+
+// --- Parsing one value from its text (the same code for every source) --------------------------
+// Each setter returns "" on success, else what the value must be ("must be ..."); the caller adds
+// the source, the key and the value.
+
+/// Digits only (no sign, no spaces, no exponent), no overflow.
+std::optional<uint64_t> parseDigits(std::string_view s) {
+  if (s.empty()) return std::nullopt;
+  for (char ch : s) {
+    if (ch < '0' || ch > '9') return std::nullopt;
+  }
+  uint64_t v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc{} || end != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+
+/// A finite decimal number ("0.5", "-1", "1e-3"); no spaces, no "inf"/"nan", no leading '+'.
+std::optional<double> parseNumber(std::string_view s) {
+  if (s.empty()) return std::nullopt;
+  double v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc{} || end != s.data() + s.size() || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+std::string integerRange(uint64_t lo, uint64_t hi) {
+  if (hi == std::numeric_limits<uint64_t>::max()) {
+    return lo == 1 ? "must be a positive integer" : "must be a non-negative integer";
+  }
+  return "must be an integer in " + std::to_string(lo) + ".." + std::to_string(hi);
+}
+
+std::string setUnsigned(std::string_view s, uint64_t lo, uint64_t hi, uint64_t& out) {
+  const auto v = parseDigits(s);
+  if (!v || *v < lo || *v > hi) return integerRange(lo, hi);
+  out = *v;
+  return "";
+}
+
+/// Parses an unsigned integer in [lo, hi] into the field fn(target) refers to.
+template <typename Target, typename Field>
+auto unsignedSetter(Field field, uint64_t lo, uint64_t hi) {
+  return [=](Target& t, std::string_view s) -> std::string {
+    uint64_t v = 0;
+    std::string e = setUnsigned(s, lo, hi, v);
+    if (e.empty()) {
+      auto& ref = field(t);
+      ref = static_cast<std::remove_reference_t<decltype(ref)>>(v);
+    }
+    return e;
+  };
+}
+
+/// A duration in seconds: > 0 and at most kMaxSeconds.
+std::string setSeconds(std::string_view s, double& out) {
+  const auto v = parseNumber(s);
+  if (!v || *v <= 0 || *v > kMaxSeconds) return "must be a number of seconds > 0 (at most 1e9)";
+  out = *v;
+  return "";
+}
+
+std::string setAnyNumber(std::string_view s, double& out) {
+  const auto v = parseNumber(s);
+  if (!v) return "must be a finite number";
+  out = *v;
+  return "";
+}
+
+/// "" clears an optional value (so an override can undo the file's setting).
+std::string setOptionalNumber(std::string_view s, std::optional<double>& out,
+                              const std::function<bool(double)>& ok, const char* what) {
+  if (s.empty()) {
+    out.reset();
+    return "";
+  }
+  const auto v = parseNumber(s);
+  if (!v || !ok(*v)) return what;
+  out = *v;
+  return "";
+}
+
+std::optional<ListenAddress> parseListen(std::string_view s) {
+  ListenAddress a;
+  std::string_view port;
+  if (!s.empty() && s.front() == '[') {
+    const size_t close = s.find(']');
+    if (close == std::string_view::npos || close + 1 >= s.size() || s[close + 1] != ':') {
+      return std::nullopt;
+    }
+    a.host = std::string(s.substr(1, close - 1));
+    if (a.host.find(':') == std::string::npos) return std::nullopt;  // brackets are for IPv6
+    port = s.substr(close + 2);
+  } else {
+    const size_t colon = s.rfind(':');
+    if (colon == std::string_view::npos) return std::nullopt;
+    a.host = std::string(s.substr(0, colon));
+    if (a.host.find(':') != std::string::npos) return std::nullopt;  // IPv6 needs brackets
+    port = s.substr(colon + 1);
+  }
+  if (a.host.empty()) return std::nullopt;
+  for (unsigned char ch : a.host) {
+    if (std::iscntrl(ch) || std::isspace(ch) || ch == '[' || ch == ']' || ch == '/') {
+      return std::nullopt;
+    }
+  }
+  const auto p = parseDigits(port);
+  if (!p || *p > 65535) return std::nullopt;
+  a.port = static_cast<uint16_t>(*p);
+  return a;
+}
+
+std::string setListen(std::string_view s, std::optional<ListenAddress>& out) {
+  if (s.empty()) {
+    out.reset();
+    return "";
+  }
+  auto a = parseListen(s);
+  if (!a) return "must be \"host:port\" with port 0..65535 (IPv6 as \"[::1]:4780\", \"\" = off)";
+  out = std::move(a);
+  return "";
+}
+
+json::value listenJson(const std::optional<ListenAddress>& a) {
+  return json::value(a ? a->toString() : std::string());
+}
+
+json::value optionalJson(const std::optional<double>& v) {
+  return v ? json::value(*v) : json::value(nullptr);
+}
+
+// --- The codec keys (compression.default.* and each rule) ---------------------------------------
+
+/// One key of a codec section: what `compression.default.<name>` and a rule's `<name>` accept.
+struct CodecKey {
+  const char* name;
+  const char* flag;
+  const char* type;
+  std::optional<const char*> default_text;  // nullopt = unset
+  const char* description;
+  std::function<std::string(CodecConfig&, std::string_view)> set;
+  std::function<json::value(const CodecConfig&)> get;
+};
+
+const std::vector<CodecKey>& codecKeys() {
+  static const std::vector<CodecKey> keys = {
+      {"codec", "--codec", "codec name", "none",
+       "name; one of none, fp16, bf16, topk, randomk, threshold, dgc, qsgd, terngrad, signsgd, "
+       "onebit, powersgd",
+       [](CodecConfig& c, std::string_view s) -> std::string {
+         if (s.empty()) return "must be a codec name";
+         c.name = std::string(s);
+         return "";
+       },
+       [](const CodecConfig& c) { return json::value(c.name); }},
+      {"density", "--density", "number in (0, 1]", std::nullopt,
+       "topk, dgc, randomk: fraction of elements sent (k/n); \"\" = unset",
+       [](CodecConfig& c, std::string_view s) {
+         return setOptionalNumber(
+             s, c.density, [](double v) { return v > 0 && v <= 1; }, "must be a number in (0, 1]");
+       },
+       [](const CodecConfig& c) { return optionalJson(c.density); }},
+      {"ratio", "--ratio", "number >= 1", std::nullopt,
+       "topk, dgc, randomk: n/k, the alternative to density; \"\" = unset",
+       [](CodecConfig& c, std::string_view s) {
+         return setOptionalNumber(
+             s, c.ratio, [](double v) { return v >= 1; }, "must be a number >= 1");
+       },
+       [](const CodecConfig& c) { return optionalJson(c.ratio); }},
+      {"bits", "--bits", "integer", "8", "qsgd: bits per element including the sign (2..8)",
+       unsignedSetter<CodecConfig>([](CodecConfig& c) -> int& { return c.bits; }, 0, INT_MAX),
+       [](const CodecConfig& c) { return json::value(c.bits); }},
+      {"bucket_size", "--bucket-size", "integer 0..4294967295", "512",
+       "qsgd, terngrad, signsgd, onebit: elements per scale bucket",
+       unsignedSetter<CodecConfig>([](CodecConfig& c) -> uint32_t& { return c.bucket_size; }, 0,
+                                   UINT32_MAX),
+       [](const CodecConfig& c) { return json::value(c.bucket_size); }},
+      {"momentum", "--momentum", "number", "0", "dgc: momentum correction factor in [0, 1)",
+       [](CodecConfig& c, std::string_view s) { return setAnyNumber(s, c.momentum); },
+       [](const CodecConfig& c) { return json::value(c.momentum); }},
+      {"clip_norm", "--clip-norm", "number", "0", "dgc: local gradient clipping norm (0 = off)",
+       [](CodecConfig& c, std::string_view s) { return setAnyNumber(s, c.clip_norm); },
+       [](const CodecConfig& c) { return json::value(c.clip_norm); }},
+      {"sample_fraction", "--sample-fraction", "number", "0.01",
+       "dgc: fraction sampled to estimate the threshold, in [0.001, 0.01]",
+       [](CodecConfig& c, std::string_view s) { return setAnyNumber(s, c.sample_fraction); },
+       [](const CodecConfig& c) { return json::value(c.sample_fraction); }},
+      {"values", "--values", "float32 | float16", "float32",
+       "topk, dgc, randomk, threshold: encoding of the values sent",
+       [](CodecConfig& c, std::string_view s) -> std::string {
+         if (s == "float32" || s == "fp32") {
+           c.sparse_values = kernels::DType::kF32;
+         } else if (s == "float16" || s == "fp16") {
+           c.sparse_values = kernels::DType::kF16;
+         } else {
+           return "must be float32 or float16";
+         }
+         return "";
+       },
+       [](const CodecConfig& c) {
+         return json::value(c.sparse_values == kernels::DType::kF16 ? "float16" : "float32");
+       }},
+      {"threshold", "--threshold", "number", std::nullopt,
+       "threshold: send the elements with |g| >= this; \"\" = unset",
+       [](CodecConfig& c, std::string_view s) {
+         return setOptionalNumber(
+             s, c.threshold, [](double) { return true; }, "must be a finite number");
+       },
+       [](const CodecConfig& c) { return optionalJson(c.threshold); }},
+      {"error_feedback", "--error-feedback", "true | false | on | off", std::nullopt,
+       "residual error feedback; unset (\"\") = the codec's default",
+       [](CodecConfig& c, std::string_view s) -> std::string {
+         if (s.empty()) {
+           c.error_feedback.reset();
+         } else if (s == "true" || s == "on") {
+           c.error_feedback = true;
+         } else if (s == "false" || s == "off") {
+           c.error_feedback = false;
+         } else {
+           return "must be true, false, on or off";
+         }
+         return "";
+       },
+       [](const CodecConfig& c) {
+         return c.error_feedback ? json::value(*c.error_feedback) : json::value(nullptr);
+       }},
+      {"approx_rank", "--approx-rank", "integer", "1", "powersgd: rank of the approximation",
+       unsignedSetter<CodecConfig>([](CodecConfig& c) -> int& { return c.approx_rank; }, 0,
+                                   INT_MAX),
+       [](const CodecConfig& c) { return json::value(c.approx_rank); }},
+  };
+  return keys;
+}
+
+const CodecKey* findCodecKey(std::string_view name) {
+  for (const auto& k : codecKeys()) {
+    if (name == k.name) return &k;
+  }
+  return nullptr;
+}
+
+// --- The key table ------------------------------------------------------------------------------
+
+/// A key of the table with the code that reads and shows it.
+struct KeyImpl {
+  ConfigKey info;
+  std::function<std::string(ServeConfig&, std::string_view)> set;
+  std::function<json::value(const ServeConfig&)> get;
+};
+
+std::string envName(const std::string& path) {
+  std::string env = kEnvPrefix;
+  for (char ch : path) {
+    if (ch == '.') {
+      env += "__";
+    } else {
+      env += static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    }
+  }
+  return env;
+}
+
+std::vector<KeyImpl> makeKeyTable() {
+  std::vector<KeyImpl> t;
+  auto add = [&](std::string path, std::string flag, std::string type,
+                 std::optional<std::string> def, std::string description, auto set, auto get,
+                 bool secret = false) {
+    ConfigKey info;
+    info.env = envName(path);
+    info.path = std::move(path);
+    info.flag = std::move(flag);
+    info.type = std::move(type);
+    info.has_default = def.has_value();
+    info.default_text = def.value_or("");
+    info.description = std::move(description);
+    info.secret = secret;
+    t.push_back({std::move(info), std::move(set), std::move(get)});
+  };
+  using C = ServeConfig;
+  add(
+      "job_id", "--job-id", "string", "default", "Job name: metric labels and state file names",
+      [](C& c, std::string_view s) -> std::string {
+        if (s.empty()) return "must not be empty";
+        c.job_id = std::string(s);
+        return "";
+      },
+      [](const C& c) { return json::value(c.job_id); });
+  add("local_trainers", "--local-trainers", "integer 1..1024", "1",
+      "Trainer processes on this node sending each tensor of a step",
+      unsignedSetter<C>([](C& c) -> int& { return c.local_trainers; }, 1, 1024),
+      [](const C& c) { return json::value(c.local_trainers); });
+  add("threads", "--threads", "integer 0..1024", "0",
+      "Codec worker threads (0 = hardware concurrency)",
+      unsignedSetter<C>([](C& c) -> unsigned& { return c.threads; }, 0, 1024),
+      [](const C& c) { return json::value(c.threads); });
+  add(
+      "log_level", "--log-level", "trace | debug | info | warn | error", "info",
+      "Least severe level logged",
+      [](C& c, std::string_view s) -> std::string {
+        static const std::set<std::string_view> kLevels = {"trace", "debug", "info", "warn",
+                                                           "error"};
+        if (!kLevels.count(s)) return "must be one of trace, debug, info, warn, error";
+        c.log_level = std::string(s);
+        return "";
+      },
+      [](const C& c) { return json::value(c.log_level); });
+  add(
+      "control.socket", "--socket", "path", "/run/lightwire/lightwire.sock",
+      "Unix socket of the control API (\"\" = no Unix listener); also LIGHTWIRE_SOCKET",
+      [](C& c, std::string_view s) -> std::string {
+        // sun_path holds 108 bytes including the terminating NUL.
+        if (s.size() > 107 || s.find('\0') != std::string_view::npos) {
+          return "must be a path of at most 107 bytes";
+        }
+        c.control_socket = std::string(s);
+        return "";
+      },
+      [](const C& c) { return json::value(c.control_socket); });
+  add(
+      "control.tcp", "--control-tcp", "host:port", "127.0.0.1:4780",
+      "TCP listener of the control API (\"\" = off, port 0 = chosen by the OS)",
+      [](C& c, std::string_view s) { return setListen(s, c.control_tcp); },
+      [](const C& c) { return listenJson(c.control_tcp); });
+  add(
+      "admin.listen", "--admin-listen", "host:port", "0.0.0.0:4782",
+      "Admin listener: /healthz, /readyz, /metrics, /v1/status (\"\" = off)",
+      [](C& c, std::string_view s) { return setListen(s, c.admin_listen); },
+      [](const C& c) { return listenJson(c.admin_listen); });
+  add("limits.max_body_bytes", "--max-body-bytes", "integer >= 1", "1073741824",
+      "Largest request body accepted (413 beyond)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.max_body_bytes; }, 1,
+                        std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.limits.max_body_bytes); });
+  add("limits.max_header_bytes", "--max-header-bytes", "integer 1024..1048576", "16384",
+      "Largest request header block accepted (431 beyond)",
+      unsignedSetter<C>([](C& c) -> uint32_t& { return c.limits.max_header_bytes; }, 1024, 1048576),
+      [](const C& c) { return json::value(c.limits.max_header_bytes); });
+  add(
+      "limits.idle_timeout_s", "--idle-timeout", "seconds > 0", "60",
+      "Idle keep-alive connections are closed after this",
+      [](C& c, std::string_view s) { return setSeconds(s, c.limits.idle_timeout_s); },
+      [](const C& c) { return json::value(c.limits.idle_timeout_s); });
+  add(
+      "limits.step_timeout_s", "--step-timeout", "seconds > 0", "120",
+      "A step not complete after this fails with 504",
+      [](C& c, std::string_view s) { return setSeconds(s, c.limits.step_timeout_s); },
+      [](const C& c) { return json::value(c.limits.step_timeout_s); });
+  add("limits.max_buffers", "--max-buffers", "integer >= 1", "1024",
+      "Registered buffers at most (429 beyond)",
+      unsignedSetter<C>([](C& c) -> int& { return c.limits.max_buffers; }, 1, INT_MAX),
+      [](const C& c) { return json::value(c.limits.max_buffers); });
+  add("limits.max_pending_steps", "--max-pending-steps", "integer >= 1", "4096",
+      "Steps in flight at most (429 beyond)",
+      unsignedSetter<C>([](C& c) -> int& { return c.limits.max_pending_steps; }, 1, INT_MAX),
+      [](const C& c) { return json::value(c.limits.max_pending_steps); });
+  add("limits.max_connections", "--max-connections", "integer >= 1", "256",
+      "Open client connections at most, all listeners together",
+      unsignedSetter<C>([](C& c) -> int& { return c.limits.max_connections; }, 1, INT_MAX),
+      [](const C& c) { return json::value(c.limits.max_connections); });
+  add(
+      "security.token", "--token", "string (secret)", "",
+      "Bearer token for the TCP control listener and PUT /v1/config (\"\" = none); prefer the "
+      "environment variable to the flag",
+      [](C& c, std::string_view s) -> std::string {
+        for (unsigned char ch : s) {
+          if (ch <= 0x20 || ch >= 0x7F) return "must be printable ASCII without spaces";
+        }
+        c.token = std::string(s);
+        return "";
+      },
+      [](const C& c) { return json::value(c.token.empty() ? "" : kRedacted); },
+      /*secret=*/true);
+  add("compression.chunk_elements", "--chunk-elements", "integer >= 1", "1048576",
+      "Elements per chunk (rounded up to the codec's alignment)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.compression.chunk_elements; }, 1,
+                        std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.compression.chunk_elements); });
+  for (const CodecKey& k : codecKeys()) {
+    auto def = k.default_text ? std::optional<std::string>(*k.default_text) : std::nullopt;
+    auto set = k.set;
+    auto get = k.get;
+    add(
+        std::string(kDefaultCodecPath) + "." + k.name, k.flag, k.type, def,
+        std::string("Default codec: ") + k.description,
+        [set](C& c, std::string_view s) { return set(c.compression.default_codec, s); },
+        [get](const C& c) { return get(c.compression.default_codec); });
+  }
+  return t;
+}
+
+const std::vector<KeyImpl>& keyTable() {
+  static const std::vector<KeyImpl> table = makeKeyTable();
+  return table;
+}
+
+const KeyImpl* findKey(std::string_view path) {
+  for (const auto& k : keyTable()) {
+    if (k.info.path == path) return &k;
+  }
+  return nullptr;
+}
+
+/// Whether `path` is a section (a proper prefix of some key path, or compression.rules' parent).
+bool isSection(std::string_view path) {
+  if (path.empty()) return true;
+  for (const auto& k : keyTable()) {
+    const std::string& p = k.info.path;
+    if (p.size() > path.size() && p.compare(0, path.size(), path) == 0 && p[path.size()] == '.') {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string shown(std::string_view raw) {
+  if (raw.size() <= kMaxShownValue) return std::string(raw);
+  return std::string(raw.substr(0, kMaxShownValue)) + "...";
+}
+
+std::string withSource(const std::string& source, const std::string& message) {
+  return source.empty() ? message : source + ": " + message;
+}
+
+// --- A source-neutral tree (YAML and JSON are both read into it) -------------------------------
+
+/// A parsed document: null, scalar text, map (keys + items) or list (items).
+struct Tree {
+  enum class Kind { kNull, kScalar, kMap, kList };
+  Kind kind = Kind::kNull;
+  std::string scalar;
+  std::vector<std::string> keys;  // kMap: keys[i] names items[i]
+  std::vector<Tree> items;
+
+  const char* kindName() const {
+    switch (kind) {
+      case Kind::kNull:
+        return "null";
+      case Kind::kScalar:
+        return "a single value";
+      case Kind::kMap:
+        return "a map";
+      case Kind::kList:
+        return "a list";
+    }
+    return "?";
+  }
+};
+
+std::string childPath(const std::string& path, const std::string& key) {
+  return path.empty() ? key : path + "." + key;
+}
+
+Result<Tree> fromYaml(const YAML::Node& n, const std::string& path, int depth) {
+  if (depth > kMaxDepth) return invalidArgument(path + ": nested too deeply");
+  Tree t;
+  switch (n.Type()) {
+    case YAML::NodeType::Undefined:
+    case YAML::NodeType::Null:
+      return t;
+    case YAML::NodeType::Scalar:
+      t.kind = Tree::Kind::kScalar;
+      t.scalar = n.Scalar();
+      return t;
+    case YAML::NodeType::Sequence: {
+      t.kind = Tree::Kind::kList;
+      size_t i = 0;
+      for (const auto& item : n) {
+        auto child = fromYaml(item, path + "[" + std::to_string(i++) + "]", depth + 1);
+        if (!child) return child.status();
+        t.items.push_back(std::move(child).value());
+      }
+      return t;
+    }
+    case YAML::NodeType::Map: {
+      t.kind = Tree::Kind::kMap;
+      for (const auto& kv : n) {
+        if (!kv.first.IsScalar()) {
+          return invalidArgument((path.empty() ? std::string("the top level") : path) +
+                                 " has a key that is not a plain name");
+        }
+        const std::string key = kv.first.Scalar();
+        auto child = fromYaml(kv.second, childPath(path, key), depth + 1);
+        if (!child) return child.status();
+        t.keys.push_back(key);
+        t.items.push_back(std::move(child).value());
+      }
+      return t;
+    }
+  }
+  return t;
+}
+
+std::string jsonNumberText(const json::value& v) {
+  if (v.is_int64()) return std::to_string(v.get_int64());
+  if (v.is_uint64()) return std::to_string(v.get_uint64());
+  const double d = v.get_double();
+  // 5.0 from a JSON encoder that always writes doubles still reads as the integer 5.
+  if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9007199254740992.0) {
+    return std::to_string(static_cast<int64_t>(d));
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", d);
+  return buf;
+}
+
+Result<Tree> fromJson(const json::value& v, const std::string& path, int depth) {
+  if (depth > kMaxDepth) return invalidArgument(path + ": nested too deeply");
+  Tree t;
+  switch (v.kind()) {
+    case json::kind::null:
+      return t;
+    case json::kind::bool_:
+      t.kind = Tree::Kind::kScalar;
+      t.scalar = v.get_bool() ? "true" : "false";
+      return t;
+    case json::kind::int64:
+    case json::kind::uint64:
+    case json::kind::double_:
+      t.kind = Tree::Kind::kScalar;
+      t.scalar = jsonNumberText(v);
+      return t;
+    case json::kind::string:
+      t.kind = Tree::Kind::kScalar;
+      t.scalar = std::string(v.get_string());
+      return t;
+    case json::kind::array: {
+      t.kind = Tree::Kind::kList;
+      size_t i = 0;
+      for (const auto& item : v.get_array()) {
+        auto child = fromJson(item, path + "[" + std::to_string(i++) + "]", depth + 1);
+        if (!child) return child.status();
+        t.items.push_back(std::move(child).value());
+      }
+      return t;
+    }
+    case json::kind::object: {
+      t.kind = Tree::Kind::kMap;
+      for (const auto& kv : v.get_object()) {
+        const std::string key(kv.key());
+        auto child = fromJson(kv.value(), childPath(path, key), depth + 1);
+        if (!child) return child.status();
+        t.keys.push_back(key);
+        t.items.push_back(std::move(child).value());
+      }
+      return t;
+    }
+  }
+  return t;
+}
+
+// --- Applying a tree ----------------------------------------------------------------------------
+
+/// Which source last set each compression.default.* key (for messages about the whole section).
+using Origins = std::map<std::string, std::string>;
+
+std::string valueError(const std::string& source, const std::string& key, const std::string& what,
+                       std::string_view raw, bool secret) {
+  std::string m = key + " " + what;
+  m += secret ? " (value not shown)" : ", got '" + shown(raw) + "'";
+  return withSource(source, m);
+}
+
+Status setKey(const KeyImpl& k, std::string_view raw, ServeConfig& cfg, const std::string& source,
+              const std::string& name_in_message, Origins* origins) {
+  const std::string e = k.set(cfg, raw);
+  if (!e.empty())
+    return invalidArgument(valueError(source, name_in_message, e, raw, k.info.secret));
+  if (origins && k.info.path.rfind(kDefaultCodecPath, 0) == 0) (*origins)[k.info.path] = source;
+  return Status::ok();
+}
+
+Status validateCodec(const CodecConfig& c, const std::string& where) {
+  auto codec = kernels::createCodec(c);
+  if (!codec) return invalidArgument(where + ": " + codec.status().message());
+  return Status::ok();
+}
+
+Result<CodecRule> parseRule(const Tree& t, const std::string& where, const std::string& source) {
+  if (t.kind != Tree::Kind::kMap) {
+    return invalidArgument(
+        withSource(source, where + " must be a map of codec keys, got " + t.kindName()));
+  }
+  CodecRule rule;
+  bool has_codec = false;
+  for (size_t i = 0; i < t.keys.size(); ++i) {
+    const std::string& key = t.keys[i];
+    const Tree& item = t.items[i];
+    const std::string name = where + "." + key;
+    if (item.kind == Tree::Kind::kMap || item.kind == Tree::Kind::kList) {
+      return invalidArgument(
+          withSource(source, name + " must be a single value, got " + item.kindName()));
+    }
+    const std::string& raw = item.scalar;
+    if (key == "pattern") {
+      if (raw.empty() || raw.find('\0') != std::string::npos) {
+        return invalidArgument(valueError(source, name, "must be a non-empty glob", raw, false));
+      }
+      rule.pattern = raw;
+    } else if (key == "min_elements" || key == "max_elements") {
+      uint64_t v = 0;
+      const std::string e = setUnsigned(raw, 0, std::numeric_limits<uint64_t>::max(), v);
+      if (!e.empty()) return invalidArgument(valueError(source, name, e, raw, false));
+      (key == "min_elements" ? rule.min_elements : rule.max_elements) = v;
+    } else if (const CodecKey* ck = findCodecKey(key)) {
+      const std::string e = ck->set(rule.codec, raw);
+      if (!e.empty()) return invalidArgument(valueError(source, name, e, raw, false));
+      has_codec = has_codec || key == "codec";
+    } else {
+      return invalidArgument(withSource(source, "unknown key '" + name + "'"));
+    }
+  }
+  if (!has_codec) return invalidArgument(withSource(source, where + ".codec is required"));
+  if (rule.min_elements && rule.max_elements && *rule.min_elements > *rule.max_elements) {
+    return invalidArgument(
+        withSource(source, where + ": min_elements " + std::to_string(*rule.min_elements) +
+                               " is above max_elements " + std::to_string(*rule.max_elements)));
+  }
+  LW_RETURN_IF_ERROR(validateCodec(rule.codec, withSource(source, where)));
+  return rule;
+}
+
+Result<std::vector<CodecRule>> parseRules(const Tree& t, const std::string& source) {
+  std::vector<CodecRule> rules;
+  if (t.kind == Tree::Kind::kNull) return rules;
+  if (t.kind != Tree::Kind::kList) {
+    return invalidArgument(
+        withSource(source, std::string(kRulesPath) + " must be a list, got " + t.kindName()));
+  }
+  for (size_t i = 0; i < t.items.size(); ++i) {
+    auto rule =
+        parseRule(t.items[i], std::string(kRulesPath) + "[" + std::to_string(i) + "]", source);
+    if (!rule) return rule.status();
+    rules.push_back(std::move(rule).value());
+  }
+  return rules;
+}
+
+Status applyTree(const Tree& t, const std::string& path, ServeConfig& cfg,
+                 const std::string& source, Origins* origins) {
+  if (path == kRulesPath) {
+    auto rules = parseRules(t, source);
+    if (!rules) return rules.status();
+    cfg.compression.rules = std::move(rules).value();
+    return Status::ok();
+  }
+  if (const KeyImpl* k = findKey(path)) {
+    if (t.kind == Tree::Kind::kMap || t.kind == Tree::Kind::kList) {
+      return invalidArgument(
+          withSource(source, path + " must be a single value, got " + t.kindName()));
+    }
+    return setKey(*k, t.scalar, cfg, source, path, origins);  // null reads as ""
+  }
+  if (!isSection(path)) return invalidArgument(withSource(source, "unknown key '" + path + "'"));
+  if (t.kind == Tree::Kind::kNull) return Status::ok();
+  if (t.kind != Tree::Kind::kMap) {
+    return invalidArgument(withSource(source, (path.empty() ? std::string("the top level") : path) +
+                                                  " must be a map, got " + t.kindName()));
+  }
+  for (size_t i = 0; i < t.keys.size(); ++i) {
+    LW_RETURN_IF_ERROR(applyTree(t.items[i], childPath(path, t.keys[i]), cfg, source, origins));
+  }
+  return Status::ok();
+}
+
+/// The defaults, applied from the table's text through the same setters as every source.
+ServeConfig defaults() {
+  ServeConfig c;
+  for (const auto& k : keyTable()) {
+    if (!k.info.has_default) continue;
+    const std::string e = k.set(c, k.info.default_text);
+    assert(e.empty() && "a default in the key table does not parse");
+    (void)e;
+  }
+  return c;
+}
+
+Status validateDefaultCodec(const ServeConfig& cfg, const Origins& origins) {
+  auto codec = kernels::createCodec(cfg.compression.default_codec);
+  if (codec) return Status::ok();
+  std::string m = std::string(kDefaultCodecPath) + ": " + codec.status().message();
+  if (!origins.empty()) {
+    m += " (";
+    bool first = true;
+    for (const auto& [path, source] : origins) {
+      m += (first ? "" : "; ") + path.substr(sizeof(kDefaultCodecPath)) + " from " + source;
+      first = false;
+    }
+    m += ")";
+  }
+  return invalidArgument(m);
+}
+
+Result<std::string> readFile(const std::string& path) {
+  const std::string source = "file " + path;
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return invalidArgument(source + ": cannot open: " + std::strerror(errno));
+  std::string text;
+  char buf[65536];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+  const bool failed = std::ferror(f);
+  const int err = errno;
+  std::fclose(f);
+  if (failed) return invalidArgument(source + ": cannot read: " + std::strerror(err));
+  return text;
+}
+
+Status applyFile(const std::string& path, ServeConfig& cfg, Origins& origins) {
+  const std::string source = "file " + path;
+  auto text = readFile(path);
+  if (!text) return text.status();
+  Tree tree;
+  try {
+    const YAML::Node root = YAML::Load(*text);
+    auto t = fromYaml(root, "", 0);
+    if (!t) return invalidArgument(withSource(source, t.status().message()));
+    tree = std::move(t).value();
+  } catch (const YAML::Exception& e) {
+    return invalidArgument(source + ": invalid YAML at line " + std::to_string(e.mark.line + 1) +
+                           ", column " + std::to_string(e.mark.column + 1) + ": " + e.msg);
+  } catch (const std::exception& e) {
+    return invalidArgument(source + ": " + e.what());
+  }
+  return applyTree(tree, "", cfg, source, &origins);
+}
+
+Status applyEnvironment(const std::vector<std::string>& entries, ServeConfig& cfg, Origins& origins,
+                        std::vector<std::string>& warnings) {
+  std::map<std::string, std::string> vars;  // the last of duplicate entries wins, as in getenv
+  for (const auto& entry : entries) {
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos || entry.rfind(kEnvPrefix, 0) != 0) continue;
+    vars[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  // The alias first, so the specific name wins when both are set.
+  if (auto it = vars.find(kSocketAlias); it != vars.end()) {
+    LW_RETURN_IF_ERROR(setKey(*findKey("control.socket"), it->second, cfg,
+                              std::string("environment ") + kSocketAlias, "control.socket",
+                              &origins));
+    const auto specific = vars.find(envName("control.socket"));
+    if (specific != vars.end() && specific->second != it->second) {
+      warnings.push_back("environment: " + specific->first + " overrides " + kSocketAlias);
+    }
+  }
+  std::set<std::string> known = {kSocketAlias};
+  for (const auto& k : keyTable()) {
+    known.insert(k.info.env);
+    auto it = vars.find(k.info.env);
+    if (it == vars.end()) continue;
+    LW_RETURN_IF_ERROR(
+        setKey(k, it->second, cfg, "environment " + k.info.env, k.info.path, &origins));
+  }
+  for (const auto& [name, value] : vars) {
+    if (known.count(name)) continue;
+    if (name == envName(kRulesPath)) {
+      warnings.push_back("environment " + name + ": ignored; " + kRulesPath +
+                         " can only be set in the file or with PUT /v1/config");
+    } else {
+      warnings.push_back("environment " + name + ": unknown variable, ignored");
+    }
+  }
+  return Status::ok();
+}
+
+Status applyFlags(const FlagValues& flags, ServeConfig& cfg, Origins& origins,
+                  std::vector<std::string>& warnings) {
+  for (const auto& [path, raw] : flags.values) {
+    const KeyImpl* k = findKey(path);
+    if (!k) return invalidArgument("flag for an unknown key '" + path + "'");
+    LW_RETURN_IF_ERROR(setKey(*k, raw, cfg, "flag " + k->info.flag, k->info.path, &origins));
+    if (k->info.secret && !raw.empty()) {
+      warnings.push_back("flag " + k->info.flag +
+                         ": other local users can read it in the process " + "list; prefer " +
+                         k->info.env);
+    }
+  }
+  return Status::ok();
+}
+
+void insertAt(json::object& root, const std::string& path, json::value v) {
+  json::object* o = &root;
+  size_t begin = 0;
+  for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', begin)) {
+    json::value& child = (*o)[path.substr(begin, dot - begin)];
+    if (!child.is_object()) child = json::object();
+    o = &child.get_object();
+    begin = dot + 1;
+  }
+  (*o)[path.substr(begin)] = std::move(v);
+}
+
+json::object codecJson(const CodecConfig& c) {
+  json::object o;
+  for (const auto& k : codecKeys()) o[k.name] = k.get(c);
+  return o;
+}
+
+}  // namespace
+
+bool CodecRule::matches(std::string_view name, uint64_t elements) const {
+  if (min_elements && elements < *min_elements) return false;
+  if (max_elements && elements > *max_elements) return false;
+  if (pattern && fnmatch(pattern->c_str(), std::string(name).c_str(), 0) != 0) return false;
+  return true;
+}
+
+const kernels::CodecConfig& CompressionConfig::codecFor(std::string_view name,
+                                                        uint64_t elements) const {
+  for (const auto& r : rules) {
+    if (r.matches(name, elements)) return r.codec;
+  }
+  return default_codec;
+}
+
+std::string ListenAddress::toString() const {
+  const std::string p = std::to_string(port);
+  return host.find(':') != std::string::npos ? "[" + host + "]:" + p : host + ":" + p;
+}
+
+const std::vector<ConfigKey>& serveConfigKeys() {
+  static const std::vector<ConfigKey> keys = [] {
+    std::vector<ConfigKey> v;
+    for (const auto& k : keyTable()) v.push_back(k.info);
+    return v;
+  }();
+  return keys;
+}
+
+void addServeFlags(CLI::App& app, FlagValues& flags) {
+  app.add_option_function<std::string>(
+         "--config", [&flags](const std::string& v) { flags.config_file = v; },
+         "YAML configuration file (docs/configuration.md)")
+      ->type_name("FILE");
+  for (const auto& k : keyTable()) {
+    const ConfigKey& info = k.info;
+    std::string help = info.description + " [" + info.path + ", " + info.env + "; default ";
+    help += info.has_default ? (info.default_text.empty() ? "\"\"" : info.default_text) : "unset";
+    help += "]";
+    const std::string path = info.path;
+    app.add_option_function<std::string>(
+           info.flag, [&flags, path](const std::string& v) { flags.values[path] = v; }, help)
+        ->type_name(info.type);
+  }
+}
+
+Result<ServeConfig> buildServeConfig(const std::optional<std::string>& file_path,
+                                     const std::vector<std::string>& environ_entries,
+                                     const FlagValues& flags, std::vector<std::string>* warnings) {
+  std::vector<std::string> local_warnings;
+  std::vector<std::string>& w = warnings ? *warnings : local_warnings;
+  ServeConfig cfg = defaults();
+  Origins origins;
+  if (file_path) LW_RETURN_IF_ERROR(applyFile(*file_path, cfg, origins));
+  LW_RETURN_IF_ERROR(applyEnvironment(environ_entries, cfg, origins, w));
+  LW_RETURN_IF_ERROR(applyFlags(flags, cfg, origins, w));
+  LW_RETURN_IF_ERROR(validateDefaultCodec(cfg, origins));
+  return cfg;
+}
+
+Result<CompressionConfig> compressionFromJson(const boost::json::value& v) {
+  const std::string path = "compression";
+  if (!v.is_object()) return invalidArgument(path + " must be a JSON object");
+  auto tree = fromJson(v, path, 0);
+  if (!tree) return tree.status();
+  ServeConfig cfg = defaults();
+  Origins origins;
+  LW_RETURN_IF_ERROR(applyTree(*tree, path, cfg, "", &origins));
+  LW_RETURN_IF_ERROR(validateDefaultCodec(cfg, {}));
+  return std::move(cfg.compression);
+}
+
+boost::json::object toJson(const ServeConfig& c) {
+  json::object root;
+  for (const auto& k : keyTable()) insertAt(root, k.info.path, k.get(c));
+  json::array rules;
+  for (const auto& r : c.compression.rules) {
+    json::object o;
+    if (r.pattern) o["pattern"] = *r.pattern;
+    if (r.min_elements) o["min_elements"] = *r.min_elements;
+    if (r.max_elements) o["max_elements"] = *r.max_elements;
+    for (auto& kv : codecJson(r.codec)) o[kv.key()] = kv.value();
+    rules.push_back(std::move(o));
+  }
+  insertAt(root, kRulesPath, std::move(rules));
+  return root;
+}
+
+boost::json::object toJson(const CompressionConfig& c) {
+  ServeConfig s;
+  s.compression = c;
+  json::object all = toJson(s);
+  return std::move(all["compression"].get_object());
+}
+
+}  // namespace lightwire::proxy

@@ -1,0 +1,127 @@
+#pragma once
+// The validated, immutable configuration of `lightwire serve` (DESIGN.md §8,
+// docs/configuration.md).
+//
+// Sources, later ones winning: the defaults < one YAML file (--config) < `LIGHTWIRE_<KEY>`
+// environment variables < command-line flags. One table of keys (serveConfigKeys()) drives all of
+// them, the `--help` text and toJson(), so the sources cannot disagree. Every value is parsed from
+// its text by the same code whichever source it came from; errors name the key and the source.
+
+#include <boost/json/object.hpp>
+#include <boost/json/value.hpp>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/status.h"
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace lightwire::proxy {
+
+/// One codec rule of `compression.rules`: matches a tensor by name glob and size. Immutable.
+struct CodecRule {
+  std::optional<std::string> pattern;  // fnmatch(3) glob on the tensor name, no flags
+  std::optional<uint64_t> min_elements, max_elements;  // inclusive bounds
+  kernels::CodecConfig codec;  // validated by createCodec; unset parameters = codec's defaults
+
+  /// Whether this rule applies to the tensor `name` of `elements` elements.
+  bool matches(std::string_view name, uint64_t elements) const;
+};
+
+/// The `compression` section: the default codec, the rules, the chunk size. Immutable once built.
+struct CompressionConfig {
+  kernels::CodecConfig default_codec;
+  std::vector<CodecRule> rules;
+  uint64_t chunk_elements = 1048576;
+
+  /// The codec settings for a tensor (first matching rule, else the default).
+  const kernels::CodecConfig& codecFor(std::string_view name, uint64_t elements) const;
+};
+
+/// A parsed "host:port" (IPv6 as "[::1]:4780"; host stored without brackets; port 0 = OS-chosen).
+struct ListenAddress {
+  std::string host;
+  uint16_t port = 0;
+
+  /// Back to "host:port", bracketing an IPv6 host.
+  std::string toString() const;
+};
+
+/// Everything `lightwire serve` is configured with. Built once by buildServeConfig(), then shared
+/// read-only (thread-safe as long as nobody mutates it).
+struct ServeConfig {
+  std::string job_id = "default";
+  int local_trainers = 1;
+  unsigned threads = 0;  // 0 = hardware concurrency (resolved by the caller)
+  std::string log_level = "info";
+  std::string control_socket = "/run/lightwire/lightwire.sock";  // "" = no Unix listener
+  std::optional<ListenAddress> control_tcp = ListenAddress{"127.0.0.1", 4780};  // nullopt = off
+  std::optional<ListenAddress> admin_listen = ListenAddress{"0.0.0.0", 4782};   // nullopt = off
+
+  /// Resource limits of the listeners and the step engine.
+  struct Limits {
+    uint64_t max_body_bytes = 1073741824;
+    uint32_t max_header_bytes = 16384;
+    double idle_timeout_s = 60;
+    double step_timeout_s = 120;
+    int max_buffers = 1024;
+    int max_pending_steps = 4096;
+    int max_connections = 256;
+  } limits;
+
+  std::string token;  // secret: "" = no bearer token
+  CompressionConfig compression;
+};
+
+/// One configuration key as documented: YAML path, environment variable, flag, type, default.
+struct ConfigKey {
+  std::string path;          // "limits.max_body_bytes"
+  std::string env;           // "LIGHTWIRE_LIMITS__MAX_BODY_BYTES"
+  std::string flag;          // "--max-body-bytes"
+  std::string type;          // human-readable type and range
+  std::string default_text;  // "" with has_default = false means unset
+  bool has_default = true;   // false: unset unless given
+  std::string description;
+  bool secret = false;  // never shown: "<redacted>" in toJson(), not echoed in errors
+};
+
+/// The key table every source, `--help` and docs/configuration.md follow (compression.rules is
+/// file/JSON only and not in it).
+const std::vector<ConfigKey>& serveConfigKeys();
+
+/// Raw values of the serve flags given on the command line (absent = not given).
+struct FlagValues {
+  std::optional<std::string> config_file;     // --config FILE
+  std::map<std::string, std::string> values;  // key path -> raw text, e.g. "threads" -> "4"
+};
+
+/// Registers --config and one flag per key on `app` (the `serve` subcommand), storing raw strings
+/// into `flags`; values are checked by buildServeConfig(), not by CLI11.
+void addServeFlags(CLI::App& app, FlagValues& flags);
+
+/// Builds the config: defaults < file (YAML, read from `file_path`) < environment ("KEY=VALUE"
+/// entries) < flags. Unknown `LIGHTWIRE_*` variables and other non-fatal findings are appended to
+/// `warnings` (may be null) for the caller to log.
+Result<ServeConfig> buildServeConfig(const std::optional<std::string>& file_path,
+                                     const std::vector<std::string>& environ_entries,
+                                     const FlagValues& flags, std::vector<std::string>* warnings);
+
+/// Compression section from JSON (PUT /v1/config body): same keys, same validation as the YAML one;
+/// keys not given take their defaults.
+Result<CompressionConfig> compressionFromJson(const boost::json::value& v);
+
+/// The effective config as JSON, secrets ("security.token") shown as "<redacted>" when set.
+boost::json::object toJson(const ServeConfig& c);
+
+/// The compression section as JSON, in the shape compressionFromJson() reads.
+boost::json::object toJson(const CompressionConfig& c);
+
+}  // namespace lightwire::proxy

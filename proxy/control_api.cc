@@ -1,0 +1,648 @@
+#include "proxy/control_api.h"
+
+#include <openssl/crypto.h>
+#include <spdlog/spdlog.h>
+
+#include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
+
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "proxy/version.h"
+
+namespace lightwire::proxy {
+namespace {
+
+namespace json = boost::json;
+using http::status;
+
+constexpr size_t kMaxNameBytes = 256;
+constexpr size_t kMaxQueryParams = 16;
+constexpr size_t kMaxDims = 16;
+
+Response jsonResponse(status st, const json::value& v) {
+  Response r{st, 11};
+  r.set(http::field::content_type, "application/json");
+  r.body() = json::serialize(v);
+  return r;
+}
+
+Response textResponse(status st, std::string body, const char* type = "text/plain") {
+  Response r{st, 11};
+  r.set(http::field::content_type, type);
+  r.body() = std::move(body);
+  return r;
+}
+
+Response badRequest(const std::string& message) {
+  return errorResponse(status::bad_request, "invalid_argument", message);
+}
+
+Response fromOutcome(const StepOutcome& o) {
+  return errorResponse(static_cast<status>(o.http_status), o.error, o.message);
+}
+
+int hexValue(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+/// Percent-decoding ('+' is a space in query strings); false on a malformed escape.
+bool percentDecode(std::string_view in, std::string* out) {
+  out->clear();
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] == '%') {
+      if (i + 2 >= in.size() + 0 && i + 2 > in.size() - 1 + 1) return false;
+      if (i + 2 >= in.size() + 1) return false;
+      const int hi = hexValue(in[i + 1]), lo = i + 2 < in.size() ? hexValue(in[i + 2]) : -1;
+      if (hi < 0 || lo < 0) return false;
+      out->push_back(static_cast<char>(hi * 16 + lo));
+      i += 2;
+    } else if (in[i] == '+') {
+      out->push_back(' ');
+    } else {
+      out->push_back(in[i]);
+    }
+  }
+  return true;
+}
+
+struct Target {
+  std::string path;
+  std::map<std::string, std::string> query;
+};
+
+/// Splits a request target into path and query parameters; "" or an error message.
+std::string parseTarget(std::string_view target, Target* t) {
+  const size_t q = target.find('?');
+  if (!percentDecode(target.substr(0, q), &t->path)) return "malformed percent-escape in the path";
+  if (q == std::string_view::npos) return "";
+  std::string_view rest = target.substr(q + 1);
+  while (!rest.empty()) {
+    const size_t amp = rest.find('&');
+    const std::string_view pair = rest.substr(0, amp);
+    rest = amp == std::string_view::npos ? std::string_view{} : rest.substr(amp + 1);
+    if (pair.empty()) continue;
+    const size_t eq = pair.find('=');
+    std::string key, value;
+    if (!percentDecode(pair.substr(0, eq), &key) ||
+        (eq != std::string_view::npos && !percentDecode(pair.substr(eq + 1), &value))) {
+      return "malformed percent-escape in the query string";
+    }
+    if (t->query.size() >= kMaxQueryParams) return "too many query parameters";
+    if (!t->query.emplace(key, value).second) {
+      return "query parameter '" + key + "' is given twice";
+    }
+  }
+  return "";
+}
+
+/// Decimal digits only, no sign, no overflow.
+bool parseU64(std::string_view s, uint64_t* v) {
+  if (s.empty() || s.size() > 20) return false;
+  uint64_t x = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    const uint64_t d = static_cast<uint64_t>(c - '0');
+    if (x > (std::numeric_limits<uint64_t>::max() - d) / 10) return false;
+    x = x * 10 + d;
+  }
+  *v = x;
+  return true;
+}
+
+std::string quoted(std::string_view s) {
+  std::string out = "'";
+  for (char c : s.substr(0, 64)) {
+    out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) ? '?' : c;
+  }
+  if (s.size() > 64) out += "...";
+  return out + "'";
+}
+
+/// "" or why `name` is not a valid tensor name.
+std::string checkName(std::string_view name) {
+  if (name.empty() || name.size() > kMaxNameBytes) {
+    return "tensor name must have 1 to " + std::to_string(kMaxNameBytes) + " characters";
+  }
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == ':' || c == '/' || c == '-';
+    if (!ok) return "tensor name " + quoted(name) + " may only use A-Z a-z 0-9 _ . : / -";
+  }
+  return "";
+}
+
+/// elements = product of dims, each >= 1, without overflow; "" or an error.
+std::string elementsOf(const std::vector<uint64_t>& shape, uint64_t* elements) {
+  if (shape.size() > kMaxDims) return "shape has more than " + std::to_string(kMaxDims) + " dims";
+  uint64_t n = 1;
+  for (uint64_t d : shape) {
+    if (d == 0) return "shape dimensions must be at least 1";
+    if (n > (uint64_t{1} << 62) / d) return "shape is too large";
+    n *= d;
+  }
+  *elements = n;
+  return "";
+}
+
+/// An unsigned integer field of a JSON object; "" or an error. `present` says whether it was
+/// there (absent is an error when `required`).
+std::string jsonU64(const json::object& o, std::string_view key, bool required, uint64_t* v,
+                    bool* present = nullptr) {
+  const json::value* f = o.if_contains(key);
+  if (present) *present = f != nullptr;
+  if (f == nullptr) return required ? "missing field '" + std::string(key) + "'" : "";
+  if (f->is_uint64()) {
+    *v = f->get_uint64();
+  } else if (f->is_int64() && f->get_int64() >= 0) {
+    *v = static_cast<uint64_t>(f->get_int64());
+  } else {
+    return "field '" + std::string(key) + "' must be a non-negative integer";
+  }
+  return "";
+}
+
+std::string jsonString(const json::object& o, std::string_view key, bool required, std::string* v) {
+  const json::value* f = o.if_contains(key);
+  if (f == nullptr) return required ? "missing field '" + std::string(key) + "'" : "";
+  if (!f->is_string()) return "field '" + std::string(key) + "' must be a string";
+  *v = std::string(f->get_string());
+  return "";
+}
+
+/// The body as a JSON object; "" or an error.
+std::string parseObject(const std::string& body, json::object* out) {
+  boost::system::error_code ec;
+  json::parse_options opts;
+  opts.max_depth = 16;
+  json::value v = json::parse(body, ec, {}, opts);
+  if (ec) return "malformed JSON body: " + ec.message();
+  if (!v.is_object()) return "JSON body must be an object";
+  *out = std::move(v.get_object());
+  return "";
+}
+
+json::object figuresJson(const std::string& name, uint64_t step, const StepFigures& f) {
+  json::object d;
+  const char* stages[metrics::kStageCount] = {"ingest", "compress", "exchange", "decompress",
+                                              "total"};
+  for (size_t s = 0; s < metrics::kStageCount; ++s) {
+    d[stages[s]] = static_cast<uint64_t>(std::llround(f.durations_us[s]));
+  }
+  json::object o{{"name", name},
+                 {"step", step},
+                 {"codec", f.codec},
+                 {"elements", f.elements},
+                 {"raw_bytes", f.raw_bytes},
+                 {"wire_bytes", f.wire_bytes},
+                 {"nonfinite", f.nonfinite},
+                 {"state_reset", f.state_reset},
+                 {"durations_us", std::move(d)}};
+  o["ratio"] =
+      f.wire_bytes ? static_cast<double>(f.raw_bytes) / static_cast<double>(f.wire_bytes) : 0.0;
+  return o;
+}
+
+/// The route template of a path, for metric labels (bounded set).
+std::string routeTemplate(const std::string& path) {
+  static const char* known[] = {"/healthz",          "/readyz",     "/metrics",   "/v1/status",
+                                "/v1/emit_gradient", "/v1/buffers", "/v1/report", "/v1/config"};
+  for (const char* k : known) {
+    if (path == k) return k;
+  }
+  if (path.rfind("/v1/buffers/", 0) == 0) return "/v1/buffers/{id}";
+  return "other";
+}
+
+}  // namespace
+
+ControlApi::ControlApi(ServeConfig config, metrics::Metrics& metrics, ipc::BufferTable& buffers,
+                       StepEngine& engine)
+    : config_(std::move(config)),
+      metrics_(metrics),
+      buffers_(buffers),
+      engine_(engine),
+      compression_(std::make_shared<const CompressionConfig>(config_.compression)) {}
+
+void ControlApi::setListeners(BoundListeners l) {
+  std::lock_guard lock(mu_);
+  listeners_ = std::move(l);
+}
+
+bool ControlApi::tokenOk(const Request& req) const {
+  if (config_.token.empty()) return true;
+  const std::string expected = "Bearer " + config_.token;
+  const auto got = req[http::field::authorization];
+  return got.size() == expected.size() &&
+         CRYPTO_memcmp(got.data(), expected.data(), expected.size()) == 0;
+}
+
+void ControlApi::handle(Request&& request, const RequestInfo& info, Reply reply) {
+  Target t;
+  parseTarget(request.target(), &t);
+  const std::string route = routeTemplate(t.path);
+  // Count every reply by route template and status.
+  Reply counted = [this, route, reply = std::move(reply)](Response r) {
+    metrics_.httpRequests(route, static_cast<unsigned>(r.result_int())).Increment();
+    reply(std::move(r));
+  };
+  bool replied = false;
+  Response r;
+  try {
+    r = this->route(request, info, counted, replied);
+  } catch (const std::exception& e) {  // a bug, never the client's fault: keep serving
+    spdlog::error("request {} {} failed: {}", std::string(request.method_string()),
+                  std::string(request.target().substr(0, 200)), e.what());
+    r = errorResponse(status::internal_server_error, "internal", "internal error");
+  }
+  if (!replied) counted(std::move(r));
+}
+
+Response ControlApi::route(Request& req, const RequestInfo& info, Reply& reply, bool& replied) {
+  Target t;
+  if (std::string e = parseTarget(req.target(), &t); !e.empty()) return badRequest(e);
+  const auto method = req.method();
+  auto methodNotAllowed = [](const char* allow) {
+    Response r = errorResponse(status::method_not_allowed, "method_not_allowed",
+                               std::string("allowed: ") + allow);
+    r.set(http::field::allow, allow);
+    return r;
+  };
+  const bool admin = info.listener == ListenerKind::kAdmin;
+  const bool admin_route =
+      t.path == "/healthz" || t.path == "/readyz" || t.path == "/metrics" || t.path == "/v1/status";
+  if (admin && !admin_route) {
+    return errorResponse(status::not_found, "not_found",
+                         "the admin listener serves /healthz, /readyz, /metrics and /v1/status");
+  }
+  if (!admin && info.tcp && !tokenOk(req)) {
+    Response r = errorResponse(status::unauthorized, "unauthenticated",
+                               "the TCP control listener needs 'Authorization: Bearer <token>'");
+    r.set(http::field::www_authenticate, "Bearer");
+    return r;
+  }
+  if (admin_route) {
+    if (method != http::verb::get && method != http::verb::head) return methodNotAllowed("GET");
+    if (t.path == "/healthz") return textResponse(status::ok, "ok\n");
+    if (t.path == "/readyz") {
+      if (stopping_) return textResponse(status::service_unavailable, "stopping\n");
+      return textResponse(status::ok, "ready\n");
+    }
+    if (t.path == "/metrics") {
+      metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
+      return textResponse(status::ok, metrics_.exposition(), "text/plain; version=0.0.4");
+    }
+    return this->status();
+  }
+  if (t.path == "/v1/emit_gradient") {
+    if (method != http::verb::post) return methodNotAllowed("POST");
+    if (stopping_) {
+      return errorResponse(status::service_unavailable, "shutting_down",
+                           "the sidecar is shutting down");
+    }
+    const auto type = req[http::field::content_type];
+    if (type.rfind("application/json", 0) == 0) return emitShm(req, reply, replied);
+    return emitRaw(req, reply, replied);
+  }
+  if (t.path == "/v1/buffers") {
+    if (method != http::verb::post) return methodNotAllowed("POST");
+    return registerBuffer(req);
+  }
+  if (t.path.rfind("/v1/buffers/", 0) == 0) {
+    if (method != http::verb::delete_) return methodNotAllowed("DELETE");
+    return releaseBuffer(t.path.substr(std::string_view("/v1/buffers/").size()));
+  }
+  if (t.path == "/v1/report") {
+    if (method != http::verb::post) return methodNotAllowed("POST");
+    return report(req);
+  }
+  if (t.path == "/v1/config") {
+    if (method != http::verb::put) return methodNotAllowed("PUT");
+    return putConfig(req, info);
+  }
+  return errorResponse(status::not_found, "not_found", "no route " + quoted(t.path));
+}
+
+Response ControlApi::emitRaw(Request& req, Reply& reply, bool& replied) {
+  Target t;
+  parseTarget(req.target(), &t);
+  for (const auto& [k, v] : t.query) {
+    if (k != "name" && k != "step" && k != "dtype" && k != "shape" && k != "trainer") {
+      return badRequest("unknown query parameter " + quoted(k) +
+                        " (known: name, step, dtype, shape, trainer)");
+    }
+  }
+  TensorSpec spec;
+  auto q = [&](const char* k) -> const std::string* {
+    auto it = t.query.find(k);
+    return it == t.query.end() ? nullptr : &it->second;
+  };
+  if (!q("name")) return badRequest("missing query parameter 'name'");
+  spec.name = *q("name");
+  if (std::string e = checkName(spec.name); !e.empty()) return badRequest(e);
+  if (!q("step")) return badRequest("missing query parameter 'step'");
+  if (!parseU64(*q("step"), &spec.step)) {
+    return badRequest("query parameter 'step' must be an unsigned integer, got " +
+                      quoted(*q("step")));
+  }
+  if (const std::string* d = q("dtype")) {
+    auto dt = kernels::parseDType(*d);
+    if (!dt) {
+      return badRequest("unknown dtype " + quoted(*d) + " (float32, float16 or bfloat16)");
+    }
+    spec.dtype = *dt;
+  }
+  if (const std::string* tr = q("trainer")) {
+    uint64_t v = 0;
+    if (!parseU64(*tr, &v) || v > 1u << 20) {
+      return badRequest("query parameter 'trainer' must be a small unsigned integer, got " +
+                        quoted(*tr));
+    }
+    spec.trainer = static_cast<unsigned>(v);
+  } else if (config_.local_trainers > 1) {
+    return badRequest("missing query parameter 'trainer': this sidecar serves " +
+                      std::to_string(config_.local_trainers) + " local trainers");
+  }
+  const size_t width = kernels::dtypeSize(spec.dtype);
+  const uint64_t body_bytes = req.body().size();
+  if (const std::string* sh = q("shape"); sh && !sh->empty()) {
+    std::string_view rest = *sh;
+    while (true) {
+      const size_t comma = rest.find(',');
+      uint64_t d = 0;
+      if (!parseU64(rest.substr(0, comma), &d)) {
+        return badRequest(
+            "query parameter 'shape' must be unsigned integers separated by "
+            "commas, got " +
+            quoted(*sh));
+      }
+      spec.shape.push_back(d);
+      if (spec.shape.size() > kMaxDims) break;
+      if (comma == std::string_view::npos) break;
+      rest = rest.substr(comma + 1);
+    }
+    if (std::string e = elementsOf(spec.shape, &spec.elements); !e.empty()) return badRequest(e);
+    if (spec.elements > body_bytes / width || spec.elements * width != body_bytes) {
+      return badRequest("shape " + quoted(*sh) + " of " + apiDTypeName(spec.dtype) + " needs " +
+                        (spec.elements > body_bytes / width
+                             ? std::string("more")
+                             : std::to_string(spec.elements * width)) +
+                        " bytes, the body has " + std::to_string(body_bytes));
+    }
+  } else {
+    if (body_bytes % width != 0) {
+      return badRequest("body of " + std::to_string(body_bytes) +
+                        " bytes is not a whole number of " + apiDTypeName(spec.dtype) + " values");
+    }
+    spec.elements = body_bytes / width;
+  }
+  if (spec.elements == 0) return badRequest("empty tensor: the body holds no values");
+
+  auto body = std::make_shared<std::string>(std::move(req.body()));
+  Contribution c;
+  c.spec = spec;
+  c.data = reinterpret_cast<std::byte*>(body->data());
+  c.keep_alive = body;
+  replied = true;
+  const std::string name = spec.name;
+  const uint64_t step = spec.step;
+  engine_.submit(std::move(c), [reply, body, name, step](StepOutcome o) {
+    if (o.http_status != 200) return reply(fromOutcome(o));
+    Response r{status::ok, 11};
+    r.set(http::field::content_type, "application/octet-stream");
+    r.set("X-Lightwire-Codec", o.figures.codec);
+    r.set("X-Lightwire-Raw-Bytes", std::to_string(o.figures.raw_bytes));
+    r.set("X-Lightwire-Wire-Bytes", std::to_string(o.figures.wire_bytes));
+    r.set("X-Lightwire-Nonfinite", o.figures.nonfinite ? "1" : "0");
+    r.body() = std::move(*body);
+    reply(std::move(r));
+  });
+  return {};
+}
+
+Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
+  json::object o;
+  if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
+  for (const auto& kv : o) {
+    const std::string_view k = kv.key();
+    if (k != "name" && k != "step" && k != "trainer" && k != "buffer" && k != "offset" &&
+        k != "dtype" && k != "shape" && k != "elements") {
+      return badRequest("unknown field " + quoted(k));
+    }
+  }
+  TensorSpec spec;
+  std::string buffer, dtype = "float32";
+  uint64_t offset = 0, trainer = 0, elements = 0;
+  bool has_trainer = false, has_elements = false;
+  for (std::string e :
+       {jsonString(o, "name", true, &spec.name), jsonU64(o, "step", true, &spec.step),
+        jsonU64(o, "trainer", false, &trainer, &has_trainer),
+        jsonString(o, "buffer", true, &buffer), jsonU64(o, "offset", false, &offset),
+        jsonString(o, "dtype", false, &dtype),
+        jsonU64(o, "elements", false, &elements, &has_elements)}) {
+    if (!e.empty()) return badRequest(e);
+  }
+  if (std::string e = checkName(spec.name); !e.empty()) return badRequest(e);
+  auto dt = kernels::parseDType(dtype);
+  if (!dt) return badRequest("unknown dtype " + quoted(dtype) + " (float32, float16 or bfloat16)");
+  spec.dtype = *dt;
+  if (has_trainer) {
+    if (trainer > 1u << 20) return badRequest("field 'trainer' is out of range");
+    spec.trainer = static_cast<unsigned>(trainer);
+  } else if (config_.local_trainers > 1) {
+    return badRequest("missing field 'trainer': this sidecar serves " +
+                      std::to_string(config_.local_trainers) + " local trainers");
+  }
+  if (const json::value* sh = o.if_contains("shape")) {
+    if (!sh->is_array()) return badRequest("field 'shape' must be an array of integers");
+    for (const auto& d : sh->get_array()) {
+      if (d.is_uint64()) {
+        spec.shape.push_back(d.get_uint64());
+      } else if (d.is_int64() && d.get_int64() >= 0) {
+        spec.shape.push_back(static_cast<uint64_t>(d.get_int64()));
+      } else {
+        return badRequest("field 'shape' must be an array of non-negative integers");
+      }
+      if (spec.shape.size() > kMaxDims) break;
+    }
+    if (std::string e = elementsOf(spec.shape, &spec.elements); !e.empty()) return badRequest(e);
+    if (has_elements && elements != spec.elements) {
+      return badRequest("fields 'shape' and 'elements' disagree");
+    }
+  } else if (has_elements) {
+    spec.elements = elements;
+  } else {
+    return badRequest("missing field 'shape' (or 'elements')");
+  }
+  if (spec.elements == 0) return badRequest("empty tensor: 0 elements");
+  auto region = buffers_.find(buffer);
+  if (!region) {
+    return errorResponse(status::not_found, "not_found", "unknown buffer " + quoted(buffer));
+  }
+  const uint64_t width = kernels::dtypeSize(spec.dtype);
+  if (offset % width != 0) {
+    return badRequest("offset " + std::to_string(offset) + " is not a multiple of " +
+                      std::to_string(width) + " (the size of " + apiDTypeName(spec.dtype) + ")");
+  }
+  if (spec.elements > region->size() / width || offset > region->size() ||
+      spec.elements * width > region->size() - offset) {
+    return badRequest("region [" + std::to_string(offset) + ", +" + std::to_string(spec.elements) +
+                      " " + apiDTypeName(spec.dtype) + ") lies outside buffer " + buffer + " (" +
+                      std::to_string(region->size()) + " bytes)");
+  }
+  if (!region->stillBacked()) {
+    return badRequest("buffer " + buffer + " no longer holds its registered size");
+  }
+  Contribution c;
+  c.spec = spec;
+  c.data = region->data() + offset;
+  c.still_valid = [region] { return region->stillBacked(); };
+  c.keep_alive = region;
+  replied = true;
+  const std::string name = spec.name;
+  const uint64_t step = spec.step;
+  engine_.submit(std::move(c), [reply, name, step](StepOutcome out) {
+    if (out.http_status != 200) return reply(fromOutcome(out));
+    reply(jsonResponse(status::ok, figuresJson(name, step, out.figures)));
+  });
+  return {};
+}
+
+Response ControlApi::registerBuffer(const Request& req) {
+  json::object o;
+  if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
+  for (const auto& kv : o) {
+    if (kv.key() != "kind" && kv.key() != "name" && kv.key() != "size") {
+      return badRequest("unknown field " + quoted(kv.key()));
+    }
+  }
+  std::string kind = "shm", name;
+  uint64_t size = 0;
+  for (std::string e : {jsonString(o, "kind", false, &kind), jsonString(o, "name", true, &name),
+                        jsonU64(o, "size", true, &size)}) {
+    if (!e.empty()) return badRequest(e);
+  }
+  if (kind != "shm") {
+    return badRequest("unknown buffer kind " + quoted(kind) + " (this build takes 'shm')");
+  }
+  ipc::BufferTable::AddError why{};
+  std::string error;
+  const std::string id = buffers_.add(name, size, &why, &error);
+  if (id.empty()) {
+    if (why == ipc::BufferTable::AddError::kLimit) {
+      return errorResponse(status::too_many_requests, "limit_reached", error);
+    }
+    return badRequest(error);
+  }
+  metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
+  spdlog::debug("registered buffer {} ({} bytes of {})", id, size, name);
+  return jsonResponse(status::created, json::object{{"id", id}, {"kind", "shm"}, {"size", size}});
+}
+
+Response ControlApi::releaseBuffer(const std::string& id) {
+  if (!buffers_.remove(id)) {
+    return errorResponse(status::not_found, "not_found", "unknown buffer " + quoted(id));
+  }
+  metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
+  return jsonResponse(status::ok, json::object{});
+}
+
+Response ControlApi::report(const Request& req) {
+  json::object o;
+  if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
+  uint64_t step = 0, trainer = 0, fallbacks = 0;
+  bool has_trainer = false, has_fallbacks = false;
+  for (std::string e :
+       {jsonU64(o, "step", true, &step), jsonU64(o, "trainer", false, &trainer, &has_trainer),
+        jsonU64(o, "fallbacks", false, &fallbacks, &has_fallbacks)}) {
+    if (!e.empty()) return badRequest(e);
+  }
+  json::object kept{{"step", step}};
+  if (has_trainer) kept["trainer"] = trainer;
+  for (const auto& kv : o) {
+    const std::string_view k = kv.key();
+    if (k == "step" || k == "trainer" || k == "fallbacks") continue;
+    if (k.size() > 64 || !kv.value().is_number()) {
+      return badRequest("report field " + quoted(k) + " must be a number (name up to 64 bytes)");
+    }
+    const double v = kv.value().to_number<double>();
+    if (!std::isfinite(v)) return badRequest("report field " + quoted(k) + " must be finite");
+    if (kept.size() >= 16) return badRequest("at most 16 report fields");
+    kept[k] = v;
+  }
+  if (fallbacks > 1000000) return badRequest("field 'fallbacks' is out of range");
+  if (has_fallbacks && fallbacks > 0) {
+    metrics_.fallbacks.Increment(static_cast<double>(fallbacks));
+    spdlog::warn("a trainer reports {} step(s) fallen back to its process group (step {})",
+                 fallbacks, step);
+  }
+  std::lock_guard lock(mu_);
+  last_report_ = std::move(kept);
+  return jsonResponse(status::ok, json::object{});
+}
+
+Response ControlApi::putConfig(const Request& req, const RequestInfo& /*info*/) {
+  if (!tokenOk(req)) {
+    Response r = errorResponse(status::unauthorized, "unauthenticated",
+                               "PUT /v1/config needs 'Authorization: Bearer <token>'");
+    r.set(http::field::www_authenticate, "Bearer");
+    return r;
+  }
+  boost::system::error_code ec;
+  json::parse_options opts;
+  opts.max_depth = 16;
+  const json::value v = json::parse(req.body(), ec, {}, opts);
+  if (ec) return badRequest("malformed JSON body: " + ec.message());
+  auto c = compressionFromJson(v);
+  if (!c) return badRequest(c.status().message());
+  auto shared = std::make_shared<const CompressionConfig>(std::move(*c));
+  engine_.setChooser([shared](std::string_view name, uint64_t elements) {
+    return shared->codecFor(name, elements);
+  });
+  {
+    std::lock_guard lock(mu_);
+    compression_ = shared;
+  }
+  spdlog::info("compression settings replaced through PUT /v1/config (default codec {})",
+               shared->default_codec.name);
+  return jsonResponse(status::ok, json::object{{"applied", true}});
+}
+
+Response ControlApi::status() {
+  json::object o;
+  o["version"] = LIGHTWIRE_VERSION;
+  o["uptime_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  json::object cfg = toJson(config_);
+  {
+    std::lock_guard lock(mu_);
+    ServeConfig current = config_;
+    current.compression = *compression_;
+    cfg = toJson(current);
+    json::object l;
+    l["control_socket"] = listeners_.control_socket;
+    l["control_tcp_port"] = listeners_.control_tcp_port ? json::value(*listeners_.control_tcp_port)
+                                                        : json::value(nullptr);
+    l["admin_port"] =
+        listeners_.admin_port ? json::value(*listeners_.admin_port) : json::value(nullptr);
+    o["listeners"] = std::move(l);
+    o["last_report"] = last_report_;
+  }
+  o["config"] = std::move(cfg);
+  o["world_size"] = 1;
+  o["local_trainers"] = config_.local_trainers;
+  o["tensors"] = engine_.tensorsJson();
+  json::array bufs;
+  for (const auto& b : buffers_.list()) {
+    bufs.push_back(json::object{{"id", b.id}, {"name", b.name}, {"size", b.size}});
+  }
+  o["buffers"] = std::move(bufs);
+  o["steps"] = json::object{{"ok", engine_.stepsOk()}, {"failed", engine_.stepsFailed()}};
+  return jsonResponse(status::ok, o);
+}
+
+}  // namespace lightwire::proxy

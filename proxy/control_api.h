@@ -1,0 +1,63 @@
+#pragma once
+// The routes of docs/api.md on top of HttpServer: parameter checks, buffers, steps, reports,
+// settings, status. Every bad request gets a JSON error and changes nothing. Also the handler the
+// fuzz targets drive in process.
+
+#include <boost/json/object.hpp>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "ipc/shm_region.h"
+#include "metrics/metrics.h"
+#include "proxy/config.h"
+#include "proxy/http_server.h"
+#include "proxy/step_engine.h"
+
+namespace lightwire::proxy {
+
+/// Where the listeners ended up (ports chosen by the system are known only after binding).
+struct BoundListeners {
+  std::string control_socket;
+  std::optional<uint16_t> control_tcp_port, admin_port;
+};
+
+/// Serves the control and admin routes. Thread-safe.
+class ControlApi {
+ public:
+  ControlApi(ServeConfig config, metrics::Metrics& metrics, ipc::BufferTable& buffers,
+             StepEngine& engine);
+
+  /// The HttpServer handler.
+  void handle(Request&& request, const RequestInfo& info, Reply reply);
+  void setListeners(BoundListeners l);
+  /// After SIGTERM: /readyz answers 503, new steps are refused.
+  void setStopping() { stopping_ = true; }
+
+ private:
+  Response route(Request& req, const RequestInfo& info, Reply& reply, bool& replied);
+  Response emitRaw(Request& req, Reply& reply, bool& replied);
+  Response emitShm(Request& req, Reply& reply, bool& replied);
+  Response registerBuffer(const Request& req);
+  Response releaseBuffer(const std::string& id);
+  Response report(const Request& req);
+  Response putConfig(const Request& req, const RequestInfo& info);
+  Response status();
+  bool tokenOk(const Request& req) const;
+
+  const ServeConfig config_;
+  metrics::Metrics& metrics_;
+  ipc::BufferTable& buffers_;
+  StepEngine& engine_;
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::atomic<bool> stopping_{false};
+  mutable std::mutex mu_;
+  BoundListeners listeners_;
+  std::shared_ptr<const CompressionConfig> compression_;
+  boost::json::object last_report_;
+};
+
+}  // namespace lightwire::proxy

@@ -1,0 +1,349 @@
+#include "proxy/http_server.h"
+
+#include <sys/stat.h>
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/json/serialize.hpp>
+#include <boost/json/value.hpp>
+
+#include <filesystem>
+#include <list>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace lightwire::proxy {
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+using tcp = asio::ip::tcp;
+using unix_socket = asio::local::stream_protocol;
+using UnixStream = beast::basic_stream<unix_socket>;
+
+}  // namespace
+
+Response errorResponse(http::status status, std::string_view code, std::string_view message,
+                       unsigned version, bool keep_alive) {
+  Response r{status, version};
+  r.set(http::field::content_type, "application/json");
+  r.keep_alive(keep_alive);
+  r.body() = boost::json::serialize(
+      boost::json::object{{"error", std::string(code)}, {"message", std::string(message)}});
+  r.prepare_payload();
+  return r;
+}
+
+/// State every session shares with the server.
+struct Shared {
+  HttpLimits limits;
+  Handler handler;
+  std::atomic<bool> stopping{false};
+  std::shared_ptr<std::atomic<size_t>> connections;
+  std::mutex mu;
+  // One per session: close it if idle (on stop). Entries of ended sessions are pruned as new
+  // ones arrive, so the list stays about as long as the number of open connections.
+  std::vector<std::pair<std::weak_ptr<void>, std::function<void()>>> closers;
+};
+
+namespace {
+
+/// One connection: read a request, hand it to the handler, write the reply, repeat while kept
+/// alive.
+template <typename Stream>
+class Session : public std::enable_shared_from_this<Session<Stream>> {
+ public:
+  Session(Stream stream, std::shared_ptr<Shared> shared, RequestInfo info)
+      : stream_(std::move(stream)), shared_(std::move(shared)), info_(info) {
+    shared_->connections->fetch_add(1);
+  }
+  ~Session() { shared_->connections->fetch_sub(1); }
+
+  void start() {
+    std::weak_ptr<Session> weak = this->shared_from_this();
+    {
+      std::lock_guard lock(shared_->mu);
+      auto& list = shared_->closers;
+      if (list.size() >= 64 && list.size() >= 2 * shared_->connections->load()) {
+        std::erase_if(list, [](const auto& e) { return e.first.expired(); });
+      }
+      list.emplace_back(std::weak_ptr<void>(weak.lock()), [weak] {
+        if (auto s = weak.lock()) {
+          asio::post(s->stream_.get_executor(), [s] {
+            if (!s->busy_) s->close();
+          });
+        }
+      });
+    }
+    readHeader();
+  }
+
+ private:
+  void readHeader() {
+    if (shared_->stopping.load()) return close();
+    parser_.emplace();
+    parser_->header_limit(shared_->limits.max_header_bytes);
+    parser_->body_limit(shared_->limits.max_body_bytes);
+    stream_.expires_after(shared_->limits.idle_timeout);
+    http::async_read_header(
+        stream_, buffer_, *parser_,
+        [self = this->shared_from_this()](beast::error_code ec, size_t) { self->onHeader(ec); });
+  }
+
+  /// Parse errors are answered (when the connection still works) and end the connection.
+  bool failRead(beast::error_code ec) {
+    if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
+        ec == asio::error::operation_aborted || ec == asio::error::connection_reset ||
+        ec == asio::error::eof || ec == asio::error::bad_descriptor) {
+      close();
+      return true;
+    }
+    if (ec == http::error::header_limit) {
+      fail(http::status::request_header_fields_too_large, "header_too_large",
+           "request headers exceed limits.max_header_bytes (" +
+               std::to_string(shared_->limits.max_header_bytes) + " bytes)");
+    } else if (ec == http::error::body_limit) {
+      fail(http::status::payload_too_large, "too_large",
+           "request body exceeds limits.max_body_bytes (" +
+               std::to_string(shared_->limits.max_body_bytes) + " bytes)");
+    } else {
+      fail(http::status::bad_request, "invalid_argument",
+           "malformed HTTP request: " + ec.message());
+    }
+    return true;
+  }
+
+  void onHeader(beast::error_code ec) {
+    if (ec) {
+      failRead(ec);
+      return;
+    }
+    const auto& req = parser_->get();
+    if (const auto len = parser_->content_length(); len && *len > shared_->limits.max_body_bytes) {
+      fail(http::status::payload_too_large, "too_large",
+           "request body of " + std::to_string(*len) + " bytes exceeds limits.max_body_bytes (" +
+               std::to_string(shared_->limits.max_body_bytes) + " bytes)");
+      return;
+    }
+    if (beast::iequals(req[http::field::expect], "100-continue")) {
+      auto cont = std::make_shared<http::response<http::empty_body>>(http::status::continue_,
+                                                                     req.version());
+      http::async_write(stream_, *cont,
+                        [self = this->shared_from_this(), cont](beast::error_code ec2, size_t) {
+                          if (ec2) return self->close();
+                          self->readBody();
+                        });
+      return;
+    }
+    readBody();
+  }
+
+  void readBody() {
+    http::async_read(
+        stream_, buffer_, *parser_,
+        [self = this->shared_from_this()](beast::error_code ec, size_t) { self->onRead(ec); });
+  }
+
+  void onRead(beast::error_code ec) {
+    if (ec) {
+      failRead(ec);
+      return;
+    }
+    stream_.expires_never();  // a step may wait for the node's other trainers
+    Request req = parser_->release();
+    parser_.reset();
+    keep_alive_ = req.keep_alive();
+    version_ = req.version();
+    busy_ = true;
+    auto self = this->shared_from_this();
+    shared_->handler(std::move(req), info_, [self](Response r) {
+      asio::post(self->stream_.get_executor(),
+                 [self, r = std::move(r)]() mutable { self->write(std::move(r)); });
+    });
+  }
+
+  void write(Response r) {
+    r.version(version_);
+    r.keep_alive(keep_alive_ && !shared_->stopping.load());
+    r.prepare_payload();
+    response_ = std::make_shared<Response>(std::move(r));
+    stream_.expires_after(shared_->limits.idle_timeout);  // a client that never reads is dropped
+    http::async_write(stream_, *response_,
+                      [self = this->shared_from_this()](beast::error_code ec, size_t) {
+                        self->busy_ = false;
+                        const bool again = !ec && self->response_->keep_alive();
+                        self->response_.reset();
+                        if (again) {
+                          self->readHeader();
+                        } else {
+                          self->close();
+                        }
+                      });
+  }
+
+  void fail(http::status status, std::string_view code, const std::string& message) {
+    keep_alive_ = false;
+    busy_ = true;
+    write(errorResponse(status, code, message, version_ ? version_ : 11, false));
+  }
+
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    beast::error_code ignored;
+    stream_.socket().shutdown(Stream::socket_type::shutdown_both, ignored);
+    stream_.socket().close(ignored);
+  }
+
+  Stream stream_;
+  std::shared_ptr<Shared> shared_;
+  RequestInfo info_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  std::shared_ptr<Response> response_;
+  bool keep_alive_ = true;
+  unsigned version_ = 11;
+  bool busy_ = false;
+  bool closed_ = false;
+};
+
+/// Accepts connections of one protocol and starts a Session for each.
+template <typename Protocol, typename Stream>
+class Listener : public std::enable_shared_from_this<Listener<Protocol, Stream>> {
+ public:
+  Listener(asio::io_context& io, std::shared_ptr<Shared> shared, RequestInfo info)
+      : io_(io), acceptor_(asio::make_strand(io)), shared_(std::move(shared)), info_(info) {}
+
+  typename Protocol::acceptor& acceptor() { return acceptor_; }
+
+  void accept() {
+    acceptor_.async_accept(
+        asio::make_strand(io_),
+        [self = this->shared_from_this()](beast::error_code ec, typename Protocol::socket socket) {
+          if (ec) {
+            if (ec == asio::error::operation_aborted || !self->acceptor_.is_open()) return;
+            self->accept();  // e.g. EMFILE: keep serving the connections we have
+            return;
+          }
+          if (self->shared_->stopping.load() ||
+              self->shared_->connections->load() >= self->shared_->limits.max_connections) {
+            beast::error_code ignored;
+            socket.close(ignored);  // over limits.max_connections: refused at once
+          } else {
+            std::make_shared<Session<Stream>>(Stream(std::move(socket)), self->shared_, self->info_)
+                ->start();
+          }
+          self->accept();
+        });
+  }
+
+  void stop() {
+    asio::post(acceptor_.get_executor(), [self = this->shared_from_this()] {
+      beast::error_code ignored;
+      self->acceptor_.close(ignored);
+    });
+  }
+
+ private:
+  asio::io_context& io_;
+  typename Protocol::acceptor acceptor_;
+  std::shared_ptr<Shared> shared_;
+  RequestInfo info_;
+};
+
+}  // namespace
+
+struct HttpServer::Impl {
+  asio::io_context& io;
+  std::shared_ptr<Shared> shared;
+  std::vector<std::shared_ptr<Listener<tcp, beast::tcp_stream>>> tcp_listeners;
+  std::vector<std::shared_ptr<Listener<unix_socket, UnixStream>>> unix_listeners;
+  std::vector<std::string> socket_files;
+};
+
+HttpServer::HttpServer(asio::io_context& io, HttpLimits limits, Handler handler)
+    : connections_(std::make_shared<std::atomic<size_t>>(0)) {
+  auto shared = std::make_shared<Shared>();
+  shared->limits = limits;
+  shared->handler = std::move(handler);
+  shared->connections = connections_;
+  impl_ = std::make_unique<Impl>(Impl{io, std::move(shared), {}, {}, {}});
+}
+
+HttpServer::~HttpServer() { stop(); }
+
+std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind) {
+  namespace fs = std::filesystem;
+  std::error_code fec;
+  const fs::path p(path);
+  if (p.has_parent_path()) fs::create_directories(p.parent_path(), fec);
+  if (fec) return "cannot create directory " + p.parent_path().string() + ": " + fec.message();
+  if (fs::exists(fs::symlink_status(p, fec))) {
+    // A live sidecar answers on it: refuse. A stale file from a crash is replaced.
+    unix_socket::socket probe(impl_->io);
+    beast::error_code ec;
+    probe.connect(unix_socket::endpoint(path), ec);
+    if (!ec) return "another process is listening on " + path;
+    if (!fs::is_socket(fs::symlink_status(p, fec))) {
+      return path + " exists and is not a socket; not replacing it";
+    }
+    fs::remove(p, fec);
+  }
+  auto listener = std::make_shared<Listener<unix_socket, UnixStream>>(impl_->io, impl_->shared,
+                                                                      RequestInfo{kind, false});
+  beast::error_code ec;
+  auto& acc = listener->acceptor();
+  acc.open(unix_socket(), ec);
+  if (!ec) acc.bind(unix_socket::endpoint(path), ec);
+  if (ec) return "cannot bind Unix socket " + path + ": " + ec.message();
+  ::chmod(path.c_str(), 0660);
+  acc.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) return "cannot listen on " + path + ": " + ec.message();
+  listener->accept();
+  impl_->unix_listeners.push_back(listener);
+  impl_->socket_files.push_back(path);
+  return "";
+}
+
+std::string HttpServer::listenTcp(const std::string& host, uint16_t port, ListenerKind kind,
+                                  uint16_t* bound_port) {
+  beast::error_code ec;
+  const auto address = asio::ip::make_address(host, ec);
+  if (ec) return "invalid listen address '" + host + "': " + ec.message();
+  auto listener = std::make_shared<Listener<tcp, beast::tcp_stream>>(impl_->io, impl_->shared,
+                                                                     RequestInfo{kind, true});
+  auto& acc = listener->acceptor();
+  const tcp::endpoint endpoint(address, port);
+  acc.open(endpoint.protocol(), ec);
+  if (!ec) acc.set_option(asio::socket_base::reuse_address(true), ec);
+  if (!ec) acc.bind(endpoint, ec);
+  if (!ec) acc.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return "cannot listen on " + host + ":" + std::to_string(port) + ": " + ec.message();
+  }
+  if (bound_port != nullptr) *bound_port = acc.local_endpoint().port();
+  listener->accept();
+  impl_->tcp_listeners.push_back(listener);
+  return "";
+}
+
+void HttpServer::stop() {
+  if (!impl_ || impl_->shared->stopping.exchange(true)) return;
+  for (auto& l : impl_->tcp_listeners) l->stop();
+  for (auto& l : impl_->unix_listeners) l->stop();
+  std::vector<std::pair<std::weak_ptr<void>, std::function<void()>>> closers;
+  {
+    std::lock_guard lock(impl_->shared->mu);
+    closers.swap(impl_->shared->closers);
+  }
+  for (auto& c : closers) c.second();
+  std::error_code fec;
+  for (const auto& f : impl_->socket_files) std::filesystem::remove(f, fec);
+  impl_->socket_files.clear();
+}
+
+}  // namespace lightwire::proxy

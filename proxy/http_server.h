@@ -1,0 +1,73 @@
+#pragma once
+// HTTP/1.1 listeners (Boost.Beast) on Unix sockets and TCP: keep-alive, header and body limits
+// checked before anything is read into memory, idle timeouts, and handlers that may answer later
+// (a step waits for the node's other trainers). The server knows nothing of routes: a Handler
+// maps a request to a response (proxy/control_api.h).
+
+#include <boost/asio/io_context.hpp>
+#include <boost/beast/http.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace lightwire::proxy {
+
+namespace http = boost::beast::http;
+using Request = http::request<http::string_body>;
+using Response = http::response<http::string_body>;
+
+/// Which listener a request came through (the admin listener serves a subset of routes).
+enum class ListenerKind { kControl, kAdmin };
+
+/// Limits of one server (docs/configuration.md, limits.*).
+struct HttpLimits {
+  uint64_t max_body_bytes = uint64_t{1} << 30;
+  uint32_t max_header_bytes = 16384;
+  std::chrono::milliseconds idle_timeout{60000};
+  size_t max_connections = 256;
+};
+
+/// Answers one request. Called on an I/O thread; must not block: it calls `reply` exactly once,
+/// from any thread, possibly later. `peer_is_tcp` says whether the client came over TCP (bearer
+/// tokens guard TCP control access).
+using Reply = std::function<void(Response)>;
+struct RequestInfo {
+  ListenerKind listener = ListenerKind::kControl;
+  bool tcp = false;
+};
+using Handler = std::function<void(Request&& request, const RequestInfo& info, Reply reply)>;
+
+/// A JSON error response {"error": code, "message": message} (docs/api.md).
+Response errorResponse(http::status status, std::string_view code, std::string_view message,
+                       unsigned version = 11, bool keep_alive = true);
+
+/// Owns the acceptors and sessions on an io_context run by the caller's threads. Thread-safe.
+class HttpServer {
+ public:
+  HttpServer(boost::asio::io_context& io, HttpLimits limits, Handler handler);
+  ~HttpServer();
+
+  /// Listens on a Unix socket at `path` (its directory is created; a stale socket file is
+  /// replaced, a live one is an error), mode 0660. Returns "" or an error message.
+  std::string listenUnix(const std::string& path, ListenerKind kind);
+  /// Listens on host:port (port 0 = chosen by the system); returns "" or an error message and
+  /// sets `bound_port`.
+  std::string listenTcp(const std::string& host, uint16_t port, ListenerKind kind,
+                        uint16_t* bound_port);
+  /// Stops accepting, closes idle connections; sessions with a request in progress finish it
+  /// and then close. Removes the Unix socket files.
+  void stop();
+  /// Connections open now.
+  size_t connections() const { return connections_->load(); }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<std::atomic<size_t>> connections_;
+};
+
+}  // namespace lightwire::proxy

@@ -1,0 +1,175 @@
+#include "proxy/serve.h"
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include <atomic>
+#include <csignal>
+#include <thread>
+#include <vector>
+
+#include "ipc/shm_region.h"
+#include "metrics/metrics.h"
+#include "proxy/control_api.h"
+#include "proxy/http_server.h"
+#include "proxy/step_engine.h"
+#include "proxy/version.h"
+
+extern char** environ;
+
+namespace lightwire::proxy {
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+constexpr unsigned kIoThreads = 2;
+constexpr auto kDrainLimit = std::chrono::seconds(10);
+
+std::vector<std::string> environment() {
+  std::vector<std::string> out;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) out.emplace_back(*e);
+  return out;
+}
+
+}  // namespace
+
+int runServe(const FlagValues& flags, const std::optional<std::string>& check_config) {
+  auto logger = spdlog::stderr_color_mt("lightwire");
+  spdlog::set_default_logger(logger);
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+
+  std::vector<std::string> warnings;
+  if (check_config) {
+    FlagValues only_file;
+    auto c = buildServeConfig(check_config, environment(), only_file, &warnings);
+    for (const auto& w : warnings) spdlog::warn("{}", w);
+    if (!c) {
+      spdlog::error("{}", c.status().message());
+      return kExitUsage;
+    }
+    std::printf("%s: ok\n", check_config->c_str());
+    return 0;
+  }
+  auto built = buildServeConfig(flags.config_file, environment(), flags, &warnings);
+  for (const auto& w : warnings) spdlog::warn("{}", w);
+  if (!built) {
+    spdlog::error("{}", built.status().message());
+    return kExitUsage;
+  }
+  const ServeConfig config = std::move(*built);
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+
+  const unsigned threads =
+      config.threads ? config.threads : std::max(1u, std::thread::hardware_concurrency());
+  metrics::Metrics metrics;
+  ipc::BufferTable buffers(static_cast<size_t>(config.limits.max_buffers));
+  LocalExchange exchange;
+  EngineOptions eo;
+  eo.local_trainers = static_cast<unsigned>(config.local_trainers);
+  eo.threads = threads;
+  eo.chunk_elements = config.compression.chunk_elements;
+  eo.step_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(config.limits.step_timeout_s * 1000.0));
+  eo.max_pending_steps = static_cast<size_t>(config.limits.max_pending_steps);
+  auto compression = std::make_shared<const CompressionConfig>(config.compression);
+  StepEngine engine(
+      eo,
+      [compression](std::string_view name, uint64_t elements) {
+        return compression->codecFor(name, elements);
+      },
+      metrics, exchange);
+  ControlApi api(config, metrics, buffers, engine);
+
+  boost::asio::io_context io;
+  HttpLimits limits;
+  limits.max_body_bytes = config.limits.max_body_bytes;
+  limits.max_header_bytes = config.limits.max_header_bytes;
+  limits.idle_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(config.limits.idle_timeout_s * 1000.0));
+  limits.max_connections = static_cast<size_t>(config.limits.max_connections);
+  HttpServer server(io, limits, [&api](Request&& req, const RequestInfo& info, Reply reply) {
+    api.handle(std::move(req), info, std::move(reply));
+  });
+
+  BoundListeners bound;
+  if (!config.control_socket.empty()) {
+    if (std::string e = server.listenUnix(config.control_socket, ListenerKind::kControl);
+        !e.empty()) {
+      spdlog::error("control socket: {}", e);
+      return kExitFailure;
+    }
+    bound.control_socket = config.control_socket;
+    spdlog::info("control API on unix:{}", config.control_socket);
+  }
+  auto listenTcp = [&](const ListenAddress& a, ListenerKind kind, const char* what,
+                       std::optional<uint16_t>* bound_port) {
+    uint16_t port = 0;
+    if (std::string e = server.listenTcp(a.host, a.port, kind, &port); !e.empty()) {
+      spdlog::error("{} listener: {}", what, e);
+      return false;
+    }
+    *bound_port = port;
+    spdlog::info("{} on {}:{}", what, a.host, port);
+    return true;
+  };
+  if (config.control_tcp && !listenTcp(*config.control_tcp, ListenerKind::kControl, "control API",
+                                       &bound.control_tcp_port)) {
+    return kExitFailure;
+  }
+  if (config.admin_listen && !listenTcp(*config.admin_listen, ListenerKind::kAdmin,
+                                        "admin (metrics, health)", &bound.admin_port)) {
+    return kExitFailure;
+  }
+  api.setListeners(bound);
+
+  // Graceful shutdown: stop accepting, fail the steps still waiting for trainers (503), let the
+  // running step finish, flush the replies, remove the socket files.
+  boost::asio::signal_set signals(io, SIGINT, SIGTERM);
+  std::thread watcher;
+  std::atomic<bool> abandoned{false};
+  boost::asio::steady_timer drain(io);
+  std::signal(SIGPIPE, SIG_IGN);
+  signals.async_wait([&](const boost::system::error_code& ec, int sig) {
+    if (ec) return;
+    spdlog::info("signal {} received: shutting down", sig);
+    api.setStopping();
+    server.stop();
+    engine.shutdown();
+    drain.expires_after(kDrainLimit);
+    drain.async_wait([&](const boost::system::error_code& tec) {
+      if (!tec) {
+        spdlog::warn("connections still open after {} s: closing them", kDrainLimit.count());
+        io.stop();
+      }
+    });
+    // The timer is the last piece of work once every session has closed.
+    watcher = std::thread([&] {
+      while (server.connections() > 0 && !abandoned.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      boost::asio::post(io, [&] { drain.cancel(); });
+    });
+  });
+
+  spdlog::info(
+      "lightwire {} serving: job '{}', {} local trainer(s), default codec {}, {} compute "
+      "thread(s)",
+      LIGHTWIRE_VERSION, config.job_id, config.local_trainers,
+      config.compression.default_codec.name, threads);
+  std::vector<std::thread> io_threads;
+  for (unsigned i = 1; i < kIoThreads; ++i) io_threads.emplace_back([&] { io.run(); });
+  io.run();
+  for (auto& t : io_threads) t.join();
+  abandoned = true;
+  if (watcher.joinable()) watcher.join();
+  engine.shutdown();
+  spdlog::info("stopped");
+  return 0;
+}
+
+}  // namespace lightwire::proxy

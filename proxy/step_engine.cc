@@ -1,0 +1,556 @@
+#include "proxy/step_engine.h"
+
+#include <spdlog/spdlog.h>
+
+#include <boost/json/object.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "kernels/philox.h"
+#include "kernels/registry.h"
+#include "kernels/simd/kernels.h"
+
+namespace lightwire::proxy {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kernels::DType;
+
+constexpr size_t kGrain = size_t{1} << 16;
+
+double microsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+/// Every field of a codec config, so a change of any of them is seen.
+std::string configKey(const kernels::CodecConfig& c) {
+  std::ostringstream o;
+  auto opt = [&](const std::optional<double>& v) {
+    if (v) {
+      o << *v;
+    } else {
+      o << '-';
+    }
+    o << '|';
+  };
+  o.precision(17);
+  o << c.name << '|';
+  opt(c.density);
+  opt(c.ratio);
+  o << c.bits << '|' << c.bucket_size << '|' << c.momentum << '|' << c.clip_norm << '|'
+    << c.sample_fraction << '|' << static_cast<int>(c.sparse_values) << '|';
+  opt(c.threshold);
+  o << (c.error_feedback ? (*c.error_feedback ? 1 : 0) : -1) << '|' << c.approx_rank;
+  return o.str();
+}
+
+/// out[i] (+)= value i of the trainer's tensor, for i in [lo, hi).
+void widenRange(DType dtype, const std::byte* data, size_t lo, size_t hi, float* out, bool add) {
+  const kernels::ConstTensor t{data, hi, dtype};
+  if (!add) {
+    kernels::widenToFloat(t.slice(lo, hi - lo), out + lo);
+    return;
+  }
+  float scratch[4096];
+  for (size_t b = lo; b < hi; b += 4096) {
+    const size_t len = std::min<size_t>(4096, hi - b);
+    kernels::widenToFloat(t.slice(b, len), scratch);
+    for (size_t i = 0; i < len; ++i) out[b + i] = out[b + i] + scratch[i];
+  }
+}
+
+/// The trainer's tensor bytes [lo, hi) = result values, in its dtype.
+void narrowRange(DType dtype, const float* result, size_t lo, size_t hi, std::byte* data) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(data + 4 * lo, result + lo, 4 * (hi - lo));
+      return;
+    case DType::kF16:
+      kernels::simd::floatsToHalves(result + lo, hi - lo,
+                                    reinterpret_cast<uint8_t*>(data) + 2 * lo);
+      return;
+    case DType::kBF16:
+      kernels::simd::floatsToBf16s(result + lo, hi - lo, reinterpret_cast<uint8_t*>(data) + 2 * lo);
+      return;
+  }
+}
+
+}  // namespace
+
+const char* apiDTypeName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+  }
+  return "?";
+}
+
+Result<std::vector<std::vector<std::vector<uint8_t>>>> LocalExchange::run(ExchangeRound& round) {
+  std::vector<std::vector<std::vector<uint8_t>>> out(round.payloads.size());
+  for (size_t c = 0; c < round.payloads.size(); ++c) out[c].push_back(round.payloads[c]);
+  return out;
+}
+
+struct StepEngine::Pending {
+  std::vector<std::optional<Contribution>> parts;
+  std::vector<StepDone> dones;
+  unsigned arrived = 0;
+  uint64_t elements = 0;
+  DType dtype = DType::kF32;
+  std::vector<uint64_t> shape;
+  Clock::time_point deadline;
+  bool queued = false;
+};
+
+struct StepEngine::Tensor {
+  std::string name;
+  // Engine thread only (no lock): the codec and its state.
+  std::unique_ptr<kernels::Codec> codec;
+  std::string config_key;
+  kernels::CodecState state;
+  uint64_t state_elements = 0;
+  DType state_dtype = DType::kF32;
+  bool has_state = false;
+  std::vector<std::byte> workspace;
+  std::vector<float> sum, result;
+  // Under mu_.
+  std::optional<uint64_t> last_committed;
+  std::optional<uint64_t> running;
+  std::map<uint64_t, Pending> pending;
+  std::string codec_name = "-";
+  uint64_t elements = 0;
+  DType dtype = DType::kF32;
+  std::optional<uint64_t> last_step;
+  uint64_t state_bytes = 0;
+};
+
+StepEngine::StepEngine(EngineOptions options, CodecChooser chooser, metrics::Metrics& metrics,
+                       Exchange& exchange)
+    : options_(options),
+      metrics_(metrics),
+      exchange_(exchange),
+      stream_(std::max(1u, options.threads)),
+      chooser_(std::move(chooser)) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+StepEngine::~StepEngine() { shutdown(); }
+
+void StepEngine::setChooser(CodecChooser chooser) {
+  std::lock_guard lock(mu_);
+  chooser_ = std::move(chooser);
+}
+
+void StepEngine::submit(Contribution c, StepDone done) {
+  auto refuse = [&](unsigned status, const char* error, std::string message) {
+    done(StepOutcome{status, error, std::move(message), {}});
+  };
+  const TensorSpec& s = c.spec;
+  if (s.trainer >= options_.local_trainers) {
+    return refuse(400, "invalid_argument",
+                  "trainer " + std::to_string(s.trainer) +
+                      " is out of range: this sidecar serves " +
+                      std::to_string(options_.local_trainers) + " local trainer(s), 0.." +
+                      std::to_string(options_.local_trainers - 1));
+  }
+  std::unique_lock lock(mu_);
+  if (stopping_) return refuse(503, "shutting_down", "the sidecar is shutting down");
+  auto& slot = tensors_[s.name];
+  if (!slot) {
+    slot = std::make_unique<Tensor>();
+    slot->name = s.name;
+  }
+  Tensor& t = *slot;
+  const std::string where = "tensor '" + s.name + "' step " + std::to_string(s.step);
+  if (t.last_committed && s.step <= *t.last_committed) {
+    lock.unlock();
+    return refuse(409, "conflict",
+                  where + " goes backwards: step " + std::to_string(*t.last_committed) +
+                      " already completed");
+  }
+  if (t.running && *t.running == s.step) {
+    lock.unlock();
+    return refuse(409, "conflict", where + " is being exchanged already");
+  }
+  auto it = t.pending.find(s.step);
+  if (it == t.pending.end()) {
+    if (pending_count_ >= options_.max_pending_steps) {
+      lock.unlock();
+      return refuse(429, "limit_reached",
+                    "too many steps in flight (limits.max_pending_steps = " +
+                        std::to_string(options_.max_pending_steps) + ")");
+    }
+    Pending p;
+    p.parts.resize(options_.local_trainers);
+    p.dones.resize(options_.local_trainers);
+    p.elements = s.elements;
+    p.dtype = s.dtype;
+    p.shape = s.shape;
+    p.deadline = Clock::now() + options_.step_timeout;
+    it = t.pending.emplace(s.step, std::move(p)).first;
+    ++pending_count_;
+  }
+  Pending& p = it->second;
+  std::pair<std::string, uint64_t> ready_key;
+  if (p.parts[s.trainer]) {
+    lock.unlock();
+    return refuse(409, "conflict",
+                  where + ": trainer " + std::to_string(s.trainer) + " already sent its part");
+  }
+  if (p.elements != s.elements || p.dtype != s.dtype) {
+    lock.unlock();
+    return refuse(409, "conflict",
+                  where + ": trainer " + std::to_string(s.trainer) + " sent " +
+                      std::to_string(s.elements) + " " + apiDTypeName(s.dtype) +
+                      " elements, another trainer " + std::to_string(p.elements) + " " +
+                      apiDTypeName(p.dtype));
+  }
+  const unsigned trainer = s.trainer;
+  ready_key = {s.name, s.step};  // `s` refers into `c`, moved below
+  p.parts[trainer] = std::move(c);
+  p.dones[trainer] = std::move(done);
+  if (++p.arrived == options_.local_trainers) {
+    p.queued = true;
+    ready_.push_back(std::move(ready_key));
+  }
+  cv_.notify_all();
+}
+
+void StepEngine::failPending(Pending& p, unsigned status, const std::string& error,
+                             const std::string& message) {
+  for (auto& d : p.dones) {
+    if (d) d(StepOutcome{status, error, message, {}});
+  }
+}
+
+void StepEngine::loop() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    // Earliest deadline among steps still waiting for trainers.
+    std::optional<Clock::time_point> next;
+    for (auto& [name, t] : tensors_) {
+      for (auto& [step, p] : t->pending) {
+        if (!p.queued && (!next || p.deadline < *next)) next = p.deadline;
+      }
+    }
+    if (ready_.empty() && !stopping_) {
+      if (next) {
+        cv_.wait_until(lock, *next);
+      } else {
+        cv_.wait(lock);
+      }
+    }
+    // Steps whose trainers did not all arrive in time fail for those that did.
+    const auto now = Clock::now();
+    std::vector<std::pair<std::string, Pending>> expired;
+    for (auto& [name, t] : tensors_) {
+      for (auto it = t->pending.begin(); it != t->pending.end();) {
+        if (!it->second.queued && (stopping_ || it->second.deadline <= now)) {
+          expired.emplace_back(name + "' step " + std::to_string(it->first), std::move(it->second));
+          it = t->pending.erase(it);
+          --pending_count_;
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (!expired.empty()) {
+      const bool stopping = stopping_;
+      steps_failed_ += stopping ? 0 : expired.size();
+      lock.unlock();
+      for (auto& [what, p] : expired) {
+        std::string missing;
+        for (size_t i = 0; i < p.parts.size(); ++i) {
+          if (!p.parts[i]) missing += (missing.empty() ? "" : ", ") + std::to_string(i);
+        }
+        if (stopping) {
+          failPending(p, 503, "shutting_down", "the sidecar is shutting down");
+        } else {
+          spdlog::warn("tensor '{}: local trainer(s) {} did not send their part within {} s", what,
+                       missing, options_.step_timeout.count() / 1000.0);
+          metrics_.steps_failed.Increment();
+          failPending(p, 504, "deadline_exceeded",
+                      "tensor '" + what + ": local trainer(s) " + missing +
+                          " did not send their part within limits.step_timeout_s");
+        }
+      }
+      lock.lock();
+      continue;
+    }
+    if (ready_.empty()) {
+      if (stopping_) break;
+      continue;
+    }
+    auto [name, step] = ready_.front();
+    ready_.pop_front();
+    auto tit = tensors_.find(name);
+    if (tit == tensors_.end()) continue;
+    Tensor& t = *tit->second;
+    auto pit = t.pending.find(step);
+    if (pit == t.pending.end()) continue;
+    Pending p = std::move(pit->second);
+    t.pending.erase(pit);
+    --pending_count_;
+    if (stopping_) {
+      lock.unlock();
+      failPending(p, 503, "shutting_down", "the sidecar is shutting down");
+      lock.lock();
+      continue;
+    }
+    t.running = step;
+    lock.unlock();
+    runStep(t, step, p);
+    lock.lock();
+    t.running.reset();
+  }
+}
+
+void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
+  StepOutcome outcome;
+  {
+    std::lock_guard lock(mu_);
+    if (t.last_committed && step <= *t.last_committed) {
+      outcome = {409, "conflict",
+                 "tensor '" + t.name + "' step " + std::to_string(step) + " goes backwards: step " +
+                     std::to_string(*t.last_committed) + " already completed"};
+    }
+  }
+  if (outcome.http_status == 200) outcome = execute(t, step, p);
+  {
+    std::lock_guard lock(mu_);
+    t.last_step = step;
+    if (outcome.http_status == 200) {
+      if (!outcome.figures.nonfinite) t.last_committed = step;
+      ++steps_ok_;
+    } else {
+      ++steps_failed_;
+    }
+    t.codec_name = outcome.figures.codec.empty() ? t.codec_name : outcome.figures.codec;
+    t.elements = p.elements;
+    t.dtype = p.dtype;
+    t.state_bytes = t.state.bytes();
+    uint64_t total = 0;
+    for (const auto& [name, other] : tensors_) total += other->state_bytes;
+    metrics_.state_bytes.Set(static_cast<double>(total));
+  }
+  if (outcome.http_status == 200) {
+    (outcome.figures.nonfinite ? metrics_.steps_nonfinite : metrics_.steps_ok).Increment();
+  } else {
+    metrics_.steps_failed.Increment();
+    spdlog::warn("tensor '{}' step {} failed: {}", t.name, step, outcome.message);
+  }
+  for (auto& d : p.dones) d(outcome);
+}
+
+StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
+  const auto t0 = Clock::now();
+  StepOutcome out;
+  StepFigures& fig = out.figures;
+  auto fail = [&](unsigned status, const char* error, std::string message) {
+    out.http_status = status;
+    out.error = error;
+    out.message = std::move(message);
+    return out;
+  };
+  const size_t n = p.elements;
+  const unsigned trainers = options_.local_trainers;
+  for (auto& part : p.parts) {
+    if (part->still_valid && !part->still_valid()) {
+      return fail(409, "conflict",
+                  "trainer " + std::to_string(part->spec.trainer) +
+                      "'s buffer no longer holds its registered size (was it truncated?)");
+    }
+  }
+
+  // The codec of this tensor; fresh state when the codec or the tensor's size or dtype changed.
+  kernels::CodecConfig config;
+  {
+    std::lock_guard lock(mu_);
+    config = chooser_(t.name, n);
+  }
+  const std::string key = configKey(config);
+  if (!t.codec || key != t.config_key) {
+    auto codec = kernels::createCodec(config);
+    if (!codec) return fail(500, "internal", "codec settings: " + codec.status().message());
+    if (t.codec) {
+      spdlog::info("tensor '{}': codec changed to {}, its codec state starts fresh", t.name,
+                   config.name);
+      fig.state_reset = true;
+    }
+    t.codec = std::move(*codec);
+    t.config_key = key;
+    t.has_state = false;
+  }
+  const kernels::Codec& codec = *t.codec;
+  if (t.has_state && (t.state_elements != n || t.state_dtype != p.dtype)) {
+    spdlog::info("tensor '{}' changed from {} to {} elements ({}): its codec state starts fresh",
+                 t.name, t.state_elements, n, apiDTypeName(p.dtype));
+    fig.state_reset = true;
+    t.has_state = false;
+  }
+  if (!t.has_state) {
+    t.state = kernels::CodecState(codec.stateFloats(n));
+    t.state_elements = n;
+    t.state_dtype = p.dtype;
+    t.has_state = true;
+    if (fig.state_reset) metrics_.state_resets.Increment();
+  }
+  fig.codec = codec.traits().name;
+  fig.elements = n;
+  fig.raw_bytes = n * kernels::dtypeSize(p.dtype);
+
+  // Ingest: the sum of the local trainers' tensors, in trainer order (deterministic).
+  const float* input = nullptr;
+  if (trainers == 1 && p.dtype == DType::kF32) {
+    input = reinterpret_cast<const float*>(p.parts[0]->data);
+  } else {
+    t.sum.resize(n);
+    kernels::parallelFor(&stream_, n, kGrain, [&](size_t lo, size_t hi) {
+      for (unsigned k = 0; k < trainers; ++k) {
+        widenRange(p.dtype, p.parts[k]->data, lo, hi, t.sum.data(), k > 0);
+      }
+    });
+    input = t.sum.data();
+  }
+  fig.durations_us[static_cast<size_t>(metrics::Stage::kIngest)] = microsSince(t0);
+
+  // Compress (and, for multi-round codecs, exchange round by round).
+  kernels::StepContext ctx;
+  ctx.seed = options_.seed;
+  ctx.name_key = kernels::tensorNameKey(t.name);
+  ctx.step = step;
+  ctx.rank = 0;
+  ctx.stream = &stream_;
+  ctx.shape = p.shape;
+  const kernels::ConstTensor tensor{input, n, DType::kF32};
+  const kernels::Chunking chunking = kernels::chunkingFor(codec, n, options_.chunk_elements);
+  t.workspace.resize(codec.workspaceBytes(chunking));
+  if (auto s = codec.analyze(ctx, chunking, tensor, t.state, t.workspace); !s.isOk()) {
+    return fail(500, "internal", "compressing: " + s.message());
+  }
+  const int rounds = codec.traits().rounds;
+  std::vector<std::vector<std::vector<uint8_t>>> reduced;  // per chunk: payloads to decode
+  std::vector<std::vector<uint8_t>> round_payloads;        // multi-round: reduced of each round
+  double exchange_us = 0.0, compress_us = 0.0;
+  for (int r = 0; r < rounds; ++r) {
+    const auto tc = Clock::now();
+    std::vector<std::vector<uint8_t>> payloads(chunking.count());
+    for (size_t c = 0; c < chunking.count(); ++c) {
+      payloads[c].resize(codec.maxPayloadBytes(chunking.size(c)));
+      std::span<const uint8_t> previous;
+      if (r > 0) previous = round_payloads.back();
+      auto size = codec.encodeChunk(ctx, chunking, c, r, previous, tensor, t.state, t.workspace,
+                                    payloads[c]);
+      if (!size) return fail(500, "internal", "compressing: " + size.status().message());
+      payloads[c].resize(*size);
+      fig.wire_bytes += *size;
+    }
+    compress_us += microsSince(tc);
+    const auto te = Clock::now();
+    ExchangeRound er{t.name, step, r, codec, chunking, payloads};
+    auto got = exchange_.run(er);
+    if (!got) return fail(502, "exchange_failed", got.status().message());
+    exchange_us += microsSince(te);
+    if (rounds > 1) {
+      if (got->size() != 1 || (*got)[0].size() != 1) {
+        return fail(500, "internal", "multi-round codec exchange returned more than one payload");
+      }
+      round_payloads.push_back(std::move((*got)[0][0]));
+    } else {
+      reduced = std::move(*got);
+    }
+  }
+  fig.durations_us[static_cast<size_t>(metrics::Stage::kCompress)] = compress_us;
+  fig.durations_us[static_cast<size_t>(metrics::Stage::kExchange)] = exchange_us;
+
+  // Decompress and average over every trainer of every sidecar.
+  const auto t2 = Clock::now();
+  const float weight = 1.0f / static_cast<float>(exchange_.worldSize() * trainers);
+  t.result.assign(n, 0.0f);
+  if (rounds > 1) {
+    std::vector<std::span<const uint8_t>> spans(round_payloads.begin(), round_payloads.end());
+    if (auto s = codec.decodeRounds(spans, weight, t.result.data(), n); !s.isOk()) {
+      return fail(500, "internal", "decompressing: " + s.message());
+    }
+    if (auto s = codec.finishStep(ctx, chunking, spans, weight, tensor, t.state, t.workspace);
+        !s.isOk()) {
+      return fail(500, "internal", "finishing the step: " + s.message());
+    }
+  } else {
+    for (size_t c = 0; c < reduced.size(); ++c) {
+      for (const auto& payload : reduced[c]) {
+        auto s = codec.decodeChunk(payload, weight, t.result.data() + chunking.begin(c),
+                                   chunking.size(c));
+        if (!s.isOk()) return fail(502, "exchange_failed", "decompressing: " + s.message());
+      }
+    }
+  }
+  // Non-finite results are returned as plain averaging would, and the state is not committed.
+  bool nonfinite = false;
+  for (size_t i = 0; i < n && !nonfinite; ++i) nonfinite = !std::isfinite(t.result[i]);
+  fig.nonfinite = nonfinite;
+  for (auto& part : p.parts) {
+    kernels::parallelFor(&stream_, n, kGrain, [&](size_t lo, size_t hi) {
+      narrowRange(p.dtype, t.result.data(), lo, hi, part->data);
+    });
+  }
+  if (!nonfinite) t.state.commit();
+  fig.durations_us[static_cast<size_t>(metrics::Stage::kDecompress)] = microsSince(t2);
+  fig.durations_us[static_cast<size_t>(metrics::Stage::kTotal)] = microsSince(t0);
+
+  metrics_.raw_bytes.Increment(static_cast<double>(fig.raw_bytes));
+  for (size_t s = 0; s < metrics::kStageCount; ++s) {
+    metrics_.stage(static_cast<metrics::Stage>(s)).Observe(fig.durations_us[s] * 1e-6);
+  }
+  if (fig.wire_bytes > 0) {
+    metrics_.compressionRatio(fig.codec).Set(static_cast<double>(fig.raw_bytes) /
+                                             static_cast<double>(fig.wire_bytes));
+  }
+  return out;
+}
+
+boost::json::array StepEngine::tensorsJson() const {
+  boost::json::array out;
+  std::lock_guard lock(mu_);
+  for (const auto& [name, t] : tensors_) {
+    boost::json::object o{{"name", name},
+                          {"elements", t->elements},
+                          {"dtype", apiDTypeName(t->dtype)},
+                          {"codec", t->codec_name},
+                          {"state_bytes", t->state_bytes},
+                          {"pending_steps", t->pending.size()}};
+    o["last_step"] = t->last_step ? boost::json::value(*t->last_step) : boost::json::value(nullptr);
+    o["last_committed_step"] =
+        t->last_committed ? boost::json::value(*t->last_committed) : boost::json::value(nullptr);
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+uint64_t StepEngine::stepsOk() const {
+  std::lock_guard lock(mu_);
+  return steps_ok_;
+}
+
+uint64_t StepEngine::stepsFailed() const {
+  std::lock_guard lock(mu_);
+  return steps_failed_;
+}
+
+void StepEngine::shutdown() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace lightwire::proxy

@@ -1,0 +1,152 @@
+#pragma once
+// One step of one tensor, from the trainers' contributions to their results (DESIGN.md §1): wait
+// for every local trainer's part of (tensor, step), sum them, compress the sum with the tensor's
+// codec (state prepared, not committed), exchange with the other sidecars (the Exchange seam;
+// world size 1 until the peer-exchange issue), decompress and average, write each trainer's
+// result, and commit the codec state only when all of that succeeded.
+
+#include <boost/json/array.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/parallel.h"
+#include "metrics/metrics.h"
+
+namespace lightwire::proxy {
+
+/// What a trainer says about the tensor it sends.
+struct TensorSpec {
+  std::string name;
+  uint64_t step = 0;
+  unsigned trainer = 0;
+  kernels::DType dtype = kernels::DType::kF32;
+  std::vector<uint64_t> shape;  // empty = 1-D
+  uint64_t elements = 0;
+};
+
+/// One trainer's part of a step: where its tensor is, and where its result goes (the same bytes).
+struct Contribution {
+  TensorSpec spec;
+  std::byte* data = nullptr;          // elements * dtypeSize(dtype) bytes, read then overwritten
+  std::shared_ptr<void> keep_alive;   // owns `data` (a request body, a mapped region)
+  std::function<bool()> still_valid;  // checked right before the bytes are touched (may be empty)
+};
+
+/// Figures of a completed step (the JSON reply of docs/api.md).
+struct StepFigures {
+  std::string codec;
+  uint64_t elements = 0, raw_bytes = 0, wire_bytes = 0;
+  bool nonfinite = false, state_reset = false;
+  double durations_us[metrics::kStageCount] = {};
+};
+
+/// How a step ended for one trainer. `http_status` 200 means success.
+struct StepOutcome {
+  unsigned http_status = 200;
+  std::string error;  // docs/api.md error code
+  std::string message;
+  StepFigures figures;
+};
+using StepDone = std::function<void(StepOutcome)>;
+
+/// One exchange round of one step of one tensor, as this sidecar sees it.
+struct ExchangeRound {
+  const std::string& tensor;
+  uint64_t step;
+  int round;
+  const kernels::Codec& codec;
+  const kernels::Chunking& chunking;
+  std::vector<std::vector<uint8_t>>& payloads;  // this sidecar's payload of every chunk
+};
+
+/// The seam to the other sidecars. For each chunk it returns the payloads to decode: the reduced
+/// (summed) payload for summable and multi-round codecs, or every sidecar's payload otherwise.
+class Exchange {
+ public:
+  virtual ~Exchange() = default;
+  virtual unsigned worldSize() const = 0;
+  virtual Result<std::vector<std::vector<std::vector<uint8_t>>>> run(ExchangeRound& round) = 0;
+};
+
+/// World size 1: this sidecar's payloads are the reduced ones.
+class LocalExchange final : public Exchange {
+ public:
+  unsigned worldSize() const override { return 1; }
+  Result<std::vector<std::vector<std::vector<uint8_t>>>> run(ExchangeRound& round) override;
+};
+
+/// Picks the codec settings of a tensor (name, elements): compression.default and rules.
+using CodecChooser = std::function<kernels::CodecConfig(std::string_view, uint64_t)>;
+
+struct EngineOptions {
+  unsigned local_trainers = 1;
+  unsigned threads = 1;
+  uint64_t chunk_elements = uint64_t{1} << 20;
+  std::chrono::milliseconds step_timeout{120000};
+  size_t max_pending_steps = 4096;
+  uint32_t seed = 0;  // Philox key word 0 (job seed)
+};
+
+/// Runs steps. submit() is thread-safe and never blocks on a step; results come through the
+/// StepDone callbacks, called from the engine's thread.
+class StepEngine {
+ public:
+  StepEngine(EngineOptions options, CodecChooser chooser, metrics::Metrics& metrics,
+             Exchange& exchange);
+  ~StepEngine();
+
+  /// Adds one trainer's contribution. Refused at once (done called before submit returns) when
+  /// it conflicts: same (tensor, step, trainer) pending, a step not after the last committed one,
+  /// a size or dtype different from the other trainers' for that step, too many steps pending.
+  void submit(Contribution c, StepDone done);
+  /// New codec settings; each tensor's next step uses them (fresh state when its codec changes).
+  void setChooser(CodecChooser chooser);
+  /// Tensors for /v1/status.
+  boost::json::array tensorsJson() const;
+  /// Steps completed and failed so far.
+  uint64_t stepsOk() const;
+  uint64_t stepsFailed() const;
+  /// Fails every waiting step with 503 and finishes the running one; later submits get 503.
+  void shutdown();
+
+ private:
+  struct Pending;
+  struct Tensor;
+  void loop();
+  void runStep(Tensor& t, uint64_t step, Pending& p);
+  StepOutcome execute(Tensor& t, uint64_t step, Pending& p);
+  void failPending(Pending& p, unsigned status, const std::string& error,
+                   const std::string& message);
+
+  EngineOptions options_;
+  metrics::Metrics& metrics_;
+  Exchange& exchange_;
+  kernels::CpuStream stream_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  CodecChooser chooser_;
+  std::map<std::string, std::unique_ptr<Tensor>> tensors_;
+  std::deque<std::pair<std::string, uint64_t>> ready_;  // (tensor, step) with every part in
+  size_t pending_count_ = 0;
+  bool stopping_ = false;
+  uint64_t steps_ok_ = 0, steps_failed_ = 0;
+  std::thread thread_;
+};
+
+/// The API name of a dtype ("float32", ...).
+const char* apiDTypeName(kernels::DType t);
+
+}  // namespace lightwire::proxy

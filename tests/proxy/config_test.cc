@@ -1,0 +1,614 @@
+// The serve configuration (proxy/config.h): defaults, precedence of file < environment < flags,
+// errors naming key and source, codec rules, the JSON forms and the generated --help.
+#include <doctest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "proxy/config.h"
+
+namespace json = boost::json;
+using namespace lightwire::proxy;
+
+namespace {
+
+/// A directory from mkdtemp, removed with its files at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/lightwire-config-test-XXXXXX";
+    const char* d = mkdtemp(tmpl);
+    REQUIRE(d != nullptr);
+    path_ = d;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  std::string write(const std::string& name, const std::string& text) const {
+    const std::string p = path_ + "/" + name;
+    std::ofstream(p) << text;
+    return p;
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+FlagValues flagsOf(std::map<std::string, std::string> values) {
+  FlagValues f;
+  f.values = std::move(values);
+  return f;
+}
+
+/// The JSON value at a dotted path of toJson(c).
+json::value at(const ServeConfig& c, const std::string& path) {
+  json::value v = toJson(c);
+  size_t begin = 0;
+  while (true) {
+    const size_t dot = path.find('.', begin);
+    v = v.as_object().at(path.substr(begin, dot == std::string::npos ? path.npos : dot - begin));
+    if (dot == std::string::npos) return v;
+    begin = dot + 1;
+  }
+}
+
+/// A YAML file setting one key (nested maps), the value single-quoted.
+std::string yamlFor(const std::string& path, const std::string& value) {
+  std::string out, indent;
+  size_t begin = 0;
+  for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', begin)) {
+    out += indent + path.substr(begin, dot - begin) + ":\n";
+    indent += "  ";
+    begin = dot + 1;
+  }
+  std::string quoted;
+  for (char ch : value) quoted += ch == '\'' ? std::string("''") : std::string(1, ch);
+  return out + indent + path.substr(begin) + ": '" + quoted + "'\n";
+}
+
+const ConfigKey& keyOf(const std::string& path) {
+  for (const auto& k : serveConfigKeys()) {
+    if (k.path == path) return k;
+  }
+  FAIL("no key " << path);
+  throw 0;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("config: defaults") {
+  std::vector<std::string> warnings;
+  auto c = buildServeConfig(std::nullopt, {}, {}, &warnings);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  CHECK(warnings.empty());
+  CHECK(c->job_id == "default");
+  CHECK(c->local_trainers == 1);
+  CHECK(c->threads == 0);
+  CHECK(c->log_level == "info");
+  CHECK(c->control_socket == "/run/lightwire/lightwire.sock");
+  REQUIRE(c->control_tcp);
+  CHECK(c->control_tcp->host == "127.0.0.1");
+  CHECK(c->control_tcp->port == 4780);
+  REQUIRE(c->admin_listen);
+  CHECK(c->admin_listen->toString() == "0.0.0.0:4782");
+  CHECK(c->limits.max_body_bytes == 1073741824u);
+  CHECK(c->limits.max_header_bytes == 16384u);
+  CHECK(c->limits.idle_timeout_s == 60);
+  CHECK(c->limits.step_timeout_s == 120);
+  CHECK(c->limits.max_buffers == 1024);
+  CHECK(c->limits.max_pending_steps == 4096);
+  CHECK(c->limits.max_connections == 256);
+  CHECK(c->token.empty());
+  CHECK(c->compression.chunk_elements == 1048576u);
+  CHECK(c->compression.default_codec.name == "none");
+  CHECK(!c->compression.default_codec.density);
+  CHECK(c->compression.default_codec.sample_fraction == 0.01);
+  CHECK(!c->compression.default_codec.error_feedback);
+  CHECK(c->compression.rules.empty());
+  // The table's defaults and the struct's initialisers agree.
+  CHECK(json::serialize(toJson(*c)) == json::serialize(toJson(ServeConfig{})));
+}
+
+TEST_CASE("config: every key: file < environment < flag") {
+  // Three valid values per key, for the file, the environment and the flag.
+  const std::map<std::string, std::vector<std::string>> values = {
+      {"job_id", {"a", "b", "c"}},
+      {"local_trainers", {"2", "3", "4"}},
+      {"threads", {"1", "2", "3"}},
+      {"log_level", {"debug", "warn", "error"}},
+      {"control.socket", {"/tmp/a.sock", "/tmp/b.sock", ""}},
+      {"control.tcp", {"127.0.0.1:1", "[::1]:2", ""}},
+      {"admin.listen", {"0.0.0.0:1", "localhost:0", ""}},
+      {"limits.max_body_bytes", {"10", "20", "30"}},
+      {"limits.max_header_bytes", {"2048", "4096", "8192"}},
+      {"limits.idle_timeout_s", {"1.5", "2.5", "3.5"}},
+      {"limits.step_timeout_s", {"1.5", "2.5", "3.5"}},
+      {"limits.max_buffers", {"2", "3", "4"}},
+      {"limits.max_pending_steps", {"2", "3", "4"}},
+      {"limits.max_connections", {"2", "3", "4"}},
+      {"security.token", {"tok-file", "tok-env", "tok-flag"}},
+      {"compression.chunk_elements", {"2", "3", "4"}},
+      {"compression.default.codec", {"fp16", "signsgd", "terngrad"}},
+      {"compression.default.density", {"0.1", "0.2", "0.3"}},
+      {"compression.default.ratio", {"2", "3", "4"}},
+      {"compression.default.bits", {"2", "3", "4"}},
+      {"compression.default.bucket_size", {"64", "128", "256"}},
+      {"compression.default.momentum", {"0.1", "0.2", "0.3"}},
+      {"compression.default.clip_norm", {"1", "2", "3"}},
+      {"compression.default.sample_fraction", {"0.001", "0.002", "0.003"}},
+      {"compression.default.values", {"float16", "float32", "float16"}},
+      {"compression.default.threshold", {"0.1", "0.2", "0.3"}},
+      {"compression.default.error_feedback", {"true", "off", "on"}},
+      {"compression.default.approx_rank", {"2", "3", "4"}},
+  };
+  TempDir dir;
+  for (const auto& k : serveConfigKeys()) {
+    CAPTURE(k.path);
+    auto it = values.find(k.path);
+    REQUIRE_MESSAGE(it != values.end(), "no test values for " << k.path);
+    const auto& v = it->second;
+    const std::string file = dir.write("c.yaml", yamlFor(k.path, v[0]));
+    const std::vector<std::string> env = {k.env + "=" + v[1]};
+    const FlagValues flag = flagsOf({{k.path, v[2]}});
+
+    auto get = [&](const ServeConfig& c) -> std::string {
+      if (k.secret) return c.token;  // toJson() only shows "<redacted>"
+      return json::serialize(at(c, k.path));
+    };
+    auto build = [&](bool f, bool e, bool fl) {
+      std::vector<std::string> w;
+      auto c = buildServeConfig(f ? std::optional(file) : std::nullopt,
+                                e ? env : std::vector<std::string>{}, fl ? flag : FlagValues{}, &w);
+      REQUIRE_MESSAGE(c.isOk(), c.status().message());
+      return get(*c);
+    };
+    const std::string only_file = build(true, false, false);
+    const std::string only_env = build(false, true, false);
+    const std::string only_flag = build(false, false, true);
+    const std::string none = build(false, false, false);
+    CHECK(only_file != none);
+    CHECK(only_file != only_env);
+    CHECK(only_env != only_flag);
+    CHECK(build(true, true, false) == only_env);
+    CHECK(build(true, false, true) == only_flag);
+    CHECK(build(false, true, true) == only_flag);
+    CHECK(build(true, true, true) == only_flag);
+  }
+}
+
+TEST_CASE("config: bad values name the key and the source, from every source") {
+  struct Bad {
+    std::string path, raw, says;
+  };
+  const std::vector<Bad> bad = {
+      {"job_id", "", "must not be empty"},
+      {"local_trainers", "0", "1..1024"},
+      {"local_trainers", "1025", "1..1024"},
+      {"local_trainers", "-1", "1..1024"},
+      {"local_trainers", "+1", "1..1024"},
+      {"local_trainers", "1e3", "1..1024"},
+      {"local_trainers", "12abc", "1..1024"},
+      {"local_trainers", " 2", "1..1024"},
+      {"local_trainers", "99999999999999999999", "1..1024"},
+      {"threads", "1025", "0..1024"},
+      {"threads", "1.5", "0..1024"},
+      {"log_level", "loud", "trace, debug"},
+      {"log_level", "INFO", "trace, debug"},
+      {"control.tcp", "nohost", "host:port"},
+      {"control.tcp", "127.0.0.1:70000", "host:port"},
+      {"control.tcp", "127.0.0.1:-1", "host:port"},
+      {"control.tcp", ":4780", "host:port"},
+      {"control.tcp", "::1:4780", "host:port"},
+      {"control.tcp", "[::1]", "host:port"},
+      {"admin.listen", "0.0.0.0:", "host:port"},
+      {"limits.max_body_bytes", "abc", "must be a positive integer"},
+      {"limits.max_body_bytes", "0", "must be a positive integer"},
+      {"limits.max_body_bytes", "18446744073709551616", "must be a positive integer"},
+      {"limits.max_header_bytes", "100", "1024..1048576"},
+      {"limits.idle_timeout_s", "0", "> 0"},
+      {"limits.idle_timeout_s", "-1", "> 0"},
+      {"limits.idle_timeout_s", "nan", "> 0"},
+      {"limits.idle_timeout_s", "inf", "> 0"},
+      {"limits.step_timeout_s", "1e300", "> 0"},
+      {"limits.max_buffers", "2147483648", "1..2147483647"},
+      {"limits.max_connections", "0", "1..2147483647"},
+      {"compression.chunk_elements", "0", "positive integer"},
+      {"compression.default.density", "2", "(0, 1]"},
+      {"compression.default.density", "0", "(0, 1]"},
+      {"compression.default.ratio", "0.5", ">= 1"},
+      {"compression.default.bits", "-1", "0..2147483647"},
+      {"compression.default.bucket_size", "4294967296", "0..4294967295"},
+      {"compression.default.momentum", "x", "finite number"},
+      {"compression.default.values", "bfloat16", "float32 or float16"},
+      {"compression.default.error_feedback", "maybe", "true, false, on or off"},
+      {"compression.default.codec", "", "codec name"},
+  };
+  TempDir dir;
+  for (const auto& b : bad) {
+    CAPTURE(b.path);
+    CAPTURE(b.raw);
+    const ConfigKey& k = keyOf(b.path);
+    const std::string file = dir.write("bad.yaml", yamlFor(b.path, b.raw));
+    auto f = buildServeConfig(file, {}, {}, nullptr);
+    REQUIRE(!f.isOk());
+    const std::string& fm = f.status().message();
+    CAPTURE(fm);
+    CHECK(fm.rfind("file " + file + ": " + b.path + " ", 0) == 0);
+    CHECK(contains(fm, b.says));
+    CHECK(contains(fm, "got '" + b.raw + "'"));
+
+    auto e = buildServeConfig(std::nullopt, {k.env + "=" + b.raw}, {}, nullptr);
+    REQUIRE(!e.isOk());
+    const std::string& em = e.status().message();
+    CAPTURE(em);
+    CHECK(em.rfind("environment " + k.env + ": " + b.path + " ", 0) == 0);
+    CHECK(contains(em, b.says));
+
+    auto fl = buildServeConfig(std::nullopt, {}, flagsOf({{b.path, b.raw}}), nullptr);
+    REQUIRE(!fl.isOk());
+    const std::string& flm = fl.status().message();
+    CAPTURE(flm);
+    CHECK(flm.rfind("flag " + k.flag + ": " + b.path + " ", 0) == 0);
+    CHECK(contains(flm, b.says));
+  }
+}
+
+TEST_CASE("config: a bad token is refused without showing it") {
+  auto c = buildServeConfig(std::nullopt, {"LIGHTWIRE_SECURITY__TOKEN=has space"}, {}, nullptr);
+  REQUIRE(!c.isOk());
+  CHECK(contains(c.status().message(), "environment LIGHTWIRE_SECURITY__TOKEN: security.token"));
+  CHECK(!contains(c.status().message(), "has space"));
+}
+
+TEST_CASE("config: YAML structure errors name the key, never throw") {
+  TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"limits: 5\n", "limits must be a map"},
+      {"limits:\n  max_buffers: [1, 2]\n", "limits.max_buffers must be a single value"},
+      {"limits:\n  max_buffers: {a: 1}\n", "limits.max_buffers must be a single value"},
+      {"job_id:\n  x: 1\n", "job_id must be a single value"},
+      {"compression:\n  rules: {a: 1}\n", "compression.rules must be a list"},
+      {"compression:\n  rules: [5]\n", "compression.rules[0] must be a map"},
+      {"- a\n- b\n", "the top level must be a map"},
+      {"limits: [\n", "invalid YAML at line"},
+      {"? [a, b]\n: 1\n", "not a plain name"},
+      {"limits:\n  max_bodies: 1\n", "unknown key 'limits.max_bodies'"},
+      {"peer:\n  port: 1\n", "unknown key 'peer'"},
+      {"compression:\n  default:\n    desnity: 0.1\n", "unknown key 'compression.default.desnity'"},
+  };
+  for (const auto& [text, says] : cases) {
+    CAPTURE(text);
+    const std::string file = dir.write("s.yaml", text);
+    auto c = buildServeConfig(file, {}, {}, nullptr);
+    REQUIRE(!c.isOk());
+    CHECK(c.status().message().rfind("file " + file + ": ", 0) == 0);
+    CHECK_MESSAGE(contains(c.status().message(), says), c.status().message());
+  }
+  // An empty file and a null value are fine (nothing set).
+  auto empty = buildServeConfig(dir.write("e.yaml", ""), {}, {}, nullptr);
+  CHECK_MESSAGE(empty.isOk(), empty.status().message());
+  auto null_section = buildServeConfig(dir.write("n.yaml", "limits:\n"), {}, {}, nullptr);
+  CHECK(null_section.isOk());
+}
+
+TEST_CASE("config: a missing or unreadable file is an error naming it") {
+  TempDir dir;
+  const std::string missing = dir.path() + "/nope.yaml";
+  auto c = buildServeConfig(missing, {}, {}, nullptr);
+  REQUIRE(!c.isOk());
+  CHECK(contains(c.status().message(), missing));
+  auto d = buildServeConfig(dir.path(), {}, {}, nullptr);  // a directory
+  REQUIRE(!d.isOk());
+  CHECK(contains(d.status().message(), dir.path()));
+}
+
+TEST_CASE("config: a full file") {
+  TempDir dir;
+  const std::string file = dir.write("full.yaml", R"(
+job_id: resnet
+local_trainers: 8
+threads: 16
+log_level: debug
+control:
+  socket: /tmp/lw.sock
+  tcp: "[::1]:0"
+admin:
+  listen: ""
+limits:
+  max_body_bytes: 2147483648
+  idle_timeout_s: 30
+security:
+  token: abc
+compression:
+  chunk_elements: 262144
+  default:
+    codec: topk
+    density: 0.01
+    values: float16
+    error_feedback: on
+)");
+  auto c = buildServeConfig(file, {}, {}, nullptr);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  CHECK(c->job_id == "resnet");
+  CHECK(c->local_trainers == 8);
+  CHECK(c->threads == 16);
+  CHECK(c->control_socket == "/tmp/lw.sock");
+  REQUIRE(c->control_tcp);
+  CHECK(c->control_tcp->host == "::1");
+  CHECK(c->control_tcp->port == 0);
+  CHECK(!c->admin_listen);
+  CHECK(c->limits.max_body_bytes == 2147483648u);
+  CHECK(c->limits.idle_timeout_s == 30);
+  CHECK(c->token == "abc");
+  CHECK(c->compression.chunk_elements == 262144u);
+  CHECK(c->compression.default_codec.name == "topk");
+  CHECK(c->compression.default_codec.density == 0.01);
+  CHECK(c->compression.default_codec.sparse_values == lightwire::kernels::DType::kF16);
+  CHECK(c->compression.default_codec.error_feedback == true);
+}
+
+TEST_CASE("config: unknown LIGHTWIRE_* variables are warnings; others are ignored") {
+  std::vector<std::string> w;
+  auto c = buildServeConfig(std::nullopt,
+                            {"LIGHTWIRE_BOGUS=1", "PATH=/bin", "LIGHTWIRE_THREADS=2",
+                             "LIGHTWIRE_COMPRESSION__RULES=x", "NOEQUALS", "LIGHTWIRE_JOB_ID"},
+                            {}, &w);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  CHECK(c->threads == 2);
+  REQUIRE(w.size() == 2);
+  CHECK(contains(w[0] + w[1], "LIGHTWIRE_BOGUS"));
+  CHECK(contains(w[0] + w[1], "LIGHTWIRE_COMPRESSION__RULES"));
+  // Null warnings pointer is allowed.
+  CHECK(buildServeConfig(std::nullopt, {"LIGHTWIRE_BOGUS=1"}, {}, nullptr).isOk());
+}
+
+TEST_CASE("config: LIGHTWIRE_SOCKET is an alias of control.socket") {
+  auto a = buildServeConfig(std::nullopt, {"LIGHTWIRE_SOCKET=/tmp/alias.sock"}, {}, nullptr);
+  REQUIRE(a.isOk());
+  CHECK(a->control_socket == "/tmp/alias.sock");
+
+  std::vector<std::string> w;
+  auto both = buildServeConfig(
+      std::nullopt,
+      {"LIGHTWIRE_CONTROL__SOCKET=/tmp/specific.sock", "LIGHTWIRE_SOCKET=/tmp/a.sock"}, {}, &w);
+  REQUIRE(both.isOk());
+  CHECK(both->control_socket == "/tmp/specific.sock");
+  REQUIRE(w.size() == 1);
+  CHECK(contains(w[0], "overrides LIGHTWIRE_SOCKET"));
+
+  auto flag = buildServeConfig(std::nullopt, {"LIGHTWIRE_SOCKET=/tmp/a.sock"},
+                               flagsOf({{"control.socket", "/tmp/flag.sock"}}), nullptr);
+  REQUIRE(flag.isOk());
+  CHECK(flag->control_socket == "/tmp/flag.sock");
+
+  auto bad =
+      buildServeConfig(std::nullopt, {"LIGHTWIRE_SOCKET=/" + std::string(200, 'x')}, {}, nullptr);
+  REQUIRE(!bad.isOk());
+  CHECK(bad.status().message().rfind("environment LIGHTWIRE_SOCKET: control.socket", 0) == 0);
+}
+
+TEST_CASE("config: IPv6 listen addresses") {
+  auto c = buildServeConfig(std::nullopt, {"LIGHTWIRE_ADMIN__LISTEN=[::]:9000"},
+                            flagsOf({{"control.tcp", "[::1]:4780"}}), nullptr);
+  REQUIRE(c.isOk());
+  CHECK(c->control_tcp->host == "::1");
+  CHECK(c->control_tcp->port == 4780);
+  CHECK(c->admin_listen->host == "::");
+  CHECK(c->admin_listen->port == 9000);
+  CHECK(at(*c, "control.tcp").as_string() == "[::1]:4780");
+  CHECK(at(*c, "admin.listen").as_string() == "[::]:9000");
+  CHECK(ListenAddress{"127.0.0.1", 80}.toString() == "127.0.0.1:80");
+}
+
+TEST_CASE("config: rules: pattern, size bounds, first match wins, no inheritance") {
+  TempDir dir;
+  const std::string file = dir.write("rules.yaml", R"(
+compression:
+  default:
+    codec: topk
+    density: 0.01
+    values: float16
+    error_feedback: off
+  rules:
+    - pattern: "embed*"
+      codec: qsgd
+      bits: 4
+    - min_elements: 0
+      max_elements: 1000
+      codec: none
+    - pattern: "*.bias"
+      min_elements: 2000
+      codec: topk
+      ratio: 10
+    - pattern: "*.bias"
+      codec: randomk
+      density: 0.5
+)");
+  auto c = buildServeConfig(file, {}, {}, nullptr);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  const CompressionConfig& cc = c->compression;
+  REQUIRE(cc.rules.size() == 4);
+  CHECK(cc.codecFor("embed.weight", 10).name == "qsgd");  // rule 0 before rule 1
+  CHECK(cc.codecFor("embed.weight", 10).bits == 4);
+  CHECK(cc.codecFor("fc.bias", 10).name == "none");  // size bounds, inclusive
+  CHECK(cc.codecFor("fc.bias", 1000).name == "none");
+  CHECK(cc.codecFor("fc.bias", 1001).name == "randomk");  // rule 2 needs >= 2000
+  const auto& topk = cc.codecFor("fc.bias", 5000);
+  CHECK(topk.name == "topk");
+  CHECK(topk.ratio == 10);
+  CHECK(!topk.density);                                          // not the default's 0.01
+  CHECK(topk.sparse_values == lightwire::kernels::DType::kF32);  // not the default's float16
+  CHECK(!topk.error_feedback);                                   // not the default's off
+  CHECK(&cc.codecFor("fc.weight", 5000) == &cc.default_codec);
+  CHECK(cc.codecFor("fc.weight", 5000).density == 0.01);
+  CHECK(cc.codecFor("xembed", 1u << 20).name == "topk");  // the glob is anchored
+}
+
+TEST_CASE("config: bad rules name compression.rules[i]") {
+  TempDir dir;
+  const std::string good_rule = "    - {pattern: 'a*', codec: none}\n";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"    - {codec: topk, density: 2}\n", "compression.rules[1].density must be"},
+      {"    - {codec: qsgd, bits: 9}\n", "compression.rules[1]: qsgd"},
+      {"    - {codec: topk}\n", "compression.rules[1]: topk"},
+      {"    - {codec: zip}\n", "compression.rules[1]: unknown codec 'zip'"},
+      {"    - {pattern: 'x*'}\n", "compression.rules[1].codec is required"},
+      {"    - {codec: none, bogus: 1}\n", "unknown key 'compression.rules[1].bogus'"},
+      {"    - {codec: none, min_elements: -1}\n", "compression.rules[1].min_elements"},
+      {"    - {codec: none, min_elements: 5, max_elements: 4}\n", "compression.rules[1]: min"},
+      {"    - {codec: none, pattern: ''}\n", "compression.rules[1].pattern"},
+      {"    - {codec: [none]}\n", "compression.rules[1].codec must be a single value"},
+  };
+  for (const auto& [rule, says] : cases) {
+    CAPTURE(rule);
+    const std::string file = dir.write("r.yaml", "compression:\n  rules:\n" + good_rule + rule);
+    auto c = buildServeConfig(file, {}, {}, nullptr);
+    REQUIRE(!c.isOk());
+    CHECK(c.status().message().rfind("file " + file + ": ", 0) == 0);
+    CHECK_MESSAGE(contains(c.status().message(), says), c.status().message());
+  }
+}
+
+TEST_CASE("config: the default codec is validated with createCodec, naming the sources") {
+  TempDir dir;
+  const std::string file =
+      dir.write("d.yaml", "compression:\n  default:\n    codec: topk\n    density: 0.1\n");
+  auto c = buildServeConfig(file, {}, flagsOf({{"compression.default.ratio", "10"}}), nullptr);
+  REQUIRE(!c.isOk());
+  const std::string& m = c.status().message();
+  CHECK(m.rfind("compression.default: topk", 0) == 0);
+  CHECK(contains(m, "density from file " + file));
+  CHECK(contains(m, "ratio from flag --ratio"));
+
+  auto q = buildServeConfig(std::nullopt, {"LIGHTWIRE_COMPRESSION__DEFAULT__CODEC=qsgd"},
+                            flagsOf({{"compression.default.bits", "1"}}), nullptr);
+  REQUIRE(!q.isOk());
+  CHECK(contains(q.status().message(), "bits"));
+  CHECK(contains(q.status().message(), "environment LIGHTWIRE_COMPRESSION__DEFAULT__CODEC"));
+
+  // An override can clear an optional value the file set ("" = unset).
+  auto ok = buildServeConfig(file, {"LIGHTWIRE_COMPRESSION__DEFAULT__DENSITY="},
+                             flagsOf({{"compression.default.ratio", "10"}}), nullptr);
+  REQUIRE_MESSAGE(ok.isOk(), ok.status().message());
+  CHECK(!ok->compression.default_codec.density);
+  CHECK(ok->compression.default_codec.ratio == 10);
+}
+
+TEST_CASE("config: compressionFromJson") {
+  auto good = compressionFromJson(json::parse(R"({
+    "chunk_elements": 4096,
+    "default": {"codec": "topk", "density": 0.05, "error_feedback": false, "bits": 8.0},
+    "rules": [{"pattern": "a*", "max_elements": 100, "codec": "qsgd", "bits": 4}]
+  })"));
+  REQUIRE_MESSAGE(good.isOk(), good.status().message());
+  CHECK(good->chunk_elements == 4096u);
+  CHECK(good->default_codec.name == "topk");
+  CHECK(good->default_codec.density == 0.05);
+  CHECK(good->default_codec.error_feedback == false);
+  REQUIRE(good->rules.size() == 1);
+  CHECK(good->codecFor("ab", 100).bits == 4);
+  CHECK(good->codecFor("ab", 101).name == "topk");
+
+  // Round trip through toJson.
+  auto again = compressionFromJson(toJson(*good));
+  REQUIRE_MESSAGE(again.isOk(), again.status().message());
+  CHECK(json::serialize(toJson(*again)) == json::serialize(toJson(*good)));
+
+  auto empty = compressionFromJson(json::object());
+  REQUIRE(empty.isOk());
+  CHECK(empty->default_codec.name == "none");
+  CHECK(empty->chunk_elements == 1048576u);
+
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"({"default": {"density": "x"}})", "compression.default.density must be"},
+      {R"({"default": {"density": 1.5}})", "compression.default.density must be"},
+      {R"({"default": {"codec": "topk"}})", "compression.default: topk"},
+      {R"({"default": {"bits": -3}})", "compression.default.bits"},
+      {R"({"default": {"bits": 2.5}})", "compression.default.bits"},
+      {R"({"default": 3})", "compression.default must be a map"},
+      {R"({"rules": [{"codec": "qsgd", "bits": 9}]})", "compression.rules[0]: qsgd"},
+      {R"({"rules": [{"codec": "none", "x": 1}]})", "unknown key 'compression.rules[0].x'"},
+      {R"({"rules": {}})", "compression.rules must be a list"},
+      {R"({"bogus": 1})", "unknown key 'compression.bogus'"},
+      {R"({"chunk_elements": 0})", "compression.chunk_elements"},
+      {R"([1])", "compression must be a JSON object"},
+  };
+  for (const auto& [text, says] : bad) {
+    CAPTURE(text);
+    auto r = compressionFromJson(json::parse(text));
+    REQUIRE(!r.isOk());
+    CHECK_MESSAGE(contains(r.status().message(), says), r.status().message());
+  }
+}
+
+TEST_CASE("config: toJson redacts the token") {
+  const std::string secret = "s3cr3t-T0KEN-value";
+  std::vector<std::string> w;
+  auto c = buildServeConfig(std::nullopt, {"LIGHTWIRE_SECURITY__TOKEN=" + secret}, {}, &w);
+  REQUIRE(c.isOk());
+  CHECK(c->token == secret);
+  const std::string text = json::serialize(toJson(*c));
+  CHECK(!contains(text, secret));
+  CHECK(!contains(text, "s3cr3t"));
+  CHECK(at(*c, "security.token").as_string() == "<redacted>");
+
+  auto unset = buildServeConfig(std::nullopt, {}, {}, nullptr);
+  REQUIRE(unset.isOk());
+  CHECK(at(*unset, "security.token").as_string() == "");
+
+  // A token given as a flag works but is warned about.
+  auto flag = buildServeConfig(std::nullopt, {}, flagsOf({{"security.token", secret}}), &w);
+  REQUIRE(flag.isOk());
+  REQUIRE(w.size() == 1);
+  CHECK(contains(w[0], "LIGHTWIRE_SECURITY__TOKEN"));
+  CHECK(!contains(w[0], secret));
+}
+
+TEST_CASE("config: CLI11 flags and --help come from the table") {
+  CLI::App app{"test", "lightwire"};
+  CLI::App* serve = app.add_subcommand("serve", "Run the sidecar");
+  FlagValues flags;
+  addServeFlags(*serve, flags);
+  const std::string help = serve->help();
+  CHECK(contains(help, "--config"));
+  for (const auto& k : serveConfigKeys()) {
+    CAPTURE(k.flag);
+    CHECK(contains(help, k.flag));
+    CHECK(contains(help, k.env));
+  }
+
+  const char* argv[] = {"lightwire", "serve",       "--threads",    "4", "--socket", "",
+                        "--config",  "/etc/x.yaml", "--density=0.5"};
+  app.parse(static_cast<int>(std::size(argv)), argv);
+  CHECK(flags.config_file == "/etc/x.yaml");
+  CHECK(flags.values.at("threads") == "4");
+  CHECK(flags.values.at("control.socket") == "");
+  CHECK(flags.values.at("compression.default.density") == "0.5");
+  CHECK(flags.values.size() == 3);
+  auto c = buildServeConfig(std::nullopt, {}, flags, nullptr);
+  REQUIRE(c.isOk());
+  CHECK(c->threads == 4);
+  CHECK(c->control_socket.empty());
+
+  CLI::App app2{"test", "lightwire"};
+  FlagValues flags2;
+  addServeFlags(app2, flags2);
+  const char* unknown[] = {"lightwire", "--max-bodies", "1"};
+  CHECK_THROWS_AS(app2.parse(3, unknown), CLI::ParseError);
+}
