@@ -52,6 +52,9 @@ struct Shared {
 
 namespace {
 
+constexpr size_t kSmallBuffer = size_t{1} << 16;  // read buffer of a connection
+constexpr size_t kLargeBuffer = size_t{1} << 20;  // ... while it reads a large body
+
 /// One connection: read a request, hand it to the handler, write the reply, repeat while kept
 /// alive.
 template <typename Stream>
@@ -64,6 +67,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
   ~Session() { shared_->connections->fetch_sub(1); }
 
   void start() {
+    buffer_.reserve(kSmallBuffer);
     std::weak_ptr<Session> weak = this->shared_from_this();
     {
       std::lock_guard lock(shared_->mu);
@@ -129,6 +133,11 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
                std::to_string(shared_->limits.max_body_bytes) + " bytes)");
       return;
     }
+    // Beast reads at most the buffer's free capacity (at least 512 bytes) per system call: a large
+    // body gets a large buffer, or 100 MB would take 200 000 reads.
+    if (const auto len = parser_->content_length(); len && *len > kSmallBuffer) {
+      buffer_.reserve(static_cast<size_t>(std::min<uint64_t>(*len, kLargeBuffer)));
+    }
     if (beast::iequals(req[http::field::expect], "100-continue")) {
       auto cont = std::make_shared<http::response<http::empty_body>>(http::status::continue_,
                                                                      req.version());
@@ -158,6 +167,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
     parser_.reset();
     keep_alive_ = req.keep_alive();
     version_ = req.version();
+    head_ = req.method() == http::verb::head;
     busy_ = true;
     auto self = this->shared_from_this();
     shared_->handler(std::move(req), info_, [self](Response r) {
@@ -170,23 +180,33 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
     r.version(version_);
     r.keep_alive(keep_alive_ && !shared_->stopping.load());
     r.prepare_payload();
+    if (head_) {  // headers only (RFC 9110 §9.3.2), or the body would read as the next response
+      const auto length = r.body().size();
+      r.body().clear();
+      r.content_length(length);
+    }
     response_ = std::make_shared<Response>(std::move(r));
     stream_.expires_after(shared_->limits.idle_timeout);  // a client that never reads is dropped
-    http::async_write(stream_, *response_,
-                      [self = this->shared_from_this()](beast::error_code ec, size_t) {
-                        self->busy_ = false;
-                        const bool again = !ec && self->response_->keep_alive();
-                        self->response_.reset();
-                        if (again) {
-                          self->readHeader();
-                        } else {
-                          self->close();
-                        }
-                      });
+    http::async_write(
+        stream_, *response_, [self = this->shared_from_this()](beast::error_code ec, size_t) {
+          self->busy_ = false;
+          const bool again = !ec && self->response_->keep_alive();
+          self->response_.reset();
+          if (again) {
+            if (self->buffer_.capacity() > kSmallBuffer && self->buffer_.size() == 0) {
+              self->buffer_.shrink_to_fit();  // idle connections stay small
+              self->buffer_.reserve(kSmallBuffer);
+            }
+            self->readHeader();
+          } else {
+            self->close();
+          }
+        });
   }
 
   void fail(http::status status, std::string_view code, const std::string& message) {
     keep_alive_ = false;
+    head_ = false;
     busy_ = true;
     write(errorResponse(status, code, message, version_ ? version_ : 11, false));
   }
@@ -209,6 +229,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
   unsigned version_ = 11;
   bool busy_ = false;
   bool closed_ = false;
+  bool head_ = false;
 };
 
 /// Accepts connections of one protocol and starts a Session for each.

@@ -7,6 +7,8 @@
 #include <boost/json/serialize.hpp>
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -15,6 +17,7 @@
 #include "kernels/parallel.h"
 #include "kernels/registry.h"
 #include "proxy/bench_codec.h"
+#include "proxy/bench_ingest.h"
 #include "proxy/config.h"
 #include "proxy/serve.h"
 #include "proxy/version.h"
@@ -156,7 +159,34 @@ int run(int argc, char** argv) {
       ->check(CLI::Range(kMinRuns, 1000000));
   codec->add_flag("--json", f.json, "One JSON object per line");
 
+  CLI::App* ingest = bench->add_subcommand(
+      "ingest", "Round trips through a real `lightwire serve` child process (codec none)");
+  IngestBenchSettings is;
+  const char* py_env = std::getenv("PYTHON");
+  is.python = py_env != nullptr && *py_env != '\0' ? py_env : "/usr/bin/python3";
+  is.python_path = std::string(LIGHTWIRE_SOURCE_DIR) + "/clients/python";
+  bool no_python = false;
+  size_t large_mb = 100;
+  ingest->add_option("--runs", is.small_runs, "Timed 4 KiB round trips per client")
+      ->check(CLI::Range(10, 10000000));
+  ingest->add_option("--large-mb", large_mb, "Size of the large tensor in MB (default 100)")
+      ->check(CLI::Range(size_t{1}, size_t{1900}));
+  ingest->add_option("--large-runs", is.large_runs, "Timed large round trips (median)")
+      ->check(CLI::Range(1, 1000));
+  ingest->add_option("--python", is.python, "Python interpreter for the Python client's figures");
+  ingest->add_option("--python-path", is.python_path, "Directory holding the lightwire package");
+  ingest->add_flag("--no-python", no_python, "Skip the Python client");
+  ingest->add_flag("--json", is.json, "One JSON object");
+
   int rc = 0;
+  ingest->callback([&] {
+    is.large_bytes = large_mb * 1000000;
+    if (no_python) is.python.clear();
+    std::error_code ec;
+    is.self_exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+    if (ec) is.self_exe = argv[0];
+    rc = runIngestBench(is);
+  });
   codec->callback([&] {
     if (!f.all && f.codec.empty())
       throw CLI::ValidationError("--codec", "give --codec NAME or --all");

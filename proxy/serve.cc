@@ -27,7 +27,7 @@ namespace {
 
 constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
-constexpr unsigned kIoThreads = 2;
+constexpr unsigned kIoThreads = 1;  // HTTP handling is light; steps run on the engine
 constexpr auto kDrainLimit = std::chrono::seconds(10);
 
 std::vector<std::string> environment() {

@@ -5,6 +5,7 @@
 #   - the CUDA tests when the CUDA kernels were built: their host-side part, and the GPU part,
 #     which counts as skipped on a machine without a GPU (exit 77), never as passed;
 #   - the golden payload check of the independent reference implementation (one test);
+#   - the Python client and DDP hook tests (pytest) against the real sidecar and PyTorch;
 #   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan).
 # Ends with exactly one line `N passed, M failed[, K skipped]` and exits non-zero when anything
 # failed, including a build. Logs: <prefix>-test-logs/ (prefix: LW_BUILD_PREFIX, default "build").
@@ -106,10 +107,36 @@ if ((release_ok)); then
     note "      (CUDA kernels not built in $release_dir: no CUDA toolkit)"
   fi
 fi
+if ((release_ok)); then
+  doctest_run proxy-release "$release_dir/tests/proxy_tests"
+fi
 if ((asan_ok)); then
   doctest_run kernels-asan "$asan_dir/tests/kernels_tests" \
     ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1 \
     UBSAN_OPTIONS=print_stacktrace=1
+  doctest_run proxy-asan "$asan_dir/tests/proxy_tests" \
+    ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1 UBSAN_OPTIONS=print_stacktrace=1
+fi
+
+note "== Python client and DDP hook (pytest, real sidecar, real PyTorch)"
+if ((release_ok)); then
+  t0=$SECONDS
+  LIGHTWIRE_BIN=$PWD/$release_dir/proxy/lightwire PYTHON=$python bash tests/python/run.sh \
+    >"$logs/python.log" 2>&1
+  rc=$?
+  # pytest's last line: "N passed, M failed, K skipped in T s" (any subset, any order).
+  line=$(grep -E '^[=]* *[0-9]+ (passed|failed|skipped|error)' "$logs/python.log" | tail -n 1)
+  count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' || echo 0; }
+  p=$(count passed) f=$(( $(count failed) + $(count error) )) s=$(count skipped)
+  passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
+  note "      pytest: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s)"
+  if ((f > 0)); then
+    grep -E '^(FAILED|ERROR)' "$logs/python.log" | head -n 20
+    failures+=("pytest: $f test(s), see $logs/python.log")
+  elif ((rc != 0)) || [[ -z "$line" ]]; then
+    tail -n 30 "$logs/python.log"
+    fail "pytest" "exit code $rc, see $logs/python.log"
+  fi
 fi
 
 note "== golden payloads (independent reference implementation)"

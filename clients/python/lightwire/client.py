@@ -1,0 +1,397 @@
+"""HTTP client for the lightwire sidecar's control API (docs/api.md).
+
+Standard library only: ``http.client`` over the control Unix socket (default) or TCP. One
+persistent keep-alive connection per thread; a request that fails on a reused connection
+because the sidecar closed it (idle timeout, restart) is retried once on a new connection.
+"""
+
+import http.client
+import json
+import os
+import socket
+import threading
+from urllib.parse import quote, urlsplit
+
+from ._errors import LightwireError, SidecarUnavailable
+from ._tensor import DTYPE_SIZES, to_wire
+
+DEFAULT_SOCKET = "/run/lightwire/lightwire.sock"
+DEFAULT_CONNECT_TIMEOUT = 5.0
+# Longer than the sidecar's default limits.step_timeout_s (120 s): a step that waits for a slow
+# local trainer must end with the sidecar's 504 (which every trainer gets together), not with
+# one trainer's local timeout.
+DEFAULT_READ_TIMEOUT = 150.0
+
+_RETRYABLE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError,
+              http.client.RemoteDisconnected, http.client.CannotSendRequest)
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTPConnection over an AF_UNIX stream socket."""
+
+    def __init__(self, path, timeout, connect_timeout):
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+        self.connect_timeout = connect_timeout
+
+    def connect(self):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.connect_timeout)
+            sock.connect(self.unix_path)
+            sock.settimeout(self.timeout)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class _TCPHTTPConnection(http.client.HTTPConnection):
+    """HTTPConnection with a connect timeout distinct from the read timeout."""
+
+    def __init__(self, host, port, timeout, connect_timeout):
+        super().__init__(host, port, timeout=timeout)
+        self.connect_timeout = connect_timeout
+
+    def connect(self):
+        sock = socket.create_connection((self.host, self.port), self.connect_timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.timeout)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _q(value):
+    # Tensor names use [A-Za-z0-9_.:/-]; keep ":", "/" and "," literal (legal in a query).
+    return quote(str(value), safe="._-:/,")
+
+
+def _error_from(status, body):
+    try:
+        doc = json.loads(body.decode("utf-8"))
+        if isinstance(doc, dict) and "error" in doc:
+            return LightwireError(status, str(doc.get("error")), str(doc.get("message", "")))
+    except (ValueError, UnicodeDecodeError):
+        pass
+    text = body.decode("utf-8", "replace").strip()
+    return LightwireError(status, "http_%d" % status, text or http.client.responses.get(status, ""))
+
+
+class Response(object):
+    """A complete reply: ``status``, ``headers`` (an http.client.HTTPMessage), ``body``."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status, headers, body):
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def json(self):
+        return json.loads(self.body.decode("utf-8")) if self.body else {}
+
+
+class Client(object):
+    """A client of one sidecar.
+
+    ``socket_path``: the control Unix socket (else env ``LIGHTWIRE_SOCKET``, else
+    ``/run/lightwire/lightwire.sock``). ``url``: ``http://HOST:PORT`` to use TCP instead.
+    ``timeout``: seconds, one number (read timeout; connect timeout min(it, 5 s)) or a
+    ``(connect, read)`` pair. ``trainer``: this trainer's local index, sent when not None.
+    ``token``: bearer token (env ``LIGHTWIRE_TOKEN``), needed on TCP when the sidecar sets one.
+    """
+
+    def __init__(self, socket_path=None, url=None, timeout=None, trainer=None, token=None):
+        if timeout is None:
+            timeout = (DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT)
+        if isinstance(timeout, (tuple, list)):
+            self.connect_timeout, self.read_timeout = float(timeout[0]), float(timeout[1])
+        else:
+            self.read_timeout = float(timeout)
+            self.connect_timeout = min(self.read_timeout, DEFAULT_CONNECT_TIMEOUT)
+        self.trainer = trainer
+        self.token = token if token is not None else os.environ.get("LIGHTWIRE_TOKEN") or None
+        if url is not None:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise ValueError("lightwire: url must look like http://HOST:PORT, got %r" % url)
+            self.url = url
+            self.socket_path = None
+            self._host, self._port = parts.hostname, parts.port or 80
+        else:
+            self.url = None
+            self.socket_path = socket_path or os.environ.get("LIGHTWIRE_SOCKET") or DEFAULT_SOCKET
+        self._local = threading.local()
+        self._all_conns = []
+        self._conns_lock = threading.Lock()
+
+    def __repr__(self):
+        where = self.url if self.url else "unix:" + self.socket_path
+        return "lightwire.Client(%s)" % where
+
+    # ------------------------------------------------------------------ transport
+
+    def _new_conn(self):
+        if self.url is not None:
+            conn = _TCPHTTPConnection(self._host, self._port, self.read_timeout, self.connect_timeout)
+        else:
+            conn = _UnixHTTPConnection(self.socket_path, self.read_timeout, self.connect_timeout)
+        with self._conns_lock:
+            self._all_conns.append(conn)
+        return conn
+
+    def close(self):
+        """Close every connection this client opened (in any thread)."""
+        with self._conns_lock:
+            conns, self._all_conns = self._all_conns, []
+        for c in conns:
+            try:
+                c.close()
+            except Exception:
+                pass
+        self._local = threading.local()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _drop_conn(self):
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        self._local.used = False
+        if conn is not None:
+            conn.close()
+            with self._conns_lock:
+                try:
+                    self._all_conns.remove(conn)
+                except ValueError:
+                    pass
+
+    def request(self, method, path, body=None, headers=None, read_into=None):
+        """Send one request and read the whole reply. Returns a Response (status < 400);
+        raises LightwireError from an error body, SidecarUnavailable on connection problems.
+
+        ``read_into``: callable(status, headers, length) -> writable byte memoryview or None;
+        for a 200 reply whose length it accepts, the body is read into that view (no copy)."""
+        hdrs = {"Host": "localhost"} if self.url is None else {}
+        if self.token:
+            hdrs["Authorization"] = "Bearer " + self.token
+        if headers:
+            hdrs.update(headers)
+        if body is not None and "Content-Length" not in hdrs:
+            hdrs["Content-Length"] = str(memoryview(body).nbytes if not isinstance(body, str) else len(body.encode()))
+        for attempt in (0, 1):
+            conn = getattr(self._local, "conn", None)
+            reused = conn is not None and getattr(self._local, "used", False)
+            if conn is None:
+                conn = self._local.conn = self._new_conn()
+                self._local.used = False
+            try:
+                conn.request(method, path, body=body, headers=hdrs)
+                resp = conn.getresponse()
+                status = resp.status
+                length = resp.getheader("Content-Length")
+                length = int(length) if length is not None else None
+                target = None
+                if read_into is not None and status == 200 and length is not None:
+                    target = read_into(status, resp.msg, length)
+                if target is not None:
+                    got = 0
+                    while got < length:
+                        n = resp.readinto(target[got:])
+                        if not n:
+                            raise http.client.IncompleteRead(b"", length - got)
+                        got += n
+                    data = target
+                    resp.read()  # lets http.client finish the message
+                else:
+                    data = resp.read()
+                if resp.will_close:
+                    self._drop_conn()
+                else:
+                    self._local.used = True
+            except _RETRYABLE as e:
+                self._drop_conn()
+                if attempt == 0 and reused:
+                    continue  # the sidecar closed a kept-alive connection: once more, afresh
+                raise SidecarUnavailable("%s %s via %s: %s" % (method, path, self._where(), _describe(e))) from e
+            except (socket.timeout, TimeoutError) as e:
+                self._drop_conn()
+                raise SidecarUnavailable("%s %s via %s: timed out" % (method, path, self._where()),
+                                         error="timeout") from e
+            except (OSError, http.client.HTTPException) as e:
+                self._drop_conn()
+                raise SidecarUnavailable("%s %s via %s: %s" % (method, path, self._where(), _describe(e))) from e
+            except BaseException:
+                self._drop_conn()  # e.g. KeyboardInterrupt mid-reply: the connection is unusable
+                raise
+            if status >= 400:
+                raise _error_from(status, bytes(data))
+            return Response(status, resp.msg, data)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _where(self):
+        return self.url if self.url else self.socket_path
+
+    def _json(self, method, path, doc):
+        body = json.dumps(doc).encode("utf-8")
+        return self.request(method, path, body=body, headers={"Content-Type": "application/json"})
+
+    def _trainer(self, trainer):
+        return self.trainer if trainer is None else trainer
+
+    # ------------------------------------------------------------------ API
+
+    def emit_gradient(self, tensor, name, step, trainer=None):
+        """Form 1 (raw body): send ``tensor`` (numpy float32/float16 array, or CPU torch
+        float32/float16/bfloat16 tensor) as this trainer's part of ``step`` of tensor ``name``;
+        returns the averaged tensor, of the same type, dtype and shape (a new object)."""
+        wire = to_wire(tensor)
+        params = [("name", name), ("step", int(step)), ("dtype", wire.dtype)]
+        shape = wire.shape_param()
+        if shape is not None:
+            params.append(("shape", shape))
+        trainer = self._trainer(trainer)
+        if trainer is not None:
+            params.append(("trainer", int(trainer)))
+        path = "/v1/emit_gradient?" + "&".join("%s=%s" % (k, _q(v)) for k, v in params)
+        out = {}
+
+        def read_into(status, headers, length):
+            if length != wire.nbytes:
+                return None
+            obj, view = wire.empty_like()
+            out["obj"] = obj
+            return view
+
+        resp = self.request("POST", path, body=wire.body,
+                            headers={"Content-Type": "application/octet-stream"}, read_into=read_into)
+        if "obj" not in out:
+            raise LightwireError(resp.status, "bad_reply",
+                                 "emit_gradient reply has %d bytes, expected %d" % (len(resp.body), wire.nbytes))
+        self.last_figures = {
+            "codec": resp.headers.get("X-Lightwire-Codec"),
+            "raw_bytes": _int_or_none(resp.headers.get("X-Lightwire-Raw-Bytes")),
+            "wire_bytes": _int_or_none(resp.headers.get("X-Lightwire-Wire-Bytes")),
+            "nonfinite": resp.headers.get("X-Lightwire-Nonfinite") == "1",
+        }
+        return out["obj"]
+
+    def register_buffer(self, shm, size=None):
+        """Register a shared-memory segment (a ``ShmSegment``, or an ``shm_open`` name with its
+        ``size``); returns the buffer id. A ``ShmSegment`` gets its ``buffer_id`` set."""
+        name = getattr(shm, "shm_name", None)
+        if name is None:
+            name = str(shm)
+            if not name.startswith("/"):
+                name = "/" + name
+        if size is None:
+            size = getattr(shm, "size", None)
+            if size is None:
+                raise ValueError("lightwire: register_buffer needs the segment's size")
+        doc = self._json("POST", "/v1/buffers", {"kind": "shm", "name": name, "size": int(size)}).json()
+        bid = str(doc["id"])
+        if hasattr(shm, "buffer_id"):
+            shm.buffer_id = bid
+        return bid
+
+    def release_buffer(self, buffer_id):
+        """``DELETE /v1/buffers/{id}`` (accepts a registered ``ShmSegment`` too)."""
+        seg = None
+        if hasattr(buffer_id, "buffer_id"):
+            seg, buffer_id = buffer_id, buffer_id.buffer_id
+        self.request("DELETE", "/v1/buffers/" + _q(buffer_id))
+        if seg is not None:
+            seg.buffer_id = None
+
+    def emit_gradient_shm(self, buffer, name, step, dtype="float32", shape=None, offset=0, trainer=None):
+        """Form 2: the tensor lies in registered buffer ``buffer`` (an id or a registered
+        ``ShmSegment``) at ``offset``; the averaged result is written there in place. Returns
+        the reply's JSON (the step's figures). ``shape`` defaults to the whole buffer, 1-D."""
+        if hasattr(buffer, "buffer_id"):
+            if buffer.buffer_id is None:
+                raise ValueError("lightwire: %r is not registered" % (buffer,))
+            if shape is None:
+                shape = [(buffer.size - int(offset)) // DTYPE_SIZES[dtype]]
+            buffer = buffer.buffer_id
+        if shape is None:
+            raise ValueError("lightwire: emit_gradient_shm needs a shape")
+        if isinstance(shape, int):
+            shape = [shape]
+        doc = {"name": name, "step": int(step), "buffer": str(buffer), "offset": int(offset),
+               "dtype": dtype, "shape": [int(d) for d in shape]}
+        trainer = self._trainer(trainer)
+        if trainer is not None:
+            doc["trainer"] = int(trainer)
+        return self._json("POST", "/v1/emit_gradient", doc).json()
+
+    def report(self, step, loss=None, fallbacks=None, trainer=None):
+        """``POST /v1/report``: the trainer's loss and/or fallback count for ``step``."""
+        doc = {"step": int(step)}
+        trainer = self._trainer(trainer)
+        if trainer is not None:
+            doc["trainer"] = int(trainer)
+        if loss is not None:
+            doc["loss"] = float(loss)
+        if fallbacks is not None:
+            doc["fallbacks"] = int(fallbacks)
+        return self._json("POST", "/v1/report", doc).json()
+
+    def put_config(self, compression):
+        """``PUT /v1/config`` with the ``compression`` settings (a dict)."""
+        return self._json("PUT", "/v1/config", compression).json()
+
+    def status(self):
+        """``GET /v1/status`` as a dict."""
+        return self.request("GET", "/v1/status").json()
+
+    def metrics(self):
+        """``GET /metrics`` as text."""
+        return bytes(self.request("GET", "/metrics").body).decode("utf-8")
+
+    def healthz(self):
+        """True when ``GET /healthz`` answers 200; False when it does not or cannot be reached."""
+        try:
+            return self.request("GET", "/healthz").status == 200
+        except LightwireError:
+            return False
+
+
+def _int_or_none(v):
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _describe(e):
+    s = str(e)
+    return "%s: %s" % (type(e).__name__, s) if s else type(e).__name__
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def default_client():
+    """The module-level client, created on first use from ``LIGHTWIRE_SOCKET``."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Client()
+        return _default
+
+
+def emit_gradient(tensor, name, step, trainer=None):
+    """``default_client().emit_gradient(...)``."""
+    return default_client().emit_gradient(tensor, name=name, step=step, trainer=trainer)
+
+
+def report(step, loss=None, fallbacks=None, trainer=None):
+    """``default_client().report(...)``."""
+    return default_client().report(step, loss=loss, fallbacks=fallbacks, trainer=trainer)

@@ -1,0 +1,220 @@
+"""PyTorch DDP communication hook that averages gradient buckets through the sidecar.
+
+    import lightwire.torch as lwt
+    state = lwt.LightwireHookState()
+    ddp_model.register_comm_hook(state, lwt.ddp_comm_hook)
+
+Each bucket goes over the shared-memory path (docs/api.md, Form 2): the flattened gradient is
+copied once into a segment registered with the sidecar, the sidecar writes the mean over all
+trainers back in place, and the hook's future resolves to a tensor viewing that segment (DDP
+copies it into the parameters' gradients; the hook copies nothing back).
+
+Failures (DESIGN.md §10): with ``on_error="fallback"`` (default) a failed step (an error reply,
+a timeout or an unreachable sidecar) is logged, counted in ``state.fallbacks``, reported to the
+sidecar (``/v1/report``) when it can be reached, and the bucket is averaged by the process
+group's own allreduce instead (as PyTorch's ``allreduce_hook``); the next call tries the sidecar
+again. With ``on_error="raise"`` the future carries the exception.
+
+Every rank must fall back at the same step, or the fallback allreduce waits for ranks that never
+join it. A step fails on the sidecar for all its trainers together (they all get the same 5xx
+reply, e.g. 503 while it stops or 504 when a trainer is missing), so they fall back together. A
+rank that cannot reach the sidecar at all (its socket is gone, a connection fails) while the
+others got their replies falls back alone: its allreduce then waits for the process group's
+timeout. With one sidecar per node this happens only if the sidecar dies between its replies to
+two local trainers of the same step.
+"""
+
+import concurrent.futures
+import logging
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ._errors import LightwireError, SidecarUnavailable
+from ._shm import ShmSegment
+from .client import Client
+
+log = logging.getLogger("lightwire.torch")
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class _Slot(object):
+    """One bucket index's shared-memory segment and the tensor viewing it."""
+
+    __slots__ = ("segment", "view", "dtype", "numel")
+
+    def __init__(self, numel, dtype):
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.segment = ShmSegment(nbytes)
+        self.dtype = dtype
+        self.numel = numel
+        self.view = torch.frombuffer(self.segment.buf, dtype=dtype, count=numel)
+
+
+class LightwireHookState(object):
+    """State of ``ddp_comm_hook``.
+
+    ``client``: a ``lightwire.Client`` (default: one from ``LIGHTWIRE_SOCKET``).
+    ``on_error``: ``"fallback"`` or ``"raise"``. ``process_group``: the group of the fallback
+    allreduce (default: the default group). ``name_prefix``: tensor names are
+    ``f"{name_prefix}.{bucket_index}"``. ``trainer``: the local trainer index when env
+    ``LOCAL_RANK`` is unset (default 0). ``max_workers``: threads making HTTP calls.
+
+    Counters: ``fallbacks`` (buckets averaged by the process group instead), ``sidecar_steps``
+    (buckets averaged by the sidecar), ``fallbacks_reported``; ``last_reply`` is the last
+    Form 2 reply (codec, ratio, durations), ``last_error`` the last failure.
+    """
+
+    def __init__(self, client=None, on_error="fallback", process_group=None, name_prefix="bucket",
+                 trainer=None, max_workers=2):
+        if on_error not in ("fallback", "raise"):
+            raise ValueError("on_error must be 'fallback' or 'raise', got %r" % (on_error,))
+        self.client = client if client is not None else Client()
+        self.on_error = on_error
+        self.process_group = process_group
+        self.name_prefix = name_prefix
+        env = os.environ.get("LOCAL_RANK")
+        self.trainer = int(env) if env not in (None, "") else (0 if trainer is None else int(trainer))
+        self.steps = {}            # bucket index -> next step number
+        self.fallbacks = 0
+        self.fallbacks_reported = 0
+        self.sidecar_steps = 0
+        self.last_reply = None
+        self.last_error = None
+        self._slots = {}           # bucket index -> _Slot
+        self._lock = threading.Lock()
+        # HTTP calls run in a small pool; completions (and fallback collectives) run in one
+        # thread, in the order DDP launched the buckets (bucket index order, the same on every
+        # rank), so fallback allreduces are issued in the same order on every rank.
+        self._http = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="lightwire-http")
+        self._ordered = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lightwire-complete")
+
+    # ------------------------------------------------------------------ segments
+
+    def _slot(self, index, numel, dtype):
+        slot = self._slots.get(index)
+        if slot is not None and slot.numel == numel and slot.dtype == dtype:
+            return slot
+        if slot is not None:  # DDP rebuilt its buckets: a new size
+            self._drop_slot(index, slot)
+        slot = _Slot(numel, dtype)
+        self._slots[index] = slot
+        return slot
+
+    def _drop_slot(self, index, slot):
+        self._slots.pop(index, None)
+        bid = slot.segment.buffer_id
+        slot.segment.buffer_id = None
+        if bid is not None:
+            try:
+                self.client.release_buffer(bid)
+            except LightwireError as e:
+                log.debug("lightwire: releasing buffer %s: %s", bid, e)
+        slot.segment.close()
+
+    def close(self):
+        """Wait for the calls in flight, release and unlink every segment, stop the threads."""
+        self._http.shutdown(wait=True)
+        self._ordered.shutdown(wait=True)
+        for index, slot in list(self._slots.items()):
+            self._drop_slot(index, slot)
+
+    # ------------------------------------------------------------------ one bucket
+
+    def _emit(self, slot, name, step, shape):
+        """Runs in an HTTP thread: register if needed, then Form 2. Returns the reply."""
+        seg = slot.segment
+        for attempt in (0, 1):
+            if seg.buffer_id is None:
+                self.client.register_buffer(seg)
+            try:
+                return self.client.emit_gradient_shm(seg.buffer_id, name=name, step=step,
+                                                     dtype=_DTYPES[slot.dtype], shape=shape,
+                                                     trainer=self.trainer)
+            except SidecarUnavailable:
+                # The sidecar went away; a restarted one knows none of our ids (nor can they be
+                # released): register again on the next call.
+                seg.buffer_id = None
+                raise
+            except LightwireError as e:
+                if e.error == "shutting_down":
+                    seg.buffer_id = None
+                elif e.status == 404 and e.error == "not_found" and attempt == 0:
+                    seg.buffer_id = None  # a sidecar that does not know our buffer: register again
+                    continue
+                raise
+
+    def _complete(self, http_future, fut, slot, bucket_buffer, step):
+        """Runs in the ordered thread: resolve the hook's future."""
+        try:
+            reply = http_future.result()
+        except Exception as e:
+            self._failed(e, fut, bucket_buffer, step)
+            return
+        with self._lock:
+            self.sidecar_steps += 1
+            self.last_reply = reply
+        pending = self.fallbacks - self.fallbacks_reported
+        if pending > 0:
+            self._report_fallbacks(step, pending)
+        fut.set_result(slot.view.view(bucket_buffer.shape))
+
+    def _failed(self, e, fut, bucket_buffer, step):
+        self.last_error = e
+        if self.on_error == "raise" or not isinstance(e, (LightwireError, OSError, ValueError, TypeError)):
+            fut.set_exception(e)
+            return
+        with self._lock:
+            self.fallbacks += 1
+        log.warning("lightwire: step %d failed (%s); this bucket falls back to the process "
+                    "group's allreduce (%d fallbacks so far)", step, e, self.fallbacks)
+        try:
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            world = dist.get_world_size(group)
+            bucket_buffer.div_(world)
+            dist.all_reduce(bucket_buffer, group=group, async_op=True).wait()
+        except Exception as e2:  # the fallback itself failed: nothing left to try
+            fut.set_exception(e2)
+            return
+        self._report_fallbacks(step, self.fallbacks - self.fallbacks_reported)
+        fut.set_result(bucket_buffer)
+
+    def _report_fallbacks(self, step, count):
+        if count <= 0:
+            return
+        try:
+            self.client.report(step, fallbacks=count, trainer=self.trainer)
+        except LightwireError:
+            return  # unreachable: reported with the next successful step
+        with self._lock:
+            self.fallbacks_reported += count
+
+
+def ddp_comm_hook(state, bucket):
+    """DDP communication hook: ``ddp_model.register_comm_hook(state, ddp_comm_hook)`` with a
+    ``LightwireHookState``. Returns a ``torch.futures.Future`` of the bucket's averaged
+    gradient (the sidecar divides by the number of trainers, as DDP expects)."""
+    buf = bucket.buffer()
+    index = bucket.index()
+    step = state.steps.get(index, 0)
+    state.steps[index] = step + 1
+    fut = torch.futures.Future()
+    try:
+        if buf.dtype not in _DTYPES or buf.device.type != "cpu":
+            raise TypeError("lightwire: bucket %d has dtype %s on %s; the sidecar takes CPU "
+                            "float32, float16 or bfloat16" % (index, buf.dtype, buf.device))
+        flat = buf.view(-1) if buf.is_contiguous() else buf.reshape(-1)
+        slot = state._slot(index, flat.numel(), buf.dtype)
+        slot.view.copy_(flat)  # the only copy
+    except (OSError, ValueError, TypeError) as e:  # e.g. /dev/shm full: this bucket falls back
+        done = concurrent.futures.Future()
+        done.set_exception(e)
+        state._ordered.submit(state._complete, done, fut, None, buf, step)
+        return fut
+    name = "%s.%d" % (state.name_prefix, index)
+    http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()])
+    state._ordered.submit(state._complete, http_future, fut, slot, buf, step)
+    return fut

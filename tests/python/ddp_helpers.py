@@ -1,0 +1,61 @@
+"""A small learnable task trained with DDP (gloo, CPU), with or without the lightwire hook."""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+STEPS = 300
+LR = 0.2
+SEED = 0
+
+
+def init_pg(store_dir, rank=0, world_size=1):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = os.path.join(str(store_dir), "store-%d" % os.getpid() if world_size == 1 else "store")
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world_size)
+
+
+def destroy_pg():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def task(rank=0, world_size=1, seed=SEED):
+    """Regression of a smooth function with a 16-64-1 MLP; each rank holds an equal shard."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(512, 16, generator=g)
+    w = torch.randn(16, 1, generator=g)
+    y = torch.sin(X @ w) + 0.5 * X[:, :1] ** 2
+    n = X.shape[0] // world_size
+    return X[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def model(seed=SEED):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+
+def train(state=None, steps=STEPS, rank=0, world_size=1, on_step=None, bucket_cap_mb=25):
+    """Full-batch SGD (no momentum) on this rank's shard; returns (losses, final parameters).
+    ``on_step(i)`` runs before step i."""
+    import lightwire.torch as lwt
+    torch.manual_seed(SEED)
+    X, y = task(rank, world_size)
+    net = DDP(model(), bucket_cap_mb=bucket_cap_mb)
+    if state is not None:
+        net.register_comm_hook(state, lwt.ddp_comm_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    losses = []
+    for i in range(steps):
+        if on_step is not None:
+            on_step(i)
+        opt.zero_grad()
+        loss = F.mse_loss(net(X), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return losses, params

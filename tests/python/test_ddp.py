@@ -1,0 +1,228 @@
+"""DDP with the lightwire hook against the real sidecar (skipped when it is not built): equality\nwith plain DDP, fallback and recovery, raise mode, error replies, segment re-creation."""
+
+import logging
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import lightwire  # noqa: E402
+import lightwire.torch as lwt  # noqa: E402
+import ddp_helpers as H  # noqa: E402
+
+
+@pytest.fixture
+def pg(tmp_path):
+    H.init_pg(tmp_path)
+    yield
+    H.destroy_pg()
+
+
+def _shm_segments():
+    """This process's hook segments still in /dev/shm."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith("lightwire-%d-" % os.getpid())]
+
+
+def _fallbacks_total(sc):
+    """The sidecar's lightwire_fallbacks_total (the fallbacks trainers reported to it)."""
+    total = 0.0
+    for line in sc.client().metrics().splitlines():
+        if line.startswith("lightwire_fallbacks_total"):
+            total += float(line.rsplit(None, 1)[1])
+    return total
+
+
+def _state(sc, **kw):
+    return lwt.LightwireHookState(client=sc.client(timeout=(2.0, 10.0)), **kw)
+
+
+def _no_fallback(state):
+    """on_step callback: stop at the first fallback instead of training on without the sidecar."""
+    def check(i):
+        if state.fallbacks:
+            raise AssertionError("step %d fell back: %r" % (i - 1, state.last_error))
+    return check
+
+
+@pytest.fixture(scope="module")
+def plain_losses(tmp_path_factory):
+    H.init_pg(tmp_path_factory.mktemp("plain"))
+    try:
+        losses, params = H.train()
+    finally:
+        H.destroy_pg()
+    assert losses[-1] <= 0.5 * losses[0], "the task must be learnable: plain SGD loss must halve"
+    return losses, params
+
+
+def test_codec_none_equals_plain_sgd(sidecar, pg, plain_losses):
+    state = _state(sidecar)
+    try:
+        losses, params = H.train(state, on_step=_no_fallback(state))
+    finally:
+        state.close()
+    assert state.fallbacks == 0 and state.sidecar_steps == H.STEPS
+    assert state.last_reply["codec"] == "none"
+    # close() released the segments at the sidecar and unlinked them.
+    assert sidecar.client().status()["buffers"] == []
+    assert not _shm_segments()
+    for i, (a, b) in enumerate(zip(plain_losses[0], losses)):
+        assert abs(a - b) <= 1e-5, "step %d: plain %r, hook %r" % (i, a, b)
+
+
+def test_dgc_density_001_learns(sidecar_factory, pg, plain_losses):
+    sc = sidecar_factory(codec="dgc", density=0.01)
+    state = _state(sc)
+    try:
+        losses, _ = H.train(state, on_step=_no_fallback(state))
+    finally:
+        state.close()
+    assert state.fallbacks == 0
+    assert state.last_reply["codec"] == "dgc"
+    plain = plain_losses[0]
+    plain_fall = plain[0] - plain[-1]
+    assert plain_fall >= 0.5 * plain[0]
+    assert losses[0] - losses[-1] >= 0.9 * plain_fall, (losses[0], losses[-1], plain[0], plain[-1])
+
+
+def test_sidecar_stopped_mid_training_falls_back_then_recovers(sidecar, pg, plain_losses, caplog):
+    state = _state(sidecar)
+    seen = {}
+
+    def on_step(i):
+        if i == 1:
+            assert state.fallbacks == 0, state.last_error
+        if i == 100:
+            sidecar.stop()  # SIGTERM: exits 0, removes its socket
+        elif i == 150:
+            seen["fallbacks_at_restart"] = state.fallbacks
+            seen["sidecar_steps_at_restart"] = state.sidecar_steps
+            sidecar.start()  # same socket path
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="lightwire.torch"):
+            losses, _ = H.train(state, on_step=on_step)
+    finally:
+        state.close()
+    assert "falls back" in caplog.text
+    assert _fallbacks_total(sidecar) == 50  # all reported to the restarted sidecar
+    assert seen["fallbacks_at_restart"] == 50  # one bucket, steps 100..149
+    assert state.fallbacks == 50  # stopped growing after the restart
+    assert state.sidecar_steps - seen["sidecar_steps_at_restart"] == H.STEPS - 150
+    assert state.fallbacks_reported == state.fallbacks  # reported to the restarted sidecar
+    # Training went on throughout; with codec none the fallback is exact too.
+    for a, b in zip(plain_losses[0], losses):
+        assert abs(a - b) <= 1e-5
+
+
+def _two_trainers(rank, store_dir, socket_path, out_dir):
+    os.environ["LOCAL_RANK"] = str(rank)
+    H.init_pg(store_dir, rank=rank, world_size=2)
+    try:
+        plain, p_plain = H.train(rank=rank, world_size=2)
+        state = lwt.LightwireHookState(client=lightwire.Client(socket_path=socket_path, timeout=(2.0, 10.0)))
+        try:
+            hooked, p_hooked = H.train(state, rank=rank, world_size=2, on_step=_no_fallback(state))
+        finally:
+            state.close()
+        torch.save({"plain": plain, "hooked": hooked, "p_plain": p_plain, "p_hooked": p_hooked,
+                    "fallbacks": state.fallbacks, "trainer": state.trainer, "sidecar_steps": state.sidecar_steps},
+                   os.path.join(out_dir, "rank%d.pt" % rank))
+    finally:
+        H.destroy_pg()
+
+
+def test_two_trainers_get_the_mean(sidecar_factory, tmp_path):
+    import torch.multiprocessing as mp
+    sc = sidecar_factory(local_trainers=2)
+    store = tmp_path / "store2"
+    store.mkdir()
+    mp.spawn(_two_trainers, args=(str(store), sc.socket, str(tmp_path)), nprocs=2, join=True)
+    r = [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(2)]
+    for i in range(2):
+        assert r[i]["trainer"] == i and r[i]["fallbacks"] == 0 and r[i]["sidecar_steps"] == H.STEPS
+        for a, b in zip(r[i]["plain"], r[i]["hooked"]):
+            assert abs(a - b) <= 1e-5
+        assert torch.allclose(r[i]["p_plain"], r[i]["p_hooked"], atol=1e-5)
+    # Both ranks applied the same (mean) gradient: identical parameters.
+    assert torch.equal(r[0]["p_hooked"], r[1]["p_hooked"])
+    assert r[0]["hooked"] != r[1]["hooked"]  # different shards, so the mean mattered
+
+
+def test_hook_raise_mode(sidecar, pg):
+    state = _state(sidecar, on_error="raise")
+
+    def on_step(i):
+        if i == 2:
+            sidecar.stop()
+
+    try:
+        with pytest.raises(Exception, match="unavailable|No such file|lightwire.sock"):
+            H.train(state, steps=4, on_step=on_step)
+    finally:
+        state.close()
+    assert state.sidecar_steps == 2 and state.fallbacks == 0
+    assert isinstance(state.last_error, lightwire.SidecarUnavailable)
+
+
+def test_hook_fallback_on_error_reply(sidecar, pg):
+    first = _state(sidecar)
+    try:
+        H.train(first, steps=5, on_step=_no_fallback(first))
+    finally:
+        first.close()
+    # A second trainer state with the same tensor names starts again at step 0: the sidecar
+    # answers 409 (the step goes backwards) and every bucket falls back to the process group.
+    plain, _ = H.train(steps=5)
+    state = _state(sidecar)
+    try:
+        losses, _ = H.train(state, steps=5)
+    finally:
+        state.close()
+    nb = len(state.steps)
+    assert nb >= 1 and state.fallbacks == 5 * nb and state.sidecar_steps == 0
+    e = state.last_error
+    assert isinstance(e, lightwire.LightwireError) and (e.status, e.error) == (409, "conflict")
+    assert "backwards" in e.message
+    assert state.fallbacks_reported == state.fallbacks  # the sidecar was reachable
+    assert _fallbacks_total(sidecar) == state.fallbacks
+    assert losses == plain  # world size 1: the fallback allreduce is exact
+    assert losses[-1] < losses[0]
+
+
+class _Bucket(object):
+    def __init__(self, index, tensor):
+        self._i, self._t = index, tensor
+
+    def index(self):
+        return self._i
+
+    def buffer(self):
+        return self._t
+
+
+def test_segment_recreated_when_bucket_size_changes(sidecar):
+    c = sidecar.client()
+    state = _state(sidecar, name_prefix="grads")
+    try:
+        for step, n in enumerate((10, 10, 24, 24)):
+            t = torch.arange(n, dtype=torch.float32) * (step + 1)
+            out = lwt.ddp_comm_hook(state, _Bucket(0, t)).wait()
+            assert torch.equal(out, t) and out.shape == t.shape
+            if step == 1:
+                old = state._slots[0].segment
+                old_id = old.buffer_id
+                assert c.status()["buffers"] == [{"id": old_id, "name": old.shm_name, "size": 40}]
+        new = state._slots[0].segment
+        assert new is not old and old.buffer_id is None and new.buffer_id not in (None, old_id)
+        assert not os.path.exists("/dev/shm/" + old.name) and os.path.exists("/dev/shm/" + new.name)
+        # The old registration was released, the new one is the only buffer.
+        assert c.status()["buffers"] == [{"id": new.buffer_id, "name": new.shm_name, "size": 96}]
+        assert state.steps == {0: 4} and state.sidecar_steps == 4 and state.fallbacks == 0
+        assert state.last_reply["name"] == "grads.0" and state.last_reply["step"] == 3
+        assert state.last_reply["elements"] == 24
+    finally:
+        state.close()
+    assert not os.path.exists("/dev/shm/" + new.name)
+    assert c.status()["buffers"] == []

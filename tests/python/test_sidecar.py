@@ -1,0 +1,150 @@
+"""The client against the real sidecar (skipped when `lightwire serve` is not built)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import lightwire
+from lightwire import LightwireError, ShmSegment
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+
+def test_health_and_status(sidecar):
+    c = sidecar.client()
+    assert c.healthz()
+    assert isinstance(c.status(), dict)
+
+
+def test_numpy_codec_none_is_identity(sidecar):
+    c = sidecar.client()
+    rng = np.random.default_rng(3)
+    for step, (dtype, shape) in enumerate([("float32", (1000,)), ("float16", (33, 7)), ("float32", (2, 3, 4))]):
+        a = rng.standard_normal(shape).astype(dtype)
+        out = c.emit_gradient(a, name="np.%s" % dtype, step=step)
+        assert out.dtype == a.dtype and out.shape == a.shape
+        assert out.tobytes() == a.tobytes()
+    assert c.last_figures["codec"] == "none"
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_torch_codec_none_is_identity_bit_for_bit(sidecar, dtype):
+    c = sidecar.client()
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        t = (torch.randn(64, 17, generator=g) * 10 ** step).to(getattr(torch, dtype))
+        out = c.emit_gradient(t, name="t." + dtype, step=step)
+        assert out.dtype == t.dtype and out.shape == t.shape
+        assert torch.equal(out.view(torch.int16 if dtype != "float32" else torch.int32),
+                           t.view(torch.int16 if dtype != "float32" else torch.int32))
+
+
+def test_form2_shm_in_place(sidecar):
+    c = sidecar.client()
+    with ShmSegment(4096) as seg:
+        bid = c.register_buffer(seg)
+        a = np.frombuffer(seg.buf, dtype=np.float32, count=1024)
+        rng = np.random.default_rng(5)
+        for step in range(3):
+            x = rng.standard_normal(256).astype(np.float32)
+            a[256:512] = x
+            reply = c.emit_gradient_shm(bid, name="shm.t", step=step, shape=[256], offset=1024)
+            assert reply["name"] == "shm.t" and reply["step"] == step and reply["elements"] == 256
+            assert reply["codec"] == "none"
+            assert a[256:512].tobytes() == x.tobytes()
+        del a
+        c.release_buffer(seg)
+
+
+def test_bad_requests(sidecar):
+    c = sidecar.client()
+    with pytest.raises(LightwireError) as ei:
+        c.emit_gradient_shm("b999", name="x", step=0, shape=[4])
+    assert (ei.value.status, ei.value.error) == (404, "not_found")
+    with pytest.raises(LightwireError) as ei:
+        c.release_buffer("b999")
+    assert ei.value.status == 404
+    with ShmSegment(64) as seg:
+        c.register_buffer(seg)
+        with pytest.raises(LightwireError) as ei:  # 32 floats do not fit a 64-byte buffer
+            c.emit_gradient_shm(seg.buffer_id, name="x", step=0, shape=[32])
+        assert (ei.value.status, ei.value.error) == (400, "invalid_argument")
+        c.release_buffer(seg)
+    # Shape that does not match the byte count (raw form).
+    with pytest.raises(LightwireError) as ei:
+        c.request("POST", "/v1/emit_gradient?name=x&step=0&shape=3,3",
+                  body=np.zeros(8, np.float32).tobytes(), headers={"Content-Type": "application/octet-stream"})
+    assert (ei.value.status, ei.value.error) == (400, "invalid_argument")
+    with pytest.raises(LightwireError) as ei:
+        c.register_buffer("/lightwire-does-not-exist", size=64)
+    assert (ei.value.status, ei.value.error) == (400, "invalid_argument")
+    with pytest.raises(LightwireError) as ei:
+        c.request("GET", "/no/such/route")
+    assert ei.value.status == 404
+    assert c.healthz()  # still serving
+
+
+def test_report(sidecar):
+    c = sidecar.client(trainer=0)
+    assert c.report(1, loss=0.5) == {}
+    assert c.report(2, fallbacks=1) == {}
+    with pytest.raises(LightwireError) as ei:
+        c.request("POST", "/v1/report", body=b"{not json", headers={"Content-Type": "application/json"})
+    assert ei.value.status == 400
+
+
+def test_two_local_trainers_get_the_mean(sidecar_factory):
+    sc = sidecar_factory(local_trainers=2)
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal(500).astype(np.float32) for _ in range(2)]
+    results = [None, None]
+    errors = []
+
+    def trainer(i):
+        try:
+            c = sc.client(trainer=i)
+            for step in range(3):
+                results[i] = c.emit_gradient(xs[i] * (step + 1), name="shared", step=step)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    expect = (xs[0] * 3 + xs[1] * 3) / 2
+    np.testing.assert_allclose(results[0], expect, rtol=1e-6, atol=1e-6)
+    assert results[0].tobytes() == results[1].tobytes()
+
+
+def test_tcp_control_listener(sidecar_factory):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sc = sidecar_factory(control_tcp="127.0.0.1:%d" % port)
+    c = lightwire.Client(url="http://127.0.0.1:%d" % port, timeout=(2.0, 10.0))
+    assert c.healthz()
+    a = np.arange(10, dtype=np.float32)
+    assert c.emit_gradient(a, name="tcp", step=0).tobytes() == a.tobytes()
+    assert sc.client().healthz()  # the Unix socket serves as well
+    c.close()
+
+
+def test_reconnects_after_idle_timeout(sidecar_factory):
+    import time
+    sc = sidecar_factory(extra=["--idle-timeout", "0.3"])
+    c = sc.client()
+    a = np.ones(8, np.float32)
+    assert c.emit_gradient(a, name="idle", step=0).tobytes() == a.tobytes()
+    first = c._local.conn
+    time.sleep(0.8)  # the sidecar closes the idle keep-alive connection
+    assert c.emit_gradient(a, name="idle", step=1).tobytes() == a.tobytes()
+    assert c._local.conn is not first
