@@ -8,8 +8,11 @@
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 
+#include <malloc.h>
+
 #include <atomic>
 #include <csignal>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -63,6 +66,12 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   }
   const ServeConfig config = std::move(*built);
   spdlog::set_level(spdlog::level::from_str(config.log_level));
+
+  // Large request bodies and step buffers come and go at every step: keep freed memory in the
+  // heap instead of unmapping it, so the next 100 MB body does not page-fault its way in again
+  // (the resident size stays at its peak, which the largest tensors set anyway).
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
 
   const unsigned threads =
       config.threads ? config.threads : std::max(1u, std::thread::hardware_concurrency());

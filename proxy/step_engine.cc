@@ -5,6 +5,7 @@
 #include <boost/json/object.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -20,6 +21,8 @@ using Clock = std::chrono::steady_clock;
 using kernels::DType;
 
 constexpr size_t kGrain = size_t{1} << 16;
+// Steps of at most this many elements run on the thread that completes them (see submit()).
+constexpr uint64_t kInlineMaxElements = uint64_t{1} << 16;
 
 double microsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
@@ -92,8 +95,9 @@ const char* apiDTypeName(DType t) {
   return "?";
 }
 
-Result<std::vector<std::vector<std::vector<uint8_t>>>> LocalExchange::run(ExchangeRound& round) {
-  std::vector<std::vector<std::vector<uint8_t>>> out(round.payloads.size());
+Result<std::vector<std::vector<std::span<const uint8_t>>>> LocalExchange::run(
+    ExchangeRound& round) {
+  std::vector<std::vector<std::span<const uint8_t>>> out(round.payloads.size());
   for (size_t c = 0; c < round.payloads.size(); ++c) out[c].push_back(round.payloads[c]);
   return out;
 }
@@ -120,6 +124,7 @@ struct StepEngine::Tensor {
   bool has_state = false;
   std::vector<std::byte> workspace;
   std::vector<float> sum, result;
+  std::vector<std::vector<std::vector<uint8_t>>> payloads;  // [round][chunk], reused
   // Under mu_.
   std::optional<uint64_t> last_committed;
   std::optional<uint64_t> running;
@@ -219,6 +224,12 @@ void StepEngine::submit(Contribution c, StepDone done) {
   if (++p.arrived == options_.local_trainers) {
     p.queued = true;
     ready_.push_back(std::move(ready_key));
+    // A small step with nothing ahead of it runs right here: no hand-off to the engine thread and
+    // back (two thread wake-ups, most of a 4 KiB round trip).
+    if (!executing_ && ready_.size() == 1 && p.elements <= kInlineMaxElements) {
+      runNextReady(lock);
+      return;
+    }
   }
   cv_.notify_all();
 }
@@ -288,28 +299,39 @@ void StepEngine::loop() {
       if (stopping_) break;
       continue;
     }
-    auto [name, step] = ready_.front();
-    ready_.pop_front();
-    auto tit = tensors_.find(name);
-    if (tit == tensors_.end()) continue;
-    Tensor& t = *tit->second;
-    auto pit = t.pending.find(step);
-    if (pit == t.pending.end()) continue;
-    Pending p = std::move(pit->second);
-    t.pending.erase(pit);
-    --pending_count_;
-    if (stopping_) {
-      lock.unlock();
-      failPending(p, 503, "shutting_down", "the sidecar is shutting down");
-      lock.lock();
+    if (executing_) {  // a submitting thread runs a small step inline: wait for it
+      cv_.wait(lock);
       continue;
     }
-    t.running = step;
-    lock.unlock();
-    runStep(t, step, p);
-    lock.lock();
-    t.running.reset();
+    runNextReady(lock);
   }
+}
+
+void StepEngine::runNextReady(std::unique_lock<std::mutex>& lock) {
+  auto [name, step] = ready_.front();
+  ready_.pop_front();
+  auto tit = tensors_.find(name);
+  if (tit == tensors_.end()) return;
+  Tensor& t = *tit->second;
+  auto pit = t.pending.find(step);
+  if (pit == t.pending.end()) return;
+  Pending p = std::move(pit->second);
+  t.pending.erase(pit);
+  --pending_count_;
+  if (stopping_) {
+    lock.unlock();
+    failPending(p, 503, "shutting_down", "the sidecar is shutting down");
+    lock.lock();
+    return;
+  }
+  t.running = step;
+  executing_ = true;
+  lock.unlock();
+  runStep(t, step, p);
+  lock.lock();
+  t.running.reset();
+  executing_ = false;
+  cv_.notify_all();
 }
 
 void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
@@ -323,11 +345,26 @@ void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
     }
   }
   if (outcome.http_status == 200) outcome = execute(t, step, p);
+  std::vector<std::pair<uint64_t, Pending>> overtaken;  // waiting steps this commit dooms
   {
     std::lock_guard lock(mu_);
     t.last_step = step;
     if (outcome.http_status == 200) {
-      if (!outcome.figures.nonfinite) t.last_committed = step;
+      if (!outcome.figures.nonfinite) {
+        t.last_committed = step;
+        // Earlier steps still waiting for trainers can never complete: fail them now (409)
+        // rather than at limits.step_timeout_s. Queued ones are refused when they run.
+        for (auto it = t.pending.begin(); it != t.pending.end() && it->first <= step;) {
+          if (it->second.queued) {
+            ++it;
+            continue;
+          }
+          overtaken.emplace_back(it->first, std::move(it->second));
+          it = t.pending.erase(it);
+          --pending_count_;
+          ++steps_failed_;
+        }
+      }
       ++steps_ok_;
     } else {
       ++steps_failed_;
@@ -347,6 +384,12 @@ void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
     spdlog::warn("tensor '{}' step {} failed: {}", t.name, step, outcome.message);
   }
   for (auto& d : p.dones) d(outcome);
+  for (auto& [old_step, old] : overtaken) {
+    metrics_.steps_failed.Increment();
+    failPending(old, 409, "conflict",
+                "tensor '" + t.name + "' step " + std::to_string(old_step) +
+                    " goes backwards: step " + std::to_string(step) + " already completed");
+  }
 }
 
 StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
@@ -436,25 +479,31 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     return fail(500, "internal", "compressing: " + s.message());
   }
   const int rounds = codec.traits().rounds;
-  std::vector<std::vector<std::vector<uint8_t>>> reduced;  // per chunk: payloads to decode
-  std::vector<std::vector<uint8_t>> round_payloads;        // multi-round: reduced of each round
+  const size_t chunks = chunking.count();
+  // Payload buffers live with the tensor: allocated (and faulted in) once, not every step.
+  t.payloads.resize(static_cast<size_t>(rounds));
+  std::vector<std::vector<std::span<const uint8_t>>> reduced;  // per chunk: payloads to decode
+  std::vector<std::span<const uint8_t>> round_payloads;        // multi-round: reduced per round
   double exchange_us = 0.0, compress_us = 0.0;
   for (int r = 0; r < rounds; ++r) {
     const auto tc = Clock::now();
-    std::vector<std::vector<uint8_t>> payloads(chunking.count());
-    for (size_t c = 0; c < chunking.count(); ++c) {
-      payloads[c].resize(codec.maxPayloadBytes(chunking.size(c)));
+    auto& bufs = t.payloads[static_cast<size_t>(r)];
+    bufs.resize(chunks);
+    std::vector<std::span<const uint8_t>> mine(chunks);
+    for (size_t c = 0; c < chunks; ++c) {
+      const size_t max = codec.maxPayloadBytes(chunking.size(c));
+      if (bufs[c].size() < max) bufs[c].resize(max);
       std::span<const uint8_t> previous;
       if (r > 0) previous = round_payloads.back();
       auto size = codec.encodeChunk(ctx, chunking, c, r, previous, tensor, t.state, t.workspace,
-                                    payloads[c]);
+                                    std::span<uint8_t>(bufs[c].data(), max));
       if (!size) return fail(500, "internal", "compressing: " + size.status().message());
-      payloads[c].resize(*size);
+      mine[c] = {bufs[c].data(), *size};
       fig.wire_bytes += *size;
     }
     compress_us += microsSince(tc);
     const auto te = Clock::now();
-    ExchangeRound er{t.name, step, r, codec, chunking, payloads};
+    ExchangeRound er{t.name, step, r, codec, chunking, mine};
     auto got = exchange_.run(er);
     if (!got) return fail(502, "exchange_failed", got.status().message());
     exchange_us += microsSince(te);
@@ -462,7 +511,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       if (got->size() != 1 || (*got)[0].size() != 1) {
         return fail(500, "internal", "multi-round codec exchange returned more than one payload");
       }
-      round_payloads.push_back(std::move((*got)[0][0]));
+      round_payloads.push_back((*got)[0][0]);
     } else {
       reduced = std::move(*got);
     }
@@ -470,36 +519,70 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   fig.durations_us[static_cast<size_t>(metrics::Stage::kCompress)] = compress_us;
   fig.durations_us[static_cast<size_t>(metrics::Stage::kExchange)] = exchange_us;
 
-  // Decompress and average over every trainer of every sidecar.
+  // Decompress and average over every trainer of every sidecar; chunks in parallel (each owns its
+  // range of the result), each checked for non-finite values as soon as it is decoded.
   const auto t2 = Clock::now();
   const float weight = 1.0f / static_cast<float>(exchange_.worldSize() * trainers);
-  t.result.assign(n, 0.0f);
+  // One fp32 trainer whose step has one round: decode straight into its buffer (its values were
+  // read by the encoder already), which saves a pass over the result.
+  const bool in_place = trainers == 1 && p.dtype == DType::kF32 && rounds == 1;
+  float* result = nullptr;
+  if (in_place) {
+    result = reinterpret_cast<float*>(p.parts[0]->data);
+  } else {
+    t.result.resize(n);
+    result = t.result.data();
+  }
+  std::atomic<bool> nonfinite_seen{false};
+  auto scan = [&](size_t lo, size_t hi) {  // exponent all ones: Inf or NaN (vectorises)
+    uint32_t bad = 0;
+    for (size_t i = lo; i < hi; ++i) {
+      uint32_t u;
+      std::memcpy(&u, result + i, sizeof u);
+      bad |= static_cast<uint32_t>((u & 0x7F800000u) == 0x7F800000u);
+    }
+    if (bad != 0) nonfinite_seen.store(true, std::memory_order_relaxed);
+  };
   if (rounds > 1) {
-    std::vector<std::span<const uint8_t>> spans(round_payloads.begin(), round_payloads.end());
-    if (auto s = codec.decodeRounds(spans, weight, t.result.data(), n); !s.isOk()) {
+    std::fill_n(result, n, 0.0f);
+    if (auto s = codec.decodeRounds(round_payloads, weight, result, n); !s.isOk()) {
       return fail(500, "internal", "decompressing: " + s.message());
     }
-    if (auto s = codec.finishStep(ctx, chunking, spans, weight, tensor, t.state, t.workspace);
+    if (auto s =
+            codec.finishStep(ctx, chunking, round_payloads, weight, tensor, t.state, t.workspace);
         !s.isOk()) {
       return fail(500, "internal", "finishing the step: " + s.message());
     }
+    kernels::parallelFor(&stream_, n, kGrain, scan);
   } else {
-    for (size_t c = 0; c < reduced.size(); ++c) {
-      for (const auto& payload : reduced[c]) {
-        auto s = codec.decodeChunk(payload, weight, t.result.data() + chunking.begin(c),
-                                   chunking.size(c));
-        if (!s.isOk()) return fail(502, "exchange_failed", "decompressing: " + s.message());
+    std::vector<std::string> errors(chunks);
+    kernels::parallelFor(&stream_, chunks, 1, [&](size_t lo, size_t hi) {
+      for (size_t c = lo; c < hi; ++c) {
+        const size_t begin = chunking.begin(c), len = chunking.size(c);
+        std::fill_n(result + begin, len, 0.0f);
+        for (const auto& payload : reduced[c]) {
+          auto st = codec.decodeChunk(payload, weight, result + begin, len);
+          if (!st.isOk()) {
+            errors[c] = "chunk " + std::to_string(c) + ": " + st.message();
+            break;
+          }
+        }
+        scan(begin, begin + len);
       }
+    });
+    for (const auto& e : errors) {
+      if (!e.empty()) return fail(502, "exchange_failed", "decompressing: " + e);
     }
   }
   // Non-finite results are returned as plain averaging would, and the state is not committed.
-  bool nonfinite = false;
-  for (size_t i = 0; i < n && !nonfinite; ++i) nonfinite = !std::isfinite(t.result[i]);
+  const bool nonfinite = nonfinite_seen.load();
   fig.nonfinite = nonfinite;
-  for (auto& part : p.parts) {
-    kernels::parallelFor(&stream_, n, kGrain, [&](size_t lo, size_t hi) {
-      narrowRange(p.dtype, t.result.data(), lo, hi, part->data);
-    });
+  if (!in_place) {
+    for (auto& part : p.parts) {
+      kernels::parallelFor(&stream_, n, kGrain, [&](size_t lo, size_t hi) {
+        narrowRange(p.dtype, result, lo, hi, part->data);
+      });
+    }
   }
   if (!nonfinite) t.state.commit();
   fig.durations_us[static_cast<size_t>(metrics::Stage::kDecompress)] = microsSince(t2);

@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,23 +69,24 @@ struct ExchangeRound {
   int round;
   const kernels::Codec& codec;
   const kernels::Chunking& chunking;
-  std::vector<std::vector<uint8_t>>& payloads;  // this sidecar's payload of every chunk
+  std::span<const std::span<const uint8_t>> payloads;  // this sidecar's payload of every chunk
 };
 
 /// The seam to the other sidecars. For each chunk it returns the payloads to decode: the reduced
 /// (summed) payload for summable and multi-round codecs, or every sidecar's payload otherwise.
+/// The spans stay valid until the step ends (the engine runs one step at a time).
 class Exchange {
  public:
   virtual ~Exchange() = default;
   virtual unsigned worldSize() const = 0;
-  virtual Result<std::vector<std::vector<std::vector<uint8_t>>>> run(ExchangeRound& round) = 0;
+  virtual Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) = 0;
 };
 
 /// World size 1: this sidecar's payloads are the reduced ones.
 class LocalExchange final : public Exchange {
  public:
   unsigned worldSize() const override { return 1; }
-  Result<std::vector<std::vector<std::vector<uint8_t>>>> run(ExchangeRound& round) override;
+  Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override;
 };
 
 /// Picks the codec settings of a tensor (name, elements): compression.default and rules.
@@ -99,8 +101,10 @@ struct EngineOptions {
   uint32_t seed = 0;  // Philox key word 0 (job seed)
 };
 
-/// Runs steps. submit() is thread-safe and never blocks on a step; results come through the
-/// StepDone callbacks, called from the engine's thread.
+/// Runs steps, one at a time. submit() is thread-safe; it never waits for other trainers, and it
+/// runs a small step (at most 64 Ki elements) itself when its part completes the step and nothing
+/// else is queued; every other step runs on the engine's thread. Results come through the
+/// StepDone callbacks, called from whichever thread ran the step.
 class StepEngine {
  public:
   StepEngine(EngineOptions options, CodecChooser chooser, metrics::Metrics& metrics,
@@ -125,6 +129,8 @@ class StepEngine {
   struct Pending;
   struct Tensor;
   void loop();
+  /// Takes the first ready step and runs it (mu_ held on entry and exit, released while running).
+  void runNextReady(std::unique_lock<std::mutex>& lock);
   void runStep(Tensor& t, uint64_t step, Pending& p);
   StepOutcome execute(Tensor& t, uint64_t step, Pending& p);
   void failPending(Pending& p, unsigned status, const std::string& error,
@@ -142,6 +148,7 @@ class StepEngine {
   std::deque<std::pair<std::string, uint64_t>> ready_;  // (tensor, step) with every part in
   size_t pending_count_ = 0;
   bool stopping_ = false;
+  bool executing_ = false;  // a step is running (on the engine thread or inline in submit())
   uint64_t steps_ok_ = 0, steps_failed_ = 0;
   std::thread thread_;
 };

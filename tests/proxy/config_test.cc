@@ -16,35 +16,14 @@
 #include <vector>
 
 #include "proxy/config.h"
+#include "tests/temp_dir.h"
 
 namespace json = boost::json;
 using namespace lightwire::proxy;
 
 namespace {
 
-/// A directory from mkdtemp, removed with its files at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/lightwire-config-test-XXXXXX";
-    const char* d = mkdtemp(tmpl);
-    REQUIRE(d != nullptr);
-    path_ = d;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  std::string write(const std::string& name, const std::string& text) const {
-    const std::string p = path_ + "/" + name;
-    std::ofstream(p) << text;
-    return p;
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using lightwire::testing::TempDir;
 
 FlagValues flagsOf(std::map<std::string, std::string> values) {
   FlagValues f;

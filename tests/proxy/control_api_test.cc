@@ -1,0 +1,1125 @@
+// The control API over real sockets (proxy/control_api.h on proxy/http_server.h): the whole stack
+// runs in process on an io_context with two threads; a small blocking Beast client talks to it
+// over the Unix socket and TCP. Every error reply is checked for its status, its JSON shape and
+// for changing nothing.
+#include <doctest.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <boost/asio/buffer.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ipc/shm_region.h"
+#include "metrics/metrics.h"
+#include "proxy/config.h"
+#include "proxy/control_api.h"
+#include "proxy/http_server.h"
+#include "proxy/step_engine.h"
+#include "tests/temp_dir.h"
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace json = boost::json;
+using namespace lightwire;
+using namespace lightwire::proxy;
+
+namespace {
+
+constexpr int kTimeoutMs = 5000;
+
+/// A blocking byte stream over a socket fd for Beast's sync API; every wait is bounded by poll()
+/// (asio's own sync sockets ignore SO_RCVTIMEO), so a hung server fails the test.
+class FdStream {
+ public:
+  explicit FdStream(int fd) : fd_(fd) {}
+  FdStream(FdStream&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  ~FdStream() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  template <typename Buffers>
+  size_t read_some(const Buffers& buffers, beast::error_code& ec) {
+    ec = {};
+    for (auto it = asio::buffer_sequence_begin(buffers); it != asio::buffer_sequence_end(buffers);
+         ++it) {
+      asio::mutable_buffer b = *it;
+      if (b.size() == 0) continue;
+      if (!waitFor(POLLIN, ec)) return 0;
+      const ssize_t got = ::recv(fd_, b.data(), b.size(), 0);
+      if (got < 0) {
+        ec = beast::error_code(errno, boost::system::system_category());
+        return 0;
+      }
+      if (got == 0) ec = asio::error::eof;
+      return static_cast<size_t>(got);
+    }
+    return 0;
+  }
+  template <typename Buffers>
+  size_t read_some(const Buffers& buffers) {
+    beast::error_code ec;
+    const size_t n = read_some(buffers, ec);
+    if (ec) throw boost::system::system_error(ec);
+    return n;
+  }
+  template <typename Buffers>
+  size_t write_some(const Buffers& buffers, beast::error_code& ec) {
+    ec = {};
+    // One sendmsg for the whole sequence (header and body together), as a real client would.
+    std::vector<iovec> iov;
+    for (auto it = asio::buffer_sequence_begin(buffers); it != asio::buffer_sequence_end(buffers);
+         ++it) {
+      asio::const_buffer b = *it;
+      if (b.size() > 0) iov.push_back({const_cast<void*>(b.data()), b.size()});
+    }
+    if (iov.empty()) return 0;
+    if (!waitFor(POLLOUT, ec)) return 0;
+    msghdr msg{};
+    msg.msg_iov = iov.data();
+    msg.msg_iovlen = std::min<size_t>(iov.size(), 64);
+    const ssize_t sent = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (sent < 0) {
+      ec = beast::error_code(errno, boost::system::system_category());
+      return 0;
+    }
+    return static_cast<size_t>(sent);
+  }
+  template <typename Buffers>
+  size_t write_some(const Buffers& buffers) {
+    beast::error_code ec;
+    const size_t n = write_some(buffers, ec);
+    if (ec) throw boost::system::system_error(ec);
+    return n;
+  }
+
+  /// True when the peer closes the connection within `ms` (EOF or reset; no data).
+  bool closedWithin(int ms) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, ms) <= 0) return false;
+    char c;
+    return ::recv(fd_, &c, 1, 0) <= 0;
+  }
+  int fd() const { return fd_; }
+
+ private:
+  bool waitFor(short events, beast::error_code& ec) {
+    pollfd p{fd_, events, 0};
+    const int r = ::poll(&p, 1, kTimeoutMs);
+    if (r == 0) {
+      ec = asio::error::timed_out;
+      return false;
+    }
+    if (r < 0) {
+      ec = beast::error_code(errno, boost::system::system_category());
+      return false;
+    }
+    return true;
+  }
+  int fd_;
+};
+
+using Res = http::response<http::string_body>;
+
+/// One keep-alive connection to the sidecar.
+class Client {
+ public:
+  static Client unixSocket(const std::string& path) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    REQUIRE(path.size() < sizeof(a.sun_path));
+    std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    return Client(fd);
+  }
+  static Client tcp(uint16_t port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    return Client(fd);
+  }
+
+  void send(http::verb method, const std::string& target, const std::string& body = {},
+            const std::string& type = {}, const std::map<std::string, std::string>& headers = {}) {
+    http::request<http::string_body> req{method, target, 11};
+    req.set(http::field::host, "lightwire");
+    req.keep_alive(true);
+    if (!type.empty()) req.set(http::field::content_type, type);
+    for (const auto& [k, v] : headers) req.set(k, v);
+    req.body() = body;
+    req.prepare_payload();
+    beast::error_code ec;
+    http::write(stream_, req, ec);
+    REQUIRE_MESSAGE(!ec, "writing the request: " << ec.message());
+  }
+  /// Writes bytes as they are; `lenient`: the server may stop reading (and close) midway.
+  void sendRaw(const std::string& bytes, bool lenient = false) {
+    beast::error_code ec;
+    asio::write(stream_, asio::buffer(bytes), ec);
+    if (!lenient) REQUIRE_MESSAGE(!ec, "writing: " << ec.message());
+  }
+  Res receive() {
+    Res res;
+    beast::error_code ec;
+    http::read(stream_, buffer_, res, ec);
+    REQUIRE_MESSAGE(!ec, "reading the response: " << ec.message());
+    return res;
+  }
+  Res receive(http::response_parser<http::string_body>& parser) {
+    beast::error_code ec;
+    http::read(stream_, buffer_, parser, ec);
+    REQUIRE_MESSAGE(!ec, "reading the response: " << ec.message());
+    return parser.release();
+  }
+  Res request(http::verb method, const std::string& target, const std::string& body = {},
+              const std::string& type = {},
+              const std::map<std::string, std::string>& headers = {}) {
+    send(method, target, body, type, headers);
+    return receive();
+  }
+  Res get(const std::string& target) { return request(http::verb::get, target); }
+  bool closedWithin(int ms) { return stream_.closedWithin(ms); }
+  int fd() const { return stream_.fd(); }
+
+ private:
+  explicit Client(int fd) : stream_(fd) {}
+  FdStream stream_;
+  beast::flat_buffer buffer_;
+};
+
+using lightwire::testing::TempDir;
+
+/// A POSIX shared-memory segment the "client" owns.
+class Segment {
+ public:
+  explicit Segment(size_t size) : size_(size) {
+    static std::atomic<int> counter{0};
+    name_ = "/lw-api-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    fd_ = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    REQUIRE(fd_ >= 0);
+    REQUIRE(::ftruncate(fd_, static_cast<off_t>(size)) == 0);
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    REQUIRE(p != MAP_FAILED);
+    data_ = static_cast<std::byte*>(p);
+  }
+  ~Segment() {
+    ::munmap(data_, size_);
+    ::close(fd_);
+    ::shm_unlink(name_.c_str());
+  }
+  const std::string& name() const { return name_; }
+  float* floats(size_t offset = 0) { return reinterpret_cast<float*>(data_ + offset); }
+
+ private:
+  std::string name_;
+  size_t size_;
+  int fd_ = -1;
+  std::byte* data_ = nullptr;
+};
+
+/// The sidecar's stack, in process: control listener on a Unix socket and TCP, admin on TCP.
+struct Stack {
+  explicit Stack(ServeConfig config = {}, HttpLimits limits = {},
+                 std::chrono::milliseconds step_timeout = std::chrono::seconds(10))
+      : buffers(16),
+        engine(
+            engineOptions(config, step_timeout),
+            [](std::string_view, uint64_t) { return kernels::CodecConfig{}; }, metrics, exchange),
+        api(config, metrics, buffers, engine),
+        work(asio::make_work_guard(io)),
+        server(io, limits, [this](Request&& req, const RequestInfo& info, Reply reply) {
+          api.handle(std::move(req), info, std::move(reply));
+        }) {
+    socket_path = dir.path() + "/run/lightwire.sock";
+    REQUIRE(server.listenUnix(socket_path, ListenerKind::kControl) == "");
+    REQUIRE(server.listenTcp("127.0.0.1", 0, ListenerKind::kControl, &tcp_port) == "");
+    REQUIRE(server.listenTcp("127.0.0.1", 0, ListenerKind::kAdmin, &admin_port) == "");
+    REQUIRE(tcp_port != 0);
+    REQUIRE(admin_port != 0);
+    REQUIRE(tcp_port != admin_port);
+    api.setListeners(BoundListeners{socket_path, tcp_port, admin_port});
+    for (int i = 0; i < 2; ++i) threads.emplace_back([this] { io.run(); });
+  }
+  ~Stack() {
+    server.stop();
+    engine.shutdown();
+    work.reset();
+    io.stop();
+    for (auto& t : threads) t.join();
+  }
+  static EngineOptions engineOptions(const ServeConfig& c, std::chrono::milliseconds timeout) {
+    EngineOptions o;
+    o.local_trainers = static_cast<unsigned>(c.local_trainers);
+    o.threads = 2;
+    o.step_timeout = timeout;
+    o.max_pending_steps = 64;
+    return o;
+  }
+  Client unixClient() { return Client::unixSocket(socket_path); }
+  Client tcpClient() { return Client::tcp(tcp_port); }
+  Client adminClient() { return Client::tcp(admin_port); }
+
+  TempDir dir;
+  metrics::Metrics metrics;
+  ipc::BufferTable buffers;
+  LocalExchange exchange;
+  StepEngine engine;
+  ControlApi api;
+  asio::io_context io;
+  asio::executor_work_guard<asio::io_context::executor_type> work;
+  HttpServer server;
+  std::vector<std::thread> threads;
+  std::string socket_path;
+  uint16_t tcp_port = 0, admin_port = 0;
+};
+
+std::string floatsBody(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+
+std::vector<float> bodyFloats(const std::string& body) {
+  std::vector<float> v(body.size() / sizeof(float));
+  std::memcpy(v.data(), body.data(), v.size() * sizeof(float));
+  return v;
+}
+
+/// Checks an error reply: status, JSON {"error", "message"} and nothing else; returns the message.
+std::string expectError(const Res& res, unsigned status, const std::string& code) {
+  CHECK(res.result_int() == status);
+  CHECK(res[http::field::content_type] == "application/json");
+  boost::system::error_code ec;
+  const json::value v = json::parse(res.body(), ec);
+  REQUIRE_MESSAGE(!ec, "not JSON: " << res.body());
+  REQUIRE(v.is_object());
+  const auto& o = v.get_object();
+  CHECK(o.size() == 2);
+  REQUIRE(o.contains("error"));
+  REQUIRE(o.contains("message"));
+  REQUIRE(o.at("error").is_string());
+  REQUIRE(o.at("message").is_string());
+  CHECK(o.at("error").get_string() == code);
+  const std::string message(o.at("message").get_string());
+  CHECK(!message.empty());
+  return message;
+}
+
+/// The parts of /v1/status a failed request must not change.
+std::string snapshot(Client& c) {
+  const Res res = c.get("/v1/status");
+  REQUIRE(res.result_int() == 200);
+  const json::value v = json::parse(res.body());
+  const auto& o = v.get_object();
+  return json::serialize(o.at("tensors")) + json::serialize(o.at("buffers")) +
+         json::serialize(o.at("steps"));
+}
+
+json::object parseObject(const std::string& body) {
+  const json::value v = json::parse(body);
+  REQUIRE(v.is_object());
+  return v.get_object();
+}
+
+/// Waits (at most 5 s) until the engine holds a pending step of `tensor`: a request sent on
+/// another connection has arrived.
+void waitPending(StepEngine& engine, const std::string& tensor) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (std::chrono::steady_clock::now() < deadline) {
+    for (const auto& t : engine.tensorsJson()) {
+      const auto& o = t.as_object();
+      if (o.at("name").as_string() == tensor && o.at("pending_steps").to_number<uint64_t>() > 0) {
+        return;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  FAIL("no pending step of '" << tensor << "' within 5 s");
+}
+
+const std::string kRaw = "application/octet-stream";
+const std::string kJson = "application/json";
+
+/// Registers shared-memory segment `name` of `size` bytes through `c`; returns the buffer id.
+std::string registerShm(Client& c, const std::string& name, size_t size) {
+  const Res reg =
+      c.request(http::verb::post, "/v1/buffers",
+                R"({"name": ")" + name + R"(", "size": )" + std::to_string(size) + "}", kJson);
+  REQUIRE_MESSAGE(reg.result_int() == 201, reg.body());
+  return std::string(parseObject(reg.body()).at("id").get_string());
+}
+
+}  // namespace
+
+TEST_CASE("raw emit_gradient round trip over the Unix socket and TCP, keep-alive") {
+  Stack s;
+  const std::vector<float> values = {1.5f, -2.25f, 3.0f, 1e-20f, 7.0f, 65504.0f};
+  for (bool over_tcp : {false, true}) {
+    CAPTURE(over_tcp);
+    Client c = over_tcp ? s.tcpClient() : s.unixClient();
+    const std::string name = over_tcp ? "tcp.w" : "unix.w";
+    for (int step = 1; step <= 3; ++step) {  // three requests on one connection
+      const Res res = c.request(http::verb::post,
+                                "/v1/emit_gradient?name=" + name + "&step=" + std::to_string(step) +
+                                    "&dtype=float32&shape=2,3",
+                                floatsBody(values), kRaw);
+      REQUIRE_MESSAGE(res.result_int() == 200, res.body());
+      CHECK(res[http::field::content_type] == kRaw);
+      CHECK(res["X-Lightwire-Codec"] == "none");
+      CHECK(res["X-Lightwire-Raw-Bytes"] == "24");
+      CHECK(res["X-Lightwire-Nonfinite"] == "0");
+      CHECK_FALSE(res["X-Lightwire-Wire-Bytes"].empty());
+      CHECK(res.keep_alive());
+      CHECK(bodyFloats(res.body()) == values);
+    }
+  }
+  Client c = s.unixClient();
+  const json::object st = parseObject(c.get("/v1/status").body());
+  CHECK(st.at("steps").at("ok").to_number<uint64_t>() == 6);
+  CHECK(st.at("tensors").as_array().size() == 2);
+  // A NaN is averaged through and flagged.
+  const Res nan = c.request(http::verb::post, "/v1/emit_gradient?name=n&step=1",
+                            floatsBody({1.0f, std::nanf("")}), kRaw);
+  REQUIRE(nan.result_int() == 200);
+  CHECK(nan["X-Lightwire-Nonfinite"] == "1");
+}
+
+TEST_CASE("bad raw emit_gradient requests get 400 and change nothing") {
+  Stack s;
+  Client c = s.unixClient();
+  const std::string body8 = floatsBody({1, 2});  // 8 bytes
+  REQUIRE(
+      c.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", body8, kRaw).result_int() ==
+      200);
+  const std::string before = snapshot(c);
+  const std::string long_name(257, 'a');
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"/v1/emit_gradient?name=w&step=2&dtype=float64", "dtype"},
+      {"/v1/emit_gradient?name=w&step=2&dtype=", "dtype"},
+      {"/v1/emit_gradient?name=w&step=2&shape=3", "shape"},
+      {"/v1/emit_gradient?name=w&step=2&shape=1,1", "shape"},
+      {"/v1/emit_gradient?name=w&step=2&shape=0,4", "shape"},
+      {"/v1/emit_gradient?name=w&step=2&shape=-1", "shape"},
+      {"/v1/emit_gradient?name=w&step=2&shape=1,,2", "shape"},
+      {"/v1/emit_gradient?name=w&step=2&shape=2,", "shape"},
+      {"/v1/emit_gradient?name=w&step=2&shape=99999999999999999999", "shape"},
+      {"/v1/emit_gradient?name=w&step=2&shape=4294967296,4294967296", "shape"},
+      {"/v1/emit_gradient?name=w&step=2&shape=1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,2", "dims"},
+      {"/v1/emit_gradient?step=2", "name"},
+      {"/v1/emit_gradient?name=w", "step"},
+      {"/v1/emit_gradient?name=w&step=-3", "'-3'"},
+      {"/v1/emit_gradient?name=w&step=1.5", "'1.5'"},
+      {"/v1/emit_gradient?name=w&step=", "step"},
+      {"/v1/emit_gradient?name=w&step=18446744073709551616", "step"},
+      {"/v1/emit_gradient?name=a%20b&step=2", "name"},
+      {"/v1/emit_gradient?name=a%00b&step=2", "name"},
+      {"/v1/emit_gradient?name=&step=2", "name"},
+      {"/v1/emit_gradient?name=" + long_name + "&step=2", "name"},
+      {"/v1/emit_gradient?name=w&step=2&foo=1", "'foo'"},
+      {"/v1/emit_gradient?name=w&step=2&step=3", "twice"},
+      {"/v1/emit_gradient?name=%zz&step=2", "percent"},
+      {"/v1/emit_gradient?name=w%4&step=2", "percent"},
+      {"/v1/emit_gradient?name=w%&step=2", "percent"},
+      {"/v1/emit_gradient?name=w&step=2&trainer=x", "trainer"},
+  };
+  for (const auto& [target, needle] : cases) {
+    CAPTURE(target);
+    const Res res = c.request(http::verb::post, target, body8, kRaw);
+    const std::string message = expectError(res, 400, "invalid_argument");
+    CHECK_MESSAGE(message.find(needle) != std::string::npos, message);
+    CHECK(res.keep_alive());
+  }
+  // Bodies that are not whole values, or empty.
+  expectError(c.request(http::verb::post, "/v1/emit_gradient?name=w&step=2", "12345", kRaw), 400,
+              "invalid_argument");
+  expectError(c.request(http::verb::post, "/v1/emit_gradient?name=w&step=2", "", kRaw), 400,
+              "invalid_argument");
+  expectError(
+      c.request(http::verb::post, "/v1/emit_gradient?name=w&step=2&dtype=float16", "123", kRaw),
+      400, "invalid_argument");
+  // A trainer index past local_trainers (1): refused by the engine.
+  expectError(c.request(http::verb::post, "/v1/emit_gradient?name=w&step=2&trainer=1", body8, kRaw),
+              400, "invalid_argument");
+  CHECK(snapshot(c) == before);
+  // The same connection still serves a valid request.
+  const Res ok = c.request(http::verb::post, "/v1/emit_gradient?name=w&step=2", body8, kRaw);
+  CHECK(ok.result_int() == 200);
+  CHECK(ok.body() == body8);
+}
+
+TEST_CASE("malformed JSON bodies get 400 on every JSON route") {
+  Stack s;
+  Client c = s.unixClient();
+  const std::string before = snapshot(c);
+  struct Case {
+    http::verb method;
+    std::string target;
+  };
+  for (const Case& k :
+       {Case{http::verb::post, "/v1/emit_gradient"}, Case{http::verb::post, "/v1/buffers"},
+        Case{http::verb::post, "/v1/report"}, Case{http::verb::put, "/v1/config"}}) {
+    for (const std::string body : {"{", "", "{\"step\": 1,}", "[1, 2]", "nul", "{\"a\":1} x"}) {
+      CAPTURE(k.target);
+      CAPTURE(body);
+      expectError(c.request(k.method, k.target, body, kJson), 400, "invalid_argument");
+    }
+  }
+  // Deeply nested JSON is refused, not recursed into.
+  expectError(c.request(http::verb::post, "/v1/report", std::string(10000, '['), kJson), 400,
+              "invalid_argument");
+  // Bad report values.
+  expectError(c.request(http::verb::post, "/v1/report", R"({"loss": 1})", kJson), 400,
+              "invalid_argument");
+  expectError(c.request(http::verb::post, "/v1/report", R"({"step": -1})", kJson), 400,
+              "invalid_argument");
+  expectError(c.request(http::verb::post, "/v1/report", R"({"step": 1, "loss": "x"})", kJson), 400,
+              "invalid_argument");
+  CHECK(snapshot(c) == before);
+  const Res ok = c.request(http::verb::post, "/v1/report",
+                           R"({"step": 3, "loss": 0.5, "fallbacks": 2})", kJson);
+  CHECK(ok.result_int() == 200);
+  CHECK(ok.body() == "{}");
+  const auto st = parseObject(c.get("/v1/status").body());
+  CHECK(st.at("last_report").at("step").to_number<uint64_t>() == 3);
+  CHECK(s.metrics.exposition().find("lightwire_fallbacks_total 2") != std::string::npos);
+}
+
+TEST_CASE("buffers: register, bad registrations, Form 2 regions, release twice") {
+  Stack s;
+  Client c = s.unixClient();
+  Segment seg(4096), small(1024);
+  const std::string before = snapshot(c);
+
+  // Registrations that fail change nothing.
+  const std::string missing = "/lw-api-test-missing-" + std::to_string(::getpid());
+  std::string m =
+      expectError(c.request(http::verb::post, "/v1/buffers",
+                            R"({"kind": "shm", "name": ")" + missing + R"(", "size": 64})", kJson),
+                  400, "invalid_argument");
+  CHECK(m.find(missing) != std::string::npos);
+  m = expectError(c.request(http::verb::post, "/v1/buffers",
+                            R"({"name": ")" + small.name() + R"(", "size": 4096})", kJson),
+                  400, "invalid_argument");
+  CHECK(m.find("1024") != std::string::npos);
+  for (const std::string body :
+       {R"({"name": "/a/b", "size": 64})", R"({"name": "x", "size": 64})",
+        R"({"name": "", "size": 64})", R"({"size": 64})", R"({"name": "/x"})",
+        R"({"name": "/x", "size": -1})", R"({"name": "/x", "size": 0})",
+        R"({"kind": "cuda_ipc", "name": "/x", "size": 64})",
+        R"({"name": "/x", "size": 64, "extra": 1})", R"({"name": 5, "size": 64})"}) {
+    CAPTURE(body);
+    expectError(c.request(http::verb::post, "/v1/buffers", body, kJson), 400, "invalid_argument");
+  }
+  CHECK(snapshot(c) == before);
+  CHECK(s.buffers.count() == 0);
+
+  // Register.
+  const Res reg =
+      c.request(http::verb::post, "/v1/buffers",
+                R"({"kind": "shm", "name": ")" + seg.name() + R"(", "size": 4096})", kJson);
+  REQUIRE_MESSAGE(reg.result_int() == 201, reg.body());
+  const auto ro = parseObject(reg.body());
+  const std::string id(ro.at("id").get_string());
+  CHECK(ro.at("kind").get_string() == "shm");
+  CHECK(ro.at("size").to_number<uint64_t>() == 4096);
+  const std::string registered = snapshot(c);
+  CHECK(registered.find(seg.name()) != std::string::npos);
+
+  // Form 2 requests that fail.
+  auto form2 = [&](const std::string& fields) {
+    return c.request(http::verb::post, "/v1/emit_gradient", "{" + fields + "}", kJson);
+  };
+  m = expectError(form2(R"("name": "w", "step": 1, "buffer": "b999", "shape": [4])"), 404,
+                  "not_found");
+  CHECK(m.find("b999") != std::string::npos);
+  const std::string buf = R"("buffer": ")" + id + R"(", )";
+  for (const std::string fields :
+       {R"("name": "w", "step": 1, "offset": 4088, "shape": [4])",
+        R"("name": "w", "step": 1, "offset": 0, "shape": [1025])",
+        R"("name": "w", "step": 1, "offset": 2, "shape": [4])",
+        R"("name": "w", "step": 1, "offset": 2, "dtype": "float16", "shape": [2048])",
+        R"("name": "w", "step": 1, "offset": 9223372036854775808, "shape": [4])",
+        R"("name": "w", "step": 1, "offset": 18446744073709551612, "shape": [4])",
+        R"("name": "w", "step": 1, "offset": 4096, "shape": [1])",
+        R"("name": "w", "step": 1, "shape": [4611686018427387904])",
+        R"("name": "w", "step": 1, "shape": [0])", R"("name": "w", "step": 1, "shape": [-4])",
+        R"("name": "w", "step": 1, "shape": [4], "elements": 5)", R"("name": "w", "step": 1)",
+        R"("name": "w", "step": -3, "shape": [4])", R"("name": "w", "step": 1.5, "shape": [4])",
+        R"("step": 1, "shape": [4])", R"("name": "a b", "step": 1, "shape": [4])",
+        R"("name": "w", "step": 1, "dtype": "int8", "shape": [4])",
+        R"("name": "w", "step": 1, "shape": [4], "unknown": true)"}) {
+    CAPTURE(fields);
+    expectError(form2(buf + fields), 400, "invalid_argument");
+  }
+  CHECK(snapshot(c) == registered);
+
+  // A valid Form 2 request: the result is written in place, the reply is the figures.
+  for (int i = 0; i < 16; ++i) seg.floats(64)[i] = static_cast<float>(i) + 0.5f;
+  const Res ok = form2(buf + R"("name": "w", "step": 1, "offset": 64, "shape": [4, 4])");
+  REQUIRE_MESSAGE(ok.result_int() == 200, ok.body());
+  const auto fig = parseObject(ok.body());
+  CHECK(fig.at("name").get_string() == "w");
+  CHECK(fig.at("step").to_number<uint64_t>() == 1);
+  CHECK(fig.at("codec").get_string() == "none");
+  CHECK(fig.at("elements").to_number<uint64_t>() == 16);
+  CHECK(fig.at("raw_bytes").to_number<uint64_t>() == 64);
+  CHECK(fig.at("nonfinite").get_bool() == false);
+  CHECK(fig.at("state_reset").get_bool() == false);
+  for (const char* k : {"ingest", "compress", "exchange", "decompress", "total"}) {
+    CHECK(fig.at("durations_us").as_object().contains(k));
+  }
+  CHECK(fig.contains("ratio"));
+  for (int i = 0; i < 16; ++i) CHECK(seg.floats(64)[i] == static_cast<float>(i) + 0.5f);
+
+  // Release, then release again.
+  const Res del = c.request(http::verb::delete_, "/v1/buffers/" + id);
+  CHECK(del.result_int() == 200);
+  CHECK(del.body() == "{}");
+  expectError(c.request(http::verb::delete_, "/v1/buffers/" + id), 404, "not_found");
+  expectError(c.request(http::verb::delete_, "/v1/buffers/"), 404, "not_found");
+  CHECK(s.buffers.count() == 0);
+  expectError(form2(buf + R"("name": "w", "step": 2, "shape": [4])"), 404, "not_found");
+}
+
+TEST_CASE("a segment shrunk after registration is refused, not touched") {
+  Stack s;
+  Client c = s.unixClient();
+  const std::string name = "/lw-api-shrink-" + std::to_string(::getpid());
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, 8192) == 0);
+  const std::string id = registerShm(c, name, 8192);
+  REQUIRE(::ftruncate(fd, 100) == 0);
+  const std::string before = snapshot(c);
+  const Res res = c.request(
+      http::verb::post, "/v1/emit_gradient",
+      R"({"name": "w", "step": 1, "buffer": ")" + id + R"(", "offset": 4096, "shape": [16]})",
+      kJson);
+  expectError(res, 400, "invalid_argument");
+  CHECK(snapshot(c) == before);
+  ::close(fd);
+  ::shm_unlink(name.c_str());
+}
+
+TEST_CASE("unknown routes get 404, wrong methods 405 with Allow") {
+  Stack s;
+  Client c = s.tcpClient();
+  expectError(c.get("/v1/nothing"), 404, "not_found");
+  expectError(c.get("/"), 404, "not_found");
+  expectError(c.get("/v1/emit_gradient/extra"), 404, "not_found");
+  struct Case {
+    http::verb method;
+    std::string target, allow;
+  };
+  for (const Case& k :
+       {Case{http::verb::get, "/v1/emit_gradient", "POST"},
+        Case{http::verb::put, "/v1/buffers", "POST"},
+        Case{http::verb::get, "/v1/buffers/b1", "DELETE"},
+        Case{http::verb::get, "/v1/report", "POST"}, Case{http::verb::post, "/v1/config", "PUT"},
+        Case{http::verb::post, "/v1/status", "GET"},
+        Case{http::verb::delete_, "/metrics", "GET"}}) {
+    CAPTURE(k.target);
+    const Res res = c.request(k.method, k.target, "", kJson);
+    expectError(res, 405, "method_not_allowed");
+    CHECK(res[http::field::allow] == k.allow);
+  }
+  CHECK(c.get("/healthz").result_int() == 200);
+}
+
+TEST_CASE("a body over max_body_bytes is refused from its Content-Length, before it is sent") {
+  HttpLimits limits;
+  limits.max_body_bytes = 1 << 20;
+  limits.max_header_bytes = 4096;
+  Stack s({}, limits);
+  for (bool over_tcp : {false, true}) {
+    CAPTURE(over_tcp);
+    Client c = over_tcp ? s.tcpClient() : s.unixClient();
+    c.sendRaw(
+        "POST /v1/emit_gradient?name=w&step=1 HTTP/1.1\r\nHost: x\r\n"
+        "Content-Type: application/octet-stream\r\nContent-Length: 2097152\r\n\r\n");
+    const Res res = c.receive();  // no body sent: the reply must come anyway
+    const std::string m = expectError(res, 413, "too_large");
+    CHECK(m.find("1048576") != std::string::npos);
+    CHECK_FALSE(res.keep_alive());
+    CHECK(c.closedWithin(kTimeoutMs));
+  }
+  // Just at the limit is fine.
+  Client c = s.unixClient();
+  const Res ok = c.request(http::verb::post, "/v1/emit_gradient?name=w&step=1",
+                           std::string(1 << 20, '\0'), kRaw);
+  CHECK(ok.result_int() == 200);
+  // Chunked bodies are limited as they arrive.
+  c.sendRaw(
+      "POST /v1/emit_gradient?name=w&step=2 HTTP/1.1\r\nHost: x\r\n"
+      "Transfer-Encoding: chunked\r\n\r\n200000\r\n" +
+          std::string(0x200000, 'a') + "\r\n0\r\n\r\n",
+      true);
+  expectError(c.receive(), 413, "too_large");
+}
+
+TEST_CASE("headers over max_header_bytes get 431") {
+  HttpLimits limits;
+  limits.max_header_bytes = 2048;
+  Stack s({}, limits);
+  for (bool over_tcp : {false, true}) {
+    CAPTURE(over_tcp);
+    Client c = over_tcp ? s.tcpClient() : s.unixClient();
+    c.sendRaw("GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(3000, 'h') + "\r\n\r\n");
+    const Res res = c.receive();
+    expectError(res, 431, "header_too_large");
+    CHECK(c.closedWithin(kTimeoutMs));
+  }
+  Client c = s.unixClient();
+  CHECK(c.get("/healthz").result_int() == 200);
+}
+
+TEST_CASE("two local trainers: a second request for the same part is 409; steps do not go back") {
+  ServeConfig config;
+  config.local_trainers = 2;
+  Stack s(config);
+  Segment seg(1024);
+  Client a = s.unixClient(), b = s.unixClient(), t1 = s.tcpClient();
+  const std::string id = registerShm(a, seg.name(), 1024);
+  for (int i = 0; i < 8; ++i) seg.floats()[i] = 1.0f;
+
+  // Trainer 0 through its buffer: waits for trainer 1.
+  a.send(http::verb::post, "/v1/emit_gradient",
+         R"({"name": "g", "step": 1, "trainer": 0, "buffer": ")" + id + R"(", "shape": [8]})",
+         kJson);
+  waitPending(s.engine, "g");
+  // A second trainer-0 part of the same step, while the first waits.
+  std::string m =
+      expectError(b.request(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=0",
+                            floatsBody(std::vector<float>(8, 100.0f)), kRaw),
+                  409, "conflict");
+  CHECK(m.find("trainer 0") != std::string::npos);
+  // Without 'trainer' with two local trainers: 400.
+  expectError(b.request(http::verb::post, "/v1/emit_gradient?name=g&step=1",
+                        floatsBody(std::vector<float>(8, 1.0f)), kRaw),
+              400, "invalid_argument");
+  // Trainer 1 completes the step; both get the mean (trainer 0's in its buffer).
+  const Res r1 = t1.request(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=1",
+                            floatsBody(std::vector<float>(8, 5.0f)), kRaw);
+  REQUIRE_MESSAGE(r1.result_int() == 200, r1.body());
+  CHECK(bodyFloats(r1.body()) == std::vector<float>(8, 3.0f));
+  const Res r0 = a.receive();
+  REQUIRE_MESSAGE(r0.result_int() == 200, r0.body());
+  CHECK(parseObject(r0.body()).at("elements").to_number<uint64_t>() == 8);
+  for (int i = 0; i < 8; ++i) CHECK(seg.floats()[i] == 3.0f);
+
+  // Step 1 again, or before it: backwards.
+  for (const char* step : {"1", "0"}) {
+    m = expectError(
+        b.request(http::verb::post, std::string("/v1/emit_gradient?name=g&trainer=0&step=") + step,
+                  floatsBody(std::vector<float>(8, 1.0f)), kRaw),
+        409, "conflict");
+    CHECK(m.find("backwards") != std::string::npos);
+  }
+  // A dtype change between the trainers of one step.
+  a.send(http::verb::post, "/v1/emit_gradient?name=g&step=2&trainer=0",
+         floatsBody(std::vector<float>(8, 1.0f)), kRaw);
+  waitPending(s.engine, "g");
+  expectError(b.request(http::verb::post, "/v1/emit_gradient?name=g&step=2&trainer=1&dtype=float16",
+                        std::string(32, '\0'), kRaw),
+              409, "conflict");
+  const Res r2b = b.request(http::verb::post, "/v1/emit_gradient?name=g&step=2&trainer=1",
+                            floatsBody(std::vector<float>(8, 3.0f)), kRaw);
+  CHECK(r2b.result_int() == 200);
+  CHECK(a.receive().result_int() == 200);
+}
+
+TEST_CASE("a step whose other trainer never comes gets 504 over HTTP") {
+  ServeConfig config;
+  config.local_trainers = 2;
+  Stack s(config, {}, std::chrono::milliseconds(200));
+  Client c = s.unixClient();
+  const std::string m =
+      expectError(c.request(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=0",
+                            floatsBody({1, 2}), kRaw),
+                  504, "deadline_exceeded");
+  CHECK(m.find("trainer(s) 1 ") != std::string::npos);
+  // The connection is still usable.
+  CHECK(c.get("/healthz").result_int() == 200);
+}
+
+TEST_CASE("the admin listener serves health, metrics and status only") {
+  Stack s;
+  Client control = s.unixClient();
+  REQUIRE(
+      control.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", floatsBody({1}), kRaw)
+          .result_int() == 200);
+  expectError(
+      control.request(http::verb::post, "/v1/emit_gradient?name=w&step=x", floatsBody({1}), kRaw),
+      400, "invalid_argument");
+  Client admin = s.adminClient();
+  Res r = admin.get("/healthz");
+  CHECK(r.result_int() == 200);
+  CHECK(r.body() == "ok\n");
+  r = admin.get("/readyz");
+  CHECK(r.result_int() == 200);
+  r = admin.get("/v1/status");
+  CHECK(r.result_int() == 200);
+  const auto st = parseObject(r.body());
+  CHECK(st.at("listeners").at("admin_port").to_number<uint64_t>() == s.admin_port);
+  CHECK(st.at("tensors").as_array().size() == 1);
+  r = admin.get("/metrics");
+  REQUIRE(r.result_int() == 200);
+  CHECK(r.body().find("lightwire_steps_total") != std::string::npos);
+  CHECK(r.body().find(R"(lightwire_http_requests_total{code="400",route="/v1/emit_gradient"} 1)") !=
+        std::string::npos);
+  CHECK(r.body().find(R"(lightwire_http_requests_total{code="200",route="/v1/emit_gradient"} 1)") !=
+        std::string::npos);
+  for (const char* target : {"/v1/emit_gradient?name=w&step=2", "/v1/buffers", "/v1/config"}) {
+    CAPTURE(target);
+    expectError(admin.request(http::verb::post, target, floatsBody({1}), kRaw), 404, "not_found");
+  }
+  const auto after = parseObject(admin.get("/v1/status").body());
+  CHECK(after.at("steps").at("ok").to_number<uint64_t>() == 1);
+  s.api.setStopping();
+  CHECK(admin.get("/readyz").result_int() == 503);
+  expectError(
+      control.request(http::verb::post, "/v1/emit_gradient?name=w&step=5", floatsBody({1}), kRaw),
+      503, "shutting_down");
+}
+
+TEST_CASE("PUT /v1/config changes the codec of the next step; a bad density changes nothing") {
+  Stack s;
+  Client c = s.unixClient();
+  const std::vector<float> v(64, 1.0f);
+  auto emit = [&](int step) {
+    return c.request(http::verb::post, "/v1/emit_gradient?name=w&step=" + std::to_string(step),
+                     floatsBody(v), kRaw);
+  };
+  CHECK(emit(1)["X-Lightwire-Codec"] == "none");
+  const Res put = c.request(http::verb::put, "/v1/config",
+                            R"({"default": {"codec": "topk", "density": 0.5}})", kJson);
+  REQUIRE_MESSAGE(put.result_int() == 200, put.body());
+  CHECK(parseObject(put.body()).at("applied").get_bool());
+  CHECK(emit(2)["X-Lightwire-Codec"] == "topk");
+  const std::string before = snapshot(c);
+  for (const std::string body : {R"({"default": {"codec": "topk", "density": 2}})",
+                                 R"({"default": {"codec": "topk", "density": -0.1}})",
+                                 R"({"default": {"codec": "topk", "density": "x"}})"}) {
+    CAPTURE(body);
+    const std::string m =
+        expectError(c.request(http::verb::put, "/v1/config", body, kJson), 400, "invalid_argument");
+    CHECK(m.find("density") != std::string::npos);
+  }
+  expectError(c.request(http::verb::put, "/v1/config", R"({"default": {"codec": "zip"}})", kJson),
+              400, "invalid_argument");
+  CHECK(snapshot(c) == before);
+  const auto st = parseObject(c.get("/v1/status").body());
+  CHECK(st.at("config").at("compression").at("default").at("codec").get_string() == "topk");
+  CHECK(emit(3)["X-Lightwire-Codec"] == "topk");
+}
+
+TEST_CASE("a token guards TCP control requests and PUT /v1/config everywhere") {
+  ServeConfig config;
+  config.token = "s3cret-token";
+  Stack s(config);
+  const std::string body = floatsBody({1, 2, 3});
+  const std::map<std::string, std::string> good = {{"Authorization", "Bearer s3cret-token"}};
+  const std::map<std::string, std::string> bad = {{"Authorization", "Bearer s3cret-tokeN"}};
+  Client tcp = s.tcpClient();
+  for (const auto* headers :
+       {&bad, static_cast<const std::map<std::string, std::string>*>(nullptr)}) {
+    const Res res = tcp.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", body, kRaw,
+                                headers ? *headers : std::map<std::string, std::string>{});
+    expectError(res, 401, "unauthenticated");
+    CHECK(res.body().find("s3cret") == std::string::npos);
+    CHECK(res[http::field::www_authenticate] == "Bearer");
+  }
+  expectError(tcp.get("/v1/status"), 401, "unauthenticated");
+  CHECK(tcp.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", body, kRaw, good)
+            .result_int() == 200);
+  // The Unix socket needs no token, except for PUT /v1/config.
+  Client ux = s.unixClient();
+  CHECK(ux.request(http::verb::post, "/v1/emit_gradient?name=w&step=2", body, kRaw).result_int() ==
+        200);
+  const std::string cfg = R"({"default": {"codec": "none"}})";
+  expectError(ux.request(http::verb::put, "/v1/config", cfg, kJson), 401, "unauthenticated");
+  CHECK(ux.request(http::verb::put, "/v1/config", cfg, kJson, good).result_int() == 200);
+  CHECK(tcp.request(http::verb::put, "/v1/config", cfg, kJson, good).result_int() == 200);
+  // The admin listener needs none; the status never shows the token.
+  Client admin = s.adminClient();
+  const Res st = admin.get("/v1/status");
+  CHECK(st.result_int() == 200);
+  CHECK(st.body().find("s3cret") == std::string::npos);
+  CHECK(admin.get("/metrics").body().find("s3cret") == std::string::npos);
+}
+
+TEST_CASE("idle clients are disconnected after idle_timeout") {
+  HttpLimits limits;
+  limits.idle_timeout = std::chrono::milliseconds(300);
+  Stack s({}, limits);
+  for (bool over_tcp : {false, true}) {
+    CAPTURE(over_tcp);
+    Client silent = over_tcp ? s.tcpClient() : s.unixClient();
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(silent.closedWithin(3000));
+    const auto took = std::chrono::steady_clock::now() - t0;
+    CHECK(took >= std::chrono::milliseconds(250));
+    // After a request, the keep-alive connection is closed when idle as well.
+    Client used = over_tcp ? s.tcpClient() : s.unixClient();
+    CHECK(used.get("/healthz").result_int() == 200);
+    CHECK(used.closedWithin(3000));
+  }
+  // A client that sends half its headers is cut off too.
+  Client half = s.unixClient();
+  half.sendRaw("GET /healthz HTTP/1.1\r\nHost:");
+  CHECK(half.closedWithin(3000));
+}
+
+TEST_CASE("HttpServer::stop removes the socket file and refuses new connections") {
+  auto s = std::make_unique<Stack>();
+  REQUIRE(std::filesystem::exists(s->socket_path));
+  {
+    Client c = s->unixClient();
+    CHECK(c.get("/healthz").result_int() == 200);
+    s->server.stop();
+    CHECK(c.closedWithin(3000));
+  }
+  CHECK_FALSE(std::filesystem::exists(s->socket_path));
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(s->tcp_port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool connected = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  if (connected) {
+    // Accepted by the kernel before the acceptor closed? Then the server must close it.
+    FdStream stream(fd);
+    CHECK(stream.closedWithin(3000));
+  } else {
+    ::close(fd);
+  }
+  s.reset();
+}
+
+TEST_CASE("a live socket is not replaced; a stale one is") {
+  Stack s;
+  HttpServer other(s.io, {}, [](Request&&, const RequestInfo&, Reply reply) {
+    reply(errorResponse(http::status::not_found, "not_found", "x"));
+  });
+  const std::string e = other.listenUnix(s.socket_path, ListenerKind::kControl);
+  CHECK(e.find("another process") != std::string::npos);
+  // A stale socket file (bound, never listened) is replaced.
+  const std::string stale = s.dir.path() + "/stale.sock";
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path, stale.c_str(), stale.size() + 1);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  ::close(fd);
+  CHECK(other.listenUnix(stale, ListenerKind::kControl) == "");
+  other.stop();
+  CHECK_FALSE(std::filesystem::exists(stale));
+}
+
+TEST_CASE("HEAD, pipelined requests, HTTP/1.0 and Expect: 100-continue") {
+  Stack s;
+  SUBCASE("HEAD gets headers only, and the connection goes on") {
+    Client c = s.adminClient();
+    c.sendRaw("HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    http::response_parser<http::string_body> head;
+    head.skip(true);
+    Res res = c.receive(head);
+    CHECK(res.result_int() == 200);
+    CHECK(res.body().empty());
+    res = c.receive();
+    CHECK(res.result_int() == 200);
+    CHECK(res.body() == "ok\n");
+  }
+  SUBCASE("two pipelined requests get two replies in order") {
+    Client c = s.unixClient();
+    const std::string body = floatsBody({4, 5});
+    c.sendRaw(
+        "POST /v1/emit_gradient?name=p&step=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\n" +
+        body + "GET /v1/nothing HTTP/1.1\r\nHost: x\r\n\r\n");
+    Res r1 = c.receive();
+    CHECK(r1.result_int() == 200);
+    CHECK(r1.body() == body);
+    expectError(c.receive(), 404, "not_found");
+  }
+  SUBCASE("HTTP/1.0 without keep-alive: one reply, then the server closes") {
+    Client c = s.unixClient();
+    c.sendRaw("GET /healthz HTTP/1.0\r\n\r\n");
+    Res r = c.receive();
+    CHECK(r.result_int() == 200);
+    CHECK(r.version() == 10);
+    CHECK(c.closedWithin(kTimeoutMs));
+  }
+  SUBCASE("Expect: 100-continue") {
+    Client c = s.unixClient();
+    const std::string body = floatsBody({1, 2});
+    c.sendRaw(
+        "POST /v1/emit_gradient?name=e&step=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n"
+        "Expect: 100-continue\r\n\r\n");
+    http::response_parser<http::string_body> cont;
+    cont.skip(true);
+    CHECK(c.receive(cont).result_int() == 100);
+    c.sendRaw(body);
+    Res r = c.receive();
+    CHECK(r.result_int() == 200);
+    CHECK(r.body() == body);
+  }
+  SUBCASE("a malformed request line gets 400 and the connection closes") {
+    Client c = s.unixClient();
+    c.sendRaw("NOT HTTP\r\n\r\n");
+    expectError(c.receive(), 400, "invalid_argument");
+    CHECK(c.closedWithin(kTimeoutMs));
+  }
+}
+
+TEST_CASE("connections over max_connections are closed at once") {
+  HttpLimits limits;
+  limits.max_connections = 2;
+  Stack s({}, limits);
+  Client a = s.unixClient(), b = s.tcpClient();
+  CHECK(a.get("/healthz").result_int() == 200);
+  CHECK(b.get("/healthz").result_int() == 200);
+  Client c = s.unixClient();
+  CHECK(c.closedWithin(kTimeoutMs));
+  CHECK(a.get("/healthz").result_int() == 200);
+}
+
+TEST_CASE("a buffer shrunk while its step waits fails the step without touching it") {
+  ServeConfig config;
+  config.local_trainers = 2;
+  Stack s(config);
+  const std::string name = "/lw-api-shrink2-" + std::to_string(::getpid());
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, 8192) == 0);
+  Client a = s.unixClient(), b = s.unixClient();
+  const std::string id = registerShm(a, name, 8192);
+  a.send(http::verb::post, "/v1/emit_gradient",
+         R"({"name": "g", "step": 1, "trainer": 0, "buffer": ")" + id +
+             R"(", "offset": 4096, "shape": [16]})",
+         kJson);
+  waitPending(s.engine, "g");
+  REQUIRE(::ftruncate(fd, 100) == 0);
+  const Res r1 = b.request(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=1",
+                           floatsBody(std::vector<float>(16, 1.0f)), kRaw);
+  expectError(r1, 409, "conflict");
+  expectError(a.receive(), 409, "conflict");
+  const auto st = parseObject(a.get("/v1/status").body());
+  CHECK(st.at("tensors").at(0).at("last_committed_step").is_null());
+  ::close(fd);
+  ::shm_unlink(name.c_str());
+}
+
+TEST_CASE("a client that leaves while its step waits does not disturb the others") {
+  ServeConfig config;
+  config.local_trainers = 2;
+  Stack s(config);
+  {
+    Client gone = s.unixClient();
+    gone.send(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=0", floatsBody({2, 2}),
+              kRaw);
+    waitPending(s.engine, "g");
+  }
+  Client b = s.tcpClient();
+  const Res r = b.request(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=1",
+                          floatsBody({4, 4}), kRaw);
+  CHECK(r.result_int() == 200);
+  CHECK(bodyFloats(r.body()) == std::vector<float>{3, 3});
+  CHECK(b.get("/healthz").result_int() == 200);
+}
+
+TEST_CASE("a buffer released while its step waits is unmapped only after the step") {
+  ServeConfig config;
+  config.local_trainers = 2;
+  Stack s(config);
+  Segment seg(256);
+  Client a = s.unixClient(), b = s.unixClient();
+  const std::string id = registerShm(a, seg.name(), 256);
+  for (int i = 0; i < 4; ++i) seg.floats()[i] = 2.0f;
+  a.send(http::verb::post, "/v1/emit_gradient",
+         R"({"name": "g", "step": 1, "trainer": 0, "buffer": ")" + id + R"(", "shape": [4]})",
+         kJson);
+  waitPending(s.engine, "g");
+  CHECK(b.request(http::verb::delete_, "/v1/buffers/" + id).result_int() == 200);
+  const Res r1 = b.request(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=1",
+                           floatsBody(std::vector<float>(4, 4.0f)), kRaw);
+  CHECK(r1.result_int() == 200);
+  CHECK(a.receive().result_int() == 200);
+  for (int i = 0; i < 4; ++i) CHECK(seg.floats()[i] == 3.0f);
+}
+
+TEST_CASE("stopping answers waiting steps with 503 and closes their connections") {
+  ServeConfig config;
+  config.local_trainers = 2;
+  Stack s(config);
+  Client a = s.unixClient(), idle = s.tcpClient();
+  CHECK(idle.get("/healthz").result_int() == 200);
+  a.send(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=0", floatsBody({1}), kRaw);
+  waitPending(s.engine, "g");
+  s.api.setStopping();
+  s.server.stop();
+  s.engine.shutdown();
+  const Res r = a.receive();
+  expectError(r, 503, "shutting_down");
+  CHECK_FALSE(r.keep_alive());
+  CHECK(a.closedWithin(kTimeoutMs));
+  CHECK(idle.closedWithin(kTimeoutMs));
+  CHECK_FALSE(std::filesystem::exists(s.socket_path));
+}
+
+TEST_CASE("three trainers on their own connections and threads, many steps of two tensors") {
+  ServeConfig config;
+  config.local_trainers = 3;
+  Stack s(config);
+  constexpr int kSteps = 30;
+  std::atomic<int> wrong{0}, failed{0};
+  std::vector<std::thread> trainers;
+  for (unsigned k = 0; k < 3; ++k) {
+    trainers.emplace_back([&, k] {
+      Client c = k == 1 ? s.tcpClient() : s.unixClient();
+      for (int step = 1; step <= kSteps; ++step) {
+        for (const char* tensor : {"a.weight", "b.bias"}) {
+          const float v = k == 0 ? 1.0f : k == 1 ? 2.0f : 6.0f;
+          const Res r = c.request(http::verb::post,
+                                  std::string("/v1/emit_gradient?name=") + tensor + "&step=" +
+                                      std::to_string(step) + "&trainer=" + std::to_string(k),
+                                  floatsBody(std::vector<float>(1000, v * step)), kRaw);
+          if (r.result_int() != 200) {
+            ++failed;
+            continue;
+          }
+          for (float x : bodyFloats(r.body())) wrong += x != 3.0f * static_cast<float>(step);
+        }
+      }
+    });
+  }
+  for (auto& t : trainers) t.join();
+  CHECK(failed.load() == 0);
+  CHECK(wrong.load() == 0);
+  CHECK(s.engine.stepsOk() == 2 * kSteps);
+}

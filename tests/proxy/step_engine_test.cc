@@ -1,0 +1,433 @@
+// The step engine (proxy/step_engine.h) with LocalExchange: averaging of local trainers, the
+// refusals of submit(), step timeouts, codec state across steps, size and codec changes,
+// non-finite steps and shutdown.
+#include <doctest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/dtype.h"
+#include "metrics/metrics.h"
+#include "proxy/step_engine.h"
+
+using namespace lightwire;
+using namespace lightwire::proxy;
+using kernels::DType;
+
+namespace {
+
+constexpr auto kWait = std::chrono::seconds(10);
+
+kernels::CodecConfig codecNamed(const std::string& name, std::optional<double> density = {}) {
+  kernels::CodecConfig c;
+  c.name = name;
+  c.density = density;
+  return c;
+}
+
+CodecChooser always(kernels::CodecConfig c) {
+  return [c](std::string_view, uint64_t) { return c; };
+}
+
+/// One trainer's part in flight: its bytes (overwritten by the result) and its outcome.
+struct Sent {
+  std::shared_ptr<std::vector<std::byte>> bytes;
+  std::future<StepOutcome> outcome;
+
+  /// The outcome, or a failed test after 10 s (never hangs).
+  StepOutcome get() {
+    if (outcome.wait_for(kWait) != std::future_status::ready) {
+      FAIL("the engine did not answer within 10 s");
+    }
+    return outcome.get();
+  }
+  /// The result as floats.
+  std::vector<float> values(DType dtype) const {
+    const size_t width = kernels::dtypeSize(dtype);
+    std::vector<float> out(bytes->size() / width);
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint16_t h = 0;
+      switch (dtype) {
+        case DType::kF32:
+          std::memcpy(&out[i], bytes->data() + 4 * i, 4);
+          break;
+        case DType::kF16:
+          std::memcpy(&h, bytes->data() + 2 * i, 2);
+          out[i] = kernels::halfToFloat(h);
+          break;
+        case DType::kBF16:
+          std::memcpy(&h, bytes->data() + 2 * i, 2);
+          out[i] = kernels::bf16ToFloat(h);
+          break;
+      }
+    }
+    return out;
+  }
+};
+
+/// Submits `values` (converted to `dtype`) as trainer `trainer`'s part of (name, step).
+Sent send(StepEngine& engine, const std::string& name, uint64_t step, unsigned trainer,
+          const std::vector<float>& values, DType dtype = DType::kF32) {
+  const size_t width = kernels::dtypeSize(dtype);
+  auto bytes = std::make_shared<std::vector<std::byte>>(values.size() * width);
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(bytes->data() + 4 * i, &values[i], 4);
+    } else {
+      const uint16_t h =
+          dtype == DType::kF16 ? kernels::floatToHalf(values[i]) : kernels::floatToBf16(values[i]);
+      std::memcpy(bytes->data() + 2 * i, &h, 2);
+    }
+  }
+  Contribution c;
+  c.spec.name = name;
+  c.spec.step = step;
+  c.spec.trainer = trainer;
+  c.spec.dtype = dtype;
+  c.spec.elements = values.size();
+  c.data = bytes->data();
+  c.keep_alive = bytes;
+  auto promise = std::make_shared<std::promise<StepOutcome>>();
+  Sent s{bytes, promise->get_future()};
+  engine.submit(std::move(c), [promise](StepOutcome o) { promise->set_value(std::move(o)); });
+  return s;
+}
+
+/// The engine and what it needs, torn down in order.
+struct Fixture {
+  explicit Fixture(EngineOptions options, CodecChooser chooser = always(codecNamed("none")))
+      : engine(options, std::move(chooser), metrics, exchange) {}
+  metrics::Metrics metrics;
+  LocalExchange exchange;
+  StepEngine engine;
+};
+
+EngineOptions withTrainers(unsigned n) {
+  EngineOptions o;
+  o.local_trainers = n;
+  o.threads = 2;
+  o.step_timeout = std::chrono::milliseconds(10000);
+  return o;
+}
+
+std::vector<float> randomValues(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    x = dist(gen);
+    if (x == 0.0f) x = 1.0f;  // no -0.0: 0 + -0 is +0
+  }
+  return v;
+}
+
+bool bitsEqual(const std::vector<std::byte>& a, const std::vector<std::byte>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+/// Runs one step with one trainer and returns (outcome, result values).
+std::pair<StepOutcome, std::vector<float>> step1(StepEngine& e, const std::string& name,
+                                                 uint64_t step, const std::vector<float>& v) {
+  Sent s = send(e, name, step, 0, v);
+  StepOutcome o = s.get();
+  return {o, s.values(DType::kF32)};
+}
+
+}  // namespace
+
+TEST_CASE("codec none with one trainer returns the input bit for bit") {
+  Fixture f(withTrainers(1));
+  const auto values = randomValues(5000, 1, 3.0f);
+  uint64_t step = 1;
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    CAPTURE(kernels::dtypeSize(dtype));
+    const std::string name = std::string("t.") + apiDTypeName(dtype);
+    Sent s = send(f.engine, name, step, 0, values, dtype);
+    const std::vector<std::byte> before = *s.bytes;
+    const StepOutcome o = s.get();
+    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    CHECK(o.figures.codec == "none");
+    CHECK(o.figures.elements == values.size());
+    CHECK(o.figures.raw_bytes == values.size() * kernels::dtypeSize(dtype));
+    CHECK_FALSE(o.figures.nonfinite);
+    CHECK_FALSE(o.figures.state_reset);
+    CHECK(bitsEqual(*s.bytes, before));
+    ++step;
+  }
+  CHECK(f.engine.stepsOk() == 3);
+  CHECK(f.engine.stepsFailed() == 0);
+}
+
+TEST_CASE("three local trainers sending from three threads each get the mean") {
+  Fixture f(withTrainers(3));
+  const size_t n = 3000;
+  for (uint64_t step = 1; step <= 3; ++step) {
+    std::vector<Sent> sent(3);
+    std::vector<std::thread> threads;
+    for (unsigned k = 0; k < 3; ++k) {
+      threads.emplace_back([&, k] {
+        const float v = k == 0 ? 1.0f : k == 1 ? 2.0f : 6.0f;  // mean 3
+        std::vector<float> values(n, v);
+        values[0] = static_cast<float>(k);  // mean 1
+        sent[k] = send(f.engine, "grad", step, k, values);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (unsigned k = 0; k < 3; ++k) {
+      const StepOutcome o = sent[k].get();
+      REQUIRE_MESSAGE(o.http_status == 200, o.message);
+      const auto r = sent[k].values(DType::kF32);
+      CHECK(r[0] == 1.0f);
+      size_t wrong = 0;
+      for (size_t i = 1; i < n; ++i) wrong += r[i] != 3.0f;
+      CHECK(wrong == 0);
+    }
+  }
+  CHECK(f.engine.stepsOk() == 3);
+}
+
+TEST_CASE("three local trainers in bfloat16 get the mean in bfloat16") {
+  Fixture f(withTrainers(3));
+  std::vector<Sent> sent;
+  for (unsigned k = 0; k < 3; ++k) {
+    sent.push_back(send(f.engine, "g16", 1, k, std::vector<float>(64, k == 2 ? 6.0f : k + 1.0f),
+                        DType::kBF16));
+  }
+  for (auto& s : sent) {
+    const StepOutcome o = s.get();
+    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    for (float v : s.values(DType::kBF16)) CHECK(v == 3.0f);
+  }
+}
+
+TEST_CASE("submit refuses conflicting contributions and changes nothing") {
+  EngineOptions options = withTrainers(2);
+  options.max_pending_steps = 2;
+  Fixture f(options);
+  const std::vector<float> v(16, 1.0f);
+
+  SUBCASE("trainer index out of range: 400") {
+    Sent s = send(f.engine, "t", 1, 2, v);
+    const StepOutcome o = s.get();
+    CHECK(o.http_status == 400);
+    CHECK(o.error == "invalid_argument");
+    CHECK(o.message.find("trainer 2") != std::string::npos);
+  }
+  SUBCASE("the same trainer twice for one pending step: 409, then the step completes") {
+    Sent first = send(f.engine, "t", 1, 0, v);
+    Sent again = send(f.engine, "t", 1, 0, v);
+    const StepOutcome o = again.get();
+    CHECK(o.http_status == 409);
+    CHECK(o.error == "conflict");
+    CHECK(o.message.find("already sent") != std::string::npos);
+    Sent other = send(f.engine, "t", 1, 1, std::vector<float>(16, 3.0f));
+    REQUIRE(first.get().http_status == 200);
+    REQUIRE(other.get().http_status == 200);
+    CHECK(first.values(DType::kF32)[0] == 2.0f);
+  }
+  SUBCASE("different element counts or dtypes among the trainers of one step: 409") {
+    Sent first = send(f.engine, "t", 1, 0, v);
+    Sent wrong = send(f.engine, "t", 1, 1, std::vector<float>(17, 1.0f));
+    StepOutcome o = wrong.get();
+    CHECK(o.http_status == 409);
+    CHECK(o.error == "conflict");
+    CHECK(o.message.find("17") != std::string::npos);
+    Sent wrong_dtype = send(f.engine, "t", 1, 1, v, DType::kF16);
+    o = wrong_dtype.get();
+    CHECK(o.http_status == 409);
+    CHECK(o.error == "conflict");
+    // The step still waits for trainer 1 with the right size.
+    Sent right = send(f.engine, "t", 1, 1, v);
+    CHECK(first.get().http_status == 200);
+    CHECK(right.get().http_status == 200);
+  }
+  SUBCASE("a step at or before the last committed one: 409") {
+    Sent a = send(f.engine, "t", 5, 0, v), b = send(f.engine, "t", 5, 1, v);
+    REQUIRE(a.get().http_status == 200);
+    REQUIRE(b.get().http_status == 200);
+    for (uint64_t step : {uint64_t{5}, uint64_t{3}, uint64_t{0}}) {
+      CAPTURE(step);
+      const StepOutcome o = send(f.engine, "t", step, 0, v).get();
+      CHECK(o.http_status == 409);
+      CHECK(o.error == "conflict");
+      CHECK(o.message.find("backwards") != std::string::npos);
+    }
+    // Other tensors are independent; later steps go on.
+    Sent c = send(f.engine, "t", 6, 0, v), d = send(f.engine, "t", 6, 1, v);
+    CHECK(c.get().http_status == 200);
+    CHECK(d.get().http_status == 200);
+  }
+  SUBCASE("max_pending_steps reached: 429, and room again once a step completes") {
+    Sent s1 = send(f.engine, "t", 1, 0, v);
+    Sent s2 = send(f.engine, "u", 1, 0, v);
+    const StepOutcome o = send(f.engine, "t", 2, 0, v).get();
+    CHECK(o.http_status == 429);
+    CHECK(o.error == "limit_reached");
+    CHECK(o.message.find("max_pending_steps") != std::string::npos);
+    // A part of a step already pending is not a new step.
+    Sent s1b = send(f.engine, "t", 1, 1, v);
+    CHECK(s1.get().http_status == 200);
+    CHECK(s1b.get().http_status == 200);
+    Sent s3 = send(f.engine, "t", 2, 0, v);
+    Sent s3b = send(f.engine, "t", 2, 1, v);
+    Sent s2b = send(f.engine, "u", 1, 1, v);
+    CHECK(s3.get().http_status == 200);
+    CHECK(s3b.get().http_status == 200);
+    CHECK(s2.get().http_status == 200);
+    CHECK(s2b.get().http_status == 200);
+  }
+}
+
+TEST_CASE("a step whose trainers do not all arrive in time fails with 504, then can be resent") {
+  EngineOptions options = withTrainers(2);
+  options.step_timeout = std::chrono::milliseconds(200);
+  Fixture f(options);
+  const std::vector<float> v(8, 2.0f);
+  const auto t0 = std::chrono::steady_clock::now();
+  Sent lone = send(f.engine, "late", 7, 0, v);
+  const StepOutcome o = lone.get();
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  CHECK(o.http_status == 504);
+  CHECK(o.error == "deadline_exceeded");
+  CHECK(o.message.find("trainer(s) 1 ") != std::string::npos);
+  CHECK(o.message.find("'late'") != std::string::npos);
+  CHECK(waited >= std::chrono::milliseconds(190));
+  CHECK(f.engine.stepsFailed() == 1);
+
+  Sent a = send(f.engine, "late", 7, 0, v);
+  Sent b = send(f.engine, "late", 7, 1, std::vector<float>(8, 4.0f));
+  const StepOutcome oa = a.get(), ob = b.get();
+  REQUIRE_MESSAGE(oa.http_status == 200, oa.message);
+  REQUIRE_MESSAGE(ob.http_status == 200, ob.message);
+  for (float x : a.values(DType::kF32)) CHECK(x == 3.0f);
+  CHECK(f.engine.stepsOk() == 1);
+}
+
+TEST_CASE("a tensor whose size or codec changes starts with fresh codec state") {
+  auto config = std::make_shared<kernels::CodecConfig>(codecNamed("topk", 0.25));
+  Fixture f(withTrainers(1));
+  f.engine.setChooser(always(*config));
+  const auto v8 = randomValues(8, 3), v16 = randomValues(16, 4);
+
+  auto [o1, r1] = step1(f.engine, "w", 1, v8);
+  REQUIRE_MESSAGE(o1.http_status == 200, o1.message);
+  CHECK(o1.figures.codec == "topk");
+  CHECK_FALSE(o1.figures.state_reset);
+  auto [o2, r2] = step1(f.engine, "w", 2, v16);
+  REQUIRE_MESSAGE(o2.http_status == 200, o2.message);
+  CHECK(o2.figures.state_reset);
+  CHECK(o2.figures.elements == 16);
+  auto [o3, r3] = step1(f.engine, "w", 3, v16);
+  REQUIRE_MESSAGE(o3.http_status == 200, o3.message);
+  CHECK_FALSE(o3.figures.state_reset);
+
+  f.engine.setChooser(always(codecNamed("none")));
+  auto [o4, r4] = step1(f.engine, "w", 4, v16);
+  REQUIRE_MESSAGE(o4.http_status == 200, o4.message);
+  CHECK(o4.figures.codec == "none");
+  CHECK(o4.figures.state_reset);
+  CHECK(r4 == v16);
+  auto [o5, r5] = step1(f.engine, "w", 5, v16);
+  CHECK_FALSE(o5.figures.state_reset);
+  // A different density of the same codec is a codec change too.
+  f.engine.setChooser(always(codecNamed("topk", 0.5)));
+  auto [o6, r6] = step1(f.engine, "w", 6, v16);
+  CHECK(o6.figures.state_reset);
+  CHECK(f.metrics.exposition().find("lightwire_state_resets_total 3") != std::string::npos);
+}
+
+TEST_CASE("topk and dgc keep their state across steps and do not commit it after a NaN step") {
+  for (const char* codec : {"topk", "dgc"}) {
+    CAPTURE(codec);
+    const auto chooser = always(codecNamed(codec, 0.1));
+    const size_t n = 4000;
+    const auto x1 = randomValues(n, 11), x2 = randomValues(n, 12), x3 = randomValues(n, 13);
+    auto with_nan = x2;
+    with_nan[17] = std::numeric_limits<float>::quiet_NaN();
+
+    // Engine A: x1, then x2. Engine B (fresh): x2 at the same step.
+    Fixture a(withTrainers(1), chooser), b(withTrainers(1), chooser);
+    auto [a1, ra1] = step1(a.engine, "layer.weight", 1, x1);
+    REQUIRE_MESSAGE(a1.http_status == 200, a1.message);
+    CHECK(a1.figures.codec == codec);
+    CHECK(a1.figures.wire_bytes < a1.figures.raw_bytes);
+    auto [a2, ra2] = step1(a.engine, "layer.weight", 2, x2);
+    auto [b2, rb2] = step1(b.engine, "layer.weight", 2, x2);
+    REQUIRE(a2.http_status == 200);
+    REQUIRE(b2.http_status == 200);
+    CHECK(ra2 != rb2);  // the residual of step 1 took part in step 2
+
+    // Engine C: x1, NaN step, x3. Engine D: x1, x3. The NaN step leaves the state as it was.
+    Fixture c(withTrainers(1), chooser), d(withTrainers(1), chooser);
+    auto [c1, rc1] = step1(c.engine, "layer.weight", 1, x1);
+    auto [d1, rd1] = step1(d.engine, "layer.weight", 1, x1);
+    CHECK(rc1 == rd1);
+    auto [c2, rc2] = step1(c.engine, "layer.weight", 2, with_nan);
+    REQUIRE_MESSAGE(c2.http_status == 200, c2.message);
+    CHECK(c2.figures.nonfinite);
+    CHECK(c.metrics.exposition().find("lightwire_steps_total{result=\"nonfinite\"} 1") !=
+          std::string::npos);
+    auto [c3, rc3] = step1(c.engine, "layer.weight", 3, x3);
+    auto [d3, rd3] = step1(d.engine, "layer.weight", 3, x3);
+    REQUIRE_MESSAGE(c3.http_status == 200, c3.message);
+    REQUIRE(d3.http_status == 200);
+    CHECK_FALSE(c3.figures.nonfinite);
+    CHECK(rc3 == rd3);
+  }
+}
+
+TEST_CASE("shutdown fails waiting steps with 503 and refuses later submits") {
+  Fixture f(withTrainers(2));
+  const std::vector<float> v(8, 1.0f);
+  Sent waiting = send(f.engine, "s", 1, 0, v);
+  Sent other = send(f.engine, "s2", 4, 1, v);
+  f.engine.shutdown();
+  for (Sent* s : {&waiting, &other}) {
+    const StepOutcome o = s->get();
+    CHECK(o.http_status == 503);
+    CHECK(o.error == "shutting_down");
+  }
+  const StepOutcome later = send(f.engine, "s", 2, 0, v).get();
+  CHECK(later.http_status == 503);
+  CHECK(later.error == "shutting_down");
+  f.engine.shutdown();  // idempotent
+}
+
+TEST_CASE("a pending step overtaken by a committed later step fails at once with 409") {
+  Fixture f(withTrainers(2));  // step timeout 10 s: the doomed step must not wait for it
+  const std::vector<float> v(8, 1.0f);
+  Sent old0 = send(f.engine, "t", 1, 0, v);
+  Sent new0 = send(f.engine, "t", 2, 0, v), new1 = send(f.engine, "t", 2, 1, v);
+  REQUIRE(new0.get().http_status == 200);
+  REQUIRE(new1.get().http_status == 200);
+  const StepOutcome late = send(f.engine, "t", 1, 1, v).get();
+  CHECK(late.http_status == 409);
+  REQUIRE(old0.outcome.wait_for(std::chrono::seconds(2)) == std::future_status::ready);
+  const StepOutcome o = old0.get();
+  CHECK(o.http_status == 409);
+  CHECK(o.error == "conflict");
+  CHECK(o.message.find("backwards") != std::string::npos);
+  const auto tensors = f.engine.tensorsJson();
+  REQUIRE(tensors.size() == 1);
+  CHECK(tensors[0].at("pending_steps").to_number<uint64_t>() == 0);
+}
+
+TEST_CASE("a tensor whose dtype changes between steps starts with fresh codec state") {
+  Fixture f(withTrainers(1), always(codecNamed("topk", 0.25)));
+  const auto v = randomValues(16, 5);
+  Sent a = send(f.engine, "d", 1, 0, v, DType::kF32);
+  REQUIRE(a.get().http_status == 200);
+  Sent b = send(f.engine, "d", 2, 0, v, DType::kBF16);
+  const StepOutcome o = b.get();
+  REQUIRE_MESSAGE(o.http_status == 200, o.message);
+  CHECK(o.figures.state_reset);
+  CHECK(o.figures.raw_bytes == 32);
+}
