@@ -1,6 +1,7 @@
 #include "proxy/bench_ingest.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -105,9 +106,16 @@ class Client {
 /// The sidecar child process; SIGTERM and wait on destruction.
 class Sidecar {
  public:
-  Sidecar(const std::string& exe, const std::string& socket, const std::string& log) {
+  /// Starts `exe serve` on `socket`, pinned to `cpu` (with every thread it starts) when >= 0.
+  Sidecar(const std::string& exe, const std::string& socket, const std::string& log, int cpu = -1) {
     pid_ = fork();
     if (pid_ == 0) {
+      if (cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        sched_setaffinity(0, sizeof set, &set);
+      }
       const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (fd >= 0) {
         dup2(fd, 2);
@@ -239,24 +247,54 @@ int runIngestBench(const IngestBenchSettings& s) {
     Client client(socket);
     uint64_t step = 0;
 
-    // 4 KiB round trips from C++.
+    // 4 KiB round trips from C++: unpinned, and then with the client and a separate sidecar
+    // pinned to the same core and to different cores (a round trip costs two wake-ups, and waking
+    // a process on another core costs an inter-processor interrupt, dear in a VM).
     std::fprintf(stderr, "lightwire bench ingest: 4 KiB round trips (C++ client) ...\n");
-    const std::string small(4096, '\0');
-    for (int i = 0; i < 200; ++i) {
-      expectOk(
-          client.request(http::verb::post, emitTarget(step++), small, "application/octet-stream"),
-          "4 KiB emit_gradient");
+    auto smallRuns = [&](Client& c, uint64_t& st) {
+      const std::string small(4096, '\0');
+      for (int i = 0; i < 200; ++i) {
+        expectOk(c.request(http::verb::post, emitTarget(st++), small, "application/octet-stream"),
+                 "4 KiB emit_gradient");
+      }
+      std::vector<double> lat;
+      for (int i = 0; i < s.small_runs; ++i) {
+        const auto t0 = Clock::now();
+        auto r = c.request(http::verb::post, emitTarget(st++), small, "application/octet-stream");
+        lat.push_back(seconds(Clock::now() - t0));
+        expectOk(r, "4 KiB emit_gradient");
+      }
+      return lat;
+    };
+    {
+      const auto lat = smallRuns(client, step);
+      result["cpp_4k_p50_us"] = percentile(lat, 0.5) * 1e6;
+      result["cpp_4k_p99_us"] = percentile(lat, 0.99) * 1e6;
     }
-    std::vector<double> lat;
-    for (int i = 0; i < s.small_runs; ++i) {
-      const auto t0 = Clock::now();
-      auto r =
-          client.request(http::verb::post, emitTarget(step++), small, "application/octet-stream");
-      lat.push_back(seconds(Clock::now() - t0));
-      expectOk(r, "4 KiB emit_gradient");
+    cpu_set_t original;
+    CPU_ZERO(&original);
+    sched_getaffinity(0, sizeof original, &original);
+    if (CPU_COUNT(&original) >= 2) {
+      std::vector<int> cpus;
+      for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c) {
+        if (CPU_ISSET(c, &original)) cpus.push_back(c);
+      }
+      for (const bool same : {true, false}) {
+        const std::string pinned_socket = dir + (same ? "/same.sock" : "/split.sock");
+        Sidecar pinned(s.self_exe, pinned_socket, dir + "/pinned.log", cpus[0]);
+        cpu_set_t mine;
+        CPU_ZERO(&mine);
+        CPU_SET(same ? cpus[0] : cpus[1], &mine);
+        sched_setaffinity(0, sizeof mine, &mine);
+        Client pc(pinned_socket);
+        uint64_t pst = 0;
+        const auto lat = smallRuns(pc, pst);
+        sched_setaffinity(0, sizeof original, &original);
+        const std::string key = same ? "cpp_4k_same_core" : "cpp_4k_cross_core";
+        result[key + "_p50_us"] = percentile(lat, 0.5) * 1e6;
+        result[key + "_p99_us"] = percentile(lat, 0.99) * 1e6;
+      }
     }
-    result["cpp_4k_p50_us"] = percentile(lat, 0.5) * 1e6;
-    result["cpp_4k_p99_us"] = percentile(lat, 0.99) * 1e6;
 
     // 100 MB as an HTTP body, both ways.
     std::fprintf(stderr, "lightwire bench ingest: %zu MB as HTTP bodies ...\n",
@@ -332,6 +370,12 @@ int runIngestBench(const IngestBenchSettings& s) {
     };
     std::printf("4 KiB round trip, C++ client:     p50 %8.1f us   p99 %8.1f us\n",
                 num("cpp_4k_p50_us"), num("cpp_4k_p99_us"));
+    if (result.contains("cpp_4k_same_core_p50_us")) {
+      std::printf("  pinned to one core:             p50 %8.1f us   p99 %8.1f us\n",
+                  num("cpp_4k_same_core_p50_us"), num("cpp_4k_same_core_p99_us"));
+      std::printf("  pinned to two cores:            p50 %8.1f us   p99 %8.1f us\n",
+                  num("cpp_4k_cross_core_p50_us"), num("cpp_4k_cross_core_p99_us"));
+    }
     if (!s.python.empty()) {
       std::printf("4 KiB round trip, Python client:  p50 %8.1f us   p99 %8.1f us\n",
                   num("python_4k_p50_us"), num("python_4k_p99_us"));

@@ -331,7 +331,9 @@ void StepEngine::runNextReady(std::unique_lock<std::mutex>& lock) {
   lock.lock();
   t.running.reset();
   executing_ = false;
-  cv_.notify_all();
+  // Wake the engine thread only when it has something to do: waking it after every inline step
+  // would cost a context switch per small round trip.
+  if (!ready_.empty() || stopping_) cv_.notify_all();
 }
 
 void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
