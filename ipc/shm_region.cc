@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <random>
 
 namespace lightwire::ipc {
 namespace {
@@ -76,6 +78,20 @@ bool ShmRegion::stillBacked() const {
   return ::fstat(fd_, &st) == 0 && static_cast<uint64_t>(st.st_size) >= size_;
 }
 
+namespace {
+
+std::string instancePrefix() {
+  std::random_device rd;
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "b%06x-", static_cast<unsigned>(rd()) & 0xFFFFFFu);
+  return buf;
+}
+
+}  // namespace
+
+BufferTable::BufferTable(size_t max_buffers)
+    : max_buffers_(max_buffers), prefix_(instancePrefix()) {}
+
 std::string BufferTable::add(const std::string& name, uint64_t size, AddError* why,
                              std::string* error) {
   {
@@ -99,9 +115,9 @@ std::string BufferTable::add(const std::string& name, uint64_t size, AddError* w
              " buffers may be registered (limits.max_buffers); release one first";
     return "";
   }
-  std::string id = "b";  // (not "b" + ...: g++ 12 warns falsely, -Wrestrict)
-  id += std::to_string(next_id_++);
-  buffers_.emplace(id, std::shared_ptr<ShmRegion>(std::move(region)));
+  const uint64_t ordinal = next_id_++;
+  std::string id = prefix_ + std::to_string(ordinal);
+  buffers_.emplace(id, Entry{ordinal, std::shared_ptr<ShmRegion>(std::move(region))});
   *why = AddError::kNone;
   return id;
 }
@@ -111,7 +127,7 @@ bool BufferTable::remove(const std::string& id) {
   std::lock_guard lock(mu_);
   auto it = buffers_.find(id);
   if (it == buffers_.end()) return false;
-  released = std::move(it->second);
+  released = std::move(it->second.region);
   buffers_.erase(it);
   return true;
 }
@@ -119,7 +135,7 @@ bool BufferTable::remove(const std::string& id) {
 std::shared_ptr<ShmRegion> BufferTable::find(const std::string& id) const {
   std::lock_guard lock(mu_);
   auto it = buffers_.find(id);
-  return it == buffers_.end() ? nullptr : it->second;
+  return it == buffers_.end() ? nullptr : it->second.region;
 }
 
 size_t BufferTable::count() const {
@@ -128,14 +144,17 @@ size_t BufferTable::count() const {
 }
 
 std::vector<BufferTable::Listed> BufferTable::list() const {
-  std::vector<Listed> out;
+  std::vector<std::pair<uint64_t, Listed>> sorted;
   {
     std::lock_guard lock(mu_);
-    for (const auto& [id, region] : buffers_) out.push_back({id, region->name(), region->size()});
+    for (const auto& [id, e] : buffers_) {
+      sorted.push_back({e.ordinal, {id, e.region->name(), e.region->size()}});
+    }
   }
-  std::sort(out.begin(), out.end(), [](const Listed& a, const Listed& b) {
-    return std::stoull(a.id.substr(1)) < std::stoull(b.id.substr(1));
-  });
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<Listed> out;
+  for (auto& [ordinal, l] : sorted) out.push_back(std::move(l));
   return out;
 }
 

@@ -42,12 +42,13 @@ class ShmRegion {
   uint64_t size_ = 0;
 };
 
-/// The registered buffers of one sidecar, by id ("b1", "b2", ...). A step holds a shared_ptr to
-/// the region it uses, so releasing a buffer during that step unmaps it only afterwards.
-/// Thread-safe.
+/// The registered buffers of one sidecar, by id ("b<instance>-1", "b<instance>-2", ...: the
+/// instance part is random per table, so a client that missed a sidecar restart cannot hit
+/// another client's buffer with an old id). A step holds a shared_ptr to the region it uses, so
+/// releasing a buffer during that step unmaps it only afterwards. Thread-safe.
 class BufferTable {
  public:
-  explicit BufferTable(size_t max_buffers) : max_buffers_(max_buffers) {}
+  explicit BufferTable(size_t max_buffers);
 
   enum class AddError { kNone, kInvalid, kLimit };
   /// Registers segment `name` of at least `size` bytes; returns its id, or "" with `why` and a
@@ -66,10 +67,15 @@ class BufferTable {
   std::vector<Listed> list() const;
 
  private:
+  struct Entry {
+    uint64_t ordinal;  // registration order, for list()
+    std::shared_ptr<ShmRegion> region;
+  };
   const size_t max_buffers_;
+  const std::string prefix_;  // "b<instance>-"
   mutable std::mutex mu_;
   uint64_t next_id_ = 1;
-  std::unordered_map<std::string, std::shared_ptr<ShmRegion>> buffers_;
+  std::unordered_map<std::string, Entry> buffers_;
 };
 
 }  // namespace lightwire::ipc

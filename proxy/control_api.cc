@@ -242,6 +242,12 @@ bool ControlApi::tokenOk(const Request& req) const {
          CRYPTO_memcmp(got.data(), expected.data(), expected.size()) == 0;
 }
 
+void ControlApi::countRefused(std::string_view target, unsigned status) {
+  Target t;
+  parseTarget(target, &t);
+  metrics_.httpRequests(routeTemplate(t.path), status).Increment();
+}
+
 void ControlApi::handle(Request&& request, const RequestInfo& info, Reply reply) {
   Target t;
   parseTarget(request.target(), &t);

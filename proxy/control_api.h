@@ -33,6 +33,8 @@ class ControlApi {
 
   /// The HttpServer handler.
   void handle(Request&& request, const RequestInfo& info, Reply reply);
+  /// Counts a request the HttpServer refused itself (its onRefused hook).
+  void countRefused(std::string_view target, unsigned status);
   void setListeners(BoundListeners l);
   /// After SIGTERM: /readyz answers 503, new steps are refused.
   void setStopping() { stopping_ = true; }

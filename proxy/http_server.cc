@@ -42,6 +42,7 @@ Response errorResponse(http::status status, std::string_view code, std::string_v
 struct Shared {
   HttpLimits limits;
   Handler handler;
+  HttpServer::RefusedHook on_refused;
   std::atomic<bool> stopping{false};
   std::shared_ptr<std::atomic<size_t>> connections;
   std::mutex mu;
@@ -206,6 +207,11 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
   }
 
   void fail(http::status status, std::string_view code, const std::string& message) {
+    if (shared_->on_refused) {
+      std::string_view target;
+      if (parser_) target = parser_->get().target();  // set once the request line is parsed
+      shared_->on_refused(target, static_cast<unsigned>(status));
+    }
     keep_alive_ = false;
     head_ = false;
     busy_ = true;
@@ -301,6 +307,8 @@ HttpServer::HttpServer(asio::io_context& io, HttpLimits limits, Handler handler)
 }
 
 HttpServer::~HttpServer() { stop(); }
+
+void HttpServer::onRefused(RefusedHook hook) { impl_->shared->on_refused = std::move(hook); }
 
 std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind) {
   namespace fs = std::filesystem;

@@ -51,6 +51,12 @@ class HttpServer {
   HttpServer(boost::asio::io_context& io, HttpLimits limits, Handler handler);
   ~HttpServer();
 
+  /// Called for every request the server refuses itself, before any handler sees it (413, 431,
+  /// malformed HTTP): the request target ("" when the header could not be read) and the status.
+  /// Set before listening.
+  using RefusedHook = std::function<void(std::string_view target, unsigned status)>;
+  void onRefused(RefusedHook hook);
+
   /// Listens on a Unix socket at `path` (its directory is created; a stale socket file is
   /// replaced, a live one is an error), mode 0660. Returns "" or an error message.
   std::string listenUnix(const std::string& path, ListenerKind kind);

@@ -105,6 +105,8 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     api.handle(std::move(req), info, std::move(reply));
   });
 
+  server.onRefused(
+      [&api](std::string_view target, unsigned status) { api.countRefused(target, status); });
   BoundListeners bound;
   if (!config.control_socket.empty()) {
     if (std::string e = server.listenUnix(config.control_socket, ListenerKind::kControl);

@@ -193,11 +193,17 @@ TEST_CASE("BufferTable refuses registrations past max_buffers with kLimit") {
   CHECK(table.remove(*ids.begin()));
   CHECK_FALSE(table.add(a.name(), 64, &why, &error).empty());
   CHECK(why == BufferTable::AddError::kNone);
-  // More than 9 ids: list() orders by number, not text ("b10" after "b9").
+  // More than 9 ids: list() orders by registration, not text ("...-10" after "...-9").
   BufferTable big(20);
-  for (int i = 0; i < 12; ++i) CHECK_FALSE(big.add(a.name(), 64, &why, &error).empty());
+  std::vector<std::string> added;
+  for (int i = 0; i < 12; ++i) added.push_back(big.add(a.name(), 64, &why, &error));
   const auto listed = big.list();
   REQUIRE(listed.size() == 12);
-  CHECK(listed[8].id == "b9");
-  CHECK(listed[9].id == "b10");
+  for (size_t i = 0; i < added.size(); ++i) CHECK(listed[i].id == added[i]);
+  CHECK(listed[9].id.ends_with("-10"));
+  // Another table (a restarted sidecar) hands out different ids.
+  BufferTable other(20);
+  const std::string first_other = other.add(a.name(), 64, &why, &error);
+  CHECK(first_other.ends_with("-1"));
+  CHECK(first_other != added[0]);
 }

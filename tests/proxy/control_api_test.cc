@@ -258,6 +258,8 @@ struct Stack {
         server(io, limits, [this](Request&& req, const RequestInfo& info, Reply reply) {
           api.handle(std::move(req), info, std::move(reply));
         }) {
+    server.onRefused(
+        [this](std::string_view target, unsigned status) { api.countRefused(target, status); });
     socket_path = dir.path() + "/run/lightwire.sock";
     REQUIRE(server.listenUnix(socket_path, ListenerKind::kControl) == "");
     REQUIRE(server.listenTcp("127.0.0.1", 0, ListenerKind::kControl, &tcp_port) == "");
@@ -681,6 +683,10 @@ TEST_CASE("a body over max_body_bytes is refused from its Content-Length, before
           std::string(0x200000, 'a') + "\r\n0\r\n\r\n",
       true);
   expectError(c.receive(), 413, "too_large");
+  // Refused before any handler, and still counted under the route's template.
+  const std::string metrics = s.unixClient().get("/metrics").body();
+  CHECK(metrics.find(R"(lightwire_http_requests_total{code="413",route="/v1/emit_gradient"} 3)") !=
+        std::string::npos);
 }
 
 TEST_CASE("headers over max_header_bytes get 431") {
@@ -697,6 +703,10 @@ TEST_CASE("headers over max_header_bytes get 431") {
   }
   Client c = s.unixClient();
   CHECK(c.get("/healthz").result_int() == 200);
+  CHECK(c.get("/metrics")
+            .body()
+            .find(R"(lightwire_http_requests_total{code="431",route="/healthz"} 2)") !=
+        std::string::npos);
 }
 
 TEST_CASE("two local trainers: a second request for the same part is 409; steps do not go back") {
