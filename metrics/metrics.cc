@@ -112,6 +112,13 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                              .Help("Shared-memory buffers registered by clients.")
                              .Register(*r)
                              .Add({})),
+      auth_failures(counterFamily(*r, "lightwire_auth_failures_total",
+                                  "Peer connections refused at the handshake (wrong secret, job, "
+                                  "version or rank).")
+                        .Add({})),
+      result_mismatches(counterFamily(*r, "lightwire_result_mismatches_total",
+                                      "Result checksums that differed between ranks.")
+                            .Add({})),
       registry_(std::move(r)),
       ratio_family_(BuildGauge()
                         .Name("lightwire_compression_ratio")
@@ -119,6 +126,14 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                         .Register(*registry_)),
       http_family_(counterFamily(*registry_, "lightwire_http_requests_total",
                                  "HTTP requests served, by route template and status code.")),
+      peer_up_family_(BuildGauge()
+                          .Name("lightwire_peer_up")
+                          .Help("1 while the peer sidecar is connected and authenticated.")
+                          .Register(*registry_)),
+      peer_rtt_family_(BuildGauge()
+                           .Name("lightwire_peer_rtt_seconds")
+                           .Help("Last measured round-trip time to the peer sidecar.")
+                           .Register(*registry_)),
       start_time_(nowSeconds()) {
   auto& stage_family = BuildHistogram()
                            .Name("lightwire_stage_duration_seconds")
@@ -136,6 +151,14 @@ prometheus::Gauge& Metrics::compressionRatio(std::string_view group) {
 
 prometheus::Counter& Metrics::httpRequests(std::string_view route, unsigned code) {
   return http_family_.Add({{"route", std::string(route)}, {"code", std::to_string(code)}});
+}
+
+prometheus::Gauge& Metrics::peerUp(uint32_t rank) {
+  return peer_up_family_.Add({{"peer", std::to_string(rank)}});
+}
+
+prometheus::Gauge& Metrics::peerRtt(uint32_t rank) {
+  return peer_rtt_family_.Add({{"peer", std::to_string(rank)}});
 }
 
 std::string Metrics::exposition() const {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <cstdint>
 #include <string_view>
 
 namespace lightwire::metrics {
@@ -48,6 +49,10 @@ class Metrics {
   prometheus::Gauge& state_bytes;
   // lightwire_registered_buffers.
   prometheus::Gauge& registered_buffers;
+  // lightwire_auth_failures_total: peer connections refused at the handshake.
+  prometheus::Counter& auth_failures;
+  // lightwire_result_mismatches_total: result checksums that differed between ranks.
+  prometheus::Counter& result_mismatches;
 
   /// lightwire_stage_duration_seconds{stage}.
   prometheus::Histogram& stage(Stage s) { return *stages_[static_cast<size_t>(s)]; }
@@ -55,12 +60,18 @@ class Metrics {
   prometheus::Gauge& compressionRatio(std::string_view group);
   /// lightwire_http_requests_total{route,code}; `route` is a template (bounded set).
   prometheus::Counter& httpRequests(std::string_view route, unsigned code);
+  /// lightwire_peer_up{peer} (1 connected and authenticated, 0 not); `peer` is the rank.
+  prometheus::Gauge& peerUp(uint32_t rank);
+  /// lightwire_peer_rtt_seconds{peer}: the last ping round trip to that rank.
+  prometheus::Gauge& peerRtt(uint32_t rank);
 
  private:
   explicit Metrics(std::shared_ptr<prometheus::Registry> registry);
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Gauge>& ratio_family_;
   prometheus::Family<prometheus::Counter>& http_family_;
+  prometheus::Family<prometheus::Gauge>& peer_up_family_;
+  prometheus::Family<prometheus::Gauge>& peer_rtt_family_;
   std::array<prometheus::Histogram*, kStageCount> stages_{};
   double start_time_ = 0;
 };

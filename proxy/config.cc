@@ -407,6 +407,64 @@ std::vector<KeyImpl> makeKeyTable() {
       },
       [](const C& c) { return json::value(c.token.empty() ? "" : kRedacted); },
       /*secret=*/true);
+  add("rank", "--rank", "integer 0..65535", "0", "This sidecar's rank among the job's sidecars",
+      unsignedSetter<C>([](C& c) -> uint32_t& { return c.peer.rank; }, 0, 65535),
+      [](const C& c) { return json::value(c.peer.rank); });
+  add("world_size", "--world-size", "integer 1..65536", "1",
+      "Sidecars (nodes) in the job; 1 = this node alone",
+      unsignedSetter<C>([](C& c) -> uint32_t& { return c.peer.world_size; }, 1, 65536),
+      [](const C& c) { return json::value(c.peer.world_size); });
+  add(
+      "peer.listen", "--peer-listen", "host:port", "0.0.0.0:4781",
+      "Listener for the other sidecars' connections",
+      [](C& c, std::string_view s) -> std::string {
+        std::optional<ListenAddress> a;
+        if (std::string e = setListen(s, a); !e.empty()) return e;
+        if (!a) return "must not be empty";
+        c.peer.listen = *a;
+        return "";
+      },
+      [](const C& c) { return json::value(c.peer.listen.toString()); });
+  add(
+      "peer.peers", "--peers", "host:port,...", "",
+      "Every sidecar's peer address, in rank order (this one's included)",
+      [](C& c, std::string_view s) -> std::string {
+        std::vector<std::string> out;
+        while (!s.empty()) {
+          const size_t comma = s.find(',');
+          const std::string_view item = s.substr(0, comma);
+          if (!parseListen(item)) {
+            return "must be \"host:port\" addresses separated by commas, got '" +
+                   std::string(item.substr(0, 64)) + "'";
+          }
+          out.emplace_back(item);
+          if (comma == std::string_view::npos) break;
+          s = s.substr(comma + 1);
+        }
+        c.peer.peers = std::move(out);
+        return "";
+      },
+      [](const C& c) {
+        std::string joined;
+        for (const auto& p : c.peer.peers) joined += (joined.empty() ? "" : ",") + p;
+        return json::value(joined);
+      });
+  add(
+      "peer.secret", "--secret", "string (secret)", "",
+      "Job secret the sidecars authenticate each other with (HMAC-SHA256); required when "
+      "world_size > 1; prefer the environment variable to the flag",
+      [](C& c, std::string_view s) -> std::string {
+        if (s.find('\0') != std::string_view::npos) return "must not contain NUL";
+        c.peer.secret = std::string(s);
+        return "";
+      },
+      [](const C& c) { return json::value(c.peer.secret.empty() ? "" : kRedacted); },
+      /*secret=*/true);
+  add(
+      "peer.timeout_s", "--peer-timeout", "seconds > 0", "30",
+      "Deadline of one exchange: a silent or dead peer fails the step everywhere within it",
+      [](C& c, std::string_view s) { return setSeconds(s, c.peer.timeout_s); },
+      [](const C& c) { return json::value(c.peer.timeout_s); });
   add("compression.chunk_elements", "--chunk-elements", "integer >= 1", "1048576",
       "Elements per chunk (rounded up to the codec's alignment)",
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.compression.chunk_elements; }, 1,
@@ -878,6 +936,24 @@ void addServeFlags(CLI::App& app, FlagValues& flags) {
            info.flag, [&flags, path](const std::string& v) { flags.values[path] = v; }, help)
         ->type_name(info.type);
   }
+}
+
+Status checkMembership(const ServeConfig& c) {
+  const auto& p = c.peer;
+  if (p.rank >= p.world_size) {
+    return invalidArgument("rank " + std::to_string(p.rank) + " is not below world_size " +
+                           std::to_string(p.world_size));
+  }
+  if (p.world_size == 1) return Status::ok();
+  if (p.peers.size() != p.world_size) {
+    return invalidArgument("peer.peers must list " + std::to_string(p.world_size) +
+                           " addresses (one per rank, this sidecar's included), got " +
+                           std::to_string(p.peers.size()));
+  }
+  if (p.secret.empty()) {
+    return invalidArgument("peer.secret must be set when world_size > 1 (LIGHTWIRE_PEER__SECRET)");
+  }
+  return Status::ok();
 }
 
 Result<ServeConfig> buildServeConfig(const std::optional<std::string>& file_path,

@@ -79,6 +79,16 @@ struct ServeConfig {
 
   std::string token;  // secret: "" = no bearer token
   CompressionConfig compression;
+
+  /// Membership of the job (DESIGN.md §4): sidecars, i.e. nodes, not trainers.
+  struct Peer {
+    uint32_t rank = 0;
+    uint32_t world_size = 1;
+    ListenAddress listen{"0.0.0.0", 4781};
+    std::vector<std::string> peers;  // "host:port" of every rank, index = rank
+    std::string secret;              // job secret (HMAC key); required when world_size > 1
+    double timeout_s = 30;           // deadline of one exchange
+  } peer;
 };
 
 /// One configuration key as documented: YAML path, environment variable, flag, type, default.
@@ -113,6 +123,10 @@ void addServeFlags(CLI::App& app, FlagValues& flags);
 Result<ServeConfig> buildServeConfig(const std::optional<std::string>& file_path,
                                      const std::vector<std::string>& environ_entries,
                                      const FlagValues& flags, std::vector<std::string>* warnings);
+
+/// rank, world_size, peer.peers and peer.secret agree with each other (checked by `serve` and
+/// `--check-config` after buildServeConfig(), which checks each key alone).
+Status checkMembership(const ServeConfig& c);
 
 /// Compression section from JSON (PUT /v1/config body): same keys, same validation as the YAML one;
 /// keys not given take their defaults.

@@ -55,6 +55,10 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
       spdlog::error("{}", c.status().message());
       return kExitUsage;
     }
+    if (auto st = checkMembership(*c); !st.isOk()) {
+      spdlog::error("{}", st.message());
+      return kExitUsage;
+    }
     std::printf("%s: ok\n", check_config->c_str());
     return 0;
   }
@@ -62,6 +66,10 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   for (const auto& w : warnings) spdlog::warn("{}", w);
   if (!built) {
     spdlog::error("{}", built.status().message());
+    return kExitUsage;
+  }
+  if (auto st = checkMembership(*built); !st.isOk()) {
+    spdlog::error("{}", st.message());
     return kExitUsage;
   }
   const ServeConfig config = std::move(*built);

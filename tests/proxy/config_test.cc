@@ -123,6 +123,12 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"limits.max_connections", {"2", "3", "4"}},
       {"security.token", {"tok-file", "tok-env", "tok-flag"}},
       {"compression.chunk_elements", {"2", "3", "4"}},
+      {"rank", {"1", "2", "3"}},
+      {"world_size", {"2", "3", "4"}},
+      {"peer.listen", {"0.0.0.0:1", "127.0.0.1:0", "[::]:4781"}},
+      {"peer.peers", {"a:1,b:2", "127.0.0.1:1", "h:1,h:2,h:3"}},
+      {"peer.secret", {"s-file", "s-env", "s-flag"}},
+      {"peer.timeout_s", {"1.5", "2.5", "3.5"}},
       {"compression.default.codec", {"fp16", "signsgd", "terngrad"}},
       {"compression.default.density", {"0.1", "0.2", "0.3"}},
       {"compression.default.ratio", {"2", "3", "4"}},
@@ -147,7 +153,8 @@ TEST_CASE("config: every key: file < environment < flag") {
     const FlagValues flag = flagsOf({{k.path, v[2]}});
 
     auto get = [&](const ServeConfig& c) -> std::string {
-      if (k.secret) return c.token;  // toJson() only shows "<redacted>"
+      if (k.path == "peer.secret") return c.peer.secret;  // toJson() shows "<redacted>"
+      if (k.secret) return c.token;
       return json::serialize(at(c, k.path));
     };
     auto build = [&](bool f, bool e, bool fl) {
@@ -268,7 +275,7 @@ TEST_CASE("config: YAML structure errors name the key, never throw") {
       {"limits: [\n", "invalid YAML at line"},
       {"? [a, b]\n: 1\n", "not a plain name"},
       {"limits:\n  max_bodies: 1\n", "unknown key 'limits.max_bodies'"},
-      {"peer:\n  port: 1\n", "unknown key 'peer'"},
+      {"peer:\n  port: 1\n", "unknown key 'peer.port'"},
       {"compression:\n  default:\n    desnity: 0.1\n", "unknown key 'compression.default.desnity'"},
   };
   for (const auto& [text, says] : cases) {
@@ -590,4 +597,32 @@ TEST_CASE("config: CLI11 flags and --help come from the table") {
   addServeFlags(app2, flags2);
   const char* unknown[] = {"lightwire", "--max-bodies", "1"};
   CHECK_THROWS_AS(app2.parse(3, unknown), CLI::ParseError);
+}
+
+TEST_CASE("config: membership keys agree with each other; the job secret is never shown") {
+  auto build = [](std::map<std::string, std::string> v) {
+    auto c = buildServeConfig(std::nullopt, {}, flagsOf(std::move(v)), nullptr);
+    REQUIRE_MESSAGE(c.isOk(), c.status().message());
+    return *c;
+  };
+  CHECK(checkMembership(build({})).isOk());  // world size 1
+  const auto rank_too_big = checkMembership(build({{"rank", "2"}, {"world_size", "2"}}));
+  CHECK(contains(rank_too_big.message(), "rank 2 is not below world_size 2"));
+  const auto few_peers = checkMembership(
+      build({{"world_size", "3"}, {"peer.peers", "a:1,b:2"}, {"peer.secret", "x"}}));
+  CHECK(contains(few_peers.message(), "peer.peers must list 3 addresses"));
+  const auto no_secret = checkMembership(build({{"world_size", "2"}, {"peer.peers", "a:1,b:2"}}));
+  CHECK(contains(no_secret.message(), "peer.secret must be set"));
+  const ServeConfig ok = build({{"rank", "1"},
+                                {"world_size", "2"},
+                                {"peer.peers", "127.0.0.1:5001,127.0.0.1:5002"},
+                                {"peer.secret", "hunter2-job-secret"}});
+  CHECK(checkMembership(ok).isOk());
+  CHECK(ok.peer.peers.size() == 2);
+  const std::string shown = json::serialize(toJson(ok));
+  CHECK_FALSE(contains(shown, "hunter2-job-secret"));
+  CHECK(contains(shown, "<redacted>"));
+  auto bad = buildServeConfig(std::nullopt, {}, flagsOf({{"peer.peers", "a:1,nocolon"}}), nullptr);
+  REQUIRE_FALSE(bad.isOk());
+  CHECK(contains(bad.status().message(), "peer.peers"));
 }
