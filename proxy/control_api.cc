@@ -229,6 +229,11 @@ ControlApi::ControlApi(ServeConfig config, metrics::Metrics& metrics, ipc::Buffe
       engine_(engine),
       compression_(std::make_shared<const CompressionConfig>(config_.compression)) {}
 
+void ControlApi::setPeers(std::function<std::vector<bool>()> peers_up) {
+  std::lock_guard lock(mu_);
+  peers_up_ = std::move(peers_up);
+}
+
 void ControlApi::setListeners(BoundListeners l) {
   std::lock_guard lock(mu_);
   listeners_ = std::move(l);
@@ -297,6 +302,22 @@ Response ControlApi::route(Request& req, const RequestInfo& info, Reply& reply, 
     if (t.path == "/healthz") return textResponse(status::ok, "ok\n");
     if (t.path == "/readyz") {
       if (stopping_) return textResponse(status::service_unavailable, "stopping\n");
+      std::function<std::vector<bool>()> peers;
+      {
+        std::lock_guard lock(mu_);
+        peers = peers_up_;
+      }
+      if (peers) {
+        std::string down;
+        const auto up = peers();
+        for (size_t r = 0; r < up.size(); ++r) {
+          if (!up[r]) down += (down.empty() ? "" : ", ") + std::to_string(r);
+        }
+        if (!down.empty()) {
+          return textResponse(status::service_unavailable,
+                              "waiting for peer rank(s) " + down + "\n");
+        }
+      }
       return textResponse(status::ok, "ready\n");
     }
     if (t.path == "/metrics") {
@@ -639,7 +660,20 @@ Response ControlApi::status() {
     o["last_report"] = last_report_;
   }
   o["config"] = std::move(cfg);
-  o["world_size"] = 1;
+  o["world_size"] = config_.peer.world_size;
+  o["rank"] = config_.peer.rank;
+  {
+    std::function<std::vector<bool>()> peers;
+    {
+      std::lock_guard lock(mu_);
+      peers = peers_up_;
+    }
+    json::array up;
+    if (peers) {
+      for (bool b : peers()) up.push_back(b);
+    }
+    o["peers_up"] = std::move(up);
+  }
   o["local_trainers"] = config_.local_trainers;
   o["tensors"] = engine_.tensorsJson();
   json::array bufs;

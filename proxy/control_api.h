@@ -6,6 +6,7 @@
 #include <boost/json/object.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -38,6 +39,9 @@ class ControlApi {
   void setListeners(BoundListeners l);
   /// After SIGTERM: /readyz answers 503, new steps are refused.
   void setStopping() { stopping_ = true; }
+  /// Where the peers stand (world size > 1): one entry per rank, true when connected (this
+  /// rank's own entry is true). /readyz is 503 until all are, and /v1/status lists them.
+  void setPeers(std::function<std::vector<bool>()> peers_up);
 
  private:
   Response route(Request& req, const RequestInfo& info, Reply& reply, bool& replied);
@@ -58,6 +62,7 @@ class ControlApi {
   std::atomic<bool> stopping_{false};
   mutable std::mutex mu_;
   BoundListeners listeners_;
+  std::function<std::vector<bool>()> peers_up_;
   std::shared_ptr<const CompressionConfig> compression_;
   boost::json::object last_report_;
 };

@@ -2,6 +2,7 @@
 
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
@@ -20,6 +21,8 @@
 #include "metrics/metrics.h"
 #include "proxy/control_api.h"
 #include "proxy/http_server.h"
+#include "proxy/peer/collective.h"
+#include "proxy/peer/tcp_transport.h"
 #include "proxy/step_engine.h"
 #include "proxy/version.h"
 
@@ -85,7 +88,36 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
       config.threads ? config.threads : std::max(1u, std::thread::hardware_concurrency());
   metrics::Metrics metrics;
   ipc::BufferTable buffers(static_cast<size_t>(config.limits.max_buffers));
-  LocalExchange exchange;
+  // The exchange with the other sidecars: none at world size 1, the ring over TCP otherwise.
+  LocalExchange local_exchange;
+  std::unique_ptr<peer::TcpTransport> transport;
+  std::unique_ptr<peer::RingExchange> ring;
+  Exchange* exchange = &local_exchange;
+  if (config.peer.world_size > 1) {
+    auto t = peer::TcpTransport::listen(config.peer.listen.host, config.peer.listen.port,
+                                        peer::TcpOptions{}, metrics);
+    if (!t) {
+      spdlog::error("peer listener {}: {}", config.peer.listen.toString(), t.status().message());
+      return kExitFailure;
+    }
+    transport = std::move(*t);
+    peer::Membership m;
+    m.job_id = config.job_id;
+    m.rank = config.peer.rank;
+    m.world_size = config.peer.world_size;
+    m.peers = config.peer.peers;
+    m.secret = config.peer.secret;
+    if (auto st = transport->start(std::move(m)); !st.isOk()) {
+      spdlog::error("peer transport: {}", st.message());
+      return kExitFailure;
+    }
+    spdlog::info("rank {} of {}: peers on {}:{}", config.peer.rank, config.peer.world_size,
+                 config.peer.listen.host, transport->port());
+    ring = std::make_unique<peer::RingExchange>(
+        *transport,
+        std::chrono::milliseconds(static_cast<int64_t>(config.peer.timeout_s * 1000.0)));
+    exchange = ring.get();
+  }
   EngineOptions eo;
   eo.local_trainers = static_cast<unsigned>(config.local_trainers);
   eo.threads = threads;
@@ -93,14 +125,19 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   eo.step_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(config.limits.step_timeout_s * 1000.0));
   eo.max_pending_steps = static_cast<size_t>(config.limits.max_pending_steps);
+  eo.seed = static_cast<uint32_t>(XXH3_64bits(config.job_id.data(), config.job_id.size()));
+  eo.rank = config.peer.rank;
   auto compression = std::make_shared<const CompressionConfig>(config.compression);
   StepEngine engine(
       eo,
       [compression](std::string_view name, uint64_t elements) {
         return compression->codecFor(name, elements);
       },
-      metrics, exchange);
+      metrics, *exchange);
   ControlApi api(config, metrics, buffers, engine);
+  if (transport) {
+    api.setPeers([t = transport.get()] { return t->peersUp(); });
+  }
 
   boost::asio::io_context io;
   HttpLimits limits;

@@ -226,7 +226,9 @@ void StepEngine::submit(Contribution c, StepDone done) {
     ready_.push_back(std::move(ready_key));
     // A small step with nothing ahead of it runs right here: no hand-off to the engine thread and
     // back (two thread wake-ups, most of a 4 KiB round trip).
-    if (!executing_ && ready_.size() == 1 && p.elements <= kInlineMaxElements) {
+    // Only without peers: waiting for them must not hold up the caller's (I/O) thread.
+    if (!executing_ && ready_.size() == 1 && p.elements <= kInlineMaxElements &&
+        exchange_.worldSize() == 1) {
       runNextReady(lock);
       return;
     }
@@ -347,6 +349,8 @@ void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
     }
   }
   if (outcome.http_status == 200) outcome = execute(t, step, p);
+  if (outcome.http_status != 200) exchange_.abort(t.name, step, outcome.message);
+  exchange_.stepDone(t.name, step);
   std::vector<std::pair<uint64_t, Pending>> overtaken;  // waiting steps this commit dooms
   {
     std::lock_guard lock(mu_);
@@ -471,7 +475,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   ctx.seed = options_.seed;
   ctx.name_key = kernels::tensorNameKey(t.name);
   ctx.step = step;
-  ctx.rank = 0;
+  ctx.rank = options_.rank;
   ctx.stream = &stream_;
   ctx.shape = p.shape;
   const kernels::ConstTensor tensor{input, n, DType::kF32};

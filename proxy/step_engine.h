@@ -80,6 +80,12 @@ class Exchange {
   virtual ~Exchange() = default;
   virtual unsigned worldSize() const = 0;
   virtual Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) = 0;
+  /// The step (tensor, step) failed here (before, during or after its exchange): tell the other
+  /// sidecars, so they fail it at once rather than at their deadline.
+  virtual void abort(const std::string& /*tensor*/, uint64_t /*step*/,
+                     const std::string& /*reason*/) {}
+  /// The step (tensor, step) is over here, successfully or not: what was kept for it can go.
+  virtual void stepDone(const std::string& /*tensor*/, uint64_t /*step*/) {}
 };
 
 /// World size 1: this sidecar's payloads are the reduced ones.
@@ -98,7 +104,8 @@ struct EngineOptions {
   uint64_t chunk_elements = uint64_t{1} << 20;
   std::chrono::milliseconds step_timeout{120000};
   size_t max_pending_steps = 4096;
-  uint32_t seed = 0;  // Philox key word 0 (job seed)
+  uint32_t seed = 0;  // Philox key word 0 (job seed: the same on every sidecar of a job)
+  uint32_t rank = 0;  // this sidecar's rank: its per-rank random streams (qsgd rounding, ...)
 };
 
 /// Runs steps, one at a time. submit() is thread-safe; it never waits for other trainers, and it

@@ -167,3 +167,226 @@ def free_unix_path(tmp_path):
     p = os.path.join(str(tmp_path), "s.sock")
     assert len(p) < 100
     return p
+
+
+# ------------------------------------------------------------------------------------------------
+# Several sidecars of one job exchanging over loopback TCP (docs/exchange.md)
+# ------------------------------------------------------------------------------------------------
+def free_tcp_port():
+    """A loopback TCP port that was free a moment ago (bind port 0, read it, close)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def readyz(client):
+    """(status, body text) of GET /readyz; (None, reason) when the sidecar cannot be reached."""
+    import lightwire
+    try:
+        r = client.request("GET", "/readyz")
+        return r.status, bytes(r.body).decode("utf-8", "replace")
+    except lightwire.SidecarUnavailable as e:
+        return None, str(e)
+    except lightwire.LightwireError as e:
+        return e.status, "%s: %s" % (e.error, e.message)
+
+
+def metric_total(text, name):
+    """Sum of every sample of metric `name` (any labels) in a Prometheus exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {"):
+            total += float(line.rsplit(None, 1)[1])
+    return total
+
+
+class PeerSidecar(Sidecar):
+    """One rank of a multi-sidecar job (see `Cluster`)."""
+
+    def __init__(self, tmpdir, cluster, rank):
+        super().__init__(tmpdir, local_trainers=cluster.local_trainers, codec=cluster.codec)
+        self.cluster = cluster
+        self.rank = rank
+        self.job_id = cluster.job_id
+        self.secret = cluster.secret
+
+    def args(self):
+        c = self.cluster
+        a = [LIGHTWIRE_BIN, "serve", "--socket", self.socket, "--control-tcp", "",
+             "--admin-listen", "127.0.0.1:0", "--local-trainers", str(self.local_trainers),
+             "--codec", self.codec, "--rank", str(self.rank), "--world-size", str(c.world_size),
+             "--peers", ",".join("127.0.0.1:%d" % p for p in c.ports),
+             "--peer-listen", "127.0.0.1:%d" % c.ports[self.rank],
+             "--peer-timeout", str(c.peer_timeout), "--job-id", self.job_id,
+             "--chunk-elements", str(c.chunk_elements), "--threads", "1", "--log-level", "info"]
+        return a + list(c.codec_args) + list(self.extra)
+
+    def launch(self):
+        """Starts the process (no waiting); readiness is checked by the cluster."""
+        assert self.proc is None
+        self.starts += 1
+        self.stderr_path = os.path.join(self.dir, "sidecar-%d.stderr" % self.starts)
+        self._stderr = open(self.stderr_path, "wb")
+        env = dict(os.environ)
+        env.pop("LIGHTWIRE_SOCKET", None)
+        env["LIGHTWIRE_PEER__SECRET"] = self.secret
+        self.proc = subprocess.Popen(self.args(), stdin=subprocess.DEVNULL, stdout=self._stderr,
+                                     stderr=self._stderr, env=env)
+        return self
+
+    def readyz(self):
+        c = self.client(timeout=(1.0, 2.0))
+        try:
+            return readyz(c)
+        finally:
+            c.close()
+
+    def metrics_text(self):
+        c = self.client(timeout=(1.0, 5.0))
+        try:
+            return c.metrics()
+        finally:
+            c.close()
+
+    def admin_port(self):
+        c = self.client(timeout=(1.0, 5.0))
+        try:
+            return int(c.status()["listeners"]["admin_port"])
+        finally:
+            c.close()
+
+
+class Cluster(object):
+    """`world_size` sidecars of one job on loopback: a free peer port each, one shared random
+    secret (env LIGHTWIRE_PEER__SECRET), a Unix socket each, admin listener on 127.0.0.1:0."""
+
+    def __init__(self, tmp_path_factory, world_size, codec="none", codec_args=(), local_trainers=1,
+                 chunk_elements=1024, peer_timeout=3, job_id="lw-test-job"):
+        self.world_size = world_size
+        self.codec = codec
+        self.codec_args = list(codec_args)
+        self.local_trainers = local_trainers
+        self.chunk_elements = chunk_elements
+        self.peer_timeout = peer_timeout
+        self.job_id = job_id
+        self.secret = os.urandom(16).hex()
+        self.ports = [free_tcp_port() for _ in range(world_size)]
+        self.sidecars = [PeerSidecar(tmp_path_factory.mktemp("lw"), self, r) for r in range(world_size)]
+
+    def __getitem__(self, rank):
+        return self.sidecars[rank]
+
+    def __len__(self):
+        return self.world_size
+
+    def stderr(self, ranks=None):
+        out = []
+        for sc in self.sidecars:
+            if ranks is None or sc.rank in ranks:
+                out.append("--- rank %d (exit %s):\n%s" % (
+                    sc.rank, None if sc.proc is None else sc.proc.poll(), sc.stderr()))
+        return "\n".join(out)
+
+    def launch(self, ranks=None, timeout=20.0):
+        """Starts the sidecars of `ranks` (default all) and waits until each serves /healthz on
+        its socket (not for readiness: see wait_ready)."""
+        import lightwire
+        chosen = [sc for sc in self.sidecars if ranks is None or sc.rank in ranks]
+        for sc in chosen:
+            sc.launch()
+        deadline = time.monotonic() + timeout
+        for sc in chosen:
+            probe = lightwire.Client(socket_path=sc.socket, timeout=(1.0, 2.0))
+            try:
+                while not (os.path.exists(sc.socket) and probe.healthz()):
+                    if sc.proc.poll() is not None:
+                        pytest.fail("sidecar rank %d exited with %d; stderr:\n%s"
+                                    % (sc.rank, sc.proc.returncode, self.stderr()))
+                    if time.monotonic() > deadline:
+                        pytest.fail("sidecar rank %d not healthy within %.0f s; stderr:\n%s"
+                                    % (sc.rank, timeout, self.stderr()))
+                    time.sleep(0.02)
+            finally:
+                probe.close()
+        return self
+
+    def wait_ready(self, ranks=None, timeout=20.0):
+        """Until /readyz is 200 on every rank in `ranks` (default all); fails with stderr."""
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        deadline = time.monotonic() + timeout
+        last = {}
+        while True:
+            pending = []
+            for r in ranks:
+                sc = self.sidecars[r]
+                if sc.proc is None or sc.proc.poll() is not None:
+                    pytest.fail("sidecar rank %d is not running (exit %s); stderr:\n%s"
+                                % (r, None if sc.proc is None else sc.proc.returncode, self.stderr()))
+                st = sc.readyz() if os.path.exists(sc.socket) else (None, "no socket yet")
+                last[r] = st
+                if st[0] != 200:
+                    pending.append(r)
+            if not pending:
+                return self
+            if time.monotonic() > deadline:
+                pytest.fail("sidecars %s not ready within %.0f s (last /readyz: %r); stderr:\n%s"
+                            % (pending, timeout, last, self.stderr()))
+            time.sleep(0.05)
+
+    def start(self, timeout=20.0):
+        return self.launch().wait_ready(timeout=timeout)
+
+    def stop(self):
+        """SIGTERM every running sidecar; each must exit 0 and remove its socket."""
+        errors = []
+        for sc in self.sidecars:
+            if sc.proc is not None:
+                sc.proc.send_signal(signal.SIGTERM)
+        for sc in self.sidecars:
+            if sc.proc is None:
+                continue
+            proc, sc.proc = sc.proc, None
+            try:
+                rc = proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                rc = "no exit within 10 s of SIGTERM"
+            sc._stderr.close()
+            if rc != 0:
+                errors.append("rank %d: exit %s; stderr:\n%s" % (sc.rank, rc, sc.stderr()))
+            elif os.path.exists(sc.socket):
+                errors.append("rank %d left its socket %s behind" % (sc.rank, sc.socket))
+        assert not errors, "\n".join(errors)
+
+    def kill_all(self):
+        for sc in self.sidecars:
+            sc.kill()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path_factory):
+    """make(world_size, codec=..., codec_args=[...], local_trainers=1, chunk_elements=1024,
+    peer_timeout=3, job_id=..., start=True) -> a Cluster (started and ready unless start=False).
+    At the end every cluster is stopped with SIGTERM (exit 0, sockets removed); leftovers are
+    always killed."""
+    ok, reason = _serve_available()
+    if not ok:
+        pytest.skip(reason)
+    made = []
+
+    def make(world_size, start=True, **kw):
+        cl = Cluster(tmp_path_factory, world_size, **kw)
+        made.append(cl)
+        return cl.start() if start else cl
+
+    try:
+        yield make
+        for cl in made:
+            cl.stop()
+    finally:
+        for cl in made:
+            cl.kill_all()

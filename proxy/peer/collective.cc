@@ -1,0 +1,169 @@
+#include "proxy/peer/collective.h"
+
+#include <spdlog/spdlog.h>
+#include <xxhash.h>
+
+#include <string>
+
+namespace lightwire::proxy::peer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Spans = std::vector<std::vector<std::span<const uint8_t>>>;
+
+constexpr uint8_t kPhaseReduce = 0;
+constexpr uint8_t kPhaseGather = 1;
+
+FrameKey keyOf(uint64_t tensor, const ExchangeRound& r, uint8_t phase, uint32_t chunk,
+               uint32_t origin) {
+  FrameKey k;
+  k.tensor = tensor;
+  k.step = r.step;
+  k.round = static_cast<uint8_t>(r.round);
+  k.phase = phase;
+  k.chunk = chunk;
+  k.origin = origin;
+  return k;
+}
+
+}  // namespace
+
+uint64_t tensorKey(const std::string& name) { return XXH3_64bits(name.data(), name.size()); }
+
+RingExchange::RingExchange(Transport& transport, std::chrono::milliseconds timeout)
+    : transport_(transport), timeout_(timeout) {}
+
+Status RingExchange::fail(uint64_t tensor, uint64_t step, Status s) {
+  transport_.abortStep(tensor, step, s.message());
+  return s;
+}
+
+void RingExchange::abort(const std::string& tensor, uint64_t step, const std::string& reason) {
+  transport_.abortStep(tensorKey(tensor), step, reason);
+}
+
+void RingExchange::stepDone(const std::string& tensor, uint64_t step) {
+  transport_.discard(tensorKey(tensor), step);
+  held_.clear();
+}
+
+Result<Spans> RingExchange::run(ExchangeRound& r) {
+  const uint64_t tensor = tensorKey(r.tensor);
+  const auto& traits = r.codec.traits();
+  auto out = (traits.summable || traits.rounds > 1) ? allreduce(r, tensor) : allgather(r, tensor);
+  if (!out) return fail(tensor, r.step, out.status());
+  return out;
+}
+
+/// This rank's place in the ring for one exchange, and that exchange's deadline and codec.
+struct RingExchange::Ring {
+  uint32_t w, me, next, prev;
+  size_t chunks;
+  Clock::time_point deadline;
+  uint8_t codec;
+};
+
+RingExchange::Ring RingExchange::ringFor(const ExchangeRound& r) const {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  return {w,
+          me,
+          (me + 1) % w,
+          (me + w - 1) % w,
+          r.payloads.size(),
+          Clock::now() + timeout_,
+          static_cast<uint8_t>(r.codec.traits().id)};
+}
+
+Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
+  const auto [w, me, next, prev, chunks, deadline, codec] = ringFor(r);
+  // Position of this rank in chunk c's reduction chain owner+1, owner+2, ..., owner.
+  auto position = [&](size_t c) { return (me + w - (static_cast<uint32_t>(c % w) + 1) % w) % w; };
+  Spans out(chunks);
+  auto send = [&](uint8_t phase, size_t c, std::span<const uint8_t> payload) {
+    return transport_.send(
+        next, FrameType::kData,
+        keyOf(tensor, r, phase, static_cast<uint32_t>(c), static_cast<uint32_t>(c % w)), codec,
+        payload, deadline);
+  };
+  // Chains that start here go out first, so every rank has work in flight at once.
+  for (size_t c = 0; c < chunks; ++c) {
+    if (position(c) == 0) LW_RETURN_IF_ERROR(send(kPhaseReduce, c, r.payloads[c]));
+  }
+  // Reduce-scatter: add our payload to the partial sum from prev; forward it, or keep it (owner).
+  std::vector<std::span<const uint8_t>> sums(chunks);
+  for (size_t c = 0; c < chunks; ++c) {
+    const uint32_t pos = position(c);
+    if (pos == 0) continue;
+    auto got = transport_.receive(
+        prev,
+        keyOf(tensor, r, kPhaseReduce, static_cast<uint32_t>(c), static_cast<uint32_t>(c % w)),
+        deadline);
+    if (!got) return got.status();
+    std::vector<uint8_t> sum(r.codec.maxPayloadBytes(r.chunking.size(c)));
+    auto size = r.codec.addPayloads(got->payload, r.payloads[c], sum);
+    if (!size) {
+      return dataLoss("chunk " + std::to_string(c) + " from rank " + std::to_string(prev) +
+                      " does not add up: " + size.status().message());
+    }
+    sum.resize(*size);
+    held_.push_back(std::move(sum));
+    sums[c] = held_.back();
+    if (pos + 1 < w) {
+      LW_RETURN_IF_ERROR(send(kPhaseReduce, c, sums[c]));
+    } else {  // this rank owns chunk c: the sum is complete
+      out[c].push_back(sums[c]);
+      LW_RETURN_IF_ERROR(send(kPhaseGather, c, sums[c]));
+    }
+  }
+  if (w == 1) {
+    for (size_t c = 0; c < chunks; ++c) out[c].push_back(r.payloads[c]);
+    return out;
+  }
+  // Allgather: the owners' sums travel on around the ring.
+  for (size_t c = 0; c < chunks; ++c) {
+    const uint32_t owner = static_cast<uint32_t>(c % w);
+    if (owner == me) continue;
+    auto got = transport_.receive(
+        prev, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), owner), deadline);
+    if (!got) return got.status();
+    held_.push_back(std::move(got->payload));
+    out[c].push_back(held_.back());
+    if (next != owner) LW_RETURN_IF_ERROR(send(kPhaseGather, c, held_.back()));
+  }
+  return out;
+}
+
+Result<Spans> RingExchange::allgather(ExchangeRound& r, uint64_t tensor) {
+  const auto [w, me, next, prev, chunks, deadline, codec] = ringFor(r);
+  // by_origin[c][o]: rank o's payload of chunk c.
+  std::vector<std::vector<std::span<const uint8_t>>> by_origin(
+      chunks, std::vector<std::span<const uint8_t>>(w));
+  for (size_t c = 0; c < chunks; ++c) {
+    by_origin[c][me] = r.payloads[c];
+    if (w > 1) {
+      LW_RETURN_IF_ERROR(transport_.send(
+          next, FrameType::kData, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), me),
+          codec, r.payloads[c], deadline));
+    }
+  }
+  // Hop h brings rank (me - h)'s payloads; each is forwarded unless next is where it started.
+  for (uint32_t h = 1; h < w; ++h) {
+    const uint32_t origin = (me + w - h) % w;
+    for (size_t c = 0; c < chunks; ++c) {
+      auto got = transport_.receive(
+          prev, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), origin), deadline);
+      if (!got) return got.status();
+      held_.push_back(std::move(got->payload));
+      by_origin[c][origin] = held_.back();
+      if (h + 1 < w) {
+        LW_RETURN_IF_ERROR(
+            transport_.send(next, FrameType::kData,
+                            keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), origin), codec,
+                            held_.back(), deadline));
+      }
+    }
+  }
+  return by_origin;  // decoded in rank order: the same arithmetic on every rank
+}
+
+}  // namespace lightwire::proxy::peer

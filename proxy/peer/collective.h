@@ -1,0 +1,56 @@
+#pragma once
+// The collectives of the `ring` topology (DESIGN.md §4, docs/exchange.md) as the step engine's
+// Exchange: given this sidecar's payload of every chunk, return for every chunk what to decode.
+//
+//   - summable codecs and multi-round rounds: a ring allreduce at chunk granularity. Chunk c is
+//     owned by rank c mod W; its partial sum travels the ring from rank owner+1 to the owner,
+//     each rank adding its own payload (addPayloads, in that fixed order), and the owner's final
+//     sum travels on around the ring to everyone (reduce-scatter, then allgather). Every rank
+//     decodes the same bytes, so results are bitwise identical.
+//   - other codecs (sparse, quantised): a ring allgather; every rank decodes all W payloads of a
+//     chunk in rank order (again the same arithmetic everywhere).
+//
+// Every wait has the exchange deadline; a failure (a peer down or silent, a malformed frame, a
+// payload that does not add up) fails the step here and is sent to every peer as an abort, so
+// they fail it at once instead of at their deadline.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "proxy/peer/transport.h"
+#include "proxy/step_engine.h"
+
+namespace lightwire::proxy::peer {
+
+/// The `ring` topology over a Transport. Used by one engine thread at a time (the engine runs one
+/// step at a time); the spans it returns stay valid until the next run().
+class RingExchange final : public Exchange {
+ public:
+  RingExchange(Transport& transport, std::chrono::milliseconds timeout);
+
+  unsigned worldSize() const override { return transport_.worldSize(); }
+  Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override;
+  void abort(const std::string& tensor, uint64_t step, const std::string& reason) override;
+  void stepDone(const std::string& tensor, uint64_t step) override;
+
+ private:
+  Result<std::vector<std::vector<std::span<const uint8_t>>>> allreduce(ExchangeRound& r,
+                                                                       uint64_t tensor);
+  Result<std::vector<std::vector<std::span<const uint8_t>>>> allgather(ExchangeRound& r,
+                                                                       uint64_t tensor);
+  Status fail(uint64_t tensor, uint64_t step, Status s);
+  struct Ring;
+  Ring ringFor(const ExchangeRound& r) const;
+
+  Transport& transport_;
+  std::chrono::milliseconds timeout_;
+  // Payload bytes received or computed for the step in progress (spans returned point here).
+  std::vector<std::vector<uint8_t>> held_;
+};
+
+/// XXH3-64 of a tensor name: the `tensor` field of frames.
+uint64_t tensorKey(const std::string& name);
+
+}  // namespace lightwire::proxy::peer

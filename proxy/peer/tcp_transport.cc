@@ -1,0 +1,905 @@
+#include "proxy/peer/tcp_transport.h"
+
+#include <spdlog/fmt/fmt.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/write.hpp>
+#include <charconv>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "metrics/metrics.h"
+
+namespace lightwire::proxy::peer {
+namespace {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using asio::awaitable;
+using asio::use_awaitable;
+using boost::system::error_code;
+
+// LW_RETURN_IF_ERROR for coroutines.
+#define LW_CO_RETURN_IF_ERROR(expr)               \
+  do {                                            \
+    ::lightwire::Status lw_status_ = (expr);      \
+    if (!lw_status_.isOk()) co_return lw_status_; \
+  } while (0)
+
+constexpr uint32_t kNoPeer = UINT32_MAX;
+constexpr size_t kReadChunk = size_t{8} << 20;  // payload read piece (liveness is per piece)
+
+/// One frame waiting in a connection's write queue, and the outcome the sender waits for.
+struct WriteOp {
+  std::array<uint8_t, kHeaderBytes> header{};
+  std::vector<uint8_t> owned;        // internal frames own their payload ...
+  std::span<const uint8_t> payload;  // ... send() lends it until done
+  bool done = false;                 // guarded by Impl::mu
+  std::string error;                 // guarded by Impl::mu; empty: written
+};
+
+/// One TCP connection, before and after its handshake. Touched on the I/O thread only.
+struct Conn {
+  explicit Conn(tcp::socket s) : socket(std::move(s)) {}
+  tcp::socket socket;
+  uint64_t id = 0;
+  uint32_t peer = kNoPeer;  // set once authenticated
+  std::string name;         // "rank N" or the remote address, for messages
+  std::string address;
+  bool closed = false;
+  bool timed_out = false;  // the watchdog closed it
+  std::deque<std::shared_ptr<WriteOp>> queue;
+  bool writing = false;
+  Clock::time_point last_rx = Clock::now();
+};
+
+/// Closes a connection's socket unless disarmed first (connect and handshake deadlines).
+class Watchdog {
+ public:
+  explicit Watchdog(const asio::any_io_executor& ex) : timer_(ex) {}
+  ~Watchdog() { disarm(); }
+  void arm(std::shared_ptr<Conn> c, std::chrono::milliseconds after) {
+    disarm();
+    armed_ = std::make_shared<bool>(true);
+    timer_.expires_after(after);
+    timer_.async_wait([c = std::move(c), armed = armed_](const error_code& ec) {
+      if (ec || !*armed || c->closed) return;
+      c->timed_out = true;
+      error_code ignored;
+      c->socket.close(ignored);
+    });
+  }
+  void disarm() {
+    if (armed_) *armed_ = false;
+    armed_.reset();
+    timer_.cancel();
+  }
+
+ private:
+  asio::steady_timer timer_;
+  std::shared_ptr<bool> armed_;
+};
+
+std::string endpointName(const tcp::socket& s) {
+  error_code ec;
+  auto ep = s.remote_endpoint(ec);
+  if (ec) return "unknown address";
+  return fmt::format("{}:{}", ep.address().to_string(), ep.port());
+}
+
+bool parseHostPort(const std::string& s, std::string& host, uint16_t& port) {
+  auto colon = s.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size()) return false;
+  host = s.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  const char* b = s.data() + colon + 1;
+  const char* e = s.data() + s.size();
+  auto [p, err] = std::from_chars(b, e, port);
+  return err == std::errc() && p == e && port != 0;
+}
+
+}  // namespace
+
+struct TcpTransport::Impl {
+  Impl(const TcpOptions& o, metrics::Metrics& m)
+      : options(o), metrics(m), io(std::make_unique<asio::io_context>(1)), acceptor(*io) {}
+
+  /// What is kept per peer rank. Guarded by mu.
+  struct PeerSlot {
+    std::shared_ptr<Conn> conn;  // the authenticated connection, if up
+    bool up = false;
+    uint64_t generation = 0;  // incremented on every loss
+    std::string last_error;
+    std::unordered_map<FrameKey, std::deque<Frame>, FrameKeyHash> mailbox;
+    std::map<std::pair<uint64_t, uint64_t>, std::string> aborts;  // (tensor, step) -> reason
+    uint64_t kept_bytes = 0;  // payload bytes of mailbox + aborts + frames being read
+    uint64_t kept_frames = 0;
+  };
+
+  TcpOptions options;
+  metrics::Metrics& metrics;
+  Membership membership;
+  uint64_t job_hash = 0;
+  std::unique_ptr<asio::io_context> io;
+  tcp::acceptor acceptor;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
+  std::thread thread;
+  std::atomic<bool> started{false};
+  std::atomic<bool> stopping{false};
+
+  // I/O thread only.
+  std::map<uint64_t, std::shared_ptr<Conn>> conns;
+  uint64_t next_conn_id = 1;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<PeerSlot> peers;
+
+  HeaderChecks checks(std::optional<uint32_t> src, uint64_t max) const {
+    return HeaderChecks{job_hash, membership.world_size, membership.rank, src, max};
+  }
+
+  std::shared_ptr<Conn> newConn(tcp::socket s) {
+    auto c = std::make_shared<Conn>(std::move(s));
+    c->id = next_conn_id++;
+    conns.emplace(c->id, c);
+    return c;
+  }
+
+  void setSocketOptions(tcp::socket& s) {
+    error_code ignored;
+    s.set_option(tcp::no_delay(true), ignored);
+    s.set_option(asio::socket_base::send_buffer_size(options.socket_buffer_bytes), ignored);
+    s.set_option(asio::socket_base::receive_buffer_size(options.socket_buffer_bytes), ignored);
+  }
+
+  // --- connection state ------------------------------------------------------------------------
+
+  void complete(const std::shared_ptr<WriteOp>& op, std::string error) {
+    std::lock_guard lock(mu);
+    op->done = true;
+    op->error = std::move(error);
+    cv.notify_all();
+  }
+
+  /// Closes `c` (I/O thread): fails its queued writes and, if it is a peer's connection, marks the
+  /// peer down so that pending receives from it fail with `reason`.
+  void closeConn(const std::shared_ptr<Conn>& c, const std::string& reason) {
+    if (c->closed) return;
+    c->closed = true;
+    error_code ignored;
+    c->socket.close(ignored);
+    // The write in flight (the front, while writing) completes through its handler.
+    for (size_t i = c->writing ? 1 : 0; i < c->queue.size(); ++i) {
+      complete(c->queue[i], fmt::format("connection to {} closed: {}", c->name, reason));
+    }
+    if (c->writing && !c->queue.empty()) {
+      c->queue.erase(c->queue.begin() + 1, c->queue.end());
+    } else {
+      c->queue.clear();
+    }
+    if (c->peer == kNoPeer) return;
+    bool was_current = false;
+    {
+      std::lock_guard lock(mu);
+      PeerSlot& slot = peers[c->peer];
+      if (slot.conn == c) {
+        was_current = true;
+        slot.conn.reset();
+        slot.up = false;
+        ++slot.generation;
+        slot.last_error = reason;
+        cv.notify_all();
+      }
+    }
+    if (was_current) {
+      metrics.peerUp(c->peer).Set(0);
+      if (!stopping) spdlog::warn("peer: connection to rank {} lost: {}", c->peer, reason);
+    }
+  }
+
+  /// Makes `c` the connection of rank `peer`; refused when that rank is already connected.
+  Status install(const std::shared_ptr<Conn>& c, uint32_t peer) {
+    {
+      std::lock_guard lock(mu);
+      PeerSlot& slot = peers[peer];
+      if (slot.up) {
+        return failedPrecondition(fmt::format("duplicate rank {}: already connected", peer));
+      }
+      c->peer = peer;
+      c->name = fmt::format("rank {}", peer);
+      c->last_rx = Clock::now();
+      slot.conn = c;
+      slot.up = true;
+      slot.last_error.clear();
+      cv.notify_all();
+    }
+    metrics.peerUp(peer).Set(1);
+    spdlog::info("peer: connected to rank {} ({})", peer, c->address);
+    return Status::ok();
+  }
+
+  void refuse(const std::shared_ptr<Conn>& c, const Status& why) {
+    if (stopping) return;
+    metrics.auth_failures.Increment();
+    spdlog::warn("peer: refused connection with {}: {}", c->address, why.message());
+    closeConn(c, why.message());
+  }
+
+  // --- writing ---------------------------------------------------------------------------------
+
+  void enqueue(const std::shared_ptr<Conn>& c, std::shared_ptr<WriteOp> op) {
+    if (c->closed) {
+      complete(op, fmt::format("connection to {} is closed", c->name));
+      return;
+    }
+    c->queue.push_back(std::move(op));
+    if (!c->writing) writeNext(c);
+  }
+
+  void writeNext(const std::shared_ptr<Conn>& c) {
+    if (c->queue.empty() || c->closed) {
+      c->writing = false;
+      return;
+    }
+    c->writing = true;
+    auto op = c->queue.front();
+    std::array<asio::const_buffer, 2> bufs = {asio::buffer(op->header),
+                                              asio::buffer(op->payload.data(), op->payload.size())};
+    asio::async_write(c->socket, bufs, [this, c, op](const error_code& ec, size_t n) {
+      if (!c->queue.empty() && c->queue.front() == op) c->queue.pop_front();
+      metrics.wire_bytes_sent.Increment(static_cast<double>(n));
+      if (ec || c->closed) {
+        complete(op, fmt::format("write to {} failed: {}", c->name,
+                                 c->closed ? "connection closed" : ec.message()));
+        c->writing = false;
+        closeConn(c, fmt::format("write failed: {}", ec.message()));
+        return;
+      }
+      complete(op, {});
+      writeNext(c);
+    });
+  }
+
+  /// Queues an internal frame (ping, pong, abort) that owns its payload; nobody waits for it.
+  void sendInternal(const std::shared_ptr<Conn>& c, FrameType type, const FrameKey& key,
+                    std::vector<uint8_t> payload) {
+    auto op = std::make_shared<WriteOp>();
+    op->header = encodeHeader(makeHeader(type, key, 0, job_hash, membership.rank, payload));
+    op->owned = std::move(payload);
+    op->payload = op->owned;
+    enqueue(c, std::move(op));
+  }
+
+  // --- reading ---------------------------------------------------------------------------------
+
+  awaitable<error_code> readExact(Conn& c, uint8_t* data, size_t n) {
+    error_code ec;
+    size_t off = 0;
+    while (off < n && !ec) {
+      const size_t piece = std::min(kReadChunk, n - off);
+      co_await asio::async_read(c.socket, asio::buffer(data + off, piece),
+                                asio::redirect_error(use_awaitable, ec));
+      if (!ec) {
+        off += piece;
+        c.last_rx = Clock::now();
+        metrics.wire_bytes_received.Increment(static_cast<double>(piece));
+      }
+    }
+    co_return ec;
+  }
+
+  std::string lostReason(const Conn& c, const error_code& ec, std::string_view during) {
+    if (c.timed_out) return fmt::format("{} did not finish before its deadline", during);
+    if (ec == asio::error::eof) return fmt::format("{} closed the connection ({})", c.name, during);
+    return fmt::format("{} failed: {}", during, ec.message());
+  }
+
+  /// Reads one handshake frame of type `want`; checks its header and payload.
+  awaitable<Status> readHandshakeFrame(Conn& c, FrameType want, std::optional<uint32_t> src,
+                                       FrameHeader& header, std::vector<uint8_t>& payload) {
+    std::array<uint8_t, kHeaderBytes> hb{};
+    if (error_code ec = co_await readExact(c, hb.data(), hb.size())) {
+      co_return Status(StatusCode::kUnavailable,
+                       lostReason(c, ec, fmt::format("handshake with {}", c.name)));
+    }
+    auto h = decodeHeader(hb, checks(src, kChallengeBytes), c.name);
+    if (!h) co_return h.status();
+    if (h->type != want) {
+      co_return failedPrecondition(fmt::format("{} sent a {} frame, expected {}", c.name,
+                                               frameTypeName(h->type), frameTypeName(want)));
+    }
+    payload.assign(h->length, 0);
+    if (error_code ec = co_await readExact(c, payload.data(), payload.size())) {
+      co_return Status(StatusCode::kUnavailable,
+                       lostReason(c, ec, fmt::format("handshake with {}", c.name)));
+    }
+    LW_CO_RETURN_IF_ERROR(verifyPayload(*h, payload, c.name));
+    header = *h;
+    co_return Status::ok();
+  }
+
+  awaitable<Status> writeFrame(Conn& c, FrameType type, std::span<const uint8_t> payload) {
+    auto hb = encodeHeader(makeHeader(type, {}, 0, job_hash, membership.rank, payload));
+    std::array<asio::const_buffer, 2> bufs = {asio::buffer(hb),
+                                              asio::buffer(payload.data(), payload.size())};
+    error_code ec;
+    size_t n = co_await asio::async_write(c.socket, bufs, asio::redirect_error(use_awaitable, ec));
+    metrics.wire_bytes_sent.Increment(static_cast<double>(n));
+    if (ec) {
+      co_return Status(StatusCode::kUnavailable,
+                       lostReason(c, ec, fmt::format("handshake with {}", c.name)));
+    }
+    co_return Status::ok();
+  }
+
+  /// The connecting side: HELLO, verify CHALLENGE, AUTH. Network failures are kUnavailable;
+  /// anything else means the other side is not a peer of this job.
+  awaitable<Status> clientHandshake(std::shared_ptr<Conn> c, uint32_t server) {
+    const Membership& m = membership;
+    auto nonce = randomNonce();
+    if (!nonce) co_return nonce.status();
+    auto hello = encodeHello(Hello{m.world_size, server, *nonce});
+    LW_CO_RETURN_IF_ERROR(co_await writeFrame(*c, FrameType::kHello, hello));
+    FrameHeader h;
+    std::vector<uint8_t> challenge;
+    LW_CO_RETURN_IF_ERROR(
+        co_await readHandshakeFrame(*c, FrameType::kChallenge, server, h, challenge));
+    Nonce server_nonce{};
+    std::copy_n(challenge.begin(), kNonceBytes, server_nonce.begin());
+    const Mac expected = handshakeMac(MacRole::kServer, m.secret, m.job_id, *nonce, server_nonce,
+                                      m.rank, server, m.world_size);
+    if (!macEqual(expected, std::span(challenge).subspan(kNonceBytes))) {
+      co_return failedPrecondition(fmt::format(
+          "rank {} failed to prove knowledge of the job secret (wrong secret?)", server));
+    }
+    const Mac auth = handshakeMac(MacRole::kClient, m.secret, m.job_id, *nonce, server_nonce,
+                                  m.rank, server, m.world_size);
+    LW_CO_RETURN_IF_ERROR(co_await writeFrame(*c, FrameType::kAuth, auth));
+    co_return install(c, server);
+  }
+
+  /// The accepting side: check HELLO, answer CHALLENGE, verify AUTH.
+  awaitable<Status> serverHandshake(std::shared_ptr<Conn> c) {
+    const Membership& m = membership;
+    FrameHeader h;
+    std::vector<uint8_t> payload;
+    LW_CO_RETURN_IF_ERROR(
+        co_await readHandshakeFrame(*c, FrameType::kHello, std::nullopt, h, payload));
+    const uint32_t client = h.src;
+    const Hello hello = decodeHello(payload);
+    if (hello.world_size != m.world_size) {
+      co_return failedPrecondition(fmt::format("{} claims rank {} of world size {}, ours is {}",
+                                               c->name, client, hello.world_size, m.world_size));
+    }
+    if (hello.dst != m.rank) {
+      co_return failedPrecondition(fmt::format("{} (rank {}) meant to reach rank {}, we are {}",
+                                               c->name, client, hello.dst, m.rank));
+    }
+    if (client > m.rank) {
+      co_return failedPrecondition(fmt::format(
+          "{} claims rank {}, higher than ours ({}): lower ranks connect to higher ones", c->name,
+          client, m.rank));
+    }
+    {
+      std::lock_guard lock(mu);
+      if (peers[client].up) {
+        co_return failedPrecondition(fmt::format(
+            "{} claims rank {}, which is already connected (duplicate rank)", c->name, client));
+      }
+    }
+    auto nonce = randomNonce();
+    if (!nonce) co_return nonce.status();
+    const Mac proof = handshakeMac(MacRole::kServer, m.secret, m.job_id, hello.nonce, *nonce,
+                                   client, m.rank, m.world_size);
+    std::array<uint8_t, kChallengeBytes> challenge{};
+    std::copy(nonce->begin(), nonce->end(), challenge.begin());
+    std::copy(proof.begin(), proof.end(), challenge.begin() + kNonceBytes);
+    LW_CO_RETURN_IF_ERROR(co_await writeFrame(*c, FrameType::kChallenge, challenge));
+    std::vector<uint8_t> auth;
+    LW_CO_RETURN_IF_ERROR(co_await readHandshakeFrame(*c, FrameType::kAuth, client, h, auth));
+    const Mac expected = handshakeMac(MacRole::kClient, m.secret, m.job_id, hello.nonce, *nonce,
+                                      client, m.rank, m.world_size);
+    if (!macEqual(expected, auth)) {
+      co_return failedPrecondition(
+          fmt::format("{} (rank {}) failed to prove knowledge of the job secret (wrong secret?)",
+                      c->name, client));
+    }
+    co_return install(c, client);
+  }
+
+  /// Reserves room in `src`'s mailbox for a frame about to be read; false when over a bound.
+  bool reserve(uint32_t src, uint64_t bytes, std::string& why) {
+    std::lock_guard lock(mu);
+    PeerSlot& slot = peers[src];
+    if (slot.kept_frames + 1 > options.max_kept_frames_per_peer ||
+        slot.kept_bytes + bytes > options.max_kept_bytes_per_peer) {
+      why = fmt::format(
+          "rank {} sent more than we keep: {} frames / {} bytes kept, limits {} / {} bytes", src,
+          slot.kept_frames, slot.kept_bytes, options.max_kept_frames_per_peer,
+          options.max_kept_bytes_per_peer);
+      return false;
+    }
+    slot.kept_frames += 1;
+    slot.kept_bytes += bytes;
+    return true;
+  }
+
+  void release(PeerSlot& slot, uint64_t bytes) {  // mu held
+    slot.kept_frames -= 1;
+    slot.kept_bytes -= bytes;
+  }
+
+  /// Reads frames from an authenticated connection until it fails or is closed.
+  awaitable<void> serve(std::shared_ptr<Conn> c) {
+    const uint32_t src = c->peer;
+    const HeaderChecks hc = checks(src, options.max_frame_bytes);
+    asio::co_spawn(*io, pinger(c), asio::detached);
+    std::array<uint8_t, kHeaderBytes> hb{};
+    std::string reason;
+    while (reason.empty()) {
+      if (error_code ec = co_await readExact(*c, hb.data(), hb.size())) {
+        reason = c->closed ? "closed" : lostReason(*c, ec, "reading");
+        break;
+      }
+      auto h = decodeHeader(hb, hc, c->name);
+      if (!h) {
+        reason = h.status().message();
+        break;
+      }
+      const FrameType type = h->type;
+      if (type == FrameType::kHello || type == FrameType::kChallenge || type == FrameType::kAuth) {
+        reason = fmt::format("malformed frame from {}: unexpected {} frame after the handshake",
+                             c->name, frameTypeName(type));
+        break;
+      }
+      const bool kept = type == FrameType::kData || type == FrameType::kAbort;
+      if (kept && !reserve(src, h->length, reason)) break;
+      std::vector<uint8_t> payload(h->length);
+      error_code ec = co_await readExact(*c, payload.data(), payload.size());
+      Status st = ec ? Status(StatusCode::kUnavailable,
+                              c->closed ? "closed" : lostReason(*c, ec, "reading"))
+                     : verifyPayload(*h, payload, c->name);
+      if (!st) {
+        if (kept) {
+          std::lock_guard lock(mu);
+          release(peers[src], h->length);
+        }
+        reason = st.message();
+        break;
+      }
+      dispatch(c, *h, std::move(payload));
+    }
+    closeConn(c, reason);
+  }
+
+  void dispatch(const std::shared_ptr<Conn>& c, const FrameHeader& h,
+                std::vector<uint8_t> payload) {
+    switch (h.type) {
+      case FrameType::kData: {
+        std::lock_guard lock(mu);
+        Frame f{h.type, h.key, h.src, h.codec, std::move(payload)};
+        peers[h.src].mailbox[h.key].push_back(std::move(f));
+        cv.notify_all();
+        break;
+      }
+      case FrameType::kAbort: {
+        std::string reason(payload.begin(), payload.end());
+        spdlog::warn("peer: rank {} aborted tensor {:016x} step {}: {}", h.src, h.key.tensor,
+                     h.key.step, reason);
+        std::lock_guard lock(mu);
+        PeerSlot& slot = peers[h.src];
+        auto [it, inserted] = slot.aborts.try_emplace({h.key.tensor, h.key.step});
+        if (!inserted) release(slot, it->second.size());
+        it->second = std::move(reason);
+        cv.notify_all();
+        break;
+      }
+      case FrameType::kPing:
+        sendInternal(c, FrameType::kPong, {}, std::move(payload));
+        break;
+      case FrameType::kPong: {
+        uint64_t sent = 0;
+        for (size_t i = 0; i < kPingBytes; ++i) sent |= uint64_t{payload[i]} << (8 * i);
+        const uint64_t now = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+        if (now >= sent) metrics.peerRtt(h.src).Set(static_cast<double>(now - sent) * 1e-9);
+        break;
+      }
+      default:
+        break;
+    }
+  }
+
+  /// Pings the peer every ping_interval; closes the connection when it has been silent too long.
+  awaitable<void> pinger(std::shared_ptr<Conn> c) {
+    static_assert(std::is_same_v<Clock::duration, std::chrono::nanoseconds>);
+    asio::steady_timer timer(co_await asio::this_coro::executor);
+    while (!c->closed) {
+      timer.expires_after(options.ping_interval);
+      error_code ec;
+      co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
+      if (c->closed || stopping) break;
+      const auto silent = Clock::now() - c->last_rx;
+      if (silent > options.peer_timeout) {
+        closeConn(
+            c, fmt::format("{} silent for {} ms", c->name,
+                           std::chrono::duration_cast<std::chrono::milliseconds>(silent).count()));
+        break;
+      }
+      std::vector<uint8_t> ts(kPingBytes);
+      const uint64_t now = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+      for (size_t i = 0; i < kPingBytes; ++i) ts[i] = static_cast<uint8_t>(now >> (8 * i));
+      sendInternal(c, FrameType::kPing, {}, std::move(ts));
+    }
+  }
+
+  // --- accepting and connecting ----------------------------------------------------------------
+
+  awaitable<void> acceptLoop() {
+    for (;;) {
+      tcp::socket s(*io);
+      error_code ec;
+      co_await acceptor.async_accept(s, asio::redirect_error(use_awaitable, ec));
+      if (stopping || ec == asio::error::operation_aborted) co_return;
+      if (ec) {
+        spdlog::warn("peer: accept failed: {}", ec.message());
+        asio::steady_timer pause(*io, std::chrono::milliseconds(50));  // e.g. out of descriptors
+        co_await pause.async_wait(asio::redirect_error(use_awaitable, ec));
+        continue;
+      }
+      setSocketOptions(s);
+      auto c = newConn(std::move(s));
+      c->address = endpointName(c->socket);
+      c->name = c->address;
+      asio::co_spawn(*io, serverSession(c), asio::detached);
+    }
+  }
+
+  awaitable<void> serverSession(std::shared_ptr<Conn> c) {
+    Watchdog watchdog(io->get_executor());
+    watchdog.arm(c, options.handshake_timeout);
+    Status st = co_await serverHandshake(c);
+    watchdog.disarm();
+    if (!st) {
+      refuse(c, st);
+    } else {
+      co_await serve(c);
+    }
+    closeConn(c, "done");
+    conns.erase(c->id);
+  }
+
+  /// Connects to `server` (a higher rank) for as long as the transport runs.
+  awaitable<void> connectLoop(uint32_t server) {
+    std::string host;
+    uint16_t port = 0;
+    parseHostPort(membership.peers[server], host, port);  // validated by start()
+    tcp::resolver resolver(*io);
+    asio::steady_timer timer(*io);
+    auto backoff = options.backoff_initial;
+    bool logged = false;
+    while (!stopping) {
+      bool served = false;
+      error_code ec;
+      auto endpoints = co_await resolver.async_resolve(host, std::to_string(port),
+                                                       asio::redirect_error(use_awaitable, ec));
+      if (!ec) {
+        auto c = newConn(tcp::socket(*io));
+        c->address = membership.peers[server];
+        c->name = fmt::format("rank {} ({})", server, c->address);
+        Watchdog watchdog(io->get_executor());
+        watchdog.arm(c, options.connect_timeout);
+        co_await asio::async_connect(c->socket, endpoints, asio::redirect_error(use_awaitable, ec));
+        Status st;
+        if (ec || stopping) {
+          st = Status(StatusCode::kUnavailable,
+                      c->timed_out ? "connect timed out" : "connect: " + ec.message());
+        } else {
+          setSocketOptions(c->socket);
+          watchdog.arm(c, options.handshake_timeout);
+          st = co_await clientHandshake(c, server);
+        }
+        watchdog.disarm();
+        if (st) {
+          logged = false;
+          served = true;
+          co_await serve(c);
+        } else if (!stopping) {
+          if (st.code() != StatusCode::kUnavailable) {
+            refuse(c, st);
+          } else if (!logged) {
+            spdlog::info("peer: cannot reach rank {} at {} yet ({}); retrying", server, c->address,
+                         st.message());
+            logged = true;
+          }
+        }
+        closeConn(c, st ? "done" : st.message());
+        conns.erase(c->id);
+      } else if (!logged) {
+        spdlog::info("peer: cannot resolve {} for rank {} ({}); retrying", membership.peers[server],
+                     server, ec.message());
+        logged = true;
+      }
+      if (stopping) break;
+      if (served) backoff = options.backoff_initial;
+      timer.expires_after(backoff);
+      co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
+      if (!served) backoff = std::min(backoff * 2, options.backoff_max);
+    }
+  }
+
+  void closeAll() {
+    stopping = true;
+    error_code ignored;
+    acceptor.close(ignored);
+    for (auto& [id, c] : conns) closeConn(c, "transport shutting down");
+  }
+};
+
+// --- TcpTransport --------------------------------------------------------------------------------
+
+TcpTransport::TcpTransport(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<TcpTransport>> TcpTransport::listen(const std::string& host, uint16_t port,
+                                                           const TcpOptions& options,
+                                                           metrics::Metrics& metrics) {
+  if (options.max_frame_bytes > options.max_kept_bytes_per_peer) {
+    return invalidArgument("peer: max_frame_bytes exceeds max_kept_bytes_per_peer");
+  }
+  auto impl = std::make_unique<Impl>(options, metrics);
+  error_code ec;
+  auto address = asio::ip::make_address(host, ec);
+  if (ec)
+    return invalidArgument(fmt::format("peer: bad listen address '{}': {}", host, ec.message()));
+  tcp::endpoint ep(address, port);
+  auto& a = impl->acceptor;
+  if (a.open(ep.protocol(), ec); !ec) a.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) a.bind(ep, ec);
+  if (!ec) a.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("peer: cannot listen on {}:{}: {}", host, port, ec.message()));
+  }
+  return std::unique_ptr<TcpTransport>(new TcpTransport(std::move(impl)));
+}
+
+TcpTransport::~TcpTransport() {
+  Impl& s = *impl_;
+  if (s.thread.joinable()) {
+    asio::post(*s.io, [&s] {
+      s.closeAll();
+      s.io->stop();
+    });
+    s.thread.join();
+  }
+  s.stopping = true;
+  // The I/O thread is gone: close what is left here, then destroy the suspended coroutines
+  // (io_context's destructor) while everything they refer to still exists.
+  error_code ignored;
+  s.acceptor.close(ignored);
+  for (auto& [id, c] : s.conns) c->socket.close(ignored);
+  s.conns.clear();
+  s.work.reset();
+  s.io.reset();
+  for (uint32_t r = 0; r < s.peers.size(); ++r) {
+    if (r != s.membership.rank) s.metrics.peerUp(r).Set(0);
+  }
+}
+
+uint16_t TcpTransport::port() const {
+  error_code ec;
+  auto ep = impl_->acceptor.local_endpoint(ec);
+  return ec ? 0 : ep.port();
+}
+
+Status TcpTransport::start(Membership m) {
+  Impl& s = *impl_;
+  if (s.started.exchange(true)) return failedPrecondition("peer: transport already started");
+  if (m.world_size == 0 || m.rank >= m.world_size) {
+    return invalidArgument(
+        fmt::format("peer: rank {} outside world size {}", m.rank, m.world_size));
+  }
+  if (m.peers.size() != m.world_size) {
+    return invalidArgument(
+        fmt::format("peer: {} peer addresses for world size {}", m.peers.size(), m.world_size));
+  }
+  if (m.job_id.empty()) return invalidArgument("peer: empty job id");
+  if (m.secret.empty()) return invalidArgument("peer: empty job secret");
+  for (uint32_t r = 0; r < m.world_size; ++r) {
+    std::string host;
+    uint16_t port = 0;
+    if (!parseHostPort(m.peers[r], host, port)) {
+      return invalidArgument(fmt::format("peer: bad address '{}' of rank {}", m.peers[r], r));
+    }
+  }
+  s.job_hash = jobHash(m.job_id);
+  s.membership = std::move(m);
+  s.peers = std::vector<Impl::PeerSlot>(s.membership.world_size);
+  for (uint32_t r = 0; r < s.membership.world_size; ++r) {
+    if (r != s.membership.rank) s.metrics.peerUp(r).Set(0);
+  }
+  s.work.emplace(s.io->get_executor());
+  asio::co_spawn(*s.io, s.acceptLoop(), asio::detached);
+  for (uint32_t r = s.membership.rank + 1; r < s.membership.world_size; ++r) {
+    asio::co_spawn(*s.io, s.connectLoop(r), asio::detached);
+  }
+  s.thread = std::thread([&s] { s.io->run(); });
+  return Status::ok();
+}
+
+uint32_t TcpTransport::rank() const { return impl_->membership.rank; }
+uint32_t TcpTransport::worldSize() const { return impl_->membership.world_size; }
+
+Status TcpTransport::send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                          std::span<const uint8_t> payload, Clock::time_point deadline) {
+  Impl& s = *impl_;
+  if (!s.started) return failedPrecondition("peer: send before start()");
+  if (dst >= s.membership.world_size || dst == s.membership.rank) {
+    return invalidArgument(fmt::format("peer: cannot send to rank {} (we are rank {} of {})", dst,
+                                       s.membership.rank, s.membership.world_size));
+  }
+  if (type != FrameType::kData && type != FrameType::kAbort) {
+    return invalidArgument(
+        fmt::format("peer: send() carries DATA and ABORT frames, not {}", frameTypeName(type)));
+  }
+  if (payload.size() > s.options.max_frame_bytes) {
+    return outOfRange(fmt::format("peer: frame of {} bytes for rank {} exceeds the limit of {}",
+                                  payload.size(), dst, s.options.max_frame_bytes));
+  }
+  auto op = std::make_shared<WriteOp>();
+  op->header = encodeHeader(makeHeader(type, key, codec, s.job_hash, s.membership.rank, payload));
+  op->payload = payload;
+  std::shared_ptr<Conn> conn;
+  {
+    std::lock_guard lock(s.mu);
+    conn = s.peers[dst].conn;
+    if (!conn) {
+      const auto& why = s.peers[dst].last_error;
+      return Status(StatusCode::kUnavailable, fmt::format("peer: rank {} is not connected{}{}", dst,
+                                                          why.empty() ? "" : ": ", why));
+    }
+  }
+  asio::post(*s.io, [&s, conn, op] { s.enqueue(conn, op); });
+  std::unique_lock lock(s.mu);
+  if (s.cv.wait_until(lock, deadline, [&] { return op->done; })) {
+    if (op->error.empty()) return Status::ok();
+    return Status(StatusCode::kUnavailable, "peer: " + op->error);
+  }
+  // The payload is lent: the frame must be out of the queue (or the connection closed, since a
+  // frame cannot be abandoned half-written) before returning.
+  lock.unlock();
+  asio::post(*s.io, [&s, conn, op] {
+    if (op->done) return;
+    auto& q = conn->queue;
+    const bool in_flight = conn->writing && !q.empty() && q.front() == op;
+    if (in_flight) {
+      s.closeConn(conn,
+                  fmt::format("a send to rank {} did not finish before its deadline", conn->peer));
+    } else {
+      q.erase(std::remove(q.begin(), q.end(), op), q.end());
+      s.complete(op, "deadline passed");
+    }
+  });
+  lock.lock();
+  s.cv.wait(lock, [&] { return op->done; });
+  return Status(StatusCode::kUnavailable,
+                fmt::format("peer: send of {} bytes to rank {} did not finish before its deadline",
+                            payload.size(), dst));
+}
+
+Result<Frame> TcpTransport::receive(uint32_t src, const FrameKey& key, Clock::time_point deadline) {
+  Impl& s = *impl_;
+  if (!s.started) return failedPrecondition("peer: receive before start()");
+  if (src >= s.membership.world_size || src == s.membership.rank) {
+    return invalidArgument(fmt::format("peer: cannot receive from rank {} (we are rank {} of {})",
+                                       src, s.membership.rank, s.membership.world_size));
+  }
+  std::unique_lock lock(s.mu);
+  Impl::PeerSlot& slot = s.peers[src];
+  const uint64_t generation = slot.generation;
+  for (;;) {
+    if (auto it = slot.mailbox.find(key); it != slot.mailbox.end()) {
+      Frame f = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) slot.mailbox.erase(it);
+      s.release(slot, f.payload.size());
+      return f;
+    }
+    for (uint32_t r = 0; r < s.peers.size(); ++r) {
+      const auto& aborts = s.peers[r].aborts;
+      if (auto it = aborts.find({key.tensor, key.step}); it != aborts.end()) {
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("peer: rank {} aborted step {} of tensor {:016x}: {}", r,
+                                  key.step, key.tensor, it->second));
+      }
+    }
+    if (!slot.up || slot.generation != generation) {
+      return Status(
+          StatusCode::kUnavailable,
+          fmt::format("peer: connection to rank {} lost{}{}", src,
+                      slot.last_error.empty() ? " (not connected)" : ": ", slot.last_error));
+    }
+    if (Clock::now() >= deadline) {
+      return Status(
+          StatusCode::kUnavailable,
+          fmt::format("peer: deadline passed waiting for rank {} ({})", src, describeKey(key)));
+    }
+    s.cv.wait_until(lock, deadline);
+  }
+}
+
+void TcpTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& reason) {
+  Impl& s = *impl_;
+  if (!s.started) return;
+  std::vector<uint8_t> payload(reason.begin(), reason.end());
+  if (payload.size() > 4096) payload.resize(4096);  // a reason, not a payload
+  std::vector<std::shared_ptr<Conn>> conns;
+  {
+    std::lock_guard lock(s.mu);
+    for (auto& slot : s.peers) {
+      if (slot.conn) conns.push_back(slot.conn);
+    }
+  }
+  asio::post(*s.io, [&s, conns = std::move(conns), tensor, step, payload = std::move(payload)] {
+    FrameKey key;
+    key.tensor = tensor;
+    key.step = step;
+    for (auto& c : conns) s.sendInternal(c, FrameType::kAbort, key, payload);
+  });
+}
+
+void TcpTransport::discard(uint64_t tensor, uint64_t step) {
+  Impl& s = *impl_;
+  std::lock_guard lock(s.mu);
+  for (auto& slot : s.peers) {
+    std::erase_if(slot.mailbox, [&](auto& entry) {
+      if (entry.first.tensor != tensor || entry.first.step > step) return false;
+      for (auto& f : entry.second) s.release(slot, f.payload.size());
+      return true;
+    });
+    std::erase_if(slot.aborts, [&](auto& entry) {
+      if (entry.first.first != tensor || entry.first.second > step) return false;
+      s.release(slot, entry.second.size());
+      return true;
+    });
+  }
+}
+
+bool TcpTransport::allConnected() const {
+  const Impl& s = *impl_;
+  std::lock_guard lock(s.mu);
+  for (uint32_t r = 0; r < s.peers.size(); ++r) {
+    if (r != s.membership.rank && !s.peers[r].up) return false;
+  }
+  return s.started;
+}
+
+std::vector<bool> TcpTransport::peersUp() const {
+  const Impl& s = *impl_;
+  std::lock_guard lock(s.mu);
+  std::vector<bool> up(s.peers.size(), false);
+  for (uint32_t r = 0; r < s.peers.size(); ++r) up[r] = r == s.membership.rank || s.peers[r].up;
+  return up;
+}
+
+}  // namespace lightwire::proxy::peer

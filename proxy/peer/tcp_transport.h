@@ -1,0 +1,77 @@
+#pragma once
+// The `tcp` transport (DESIGN.md §4): a full mesh of TCP connections on Boost.Asio, one per pair
+// of ranks (the lower rank connects), authenticated with the HMAC handshake of
+// docs/peer-protocol.md, reconnected with backoff.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kernels/status.h"
+#include "proxy/peer/frame.h"
+#include "proxy/peer/transport.h"
+
+namespace lightwire::metrics {
+class Metrics;
+}
+
+namespace lightwire::proxy::peer {
+
+/// Settings of a TcpTransport. Plain value.
+struct TcpOptions {
+  std::chrono::milliseconds connect_timeout{2000};    // one TCP connect attempt
+  std::chrono::milliseconds handshake_timeout{5000};  // HELLO .. AUTH, either side
+  std::chrono::milliseconds backoff_initial{50};      // between connect attempts, doubling ...
+  std::chrono::milliseconds backoff_max{2000};        // ... up to this
+  std::chrono::milliseconds ping_interval{1000};
+  std::chrono::milliseconds peer_timeout{10000};     // nothing received for this long: peer lost
+  uint64_t max_frame_bytes = kDefaultMaxFrameBytes;  // payload bytes of one frame
+  // Received frames not yet asked for, per peer; beyond either bound the connection is closed.
+  uint64_t max_kept_bytes_per_peer = uint64_t{4} << 30;
+  uint64_t max_kept_frames_per_peer = 65536;
+  int socket_buffer_bytes = 4 << 20;  // SO_SNDBUF / SO_RCVBUF
+};
+
+/// Transport over TCP with its own I/O thread. Thread-safe (Transport's methods may be called from
+/// any thread after start()); destroying it closes every connection and joins the thread, and must
+/// not race with calls in progress.
+class TcpTransport final : public Transport {
+ public:
+  /// Binds and listens on host:port (0: chosen by the OS; see port()). Connections that arrive
+  /// before start() wait in the backlog.
+  static Result<std::unique_ptr<TcpTransport>> listen(const std::string& host, uint16_t port,
+                                                      const TcpOptions& options,
+                                                      metrics::Metrics& metrics);
+  ~TcpTransport() override;
+  TcpTransport(const TcpTransport&) = delete;
+  TcpTransport& operator=(const TcpTransport&) = delete;
+
+  /// The port listened on.
+  uint16_t port() const;
+
+  /// Validates the membership, starts the I/O thread, accepts connections from lower ranks and
+  /// connects to every higher rank (retrying with backoff until it succeeds, and after a loss).
+  /// Returns at once; see allConnected(). Once only.
+  Status start(Membership membership);
+
+  uint32_t rank() const override;
+  uint32_t worldSize() const override;
+  Status send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+              std::span<const uint8_t> payload,
+              std::chrono::steady_clock::time_point deadline) override;
+  Result<Frame> receive(uint32_t src, const FrameKey& key,
+                        std::chrono::steady_clock::time_point deadline) override;
+  void abortStep(uint64_t tensor, uint64_t step, const std::string& reason) override;
+  void discard(uint64_t tensor, uint64_t step) override;
+  bool allConnected() const override;
+  std::vector<bool> peersUp() const override;
+
+  struct Impl;
+
+ private:
+  explicit TcpTransport(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;  // keeps Asio out of this header
+};
+
+}  // namespace lightwire::proxy::peer

@@ -1,0 +1,96 @@
+#pragma once
+// The seam between the collectives and the wire (DESIGN.md §4): a Transport connects this
+// sidecar to every other sidecar of the job, authenticates them, and moves frames. Collectives
+// (proxy/peer/collective.h) only send frames to a rank and wait for the frame with a given key
+// from a rank, with a deadline. Implementations: `tcp` (Boost.Asio, proxy/peer/tcp_transport.h);
+// `ucx` later, with the same file names.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/status.h"
+
+namespace lightwire::proxy::peer {
+
+/// Frame types (docs/peer-protocol.md).
+enum class FrameType : uint8_t {
+  kHello = 1,      // handshake: version, job, rank, nonce
+  kChallenge = 2,  // handshake: the other side's nonce and its HMAC proof
+  kAuth = 3,       // handshake: the connecting side's HMAC proof
+  kData = 4,       // a payload of one (tensor, step, round, chunk) from `src`
+  kAbort = 5,      // the step (tensor, step) failed on `src`; payload: UTF-8 reason
+  kPing = 6,       // liveness (round-trip time)
+  kPong = 7,
+};
+
+/// What identifies a data or abort frame within a job. Plain value.
+struct FrameKey {
+  uint64_t tensor = 0;  // XXH3-64 of the tensor name
+  uint64_t step = 0;
+  uint8_t round = 0;  // exchange round of multi-round codecs
+  uint8_t phase = 0;  // collective phase (e.g. 0 reduce-scatter, 1 allgather)
+  uint32_t chunk = 0;
+  uint32_t origin = 0;  // the rank whose contribution this is (allgather), or the chunk owner
+  bool operator==(const FrameKey&) const = default;
+};
+
+/// A received frame: its key, the sending rank, its payload.
+struct Frame {
+  FrameType type = FrameType::kData;
+  FrameKey key;
+  uint32_t src = 0;
+  uint8_t codec = 0;
+  std::vector<uint8_t> payload;
+};
+
+/// Membership of one job, as configured (DESIGN.md §4).
+struct Membership {
+  std::string job_id;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  std::vector<std::string> peers;  // "host:port" of every rank, index = rank
+  std::string secret;              // job secret (HMAC key); never logged
+};
+
+/// Moves frames between the sidecars of a job. Thread-safe.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual uint32_t rank() const = 0;
+  virtual uint32_t worldSize() const = 0;
+
+  /// Sends a DATA (or ABORT) frame to `dst`; returns when the frame is handed to the OS (or
+  /// fails: peer down, deadline passed). The payload is not retained. A frame already partly
+  /// written when the deadline passes cannot be abandoned: the connection to `dst` is closed.
+  virtual Status send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                      std::span<const uint8_t> payload,
+                      std::chrono::steady_clock::time_point deadline) = 0;
+
+  /// Waits for the frame with `key` from `src` (data), or for an abort of (key.tensor, key.step)
+  /// from any rank; frames that arrive for other keys are kept until asked for (or until their
+  /// step is discarded). Errors: deadline passed (naming `src`), the peer's connection lost (or
+  /// not up when called, unless the frame was already kept), an abort received (its reason), a
+  /// malformed frame (naming the peer).
+  virtual Result<Frame> receive(uint32_t src, const FrameKey& key,
+                                std::chrono::steady_clock::time_point deadline) = 0;
+
+  /// Tells every peer that (tensor, step) failed here, so they fail it at once rather than at
+  /// their deadline. Best effort.
+  virtual void abortStep(uint64_t tensor, uint64_t step, const std::string& reason) = 0;
+
+  /// Drops kept frames of (tensor, steps <= step): the step is over on this side.
+  virtual void discard(uint64_t tensor, uint64_t step) = 0;
+
+  /// Whether every peer is connected and authenticated (readyz), and per peer (peer_up; index =
+  /// rank, our own rank reads true).
+  virtual bool allConnected() const = 0;
+  virtual std::vector<bool> peersUp() const = 0;
+};
+
+}  // namespace lightwire::proxy::peer

@@ -1,0 +1,335 @@
+"""Several real sidecars of one job exchanging compressed gradients over loopback TCP
+(docs/exchange.md): results equal the numpy reference (tests/reference/lwref.py) computed here in
+the documented ring order, bit for bit, on every rank; refusals (wrong secret, wrong job);
+a peer killed mid-step and restarted."""
+
+import http.client
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO, metric_total
+
+sys.path.insert(0, os.path.join(REPO, "tests", "reference"))
+xxhash = pytest.importorskip("xxhash")
+import lwref  # noqa: E402
+
+import lightwire  # noqa: E402
+
+N = 3000
+SHAPE = (60, 50)           # powersgd: the tensor is sent as a matrix (shape= query parameter)
+CHUNK = 1024               # several chunks, so the ring owner c mod W matters
+STEPS = 3
+TENSOR = "layer.0.weight"
+JOB = "lw-test-job"
+SUMMABLE = ("none", "fp16", "bf16", "randomk")
+
+# (test id, codec, flags, lwref config overrides)
+CODECS = {
+    "none": ("none", [], {}),
+    "fp16": ("fp16", [], {}),
+    "bf16": ("bf16", [], {}),
+    "topk": ("topk", ["--density", "0.05"], {"density": 0.05}),
+    "randomk": ("randomk", ["--density", "0.05"], {"density": 0.05}),
+    "threshold": ("threshold", ["--threshold", "1.0"], {"threshold": 1.0}),
+    "dgc": ("dgc", ["--density", "0.05"], {"density": 0.05}),
+    "dgc_momentum": ("dgc", ["--density", "0.05", "--momentum", "0.9"], {"density": 0.05, "momentum": 0.9}),
+    "qsgd8": ("qsgd", ["--bits", "8"], {"bits": 8}),
+    "qsgd4": ("qsgd", ["--bits", "4"], {"bits": 4}),
+    "terngrad": ("terngrad", [], {}),
+    "signsgd": ("signsgd", [], {}),
+    "onebit": ("onebit", [], {}),
+    "powersgd": ("powersgd", ["--approx-rank", "1"], {"approx_rank": 1}),
+}
+SUBSET = ("none", "topk", "qsgd8", "powersgd")
+CASES = [(3, k) for k in CODECS] + [(w, k) for w in (2, 4, 5) for k in SUBSET]
+
+
+def ref_cfg(name, **kw):
+    c = {"name": name, "density": None, "ratio": None, "bits": 8, "bucket_size": 512,
+         "momentum": 0.0, "clip_norm": 0.0, "sample_fraction": 0.01, "sparse_values": "fp32",
+         "error_feedback": None, "threshold": None, "approx_rank": 1}
+    c.update(kw)
+    return c
+
+
+def job_seed(job_id):
+    return xxhash.xxh3_64_intdigest(job_id.encode("utf-8")) & 0xFFFFFFFF
+
+
+def add(codec, a, b):
+    """Compressed-domain sum a + b of one chunk (docs/exchange.md: addPayloads(received, own))."""
+    if codec == "none":
+        assert a[:16] == b[:16] and len(a) == len(b)
+        va = np.frombuffer(a[16:], dtype="<f4").astype(np.float32)
+        vb = np.frombuffer(b[16:], dtype="<f4").astype(np.float32)
+        with np.errstate(all="ignore"):
+            return a[:16] + (va + vb).astype(np.float32).astype("<f4").tobytes()
+    if codec == "powersgd":
+        return lwref.powersgd_add(a, b)
+    return lwref.add_payloads(codec, a, b)
+
+
+def ring_sum(codec, payloads, c):
+    """The reduction chain of chunk c: ((p[o+1] + p[o+2]) + ...) + p[o], o = c mod W."""
+    W = len(payloads)
+    o = c % W
+    s = payloads[(o + 1) % W]
+    for k in range(2, W + 1):
+        s = add(codec, s, payloads[(o + k) % W])
+    return s
+
+
+class Reference(object):
+    """What every sidecar of a W-rank job must return, step after step (state committed)."""
+
+    def __init__(self, cfg, world, local_trainers, n=N, chunk=CHUNK, job_id=JOB, name=TENSOR, shape=None):
+        self.cfg, self.W, self.lt, self.n = cfg, world, local_trainers, n
+        self.seed = job_seed(job_id)
+        self.name = name
+        self.shape = shape
+        self.weight = np.float32(1.0 / (world * local_trainers))
+        if cfg["name"] == "powersgd":
+            self.ranks = [lwref.PowerSGD(cfg["approx_rank"], n) for _ in range(world)]
+        else:
+            self.ranks = [lwref.Codec(cfg, n) for _ in range(world)]
+            self.chunking = lwref.chunk_ranges(n, chunk, lwref.codec_alignment(cfg))
+
+    def step(self, inputs, step):
+        """inputs[rank]: that node's local sum (float32, n). Returns the decoded float32 result."""
+        codec = self.cfg["name"]
+        W = self.W
+        out = np.zeros(self.n, dtype=np.float32)
+        if codec == "powersgd":
+            sent0 = [self.ranks[r].begin(inputs[r], "fp32", self.seed, self.name, step, self.shape)
+                     for r in range(W)]
+            red0 = ring_sum("powersgd", sent0, 0)   # one chunk, owner 0
+            sent1 = [self.ranks[r].round1(red0) for r in range(W)]
+            red1 = ring_sum("powersgd", sent1, 0)
+            lwref.powersgd_decode(red0, red1, self.n, self.cfg["approx_rank"], self.weight, out)
+            for r in range(W):
+                self.ranks[r].finish(red0, red1, self.weight)
+            return out
+        payloads = [self.ranks[r].step(inputs[r], "fp32", self.chunking, self.seed, self.name, step, r, None)[0]
+                    for r in range(W)]
+        cid = lwref.CODEC_ID[codec]
+        for c, (b, m) in enumerate(self.chunking):
+            if codec in SUMMABLE:
+                lwref.decode_payload(ring_sum(codec, [p[c] for p in payloads], c), cid, self.weight, out, b, m)
+            else:
+                for r in range(W):
+                    lwref.decode_payload(payloads[r][c], cid, self.weight, out, b, m)
+        return out
+
+
+def trainer_input(world, rank, trainer, step, n=N):
+    rng = np.random.default_rng([world, rank, trainer, step, 7])
+    return rng.standard_normal(n).astype(np.float32)
+
+
+def run_trainers(cluster, jobs, timeout=30.0):
+    """jobs: {(rank, trainer): [(step, array), ...]}: one thread per trainer, raw emit_gradient
+    through its rank's sidecar, steps in order. Returns {(rank, trainer): {step: result or
+    exception}} and the seconds each call took."""
+    results = {key: {} for key in jobs}
+    elapsed = {key: {} for key in jobs}
+
+    def work(key):
+        rank, trainer = key
+        c = cluster[rank].client(timeout=(2.0, 20.0), trainer=trainer if cluster.local_trainers > 1 else None)
+        try:
+            for step, x in jobs[key]:
+                t0 = time.monotonic()
+                try:
+                    results[key][step] = c.emit_gradient(x, TENSOR, step)
+                except lightwire.LightwireError as e:
+                    results[key][step] = e
+                elapsed[key][step] = time.monotonic() - t0
+        except BaseException as e:  # pragma: no cover - reported by the caller
+            results[key]["crash"] = e
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=work, args=(key,), daemon=True) for key in jobs]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [key for key, t in zip(jobs, threads) if t.is_alive()]
+    assert not hung, "trainers %s still waiting after %.0f s; stderr:\n%s" % (hung, timeout, cluster.stderr())
+    for key in jobs:
+        assert "crash" not in results[key], results[key]["crash"]
+    return results, elapsed
+
+
+def assert_bitwise(got, want, what):
+    g = np.ascontiguousarray(got, dtype=np.float32).reshape(-1).view(np.uint32)
+    w = np.ascontiguousarray(want, dtype=np.float32).reshape(-1).view(np.uint32)
+    if not np.array_equal(g, w):
+        bad = np.nonzero(g != w)[0]
+        i = int(bad[0])
+        pytest.fail("%s: %d of %d elements differ; first at %d: got %r (0x%08x), want %r (0x%08x)"
+                    % (what, len(bad), len(w), i, float(g.view(np.float32)[i]), int(g[i]),
+                       float(w.view(np.float32)[i]), int(w[i])))
+
+
+def check_exchange(cluster_factory, world, key, local_trainers=1, steps=STEPS):
+    codec, flags, over = CODECS[key]
+    cl = cluster_factory(world, codec=codec, codec_args=flags, local_trainers=local_trainers)
+    shape = SHAPE if codec == "powersgd" else None
+    ref = Reference(ref_cfg(codec, **over), world, local_trainers, shape=shape)
+    jobs = {}
+    for r in range(world):
+        for t in range(local_trainers):
+            xs = []
+            for s in range(steps):
+                x = trainer_input(world, r, t, s)
+                xs.append((s, x.reshape(shape) if shape else x))
+            jobs[(r, t)] = xs
+    results, _ = run_trainers(cl, jobs)
+    for s in range(steps):
+        local = []
+        for r in range(world):
+            acc = trainer_input(world, r, 0, s)
+            for t in range(1, local_trainers):
+                acc = (acc + trainer_input(world, r, t, s)).astype(np.float32)  # trainer order, fp32
+            local.append(acc)
+        want = ref.step(local, s)
+        first = None
+        for (r, t), got in sorted(results.items()):
+            res = got[s]
+            assert not isinstance(res, Exception), "W=%d %s step %d rank %d trainer %d: %s\n%s" % (
+                world, key, s, r, t, res, cl.stderr())
+            assert res.dtype == np.float32 and res.size == N
+            if first is None:
+                first = res
+            assert_bitwise(res, first, "W=%d %s step %d: rank %d trainer %d vs rank 0" % (world, key, s, r, t))
+        assert_bitwise(first, want, "W=%d %s step %d: sidecars vs reference" % (world, key, s))
+        assert np.any(want != 0)
+    return cl
+
+
+@pytest.mark.parametrize("world,key", CASES, ids=["W%d-%s" % c for c in CASES])
+def test_exchange_matches_reference(cluster_factory, world, key):
+    check_exchange(cluster_factory, world, key)
+
+
+@pytest.mark.parametrize("key", ["none", "topk"])
+def test_two_local_trainers_per_node(cluster_factory, key):
+    check_exchange(cluster_factory, 2, key, local_trainers=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusals
+# ------------------------------------------------------------------------------------------------
+def _admin_get(port, path):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status, r.read().decode("utf-8", "replace")
+    finally:
+        conn.close()
+
+
+REFUSALS = [("secret", 2), ("secret", 0), ("job_id", 0), ("job_id", 2)]
+
+
+@pytest.mark.parametrize("what,bad_rank", REFUSALS, ids=["%s-rank%d" % c for c in REFUSALS])
+def test_refused_peer_never_ready(cluster_factory, what, bad_rank):
+    """A sidecar with the wrong secret or job id is never accepted: nobody becomes ready, the
+    handshakes are counted in lightwire_auth_failures_total, and /readyz names the peers it
+    waits for. peer-protocol.md: the server counts every handshake that does not complete, the
+    client only wrong answers (bad MAC, wrong job in the CHALLENGE) -- so a wrong job id on the
+    *server* side (rank 2, the higher rank) is counted by rank 2 only: its clients just see the
+    connection closed."""
+    W = 3
+    cl = cluster_factory(W, start=False)
+    bad = cl[bad_rank]
+    if what == "secret":
+        bad.secret = os.urandom(16).hex()
+    else:
+        bad.job_id = "another-job"
+    cl.launch()
+    others = [r for r in range(W) if r != bad_rank]
+    counting = [bad_rank] if (what, bad_rank) == ("job_id", 2) else others
+    deadline = time.monotonic() + 20.0
+    while True:
+        counts = [metric_total(cl[r].metrics_text(), "lightwire_auth_failures_total") for r in range(W)]
+        if all(counts[r] > 0 for r in counting):
+            break
+        assert time.monotonic() < deadline, "auth failures counted %r, expected > 0 on ranks %r\n%s" % (
+            counts, counting, cl.stderr())
+        time.sleep(0.1)
+    time.sleep(0.5)
+    for r in range(W):
+        assert cl[r].proc.poll() is None, cl.stderr()
+        status, body = cl[r].readyz()
+        assert status == 503, (r, status, body)
+    status, body = bad.readyz()
+    for r in others:
+        assert str(r) in body, body  # names the peers it waits for
+    # The admin listener serves the same figures.
+    port = cl[counting[0]].admin_port()
+    st, text = _admin_get(port, "/metrics")
+    assert st == 200 and metric_total(text, "lightwire_auth_failures_total") > 0, text
+    st, text = _admin_get(cl[others[0]].admin_port(), "/readyz")
+    assert st == 503 and str(bad_rank) in text, text
+    logs = cl.stderr()
+    assert cl.secret not in logs and bad.secret not in logs
+    # Restarted with the job's settings, the bad rank joins and everyone becomes ready.
+    bad.kill()
+    bad.secret, bad.job_id = cl.secret, cl.job_id
+    cl.launch([bad_rank]).wait_ready()
+
+
+# ------------------------------------------------------------------------------------------------
+# A peer killed mid-step, then restarted
+# ------------------------------------------------------------------------------------------------
+def test_peer_killed_mid_step_then_rejoins(cluster_factory):
+    W = 3
+    cl = cluster_factory(W, codec="none", peer_timeout=3)
+    ref = Reference(ref_cfg("none"), W, 1)
+    # Step 0: everyone.
+    res, _ = run_trainers(cl, {(r, 0): [(0, trainer_input(W, r, 0, 0))] for r in range(W)})
+    want = ref.step([trainer_input(W, r, 0, 0) for r in range(W)], 0)
+    for r in range(W):
+        assert_bitwise(res[(r, 0)][0], want, "step 0 rank %d" % r)
+    # Step 1: ranks 0 and 1 send, rank 2 is killed while they wait for it.
+    box = {}
+
+    def survivors():
+        box["res"] = run_trainers(cl, {(r, 0): [(1, trainer_input(W, r, 0, 1))] for r in range(2)})
+
+    t = threading.Thread(target=survivors, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    cl[2].proc.send_signal(signal.SIGKILL)
+    cl[2].proc.wait()
+    t.join(40)
+    assert not t.is_alive()
+    res, elapsed = box["res"]
+    for r in range(2):
+        e = res[(r, 0)][1]
+        assert isinstance(e, lightwire.LightwireError), "rank %d got %r" % (r, e)
+        assert e.status in (502, 504), "rank %d: %s" % (r, e)
+        assert elapsed[(r, 0)][1] < 3 + 5, "rank %d answered after %.1f s" % (r, elapsed[(r, 0)][1])
+    # The survivors are no longer ready.
+    deadline = time.monotonic() + 10
+    while any(cl[r].readyz()[0] != 503 for r in range(2)):
+        assert time.monotonic() < deadline, [cl[r].readyz() for r in range(2)]
+        time.sleep(0.05)
+    # Same rank, same port: it rejoins and a later step succeeds with the right result.
+    cl[2].kill()  # reaps the killed process's bookkeeping
+    cl.launch([2]).wait_ready()
+    res, _ = run_trainers(cl, {(r, 0): [(2, trainer_input(W, r, 0, 2))] for r in range(W)})
+    want = ref.step([trainer_input(W, r, 0, 2) for r in range(W)], 2)
+    for r in range(W):
+        assert not isinstance(res[(r, 0)][2], Exception), (r, res[(r, 0)][2], cl.stderr())
+        assert_bitwise(res[(r, 0)][2], want, "step 2 after the rejoin, rank %d" % r)
