@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The main job: installs the dependencies, builds the release variant, starts a lightwire sidecar
-# (codec dgc at density 0.01 by default, two local trainers) and a real PyTorch DDP training run
-# of two trainer processes whose gradients go through it (clients/python/examples/train_ddp.py),
-# printing loss, accuracy, compression ratio and bytes every 25 steps; then stops the sidecar.
-# Knobs: LW_DEMO_CODEC (dgc), LW_DEMO_DENSITY (0.01), LW_DEMO_STEPS (300), LW_DEMO_TRAINERS (2).
-# The codec benchmark table is `build-release/proxy/lightwire bench codec --all ...`
-# (bench/README.md). Multi-node comes with the peer-exchange issue.
+# The main job: installs the dependencies, builds the release variant, starts 4 lightwire
+# sidecars on loopback (world size 4: one per "node", exchanging over TCP; codec dgc at density
+# 0.01 by default) and 4 real PyTorch DDP trainer processes, each talking to its own sidecar
+# (clients/python/examples/train_ddp.py). Rank 0 prints a live table (step, loss, accuracy,
+# compression ratio, bytes sent per step, step time); then the same training runs as plain DDP
+# and the two are compared. Knobs: LW_DEMO_CODEC (dgc), LW_DEMO_DENSITY (0.01), LW_DEMO_STEPS
+# (300), LW_DEMO_NODES (4). The codec benchmark table: `build-release/proxy/lightwire bench codec
+# --all ...` (bench/README.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -22,30 +23,59 @@ fi
 rm -f "$build_log"
 
 work=$(mktemp -d)
-sock=$work/lightwire.sock
 codec=${LW_DEMO_CODEC:-dgc}
-trainers=${LW_DEMO_TRAINERS:-2}
-args=(--socket "$sock" --control-tcp "" --admin-listen 127.0.0.1:0 --codec "$codec"
-      --local-trainers "$trainers")
+nodes=${LW_DEMO_NODES:-4}
+codec_args=(--codec "$codec")
 [[ "$codec" == dgc || "$codec" == topk || "$codec" == randomk ]] &&
-  args+=(--density "${LW_DEMO_DENSITY:-0.01}")
-"$dir/proxy/lightwire" serve "${args[@]}" 2>"$work/sidecar.log" &
-sidecar=$!
+  codec_args+=(--density "${LW_DEMO_DENSITY:-0.01}")
+# Free loopback ports for the peer listeners (chosen by the OS, then handed to the sidecars).
+mapfile -t ports < <("$python" - "$nodes" <<'PY'
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print("\n".join(str(s.getsockname()[1]) for s in socks))
+PY
+)
+peers=$(printf '127.0.0.1:%s,' "${ports[@]}")
+peers=${peers%,}
+export LIGHTWIRE_PEER__SECRET="demo-$(od -An -N8 -tx8 /dev/urandom | tr -d ' ')"
+pids=()
 cleanup() {
-  kill -TERM "$sidecar" 2>/dev/null && wait "$sidecar" 2>/dev/null
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
   rm -rf "$work"
 }
 trap cleanup EXIT
-for _ in $(seq 100); do [[ -S "$sock" ]] && break; sleep 0.1; done
-if [[ ! -S "$sock" ]]; then
-  cat "$work/sidecar.log" >&2
-  echo "demo: the sidecar did not start" >&2
+sockets=()
+for ((r = 0; r < nodes; r++)); do
+  sock=$work/node$r.sock
+  sockets+=("$sock")
+  "$dir/proxy/lightwire" serve --job-id demo --rank "$r" --world-size "$nodes" --peers "$peers" \
+    --peer-listen "127.0.0.1:${ports[$r]}" --socket "$sock" --control-tcp "" \
+    --admin-listen 127.0.0.1:0 --threads 1 "${codec_args[@]}" 2>"$work/node$r.log" &
+  pids+=($!)
+done
+ready=0
+for _ in $(seq 200); do
+  ready=0
+  for s in "${sockets[@]}"; do
+    [[ -S "$s" ]] && curl -sf --unix-socket "$s" http://localhost/readyz >/dev/null 2>&1 &&
+      ready=$((ready + 1))
+  done
+  ((ready == nodes)) && break
+  sleep 0.1
+done
+if ((ready != nodes)); then
+  tail -n 5 "$work"/node*.log >&2
+  echo "demo: the sidecars did not all become ready" >&2
   exit 1
 fi
-sed 's/^/sidecar: /' "$work/sidecar.log" >&2
-echo "demo: $trainers PyTorch trainers (DDP, gloo, CPU) through the sidecar, codec $codec" >&2
-PYTHONPATH=clients/python "$python" clients/python/examples/train_ddp.py --socket "$sock" \
-  --trainers "$trainers" --steps "${LW_DEMO_STEPS:-300}"
-echo "demo: sidecar figures:" >&2
-curl -s --unix-socket "$sock" http://localhost/metrics 2>/dev/null |
-  grep -E '^lightwire_(steps_total|raw_bytes_total|fallbacks_total|compression_ratio)' >&2 || true
+echo "demo: $nodes sidecars ready (world size $nodes, codec $codec, peers $peers)" >&2
+echo "demo: $nodes PyTorch trainers (DDP, gloo, CPU), each through its own sidecar" >&2
+PYTHONPATH=clients/python "$python" clients/python/examples/train_ddp.py \
+  --sockets "$(IFS=,; echo "${sockets[*]}")" --trainers "$nodes" \
+  --steps "${LW_DEMO_STEPS:-300}" --compare
+echo "demo: rank 0 sidecar figures:" >&2
+curl -s --unix-socket "${sockets[0]}" http://localhost/metrics 2>/dev/null |
+  grep -E '^lightwire_(steps_total|raw_bytes_total|wire_bytes_total|fallbacks_total|compression_ratio|peer_rtt)' >&2 || true

@@ -1,11 +1,14 @@
-"""A real PyTorch DDP training run through a lightwire sidecar (the README's main job).
+"""A real PyTorch DDP training run through lightwire sidecars (the README's main job).
 
 Starts --trainers processes (gloo, CPU) that train a small MLP classifier on a learnable synthetic
-dataset; every gradient bucket goes through the sidecar via lightwire.torch.ddp_comm_hook (shared
-memory, one copy in). Rank 0 prints a line every --every steps: loss, accuracy, the codec, its
-compression ratio and the bytes it would send. Usage (the sidecar must be running):
+dataset; every gradient bucket goes through a sidecar via lightwire.torch.ddp_comm_hook (shared
+memory, one copy in). With one socket all trainers share one sidecar (local trainers of one
+node); with one socket per trainer each trainer has its own sidecar (one node each, the sidecars
+exchange over TCP). Rank 0 prints a line every --every steps: loss, accuracy, the codec, its
+compression ratio, the bytes sent per step and the step time. With --compare the same training
+then runs as plain DDP (no compression) and the two are compared. Usage (sidecars running):
 
-    PYTHONPATH=clients/python python3 clients/python/examples/train_ddp.py --socket PATH
+    PYTHONPATH=clients/python python3 clients/python/examples/train_ddp.py --sockets A[,B,...]
 """
 
 import argparse
@@ -24,14 +27,14 @@ from lightwire.torch import LightwireHookState, ddp_comm_hook
 
 def make_data(seed, n=4096, dim=64, classes=8):
     g = torch.Generator().manual_seed(seed)
-    centers = torch.randn(classes, dim, generator=g) * 0.35
+    centers = torch.randn(classes, dim, generator=torch.Generator().manual_seed(1234)) * 0.35
     labels = torch.randint(0, classes, (n,), generator=g)
     x = centers[labels] + torch.randn(n, dim, generator=g)
     return x, labels
 
 
-def train(rank, args, store_path):
-    os.environ["LOCAL_RANK"] = str(rank)
+def train(rank, args, store_path, sockets, results):
+    os.environ["LOCAL_RANK"] = str(rank if len(sockets) == 1 else 0)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
@@ -39,46 +42,103 @@ def train(rank, args, store_path):
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                           nn.Linear(256, 8))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
-    state = LightwireHookState(client=lightwire.Client(socket_path=args.socket, timeout=30.0),
-                               process_group=dist.group.WORLD)
-    ddp.register_comm_hook(state, ddp_comm_hook)
+    state = None
+    if sockets:
+        sock = sockets[0] if len(sockets) == 1 else sockets[rank]
+        state = LightwireHookState(client=lightwire.Client(socket_path=sock, timeout=60.0),
+                                   process_group=dist.group.WORLD)
+        ddp.register_comm_hook(state, ddp_comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     x, y = make_data(seed=rank)
     loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(100 + rank)
-    t0 = time.monotonic()
+    t0 = t_window = time.monotonic()
+    wire = raw = 0
+    label = "lightwire" if sockets else "plain DDP"
     for step in range(1, args.steps + 1):
         idx = torch.randint(0, x.shape[0], (args.batch,), generator=g)
         opt.zero_grad()
-        out = ddp(x[idx])
-        loss = loss_fn(out, y[idx])
+        loss = loss_fn(ddp(x[idx]), y[idx])
         loss.backward()
         opt.step()
-        if rank == 0 and (step % args.every == 0 or step == 1):
+        if state is not None and state.last_reply:
+            wire += state.last_reply.get("wire_bytes", 0)
+            raw += state.last_reply.get("raw_bytes", 0)
+        if rank == 0 and args.every and (step % args.every == 0 or step == 1):
             with torch.no_grad():
                 acc = (ddp(x).argmax(1) == y).float().mean().item()
-            r = state.last_reply or {}
-            print(f"step {step:4d}  loss {loss.item():.4f}  acc {acc:.3f}  "
-                  f"codec {r.get('codec', '-')}  ratio {r.get('ratio', 0):.1f}  "
-                  f"bytes {r.get('raw_bytes', 0)} -> {r.get('wire_bytes', 0)}  "
-                  f"fallbacks {state.fallbacks}  ({time.monotonic() - t0:.1f} s)", flush=True)
-            state.client.report(step, loss=loss.item(), trainer=0)
+            now = time.monotonic()
+            n = 1 if step == 1 else args.every
+            ms = (now - t_window) / n * 1e3
+            t_window = now
+            dense = sum(q.numel() * q.element_size() for q in model.parameters())
+            r = (state.last_reply or {}) if state else {"codec": "dense", "wire_bytes": dense}
+            print(f"{label:9s}  step {step:4d}  loss {loss.item():.4f}  acc {acc:.3f}  "
+                  f"codec {r.get('codec', '-'):6s}  ratio {r.get('ratio', 1.0):6.1f}  "
+                  f"payload/step {r.get('wire_bytes', 0):8d} B  step {ms:6.1f} ms", flush=True)
+            if state:
+                state.client.report(step, loss=loss.item(), trainer=0)
+    if rank == 0:
+        with torch.no_grad():
+            acc = (ddp(x).argmax(1) == y).float().mean().item()
+        results.put({"label": label, "loss": loss.item(), "acc": acc,
+                     "seconds": time.monotonic() - t0, "raw": raw, "wire": wire,
+                     "fallbacks": state.fallbacks if state else 0})
     dist.barrier()
-    state.close()  # releases and unlinks the shared-memory segments
+    if state:
+        state.close()  # releases and unlinks the shared-memory segments
     dist.destroy_process_group()
+
+
+def run(args, sockets):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=train, args=(r, args, os.path.join(d, "store"), sockets, results))
+                 for r in range(args.trainers)]
+        for p in procs:
+            p.start()
+        out = results.get(timeout=3600)
+        for p in procs:
+            p.join()
+            if p.exitcode != 0:
+                raise SystemExit(f"trainer exited with {p.exitcode}")
+    return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--socket", default=os.environ.get("LIGHTWIRE_SOCKET"))
-    p.add_argument("--trainers", type=int, default=2, help="local trainer processes")
+    p.add_argument("--sockets", default=os.environ.get("LIGHTWIRE_SOCKET", ""),
+                   help="sidecar socket(s), comma-separated: one shared, or one per trainer")
+    p.add_argument("--trainers", type=int, default=2, help="trainer processes")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--compare", action="store_true", help="then train plain DDP and compare")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(train, args=(args, os.path.join(d, "store")), nprocs=args.trainers, join=True)
+    sockets = [s for s in args.sockets.split(",") if s]
+    if not sockets:
+        raise SystemExit("give --sockets (or LIGHTWIRE_SOCKET)")
+    if len(sockets) not in (1, args.trainers):
+        raise SystemExit("--sockets: one socket, or one per trainer")
+    ours = run(args, sockets)
+    rows = [ours]
+    if args.compare:
+        print("\nthe same training without compression (plain DDP over gloo):", flush=True)
+        rows.append(run(args, []))
+    print("\n%-10s %10s %8s %10s %14s %10s" % ("run", "final loss", "acc", "time s",
+                                               "payload/step B", "fallbacks"))
+    for r in rows:
+        per_step = r["wire"] / args.steps if r["wire"] else r["raw"] / args.steps
+        dense = sum(p.numel() * 4 for p in nn.Sequential(
+            nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 8)).parameters())
+        sent = per_step if r["label"] == "lightwire" else dense
+        print("%-10s %10.4f %8.3f %10.1f %14d %10d" % (r["label"], r["loss"], r["acc"],
+                                                        r["seconds"], sent, r["fallbacks"]))
+    if ours["raw"]:
+        print("\ncompression: %.1fx fewer bytes per step than the dense gradient"
+              % (ours["raw"] / max(ours["wire"], 1)))
 
 
 if __name__ == "__main__":
