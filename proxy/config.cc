@@ -465,6 +465,12 @@ std::vector<KeyImpl> makeKeyTable() {
       "Deadline of one exchange: a silent or dead peer fails the step everywhere within it",
       [](C& c, std::string_view s) { return setSeconds(s, c.peer.timeout_s); },
       [](const C& c) { return json::value(c.peer.timeout_s); });
+  add("peer.checksum_every", "--checksum-every", "integer >= 0", "100",
+      "Every N steps of a tensor the sidecars compare checksums of their results (0 = never); a "
+      "mismatch is logged and counted in lightwire_result_mismatches_total",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.peer.checksum_every; }, 0,
+                        std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.peer.checksum_every); });
   add("compression.chunk_elements", "--chunk-elements", "integer >= 1", "1048576",
       "Elements per chunk (rounded up to the codec's alignment)",
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.compression.chunk_elements; }, 1,

@@ -88,6 +88,7 @@ struct ServeConfig {
     std::vector<std::string> peers;  // "host:port" of every rank, index = rank
     std::string secret;              // job secret (HMAC key); required when world_size > 1
     double timeout_s = 30;           // deadline of one exchange
+    uint64_t checksum_every = 100;   // compare result checksums every N steps (0 = never)
   } peer;
 };
 

@@ -127,6 +127,7 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   eo.max_pending_steps = static_cast<size_t>(config.limits.max_pending_steps);
   eo.seed = static_cast<uint32_t>(XXH3_64bits(config.job_id.data(), config.job_id.size()));
   eo.rank = config.peer.rank;
+  eo.checksum_every = config.peer.checksum_every;
   auto compression = std::make_shared<const CompressionConfig>(config.compression);
   StepEngine engine(
       eo,

@@ -14,6 +14,8 @@
 #include "kernels/registry.h"
 #include "kernels/simd/kernels.h"
 
+#include <xxhash.h>
+
 namespace lightwire::proxy {
 namespace {
 
@@ -578,6 +580,23 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     });
     for (const auto& e : errors) {
       if (!e.empty()) return fail(502, "exchange_failed", "decompressing: " + e);
+    }
+  }
+  // Silent-divergence guard: every checksum_every steps the ranks compare their results.
+  if (exchange_.worldSize() > 1 && options_.checksum_every > 0 &&
+      step % options_.checksum_every == 0) {
+    const uint64_t checksum = XXH3_64bits(result, n * sizeof(float));
+    auto differ = exchange_.compareResults(t.name, step, checksum);
+    if (!differ)
+      return fail(502, "exchange_failed", "comparing results: " + differ.status().message());
+    if (!differ->empty()) {
+      std::string ranks;
+      for (uint32_t r : *differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      metrics_.result_mismatches.Increment();
+      spdlog::error(
+          "tensor '{}' step {}: the result differs from rank(s) {} (checksum {:016x}): "
+          "the sidecars have diverged",
+          t.name, step, ranks, checksum);
     }
   }
   // Non-finite results are returned as plain averaging would, and the state is not committed.

@@ -80,6 +80,13 @@ class Exchange {
   virtual ~Exchange() = default;
   virtual unsigned worldSize() const = 0;
   virtual Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) = 0;
+  /// Silent-divergence guard (DESIGN.md §4): compares this sidecar's checksum of a step's result
+  /// with every other sidecar's. Returns the ranks whose checksum differs from this one's (empty:
+  /// all agree), or an error when the comparison itself failed (a peer down or silent).
+  virtual Result<std::vector<uint32_t>> compareResults(const std::string& /*tensor*/,
+                                                       uint64_t /*step*/, uint64_t /*checksum*/) {
+    return std::vector<uint32_t>{};
+  }
   /// The step (tensor, step) failed here (before, during or after its exchange): tell the other
   /// sidecars, so they fail it at once rather than at their deadline.
   virtual void abort(const std::string& /*tensor*/, uint64_t /*step*/,
@@ -106,6 +113,7 @@ struct EngineOptions {
   size_t max_pending_steps = 4096;
   uint32_t seed = 0;  // Philox key word 0 (job seed: the same on every sidecar of a job)
   uint32_t rank = 0;  // this sidecar's rank: its per-rank random streams (qsgd rounding, ...)
+  uint64_t checksum_every = 100;  // compare result checksums every N steps of a tensor (0 = off)
 };
 
 /// Runs steps, one at a time. submit() is thread-safe; it never waits for other trainers, and it

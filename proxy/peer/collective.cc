@@ -3,6 +3,8 @@
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 
 namespace lightwire::proxy::peer {
@@ -13,6 +15,7 @@ using Spans = std::vector<std::vector<std::span<const uint8_t>>>;
 
 constexpr uint8_t kPhaseReduce = 0;
 constexpr uint8_t kPhaseGather = 1;
+constexpr uint8_t kPhaseChecksum = 2;
 
 FrameKey keyOf(uint64_t tensor, const ExchangeRound& r, uint8_t phase, uint32_t chunk,
                uint32_t origin) {
@@ -36,6 +39,52 @@ RingExchange::RingExchange(Transport& transport, std::chrono::milliseconds timeo
 Status RingExchange::fail(uint64_t tensor, uint64_t step, Status s) {
   transport_.abortStep(tensor, step, s.message());
   return s;
+}
+
+Result<std::vector<uint32_t>> RingExchange::compareResults(const std::string& name, uint64_t step,
+                                                           uint64_t checksum) {
+  // A ring allgather of one 8-byte checksum per rank (phase 2 of the step's frames).
+  const uint64_t tensor = tensorKey(name);
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  const uint32_t next = (me + 1) % w, prev = (me + w - 1) % w;
+  const auto deadline = Clock::now() + timeout_;
+  auto key = [&](uint32_t origin) {
+    FrameKey k;
+    k.tensor = tensor;
+    k.step = step;
+    k.round = 0xFF;  // after every codec round
+    k.phase = kPhaseChecksum;
+    k.origin = origin;
+    return k;
+  };
+  uint8_t mine[8];
+  for (int i = 0; i < 8; ++i) mine[i] = static_cast<uint8_t>(checksum >> (8 * i));
+  auto fail = [&](Status s) {
+    transport_.abortStep(tensor, step, s.message());
+    return s;
+  };
+  if (auto s = transport_.send(next, FrameType::kData, key(me), 0, mine, deadline); !s.isOk()) {
+    return fail(s);
+  }
+  std::vector<uint32_t> differ;
+  for (uint32_t h = 1; h < w; ++h) {
+    const uint32_t origin = (me + w - h) % w;
+    auto got = transport_.receive(prev, key(origin), deadline);
+    if (!got) return fail(got.status());
+    if (got->payload.size() != 8) {
+      return fail(dataLoss("result checksum from rank " + std::to_string(origin) + " has " +
+                           std::to_string(got->payload.size()) + " bytes, not 8"));
+    }
+    if (std::memcmp(got->payload.data(), mine, 8) != 0) differ.push_back(origin);
+    if (h + 1 < w) {
+      if (auto s = transport_.send(next, FrameType::kData, key(origin), 0, got->payload, deadline);
+          !s.isOk()) {
+        return fail(s);
+      }
+    }
+  }
+  std::sort(differ.begin(), differ.end());
+  return differ;
 }
 
 void RingExchange::abort(const std::string& tensor, uint64_t step, const std::string& reason) {

@@ -32,6 +32,8 @@ class RingExchange final : public Exchange {
 
   unsigned worldSize() const override { return transport_.worldSize(); }
   Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override;
+  Result<std::vector<uint32_t>> compareResults(const std::string& tensor, uint64_t step,
+                                               uint64_t checksum) override;
   void abort(const std::string& tensor, uint64_t step, const std::string& reason) override;
   void stepDone(const std::string& tensor, uint64_t step) override;
 

@@ -129,6 +129,7 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"peer.peers", {"a:1,b:2", "127.0.0.1:1", "h:1,h:2,h:3"}},
       {"peer.secret", {"s-file", "s-env", "s-flag"}},
       {"peer.timeout_s", {"1.5", "2.5", "3.5"}},
+      {"peer.checksum_every", {"0", "10", "1000"}},
       {"compression.default.codec", {"fp16", "signsgd", "terngrad"}},
       {"compression.default.density", {"0.1", "0.2", "0.3"}},
       {"compression.default.ratio", {"2", "3", "4"}},
