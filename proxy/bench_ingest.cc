@@ -1,16 +1,8 @@
 #include "proxy/bench_ingest.h"
 
-#include <fcntl.h>
 #include <sched.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <boost/asio/io_context.hpp>
-#include <boost/asio/local/stream_protocol.hpp>
-#include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/json.hpp>
 
@@ -19,171 +11,43 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <stdexcept>
-#include <thread>
 #include <vector>
+
+#include "proxy/bench_util.h"
 
 namespace lightwire::proxy {
 namespace {
 
-namespace asio = boost::asio;
-namespace beast = boost::beast;
-namespace http = beast::http;
-using unix_socket = asio::local::stream_protocol;
-using Clock = std::chrono::steady_clock;
+namespace http = boost::beast::http;
+using bench::Client;
+using bench::Clock;
+using bench::expectOk;
+using bench::median;
+using bench::percentile;
+using bench::seconds;
+using bench::Segment;
 
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-double percentile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
+/// Starts `exe serve` (codec none) on `socket`, pinned to `cpu` when >= 0, and waits until it is
+/// ready.
+std::unique_ptr<bench::Sidecar> startSidecar(const std::string& exe, const std::string& socket,
+                                             const std::string& log, int cpu = -1) {
+  bench::Sidecar::Options o;
+  o.exe = exe;
+  o.socket = socket;
+  o.log = log;
+  o.args = {"--codec", "none", "--max-body-bytes", "2000000000"};
+  o.cpu = cpu;
+  auto sidecar = std::make_unique<bench::Sidecar>(std::move(o));
+  sidecar->waitReady(std::chrono::seconds(10));
+  return sidecar;
 }
-
-double median(std::vector<double> v) { return percentile(std::move(v), 0.5); }
-
-/// A keep-alive HTTP/1.1 client on the sidecar's Unix socket.
-class Client {
- public:
-  explicit Client(const std::string& path) : socket_(io_) {
-    socket_.connect(unix_socket::endpoint(path));
-    socket_.set_option(asio::socket_base::receive_buffer_size(4 << 20));
-    socket_.set_option(asio::socket_base::send_buffer_size(4 << 20));
-    buffer_.reserve(size_t{1} << 20);  // Beast reads at most the free capacity per call
-  }
-  /// A request whose large body and reply reuse the caller's buffers (a benchmark client should
-  /// not be the bottleneck): `body` is sent and left as it was; the reply body goes into `reply`,
-  /// resized to fit. Returns the status.
-  http::status requestReuse(const std::string& target, std::string& body, std::string& reply) {
-    http::request<http::string_body> req{http::verb::post, target, 11};
-    req.set(http::field::host, "lightwire");
-    req.set(http::field::content_type, "application/octet-stream");
-    req.body().swap(body);
-    req.prepare_payload();
-    beast::error_code ec;
-    http::write(socket_, req, ec);
-    req.body().swap(body);
-    if (ec) throw std::runtime_error("write: " + ec.message());
-    http::response_parser<http::buffer_body> parser;
-    parser.body_limit(uint64_t{4} << 30);
-    http::read_header(socket_, buffer_, parser);
-    const auto length = parser.content_length();
-    if (!length) throw std::runtime_error("reply without Content-Length");
-    if (reply.size() < *length) reply.resize(*length);
-    size_t got = 0;
-    while (!parser.is_done()) {
-      parser.get().body().data = reply.data() + got;
-      parser.get().body().size = reply.size() - got;
-      http::read(socket_, buffer_, parser, ec);
-      if (ec == http::error::need_buffer) ec = {};
-      if (ec) throw std::runtime_error("read: " + ec.message());
-      got = reply.size() - parser.get().body().size;
-    }
-    reply.resize(got);
-    return parser.get().result();
-  }
-
-  http::response<http::string_body> request(http::verb verb, const std::string& target,
-                                            std::string body, const char* type) {
-    http::request<http::string_body> req{verb, target, 11};
-    req.set(http::field::host, "lightwire");
-    req.set(http::field::content_type, type);
-    req.body() = std::move(body);
-    req.prepare_payload();
-    http::write(socket_, req);
-    http::response_parser<http::string_body> parser;
-    parser.body_limit(uint64_t{4} << 30);
-    http::read(socket_, buffer_, parser);
-    return parser.release();
-  }
-
- private:
-  asio::io_context io_;
-  unix_socket::socket socket_;
-  beast::flat_buffer buffer_;
-};
-
-/// The sidecar child process; SIGTERM and wait on destruction.
-class Sidecar {
- public:
-  /// Starts `exe serve` on `socket`, pinned to `cpu` (with every thread it starts) when >= 0.
-  Sidecar(const std::string& exe, const std::string& socket, const std::string& log, int cpu = -1) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      if (cpu >= 0) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(cpu, &set);
-        sched_setaffinity(0, sizeof set, &set);
-      }
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        dup2(fd, 2);
-        dup2(fd, 1);
-      }
-      execl(exe.c_str(), exe.c_str(), "serve", "--socket", socket.c_str(), "--control-tcp", "",
-            "--admin-listen", "", "--codec", "none", "--log-level", "warn", "--max-body-bytes",
-            "2000000000", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    for (int i = 0; i < 200; ++i) {  // up to 10 s for the socket to accept
-      try {
-        Client probe(socket);
-        return;
-      } catch (const std::exception&) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        throw std::runtime_error("the sidecar exited at start; see " + log);
-      }
-    }
-    throw std::runtime_error("the sidecar did not accept connections within 10 s; see " + log);
-  }
-  ~Sidecar() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-  }
-
- private:
-  pid_t pid_ = -1;
-};
 
 std::string emitTarget(uint64_t step, const char* name = "bench") {
   return std::string("/v1/emit_gradient?name=") + name + "&step=" + std::to_string(step);
 }
-
-void expectOk(const http::response<http::string_body>& r, const char* what) {
-  if (r.result() != http::status::ok && r.result() != http::status::created) {
-    throw std::runtime_error(std::string(what) + ": HTTP " + std::to_string(r.result_int()) + " " +
-                             r.body().substr(0, 300));
-  }
-}
-
-/// A POSIX shared-memory segment created (and unlinked) by the benchmark, as a trainer would.
-struct Segment {
-  std::string name;
-  void* data = MAP_FAILED;
-  size_t bytes = 0;
-  Segment(std::string n, size_t b) : name(std::move(n)), bytes(b) {
-    const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    if (fd < 0) throw std::runtime_error("shm_open " + name + ": " + std::strerror(errno));
-    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      close(fd);
-      throw std::runtime_error("ftruncate: " + std::string(std::strerror(errno)));
-    }
-    data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (data == MAP_FAILED) throw std::runtime_error("mmap: " + std::string(std::strerror(errno)));
-  }
-  ~Segment() {
-    if (data != MAP_FAILED) munmap(data, bytes);
-    shm_unlink(name.c_str());
-  }
-};
 
 std::optional<boost::json::object> pythonFigures(const IngestBenchSettings& s,
                                                  const std::string& socket) {
@@ -243,7 +107,7 @@ int runIngestBench(const IngestBenchSettings& s) {
   boost::json::object result{{"codec", "none"}, {"transport", "unix socket"}};
   int rc = 0;
   try {
-    Sidecar sidecar(s.self_exe, socket, dir + "/sidecar.log");
+    const auto sidecar = startSidecar(s.self_exe, socket, dir + "/sidecar.log");
     Client client(socket);
     uint64_t step = 0;
 
@@ -281,7 +145,7 @@ int runIngestBench(const IngestBenchSettings& s) {
       }
       for (const bool same : {true, false}) {
         const std::string pinned_socket = dir + (same ? "/same.sock" : "/split.sock");
-        Sidecar pinned(s.self_exe, pinned_socket, dir + "/pinned.log", cpus[0]);
+        const auto pinned = startSidecar(s.self_exe, pinned_socket, dir + "/pinned.log", cpus[0]);
         cpu_set_t mine;
         CPU_ZERO(&mine);
         CPU_SET(same ? cpus[0] : cpus[1], &mine);

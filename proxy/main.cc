@@ -1,5 +1,6 @@
-// The `lightwire` executable. Subcommands: `serve` (the sidecar, proxy/serve.h) and `bench codec`
-// (proxy/bench_codec.h).
+// The `lightwire` executable. Subcommands: `serve` (the sidecar, proxy/serve.h), `bench codec`
+// (proxy/bench_codec.h), `bench ingest` (proxy/bench_ingest.h) and `bench exchange`
+// (proxy/bench_exchange.h).
 //
 // Exit codes: 0 success, 1 a failure while running, 2 bad usage or bad parameters.
 
@@ -17,6 +18,7 @@
 #include "kernels/parallel.h"
 #include "kernels/registry.h"
 #include "proxy/bench_codec.h"
+#include "proxy/bench_exchange.h"
 #include "proxy/bench_ingest.h"
 #include "proxy/config.h"
 #include "proxy/serve.h"
@@ -178,7 +180,82 @@ int run(int argc, char** argv) {
   ingest->add_flag("--no-python", no_python, "Skip the Python client");
   ingest->add_flag("--json", is.json, "One JSON object");
 
+  CLI::App* exchange = bench->add_subcommand(
+      "exchange", "Allreduce steps through W `lightwire serve` child processes on loopback TCP");
+  BenchCodecFlags xf;
+  int x_world = 0, x_steps = 5;
+  exchange->add_option("--world-size", x_world, "Sidecars (ranks), 2..64")
+      ->required()
+      ->check(CLI::Range(2, 64));
+  exchange->add_option("--codec", xf.codec, "Codec name: " + known)->required();
+  auto* x_density =
+      exchange->add_option("--density", xf.density, "topk/dgc/randomk: k/n in (0, 1]");
+  auto* x_ratio = exchange->add_option("--ratio", xf.ratio, "topk/dgc/randomk: n/k");
+  x_density->excludes(x_ratio);
+  exchange->add_option("--threshold", xf.threshold, "threshold: send elements with |g| >= this");
+  exchange->add_option("--bits", xf.bits, "qsgd: bits per element including sign (2..8)");
+  exchange->add_option("--bucket-size", xf.bucket_size,
+                       "qsgd/terngrad/signsgd/onebit: elements per scale bucket");
+  exchange->add_option("--momentum", xf.momentum, "dgc: momentum correction factor in [0, 1)");
+  exchange->add_option("--approx-rank", xf.approx_rank, "powersgd: rank");
+  exchange->add_option("--values", xf.values, "topk/dgc/randomk/threshold: value encoding")
+      ->check(CLI::IsMember({"fp32", "fp16", "float32", "float16"}));
+  exchange->add_option("--error-feedback", xf.error_feedback, "on|off (default: the codec's)")
+      ->check(CLI::IsMember({"on", "off"}));
+  exchange
+      ->add_option("--chunk-elements", xf.chunk_elements,
+                   "Elements per chunk (default: the sidecar's, 1048576)")
+      ->check(CLI::Range(size_t{1}, size_t{1} << 34));
+  exchange->add_option("--elements", xf.elements, "fp32 elements of the tensor (1..2^28)")
+      ->required()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 28));
+  exchange
+      ->add_option("--steps", x_steps, "Timed steps (after one untimed); the median is reported")
+      ->check(CLI::Range(1, 100000));
+  exchange->add_flag("--json", xf.json, "One JSON object");
+
   int rc = 0;
+  exchange->callback([&] {
+    if (xf.values == "float32") xf.values = "fp32";
+    if (xf.values == "float16") xf.values = "fp16";
+    // Parameters are checked here, as the sidecars would, before anything is started.
+    auto check = kernels::createCodec(toConfig(xf));
+    if (!check) {
+      std::fprintf(stderr, "lightwire: %s\n", check.status().message().c_str());
+      rc = kExitUsage;
+      return;
+    }
+    ExchangeBenchSettings xs;
+    xs.world_size = x_world;
+    xs.codec = xf.codec;
+    xs.elements = xf.elements;
+    xs.steps = x_steps;
+    xs.json = xf.json;
+    auto param = [&](const char* flag, const std::string& value) {
+      xs.codec_args.push_back(std::string("--") + flag);
+      xs.codec_args.push_back(value);
+      xs.codec_params.emplace_back(flag, value);
+    };
+    auto num = [](double v) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.17g", v);
+      return std::string(buf);
+    };
+    if (xf.density) param("density", num(*xf.density));
+    if (xf.ratio) param("ratio", num(*xf.ratio));
+    if (xf.threshold) param("threshold", num(*xf.threshold));
+    if (xf.bits) param("bits", std::to_string(*xf.bits));
+    if (xf.bucket_size) param("bucket-size", std::to_string(*xf.bucket_size));
+    if (xf.momentum) param("momentum", num(*xf.momentum));
+    if (xf.approx_rank) param("approx-rank", std::to_string(*xf.approx_rank));
+    if (!xf.values.empty()) param("values", xf.values == "fp16" ? "float16" : "float32");
+    if (!xf.error_feedback.empty()) param("error-feedback", xf.error_feedback);
+    if (xf.chunk_elements) param("chunk-elements", std::to_string(xf.chunk_elements));
+    std::error_code ec;
+    xs.self_exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+    if (ec) xs.self_exe = argv[0];
+    rc = runExchangeBench(xs);
+  });
   ingest->callback([&] {
     is.large_bytes = large_mb * 1000000;
     if (no_python) is.python.clear();
