@@ -10,10 +10,10 @@
 #include <prometheus/registry.h>
 
 #include <array>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <cstdint>
 #include <string_view>
 
 namespace lightwire::metrics {
