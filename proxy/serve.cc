@@ -35,11 +35,28 @@ constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 constexpr unsigned kIoThreads = 1;  // HTTP handling is light; steps run on the engine
 constexpr auto kDrainLimit = std::chrono::seconds(10);
+constexpr auto kPollAfterWork = std::chrono::microseconds(50);
 
 std::vector<std::string> environment() {
   std::vector<std::string> out;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) out.emplace_back(*e);
   return out;
+}
+
+/// io.run(), except that after handling something the thread keeps polling for a short while
+/// before it blocks in epoll: a trainer's next request usually follows its last reply within
+/// microseconds, and then no wake-up is needed (waking a thread on another core costs tens of
+/// microseconds on a VM, most of a small round trip). The window is short, so an idle sidecar
+/// does not burn a core.
+void runPolling(boost::asio::io_context& io) {
+  using Clock = std::chrono::steady_clock;
+  while (!io.stopped()) {
+    auto until = Clock::now() + kPollAfterWork;
+    while (!io.stopped() && Clock::now() < until) {
+      if (io.poll() > 0) until = Clock::now() + kPollAfterWork;
+    }
+    if (io.run_one() == 0) break;  // no work left: stopped
+  }
 }
 
 }  // namespace
@@ -220,7 +237,7 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
       config.compression.default_codec.name, threads);
   std::vector<std::thread> io_threads;
   for (unsigned i = 1; i < kIoThreads; ++i) io_threads.emplace_back([&] { io.run(); });
-  io.run();
+  runPolling(io);
   for (auto& t : io_threads) t.join();
   abandoned = true;
   if (watcher.joinable()) watcher.join();
