@@ -13,6 +13,12 @@
 #include "proxy/version.h"
 
 namespace lightwire::proxy {
+
+struct RequestTarget {
+  std::string path;
+  std::map<std::string, std::string> query;
+  std::string error;  // "" or why the target could not be parsed
+};
 namespace {
 
 namespace json = boost::json;
@@ -71,13 +77,8 @@ bool percentDecode(std::string_view in, std::string* out) {
   return true;
 }
 
-struct Target {
-  std::string path;
-  std::map<std::string, std::string> query;
-};
-
 /// Splits a request target into path and query parameters; "" or an error message.
-std::string parseTarget(std::string_view target, Target* t) {
+std::string parseTarget(std::string_view target, RequestTarget* t) {
   const size_t q = target.find('?');
   if (!percentDecode(target.substr(0, q), &t->path)) return "malformed percent-escape in the path";
   if (q == std::string_view::npos) return "";
@@ -248,14 +249,14 @@ bool ControlApi::tokenOk(const Request& req) const {
 }
 
 void ControlApi::countRefused(std::string_view target, unsigned status) {
-  Target t;
+  RequestTarget t;
   parseTarget(target, &t);
   metrics_.httpRequests(routeTemplate(t.path), status).Increment();
 }
 
 void ControlApi::handle(Request&& request, const RequestInfo& info, Reply reply) {
-  Target t;
-  parseTarget(request.target(), &t);
+  RequestTarget t;
+  t.error = parseTarget(request.target(), &t);
   const std::string route = routeTemplate(t.path);
   // Count every reply by route template and status.
   Reply counted = [this, route, reply = std::move(reply)](Response r) {
@@ -265,7 +266,7 @@ void ControlApi::handle(Request&& request, const RequestInfo& info, Reply reply)
   bool replied = false;
   Response r;
   try {
-    r = this->route(request, info, counted, replied);
+    r = this->route(request, t, info, counted, replied);
   } catch (const std::exception& e) {  // a bug, never the client's fault: keep serving
     spdlog::error("request {} {} failed: {}", std::string(request.method_string()),
                   std::string(request.target().substr(0, 200)), e.what());
@@ -274,9 +275,9 @@ void ControlApi::handle(Request&& request, const RequestInfo& info, Reply reply)
   if (!replied) counted(std::move(r));
 }
 
-Response ControlApi::route(Request& req, const RequestInfo& info, Reply& reply, bool& replied) {
-  Target t;
-  if (std::string e = parseTarget(req.target(), &t); !e.empty()) return badRequest(e);
+Response ControlApi::route(Request& req, const RequestTarget& t, const RequestInfo& info,
+                           Reply& reply, bool& replied) {
+  if (!t.error.empty()) return badRequest(t.error);
   const auto method = req.method();
   auto methodNotAllowed = [](const char* allow) {
     Response r = errorResponse(status::method_not_allowed, "method_not_allowed",
@@ -334,7 +335,7 @@ Response ControlApi::route(Request& req, const RequestInfo& info, Reply& reply, 
     }
     const auto type = req[http::field::content_type];
     if (type.rfind("application/json", 0) == 0) return emitShm(req, reply, replied);
-    return emitRaw(req, reply, replied);
+    return emitRaw(req, t, reply, replied);
   }
   if (t.path == "/v1/buffers") {
     if (method != http::verb::post) return methodNotAllowed("POST");
@@ -355,9 +356,7 @@ Response ControlApi::route(Request& req, const RequestInfo& info, Reply& reply, 
   return errorResponse(status::not_found, "not_found", "no route " + quoted(t.path));
 }
 
-Response ControlApi::emitRaw(Request& req, Reply& reply, bool& replied) {
-  Target t;
-  parseTarget(req.target(), &t);
+Response ControlApi::emitRaw(Request& req, const RequestTarget& t, Reply& reply, bool& replied) {
   for (const auto& [k, v] : t.query) {
     if (k != "name" && k != "step" && k != "dtype" && k != "shape" && k != "trainer") {
       return badRequest("unknown query parameter " + quoted(k) +
@@ -644,7 +643,7 @@ Response ControlApi::status() {
   json::object o;
   o["version"] = LIGHTWIRE_VERSION;
   o["uptime_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  json::object cfg = toJson(config_);
+  json::object cfg;
   {
     std::lock_guard lock(mu_);
     ServeConfig current = config_;

@@ -26,6 +26,8 @@ struct BoundListeners {
   std::optional<uint16_t> control_tcp_port, admin_port;
 };
 
+struct RequestTarget;  // a request's path and query parameters, parsed once (control_api.cc)
+
 /// Serves the control and admin routes. Thread-safe.
 class ControlApi {
  public:
@@ -44,8 +46,9 @@ class ControlApi {
   void setPeers(std::function<std::vector<bool>()> peers_up);
 
  private:
-  Response route(Request& req, const RequestInfo& info, Reply& reply, bool& replied);
-  Response emitRaw(Request& req, Reply& reply, bool& replied);
+  Response route(Request& req, const RequestTarget& t, const RequestInfo& info, Reply& reply,
+                 bool& replied);
+  Response emitRaw(Request& req, const RequestTarget& t, Reply& reply, bool& replied);
   Response emitShm(Request& req, Reply& reply, bool& replied);
   Response registerBuffer(const Request& req);
   Response releaseBuffer(const std::string& id);
