@@ -471,6 +471,61 @@ std::vector<KeyImpl> makeKeyTable() {
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.peer.checksum_every; }, 0,
                         std::numeric_limits<uint64_t>::max()),
       [](const C& c) { return json::value(c.peer.checksum_every); });
+  auto oneOf = [](std::initializer_list<std::string_view> allowed, std::string C::Peer::*field) {
+    std::vector<std::string_view> names(allowed);
+    return [names, field](C& c, std::string_view s) -> std::string {
+      for (auto n : names) {
+        if (s == n) {
+          c.peer.*field = std::string(s);
+          return "";
+        }
+      }
+      std::string list;
+      for (auto n : names) list += (list.empty() ? "" : ", ") + std::string(n);
+      return "must be one of " + list;
+    };
+  };
+  add("peer.transport", "--transport", "tcp | ucx", "tcp",
+      "How the sidecars reach each other: TCP (Boost.Asio) or UCX (RDMA where the hardware has "
+      "it, else TCP or shared memory; UCX_TLS selects)",
+      oneOf({"tcp", "ucx"}, &C::Peer::transport),
+      [](const C& c) { return json::value(c.peer.transport); });
+  add("peer.topology", "--topology", "ring | ps", "ring",
+      "ring: allreduce/allgather among the sidecars; ps: every sidecar pushes to the "
+      "parameter-server sidecar (peer.ps_rank), which sums, re-compresses and broadcasts",
+      oneOf({"ring", "ps"}, &C::Peer::topology),
+      [](const C& c) { return json::value(c.peer.topology); });
+  add("peer.ps_rank", "--ps-rank", "integer 0..65535", "0",
+      "The rank of the parameter-server sidecar (topology ps)",
+      unsignedSetter<C>([](C& c) -> uint32_t& { return c.peer.ps_rank; }, 0, 65535),
+      [](const C& c) { return json::value(c.peer.ps_rank); });
+  add("peer.synchrony", "--synchrony", "sync | bounded-staleness", "sync",
+      "sync: every step waits for every sidecar; bounded-staleness (topology ps): the server "
+      "closes a step without sidecars at most peer.staleness steps behind",
+      oneOf({"sync", "bounded-staleness"}, &C::Peer::synchrony),
+      [](const C& c) { return json::value(c.peer.synchrony); });
+  add("peer.staleness", "--staleness", "integer 1..1000", "2",
+      "bounded-staleness: how many steps a sidecar may run ahead of the slowest",
+      unsignedSetter<C>([](C& c) -> uint32_t& { return c.peer.staleness; }, 1, 1000),
+      [](const C& c) { return json::value(c.peer.staleness); });
+  add(
+      "peer.straggler_wait_s", "--straggler-wait", "seconds > 0", "0.02",
+      "bounded-staleness: how long the server waits for missing contributions once the others "
+      "are in",
+      [](C& c, std::string_view s) { return setSeconds(s, c.peer.straggler_wait_s); },
+      [](const C& c) { return json::value(c.peer.straggler_wait_s); });
+  add(
+      "peer.rendezvous", "--rendezvous", "host:port", "",
+      "Rank 0's peer address: the sidecars learn each other's addresses there instead of "
+      "peer.peers (\"\" = use peer.peers)",
+      [](C& c, std::string_view s) { return setListen(s, c.peer.rendezvous); },
+      [](const C& c) { return listenJson(c.peer.rendezvous); });
+  add(
+      "peer.advertise", "--advertise", "host:port", "",
+      "This sidecar's peer address as the others reach it, told to the rendezvous (\"\" = the "
+      "listener's port on the address rank 0 sees the connection come from)",
+      [](C& c, std::string_view s) { return setListen(s, c.peer.advertise); },
+      [](const C& c) { return listenJson(c.peer.advertise); });
   add("compression.chunk_elements", "--chunk-elements", "integer >= 1", "1048576",
       "Elements per chunk (rounded up to the codec's alignment)",
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.compression.chunk_elements; }, 1,
@@ -951,13 +1006,24 @@ Status checkMembership(const ServeConfig& c) {
                            std::to_string(p.world_size));
   }
   if (p.world_size == 1) return Status::ok();
+  if (p.topology == "ps" && p.ps_rank >= p.world_size) {
+    return invalidArgument("peer.ps_rank " + std::to_string(p.ps_rank) +
+                           " is not below world_size " + std::to_string(p.world_size));
+  }
+  if (p.synchrony == "bounded-staleness" && p.topology != "ps") {
+    return invalidArgument("peer.synchrony bounded-staleness needs peer.topology ps");
+  }
+  if (p.rendezvous && !p.peers.empty()) {
+    return invalidArgument("give peer.peers or peer.rendezvous, not both");
+  }
+  if (p.secret.empty()) {
+    return invalidArgument("peer.secret must be set when world_size > 1 (LIGHTWIRE_PEER__SECRET)");
+  }
+  if (p.rendezvous) return Status::ok();
   if (p.peers.size() != p.world_size) {
     return invalidArgument("peer.peers must list " + std::to_string(p.world_size) +
                            " addresses (one per rank, this sidecar's included), got " +
                            std::to_string(p.peers.size()));
-  }
-  if (p.secret.empty()) {
-    return invalidArgument("peer.secret must be set when world_size > 1 (LIGHTWIRE_PEER__SECRET)");
   }
   return Status::ok();
 }

@@ -89,6 +89,14 @@ struct ServeConfig {
     std::string secret;              // job secret (HMAC key); required when world_size > 1
     double timeout_s = 30;           // deadline of one exchange
     uint64_t checksum_every = 100;   // compare result checksums every N steps (0 = never)
+    std::string transport = "tcp";   // tcp | ucx
+    std::string topology = "ring";   // ring | ps
+    uint32_t ps_rank = 0;            // the parameter-server sidecar (topology ps)
+    std::string synchrony = "sync";  // sync | bounded-staleness (topology ps only)
+    uint32_t staleness = 2;          // bounded-staleness: a sidecar runs at most S steps ahead
+    double straggler_wait_s = 0.02;  // bounded-staleness: the server's wait for late contributions
+    std::optional<ListenAddress> rendezvous;  // rank 0's peer address; instead of `peers`
+    std::optional<ListenAddress> advertise;   // this rank's address for the rendezvous
   } peer;
 };
 

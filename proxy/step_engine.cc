@@ -23,6 +23,15 @@ using Clock = std::chrono::steady_clock;
 using kernels::DType;
 
 constexpr size_t kGrain = size_t{1} << 16;
+
+/// The `none` codec: decodes the plain fp32 sums of a dense exchange.
+const kernels::Codec& denseCodec() {
+  static const std::unique_ptr<kernels::Codec> codec = [] {
+    auto c = kernels::createCodec(kernels::CodecConfig{});
+    return std::move(*c);
+  }();
+  return *codec;
+}
 // Steps of at most this many elements run on the thread that completes them (see submit()).
 constexpr uint64_t kInlineMaxElements = uint64_t{1} << 16;
 
@@ -493,6 +502,8 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   std::vector<std::vector<std::span<const uint8_t>>> reduced;  // per chunk: payloads to decode
   std::vector<std::span<const uint8_t>> round_payloads;        // multi-round: reduced per round
   double exchange_us = 0.0, compress_us = 0.0;
+  uint32_t contributors = exchange_.worldSize();
+  bool dense_result = false;
   for (int r = 0; r < rounds; ++r) {
     const auto tc = Clock::now();
     auto& bufs = t.payloads[static_cast<size_t>(r)];
@@ -515,6 +526,11 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     auto got = exchange_.run(er);
     if (!got) return fail(502, "exchange_failed", got.status().message());
     exchange_us += microsSince(te);
+    if (er.contributors > 0) contributors = er.contributors;
+    if (er.dense && rounds > 1) {
+      return fail(500, "internal", "a multi-round codec's exchange returned dense payloads");
+    }
+    dense_result = er.dense;
     if (rounds > 1) {
       if (got->size() != 1 || (*got)[0].size() != 1) {
         return fail(500, "internal", "multi-round codec exchange returned more than one payload");
@@ -530,7 +546,9 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   // Decompress and average over every trainer of every sidecar; chunks in parallel (each owns its
   // range of the result), each checked for non-finite values as soon as it is decoded.
   const auto t2 = Clock::now();
-  const float weight = 1.0f / static_cast<float>(exchange_.worldSize() * trainers);
+  const float weight = 1.0f / static_cast<float>(contributors * trainers);
+  // A sparse allgather the exchange switched to a dense allreduce returns plain fp32 sums.
+  const kernels::Codec& decoder = dense_result ? denseCodec() : codec;
   // One fp32 trainer whose step has one round: decode straight into its buffer (its values were
   // read by the encoder already), which saves a pass over the result.
   const bool in_place = trainers == 1 && p.dtype == DType::kF32 && rounds == 1;
@@ -569,7 +587,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
         const size_t begin = chunking.begin(c), len = chunking.size(c);
         std::fill_n(result + begin, len, 0.0f);
         for (const auto& payload : reduced[c]) {
-          auto st = codec.decodeChunk(payload, weight, result + begin, len);
+          auto st = decoder.decodeChunk(payload, weight, result + begin, len);
           if (!st.isOk()) {
             errors[c] = "chunk " + std::to_string(c) + ": " + st.message();
             break;

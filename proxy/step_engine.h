@@ -70,6 +70,12 @@ struct ExchangeRound {
   const kernels::Codec& codec;
   const kernels::Chunking& chunking;
   std::span<const std::span<const uint8_t>> payloads;  // this sidecar's payload of every chunk
+  // Set by the exchange: how many sidecars' contributions the returned payloads hold (0 = all of
+  // worldSize(); fewer under bounded staleness, where the result is their mean).
+  uint32_t contributors = 0;
+  // Set by the exchange: the returned payloads are plain fp32 arrays (codec `none`), not the
+  // codec's payloads (a sparse allgather switched to a dense allreduce because it was smaller).
+  bool dense = false;
 };
 
 /// The seam to the other sidecars. For each chunk it returns the payloads to decode: the reduced

@@ -130,6 +130,14 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"peer.secret", {"s-file", "s-env", "s-flag"}},
       {"peer.timeout_s", {"1.5", "2.5", "3.5"}},
       {"peer.checksum_every", {"0", "10", "1000"}},
+      {"peer.transport", {"ucx", "tcp", "ucx"}},
+      {"peer.topology", {"ps", "ring", "ps"}},
+      {"peer.ps_rank", {"1", "2", "3"}},
+      {"peer.synchrony", {"bounded-staleness", "sync", "bounded-staleness"}},
+      {"peer.staleness", {"1", "4", "9"}},
+      {"peer.straggler_wait_s", {"0.5", "0.25", "0.125"}},
+      {"peer.rendezvous", {"a:1", "b:2", "c:3"}},
+      {"peer.advertise", {"a:4", "b:5", "[::1]:6"}},
       {"compression.default.codec", {"fp16", "signsgd", "terngrad"}},
       {"compression.default.density", {"0.1", "0.2", "0.3"}},
       {"compression.default.ratio", {"2", "3", "4"}},
@@ -614,6 +622,38 @@ TEST_CASE("config: membership keys agree with each other; the job secret is neve
   CHECK(contains(few_peers.message(), "peer.peers must list 3 addresses"));
   const auto no_secret = checkMembership(build({{"world_size", "2"}, {"peer.peers", "a:1,b:2"}}));
   CHECK(contains(no_secret.message(), "peer.secret must be set"));
+  const auto ps_rank = checkMembership(build({{"world_size", "2"},
+                                              {"peer.peers", "a:1,b:2"},
+                                              {"peer.secret", "x"},
+                                              {"peer.topology", "ps"},
+                                              {"peer.ps_rank", "2"}}));
+  CHECK(contains(ps_rank.message(), "peer.ps_rank 2 is not below world_size 2"));
+  const auto stale_ring = checkMembership(build({{"world_size", "2"},
+                                                 {"peer.peers", "a:1,b:2"},
+                                                 {"peer.secret", "x"},
+                                                 {"peer.synchrony", "bounded-staleness"}}));
+  CHECK(contains(stale_ring.message(), "needs peer.topology ps"));
+  const auto both = checkMembership(build({{"world_size", "2"},
+                                           {"peer.peers", "a:1,b:2"},
+                                           {"peer.secret", "x"},
+                                           {"peer.rendezvous", "a:1"}}));
+  CHECK(contains(both.message(), "not both"));
+  const ServeConfig rdv = build({{"rank", "3"},
+                                 {"world_size", "4"},
+                                 {"peer.secret", "x"},
+                                 {"peer.rendezvous", "10.0.0.1:4781"},
+                                 {"peer.transport", "ucx"},
+                                 {"peer.topology", "ps"},
+                                 {"peer.synchrony", "bounded-staleness"},
+                                 {"peer.staleness", "3"}});
+  CHECK(checkMembership(rdv).isOk());
+  CHECK(rdv.peer.rendezvous->toString() == "10.0.0.1:4781");
+  CHECK(rdv.peer.transport == "ucx");
+  CHECK(rdv.peer.staleness == 3);
+  auto bad_transport =
+      buildServeConfig(std::nullopt, {}, flagsOf({{"peer.transport", "carrier-pigeon"}}), nullptr);
+  REQUIRE_FALSE(bad_transport.isOk());
+  CHECK(contains(bad_transport.status().message(), "must be one of tcp, ucx"));
   const ServeConfig ok = build({{"rank", "1"},
                                 {"world_size", "2"},
                                 {"peer.peers", "127.0.0.1:5001,127.0.0.1:5002"},
