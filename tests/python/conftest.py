@@ -222,7 +222,7 @@ class PeerSidecar(Sidecar):
              "--peer-listen", "127.0.0.1:%d" % c.ports[self.rank],
              "--peer-timeout", str(c.peer_timeout), "--job-id", self.job_id,
              "--chunk-elements", str(c.chunk_elements), "--threads", "1", "--log-level", "info"]
-        return a + list(c.codec_args) + list(self.extra)
+        return a + list(c.codec_args) + list(c.extra) + list(self.extra)
 
     def launch(self):
         """Starts the process (no waiting); readiness is checked by the cluster."""
@@ -264,8 +264,9 @@ class Cluster(object):
     secret (env LIGHTWIRE_PEER__SECRET), a Unix socket each, admin listener on 127.0.0.1:0."""
 
     def __init__(self, tmp_path_factory, world_size, codec="none", codec_args=(), local_trainers=1,
-                 chunk_elements=1024, peer_timeout=3, job_id="lw-test-job"):
+                 chunk_elements=1024, peer_timeout=3, job_id="lw-test-job", extra=()):
         self.world_size = world_size
+        self.extra = list(extra)  # more `serve` flags for every rank (e.g. --topology ps)
         self.codec = codec
         self.codec_args = list(codec_args)
         self.local_trainers = local_trainers
