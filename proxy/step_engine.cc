@@ -14,6 +14,7 @@
 #include "kernels/registry.h"
 #include "kernels/simd/kernels.h"
 
+#include <xxh_x86dispatch.h>
 #include <xxhash.h>
 
 namespace lightwire::proxy {
@@ -603,7 +604,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   // Silent-divergence guard: every checksum_every steps the ranks compare their results.
   if (exchange_.worldSize() > 1 && options_.checksum_every > 0 &&
       step % options_.checksum_every == 0) {
-    const uint64_t checksum = XXH3_64bits(result, n * sizeof(float));
+    const uint64_t checksum = XXH3_64bits_dispatch(result, n * sizeof(float));
     auto differ = exchange_.compareResults(t.name, step, checksum);
     if (!differ)
       return fail(502, "exchange_failed", "comparing results: " + differ.status().message());

@@ -93,15 +93,38 @@ void RingExchange::abort(const std::string& tensor, uint64_t step, const std::st
 
 void RingExchange::stepDone(const std::string& tensor, uint64_t step) {
   transport_.discard(tensorKey(tensor), step);
+  for (auto& b : held_) transport_.recycle(std::move(b));
   held_.clear();
+  for (auto& b : sums_) spare_sums_.push_back(std::move(b));
+  sums_.clear();
 }
 
 Result<Spans> RingExchange::run(ExchangeRound& r) {
   const uint64_t tensor = tensorKey(r.tensor);
   const auto& traits = r.codec.traits();
+  deadline_ = Clock::now() + timeout_;
   auto out = (traits.summable || traits.rounds > 1) ? allreduce(r, tensor) : allgather(r, tensor);
+  // Frames were post()ed: they reference this step's payloads until flushed, success or not.
+  const Status flushed = transport_.flush(deadline_);
   if (!out) return fail(tensor, r.step, out.status());
+  if (!flushed.isOk()) return fail(tensor, r.step, flushed);
   return out;
+}
+
+std::span<const uint8_t> RingExchange::keep(std::vector<uint8_t> received) {
+  held_.push_back(std::move(received));
+  return held_.back();
+}
+
+std::vector<uint8_t>& RingExchange::sumBuffer(size_t bytes) {
+  std::vector<uint8_t> b;
+  if (!spare_sums_.empty()) {
+    b = std::move(spare_sums_.back());
+    spare_sums_.pop_back();
+  }
+  b.resize(bytes);  // zero-fills only growth beyond the buffer's last size
+  sums_.push_back(std::move(b));
+  return sums_.back();
 }
 
 /// This rank's place in the ring for one exchange, and that exchange's deadline and codec.
@@ -119,7 +142,7 @@ RingExchange::Ring RingExchange::ringFor(const ExchangeRound& r) const {
           (me + 1) % w,
           (me + w - 1) % w,
           r.payloads.size(),
-          Clock::now() + timeout_,
+          deadline_,
           static_cast<uint8_t>(r.codec.traits().id)};
 }
 
@@ -129,7 +152,7 @@ Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
   auto position = [&](size_t c) { return (me + w - (static_cast<uint32_t>(c % w) + 1) % w) % w; };
   Spans out(chunks);
   auto send = [&](uint8_t phase, size_t c, std::span<const uint8_t> payload) {
-    return transport_.send(
+    return transport_.post(
         next, FrameType::kData,
         keyOf(tensor, r, phase, static_cast<uint32_t>(c), static_cast<uint32_t>(c % w)), codec,
         payload, deadline);
@@ -139,24 +162,32 @@ Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
     if (position(c) == 0) LW_RETURN_IF_ERROR(send(kPhaseReduce, c, r.payloads[c]));
   }
   // Reduce-scatter: add our payload to the partial sum from prev; forward it, or keep it (owner).
+  // Chunks are taken in the order of this rank's position in their chains (the ring schedule):
+  // position p needs what prev did at position p-1, so every rank works at once; in chunk order,
+  // every rank would wait on the same chunk's chain and the ranks would take turns.
   std::vector<std::span<const uint8_t>> sums(chunks);
-  for (size_t c = 0; c < chunks; ++c) {
+  std::vector<size_t> order;
+  order.reserve(chunks);
+  for (uint32_t p = 1; p < w; ++p) {
+    for (size_t c = 0; c < chunks; ++c) {
+      if (position(c) == p) order.push_back(c);
+    }
+  }
+  for (const size_t c : order) {
     const uint32_t pos = position(c);
-    if (pos == 0) continue;
     auto got = transport_.receive(
         prev,
         keyOf(tensor, r, kPhaseReduce, static_cast<uint32_t>(c), static_cast<uint32_t>(c % w)),
         deadline);
     if (!got) return got.status();
-    std::vector<uint8_t> sum(r.codec.maxPayloadBytes(r.chunking.size(c)));
+    std::vector<uint8_t>& sum = sumBuffer(r.codec.maxPayloadBytes(r.chunking.size(c)));
     auto size = r.codec.addPayloads(got->payload, r.payloads[c], sum);
+    transport_.recycle(std::move(got->payload));
     if (!size) {
       return dataLoss("chunk " + std::to_string(c) + " from rank " + std::to_string(prev) +
                       " does not add up: " + size.status().message());
     }
-    sum.resize(*size);
-    held_.push_back(std::move(sum));
-    sums[c] = held_.back();
+    sums[c] = std::span<const uint8_t>(sum.data(), *size);
     if (pos + 1 < w) {
       LW_RETURN_IF_ERROR(send(kPhaseReduce, c, sums[c]));
     } else {  // this rank owns chunk c: the sum is complete
@@ -168,16 +199,21 @@ Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
     for (size_t c = 0; c < chunks; ++c) out[c].push_back(r.payloads[c]);
     return out;
   }
-  // Allgather: the owners' sums travel on around the ring.
-  for (size_t c = 0; c < chunks; ++c) {
+  // Allgather: the owners' sums travel on around the ring, nearest owners first (same reason).
+  order.clear();
+  for (uint32_t d = 1; d < w; ++d) {
+    for (size_t c = 0; c < chunks; ++c) {
+      if ((me + w - static_cast<uint32_t>(c % w)) % w == d) order.push_back(c);
+    }
+  }
+  for (const size_t c : order) {
     const uint32_t owner = static_cast<uint32_t>(c % w);
-    if (owner == me) continue;
     auto got = transport_.receive(
         prev, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), owner), deadline);
     if (!got) return got.status();
-    held_.push_back(std::move(got->payload));
-    out[c].push_back(held_.back());
-    if (next != owner) LW_RETURN_IF_ERROR(send(kPhaseGather, c, held_.back()));
+    const auto sum = keep(std::move(got->payload));
+    out[c].push_back(sum);
+    if (next != owner) LW_RETURN_IF_ERROR(send(kPhaseGather, c, sum));
   }
   return out;
 }
@@ -190,7 +226,7 @@ Result<Spans> RingExchange::allgather(ExchangeRound& r, uint64_t tensor) {
   for (size_t c = 0; c < chunks; ++c) {
     by_origin[c][me] = r.payloads[c];
     if (w > 1) {
-      LW_RETURN_IF_ERROR(transport_.send(
+      LW_RETURN_IF_ERROR(transport_.post(
           next, FrameType::kData, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), me),
           codec, r.payloads[c], deadline));
     }
@@ -202,13 +238,12 @@ Result<Spans> RingExchange::allgather(ExchangeRound& r, uint64_t tensor) {
       auto got = transport_.receive(
           prev, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), origin), deadline);
       if (!got) return got.status();
-      held_.push_back(std::move(got->payload));
-      by_origin[c][origin] = held_.back();
+      by_origin[c][origin] = keep(std::move(got->payload));
       if (h + 1 < w) {
         LW_RETURN_IF_ERROR(
-            transport_.send(next, FrameType::kData,
+            transport_.post(next, FrameType::kData,
                             keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), origin), codec,
-                            held_.back(), deadline));
+                            by_origin[c][origin], deadline));
       }
     }
   }

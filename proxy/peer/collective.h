@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -46,10 +47,19 @@ class RingExchange final : public Exchange {
   struct Ring;
   Ring ringFor(const ExchangeRound& r) const;
 
+  /// Keeps a received payload until the step ends; returns a view of it.
+  std::span<const uint8_t> keep(std::vector<uint8_t> received);
+  /// A buffer of `bytes` for a partial sum, kept until the step ends (reused across steps).
+  std::vector<uint8_t>& sumBuffer(size_t bytes);
+
   Transport& transport_;
   std::chrono::milliseconds timeout_;
-  // Payload bytes received or computed for the step in progress (spans returned point here).
+  std::chrono::steady_clock::time_point deadline_;  // of the exchange in progress
+  // Payload bytes received or computed for the step in progress (spans returned point here);
+  // given back (to the transport, or spare_sums_) when the step ends.
   std::vector<std::vector<uint8_t>> held_;
+  std::deque<std::vector<uint8_t>> sums_;  // deque: references stay valid as it grows
+  std::vector<std::vector<uint8_t>> spare_sums_;
 };
 
 /// XXH3-64 of a tensor name: the `tensor` field of frames.

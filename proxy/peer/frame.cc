@@ -4,6 +4,7 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
+#include <xxh_x86dispatch.h>
 #include <xxhash.h>
 
 #include <cstring>
@@ -69,7 +70,9 @@ Status bad(std::string_view peer, std::string what) {
 uint64_t jobHash(std::string_view job_id) { return XXH3_64bits(job_id.data(), job_id.size()); }
 
 uint64_t payloadChecksum(std::span<const uint8_t> payload) {
-  return XXH3_64bits(payload.data(), payload.size());
+  // The dispatching variant picks AVX2/AVX-512 at run time (the plain one is built for SSE2):
+  // the same hash, 1.5-2.5x faster on large payloads.
+  return XXH3_64bits_dispatch(payload.data(), payload.size());
 }
 
 FrameHeader makeHeader(FrameType type, const FrameKey& key, uint8_t codec, uint64_t job_hash,

@@ -3,6 +3,8 @@
 #include <spdlog/fmt/fmt.h>
 #include <spdlog/spdlog.h>
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/connect.hpp>
@@ -46,14 +48,20 @@ using boost::system::error_code;
 
 constexpr uint32_t kNoPeer = UINT32_MAX;
 constexpr size_t kReadChunk = size_t{8} << 20;  // payload read piece (liveness is per piece)
+// SO_RCVLOWAT while reading a payload: wake the reader when this much has arrived.
+constexpr size_t kLowWater = size_t{256} << 10;
+// Recycled payload buffers kept for reuse (recycle()), at most this many and this many bytes.
+constexpr size_t kPoolBuffers = 256;
+constexpr uint64_t kPoolBytes = uint64_t{512} << 20;
 
 /// One frame waiting in a connection's write queue, and the outcome the sender waits for.
 struct WriteOp {
   std::array<uint8_t, kHeaderBytes> header{};
   std::vector<uint8_t> owned;        // internal frames own their payload ...
   std::span<const uint8_t> payload;  // ... send() lends it until done
-  bool done = false;                 // guarded by Impl::mu
-  std::string error;                 // guarded by Impl::mu; empty: written
+  uint32_t dst = kNoPeer;
+  bool done = false;  // guarded by Impl::mu
+  std::string error;  // guarded by Impl::mu; empty: written
 };
 
 /// One TCP connection, before and after its handshake. Touched on the I/O thread only.
@@ -69,6 +77,7 @@ struct Conn {
   std::deque<std::shared_ptr<WriteOp>> queue;
   bool writing = false;
   Clock::time_point last_rx = Clock::now();
+  size_t rcvlowat = 1;  // the socket's SO_RCVLOWAT
 };
 
 /// Closes a connection's socket unless disarmed first (connect and handshake deadlines).
@@ -155,6 +164,41 @@ struct TcpTransport::Impl {
   std::condition_variable cv;
   std::vector<PeerSlot> peers;
 
+  /// A frame queued on a connection, and that connection (to cancel it at a deadline).
+  struct Posted {
+    std::shared_ptr<Conn> conn;
+    std::shared_ptr<WriteOp> op;
+  };
+  std::mutex posted_mu;
+  std::vector<Posted> posted;  // post()ed, not yet flushed
+
+  // Buffers of consumed payloads (recycle()), reused for incoming frames. Guarded by pool_mu.
+  std::mutex pool_mu;
+  std::vector<std::vector<uint8_t>> pool;
+  uint64_t pool_bytes = 0;
+
+  Result<Posted> queueFrame(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                            std::span<const uint8_t> payload);
+  Status awaitFrames(std::vector<Posted>& ops, Clock::time_point deadline);
+
+  /// A buffer of `n` bytes for an incoming payload: a recycled one when there is one large
+  /// enough (only growth beyond its last size is zero-filled), else a new one.
+  std::vector<uint8_t> takeBuffer(size_t n) {
+    {
+      std::lock_guard lock(pool_mu);
+      for (size_t i = 0; i < pool.size(); ++i) {
+        if (pool[i].capacity() < n) continue;
+        std::vector<uint8_t> b = std::move(pool[i]);
+        pool[i] = std::move(pool.back());
+        pool.pop_back();
+        pool_bytes -= b.capacity();
+        b.resize(n);
+        return b;
+      }
+    }
+    return std::vector<uint8_t>(n);
+  }
+
   HeaderChecks checks(std::optional<uint32_t> src, uint64_t max) const {
     return HeaderChecks{job_hash, membership.world_size, membership.rank, src, max};
   }
@@ -169,8 +213,10 @@ struct TcpTransport::Impl {
   void setSocketOptions(tcp::socket& s) {
     error_code ignored;
     s.set_option(tcp::no_delay(true), ignored);
-    s.set_option(asio::socket_base::send_buffer_size(options.socket_buffer_bytes), ignored);
-    s.set_option(asio::socket_base::receive_buffer_size(options.socket_buffer_bytes), ignored);
+    if (options.socket_buffer_bytes > 0) {
+      s.set_option(asio::socket_base::send_buffer_size(options.socket_buffer_bytes), ignored);
+      s.set_option(asio::socket_base::receive_buffer_size(options.socket_buffer_bytes), ignored);
+    }
   }
 
   // --- connection state ------------------------------------------------------------------------
@@ -297,13 +343,22 @@ struct TcpTransport::Impl {
     error_code ec;
     size_t off = 0;
     while (off < n && !ec) {
-      const size_t piece = std::min(kReadChunk, n - off);
-      co_await asio::async_read(c.socket, asio::buffer(data + off, piece),
-                                asio::redirect_error(use_awaitable, ec));
-      if (!ec) {
-        off += piece;
+      // Wake up for large pieces only (SO_RCVLOWAT, never above what is still to come, or the
+      // last bytes would never make the socket readable): a reader woken for every 64 KiB that
+      // arrives spends its time in wake-ups on a busy machine.
+      const size_t want = std::min(kLowWater, n - off);
+      if (want != c.rcvlowat) {
+        const int v = static_cast<int>(want);
+        ::setsockopt(c.socket.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v);
+        c.rcvlowat = want;
+      }
+      const size_t got =
+          co_await c.socket.async_read_some(asio::buffer(data + off, std::min(kReadChunk, n - off)),
+                                            asio::redirect_error(use_awaitable, ec));
+      if (got > 0) {
+        off += got;
         c.last_rx = Clock::now();
-        metrics.wire_bytes_received.Increment(static_cast<double>(piece));
+        metrics.wire_bytes_received.Increment(static_cast<double>(got));
       }
     }
     co_return ec;
@@ -475,7 +530,7 @@ struct TcpTransport::Impl {
       }
       const bool kept = type == FrameType::kData || type == FrameType::kAbort;
       if (kept && !reserve(src, h->length, reason)) break;
-      std::vector<uint8_t> payload(h->length);
+      std::vector<uint8_t> payload = takeBuffer(h->length);
       error_code ec = co_await readExact(*c, payload.data(), payload.size());
       Status st = ec ? Status(StatusCode::kUnavailable,
                               c->closed ? "closed" : lostReason(*c, ec, "reading"))
@@ -750,61 +805,117 @@ Status TcpTransport::start(Membership m) {
 uint32_t TcpTransport::rank() const { return impl_->membership.rank; }
 uint32_t TcpTransport::worldSize() const { return impl_->membership.world_size; }
 
-Status TcpTransport::send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-                          std::span<const uint8_t> payload, Clock::time_point deadline) {
-  Impl& s = *impl_;
-  if (!s.started) return failedPrecondition("peer: send before start()");
-  if (dst >= s.membership.world_size || dst == s.membership.rank) {
+Result<TcpTransport::Impl::Posted> TcpTransport::Impl::queueFrame(
+    uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+    std::span<const uint8_t> payload) {
+  if (!started) return failedPrecondition("peer: send before start()");
+  if (dst >= membership.world_size || dst == membership.rank) {
     return invalidArgument(fmt::format("peer: cannot send to rank {} (we are rank {} of {})", dst,
-                                       s.membership.rank, s.membership.world_size));
+                                       membership.rank, membership.world_size));
   }
   if (type != FrameType::kData && type != FrameType::kAbort) {
     return invalidArgument(
         fmt::format("peer: send() carries DATA and ABORT frames, not {}", frameTypeName(type)));
   }
-  if (payload.size() > s.options.max_frame_bytes) {
+  if (payload.size() > options.max_frame_bytes) {
     return outOfRange(fmt::format("peer: frame of {} bytes for rank {} exceeds the limit of {}",
-                                  payload.size(), dst, s.options.max_frame_bytes));
+                                  payload.size(), dst, options.max_frame_bytes));
   }
   auto op = std::make_shared<WriteOp>();
-  op->header = encodeHeader(makeHeader(type, key, codec, s.job_hash, s.membership.rank, payload));
+  op->header = encodeHeader(makeHeader(type, key, codec, job_hash, membership.rank, payload));
   op->payload = payload;
+  op->dst = dst;
   std::shared_ptr<Conn> conn;
   {
-    std::lock_guard lock(s.mu);
-    conn = s.peers[dst].conn;
+    std::lock_guard lock(mu);
+    conn = peers[dst].conn;
     if (!conn) {
-      const auto& why = s.peers[dst].last_error;
+      const auto& why = peers[dst].last_error;
       return Status(StatusCode::kUnavailable, fmt::format("peer: rank {} is not connected{}{}", dst,
                                                           why.empty() ? "" : ": ", why));
     }
   }
-  asio::post(*s.io, [&s, conn, op] { s.enqueue(conn, op); });
-  std::unique_lock lock(s.mu);
-  if (s.cv.wait_until(lock, deadline, [&] { return op->done; })) {
-    if (op->error.empty()) return Status::ok();
-    return Status(StatusCode::kUnavailable, "peer: " + op->error);
-  }
-  // The payload is lent: the frame must be out of the queue (or the connection closed, since a
-  // frame cannot be abandoned half-written) before returning.
-  lock.unlock();
-  asio::post(*s.io, [&s, conn, op] {
-    if (op->done) return;
-    auto& q = conn->queue;
-    const bool in_flight = conn->writing && !q.empty() && q.front() == op;
-    if (in_flight) {
-      s.closeConn(conn,
-                  fmt::format("a send to rank {} did not finish before its deadline", conn->peer));
-    } else {
-      q.erase(std::remove(q.begin(), q.end(), op), q.end());
-      s.complete(op, "deadline passed");
-    }
+  asio::post(*io, [this, conn, op] { enqueue(conn, op); });
+  return Posted{conn, op};
+}
+
+Status TcpTransport::Impl::awaitFrames(std::vector<Posted>& ops, Clock::time_point deadline) {
+  std::unique_lock lock(mu);
+  const bool all_done = cv.wait_until(lock, deadline, [&] {
+    return std::all_of(ops.begin(), ops.end(), [](const Posted& p) { return p.op->done; });
   });
-  lock.lock();
-  s.cv.wait(lock, [&] { return op->done; });
-  return Status(StatusCode::kUnavailable,
-                fmt::format("peer: send of {} bytes to rank {} did not finish before its deadline",
-                            payload.size(), dst));
+  if (!all_done) {
+    // Payloads are lent: every frame must be out of its queue (or its connection closed, since a
+    // frame cannot be abandoned half-written) before returning.
+    lock.unlock();
+    asio::post(*io, [this, ops] {
+      for (const auto& [conn, op] : ops) {
+        if (op->done) continue;
+        auto& q = conn->queue;
+        const bool in_flight = conn->writing && !q.empty() && q.front() == op;
+        if (in_flight) {
+          closeConn(conn, fmt::format("a send to rank {} did not finish before its deadline",
+                                      conn->peer));
+        } else {
+          q.erase(std::remove(q.begin(), q.end(), op), q.end());
+          complete(op, "deadline passed");
+        }
+      }
+    });
+    lock.lock();
+    cv.wait(lock, [&] {
+      return std::all_of(ops.begin(), ops.end(), [](const Posted& p) { return p.op->done; });
+    });
+  }
+  Status first = Status::ok();
+  for (const auto& [conn, op] : ops) {
+    if (op->error.empty()) continue;
+    first = op->error == "deadline passed"
+                ? Status(StatusCode::kUnavailable,
+                         fmt::format("peer: send of {} bytes to rank {} did not finish before "
+                                     "its deadline",
+                                     op->payload.size(), op->dst))
+                : Status(StatusCode::kUnavailable, "peer: " + op->error);
+    break;
+  }
+  ops.clear();
+  return first;
+}
+
+Status TcpTransport::send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                          std::span<const uint8_t> payload, Clock::time_point deadline) {
+  auto posted = impl_->queueFrame(dst, type, key, codec, payload);
+  if (!posted) return posted.status();
+  std::vector<Impl::Posted> one{std::move(*posted)};
+  return impl_->awaitFrames(one, deadline);
+}
+
+Status TcpTransport::post(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                          std::span<const uint8_t> payload, Clock::time_point /*deadline*/) {
+  auto posted = impl_->queueFrame(dst, type, key, codec, payload);
+  if (!posted) return posted.status();
+  std::lock_guard lock(impl_->posted_mu);
+  impl_->posted.push_back(std::move(*posted));
+  return Status::ok();
+}
+
+Status TcpTransport::flush(Clock::time_point deadline) {
+  std::vector<Impl::Posted> ops;
+  {
+    std::lock_guard lock(impl_->posted_mu);
+    ops.swap(impl_->posted);
+  }
+  if (ops.empty()) return Status::ok();
+  return impl_->awaitFrames(ops, deadline);
+}
+
+void TcpTransport::recycle(std::vector<uint8_t> buffer) {
+  Impl& s = *impl_;
+  if (buffer.capacity() == 0) return;
+  std::lock_guard lock(s.pool_mu);
+  if (s.pool_bytes + buffer.capacity() > kPoolBytes || s.pool.size() >= kPoolBuffers) return;
+  s.pool_bytes += buffer.capacity();
+  s.pool.push_back(std::move(buffer));
 }
 
 Result<Frame> TcpTransport::receive(uint32_t src, const FrameKey& key, Clock::time_point deadline) {

@@ -30,7 +30,7 @@ struct TcpOptions {
   // Received frames not yet asked for, per peer; beyond either bound the connection is closed.
   uint64_t max_kept_bytes_per_peer = uint64_t{4} << 30;
   uint64_t max_kept_frames_per_peer = 65536;
-  int socket_buffer_bytes = 4 << 20;  // SO_SNDBUF / SO_RCVBUF
+  int socket_buffer_bytes = 0;  // SO_SNDBUF / SO_RCVBUF; 0 = the kernel's autotuning
 };
 
 /// Transport over TCP with its own I/O thread. Thread-safe (Transport's methods may be called from
@@ -60,6 +60,11 @@ class TcpTransport final : public Transport {
   Status send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
               std::span<const uint8_t> payload,
               std::chrono::steady_clock::time_point deadline) override;
+  Status post(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+              std::span<const uint8_t> payload,
+              std::chrono::steady_clock::time_point deadline) override;
+  Status flush(std::chrono::steady_clock::time_point deadline) override;
+  void recycle(std::vector<uint8_t> buffer) override;
   Result<Frame> receive(uint32_t src, const FrameKey& key,
                         std::chrono::steady_clock::time_point deadline) override;
   void abortStep(uint64_t tensor, uint64_t step, const std::string& reason) override;

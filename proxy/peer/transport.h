@@ -72,6 +72,24 @@ class Transport {
                       std::span<const uint8_t> payload,
                       std::chrono::steady_clock::time_point deadline) = 0;
 
+  /// Like send(), but returns once the frame is queued, so a collective can go on (receive,
+  /// add) while its frames travel. `payload` is lent until flush() returns and must not change
+  /// before. Errors of posted frames (peer down, deadline passed) are reported by flush(); a frame
+  /// of a lost connection also fails the receives that wait for that peer.
+  virtual Status post(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                      std::span<const uint8_t> payload,
+                      std::chrono::steady_clock::time_point deadline) {
+    return send(dst, type, key, codec, payload, deadline);
+  }
+  /// Waits until every frame post()ed so far is handed to the OS (or failed); returns the first
+  /// error. At the deadline, frames still queued are dropped and a connection with a frame half
+  /// written is closed (as send() does), so no lent payload is referenced after it returns.
+  virtual Status flush(std::chrono::steady_clock::time_point /*deadline*/) { return Status::ok(); }
+
+  /// Gives a received payload's buffer back for reuse by later frames (optional; saves the
+  /// allocation, zero-fill and page faults of a fresh buffer per frame).
+  virtual void recycle(std::vector<uint8_t> /*buffer*/) {}
+
   /// Waits for the frame with `key` from `src` (data), or for an abort of (key.tensor, key.step)
   /// from any rank; frames that arrive for other keys are kept until asked for (or until their
   /// step is discarded). Errors: deadline passed (naming `src`), the peer's connection lost (or
