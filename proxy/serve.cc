@@ -124,6 +124,8 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     m.world_size = config.peer.world_size;
     m.peers = config.peer.peers;
     m.secret = config.peer.secret;
+    if (config.peer.rendezvous) m.rendezvous = config.peer.rendezvous->toString();
+    if (config.peer.advertise) m.advertise = config.peer.advertise->toString();
     if (auto st = transport->start(std::move(m)); !st.isOk()) {
       spdlog::error("peer transport: {}", st.message());
       return kExitFailure;

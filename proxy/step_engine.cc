@@ -492,17 +492,20 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   ctx.shape = p.shape;
   const kernels::ConstTensor tensor{input, n, DType::kF32};
   const kernels::Chunking chunking = kernels::chunkingFor(codec, n, options_.chunk_elements);
+  // The whole-tensor phase (error feedback, momentum, thresholds) is part of compressing.
+  const auto ta = Clock::now();
   t.workspace.resize(codec.workspaceBytes(chunking));
   if (auto s = codec.analyze(ctx, chunking, tensor, t.state, t.workspace); !s.isOk()) {
     return fail(500, "internal", "compressing: " + s.message());
   }
+  const double analyze_us = microsSince(ta);
   const int rounds = codec.traits().rounds;
   const size_t chunks = chunking.count();
   // Payload buffers live with the tensor: allocated (and faulted in) once, not every step.
   t.payloads.resize(static_cast<size_t>(rounds));
   std::vector<std::vector<std::span<const uint8_t>>> reduced;  // per chunk: payloads to decode
   std::vector<std::span<const uint8_t>> round_payloads;        // multi-round: reduced per round
-  double exchange_us = 0.0, compress_us = 0.0;
+  double exchange_us = 0.0, compress_us = analyze_us;
   uint32_t contributors = exchange_.worldSize();
   bool dense_result = false;
   for (int r = 0; r < rounds; ++r) {

@@ -126,7 +126,7 @@ Result<FrameHeader> decodeHeader(std::span<const uint8_t> bytes, const HeaderChe
   }
   const uint8_t type = p[kOffType];
   if (type < static_cast<uint8_t>(FrameType::kHello) ||
-      type > static_cast<uint8_t>(FrameType::kPong)) {
+      type > static_cast<uint8_t>(FrameType::kPeers)) {
     return bad(peer, fmt::format("unknown frame type {}", type));
   }
   h.type = static_cast<FrameType>(type);
@@ -166,6 +166,14 @@ Result<FrameHeader> decodeHeader(std::span<const uint8_t> bytes, const HeaderChe
     return bad(peer, fmt::format("{} frame of {} payload bytes, expected {}", frameTypeName(h.type),
                                  h.length, *fixed));
   }
+  const uint64_t address_limit = h.type == FrameType::kRegister ? kMaxAddressBytes
+                                 : h.type == FrameType::kPeers
+                                     ? uint64_t{checks.world_size} * (kMaxAddressBytes + 1)
+                                     : UINT64_MAX;
+  if (h.length > address_limit) {
+    return bad(peer, fmt::format("{} frame of {} payload bytes exceeds {}", frameTypeName(h.type),
+                                 h.length, address_limit));
+  }
   h.checksum = get<uint64_t>(p + kOffChecksum);
   return h;
 }
@@ -201,6 +209,10 @@ const char* frameTypeName(FrameType type) {
       return "PING";
     case FrameType::kPong:
       return "PONG";
+    case FrameType::kRegister:
+      return "REGISTER";
+    case FrameType::kPeers:
+      return "PEERS";
   }
   return "UNKNOWN";
 }

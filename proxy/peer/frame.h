@@ -28,6 +28,8 @@ inline constexpr size_t kHelloBytes = 8 + kNonceBytes;  // world size, dst rank,
 inline constexpr size_t kChallengeBytes = kNonceBytes + kMacBytes;
 inline constexpr size_t kAuthBytes = kMacBytes;
 inline constexpr size_t kPingBytes = 8;  // sender's clock (ns), echoed
+// Rendezvous frames: one "host:port" (REGISTER), or one per rank, newline-separated (PEERS).
+inline constexpr size_t kMaxAddressBytes = 300;
 
 /// The decoded header of one frame. Plain value.
 struct FrameHeader {

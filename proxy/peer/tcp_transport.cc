@@ -163,6 +163,22 @@ struct TcpTransport::Impl {
   mutable std::mutex mu;
   std::condition_variable cv;
   std::vector<PeerSlot> peers;
+  // Every rank's peer address (index = rank; guarded by mu): membership.peers, or what the
+  // rendezvous taught (rank 0 learns them from REGISTER frames, the others from PEERS).
+  std::vector<std::string> addresses;
+  bool peers_learned = false;  // I/O thread: rank > 0 got PEERS and started its connect loops
+
+  bool rendezvousMode() const { return !membership.rendezvous.empty(); }
+  /// Whether rank a opens the connection between a and b: the lower rank, except that with a
+  /// rendezvous every rank connects to rank 0 (it cannot know their addresses before).
+  bool initiates(uint32_t a, uint32_t b) const {
+    if (rendezvousMode() && (a == 0 || b == 0)) return b == 0;
+    return a < b;
+  }
+  std::string addressOf(uint32_t r) const {
+    std::lock_guard lock(mu);
+    return addresses[r];
+  }
 
   /// A frame queued on a connection, and that connection (to cancel it at a deadline).
   struct Posted {
@@ -451,10 +467,12 @@ struct TcpTransport::Impl {
       co_return failedPrecondition(fmt::format("{} (rank {}) meant to reach rank {}, we are {}",
                                                c->name, client, hello.dst, m.rank));
     }
-    if (client > m.rank) {
+    if (!initiates(client, m.rank)) {
       co_return failedPrecondition(fmt::format(
-          "{} claims rank {}, higher than ours ({}): lower ranks connect to higher ones", c->name,
-          client, m.rank));
+          "{} claims rank {}, which does not connect to us (rank {}): lower ranks connect to "
+          "higher ones{}",
+          c->name, client, m.rank,
+          rendezvousMode() ? ", and with a rendezvous every rank connects to rank 0" : ""));
     }
     {
       std::lock_guard lock(mu);
@@ -573,6 +591,12 @@ struct TcpTransport::Impl {
       case FrameType::kPing:
         sendInternal(c, FrameType::kPong, {}, std::move(payload));
         break;
+      case FrameType::kRegister:
+        onRegister(c, h.src, std::string(payload.begin(), payload.end()));
+        break;
+      case FrameType::kPeers:
+        onPeers(c, h.src, std::string(payload.begin(), payload.end()));
+        break;
       case FrameType::kPong: {
         uint64_t sent = 0;
         for (size_t i = 0; i < kPingBytes; ++i) sent |= uint64_t{payload[i]} << (8 * i);
@@ -605,6 +629,109 @@ struct TcpTransport::Impl {
       const uint64_t now = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
       for (size_t i = 0; i < kPingBytes; ++i) ts[i] = static_cast<uint8_t>(now >> (8 * i));
       sendInternal(c, FrameType::kPing, {}, std::move(ts));
+    }
+  }
+
+  // --- rendezvous (docs/peer-protocol.md) ------------------------------------------------------
+
+  /// Rank > 0, right after authenticating with rank 0: tells it where this rank listens.
+  void sendRegister(const std::shared_ptr<Conn>& c) {
+    std::string mine = membership.advertise;
+    if (mine.empty()) {
+      error_code ec;
+      mine = fmt::format(":{}", acceptor.local_endpoint(ec).port());
+    }
+    sendInternal(c, FrameType::kRegister, {}, std::vector<uint8_t>(mine.begin(), mine.end()));
+  }
+
+  /// A frame that is not for this rank closes the connection (as any malformed frame does).
+  void misplaced(const std::shared_ptr<Conn>& c, const char* what) {
+    closeConn(c, fmt::format("malformed frame from {}: unexpected {} frame", c->name, what));
+  }
+
+  /// Rank 0: rank `src` listens at `text` (":port" = on the address its connection comes from).
+  /// Once every rank is known, every rank gets PEERS; later, a rank that registers again (a
+  /// restarted one) gets them at once, and everyone again if its address changed.
+  void onRegister(const std::shared_ptr<Conn>& c, uint32_t src, const std::string& text) {
+    if (!rendezvousMode() || membership.rank != 0) return misplaced(c, "REGISTER");
+    std::string address = text;
+    if (!address.empty() && address.front() == ':') {
+      error_code ec;
+      const auto remote = c->socket.remote_endpoint(ec);
+      if (ec) return closeConn(c, "rendezvous: remote address unknown: " + ec.message());
+      const auto ip = remote.address();
+      address = (ip.is_v6() ? "[" + ip.to_string() + "]" : ip.to_string()) + address;
+    }
+    std::string host;
+    uint16_t port = 0;
+    if (address.find('\n') != std::string::npos || !parseHostPort(address, host, port)) {
+      return closeConn(c, fmt::format("malformed frame from {}: REGISTER address '{}'", c->name,
+                                      address.substr(0, 64)));
+    }
+    bool complete = false, changed = false;
+    std::string list;
+    std::vector<std::shared_ptr<Conn>> targets;
+    {
+      std::lock_guard lock(mu);
+      const bool was_complete =
+          std::all_of(addresses.begin() + 1, addresses.end(), [](auto& a) { return !a.empty(); });
+      changed = addresses[src] != address;
+      addresses[src] = address;
+      complete =
+          std::all_of(addresses.begin() + 1, addresses.end(), [](auto& a) { return !a.empty(); });
+      if (complete) {
+        for (const auto& a : addresses) list += a + "\n";
+        if (!was_complete || changed) {
+          for (auto& slot : peers) {
+            if (slot.conn) targets.push_back(slot.conn);
+          }
+        } else {
+          targets.push_back(c);
+        }
+        if (!was_complete) {
+          spdlog::info("peer: rendezvous complete: all {} ranks registered", membership.world_size);
+        }
+      }
+    }
+    spdlog::info("peer: rank {} registered at {}", src, address);
+    if (!complete) return;
+    for (auto& t : targets) {
+      sendInternal(t, FrameType::kPeers, {}, std::vector<uint8_t>(list.begin(), list.end()));
+    }
+  }
+
+  /// Rank > 0: every rank's address from rank 0; the first time, connect to the higher ranks.
+  void onPeers(const std::shared_ptr<Conn>& c, uint32_t src, const std::string& text) {
+    if (!rendezvousMode() || membership.rank == 0 || src != 0) return misplaced(c, "PEERS");
+    std::vector<std::string> lines;
+    size_t at = 0;
+    while (at < text.size()) {
+      const size_t nl = text.find('\n', at);
+      if (nl == std::string::npos) break;
+      lines.push_back(text.substr(at, nl - at));
+      at = nl + 1;
+    }
+    bool ok = at == text.size() && lines.size() == membership.world_size;
+    for (uint32_t r = 1; ok && r < lines.size(); ++r) {
+      std::string host;
+      uint16_t port = 0;
+      ok = parseHostPort(lines[r], host, port);
+    }
+    if (!ok) {
+      return closeConn(c, fmt::format("malformed frame from {}: PEERS is not {} addresses", c->name,
+                                      membership.world_size));
+    }
+    {
+      std::lock_guard lock(mu);
+      for (uint32_t r = 1; r < lines.size(); ++r) {
+        if (r != membership.rank) addresses[r] = lines[r];
+      }
+    }
+    if (peers_learned) return;
+    peers_learned = true;
+    spdlog::info("peer: rendezvous: learned the addresses of all {} ranks", membership.world_size);
+    for (uint32_t r = membership.rank + 1; r < membership.world_size; ++r) {
+      asio::co_spawn(*io, connectLoop(r), asio::detached);
     }
   }
 
@@ -646,9 +773,6 @@ struct TcpTransport::Impl {
 
   /// Connects to `server` (a higher rank) for as long as the transport runs.
   awaitable<void> connectLoop(uint32_t server) {
-    std::string host;
-    uint16_t port = 0;
-    parseHostPort(membership.peers[server], host, port);  // validated by start()
     tcp::resolver resolver(*io);
     asio::steady_timer timer(*io);
     auto backoff = options.backoff_initial;
@@ -656,11 +780,16 @@ struct TcpTransport::Impl {
     while (!stopping) {
       bool served = false;
       error_code ec;
+      // Read at every attempt: a rendezvous may teach a new address (a restarted rank).
+      const std::string address = addressOf(server);
+      std::string host;
+      uint16_t port = 0;
+      parseHostPort(address, host, port);  // validated by start() or the PEERS frame
       auto endpoints = co_await resolver.async_resolve(host, std::to_string(port),
                                                        asio::redirect_error(use_awaitable, ec));
       if (!ec) {
         auto c = newConn(tcp::socket(*io));
-        c->address = membership.peers[server];
+        c->address = address;
         c->name = fmt::format("rank {} ({})", server, c->address);
         Watchdog watchdog(io->get_executor());
         watchdog.arm(c, options.connect_timeout);
@@ -678,6 +807,7 @@ struct TcpTransport::Impl {
         if (st) {
           logged = false;
           served = true;
+          if (rendezvousMode() && server == 0) sendRegister(c);
           co_await serve(c);
         } else if (!stopping) {
           if (st.code() != StatusCode::kUnavailable) {
@@ -691,8 +821,8 @@ struct TcpTransport::Impl {
         closeConn(c, st ? "done" : st.message());
         conns.erase(c->id);
       } else if (!logged) {
-        spdlog::info("peer: cannot resolve {} for rank {} ({}); retrying", membership.peers[server],
-                     server, ec.message());
+        spdlog::info("peer: cannot resolve {} for rank {} ({}); retrying", address, server,
+                     ec.message());
         logged = true;
       }
       if (stopping) break;
@@ -774,13 +904,26 @@ Status TcpTransport::start(Membership m) {
     return invalidArgument(
         fmt::format("peer: rank {} outside world size {}", m.rank, m.world_size));
   }
-  if (m.peers.size() != m.world_size) {
+  const bool rendezvous = !m.rendezvous.empty();
+  if (rendezvous) {
+    std::string host;
+    uint16_t port = 0;
+    if (!m.peers.empty()) return invalidArgument("peer: give peer addresses or a rendezvous");
+    if (!parseHostPort(m.rendezvous, host, port)) {
+      return invalidArgument(fmt::format("peer: bad rendezvous address '{}'", m.rendezvous));
+    }
+    if (!m.advertise.empty() && !parseHostPort(m.advertise, host, port)) {
+      return invalidArgument(fmt::format("peer: bad advertised address '{}'", m.advertise));
+    }
+    m.peers.assign(m.world_size, "");
+    if (m.rank != 0) m.peers[0] = m.rendezvous;
+  } else if (m.peers.size() != m.world_size) {
     return invalidArgument(
         fmt::format("peer: {} peer addresses for world size {}", m.peers.size(), m.world_size));
   }
   if (m.job_id.empty()) return invalidArgument("peer: empty job id");
   if (m.secret.empty()) return invalidArgument("peer: empty job secret");
-  for (uint32_t r = 0; r < m.world_size; ++r) {
+  for (uint32_t r = 0; r < m.world_size && !rendezvous; ++r) {
     std::string host;
     uint16_t port = 0;
     if (!parseHostPort(m.peers[r], host, port)) {
@@ -790,13 +933,20 @@ Status TcpTransport::start(Membership m) {
   s.job_hash = jobHash(m.job_id);
   s.membership = std::move(m);
   s.peers = std::vector<Impl::PeerSlot>(s.membership.world_size);
+  s.addresses = s.membership.peers;
   for (uint32_t r = 0; r < s.membership.world_size; ++r) {
     if (r != s.membership.rank) s.metrics.peerUp(r).Set(0);
   }
   s.work.emplace(s.io->get_executor());
   asio::co_spawn(*s.io, s.acceptLoop(), asio::detached);
-  for (uint32_t r = s.membership.rank + 1; r < s.membership.world_size; ++r) {
-    asio::co_spawn(*s.io, s.connectLoop(r), asio::detached);
+  if (s.rendezvousMode()) {
+    // Rank 0 waits for the others; they connect to it and, once it has told them every rank's
+    // address (PEERS), to the ranks above them.
+    if (s.membership.rank != 0) asio::co_spawn(*s.io, s.connectLoop(0), asio::detached);
+  } else {
+    for (uint32_t r = s.membership.rank + 1; r < s.membership.world_size; ++r) {
+      asio::co_spawn(*s.io, s.connectLoop(r), asio::detached);
+    }
   }
   s.thread = std::thread([&s] { s.io->run(); });
   return Status::ok();

@@ -27,6 +27,8 @@ enum class FrameType : uint8_t {
   kAbort = 5,      // the step (tensor, step) failed on `src`; payload: UTF-8 reason
   kPing = 6,       // liveness (round-trip time)
   kPong = 7,
+  kRegister = 8,  // rendezvous: a rank's peer address ("host:port", or ":port"), to rank 0
+  kPeers = 9,     // rendezvous: every rank's peer address, one per line, from rank 0
 };
 
 /// What identifies a data or abort frame within a job. Plain value.
@@ -56,6 +58,11 @@ struct Membership {
   uint32_t world_size = 1;
   std::vector<std::string> peers;  // "host:port" of every rank, index = rank
   std::string secret;              // job secret (HMAC key); never logged
+  // Rendezvous instead of `peers` (which is then empty): rank 0's peer address. Every other rank
+  // connects to rank 0 there, tells it `advertise` (its own peer address; "" = this transport's
+  // port on the address rank 0 sees the connection come from), and learns every rank's address.
+  std::string rendezvous;
+  std::string advertise;
 };
 
 /// Moves frames between the sidecars of a job. Thread-safe.

@@ -454,3 +454,64 @@ TEST_CASE("tcp transport: a send past its deadline fails instead of hanging") {
 }
 
 }  // namespace lightwire::proxy::peer
+
+namespace lightwire::proxy::peer {
+namespace {
+
+using namespace lightwire::proxy::peer::testing;  // NOLINT(google-build-using-namespace)
+
+/// Membership through the rendezvous on rank 0's port (no peer list).
+Membership rendezvousFor(uint32_t rank, uint32_t world, uint16_t rank0_port,
+                         std::string advertise = "") {
+  Membership m;
+  m.job_id = kJob;
+  m.rank = rank;
+  m.world_size = world;
+  m.secret = kSecret;
+  m.rendezvous = "127.0.0.1:" + std::to_string(rank0_port);
+  m.advertise = std::move(advertise);
+  return m;
+}
+
+TEST_CASE("tcp transport: a rendezvous on rank 0 teaches every rank the others' addresses") {
+  Mesh mesh(4);
+  // Start in reverse order: the higher ranks wait for rank 0, which waits for all of them.
+  for (uint32_t r = 4; r-- > 0;) {
+    // Rank 3 says where it listens; the others let rank 0 see it.
+    const std::string adv = r == 3 ? "127.0.0.1:" + std::to_string(mesh.ports[3]) : "";
+    REQUIRE(mesh.transports[r]->start(rendezvousFor(r, 4, mesh.ports[0], adv)).isOk());
+  }
+  REQUIRE(mesh.allConnected());
+  allToAll(mesh, 1 << 14);
+
+  // A restarted rank comes back on another port: rank 0 tells everyone, the lower ranks reach it.
+  mesh.transports[2].reset();
+  CHECK(waitFor([&] { return !mesh.transports[1]->peersUp()[2]; }));
+  auto t = TcpTransport::listen("127.0.0.1", 0, mesh.options, *mesh.metrics[2]);
+  REQUIRE(t.isOk());
+  mesh.ports[2] = (*t)->port();
+  mesh.transports[2] = std::move(*t);
+  REQUIRE(mesh.transports[2]->start(rendezvousFor(2, 4, mesh.ports[0])).isOk());
+  REQUIRE(mesh.allConnected());
+  allToAll(mesh, 1 << 12);
+}
+
+TEST_CASE("tcp transport: a rendezvous membership is checked at start") {
+  metrics::Metrics metrics;
+  auto start = [&](Membership m) {
+    auto t = TcpTransport::listen("127.0.0.1", 0, fastOptions(), metrics);
+    REQUIRE(t.isOk());
+    return (*t)->start(std::move(m));
+  };
+  Membership both = rendezvousFor(1, 2, 4781);
+  both.peers = {"127.0.0.1:1", "127.0.0.1:2"};
+  CHECK(start(both).message().find("peer addresses or a rendezvous") != std::string::npos);
+  Membership bad = rendezvousFor(1, 2, 4781);
+  bad.rendezvous = "no-port";
+  CHECK(start(bad).message().find("bad rendezvous address") != std::string::npos);
+  Membership bad_adv = rendezvousFor(1, 2, 4781, "host-without-port");
+  CHECK(start(bad_adv).message().find("bad advertised address") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace lightwire::proxy::peer

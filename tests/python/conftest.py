@@ -218,10 +218,13 @@ class PeerSidecar(Sidecar):
         a = [LIGHTWIRE_BIN, "serve", "--socket", self.socket, "--control-tcp", "",
              "--admin-listen", "127.0.0.1:0", "--local-trainers", str(self.local_trainers),
              "--codec", self.codec, "--rank", str(self.rank), "--world-size", str(c.world_size),
-             "--peers", ",".join("127.0.0.1:%d" % p for p in c.ports),
-             "--peer-listen", "127.0.0.1:%d" % c.ports[self.rank],
+             "--peer-listen", "127.0.0.1:%d" % (0 if c.rendezvous and self.rank else c.ports[self.rank]),
              "--peer-timeout", str(c.peer_timeout), "--job-id", self.job_id,
              "--chunk-elements", str(c.chunk_elements), "--threads", "1", "--log-level", "info"]
+        if c.rendezvous:
+            a += ["--rendezvous", "127.0.0.1:%d" % c.ports[0]]
+        else:
+            a += ["--peers", ",".join("127.0.0.1:%d" % p for p in c.ports)]
         return a + list(c.codec_args) + list(c.extra) + list(self.extra)
 
     def launch(self):
@@ -264,8 +267,12 @@ class Cluster(object):
     secret (env LIGHTWIRE_PEER__SECRET), a Unix socket each, admin listener on 127.0.0.1:0."""
 
     def __init__(self, tmp_path_factory, world_size, codec="none", codec_args=(), local_trainers=1,
-                 chunk_elements=1024, peer_timeout=3, job_id="lw-test-job", extra=()):
+                 chunk_elements=1024, peer_timeout=3, job_id="lw-test-job", extra=(),
+                 rendezvous=False):
         self.world_size = world_size
+        # rendezvous: only rank 0's address is configured (--rendezvous); the other ranks listen
+        # on OS-chosen ports and register them there.
+        self.rendezvous = rendezvous
         self.extra = list(extra)  # more `serve` flags for every rank (e.g. --topology ps)
         self.codec = codec
         self.codec_args = list(codec_args)

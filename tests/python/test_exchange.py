@@ -333,3 +333,35 @@ def test_peer_killed_mid_step_then_rejoins(cluster_factory):
     for r in range(W):
         assert not isinstance(res[(r, 0)][2], Exception), (r, res[(r, 0)][2], cl.stderr())
         assert_bitwise(res[(r, 0)][2], want, "step 2 after the rejoin, rank %d" % r)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rendezvous: only rank 0's address is configured
+# ------------------------------------------------------------------------------------------------
+def test_rendezvous_then_restart_on_another_port(cluster_factory):
+    """Ranks 1..W-1 listen on OS-chosen ports and learn each other's addresses from rank 0
+    (--rendezvous); results are the ring's; a restarted rank comes back on a new port and the job
+    goes on."""
+    W = 3
+    cl = cluster_factory(W, codec="topk", codec_args=["--density", "0.05"], rendezvous=True)
+    ref = Reference(ref_cfg("topk", density=0.05), W, 1)
+    for step in (0, 1):
+        res, _ = run_trainers(cl, {(r, 0): [(step, trainer_input(W, r, 0, step))] for r in range(W)})
+        want = ref.step([trainer_input(W, r, 0, step) for r in range(W)], step)
+        for r in range(W):
+            assert not isinstance(res[(r, 0)][step], Exception), (r, res[(r, 0)][step], cl.stderr())
+            assert_bitwise(res[(r, 0)][step], want, "step %d rank %d" % (step, r))
+    assert "rendezvous complete: all 3 ranks registered" in cl[0].stderr()
+    # Rank 1 restarts (a new OS-chosen port): rank 0 tells rank 2, which connects to it again.
+    cl[1].proc.send_signal(signal.SIGKILL)
+    cl[1].proc.wait()
+    cl[1].kill()
+    cl.launch([1]).wait_ready()
+    # Its codec state (topk's error-feedback residual) starts fresh; the others keep theirs.
+    ref.ranks[1] = lwref.Codec(ref.cfg, ref.n)
+    step = 2
+    res, _ = run_trainers(cl, {(r, 0): [(step, trainer_input(W, r, 0, step))] for r in range(W)})
+    want = ref.step([trainer_input(W, r, 0, step) for r in range(W)], step)
+    for r in range(W):
+        assert not isinstance(res[(r, 0)][step], Exception), (r, res[(r, 0)][step], cl.stderr())
+        assert_bitwise(res[(r, 0)][step], want, "step %d after the restart, rank %d" % (step, r))
