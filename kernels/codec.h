@@ -131,6 +131,14 @@ class Codec {
   virtual size_t workspaceBytes(const Chunking& chunking) const = 0;
   /// Upper bound of one chunk's payload size.
   virtual size_t maxPayloadBytes(size_t chunk_elements) const = 0;
+  /// The size one chunk's payload is expected to have, the same on every sidecar (from the
+  /// configuration, not the data), or nullopt when it cannot be told in advance (threshold
+  /// selection). The exchange uses it to choose between gathering payloads and a dense
+  /// allreduce. Default: the upper bound for dense and quantised codecs, nullopt for sparse ones.
+  virtual std::optional<size_t> nominalPayloadBytes(size_t chunk_elements) const {
+    if (traits().sparse) return std::nullopt;
+    return maxPayloadBytes(chunk_elements);
+  }
 
   /// Whole-tensor phase of a step: reads `input` and `state` (state.current()), prepares
   /// state.next(), and leaves in `workspace` what encodeChunk needs. Never touches state.current().

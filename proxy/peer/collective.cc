@@ -1,5 +1,7 @@
 #include "proxy/peer/collective.h"
 
+#include "kernels/registry.h"
+
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
@@ -103,11 +105,68 @@ Result<Spans> RingExchange::run(ExchangeRound& r) {
   const uint64_t tensor = tensorKey(r.tensor);
   const auto& traits = r.codec.traits();
   deadline_ = Clock::now() + timeout_;
-  auto out = (traits.summable || traits.rounds > 1) ? allreduce(r, tensor) : allgather(r, tensor);
+  Result<Spans> out = Spans{};
+  if (traits.summable || traits.rounds > 1) {
+    out = allreduce(r, tensor);
+  } else if (denseIsSmaller(r)) {
+    out = denseAllreduce(r, tensor);
+  } else {
+    out = allgather(r, tensor);
+  }
   // Frames were post()ed: they reference this step's payloads until flushed, success or not.
   const Status flushed = transport_.flush(deadline_);
   if (!out) return fail(tensor, r.step, out.status());
   if (!flushed.isOk()) return fail(tensor, r.step, flushed);
+  return out;
+}
+
+const kernels::Codec& RingExchange::denseCodec() {
+  static const std::unique_ptr<kernels::Codec> codec = [] {
+    auto c = kernels::createCodec(kernels::CodecConfig{});
+    return std::move(*c);
+  }();
+  return *codec;
+}
+
+bool RingExchange::denseIsSmaller(const ExchangeRound& r) const {
+  // Each rank sends W-1 payloads in an allgather, 2(W-1)/W dense chunks in a ring allreduce:
+  // gather while W * payload <= 2 * dense. Decided from the configuration (nominal sizes), so
+  // every rank decides the same; codecs whose size cannot be told in advance always gather.
+  const uint64_t w = transport_.worldSize();
+  if (w < 2) return false;
+  uint64_t gathered = 0, dense = 0;
+  for (size_t c = 0; c < r.chunking.count(); ++c) {
+    const size_t len = r.chunking.size(c);
+    const auto nominal = r.codec.nominalPayloadBytes(len);
+    if (!nominal) return false;
+    gathered += *nominal;
+    dense += denseCodec().maxPayloadBytes(len);
+  }
+  return w * gathered > 2 * dense;
+}
+
+Result<Spans> RingExchange::denseAllreduce(ExchangeRound& r, uint64_t tensor) {
+  // Every rank decodes its own payloads into fp32 and the ring sums those (codec `none`); the
+  // engine decodes the sums with the same codec (r.dense).
+  const size_t n = r.chunking.elements;
+  dense_input_.assign(n, 0.0f);
+  for (size_t c = 0; c < r.chunking.count(); ++c) {
+    if (auto s = r.codec.decodeChunk(r.payloads[c], 1.0f, dense_input_.data() + r.chunking.begin(c),
+                                     r.chunking.size(c));
+        !s.isOk()) {
+      return internalError("decoding our own chunk " + std::to_string(c) + ": " + s.message());
+    }
+  }
+  kernels::StepContext ctx;
+  kernels::CodecState none_state;
+  auto payloads = kernels::encodeTensor(denseCodec(), ctx, r.chunking,
+                                        kernels::ConstTensor{dense_input_.data(), n}, none_state);
+  if (!payloads) return internalError("dense payloads: " + payloads.status().message());
+  dense_payloads_ = std::move(*payloads);
+  std::vector<std::span<const uint8_t>> mine(dense_payloads_.begin(), dense_payloads_.end());
+  ExchangeRound dense{r.tensor, r.step, r.round, denseCodec(), r.chunking, mine};
+  auto out = allreduce(dense, tensor);
+  r.dense = true;
   return out;
 }
 

@@ -8,7 +8,9 @@
 //     sum travels on around the ring to everyone (reduce-scatter, then allgather). Every rank
 //     decodes the same bytes, so results are bitwise identical.
 //   - other codecs (sparse, quantised): a ring allgather; every rank decodes all W payloads of a
-//     chunk in rank order (again the same arithmetic everywhere).
+//     chunk in rank order (again the same arithmetic everywhere) — unless gathering would move
+//     more bytes than a dense ring allreduce (W × nominal payload > 2 × dense chunk): then every
+//     rank decodes its own payloads and the decoded fp32 chunks are ring-allreduced instead.
 //
 // Every wait has the exchange deadline; a failure (a peer down or silent, a malformed frame, a
 // payload that does not add up) fails the step here and is sent to every peer as an abort, so
@@ -47,6 +49,12 @@ class RingExchange final : public Exchange {
   struct Ring;
   Ring ringFor(const ExchangeRound& r) const;
 
+  /// Sparse and quantised codecs: whether a dense ring allreduce of the decoded chunks moves
+  /// fewer bytes than gathering every rank's payloads (then denseAllreduce() runs instead).
+  bool denseIsSmaller(const ExchangeRound& r) const;
+  Result<std::vector<std::vector<std::span<const uint8_t>>>> denseAllreduce(ExchangeRound& r,
+                                                                            uint64_t tensor);
+  static const kernels::Codec& denseCodec();
   /// Keeps a received payload until the step ends; returns a view of it.
   std::span<const uint8_t> keep(std::vector<uint8_t> received);
   /// A buffer of `bytes` for a partial sum, kept until the step ends (reused across steps).
@@ -60,6 +68,8 @@ class RingExchange final : public Exchange {
   std::vector<std::vector<uint8_t>> held_;
   std::deque<std::vector<uint8_t>> sums_;  // deque: references stay valid as it grows
   std::vector<std::vector<uint8_t>> spare_sums_;
+  std::vector<float> dense_input_;                    // denseAllreduce: our decoded chunks
+  std::vector<std::vector<uint8_t>> dense_payloads_;  // ... as codec `none` payloads
 };
 
 /// XXH3-64 of a tensor name: the `tensor` field of frames.

@@ -51,10 +51,12 @@ std::vector<std::vector<float>> exchangeAll(Mesh& mesh, const kernels::Codec& co
       ExchangeRound round{name, 1, 0, codec, chunking, mine};
       auto got = ring.run(round);
       REQUIRE_MESSAGE(got.isOk(), got.status().message());
+      auto none = kernels::createCodec({.name = "none"});
+      const kernels::Codec& decoder = round.dense ? **none : codec;
       std::vector<float> out(n, 0.0f);
       for (size_t c = 0; c < got->size(); ++c) {
         for (auto p : (*got)[c]) {
-          REQUIRE(codec
+          REQUIRE(decoder
                       .decodeChunk(p, 1.0f / static_cast<float>(w), out.data() + chunking.begin(c),
                                    chunking.size(c))
                       .isOk());
@@ -127,6 +129,54 @@ TEST_CASE("ring allgather of topk: every rank decodes every rank's payload in ra
   }
   for (uint32_t r = 0; r < 3; ++r) {
     CHECK(std::memcmp(results[r].data(), want.data(), n * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("ring: a sparse codec dense enough switches to a dense allreduce of decoded chunks") {
+  // topk at density 0.6: 4 ranks x 0.6 n pairs of 8 bytes > 2 x 4n bytes dense.
+  const uint32_t w = 4;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  auto codec = kernels::createCodec({.name = "topk", .density = 0.6, .error_feedback = false});
+  REQUIRE(codec.isOk());
+  const size_t n = 6000, chunk = 1000;
+  const auto results = exchangeAll(mesh, **codec, n, chunk);
+  // Each rank's own payloads decoded, then summed in the ring order of chunk c's owner c mod W.
+  const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
+  std::vector<std::vector<float>> decoded;
+  for (uint32_t r = 0; r < w; ++r) {
+    const auto x = tensorOf(r, n);
+    kernels::CodecState state;
+    kernels::StepContext ctx;
+    ctx.rank = r;
+    ctx.step = 1;
+    auto p =
+        kernels::encodeTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, state);
+    REQUIRE(p.isOk());
+    std::vector<float> d(n, 0.0f);
+    for (size_t c = 0; c < p->size(); ++c) {
+      REQUIRE((*codec)
+                  ->decodeChunk((*p)[c], 1.0f, d.data() + chunking.begin(c), chunking.size(c))
+                  .isOk());
+    }
+    decoded.push_back(std::move(d));
+  }
+  const float weight = 1.0f / static_cast<float>(w);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t o = static_cast<uint32_t>((i / chunk) % w);
+    float sum = decoded[(o + 1) % w][i];
+    for (uint32_t k = 2; k <= w; ++k) sum = sum + decoded[(o + k) % w][i];
+    const float want = 0.0f + weight * sum;
+    for (uint32_t r = 0; r < w; ++r) {
+      REQUIRE(std::memcmp(&results[r][i], &want, 4) == 0);
+    }
+  }
+  // Wire bytes: about 2 (W-1)/W dense chunks per rank, not W-1 payloads of 0.6 n pairs.
+  for (uint32_t r = 0; r < w; ++r) {
+    const double sent =
+        metricValue(*mesh.metrics[r], "lightwire_wire_bytes_total{direction=\"sent\"}");
+    CHECK(sent < 1.2 * 2.0 * (w - 1) / w * 4.0 * n + 4096);
   }
 }
 

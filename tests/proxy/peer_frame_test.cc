@@ -83,7 +83,7 @@ TEST_CASE("peer frame: every corrupted header field is refused, naming the peer"
     poke<uint16_t>(b, 4, 2);
     expectBad(b, "version 2");
   }
-  for (uint8_t t : {0, 8, 255}) {
+  for (uint8_t t : {0, 10, 255}) {
     auto b = good;
     b[6] = t;
     expectBad(b, "unknown frame type");
@@ -138,6 +138,16 @@ TEST_CASE("peer frame: every corrupted header field is refused, naming the peer"
     expectBad(b, "expected");
     poke<uint64_t>(b, 48, uint64_t{1} << 40);
     expectBad(b, "exceeds the limit");
+  }
+  // Rendezvous frames carry addresses: bounded by kMaxAddressBytes (per rank for PEERS).
+  for (auto [type, limit] : {std::pair{FrameType::kRegister, kMaxAddressBytes},
+                             {FrameType::kPeers, 4 * (kMaxAddressBytes + 1)}}) {
+    auto b = good;
+    b[6] = static_cast<uint8_t>(type);
+    poke<uint64_t>(b, 48, limit);
+    CHECK(decodeHeader(b, checksFor(0, 4), "rank 2").isOk());
+    poke<uint64_t>(b, 48, limit + 1);
+    expectBad(b, "exceeds");
   }
   // Truncated headers (and one byte too many).
   for (size_t n = 0; n < kHeaderBytes; ++n) {
