@@ -3,6 +3,8 @@
 #include <spdlog/spdlog.h>
 
 #include <boost/json/object.hpp>
+#include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -644,6 +646,72 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
                                              static_cast<double>(fig.wire_bytes));
   }
   return out;
+}
+
+std::vector<uint8_t> encodeJobState(const std::map<std::string, uint64_t>& committed) {
+  boost::json::object steps;
+  for (const auto& [name, step] : committed) steps[name] = step;
+  const std::string text =
+      boost::json::serialize(boost::json::object{{"version", 1}, {"committed", std::move(steps)}});
+  return {text.begin(), text.end()};
+}
+
+Result<std::map<std::string, uint64_t>> decodeJobState(std::span<const uint8_t> bytes) {
+  boost::system::error_code ec;
+  const boost::json::value v = boost::json::parse(
+      std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), ec);
+  if (ec) return invalidArgument("job state is not JSON: " + ec.message());
+  const auto* o = v.if_object();
+  if (!o || !o->contains("version") || !o->at("version").is_int64() ||
+      o->at("version").as_int64() != 1) {
+    return invalidArgument("job state: expected an object with \"version\": 1");
+  }
+  const auto* committed = o->if_contains("committed");
+  if (!committed || !committed->is_object()) {
+    return invalidArgument("job state: \"committed\" must be an object");
+  }
+  std::map<std::string, uint64_t> out;
+  for (const auto& [name, step] : committed->as_object()) {
+    if (name.empty() || name.size() > 1024) {
+      return invalidArgument("job state: a tensor name is empty or longer than 1024 bytes");
+    }
+    if (step.is_uint64()) {
+      out[std::string(name)] = step.as_uint64();
+    } else if (step.is_int64() && step.as_int64() >= 0) {
+      out[std::string(name)] = static_cast<uint64_t>(step.as_int64());
+    } else {
+      return invalidArgument("job state: the step of '" + std::string(name) +
+                             "' is not a non-negative integer");
+    }
+  }
+  return out;
+}
+
+std::map<std::string, uint64_t> StepEngine::committedSteps() const {
+  std::map<std::string, uint64_t> out;
+  std::lock_guard lock(mu_);
+  for (const auto& [name, t] : tensors_) {
+    if (t->last_committed) out[name] = *t->last_committed;
+  }
+  return out;
+}
+
+size_t StepEngine::adoptCommittedSteps(const std::map<std::string, uint64_t>& steps) {
+  std::lock_guard lock(mu_);
+  if (steps_ok_ > 0 || stopping_) return 0;
+  size_t taken = 0;
+  for (const auto& [name, step] : steps) {
+    auto& slot = tensors_[name];
+    if (!slot) {
+      slot = std::make_unique<Tensor>();
+      slot->name = name;
+    }
+    if (!slot->last_committed || *slot->last_committed < step) {
+      slot->last_committed = step;
+      ++taken;
+    }
+  }
+  return taken;
 }
 
 boost::json::array StepEngine::tensorsJson() const {

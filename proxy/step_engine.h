@@ -140,6 +140,13 @@ class StepEngine {
   void setChooser(CodecChooser chooser);
   /// Tensors for /v1/status.
   boost::json::array tensorsJson() const;
+  /// The job's step state as this sidecar knows it (DESIGN.md §5): every tensor's last committed
+  /// step. Told to every peer that (re)connects.
+  std::map<std::string, uint64_t> committedSteps() const;
+  /// Takes a peer's step state while this sidecar has completed no step yet (it has just started
+  /// or restarted): each tensor's next step must then come after the job's last committed one
+  /// (the largest any peer reports). Returns how many tensors it took (0: ignored).
+  size_t adoptCommittedSteps(const std::map<std::string, uint64_t>& steps);
   /// Steps completed and failed so far.
   uint64_t stepsOk() const;
   uint64_t stepsFailed() const;
@@ -173,6 +180,12 @@ class StepEngine {
   uint64_t steps_ok_ = 0, steps_failed_ = 0;
   std::thread thread_;
 };
+
+/// The job state a sidecar tells its peers (STATE frames, docs/peer-protocol.md): JSON
+/// {"version": 1, "committed": {"<tensor>": <last committed step>, ...}}.
+std::vector<uint8_t> encodeJobState(const std::map<std::string, uint64_t>& committed);
+/// Parses and checks a peer's job state (any malformed input is an error, nothing taken).
+Result<std::map<std::string, uint64_t>> decodeJobState(std::span<const uint8_t> bytes);
 
 /// The API name of a dtype ("float32", ...).
 const char* apiDTypeName(kernels::DType t);

@@ -126,7 +126,7 @@ Result<FrameHeader> decodeHeader(std::span<const uint8_t> bytes, const HeaderChe
   }
   const uint8_t type = p[kOffType];
   if (type < static_cast<uint8_t>(FrameType::kHello) ||
-      type > static_cast<uint8_t>(FrameType::kPeers)) {
+      type > static_cast<uint8_t>(FrameType::kState)) {
     return bad(peer, fmt::format("unknown frame type {}", type));
   }
   h.type = static_cast<FrameType>(type);
@@ -169,7 +169,8 @@ Result<FrameHeader> decodeHeader(std::span<const uint8_t> bytes, const HeaderChe
   const uint64_t address_limit = h.type == FrameType::kRegister ? kMaxAddressBytes
                                  : h.type == FrameType::kPeers
                                      ? uint64_t{checks.world_size} * (kMaxAddressBytes + 1)
-                                     : UINT64_MAX;
+                                 : h.type == FrameType::kState ? kMaxStateBytes
+                                                               : UINT64_MAX;
   if (h.length > address_limit) {
     return bad(peer, fmt::format("{} frame of {} payload bytes exceeds {}", frameTypeName(h.type),
                                  h.length, address_limit));
@@ -213,6 +214,8 @@ const char* frameTypeName(FrameType type) {
       return "REGISTER";
     case FrameType::kPeers:
       return "PEERS";
+    case FrameType::kState:
+      return "STATE";
   }
   return "UNKNOWN";
 }

@@ -30,6 +30,8 @@ inline constexpr size_t kAuthBytes = kMacBytes;
 inline constexpr size_t kPingBytes = 8;  // sender's clock (ns), echoed
 // Rendezvous frames: one "host:port" (REGISTER), or one per rank, newline-separated (PEERS).
 inline constexpr size_t kMaxAddressBytes = 300;
+// STATE frames (the job's step counters, JSON) are at most this long.
+inline constexpr size_t kMaxStateBytes = size_t{16} << 20;
 
 /// The decoded header of one frame. Plain value.
 struct FrameHeader {

@@ -166,7 +166,11 @@ struct TcpTransport::Impl {
   // Every rank's peer address (index = rank; guarded by mu): membership.peers, or what the
   // rendezvous taught (rank 0 learns them from REGISTER frames, the others from PEERS).
   std::vector<std::string> addresses;
-  bool peers_learned = false;  // I/O thread: rank > 0 got PEERS and started its connect loops
+  bool peers_learned = false;
+  // Set before start() (setJobState), used on the I/O thread.
+  std::function<std::vector<uint8_t>()> provide_state;
+  std::function<void(uint32_t, std::span<const uint8_t>)>
+      take_state;  // I/O thread: rank > 0 got PEERS and started its connect loops
 
   bool rendezvousMode() const { return !membership.rendezvous.empty(); }
   /// Whether rank a opens the connection between a and b: the lower rank, except that with a
@@ -298,6 +302,7 @@ struct TcpTransport::Impl {
     }
     metrics.peerUp(peer).Set(1);
     spdlog::info("peer: connected to rank {} ({})", peer, c->address);
+    if (provide_state) sendInternal(c, FrameType::kState, {}, provide_state());
     return Status::ok();
   }
 
@@ -596,6 +601,9 @@ struct TcpTransport::Impl {
         break;
       case FrameType::kPeers:
         onPeers(c, h.src, std::string(payload.begin(), payload.end()));
+        break;
+      case FrameType::kState:
+        if (take_state) take_state(h.src, payload);
         break;
       case FrameType::kPong: {
         uint64_t sent = 0;
@@ -1144,6 +1152,12 @@ void TcpTransport::discard(uint64_t tensor, uint64_t step) {
       return true;
     });
   }
+}
+
+void TcpTransport::setJobState(std::function<std::vector<uint8_t>()> provide,
+                               std::function<void(uint32_t, std::span<const uint8_t>)> take) {
+  impl_->provide_state = std::move(provide);
+  impl_->take_state = std::move(take);
 }
 
 bool TcpTransport::allConnected() const {

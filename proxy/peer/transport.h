@@ -29,6 +29,7 @@ enum class FrameType : uint8_t {
   kPong = 7,
   kRegister = 8,  // rendezvous: a rank's peer address ("host:port", or ":port"), to rank 0
   kPeers = 9,     // rendezvous: every rank's peer address, one per line, from rank 0
+  kState = 10,    // the job state as the sender knows it (step counters), on every (re)connect
 };
 
 /// What identifies a data or abort frame within a job. Plain value.
@@ -111,6 +112,12 @@ class Transport {
 
   /// Drops kept frames of (tensor, steps <= step): the step is over on this side.
   virtual void discard(uint64_t tensor, uint64_t step) = 0;
+
+  /// The job state (DESIGN.md §5) this sidecar tells every peer once connected (`provide`), and
+  /// what to do with a peer's (`take`, called on the transport's thread with the sender's rank).
+  /// Set before start(); transports without it neither send nor take state.
+  virtual void setJobState(std::function<std::vector<uint8_t>()> /*provide*/,
+                           std::function<void(uint32_t, std::span<const uint8_t>)> /*take*/) {}
 
   /// Whether every peer is connected and authenticated (readyz), and per peer (peer_up; index =
   /// rank, our own rank reads true).

@@ -83,7 +83,7 @@ TEST_CASE("peer frame: every corrupted header field is refused, naming the peer"
     poke<uint16_t>(b, 4, 2);
     expectBad(b, "version 2");
   }
-  for (uint8_t t : {0, 10, 255}) {
+  for (uint8_t t : {0, 11, 255}) {
     auto b = good;
     b[6] = t;
     expectBad(b, "unknown frame type");
@@ -139,9 +139,11 @@ TEST_CASE("peer frame: every corrupted header field is refused, naming the peer"
     poke<uint64_t>(b, 48, uint64_t{1} << 40);
     expectBad(b, "exceeds the limit");
   }
-  // Rendezvous frames carry addresses: bounded by kMaxAddressBytes (per rank for PEERS).
+  // Rendezvous frames carry addresses (bounded by kMaxAddressBytes, per rank for PEERS); STATE
+  // frames the job state (kMaxStateBytes).
   for (auto [type, limit] : {std::pair{FrameType::kRegister, kMaxAddressBytes},
-                             {FrameType::kPeers, 4 * (kMaxAddressBytes + 1)}}) {
+                             {FrameType::kPeers, 4 * (kMaxAddressBytes + 1)},
+                             {FrameType::kState, kMaxStateBytes}}) {
     auto b = good;
     b[6] = static_cast<uint8_t>(type);
     poke<uint64_t>(b, 48, limit);

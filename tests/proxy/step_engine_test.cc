@@ -431,3 +431,35 @@ TEST_CASE("a tensor whose dtype changes between steps starts with fresh codec st
   CHECK(o.figures.state_reset);
   CHECK(o.figures.raw_bytes == 32);
 }
+
+TEST_CASE("a fresh engine takes the job's step state from a peer; a running one ignores it") {
+  Fixture f(withTrainers(1));
+  const auto values = randomValues(100, 7);
+  auto state = decodeJobState(encodeJobState({{"a", 41}, {"b", 7}}));
+  REQUIRE(state.isOk());
+  CHECK(*state == std::map<std::string, uint64_t>{{"a", 41}, {"b", 7}});
+  CHECK(f.engine.adoptCommittedSteps(*state) == 2);
+  CHECK(f.engine.adoptCommittedSteps({{"a", 40}}) == 0);  // older: nothing to take
+  CHECK(f.engine.committedSteps() == *state);
+  // Steps up to the job's last committed one are over; the next one runs.
+  CHECK(step1(f.engine, "a", 41, values).first.http_status == 409);
+  CHECK(step1(f.engine, "a", 42, values).first.http_status == 200);
+  // Once it has completed a step, a peer's state no longer applies.
+  CHECK(f.engine.adoptCommittedSteps({{"a", 100}, {"c", 5}}) == 0);
+  CHECK(f.engine.committedSteps().at("a") == 42);
+  CHECK(f.engine.committedSteps().count("c") == 0);
+}
+
+TEST_CASE("a malformed job state is refused whole") {
+  auto bad = [](const std::string& text) {
+    return decodeJobState(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  };
+  CHECK_FALSE(bad("").isOk());
+  CHECK_FALSE(bad("[1]").isOk());
+  CHECK_FALSE(bad(R"({"version": 2, "committed": {}})").isOk());
+  CHECK_FALSE(bad(R"({"version": 1})").isOk());
+  CHECK_FALSE(bad(R"({"version": 1, "committed": {"a": -1}})").isOk());
+  CHECK_FALSE(bad(R"({"version": 1, "committed": {"a": 1, "b": "x"}})").isOk());
+  CHECK_FALSE(bad(R"({"version": 1, "committed": {"": 1}})").isOk());
+  CHECK(bad(R"({"version": 1, "committed": {}})").isOk());
+}
