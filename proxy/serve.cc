@@ -22,6 +22,7 @@
 #include "proxy/control_api.h"
 #include "proxy/http_server.h"
 #include "proxy/peer/collective.h"
+#include "proxy/peer/ps_exchange.h"
 #include "proxy/peer/tcp_transport.h"
 #include "proxy/step_engine.h"
 #include "proxy/version.h"
@@ -35,6 +36,24 @@ constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 constexpr unsigned kIoThreads = 1;  // HTTP handling is light; steps run on the engine
 constexpr auto kDrainLimit = std::chrono::seconds(10);
+
+/// A peer's STATE frame: taken while this sidecar has completed nothing (just (re)started).
+void takeJobState(StepEngine& engine, uint32_t from, std::span<const uint8_t> bytes) {
+  auto steps = decodeJobState(bytes);
+  if (!steps) {
+    spdlog::warn("peer: rank {} sent a job state we cannot read: {}", from,
+                 steps.status().message());
+    return;
+  }
+  if (const size_t taken = engine.adoptCommittedSteps(*steps); taken > 0) {
+    uint64_t latest = 0;
+    for (const auto& [name, step] : *steps) latest = std::max(latest, step);
+    spdlog::info(
+        "took the job's step state from rank {}: {} tensor(s), latest committed step {}; their "
+        "next steps must come after it",
+        from, taken, latest);
+  }
+}
 constexpr auto kPollAfterWork = std::chrono::microseconds(50);
 
 std::vector<std::string> environment() {
@@ -108,8 +127,9 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   // The exchange with the other sidecars: none at world size 1, the ring over TCP otherwise.
   LocalExchange local_exchange;
   std::unique_ptr<peer::TcpTransport> transport;
-  std::unique_ptr<peer::RingExchange> ring;
+  std::unique_ptr<Exchange> ring;  // peer::RingExchange or peer::PsExchange
   Exchange* exchange = &local_exchange;
+  peer::Membership membership;  // started once the engine exists (it provides the job state)
   if (config.peer.world_size > 1) {
     auto t = peer::TcpTransport::listen(config.peer.listen.host, config.peer.listen.port,
                                         peer::TcpOptions{}, metrics);
@@ -118,23 +138,29 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
       return kExitFailure;
     }
     transport = std::move(*t);
-    peer::Membership m;
-    m.job_id = config.job_id;
-    m.rank = config.peer.rank;
-    m.world_size = config.peer.world_size;
-    m.peers = config.peer.peers;
-    m.secret = config.peer.secret;
-    if (config.peer.rendezvous) m.rendezvous = config.peer.rendezvous->toString();
-    if (config.peer.advertise) m.advertise = config.peer.advertise->toString();
-    if (auto st = transport->start(std::move(m)); !st.isOk()) {
-      spdlog::error("peer transport: {}", st.message());
-      return kExitFailure;
+    membership.job_id = config.job_id;
+    membership.rank = config.peer.rank;
+    membership.world_size = config.peer.world_size;
+    membership.peers = config.peer.peers;
+    membership.secret = config.peer.secret;
+    if (config.peer.rendezvous) membership.rendezvous = config.peer.rendezvous->toString();
+    if (config.peer.advertise) membership.advertise = config.peer.advertise->toString();
+    const std::chrono::milliseconds peer_timeout(
+        static_cast<int64_t>(config.peer.timeout_s * 1000.0));
+    if (config.peer.topology == "ps") {
+      peer::PsOptions po;
+      po.server_rank = config.peer.ps_rank;
+      po.bounded_staleness = config.peer.synchrony == "bounded-staleness";
+      po.staleness = config.peer.staleness;
+      po.straggler_wait =
+          std::chrono::milliseconds(static_cast<int64_t>(config.peer.straggler_wait_s * 1000.0));
+      po.seed = static_cast<uint32_t>(XXH3_64bits(config.job_id.data(), config.job_id.size()));
+      spdlog::info("topology ps: parameter server rank {}, {}", po.server_rank,
+                   config.peer.synchrony);
+      ring = std::make_unique<peer::PsExchange>(*transport, peer_timeout, po);
+    } else {
+      ring = std::make_unique<peer::RingExchange>(*transport, peer_timeout);
     }
-    spdlog::info("rank {} of {}: peers on {}:{}", config.peer.rank, config.peer.world_size,
-                 config.peer.listen.host, transport->port());
-    ring = std::make_unique<peer::RingExchange>(
-        *transport,
-        std::chrono::milliseconds(static_cast<int64_t>(config.peer.timeout_s * 1000.0)));
     exchange = ring.get();
   }
   EngineOptions eo;
@@ -156,6 +182,18 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
       metrics, *exchange);
   ControlApi api(config, metrics, buffers, engine);
   if (transport) {
+    // The job's step state travels to every peer that connects; a sidecar that has just
+    // (re)started takes it (DESIGN.md §5), so its tensors go on from the job's steps.
+    transport->setJobState([&engine] { return encodeJobState(engine.committedSteps()); },
+                           [&engine](uint32_t from, std::span<const uint8_t> bytes) {
+                             takeJobState(engine, from, bytes);
+                           });
+    if (auto st = transport->start(std::move(membership)); !st.isOk()) {
+      spdlog::error("peer transport: {}", st.message());
+      return kExitFailure;
+    }
+    spdlog::info("rank {} of {}: peers on {}:{}", config.peer.rank, config.peer.world_size,
+                 config.peer.listen.host, transport->port());
     api.setPeers([t = transport.get()] { return t->peersUp(); });
   }
 

@@ -511,27 +511,49 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   uint32_t contributors = exchange_.worldSize();
   bool dense_result = false;
   for (int r = 0; r < rounds; ++r) {
-    const auto tc = Clock::now();
     auto& bufs = t.payloads[static_cast<size_t>(r)];
     bufs.resize(chunks);
     std::vector<std::span<const uint8_t>> mine(chunks);
-    for (size_t c = 0; c < chunks; ++c) {
+    std::vector<char> encoded(chunks, 0);
+    std::span<const uint8_t> previous;
+    if (r > 0) previous = round_payloads.back();
+    double round_compress_us = 0.0;
+    // Compresses chunk c once (each chunk is encoded at most once per analyze()).
+    auto encodeOne = [&](size_t c) -> Result<std::span<const uint8_t>> {
+      if (c >= chunks) return internalError("chunk " + std::to_string(c) + " out of range");
+      if (encoded[c]) return mine[c];
+      const auto tc = Clock::now();
       const size_t max = codec.maxPayloadBytes(chunking.size(c));
       if (bufs[c].size() < max) bufs[c].resize(max);
-      std::span<const uint8_t> previous;
-      if (r > 0) previous = round_payloads.back();
       auto size = codec.encodeChunk(ctx, chunking, c, r, previous, tensor, t.state, t.workspace,
                                     std::span<uint8_t>(bufs[c].data(), max));
-      if (!size) return fail(500, "internal", "compressing: " + size.status().message());
+      if (!size) return internalError("compressing: " + size.status().message());
       mine[c] = {bufs[c].data(), *size};
+      encoded[c] = 1;
       fig.wire_bytes += *size;
+      round_compress_us += microsSince(tc);
+      return mine[c];
+    };
+    const bool lazy = exchange_.encodesLazily();
+    if (!lazy) {
+      for (size_t c = 0; c < chunks; ++c) {
+        if (auto p = encodeOne(c); !p) return fail(500, "internal", p.status().message());
+      }
     }
-    compress_us += microsSince(tc);
     const auto te = Clock::now();
-    ExchangeRound er{t.name, step, r, codec, chunking, mine};
+    const std::span<const std::span<const uint8_t>> given =
+        lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine);
+    ExchangeRound er{t.name, step, r, codec, chunking, given};
+    if (lazy) er.encode = encodeOne;
     auto got = exchange_.run(er);
+    const double round_us = microsSince(te);
     if (!got) return fail(502, "exchange_failed", got.status().message());
-    exchange_us += microsSince(te);
+    // Every chunk's state update happens in its encode: none may be left out.
+    for (size_t c = 0; c < chunks; ++c) {
+      if (auto p = encodeOne(c); !p) return fail(500, "internal", p.status().message());
+    }
+    compress_us += round_compress_us;
+    exchange_us += lazy ? std::max(0.0, round_us - round_compress_us) : round_us;
     if (er.contributors > 0) contributors = er.contributors;
     if (er.dense && rounds > 1) {
       return fail(500, "internal", "a multi-round codec's exchange returned dense payloads");

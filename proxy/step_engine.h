@@ -70,12 +70,21 @@ struct ExchangeRound {
   const kernels::Codec& codec;
   const kernels::Chunking& chunking;
   std::span<const std::span<const uint8_t>> payloads;  // this sidecar's payload of every chunk
+  // Exchanges that say encodesLazily(): instead of `payloads` (then empty), compresses chunk c on
+  // first call and returns its payload (stable until the step ends), so compressing chunk i+1
+  // overlaps sending chunk i. Use payload(c), which covers both.
+  std::function<Result<std::span<const uint8_t>>(size_t)> encode;
   // Set by the exchange: how many sidecars' contributions the returned payloads hold (0 = all of
   // worldSize(); fewer under bounded staleness, where the result is their mean).
   uint32_t contributors = 0;
   // Set by the exchange: the returned payloads are plain fp32 arrays (codec `none`), not the
   // codec's payloads (a sparse allgather switched to a dense allreduce because it was smaller).
   bool dense = false;
+
+  Result<std::span<const uint8_t>> payload(size_t chunk) const {
+    if (encode) return encode(chunk);
+    return payloads[chunk];
+  }
 };
 
 /// The seam to the other sidecars. For each chunk it returns the payloads to decode: the reduced
@@ -86,6 +95,9 @@ class Exchange {
   virtual ~Exchange() = default;
   virtual unsigned worldSize() const = 0;
   virtual Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) = 0;
+  /// Whether run() takes this sidecar's payloads chunk by chunk through ExchangeRound::encode
+  /// (compression overlapping the exchange) rather than all compressed beforehand.
+  virtual bool encodesLazily() const { return false; }
   /// Silent-divergence guard (DESIGN.md §4): compares this sidecar's checksum of a step's result
   /// with every other sidecar's. Returns the ranks whose checksum differs from this one's (empty:
   /// all agree), or an error when the comparison itself failed (a peer down or silent).

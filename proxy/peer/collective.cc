@@ -151,7 +151,9 @@ Result<Spans> RingExchange::denseAllreduce(ExchangeRound& r, uint64_t tensor) {
   const size_t n = r.chunking.elements;
   dense_input_.assign(n, 0.0f);
   for (size_t c = 0; c < r.chunking.count(); ++c) {
-    if (auto s = r.codec.decodeChunk(r.payloads[c], 1.0f, dense_input_.data() + r.chunking.begin(c),
+    auto own = r.payload(c);
+    if (!own) return own.status();
+    if (auto s = r.codec.decodeChunk(*own, 1.0f, dense_input_.data() + r.chunking.begin(c),
                                      r.chunking.size(c));
         !s.isOk()) {
       return internalError("decoding our own chunk " + std::to_string(c) + ": " + s.message());
@@ -200,7 +202,7 @@ RingExchange::Ring RingExchange::ringFor(const ExchangeRound& r) const {
           me,
           (me + 1) % w,
           (me + w - 1) % w,
-          r.payloads.size(),
+          r.chunking.count(),
           deadline_,
           static_cast<uint8_t>(r.codec.traits().id)};
 }
@@ -218,7 +220,10 @@ Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
   };
   // Chains that start here go out first, so every rank has work in flight at once.
   for (size_t c = 0; c < chunks; ++c) {
-    if (position(c) == 0) LW_RETURN_IF_ERROR(send(kPhaseReduce, c, r.payloads[c]));
+    if (position(c) != 0) continue;
+    auto own = r.payload(c);  // compressed now: the previous chunk is on its way meanwhile
+    if (!own) return own.status();
+    LW_RETURN_IF_ERROR(send(kPhaseReduce, c, *own));
   }
   // Reduce-scatter: add our payload to the partial sum from prev; forward it, or keep it (owner).
   // Chunks are taken in the order of this rank's position in their chains (the ring schedule):
@@ -234,13 +239,15 @@ Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
   }
   for (const size_t c : order) {
     const uint32_t pos = position(c);
+    auto own = r.payload(c);  // compressed before waiting: it overlaps the partial's arrival
+    if (!own) return own.status();
     auto got = transport_.receive(
         prev,
         keyOf(tensor, r, kPhaseReduce, static_cast<uint32_t>(c), static_cast<uint32_t>(c % w)),
         deadline);
     if (!got) return got.status();
     std::vector<uint8_t>& sum = sumBuffer(r.codec.maxPayloadBytes(r.chunking.size(c)));
-    auto size = r.codec.addPayloads(got->payload, r.payloads[c], sum);
+    auto size = r.codec.addPayloads(got->payload, *own, sum);
     transport_.recycle(std::move(got->payload));
     if (!size) {
       return dataLoss("chunk " + std::to_string(c) + " from rank " + std::to_string(prev) +
@@ -255,7 +262,11 @@ Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
     }
   }
   if (w == 1) {
-    for (size_t c = 0; c < chunks; ++c) out[c].push_back(r.payloads[c]);
+    for (size_t c = 0; c < chunks; ++c) {
+      auto own = r.payload(c);
+      if (!own) return own.status();
+      out[c].push_back(*own);
+    }
     return out;
   }
   // Allgather: the owners' sums travel on around the ring, nearest owners first (same reason).
@@ -283,11 +294,13 @@ Result<Spans> RingExchange::allgather(ExchangeRound& r, uint64_t tensor) {
   std::vector<std::vector<std::span<const uint8_t>>> by_origin(
       chunks, std::vector<std::span<const uint8_t>>(w));
   for (size_t c = 0; c < chunks; ++c) {
-    by_origin[c][me] = r.payloads[c];
+    auto own = r.payload(c);  // compressed now: the previous chunk is on its way meanwhile
+    if (!own) return own.status();
+    by_origin[c][me] = *own;
     if (w > 1) {
       LW_RETURN_IF_ERROR(transport_.post(
           next, FrameType::kData, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), me),
-          codec, r.payloads[c], deadline));
+          codec, *own, deadline));
     }
   }
   // Hop h brings rank (me - h)'s payloads; each is forwarded unless next is where it started.

@@ -35,6 +35,7 @@ class RingExchange final : public Exchange {
 
   unsigned worldSize() const override { return transport_.worldSize(); }
   Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override;
+  bool encodesLazily() const override { return true; }
   Result<std::vector<uint32_t>> compareResults(const std::string& tensor, uint64_t step,
                                                uint64_t checksum) override;
   void abort(const std::string& tensor, uint64_t step, const std::string& reason) override;

@@ -328,6 +328,22 @@ def test_peer_killed_mid_step_then_rejoins(cluster_factory):
     # Same rank, same port: it rejoins and a later step succeeds with the right result.
     cl[2].kill()  # reaps the killed process's bookkeeping
     cl.launch([2]).wait_ready()
+    # It took the job's step state from its peers (DESIGN.md section 5): step 0 is over for the
+    # job (step 1 failed everywhere), so a trainer resending step 0 there is refused at once.
+    c = cl[2].client(timeout=(2.0, 20.0))
+    deadline = time.monotonic() + 10
+    while True:
+        tensors = {t["name"]: t for t in c.status()["tensors"]}
+        if TENSOR in tensors:
+            break
+        assert time.monotonic() < deadline, (c.status(), cl.stderr([2]))
+        time.sleep(0.05)
+    assert tensors[TENSOR]["last_committed_step"] == 0, tensors
+    with pytest.raises(lightwire.LightwireError) as stale:
+        c.emit_gradient(trainer_input(W, 2, 0, 0), TENSOR, 0)
+    assert stale.value.status == 409, stale.value
+    c.close()
+    assert "took the job's step state from rank" in cl[2].stderr()
     res, _ = run_trainers(cl, {(r, 0): [(2, trainer_input(W, r, 0, 2))] for r in range(W)})
     want = ref.step([trainer_input(W, r, 0, 2) for r in range(W)], 2)
     for r in range(W):

@@ -1,0 +1,117 @@
+#pragma once
+// The `ps` topology (DESIGN.md §4, docs/exchange.md "The ps topology") as the step engine's
+// Exchange: every sidecar pushes its chunk payloads to the parameter-server sidecar (rank
+// PsOptions::server_rank, itself also a worker with trainers of its own), which combines them and
+// broadcasts one payload per chunk back to everyone, so every rank decodes the same bytes.
+//
+//   - summable codecs and every round of multi-round codecs (sync only): the server sums the
+//     payloads in the compressed domain, left fold in rank order ((p0 + p1) + p2) + ...;
+//   - other codecs (and every codec under bounded staleness): the server decodes the payloads into
+//     a dense fp32 sum (rank order), then re-compresses the sum with a server-side codec of its
+//     own (the tensor's settings with momentum 0 and clipping off, its own error-feedback state,
+//     the Philox stream `world_size`), so the downlink is compressed too and what the server's
+//     re-compression drops stays in its residual. The server's state is committed in stepDone()
+//     for a step that was not aborted.
+//
+// Every broadcast payload starts with a small header: u32 LE contributor count, then a bitmap of
+// the ranks whose contribution to this step it holds (ceil(W/8) bytes, bit r % 8 of byte r / 8).
+//
+// bounded staleness: the server closes step t without the sidecars that have not pushed it yet
+// when each of them is within the bound (its latest contribution the server holds is of step
+// >= t - S) and straggler_wait has passed since the last arrival; a late push is folded into the
+// next aggregate the server builds; the divisor is the number of contributions in the sum.
+//
+// Every wait has the exchange deadline; a failure fails the step here and is sent to every peer as
+// an abort (Transport::abortStep).
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "proxy/peer/transport.h"
+#include "proxy/step_engine.h"
+
+namespace lightwire::proxy::peer {
+
+/// Settings of the `ps` topology (config keys peer.ps_rank, peer.synchrony, peer.staleness,
+/// peer.straggler_wait_s). Plain value.
+struct PsOptions {
+  uint32_t server_rank = 0;
+  bool bounded_staleness = false;  // false = sync
+  uint32_t staleness = 2;          // bound S (bounded staleness)
+  std::chrono::milliseconds straggler_wait{20};
+  uint32_t seed = 0;  // job seed (Philox key word 0), as EngineOptions::seed
+};
+
+/// The broadcast header of the `ps` topology (docs/exchange.md): u32 LE contributor count, then
+/// ceil(W/8) bytes of bitmap of the ranks whose contribution to this very step the sum holds.
+struct PsHeader {
+  uint32_t count = 0;
+  std::vector<bool> ranks;  // size W
+};
+size_t psHeaderBytes(uint32_t world_size);
+void appendPsHeader(const PsHeader& h, std::vector<uint8_t>& out);
+/// Parses the header at the start of `payload`; errors when it is short or names ranks >= W.
+Result<PsHeader> parsePsHeader(std::span<const uint8_t> payload, uint32_t world_size);
+
+/// The `ps` topology over a Transport. Used by one engine thread at a time (the engine runs one
+/// step at a time); the spans run() returns stay valid until stepDone() of that step.
+class PsExchange final : public Exchange {
+ public:
+  PsExchange(Transport& transport, std::chrono::milliseconds timeout, PsOptions options);
+  ~PsExchange() override;
+  PsExchange(const PsExchange&) = delete;
+  PsExchange& operator=(const PsExchange&) = delete;
+
+  unsigned worldSize() const override { return transport_.worldSize(); }
+  Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override;
+  /// Through the server: every rank sends its 8-byte checksum to the server, which answers every
+  /// rank with all W checksums (8 W bytes, rank order); each rank names those that differ.
+  Result<std::vector<uint32_t>> compareResults(const std::string& tensor, uint64_t step,
+                                               uint64_t checksum) override;
+  void abort(const std::string& tensor, uint64_t step, const std::string& reason) override;
+  void stepDone(const std::string& tensor, uint64_t step) override;
+
+  bool isServer() const { return transport_.rank() == options_.server_rank; }
+
+ private:
+  using Spans = std::vector<std::vector<std::span<const uint8_t>>>;
+  struct ServerTensor;
+  struct Pending;
+
+  Result<Spans> worker(ExchangeRound& r, uint64_t tensor);
+  Result<Spans> server(ExchangeRound& r, uint64_t tensor);
+  /// Bounded staleness: waits for the step's pushes and late ones; fills `ontime` (per rank, the
+  /// chunk payloads; empty = missing).
+  Status gatherBounded(ExchangeRound& r, uint64_t tensor, ServerTensor& st,
+                       std::chrono::steady_clock::time_point deadline,
+                       std::vector<std::vector<std::vector<uint8_t>>>& ontime,
+                       std::vector<bool>& present);
+  /// The server's codec for the tensor of `r` (created or refreshed), or an error.
+  Status prepareServerCodec(const ExchangeRound& r, ServerTensor& st);
+  Status broadcast(const ExchangeRound& r, uint64_t tensor, const PsHeader& header,
+                   const std::vector<std::span<const uint8_t>>& combined,
+                   std::chrono::steady_clock::time_point deadline, Spans& out);
+  Status fail(uint64_t tensor, uint64_t step, Status s);
+
+  Transport& transport_;
+  std::chrono::milliseconds timeout_;
+  PsOptions options_;
+  // Payload bytes received or computed for the step in progress (spans returned point here).
+  std::vector<std::vector<uint8_t>> held_;
+  // Server only: per tensor name.
+  std::map<std::string, std::unique_ptr<ServerTensor>> tensors_;
+  // Server only: what stepDone() commits for the step whose exchange completed.
+  std::unique_ptr<Pending> pending_;
+  // (tensor, step) aborted here since its run: its server state is not committed.
+  std::optional<std::pair<uint64_t, uint64_t>> aborted_;
+};
+
+}  // namespace lightwire::proxy::peer
