@@ -42,7 +42,9 @@ def _train(state, rank):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
     net, X, y = _task(rank)
-    net = DDP(net)
+    # Small buckets: several per step (the 1153 parameters in 3 buckets), so the sidecars must
+    # run the steps of different tensors in the same order (docs/exchange.md, "Step order").
+    net = DDP(net, bucket_cap_mb=0.002)
     if state is not None:
         net.register_comm_hook(state, lwt.ddp_comm_hook)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
@@ -162,7 +164,7 @@ def test_dgc_learns(ddp_results):
         assert ri["dgc"][0] - ri["dgc"][-1] >= 0.9 * fall, (i, ri["dgc"][-1], ri["plain"][-1])
 
 
-@pytest.mark.xfail(strict=False, reason=(
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
     "issue 5 asks dgc 0.01 to end within 2 % of plain DDP's final loss; measured on this task "
     "(lr 0.05): +9..12 % after 600 steps, +14..21 % after 1500; at lr 0.2: +5..94 % (plain itself "
     "unstable); a 256-feature linear regression: dgc does not settle (+73..130 % at lr 0.05, "

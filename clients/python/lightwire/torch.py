@@ -61,7 +61,11 @@ class LightwireHookState(object):
     ``on_error``: ``"fallback"`` or ``"raise"``. ``process_group``: the group of the fallback
     allreduce (default: the default group). ``name_prefix``: tensor names are
     ``f"{name_prefix}.{bucket_index}"``. ``trainer``: the local trainer index when env
-    ``LOCAL_RANK`` is unset (default 0). ``max_workers``: threads making HTTP calls.
+    ``LOCAL_RANK`` is unset (default 0). ``max_workers``: threads making HTTP calls (default 1:
+    the sidecar runs steps in the order their requests arrive, and every sidecar of the job must
+    run them in the same order; one thread sends the buckets in DDP's launch order, which is the
+    same on every rank. With more threads, two buckets can reach two sidecars in opposite orders
+    and both steps then wait for each other until the exchange deadline).
 
     Counters: ``fallbacks`` (buckets averaged by the process group instead), ``sidecar_steps``
     (buckets averaged by the sidecar), ``fallbacks_reported``; ``last_reply`` is the last
@@ -69,7 +73,7 @@ class LightwireHookState(object):
     """
 
     def __init__(self, client=None, on_error="fallback", process_group=None, name_prefix="bucket",
-                 trainer=None, max_workers=2):
+                 trainer=None, max_workers=1):
         if on_error not in ("fallback", "raise"):
             raise ValueError("on_error must be 'fallback' or 'raise', got %r" % (on_error,))
         self.client = client if client is not None else Client()
@@ -86,7 +90,7 @@ class LightwireHookState(object):
         self.last_error = None
         self._slots = {}           # bucket index -> _Slot
         self._lock = threading.Lock()
-        # HTTP calls run in a small pool; completions (and fallback collectives) run in one
+        # HTTP calls run in one thread (see max_workers); completions (and fallback collectives) run in one
         # thread, in the order DDP launched the buckets (bucket index order, the same on every
         # rank), so fallback allreduces are issued in the same order on every rank.
         self._http = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="lightwire-http")
