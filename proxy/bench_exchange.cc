@@ -170,6 +170,8 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
                 "--peer-listen",    "127.0.0.1:" + std::to_string(ports[r]),
                 "--threads",        "1",
                 "--codec",          s.codec,
+                "--transport",      s.transport,
+                "--topology",       s.topology,
                 "--max-body-bytes", max_body};
       o.args.insert(o.args.end(), s.codec_args.begin(), s.codec_args.end());
       o.env = {{"LIGHTWIRE_PEER__SECRET", secret}};
@@ -326,7 +328,8 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
         {"elements", N},
         {"steps", K},
         {"threads_per_sidecar", 1},
-        {"transport", "tcp loopback"},
+        {"transport", s.transport + " loopback"},
+        {"topology", s.topology},
         {"raw_bytes", bytes},
         {"seconds_per_step", sps},
         {"seconds_per_step_min", *std::min_element(step_s.begin(), step_s.end())},

@@ -22,7 +22,9 @@ struct ExchangeBenchSettings {
   /// The same parameters for the report (flag name without dashes, value).
   std::vector<std::pair<std::string, std::string>> codec_params;
   size_t elements = 0;
-  int steps = 5;  // timed steps (one more, untimed, runs first)
+  int steps = 5;                  // timed steps (one more, untimed, runs first)
+  std::string transport = "tcp";  // peer.transport of every sidecar: tcp | ucx
+  std::string topology = "ring";  // peer.topology: ring | ps (server rank 0)
   bool json = false;
 };
 

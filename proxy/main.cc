@@ -213,6 +213,11 @@ int run(int argc, char** argv) {
       ->add_option("--steps", x_steps, "Timed steps (after one untimed); the median is reported")
       ->check(CLI::Range(1, 100000));
   exchange->add_flag("--json", xf.json, "One JSON object");
+  std::string x_transport = "tcp", x_topology = "ring";
+  exchange->add_option("--transport", x_transport, "Peer transport of the sidecars (tcp, ucx)")
+      ->check(CLI::IsMember({"tcp", "ucx"}));
+  exchange->add_option("--topology", x_topology, "ring, or ps (parameter server: rank 0)")
+      ->check(CLI::IsMember({"ring", "ps"}));
 
   int rc = 0;
   exchange->callback([&] {
@@ -231,6 +236,8 @@ int run(int argc, char** argv) {
     xs.elements = xf.elements;
     xs.steps = x_steps;
     xs.json = xf.json;
+    xs.transport = x_transport;
+    xs.topology = x_topology;
     auto param = [&](const char* flag, const std::string& value) {
       xs.codec_args.push_back(std::string("--") + flag);
       xs.codec_args.push_back(value);
