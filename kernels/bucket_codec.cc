@@ -414,7 +414,7 @@ class BucketCodec final : public Codec {
     const auto l = bucketLayout(n, bucket_, info_);
     return std::max<size_t>(l ? l->total : 0, kHeaderBytes + 4 * n);
   }
-  std::optional<size_t> nominalPayloadBytes(size_t n) const override {
+  std::optional<size_t> nominalPayloadBytes(size_t n, std::optional<double>) const override {
     const auto l = bucketLayout(n, bucket_, info_);  // the packed size every step has
     if (!l) return std::nullopt;
     return l->total;

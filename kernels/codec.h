@@ -135,7 +135,9 @@ class Codec {
   /// configuration, not the data), or nullopt when it cannot be told in advance (threshold
   /// selection). The exchange uses it to choose between gathering payloads and a dense
   /// allreduce. Default: the upper bound for dense and quantised codecs, nullopt for sparse ones.
-  virtual std::optional<size_t> nominalPayloadBytes(size_t chunk_elements) const {
+  /// `density`: the step's density override of selection codecs (StepContext::density), if any.
+  virtual std::optional<size_t> nominalPayloadBytes(
+      size_t chunk_elements, std::optional<double> /*density*/ = std::nullopt) const {
     if (traits().sparse) return std::nullopt;
     return maxPayloadBytes(chunk_elements);
   }

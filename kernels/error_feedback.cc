@@ -22,8 +22,9 @@ class ErrorFeedbackCodec final : public Codec {
   size_t stateFloats(size_t n) const override { return n; }
   size_t workspaceBytes(const Chunking& c) const override { return inner_->workspaceBytes(c); }
   size_t maxPayloadBytes(size_t n) const override { return inner_->maxPayloadBytes(n); }
-  std::optional<size_t> nominalPayloadBytes(size_t n) const override {
-    return inner_->nominalPayloadBytes(n);
+  std::optional<size_t> nominalPayloadBytes(size_t n,
+                                            std::optional<double> density) const override {
+    return inner_->nominalPayloadBytes(n, density);
   }
 
   Status doAnalyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,

@@ -526,6 +526,13 @@ std::vector<KeyImpl> makeKeyTable() {
       "listener's port on the address rank 0 sees the connection come from)",
       [](C& c, std::string_view s) { return setListen(s, c.peer.advertise); },
       [](const C& c) { return listenJson(c.peer.advertise); });
+  add("schedule.warmup_steps", "--warmup-steps", "integer >= 0", "0",
+      "DGC warm-up: over each tensor's first N steps, topk/dgc/randomk send at least 25 %, "
+      "6.25 %, 1.5625 %, 0.39 %, 0.098 % of the elements (five equal stages), then their own "
+      "density (0 = off)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.schedule.warmup_steps; }, 0,
+                        std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.schedule.warmup_steps); });
   add("compression.chunk_elements", "--chunk-elements", "integer >= 1", "1048576",
       "Elements per chunk (rounded up to the codec's alignment)",
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.compression.chunk_elements; }, 1,

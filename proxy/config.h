@@ -80,6 +80,11 @@ struct ServeConfig {
   std::string token;  // secret: "" = no bearer token
   CompressionConfig compression;
 
+  /// Schedules (DESIGN.md §5): functions of the step, so every sidecar applies them alike.
+  struct Schedule {
+    uint64_t warmup_steps = 0;  // DGC warm-up over each tensor's first N steps (0 = off)
+  } schedule;
+
   /// Membership of the job (DESIGN.md §4): sidecars, i.e. nodes, not trainers.
   struct Peer {
     uint32_t rank = 0;

@@ -173,6 +173,7 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   eo.seed = static_cast<uint32_t>(XXH3_64bits(config.job_id.data(), config.job_id.size()));
   eo.rank = config.peer.rank;
   eo.checksum_every = config.peer.checksum_every;
+  eo.warmup_steps = config.schedule.warmup_steps;
   auto compression = std::make_shared<const CompressionConfig>(config.compression);
   StepEngine engine(
       eo,

@@ -492,6 +492,16 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   ctx.rank = options_.rank;
   ctx.stream = &stream_;
   ctx.shape = p.shape;
+  // Schedules: the warm-up density, where it asks for more than the codec's own.
+  if (const auto id = codec.traits().id; id == kernels::CodecId::kTopk ||
+                                         id == kernels::CodecId::kDgc ||
+                                         id == kernels::CodecId::kRandomk) {
+    const auto& cc = codec.config();
+    const double target = cc.density ? *cc.density : (cc.ratio ? 1.0 / *cc.ratio : 1.0);
+    if (const auto d = warmupDensity(step, options_.warmup_steps); d && *d > target) {
+      ctx.density = *d;
+    }
+  }
   const kernels::ConstTensor tensor{input, n, DType::kF32};
   const kernels::Chunking chunking = kernels::chunkingFor(codec, n, options_.chunk_elements);
   // The whole-tensor phase (error feedback, momentum, thresholds) is part of compressing.
@@ -544,6 +554,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     const std::span<const std::span<const uint8_t>> given =
         lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine);
     ExchangeRound er{t.name, step, r, codec, chunking, given};
+    er.density = ctx.density;
     if (lazy) er.encode = encodeOne;
     auto got = exchange_.run(er);
     const double round_us = microsSince(te);
@@ -668,6 +679,14 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
                                              static_cast<double>(fig.wire_bytes));
   }
   return out;
+}
+
+std::optional<double> warmupDensity(uint64_t step, uint64_t warmup_steps) {
+  if (warmup_steps == 0 || step >= warmup_steps) return std::nullopt;
+  const uint64_t stage = std::min<uint64_t>(4, step * 5 / warmup_steps);
+  double d = 0.25;
+  for (uint64_t i = 0; i < stage; ++i) d *= 0.25;
+  return d;
 }
 
 std::vector<uint8_t> encodeJobState(const std::map<std::string, uint64_t>& committed) {

@@ -74,6 +74,9 @@ struct ExchangeRound {
   // first call and returns its payload (stable until the step ends), so compressing chunk i+1
   // overlaps sending chunk i. Use payload(c), which covers both.
   std::function<Result<std::span<const uint8_t>>(size_t)> encode;
+  // The step's density of selection codecs when a schedule overrides the configured one (the same
+  // on every sidecar: a function of the step).
+  std::optional<double> density;
   // Set by the exchange: how many sidecars' contributions the returned payloads hold (0 = all of
   // worldSize(); fewer under bounded staleness, where the result is their mean).
   uint32_t contributors = 0;
@@ -132,6 +135,9 @@ struct EngineOptions {
   uint32_t seed = 0;  // Philox key word 0 (job seed: the same on every sidecar of a job)
   uint32_t rank = 0;  // this sidecar's rank: its per-rank random streams (qsgd rounding, ...)
   uint64_t checksum_every = 100;  // compare result checksums every N steps of a tensor (0 = off)
+  // DGC warm-up (DESIGN.md §5): over a tensor's first warmup_steps steps, selection codecs send
+  // at least 25 %, 6.25 %, 1.5625 %, 0.39 %, 0.098 % (five equal stages), then their own density.
+  uint64_t warmup_steps = 0;
 };
 
 /// Runs steps, one at a time. submit() is thread-safe; it never waits for other trainers, and it
@@ -198,6 +204,10 @@ class StepEngine {
 std::vector<uint8_t> encodeJobState(const std::map<std::string, uint64_t>& committed);
 /// Parses and checks a peer's job state (any malformed input is an error, nothing taken).
 Result<std::map<std::string, uint64_t>> decodeJobState(std::span<const uint8_t> bytes);
+
+/// The density the DGC warm-up prescribes for `step` of `warmup_steps` (nullopt after it): stage
+/// i = step * 5 / warmup_steps sends 0.25^(i+1).
+std::optional<double> warmupDensity(uint64_t step, uint64_t warmup_steps);
 
 /// The API name of a dtype ("float32", ...).
 const char* apiDTypeName(kernels::DType t);

@@ -119,7 +119,7 @@ class QsgdCodec final : public Codec {
     const auto l = qsgdLayout(n, bucket_, bits_);
     return std::max<size_t>(l ? l->total : 0, kHeaderBytes + 4 * n);
   }
-  std::optional<size_t> nominalPayloadBytes(size_t n) const override {
+  std::optional<size_t> nominalPayloadBytes(size_t n, std::optional<double>) const override {
     const auto l = qsgdLayout(n, bucket_, bits_);  // the packed size every step has
     if (!l) return std::nullopt;
     return l->total;

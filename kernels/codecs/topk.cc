@@ -34,9 +34,11 @@ class TopkCodec final : public Codec {
   size_t maxPayloadBytes(size_t n) const override {
     return sparseMaxPayloadBytes(n, config_.sparse_values);
   }
-  std::optional<size_t> nominalPayloadBytes(size_t n) const override {
+  std::optional<size_t> nominalPayloadBytes(size_t n,
+                                            std::optional<double> density) const override {
     // k = density * n pairs; an index costs at most 4 bytes (gap coding usually needs less).
-    const size_t k = std::min(n, static_cast<size_t>(std::ceil(density_ * static_cast<double>(n))));
+    const double d = density.value_or(density_);
+    const size_t k = std::min(n, static_cast<size_t>(std::ceil(d * static_cast<double>(n))));
     return std::min(maxPayloadBytes(n), 64 + k * (4 + dtypeSize(config_.sparse_values)));
   }
 

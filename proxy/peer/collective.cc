@@ -137,7 +137,7 @@ bool RingExchange::denseIsSmaller(const ExchangeRound& r) const {
   uint64_t gathered = 0, dense = 0;
   for (size_t c = 0; c < r.chunking.count(); ++c) {
     const size_t len = r.chunking.size(c);
-    const auto nominal = r.codec.nominalPayloadBytes(len);
+    const auto nominal = r.codec.nominalPayloadBytes(len, r.density);
     if (!nominal) return false;
     gathered += *nominal;
     dense += denseCodec().maxPayloadBytes(len);

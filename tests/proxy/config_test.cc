@@ -131,6 +131,7 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"peer.timeout_s", {"1.5", "2.5", "3.5"}},
       {"peer.checksum_every", {"0", "10", "1000"}},
       {"peer.transport", {"ucx", "tcp", "ucx"}},
+      {"schedule.warmup_steps", {"50", "100", "5000"}},
       {"peer.topology", {"ps", "ring", "ps"}},
       {"peer.ps_rank", {"1", "2", "3"}},
       {"peer.synchrony", {"bounded-staleness", "sync", "bounded-staleness"}},

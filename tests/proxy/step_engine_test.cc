@@ -463,3 +463,39 @@ TEST_CASE("a malformed job state is refused whole") {
   CHECK_FALSE(bad(R"({"version": 1, "committed": {"": 1}})").isOk());
   CHECK(bad(R"({"version": 1, "committed": {}})").isOk());
 }
+
+TEST_CASE("DGC warm-up: five stages of decreasing density, then the codec's own") {
+  CHECK(!warmupDensity(0, 0));
+  CHECK(*warmupDensity(0, 10) == 0.25);
+  CHECK(*warmupDensity(1, 10) == 0.25);
+  CHECK(*warmupDensity(2, 10) == 0.0625);
+  CHECK(*warmupDensity(5, 10) == 0.015625);
+  CHECK(*warmupDensity(9, 10) == 0.25 * 0.25 * 0.25 * 0.25 * 0.25);
+  CHECK(!warmupDensity(10, 10));
+  EngineOptions o = withTrainers(1);
+  o.warmup_steps = 10;
+  kernels::CodecConfig topk;
+  topk.name = "topk";
+  topk.density = 0.01;
+  Fixture f(o, always(topk));
+  const auto values = randomValues(100000, 3);
+  std::map<uint64_t, uint64_t> wire;
+  for (uint64_t step : {0, 2, 4, 6, 8, 10, 11}) {
+    auto [outcome, result] = step1(f.engine, "w", step, values);
+    REQUIRE_MESSAGE(outcome.http_status == 200, outcome.message);
+    wire[step] = outcome.figures.wire_bytes;
+  }
+  // 25 % -> 6.25 % -> 1.5625 % (payload bytes scale with the pairs sent), then the codec's 1 %
+  // (stage 4's 0.39 % is below it).
+  CHECK(wire[0] > 3 * wire[2]);
+  CHECK(wire[2] > 3 * wire[4]);
+  CHECK(wire[4] > wire[6]);
+  // Same k from step 6 on (the size varies a little with the gap coding of the indices).
+  auto near = [&](uint64_t a, uint64_t b) {
+    return wire[a] * 10 > wire[b] * 9 && wire[b] * 10 > wire[a] * 9;
+  };
+  CHECK(near(6, 10));
+  CHECK(near(8, 10));
+  CHECK(near(10, 11));
+  CHECK(wire[0] > 15 * wire[10]);
+}
