@@ -486,8 +486,8 @@ std::vector<KeyImpl> makeKeyTable() {
     };
   };
   add("peer.transport", "--transport", "tcp | ucx", "tcp",
-      "How the sidecars reach each other: TCP (Boost.Asio) or UCX (RDMA where the hardware has "
-      "it, else TCP or shared memory; UCX_TLS selects)",
+      "How the sidecars reach each other: TCP (Boost.Asio) or UCX (its transports as UCX_TLS "
+      "allows: RDMA where the hardware has it, else TCP; needs peer.peers)",
       oneOf({"tcp", "ucx"}, &C::Peer::transport),
       [](const C& c) { return json::value(c.peer.transport); });
   add("peer.topology", "--topology", "ring | ps", "ring",
@@ -1022,6 +1022,11 @@ Status checkMembership(const ServeConfig& c) {
   }
   if (p.rendezvous && !p.peers.empty()) {
     return invalidArgument("give peer.peers or peer.rendezvous, not both");
+  }
+  if (p.rendezvous && p.transport == "ucx") {
+    return invalidArgument(
+        "peer.rendezvous is served by the tcp transport: with peer.transport "
+        "ucx give peer.peers");
   }
   if (p.secret.empty()) {
     return invalidArgument("peer.secret must be set when world_size > 1 (LIGHTWIRE_PEER__SECRET)");

@@ -24,6 +24,9 @@
 #include "proxy/peer/collective.h"
 #include "proxy/peer/ps_exchange.h"
 #include "proxy/peer/tcp_transport.h"
+#if LIGHTWIRE_HAVE_UCX
+#include "proxy/peer/ucx_transport.h"
+#endif
 #include "proxy/step_engine.h"
 #include "proxy/version.h"
 
@@ -36,6 +39,31 @@ constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 constexpr unsigned kIoThreads = 1;  // HTTP handling is light; steps run on the engine
 constexpr auto kDrainLimit = std::chrono::seconds(10);
+
+/// The configured peer transport, listening.
+Result<std::unique_ptr<peer::Transport>> listenForPeers(const ServeConfig& config,
+                                                        metrics::Metrics& metrics) {
+  const auto& l = config.peer.listen;
+  if (config.peer.transport == "ucx") {
+#if LIGHTWIRE_HAVE_UCX
+    if (config.peer.rendezvous) {
+      return invalidArgument(
+          "peer.rendezvous is served by the tcp transport; with ucx give "
+          "peer.peers");
+    }
+    auto t = peer::UcxTransport::listen(l.host, l.port, peer::UcxOptions{}, metrics);
+    if (!t) return t.status();
+    return std::unique_ptr<peer::Transport>(std::move(*t));
+#else
+    return failedPrecondition(
+        "this lightwire was built without UCX (install libucx-dev and rebuild); use "
+        "peer.transport tcp");
+#endif
+  }
+  auto t = peer::TcpTransport::listen(l.host, l.port, peer::TcpOptions{}, metrics);
+  if (!t) return t.status();
+  return std::unique_ptr<peer::Transport>(std::move(*t));
+}
 
 /// A peer's STATE frame: taken while this sidecar has completed nothing (just (re)started).
 void takeJobState(StepEngine& engine, uint32_t from, std::span<const uint8_t> bytes) {
@@ -124,17 +152,18 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
       config.threads ? config.threads : std::max(1u, std::thread::hardware_concurrency());
   metrics::Metrics metrics;
   ipc::BufferTable buffers(static_cast<size_t>(config.limits.max_buffers));
-  // The exchange with the other sidecars: none at world size 1, the ring over TCP otherwise.
+  // The exchange with the other sidecars: none at world size 1, else the configured topology over
+  // the configured transport.
   LocalExchange local_exchange;
-  std::unique_ptr<peer::TcpTransport> transport;
+  std::unique_ptr<peer::Transport> transport;
   std::unique_ptr<Exchange> ring;  // peer::RingExchange or peer::PsExchange
   Exchange* exchange = &local_exchange;
   peer::Membership membership;  // started once the engine exists (it provides the job state)
   if (config.peer.world_size > 1) {
-    auto t = peer::TcpTransport::listen(config.peer.listen.host, config.peer.listen.port,
-                                        peer::TcpOptions{}, metrics);
+    auto t = listenForPeers(config, metrics);
     if (!t) {
-      spdlog::error("peer listener {}: {}", config.peer.listen.toString(), t.status().message());
+      spdlog::error("peer listener {} ({}): {}", config.peer.listen.toString(),
+                    config.peer.transport, t.status().message());
       return kExitFailure;
     }
     transport = std::move(*t);

@@ -10,7 +10,7 @@ packages=(
   meson ninja-build pkg-config g++
   # libraries
   libboost1.81-dev libboost-json1.81-dev prometheus-cpp-dev libyaml-cpp-dev libcli11-dev
-  libspdlog-dev libxxhash-dev libssl-dev libhwy-dev librandom123-dev
+  libspdlog-dev libxxhash-dev libssl-dev libhwy-dev librandom123-dev libucx-dev
   # tests (doctest; the numpy reference implementation behind the golden payloads; the Python
   # client's tests and the demo's trainer: PyTorch and pytest)
   doctest-dev python3-numpy python3-xxhash python3-torch python3-pytest

@@ -48,12 +48,12 @@ class TcpTransport final : public Transport {
   TcpTransport& operator=(const TcpTransport&) = delete;
 
   /// The port listened on.
-  uint16_t port() const;
+  uint16_t port() const override;
 
   /// Validates the membership, starts the I/O thread, accepts connections from lower ranks and
   /// connects to every higher rank (retrying with backoff until it succeeds, and after a loss).
   /// Returns at once; see allConnected(). Once only.
-  Status start(Membership membership);
+  Status start(Membership membership) override;
 
   uint32_t rank() const override;
   uint32_t worldSize() const override;

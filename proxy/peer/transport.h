@@ -2,8 +2,8 @@
 // The seam between the collectives and the wire (DESIGN.md §4): a Transport connects this
 // sidecar to every other sidecar of the job, authenticates them, and moves frames. Collectives
 // (proxy/peer/collective.h) only send frames to a rank and wait for the frame with a given key
-// from a rank, with a deadline. Implementations: `tcp` (Boost.Asio, proxy/peer/tcp_transport.h);
-// `ucx` later, with the same file names.
+// from a rank, with a deadline. Implementations: `tcp` (Boost.Asio, proxy/peer/tcp_transport.h)
+// and `ucx` (UCX ucp active messages, proxy/peer/ucx_transport.h).
 
 #include <chrono>
 #include <cstdint>
@@ -70,6 +70,11 @@ struct Membership {
 class Transport {
  public:
   virtual ~Transport() = default;
+  /// The port the transport listens on (bound at creation).
+  virtual uint16_t port() const = 0;
+  /// Validates the membership and starts connecting (returns at once; see allConnected()).
+  /// Once only.
+  virtual Status start(Membership membership) = 0;
   virtual uint32_t rank() const = 0;
   virtual uint32_t worldSize() const = 0;
 

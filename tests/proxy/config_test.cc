@@ -639,17 +639,21 @@ TEST_CASE("config: membership keys agree with each other; the job secret is neve
                                            {"peer.secret", "x"},
                                            {"peer.rendezvous", "a:1"}}));
   CHECK(contains(both.message(), "not both"));
+  const auto ucx_rendezvous = checkMembership(build({{"world_size", "2"},
+                                                     {"peer.secret", "x"},
+                                                     {"peer.transport", "ucx"},
+                                                     {"peer.rendezvous", "a:1"}}));
+  CHECK(contains(ucx_rendezvous.message(), "served by the tcp transport"));
   const ServeConfig rdv = build({{"rank", "3"},
                                  {"world_size", "4"},
                                  {"peer.secret", "x"},
                                  {"peer.rendezvous", "10.0.0.1:4781"},
-                                 {"peer.transport", "ucx"},
                                  {"peer.topology", "ps"},
                                  {"peer.synchrony", "bounded-staleness"},
                                  {"peer.staleness", "3"}});
   CHECK(checkMembership(rdv).isOk());
   CHECK(rdv.peer.rendezvous->toString() == "10.0.0.1:4781");
-  CHECK(rdv.peer.transport == "ucx");
+  CHECK(rdv.peer.topology == "ps");
   CHECK(rdv.peer.staleness == 3);
   auto bad_transport =
       buildServeConfig(std::nullopt, {}, flagsOf({{"peer.transport", "carrier-pigeon"}}), nullptr);

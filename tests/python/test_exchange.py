@@ -179,9 +179,10 @@ def assert_bitwise(got, want, what):
                        float(w.view(np.float32)[i]), int(w[i])))
 
 
-def check_exchange(cluster_factory, world, key, local_trainers=1, steps=STEPS):
+def check_exchange(cluster_factory, world, key, local_trainers=1, steps=STEPS, extra=()):
     codec, flags, over = CODECS[key]
-    cl = cluster_factory(world, codec=codec, codec_args=flags, local_trainers=local_trainers)
+    cl = cluster_factory(world, codec=codec, codec_args=flags, local_trainers=local_trainers,
+                         extra=extra)
     shape = SHAPE if codec == "powersgd" else None
     ref = Reference(ref_cfg(codec, **over), world, local_trainers, shape=shape)
     jobs = {}
@@ -223,6 +224,19 @@ def test_exchange_matches_reference(cluster_factory, world, key):
 @pytest.mark.parametrize("key", ["none", "topk"])
 def test_two_local_trainers_per_node(cluster_factory, key):
     check_exchange(cluster_factory, 2, key, local_trainers=2)
+
+
+UCX_CASES = [(3, "none"), (3, "topk"), (3, "qsgd8"), (3, "powersgd"), (2, "dgc"), (4, "fp16")]
+
+
+@pytest.mark.parametrize("tls", ["tcp", "sm,tcp"])
+@pytest.mark.parametrize("world,key", UCX_CASES, ids=["W%d-%s" % c for c in UCX_CASES])
+def test_exchange_over_ucx(cluster_factory, monkeypatch, world, key, tls):
+    """The same results through the `ucx` transport (UCX_TLS as given; with sm,tcp the connection
+    manager still picks tcp on loopback, docs/peer-protocol.md)."""
+    monkeypatch.setenv("UCX_TLS", tls)
+    monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
+    check_exchange(cluster_factory, world, key, extra=["--transport", "ucx"])
 
 
 # ------------------------------------------------------------------------------------------------
