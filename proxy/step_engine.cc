@@ -517,6 +517,41 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   t.payloads.resize(static_cast<size_t>(rounds));
   std::vector<std::vector<std::span<const uint8_t>>> reduced;  // per chunk: payloads to decode
   std::vector<std::span<const uint8_t>> round_payloads;        // multi-round: reduced per round
+  // One fp32 trainer whose step has one round: decode straight into its buffer (its values were
+  // read by the encoder already), which saves a pass over the result.
+  const bool in_place = trainers == 1 && p.dtype == DType::kF32 && rounds == 1;
+  float* result = nullptr;
+  if (in_place) {
+    result = reinterpret_cast<float*>(p.parts[0]->data);
+  } else {
+    t.result.resize(n);
+    result = t.result.data();
+  }
+  std::atomic<bool> nonfinite_seen{false};
+  auto scan = [&](size_t lo, size_t hi) {  // exponent all ones: Inf or NaN (vectorises)
+    uint32_t bad = 0;
+    for (size_t i = lo; i < hi; ++i) {
+      uint32_t u;
+      std::memcpy(&u, result + i, sizeof u);
+      bad |= static_cast<uint32_t>((u & 0x7F800000u) == 0x7F800000u);
+    }
+    if (bad != 0) nonfinite_seen.store(true, std::memory_order_relaxed);
+  };
+  // Decodes chunk c's final payloads into its range of the result (zeroed first), then scans it.
+  auto decodeInto = [&](size_t c, std::span<const std::span<const uint8_t>> list,
+                        const kernels::Codec& decoder, float weight) -> std::string {
+    const size_t begin = chunking.begin(c), len = chunking.size(c);
+    std::fill_n(result + begin, len, 0.0f);
+    for (const auto& payload : list) {
+      if (auto st = decoder.decodeChunk(payload, weight, result + begin, len); !st.isOk()) {
+        return "chunk " + std::to_string(c) + ": " + st.message();
+      }
+    }
+    scan(begin, begin + len);
+    return "";
+  };
+  std::vector<char> decoded(chunks, 0);  // decoded during the exchange (ExchangeRound::on_chunk)
+  double early_decode_us = 0.0;
   double exchange_us = 0.0, compress_us = analyze_us;
   uint32_t contributors = exchange_.worldSize();
   bool dense_result = false;
@@ -555,6 +590,19 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
         lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine);
     ExchangeRound er{t.name, step, r, codec, chunking, given};
     er.density = ctx.density;
+    if (rounds == 1) {
+      // A chunk whose payloads are final is decoded at once, while later chunks still travel.
+      er.on_chunk = [&](size_t c, std::span<const std::span<const uint8_t>> list) -> Status {
+        if (c >= chunks || decoded[c]) return internalError("chunk decoded twice or unknown");
+        const auto td = Clock::now();
+        const float w = 1.0f / static_cast<float>(exchange_.worldSize() * trainers);
+        std::string e = decodeInto(c, list, er.dense ? denseCodec() : codec, w);
+        early_decode_us += microsSince(td);
+        if (!e.empty()) return dataLoss("decompressing: " + e);
+        decoded[c] = 1;
+        return Status::ok();
+      };
+    }
     if (lazy) er.encode = encodeOne;
     auto got = exchange_.run(er);
     const double round_us = microsSince(te);
@@ -564,7 +612,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       if (auto p = encodeOne(c); !p) return fail(500, "internal", p.status().message());
     }
     compress_us += round_compress_us;
-    exchange_us += lazy ? std::max(0.0, round_us - round_compress_us) : round_us;
+    exchange_us += std::max(0.0, round_us - (lazy ? round_compress_us : 0.0) - early_decode_us);
     if (er.contributors > 0) contributors = er.contributors;
     if (er.dense && rounds > 1) {
       return fail(500, "internal", "a multi-round codec's exchange returned dense payloads");
@@ -588,26 +636,6 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   const float weight = 1.0f / static_cast<float>(contributors * trainers);
   // A sparse allgather the exchange switched to a dense allreduce returns plain fp32 sums.
   const kernels::Codec& decoder = dense_result ? denseCodec() : codec;
-  // One fp32 trainer whose step has one round: decode straight into its buffer (its values were
-  // read by the encoder already), which saves a pass over the result.
-  const bool in_place = trainers == 1 && p.dtype == DType::kF32 && rounds == 1;
-  float* result = nullptr;
-  if (in_place) {
-    result = reinterpret_cast<float*>(p.parts[0]->data);
-  } else {
-    t.result.resize(n);
-    result = t.result.data();
-  }
-  std::atomic<bool> nonfinite_seen{false};
-  auto scan = [&](size_t lo, size_t hi) {  // exponent all ones: Inf or NaN (vectorises)
-    uint32_t bad = 0;
-    for (size_t i = lo; i < hi; ++i) {
-      uint32_t u;
-      std::memcpy(&u, result + i, sizeof u);
-      bad |= static_cast<uint32_t>((u & 0x7F800000u) == 0x7F800000u);
-    }
-    if (bad != 0) nonfinite_seen.store(true, std::memory_order_relaxed);
-  };
   if (rounds > 1) {
     std::fill_n(result, n, 0.0f);
     if (auto s = codec.decodeRounds(round_payloads, weight, result, n); !s.isOk()) {
@@ -623,16 +651,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     std::vector<std::string> errors(chunks);
     kernels::parallelFor(&stream_, chunks, 1, [&](size_t lo, size_t hi) {
       for (size_t c = lo; c < hi; ++c) {
-        const size_t begin = chunking.begin(c), len = chunking.size(c);
-        std::fill_n(result + begin, len, 0.0f);
-        for (const auto& payload : reduced[c]) {
-          auto st = decoder.decodeChunk(payload, weight, result + begin, len);
-          if (!st.isOk()) {
-            errors[c] = "chunk " + std::to_string(c) + ": " + st.message();
-            break;
-          }
-        }
-        scan(begin, begin + len);
+        if (!decoded[c]) errors[c] = decodeInto(c, reduced[c], decoder, weight);
       }
     });
     for (const auto& e : errors) {
@@ -667,7 +686,8 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     }
   }
   if (!nonfinite) t.state.commit();
-  fig.durations_us[static_cast<size_t>(metrics::Stage::kDecompress)] = microsSince(t2);
+  fig.durations_us[static_cast<size_t>(metrics::Stage::kDecompress)] =
+      microsSince(t2) + early_decode_us;
   fig.durations_us[static_cast<size_t>(metrics::Stage::kTotal)] = microsSince(t0);
 
   metrics_.raw_bytes.Increment(static_cast<double>(fig.raw_bytes));

@@ -77,6 +77,12 @@ struct ExchangeRound {
   // The step's density of selection codecs when a schedule overrides the configured one (the same
   // on every sidecar: a function of the step).
   std::optional<double> density;
+  // Optional (set by the engine for single-round codecs): the exchange may call it as soon as
+  // chunk c's payloads to decode are final — the same list run() returns for c, which must stay
+  // valid — so decoding overlaps the rest of the exchange. An error fails the exchange. Chunks it
+  // was not called for are decoded after run(). Exchanges that set `contributors` below
+  // worldSize() must not call it.
+  std::function<Status(size_t, std::span<const std::span<const uint8_t>>)> on_chunk;
   // Set by the exchange: how many sidecars' contributions the returned payloads hold (0 = all of
   // worldSize(); fewer under bounded staleness, where the result is their mean).
   uint32_t contributors = 0;

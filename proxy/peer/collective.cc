@@ -166,10 +166,10 @@ Result<Spans> RingExchange::denseAllreduce(ExchangeRound& r, uint64_t tensor) {
   if (!payloads) return internalError("dense payloads: " + payloads.status().message());
   dense_payloads_ = std::move(*payloads);
   std::vector<std::span<const uint8_t>> mine(dense_payloads_.begin(), dense_payloads_.end());
+  r.dense = true;  // before allreduce: r.on_chunk decodes these sums as codec `none`
   ExchangeRound dense{r.tensor, r.step, r.round, denseCodec(), r.chunking, mine};
-  auto out = allreduce(dense, tensor);
-  r.dense = true;
-  return out;
+  dense.on_chunk = r.on_chunk;
+  return allreduce(dense, tensor);
 }
 
 std::span<const uint8_t> RingExchange::keep(std::vector<uint8_t> received) {
@@ -259,6 +259,7 @@ Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
     } else {  // this rank owns chunk c: the sum is complete
       out[c].push_back(sums[c]);
       LW_RETURN_IF_ERROR(send(kPhaseGather, c, sums[c]));
+      if (r.on_chunk) LW_RETURN_IF_ERROR(r.on_chunk(c, out[c]));
     }
   }
   if (w == 1) {
@@ -284,6 +285,7 @@ Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
     const auto sum = keep(std::move(got->payload));
     out[c].push_back(sum);
     if (next != owner) LW_RETURN_IF_ERROR(send(kPhaseGather, c, sum));
+    if (r.on_chunk) LW_RETURN_IF_ERROR(r.on_chunk(c, out[c]));
   }
   return out;
 }
@@ -316,6 +318,8 @@ Result<Spans> RingExchange::allgather(ExchangeRound& r, uint64_t tensor) {
             transport_.post(next, FrameType::kData,
                             keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), origin), codec,
                             by_origin[c][origin], deadline));
+      } else if (r.on_chunk) {  // the last hop: chunk c has every rank's payload
+        LW_RETURN_IF_ERROR(r.on_chunk(c, by_origin[c]));
       }
     }
   }

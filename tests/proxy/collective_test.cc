@@ -49,8 +49,24 @@ std::vector<std::vector<float>> exchangeAll(Mesh& mesh, const kernels::Codec& co
       std::vector<std::span<const uint8_t>> mine(payloads->begin(), payloads->end());
       const std::string name = "t";
       ExchangeRound round{name, 1, 0, codec, chunking, mine};
+      // Every chunk is announced final exactly once, with the payloads run() then returns.
+      std::vector<std::vector<std::span<const uint8_t>>> announced(chunking.count());
+      std::vector<int> calls(chunking.count(), 0);
+      round.on_chunk = [&](size_t c, std::span<const std::span<const uint8_t>> list) {
+        ++calls.at(c);
+        announced.at(c).assign(list.begin(), list.end());
+        return Status::ok();
+      };
       auto got = ring.run(round);
       REQUIRE_MESSAGE(got.isOk(), got.status().message());
+      for (size_t c = 0; c < got->size(); ++c) {
+        REQUIRE(calls[c] == 1);
+        REQUIRE(announced[c].size() == (*got)[c].size());
+        for (size_t k = 0; k < announced[c].size(); ++k) {
+          REQUIRE(announced[c][k].data() == (*got)[c][k].data());
+          REQUIRE(announced[c][k].size() == (*got)[c][k].size());
+        }
+      }
       auto none = kernels::createCodec({.name = "none"});
       const kernels::Codec& decoder = round.dense ? **none : codec;
       std::vector<float> out(n, 0.0f);
