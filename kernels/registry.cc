@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <sstream>
 
 namespace lightwire::kernels {
 namespace {
@@ -74,6 +75,35 @@ detail::CodecRegistrar::CodecRegistrar(const char* name, CodecFactory factory) {
     std::fprintf(stderr, "lightwire: %s\n", s.message().c_str());
     std::abort();  // a build defect, not input: fail at start, loudly
   }
+}
+
+std::string configKey(const CodecConfig& c) {
+  std::ostringstream o;
+  auto opt = [&](const std::optional<double>& v) {
+    if (v) {
+      o << *v;
+    } else {
+      o << '-';
+    }
+    o << '|';
+  };
+  o.precision(17);
+  o << c.name << '|';
+  opt(c.density);
+  opt(c.ratio);
+  o << c.bits << '|' << c.bucket_size << '|' << c.momentum << '|' << c.clip_norm << '|'
+    << c.sample_fraction << '|' << static_cast<int>(c.sparse_values) << '|';
+  opt(c.threshold);
+  o << (c.error_feedback ? (*c.error_feedback ? 1 : 0) : -1) << '|' << c.approx_rank;
+  return o.str();
+}
+
+const Codec& noneCodec() {
+  static const std::unique_ptr<Codec> codec = [] {
+    auto c = createCodec(CodecConfig{});
+    return std::move(*c);
+  }();
+  return *codec;
 }
 
 }  // namespace lightwire::kernels

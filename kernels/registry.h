@@ -25,6 +25,13 @@ std::vector<std::string> codecNames();
 /// own (dgc, powersgd) refuses error_feedback = true.
 Result<std::unique_ptr<Codec>> createCodec(const CodecConfig& config);
 
+/// Every field of a codec configuration as one string: equal strings, equal settings (owners of
+/// per-tensor codecs recreate them when it changes).
+std::string configKey(const CodecConfig& config);
+
+/// The `none` codec, built once (decodes the plain fp32 sums of dense exchanges).
+const Codec& noneCodec();
+
 /// Wraps `inner` (a codec without memory of its own) in residual error feedback.
 std::unique_ptr<Codec> makeErrorFeedback(std::unique_ptr<Codec> inner);
 

@@ -27,41 +27,11 @@ using kernels::DType;
 
 constexpr size_t kGrain = size_t{1} << 16;
 
-/// The `none` codec: decodes the plain fp32 sums of a dense exchange.
-const kernels::Codec& denseCodec() {
-  static const std::unique_ptr<kernels::Codec> codec = [] {
-    auto c = kernels::createCodec(kernels::CodecConfig{});
-    return std::move(*c);
-  }();
-  return *codec;
-}
 // Steps of at most this many elements run on the thread that completes them (see submit()).
 constexpr uint64_t kInlineMaxElements = uint64_t{1} << 16;
 
 double microsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-}
-
-/// Every field of a codec config, so a change of any of them is seen.
-std::string configKey(const kernels::CodecConfig& c) {
-  std::ostringstream o;
-  auto opt = [&](const std::optional<double>& v) {
-    if (v) {
-      o << *v;
-    } else {
-      o << '-';
-    }
-    o << '|';
-  };
-  o.precision(17);
-  o << c.name << '|';
-  opt(c.density);
-  opt(c.ratio);
-  o << c.bits << '|' << c.bucket_size << '|' << c.momentum << '|' << c.clip_norm << '|'
-    << c.sample_fraction << '|' << static_cast<int>(c.sparse_values) << '|';
-  opt(c.threshold);
-  o << (c.error_feedback ? (*c.error_feedback ? 1 : 0) : -1) << '|' << c.approx_rank;
-  return o.str();
 }
 
 /// out[i] (+)= value i of the trainer's tensor, for i in [lo, hi).
@@ -438,7 +408,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     std::lock_guard lock(mu_);
     config = chooser_(t.name, n);
   }
-  const std::string key = configKey(config);
+  const std::string key = kernels::configKey(config);
   if (!t.codec || key != t.config_key) {
     auto codec = kernels::createCodec(config);
     if (!codec) return fail(500, "internal", "codec settings: " + codec.status().message());
@@ -596,7 +566,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
         if (c >= chunks || decoded[c]) return internalError("chunk decoded twice or unknown");
         const auto td = Clock::now();
         const float w = 1.0f / static_cast<float>(exchange_.worldSize() * trainers);
-        std::string e = decodeInto(c, list, er.dense ? denseCodec() : codec, w);
+        std::string e = decodeInto(c, list, er.dense ? kernels::noneCodec() : codec, w);
         early_decode_us += microsSince(td);
         if (!e.empty()) return dataLoss("decompressing: " + e);
         decoded[c] = 1;
@@ -635,7 +605,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   const auto t2 = Clock::now();
   const float weight = 1.0f / static_cast<float>(contributors * trainers);
   // A sparse allgather the exchange switched to a dense allreduce returns plain fp32 sums.
-  const kernels::Codec& decoder = dense_result ? denseCodec() : codec;
+  const kernels::Codec& decoder = dense_result ? kernels::noneCodec() : codec;
   if (rounds > 1) {
     std::fill_n(result, n, 0.0f);
     if (auto s = codec.decodeRounds(round_payloads, weight, result, n); !s.isOk()) {

@@ -120,14 +120,6 @@ Result<Spans> RingExchange::run(ExchangeRound& r) {
   return out;
 }
 
-const kernels::Codec& RingExchange::denseCodec() {
-  static const std::unique_ptr<kernels::Codec> codec = [] {
-    auto c = kernels::createCodec(kernels::CodecConfig{});
-    return std::move(*c);
-  }();
-  return *codec;
-}
-
 bool RingExchange::denseIsSmaller(const ExchangeRound& r) const {
   // Each rank sends W-1 payloads in an allgather, 2(W-1)/W dense chunks in a ring allreduce:
   // gather while W * payload <= 2 * dense. Decided from the configuration (nominal sizes), so
@@ -140,7 +132,7 @@ bool RingExchange::denseIsSmaller(const ExchangeRound& r) const {
     const auto nominal = r.codec.nominalPayloadBytes(len, r.density);
     if (!nominal) return false;
     gathered += *nominal;
-    dense += denseCodec().maxPayloadBytes(len);
+    dense += kernels::noneCodec().maxPayloadBytes(len);
   }
   return w * gathered > 2 * dense;
 }
@@ -161,13 +153,13 @@ Result<Spans> RingExchange::denseAllreduce(ExchangeRound& r, uint64_t tensor) {
   }
   kernels::StepContext ctx;
   kernels::CodecState none_state;
-  auto payloads = kernels::encodeTensor(denseCodec(), ctx, r.chunking,
+  auto payloads = kernels::encodeTensor(kernels::noneCodec(), ctx, r.chunking,
                                         kernels::ConstTensor{dense_input_.data(), n}, none_state);
   if (!payloads) return internalError("dense payloads: " + payloads.status().message());
   dense_payloads_ = std::move(*payloads);
   std::vector<std::span<const uint8_t>> mine(dense_payloads_.begin(), dense_payloads_.end());
   r.dense = true;  // before allreduce: r.on_chunk decodes these sums as codec `none`
-  ExchangeRound dense{r.tensor, r.step, r.round, denseCodec(), r.chunking, mine};
+  ExchangeRound dense{r.tensor, r.step, r.round, kernels::noneCodec(), r.chunking, mine};
   dense.on_chunk = r.on_chunk;
   return allreduce(dense, tensor);
 }

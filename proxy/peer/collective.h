@@ -55,7 +55,6 @@ class RingExchange final : public Exchange {
   bool denseIsSmaller(const ExchangeRound& r) const;
   Result<std::vector<std::vector<std::span<const uint8_t>>>> denseAllreduce(ExchangeRound& r,
                                                                             uint64_t tensor);
-  static const kernels::Codec& denseCodec();
   /// Keeps a received payload until the step ends; returns a view of it.
   std::span<const uint8_t> keep(std::vector<uint8_t> received);
   /// A buffer of `bytes` for a partial sum, kept until the step ends (reused across steps).

@@ -40,28 +40,6 @@ FrameKey keyOf(uint64_t tensor, uint64_t step, int round, uint8_t phase, uint32_
   return k;
 }
 
-/// Every field of a codec configuration (the server recreates its codec when one changes).
-std::string configKey(const kernels::CodecConfig& c) {
-  std::ostringstream o;
-  auto opt = [&](const std::optional<double>& v) {
-    if (v) {
-      o << *v;
-    } else {
-      o << '-';
-    }
-    o << '|';
-  };
-  o.precision(17);
-  o << c.name << '|';
-  opt(c.density);
-  opt(c.ratio);
-  o << c.bits << '|' << c.bucket_size << '|' << c.momentum << '|' << c.clip_norm << '|'
-    << c.sample_fraction << '|' << static_cast<int>(c.sparse_values) << '|';
-  opt(c.threshold);
-  o << (c.error_feedback ? (*c.error_feedback ? 1 : 0) : -1) << '|' << c.approx_rank;
-  return o.str();
-}
-
 Status withContext(const std::string& context, const Status& s) {
   return Status(s.code(), context + ": " + s.message());
 }
@@ -305,7 +283,7 @@ Status PsExchange::prepareServerCodec(const ExchangeRound& r, ServerTensor& st) 
   kernels::CodecConfig config = r.codec.config();
   config.momentum = 0.0;
   config.clip_norm = 0.0;
-  const std::string key = configKey(config);
+  const std::string key = kernels::configKey(config);
   const size_t n = r.chunking.elements;
   const bool resized = st.codec && st.elements != n;
   if (resized) {
