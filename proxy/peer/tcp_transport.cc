@@ -28,6 +28,7 @@
 #include <unordered_map>
 
 #include "metrics/metrics.h"
+#include "proxy/peer/mailbox.h"
 
 namespace lightwire::proxy::peer {
 namespace {
@@ -50,9 +51,6 @@ constexpr uint32_t kNoPeer = UINT32_MAX;
 constexpr size_t kReadChunk = size_t{8} << 20;  // payload read piece (liveness is per piece)
 // SO_RCVLOWAT while reading a payload: wake the reader when this much has arrived.
 constexpr size_t kLowWater = size_t{256} << 10;
-// Recycled payload buffers kept for reuse (recycle()), at most this many and this many bytes.
-constexpr size_t kPoolBuffers = 256;
-constexpr uint64_t kPoolBytes = uint64_t{512} << 20;
 
 /// One frame waiting in a connection's write queue, and the outcome the sender waits for.
 struct WriteOp {
@@ -131,19 +129,13 @@ bool parseHostPort(const std::string& s, std::string& host, uint16_t& port) {
 
 struct TcpTransport::Impl {
   Impl(const TcpOptions& o, metrics::Metrics& m)
-      : options(o), metrics(m), io(std::make_unique<asio::io_context>(1)), acceptor(*io) {}
-
-  /// What is kept per peer rank. Guarded by mu.
-  struct PeerSlot {
-    std::shared_ptr<Conn> conn;  // the authenticated connection, if up
-    bool up = false;
-    uint64_t generation = 0;  // incremented on every loss
-    std::string last_error;
-    std::unordered_map<FrameKey, std::deque<Frame>, FrameKeyHash> mailbox;
-    std::map<std::pair<uint64_t, uint64_t>, std::string> aborts;  // (tensor, step) -> reason
-    uint64_t kept_bytes = 0;  // payload bytes of mailbox + aborts + frames being read
-    uint64_t kept_frames = 0;
-  };
+      : options(o),
+        metrics(m),
+        io(std::make_unique<asio::io_context>(1)),
+        acceptor(*io),
+        mail(o.max_kept_bytes_per_peer, o.max_kept_frames_per_peer),
+        mu(mail.mutex()),
+        cv(mail.cv()) {}
 
   TcpOptions options;
   metrics::Metrics& metrics;
@@ -160,9 +152,12 @@ struct TcpTransport::Impl {
   std::map<uint64_t, std::shared_ptr<Conn>> conns;
   uint64_t next_conn_id = 1;
 
-  mutable std::mutex mu;
-  std::condition_variable cv;
-  std::vector<PeerSlot> peers;
+  // Per peer: received frames, aborts, up or down (DESIGN.md §4). Its mutex (mu) also guards
+  // `links`, `addresses` and the outcome of every WriteOp, and its cv wakes their waiters.
+  PeerMailboxes mail;
+  std::mutex& mu;
+  std::condition_variable& cv;
+  std::vector<std::shared_ptr<Conn>> links;  // index = rank: the authenticated connection, if up
   // Every rank's peer address (index = rank; guarded by mu): membership.peers, or what the
   // rendezvous taught (rank 0 learns them from REGISTER frames, the others from PEERS).
   std::vector<std::string> addresses;
@@ -192,32 +187,9 @@ struct TcpTransport::Impl {
   std::mutex posted_mu;
   std::vector<Posted> posted;  // post()ed, not yet flushed
 
-  // Buffers of consumed payloads (recycle()), reused for incoming frames. Guarded by pool_mu.
-  std::mutex pool_mu;
-  std::vector<std::vector<uint8_t>> pool;
-  uint64_t pool_bytes = 0;
-
   Result<Posted> queueFrame(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
                             std::span<const uint8_t> payload);
   Status awaitFrames(std::vector<Posted>& ops, Clock::time_point deadline);
-
-  /// A buffer of `n` bytes for an incoming payload: a recycled one when there is one large
-  /// enough (only growth beyond its last size is zero-filled), else a new one.
-  std::vector<uint8_t> takeBuffer(size_t n) {
-    {
-      std::lock_guard lock(pool_mu);
-      for (size_t i = 0; i < pool.size(); ++i) {
-        if (pool[i].capacity() < n) continue;
-        std::vector<uint8_t> b = std::move(pool[i]);
-        pool[i] = std::move(pool.back());
-        pool.pop_back();
-        pool_bytes -= b.capacity();
-        b.resize(n);
-        return b;
-      }
-    }
-    return std::vector<uint8_t>(n);
-  }
 
   HeaderChecks checks(std::optional<uint32_t> src, uint64_t max) const {
     return HeaderChecks{job_hash, membership.world_size, membership.rank, src, max};
@@ -268,14 +240,10 @@ struct TcpTransport::Impl {
     bool was_current = false;
     {
       std::lock_guard lock(mu);
-      PeerSlot& slot = peers[c->peer];
-      if (slot.conn == c) {
+      if (links[c->peer] == c) {
         was_current = true;
-        slot.conn.reset();
-        slot.up = false;
-        ++slot.generation;
-        slot.last_error = reason;
-        cv.notify_all();
+        links[c->peer].reset();
+        mail.markDownLocked(c->peer, reason);
       }
     }
     if (was_current) {
@@ -288,17 +256,14 @@ struct TcpTransport::Impl {
   Status install(const std::shared_ptr<Conn>& c, uint32_t peer) {
     {
       std::lock_guard lock(mu);
-      PeerSlot& slot = peers[peer];
-      if (slot.up) {
+      if (mail.upLocked(peer)) {
         return failedPrecondition(fmt::format("duplicate rank {}: already connected", peer));
       }
       c->peer = peer;
       c->name = fmt::format("rank {}", peer);
       c->last_rx = Clock::now();
-      slot.conn = c;
-      slot.up = true;
-      slot.last_error.clear();
-      cv.notify_all();
+      links[peer] = c;
+      mail.markUpLocked(peer);
     }
     metrics.peerUp(peer).Set(1);
     spdlog::info("peer: connected to rank {} ({})", peer, c->address);
@@ -481,7 +446,7 @@ struct TcpTransport::Impl {
     }
     {
       std::lock_guard lock(mu);
-      if (peers[client].up) {
+      if (mail.upLocked(client)) {
         co_return failedPrecondition(fmt::format(
             "{} claims rank {}, which is already connected (duplicate rank)", c->name, client));
       }
@@ -504,28 +469,6 @@ struct TcpTransport::Impl {
                       c->name, client));
     }
     co_return install(c, client);
-  }
-
-  /// Reserves room in `src`'s mailbox for a frame about to be read; false when over a bound.
-  bool reserve(uint32_t src, uint64_t bytes, std::string& why) {
-    std::lock_guard lock(mu);
-    PeerSlot& slot = peers[src];
-    if (slot.kept_frames + 1 > options.max_kept_frames_per_peer ||
-        slot.kept_bytes + bytes > options.max_kept_bytes_per_peer) {
-      why = fmt::format(
-          "rank {} sent more than we keep: {} frames / {} bytes kept, limits {} / {} bytes", src,
-          slot.kept_frames, slot.kept_bytes, options.max_kept_frames_per_peer,
-          options.max_kept_bytes_per_peer);
-      return false;
-    }
-    slot.kept_frames += 1;
-    slot.kept_bytes += bytes;
-    return true;
-  }
-
-  void release(PeerSlot& slot, uint64_t bytes) {  // mu held
-    slot.kept_frames -= 1;
-    slot.kept_bytes -= bytes;
   }
 
   /// Reads frames from an authenticated connection until it fails or is closed.
@@ -552,17 +495,14 @@ struct TcpTransport::Impl {
         break;
       }
       const bool kept = type == FrameType::kData || type == FrameType::kAbort;
-      if (kept && !reserve(src, h->length, reason)) break;
-      std::vector<uint8_t> payload = takeBuffer(h->length);
+      if (kept && !mail.reserve(src, h->length, reason)) break;
+      std::vector<uint8_t> payload = mail.takeBuffer(h->length);
       error_code ec = co_await readExact(*c, payload.data(), payload.size());
       Status st = ec ? Status(StatusCode::kUnavailable,
                               c->closed ? "closed" : lostReason(*c, ec, "reading"))
                      : verifyPayload(*h, payload, c->name);
       if (!st) {
-        if (kept) {
-          std::lock_guard lock(mu);
-          release(peers[src], h->length);
-        }
+        if (kept) mail.release(src, h->length);
         reason = st.message();
         break;
       }
@@ -574,25 +514,13 @@ struct TcpTransport::Impl {
   void dispatch(const std::shared_ptr<Conn>& c, const FrameHeader& h,
                 std::vector<uint8_t> payload) {
     switch (h.type) {
-      case FrameType::kData: {
-        std::lock_guard lock(mu);
-        Frame f{h.type, h.key, h.src, h.codec, std::move(payload)};
-        peers[h.src].mailbox[h.key].push_back(std::move(f));
-        cv.notify_all();
+      case FrameType::kData:
+        mail.deliver(Frame{h.type, h.key, h.src, h.codec, std::move(payload)});
         break;
-      }
-      case FrameType::kAbort: {
-        std::string reason(payload.begin(), payload.end());
-        spdlog::warn("peer: rank {} aborted tensor {:016x} step {}: {}", h.src, h.key.tensor,
-                     h.key.step, reason);
-        std::lock_guard lock(mu);
-        PeerSlot& slot = peers[h.src];
-        auto [it, inserted] = slot.aborts.try_emplace({h.key.tensor, h.key.step});
-        if (!inserted) release(slot, it->second.size());
-        it->second = std::move(reason);
-        cv.notify_all();
+      case FrameType::kAbort:
+        mail.deliverAbort(h.src, h.key.tensor, h.key.step,
+                          std::string(payload.begin(), payload.end()));
         break;
-      }
       case FrameType::kPing:
         sendInternal(c, FrameType::kPong, {}, std::move(payload));
         break;
@@ -690,8 +618,8 @@ struct TcpTransport::Impl {
       if (complete) {
         for (const auto& a : addresses) list += a + "\n";
         if (!was_complete || changed) {
-          for (auto& slot : peers) {
-            if (slot.conn) targets.push_back(slot.conn);
+          for (auto& link : links) {
+            if (link) targets.push_back(link);
           }
         } else {
           targets.push_back(c);
@@ -894,7 +822,7 @@ TcpTransport::~TcpTransport() {
   s.conns.clear();
   s.work.reset();
   s.io.reset();
-  for (uint32_t r = 0; r < s.peers.size(); ++r) {
+  for (uint32_t r = 0; r < s.mail.size(); ++r) {
     if (r != s.membership.rank) s.metrics.peerUp(r).Set(0);
   }
 }
@@ -940,7 +868,8 @@ Status TcpTransport::start(Membership m) {
   }
   s.job_hash = jobHash(m.job_id);
   s.membership = std::move(m);
-  s.peers = std::vector<Impl::PeerSlot>(s.membership.world_size);
+  s.mail.reset(s.membership.world_size, s.membership.rank);
+  s.links.assign(s.membership.world_size, nullptr);
   s.addresses = s.membership.peers;
   for (uint32_t r = 0; r < s.membership.world_size; ++r) {
     if (r != s.membership.rank) s.metrics.peerUp(r).Set(0);
@@ -967,18 +896,7 @@ Result<TcpTransport::Impl::Posted> TcpTransport::Impl::queueFrame(
     uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
     std::span<const uint8_t> payload) {
   if (!started) return failedPrecondition("peer: send before start()");
-  if (dst >= membership.world_size || dst == membership.rank) {
-    return invalidArgument(fmt::format("peer: cannot send to rank {} (we are rank {} of {})", dst,
-                                       membership.rank, membership.world_size));
-  }
-  if (type != FrameType::kData && type != FrameType::kAbort) {
-    return invalidArgument(
-        fmt::format("peer: send() carries DATA and ABORT frames, not {}", frameTypeName(type)));
-  }
-  if (payload.size() > options.max_frame_bytes) {
-    return outOfRange(fmt::format("peer: frame of {} bytes for rank {} exceeds the limit of {}",
-                                  payload.size(), dst, options.max_frame_bytes));
-  }
+  LW_RETURN_IF_ERROR(mail.checkSend(dst, type, payload.size(), options.max_frame_bytes));
   auto op = std::make_shared<WriteOp>();
   op->header = encodeHeader(makeHeader(type, key, codec, job_hash, membership.rank, payload));
   op->payload = payload;
@@ -986,12 +904,8 @@ Result<TcpTransport::Impl::Posted> TcpTransport::Impl::queueFrame(
   std::shared_ptr<Conn> conn;
   {
     std::lock_guard lock(mu);
-    conn = peers[dst].conn;
-    if (!conn) {
-      const auto& why = peers[dst].last_error;
-      return Status(StatusCode::kUnavailable, fmt::format("peer: rank {} is not connected{}{}", dst,
-                                                          why.empty() ? "" : ": ", why));
-    }
+    conn = links[dst];
+    if (!conn) return mail.notConnectedLocked(dst);
   }
   asio::post(*io, [this, conn, op] { enqueue(conn, op); });
   return Posted{conn, op};
@@ -1067,54 +981,11 @@ Status TcpTransport::flush(Clock::time_point deadline) {
   return impl_->awaitFrames(ops, deadline);
 }
 
-void TcpTransport::recycle(std::vector<uint8_t> buffer) {
-  Impl& s = *impl_;
-  if (buffer.capacity() == 0) return;
-  std::lock_guard lock(s.pool_mu);
-  if (s.pool_bytes + buffer.capacity() > kPoolBytes || s.pool.size() >= kPoolBuffers) return;
-  s.pool_bytes += buffer.capacity();
-  s.pool.push_back(std::move(buffer));
-}
+void TcpTransport::recycle(std::vector<uint8_t> buffer) { impl_->mail.recycle(std::move(buffer)); }
 
 Result<Frame> TcpTransport::receive(uint32_t src, const FrameKey& key, Clock::time_point deadline) {
-  Impl& s = *impl_;
-  if (!s.started) return failedPrecondition("peer: receive before start()");
-  if (src >= s.membership.world_size || src == s.membership.rank) {
-    return invalidArgument(fmt::format("peer: cannot receive from rank {} (we are rank {} of {})",
-                                       src, s.membership.rank, s.membership.world_size));
-  }
-  std::unique_lock lock(s.mu);
-  Impl::PeerSlot& slot = s.peers[src];
-  const uint64_t generation = slot.generation;
-  for (;;) {
-    if (auto it = slot.mailbox.find(key); it != slot.mailbox.end()) {
-      Frame f = std::move(it->second.front());
-      it->second.pop_front();
-      if (it->second.empty()) slot.mailbox.erase(it);
-      s.release(slot, f.payload.size());
-      return f;
-    }
-    for (uint32_t r = 0; r < s.peers.size(); ++r) {
-      const auto& aborts = s.peers[r].aborts;
-      if (auto it = aborts.find({key.tensor, key.step}); it != aborts.end()) {
-        return Status(StatusCode::kUnavailable,
-                      fmt::format("peer: rank {} aborted step {} of tensor {:016x}: {}", r,
-                                  key.step, key.tensor, it->second));
-      }
-    }
-    if (!slot.up || slot.generation != generation) {
-      return Status(
-          StatusCode::kUnavailable,
-          fmt::format("peer: connection to rank {} lost{}{}", src,
-                      slot.last_error.empty() ? " (not connected)" : ": ", slot.last_error));
-    }
-    if (Clock::now() >= deadline) {
-      return Status(
-          StatusCode::kUnavailable,
-          fmt::format("peer: deadline passed waiting for rank {} ({})", src, describeKey(key)));
-    }
-    s.cv.wait_until(lock, deadline);
-  }
+  if (!impl_->started) return failedPrecondition("peer: receive before start()");
+  return impl_->mail.receive(src, key, deadline);
 }
 
 void TcpTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& reason) {
@@ -1125,8 +996,8 @@ void TcpTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& 
   std::vector<std::shared_ptr<Conn>> conns;
   {
     std::lock_guard lock(s.mu);
-    for (auto& slot : s.peers) {
-      if (slot.conn) conns.push_back(slot.conn);
+    for (auto& link : s.links) {
+      if (link) conns.push_back(link);
     }
   }
   asio::post(*s.io, [&s, conns = std::move(conns), tensor, step, payload = std::move(payload)] {
@@ -1137,22 +1008,7 @@ void TcpTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& 
   });
 }
 
-void TcpTransport::discard(uint64_t tensor, uint64_t step) {
-  Impl& s = *impl_;
-  std::lock_guard lock(s.mu);
-  for (auto& slot : s.peers) {
-    std::erase_if(slot.mailbox, [&](auto& entry) {
-      if (entry.first.tensor != tensor || entry.first.step > step) return false;
-      for (auto& f : entry.second) s.release(slot, f.payload.size());
-      return true;
-    });
-    std::erase_if(slot.aborts, [&](auto& entry) {
-      if (entry.first.first != tensor || entry.first.second > step) return false;
-      s.release(slot, entry.second.size());
-      return true;
-    });
-  }
-}
+void TcpTransport::discard(uint64_t tensor, uint64_t step) { impl_->mail.discard(tensor, step); }
 
 void TcpTransport::setJobState(std::function<std::vector<uint8_t>()> provide,
                                std::function<void(uint32_t, std::span<const uint8_t>)> take) {
@@ -1160,21 +1016,8 @@ void TcpTransport::setJobState(std::function<std::vector<uint8_t>()> provide,
   impl_->take_state = std::move(take);
 }
 
-bool TcpTransport::allConnected() const {
-  const Impl& s = *impl_;
-  std::lock_guard lock(s.mu);
-  for (uint32_t r = 0; r < s.peers.size(); ++r) {
-    if (r != s.membership.rank && !s.peers[r].up) return false;
-  }
-  return s.started;
-}
+bool TcpTransport::allConnected() const { return impl_->mail.allUp() && impl_->started; }
 
-std::vector<bool> TcpTransport::peersUp() const {
-  const Impl& s = *impl_;
-  std::lock_guard lock(s.mu);
-  std::vector<bool> up(s.peers.size(), false);
-  for (uint32_t r = 0; r < s.peers.size(); ++r) up[r] = r == s.membership.rank || s.peers[r].up;
-  return up;
-}
+std::vector<bool> TcpTransport::peersUp() const { return impl_->mail.peersUp(); }
 
 }  // namespace lightwire::proxy::peer

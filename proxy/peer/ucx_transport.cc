@@ -25,6 +25,7 @@
 #include <unordered_map>
 
 #include "metrics/metrics.h"
+#include "proxy/peer/mailbox.h"
 
 namespace lightwire::proxy::peer {
 namespace {
@@ -38,9 +39,6 @@ constexpr unsigned kAmId = 1;  // every lightwire frame is an active message wit
 constexpr milliseconds kMaxSleep{100};
 // At shutdown, how long closing endpoints may take before the worker is destroyed anyway.
 constexpr milliseconds kCloseGrace{2000};
-// Recycled payload buffers kept for reuse (recycle()), at most this many and this many bytes.
-constexpr size_t kPoolBuffers = 256;
-constexpr uint64_t kPoolBytes = uint64_t{512} << 20;
 
 std::string ucsText(ucs_status_t s) { return ucs_status_string(s); }
 
@@ -131,7 +129,12 @@ struct Conn {
 }  // namespace
 
 struct UcxTransport::Impl {
-  Impl(const UcxOptions& o, metrics::Metrics& m) : options(o), metrics(m) {}
+  Impl(const UcxOptions& o, metrics::Metrics& m)
+      : options(o),
+        metrics(m),
+        mail(o.max_kept_bytes_per_peer, o.max_kept_frames_per_peer),
+        mu(mail.mutex()),
+        cv(mail.cv()) {}
   ~Impl() { teardown(); }
 
   /// One frame handed to ucp_am_send_nbx, and the outcome the sender waits for.
@@ -174,18 +177,6 @@ struct UcxTransport::Impl {
     bool logged = false;
   };
 
-  /// What is kept per peer rank. Guarded by mu.
-  struct PeerSlot {
-    std::shared_ptr<Conn> conn;  // the authenticated connection, if up
-    bool up = false;
-    uint64_t generation = 0;  // incremented on every loss
-    std::string last_error;
-    std::unordered_map<FrameKey, std::deque<Frame>, FrameKeyHash> mailbox;
-    std::map<std::pair<uint64_t, uint64_t>, std::string> aborts;  // (tensor, step) -> reason
-    uint64_t kept_bytes = 0;  // payload bytes of mailbox + aborts + frames being received
-    uint64_t kept_frames = 0;
-  };
-
   UcxOptions options;
   metrics::Metrics& metrics;
   Membership membership;
@@ -221,9 +212,12 @@ struct UcxTransport::Impl {
   std::unordered_map<RecvOp*, std::unique_ptr<RecvOp>> recvs_in_flight;
   std::vector<Dial> dials;
 
-  mutable std::mutex mu;
-  std::condition_variable cv;
-  std::vector<PeerSlot> peers;
+  // Per peer: received frames, aborts, up or down (DESIGN.md §4). Its mutex (mu) also guards
+  // `links` and the outcome of every SendOp, and its cv wakes their waiters.
+  PeerMailboxes mail;
+  std::mutex& mu;
+  std::condition_variable& cv;
+  std::vector<std::shared_ptr<Conn>> links;  // index = rank: the authenticated connection, if up
 
   // Set before start() (setJobState), used on the progress thread.
   std::function<std::vector<uint8_t>()> provide_state;
@@ -231,29 +225,6 @@ struct UcxTransport::Impl {
 
   std::mutex posted_mu;
   std::vector<std::shared_ptr<SendOp>> posted;  // post()ed, not yet flushed
-
-  // Buffers of consumed payloads (recycle()), reused for incoming frames. Guarded by pool_mu.
-  std::mutex pool_mu;
-  std::vector<std::vector<uint8_t>> pool;
-  uint64_t pool_bytes = 0;
-
-  /// A buffer of `n` bytes for an incoming payload: a recycled one when there is one large
-  /// enough (only growth beyond its last size is zero-filled), else a new one.
-  std::vector<uint8_t> takeBuffer(size_t n) {
-    {
-      std::lock_guard lock(pool_mu);
-      for (size_t i = 0; i < pool.size(); ++i) {
-        if (pool[i].capacity() < n) continue;
-        std::vector<uint8_t> b = std::move(pool[i]);
-        pool[i] = std::move(pool.back());
-        pool.pop_back();
-        pool_bytes -= b.capacity();
-        b.resize(n);
-        return b;
-      }
-    }
-    return std::vector<uint8_t>(n);
-  }
 
   Result<std::shared_ptr<SendOp>> queueFrame(uint32_t dst, FrameType type, const FrameKey& key,
                                              uint8_t codec, std::span<const uint8_t> payload);
@@ -444,14 +415,10 @@ struct UcxTransport::Impl {
     bool was_current = false;
     {
       std::lock_guard lock(mu);
-      PeerSlot& slot = peers[c->peer];
-      if (slot.conn == c) {
+      if (links[c->peer] == c) {
         was_current = true;
-        slot.conn.reset();
-        slot.up = false;
-        ++slot.generation;
-        slot.last_error = reason;
-        cv.notify_all();
+        links[c->peer].reset();
+        mail.markDownLocked(c->peer, reason);
       }
     }
     if (was_current) {
@@ -464,8 +431,7 @@ struct UcxTransport::Impl {
   Status install(const std::shared_ptr<Conn>& c, uint32_t peer) {
     {
       std::lock_guard lock(mu);
-      PeerSlot& slot = peers[peer];
-      if (slot.up) {
+      if (mail.upLocked(peer)) {
         return failedPrecondition(fmt::format("duplicate rank {}: already connected", peer));
       }
       c->peer = peer;
@@ -473,10 +439,8 @@ struct UcxTransport::Impl {
       c->phase = Phase::kUp;
       c->last_rx = Clock::now();
       c->next_ping = c->last_rx + options.ping_interval;
-      slot.conn = c;
-      slot.up = true;
-      slot.last_error.clear();
-      cv.notify_all();
+      links[peer] = c;
+      mail.markUpLocked(peer);
     }
     metrics.peerUp(peer).Set(1);
     spdlog::info("peer: connected to rank {} ({}, ucx)", peer, c->address);
@@ -593,33 +557,6 @@ struct UcxTransport::Impl {
     return static_cast<Impl*>(arg)->amReceived(header, header_length, data, length, *param);
   }
 
-  /// Reserves room in `src`'s mailbox for a frame about to be received; false when over a bound.
-  bool reserve(uint32_t src, uint64_t bytes, std::string& why) {
-    std::lock_guard lock(mu);
-    PeerSlot& slot = peers[src];
-    if (slot.kept_frames + 1 > options.max_kept_frames_per_peer ||
-        slot.kept_bytes + bytes > options.max_kept_bytes_per_peer) {
-      why = fmt::format(
-          "rank {} sent more than we keep: {} frames / {} bytes kept, limits {} / {} bytes", src,
-          slot.kept_frames, slot.kept_bytes, options.max_kept_frames_per_peer,
-          options.max_kept_bytes_per_peer);
-      return false;
-    }
-    slot.kept_frames += 1;
-    slot.kept_bytes += bytes;
-    return true;
-  }
-
-  void release(PeerSlot& slot, uint64_t bytes) {  // mu held
-    slot.kept_frames -= 1;
-    slot.kept_bytes -= bytes;
-  }
-
-  void releaseLocked(uint32_t src, uint64_t bytes) {
-    std::lock_guard lock(mu);
-    release(peers[src], bytes);
-  }
-
   /// Checks a received header against the connection's state, before anything is allocated for
   /// the payload (`length`: the payload bytes the message carries).
   Result<FrameHeader> checkHeader(const Conn& c, const void* header, size_t header_length,
@@ -683,7 +620,7 @@ struct UcxTransport::Impl {
     const bool kept = h->type == FrameType::kData || h->type == FrameType::kAbort;
     if (kept) {
       std::string why;
-      if (!reserve(c->peer, h->length, why)) {
+      if (!mail.reserve(c->peer, h->length, why)) {
         closeConn(c, why);
         return drop;
       }
@@ -692,7 +629,7 @@ struct UcxTransport::Impl {
       pending_rndv.push_back(PendingRndv{c, *h, data, kept});
       return UCS_INPROGRESS;
     }
-    std::vector<uint8_t> payload = takeBuffer(length);
+    std::vector<uint8_t> payload = mail.takeBuffer(length);
     if (length > 0) std::memcpy(payload.data(), data, length);
     frameArrived(c, *h, std::move(payload), kept);
     return UCS_OK;
@@ -708,7 +645,7 @@ struct UcxTransport::Impl {
   void fetchRndv(PendingRndv& p) {
     if (p.conn->phase == Phase::kClosed) {
       ucp_am_data_release(worker, p.desc);
-      if (p.kept) releaseLocked(p.header.src, p.header.length);
+      if (p.kept) mail.release(p.header.src, p.header.length);
       return;
     }
     auto op = std::make_unique<RecvOp>();
@@ -716,7 +653,7 @@ struct UcxTransport::Impl {
     op->conn = p.conn;
     op->header = p.header;
     op->kept = p.kept;
-    op->payload = takeBuffer(p.header.length);
+    op->payload = mail.takeBuffer(p.header.length);
     RecvOp* raw = op.get();
     recvs_in_flight.emplace(raw, std::move(op));
     ucp_request_param_t prm{};
@@ -738,7 +675,7 @@ struct UcxTransport::Impl {
     std::unique_ptr<RecvOp> op = std::move(it->second);
     recvs_in_flight.erase(it);
     if (status != UCS_OK) {
-      if (op->kept) releaseLocked(op->header.src, op->header.length);
+      if (op->kept) mail.release(op->header.src, op->header.length);
       if (op->conn->phase != Phase::kClosed) {
         fail(op->conn,
              Status(StatusCode::kUnavailable, fmt::format("receiving a frame from {} failed: {}",
@@ -757,7 +694,7 @@ struct UcxTransport::Impl {
     Status st = c->phase == Phase::kClosed ? Status(StatusCode::kUnavailable, "closed")
                                            : verifyPayload(h, payload, c->name);
     if (!st) {
-      if (kept) releaseLocked(h.src, h.length);
+      if (kept) mail.release(h.src, h.length);
       if (c->phase != Phase::kClosed) fail(c, st);
       return;
     }
@@ -772,25 +709,13 @@ struct UcxTransport::Impl {
   void dispatch(const std::shared_ptr<Conn>& c, const FrameHeader& h,
                 std::vector<uint8_t> payload) {
     switch (h.type) {
-      case FrameType::kData: {
-        std::lock_guard lock(mu);
-        Frame f{h.type, h.key, h.src, h.codec, std::move(payload)};
-        peers[h.src].mailbox[h.key].push_back(std::move(f));
-        cv.notify_all();
+      case FrameType::kData:
+        mail.deliver(Frame{h.type, h.key, h.src, h.codec, std::move(payload)});
         break;
-      }
-      case FrameType::kAbort: {
-        std::string reason(payload.begin(), payload.end());
-        spdlog::warn("peer: rank {} aborted tensor {:016x} step {}: {}", h.src, h.key.tensor,
-                     h.key.step, reason);
-        std::lock_guard lock(mu);
-        PeerSlot& slot = peers[h.src];
-        auto [it, inserted] = slot.aborts.try_emplace({h.key.tensor, h.key.step});
-        if (!inserted) release(slot, it->second.size());
-        it->second = std::move(reason);
-        cv.notify_all();
+      case FrameType::kAbort:
+        mail.deliverAbort(h.src, h.key.tensor, h.key.step,
+                          std::string(payload.begin(), payload.end()));
         break;
-      }
       case FrameType::kPing:
         sendInternal(c, FrameType::kPong, {}, std::move(payload));
         break;
@@ -867,7 +792,7 @@ struct UcxTransport::Impl {
       }
       {
         std::lock_guard lock(mu);
-        if (peers[client].up) {
+        if (mail.upLocked(client)) {
           return failedPrecondition(fmt::format(
               "{} claims rank {}, which is already connected (duplicate rank)", c->name, client));
         }
@@ -1161,7 +1086,7 @@ UcxTransport::~UcxTransport() {
     s.thread.join();  // the thread closes every endpoint on its way out
   }
   s.teardown();
-  for (uint32_t r = 0; r < s.peers.size(); ++r) {
+  for (uint32_t r = 0; r < s.mail.size(); ++r) {
     if (r != s.membership.rank) s.metrics.peerUp(r).Set(0);
   }
 }
@@ -1195,7 +1120,8 @@ Status UcxTransport::start(Membership m) {
   }
   s.job_hash = jobHash(m.job_id);
   s.membership = std::move(m);
-  s.peers = std::vector<Impl::PeerSlot>(s.membership.world_size);
+  s.mail.reset(s.membership.world_size, s.membership.rank);
+  s.links.assign(s.membership.world_size, nullptr);
   for (uint32_t r = 0; r < s.membership.world_size; ++r) {
     if (r != s.membership.rank) s.metrics.peerUp(r).Set(0);
   }
@@ -1218,18 +1144,7 @@ Result<std::shared_ptr<UcxTransport::Impl::SendOp>> UcxTransport::Impl::queueFra
     uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
     std::span<const uint8_t> payload) {
   if (!started) return failedPrecondition("peer: send before start()");
-  if (dst >= membership.world_size || dst == membership.rank) {
-    return invalidArgument(fmt::format("peer: cannot send to rank {} (we are rank {} of {})", dst,
-                                       membership.rank, membership.world_size));
-  }
-  if (type != FrameType::kData && type != FrameType::kAbort) {
-    return invalidArgument(
-        fmt::format("peer: send() carries DATA and ABORT frames, not {}", frameTypeName(type)));
-  }
-  if (payload.size() > options.max_frame_bytes) {
-    return outOfRange(fmt::format("peer: frame of {} bytes for rank {} exceeds the limit of {}",
-                                  payload.size(), dst, options.max_frame_bytes));
-  }
+  LW_RETURN_IF_ERROR(mail.checkSend(dst, type, payload.size(), options.max_frame_bytes));
   auto op = std::make_shared<SendOp>();
   op->impl = this;
   op->header = encodeHeader(makeHeader(type, key, codec, job_hash, membership.rank, payload));
@@ -1237,12 +1152,8 @@ Result<std::shared_ptr<UcxTransport::Impl::SendOp>> UcxTransport::Impl::queueFra
   op->dst = dst;
   {
     std::lock_guard lock(mu);
-    op->conn = peers[dst].conn;
-    if (!op->conn) {
-      const auto& why = peers[dst].last_error;
-      return Status(StatusCode::kUnavailable, fmt::format("peer: rank {} is not connected{}{}", dst,
-                                                          why.empty() ? "" : ": ", why));
-    }
+    op->conn = links[dst];
+    if (!op->conn) return mail.notConnectedLocked(dst);
   }
   post([this, op] { postSend(op); });
   return op;
@@ -1317,14 +1228,7 @@ Status UcxTransport::flush(Clock::time_point deadline) {
   return impl_->awaitFrames(ops, deadline);
 }
 
-void UcxTransport::recycle(std::vector<uint8_t> buffer) {
-  Impl& s = *impl_;
-  if (buffer.capacity() == 0) return;
-  std::lock_guard lock(s.pool_mu);
-  if (s.pool_bytes + buffer.capacity() > kPoolBytes || s.pool.size() >= kPoolBuffers) return;
-  s.pool_bytes += buffer.capacity();
-  s.pool.push_back(std::move(buffer));
-}
+void UcxTransport::recycle(std::vector<uint8_t> buffer) { impl_->mail.recycle(std::move(buffer)); }
 
 void UcxTransport::setJobState(std::function<std::vector<uint8_t>()> provide,
                                std::function<void(uint32_t, std::span<const uint8_t>)> take) {
@@ -1333,44 +1237,8 @@ void UcxTransport::setJobState(std::function<std::vector<uint8_t>()> provide,
 }
 
 Result<Frame> UcxTransport::receive(uint32_t src, const FrameKey& key, Clock::time_point deadline) {
-  Impl& s = *impl_;
-  if (!s.started) return failedPrecondition("peer: receive before start()");
-  if (src >= s.membership.world_size || src == s.membership.rank) {
-    return invalidArgument(fmt::format("peer: cannot receive from rank {} (we are rank {} of {})",
-                                       src, s.membership.rank, s.membership.world_size));
-  }
-  std::unique_lock lock(s.mu);
-  Impl::PeerSlot& slot = s.peers[src];
-  const uint64_t generation = slot.generation;
-  for (;;) {
-    if (auto it = slot.mailbox.find(key); it != slot.mailbox.end()) {
-      Frame f = std::move(it->second.front());
-      it->second.pop_front();
-      if (it->second.empty()) slot.mailbox.erase(it);
-      s.release(slot, f.payload.size());
-      return f;
-    }
-    for (uint32_t r = 0; r < s.peers.size(); ++r) {
-      const auto& aborts = s.peers[r].aborts;
-      if (auto it = aborts.find({key.tensor, key.step}); it != aborts.end()) {
-        return Status(StatusCode::kUnavailable,
-                      fmt::format("peer: rank {} aborted step {} of tensor {:016x}: {}", r,
-                                  key.step, key.tensor, it->second));
-      }
-    }
-    if (!slot.up || slot.generation != generation) {
-      return Status(
-          StatusCode::kUnavailable,
-          fmt::format("peer: connection to rank {} lost{}{}", src,
-                      slot.last_error.empty() ? " (not connected)" : ": ", slot.last_error));
-    }
-    if (Clock::now() >= deadline) {
-      return Status(
-          StatusCode::kUnavailable,
-          fmt::format("peer: deadline passed waiting for rank {} ({})", src, describeKey(key)));
-    }
-    s.cv.wait_until(lock, deadline);
-  }
+  if (!impl_->started) return failedPrecondition("peer: receive before start()");
+  return impl_->mail.receive(src, key, deadline);
 }
 
 void UcxTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& reason) {
@@ -1382,8 +1250,8 @@ void UcxTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& 
     std::vector<std::shared_ptr<Conn>> up;
     {
       std::lock_guard lock(s.mu);
-      for (auto& slot : s.peers) {
-        if (slot.conn) up.push_back(slot.conn);
+      for (auto& link : s.links) {
+        if (link) up.push_back(link);
       }
     }
     FrameKey key;
@@ -1393,38 +1261,10 @@ void UcxTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& 
   });
 }
 
-void UcxTransport::discard(uint64_t tensor, uint64_t step) {
-  Impl& s = *impl_;
-  std::lock_guard lock(s.mu);
-  for (auto& slot : s.peers) {
-    std::erase_if(slot.mailbox, [&](auto& entry) {
-      if (entry.first.tensor != tensor || entry.first.step > step) return false;
-      for (auto& f : entry.second) s.release(slot, f.payload.size());
-      return true;
-    });
-    std::erase_if(slot.aborts, [&](auto& entry) {
-      if (entry.first.first != tensor || entry.first.second > step) return false;
-      s.release(slot, entry.second.size());
-      return true;
-    });
-  }
-}
+void UcxTransport::discard(uint64_t tensor, uint64_t step) { impl_->mail.discard(tensor, step); }
 
-bool UcxTransport::allConnected() const {
-  const Impl& s = *impl_;
-  std::lock_guard lock(s.mu);
-  for (uint32_t r = 0; r < s.peers.size(); ++r) {
-    if (r != s.membership.rank && !s.peers[r].up) return false;
-  }
-  return s.started;
-}
+bool UcxTransport::allConnected() const { return impl_->mail.allUp() && impl_->started; }
 
-std::vector<bool> UcxTransport::peersUp() const {
-  const Impl& s = *impl_;
-  std::lock_guard lock(s.mu);
-  std::vector<bool> up(s.peers.size(), false);
-  for (uint32_t r = 0; r < s.peers.size(); ++r) up[r] = r == s.membership.rank || s.peers[r].up;
-  return up;
-}
+std::vector<bool> UcxTransport::peersUp() const { return impl_->mail.peersUp(); }
 
 }  // namespace lightwire::proxy::peer

@@ -1,0 +1,207 @@
+#include "proxy/peer/mailbox.h"
+
+#include <spdlog/fmt/fmt.h>
+#include <spdlog/spdlog.h>
+
+namespace lightwire::proxy::peer {
+namespace {
+
+// Recycled payload buffers kept for reuse (recycle()), at most this many and this many bytes.
+constexpr size_t kPoolBuffers = 256;
+constexpr uint64_t kPoolBytes = uint64_t{512} << 20;
+
+}  // namespace
+
+PeerMailboxes::PeerMailboxes(uint64_t max_kept_bytes_per_peer, uint64_t max_kept_frames_per_peer)
+    : max_kept_bytes_(max_kept_bytes_per_peer), max_kept_frames_(max_kept_frames_per_peer) {}
+
+void PeerMailboxes::reset(uint32_t world_size, uint32_t self) {
+  std::lock_guard lock(mu_);
+  peers_ = std::vector<Slot>(world_size);
+  world_size_ = world_size;
+  self_ = self;
+}
+
+uint32_t PeerMailboxes::size() const {
+  std::lock_guard lock(mu_);
+  return static_cast<uint32_t>(peers_.size());
+}
+
+void PeerMailboxes::markUpLocked(uint32_t rank) {
+  Slot& slot = peers_[rank];
+  slot.up = true;
+  slot.last_error.clear();
+  cv_.notify_all();
+}
+
+void PeerMailboxes::markDownLocked(uint32_t rank, std::string reason) {
+  Slot& slot = peers_[rank];
+  slot.up = false;
+  ++slot.generation;
+  slot.last_error = std::move(reason);
+  cv_.notify_all();
+}
+
+bool PeerMailboxes::allUp() const {
+  std::lock_guard lock(mu_);
+  for (uint32_t r = 0; r < peers_.size(); ++r) {
+    if (r != self_ && !peers_[r].up) return false;
+  }
+  return true;
+}
+
+std::vector<bool> PeerMailboxes::peersUp() const {
+  std::lock_guard lock(mu_);
+  std::vector<bool> up(peers_.size(), false);
+  for (uint32_t r = 0; r < peers_.size(); ++r) up[r] = r == self_ || peers_[r].up;
+  return up;
+}
+
+Status PeerMailboxes::checkSend(uint32_t dst, FrameType type, size_t bytes,
+                                uint64_t max_frame_bytes) const {
+  {
+    std::lock_guard lock(mu_);
+    if (dst >= world_size_ || dst == self_) {
+      return invalidArgument(fmt::format("peer: cannot send to rank {} (we are rank {} of {})", dst,
+                                         self_, world_size_));
+    }
+  }
+  if (type != FrameType::kData && type != FrameType::kAbort) {
+    return invalidArgument(
+        fmt::format("peer: send() carries DATA and ABORT frames, not {}", frameTypeName(type)));
+  }
+  if (bytes > max_frame_bytes) {
+    return outOfRange(fmt::format("peer: frame of {} bytes for rank {} exceeds the limit of {}",
+                                  bytes, dst, max_frame_bytes));
+  }
+  return Status::ok();
+}
+
+Status PeerMailboxes::notConnectedLocked(uint32_t dst) const {
+  const std::string& why = peers_[dst].last_error;
+  return Status(StatusCode::kUnavailable, fmt::format("peer: rank {} is not connected{}{}", dst,
+                                                      why.empty() ? "" : ": ", why));
+}
+
+bool PeerMailboxes::reserve(uint32_t src, uint64_t bytes, std::string& why) {
+  std::lock_guard lock(mu_);
+  Slot& slot = peers_[src];
+  if (slot.kept_frames + 1 > max_kept_frames_ || slot.kept_bytes + bytes > max_kept_bytes_) {
+    why = fmt::format(
+        "rank {} sent more than we keep: {} frames / {} bytes kept, limits {} / {} bytes", src,
+        slot.kept_frames, slot.kept_bytes, max_kept_frames_, max_kept_bytes_);
+    return false;
+  }
+  slot.kept_frames += 1;
+  slot.kept_bytes += bytes;
+  return true;
+}
+
+void PeerMailboxes::releaseLocked(Slot& slot, uint64_t bytes) {
+  slot.kept_frames -= 1;
+  slot.kept_bytes -= bytes;
+}
+
+void PeerMailboxes::release(uint32_t src, uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  releaseLocked(peers_[src], bytes);
+}
+
+void PeerMailboxes::deliver(Frame frame) {
+  std::lock_guard lock(mu_);
+  const FrameKey key = frame.key;
+  peers_[frame.src].mailbox[key].push_back(std::move(frame));
+  cv_.notify_all();
+}
+
+void PeerMailboxes::deliverAbort(uint32_t src, uint64_t tensor, uint64_t step, std::string reason) {
+  spdlog::warn("peer: rank {} aborted tensor {:016x} step {}: {}", src, tensor, step, reason);
+  std::lock_guard lock(mu_);
+  Slot& slot = peers_[src];
+  auto [it, inserted] = slot.aborts.try_emplace({tensor, step});
+  if (!inserted) releaseLocked(slot, it->second.size());
+  it->second = std::move(reason);
+  cv_.notify_all();
+}
+
+Result<Frame> PeerMailboxes::receive(uint32_t src, const FrameKey& key,
+                                     Clock::time_point deadline) {
+  std::unique_lock lock(mu_);
+  if (src >= world_size_ || src == self_) {
+    return invalidArgument(fmt::format("peer: cannot receive from rank {} (we are rank {} of {})",
+                                       src, self_, world_size_));
+  }
+  Slot& slot = peers_[src];
+  const uint64_t generation = slot.generation;
+  for (;;) {
+    if (auto it = slot.mailbox.find(key); it != slot.mailbox.end()) {
+      Frame f = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) slot.mailbox.erase(it);
+      releaseLocked(slot, f.payload.size());
+      return f;
+    }
+    for (uint32_t r = 0; r < peers_.size(); ++r) {
+      const auto& aborts = peers_[r].aborts;
+      if (auto it = aborts.find({key.tensor, key.step}); it != aborts.end()) {
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("peer: rank {} aborted step {} of tensor {:016x}: {}", r,
+                                  key.step, key.tensor, it->second));
+      }
+    }
+    if (!slot.up || slot.generation != generation) {
+      return Status(
+          StatusCode::kUnavailable,
+          fmt::format("peer: connection to rank {} lost{}{}", src,
+                      slot.last_error.empty() ? " (not connected)" : ": ", slot.last_error));
+    }
+    if (Clock::now() >= deadline) {
+      return Status(
+          StatusCode::kUnavailable,
+          fmt::format("peer: deadline passed waiting for rank {} ({})", src, describeKey(key)));
+    }
+    cv_.wait_until(lock, deadline);
+  }
+}
+
+void PeerMailboxes::discard(uint64_t tensor, uint64_t step) {
+  std::lock_guard lock(mu_);
+  for (auto& slot : peers_) {
+    std::erase_if(slot.mailbox, [&](auto& entry) {
+      if (entry.first.tensor != tensor || entry.first.step > step) return false;
+      for (auto& f : entry.second) releaseLocked(slot, f.payload.size());
+      return true;
+    });
+    std::erase_if(slot.aborts, [&](auto& entry) {
+      if (entry.first.first != tensor || entry.first.second > step) return false;
+      releaseLocked(slot, entry.second.size());
+      return true;
+    });
+  }
+}
+
+std::vector<uint8_t> PeerMailboxes::takeBuffer(size_t n) {
+  {
+    std::lock_guard lock(pool_mu_);
+    for (size_t i = 0; i < pool_.size(); ++i) {
+      if (pool_[i].capacity() < n) continue;
+      std::vector<uint8_t> b = std::move(pool_[i]);
+      pool_[i] = std::move(pool_.back());
+      pool_.pop_back();
+      pool_bytes_ -= b.capacity();
+      b.resize(n);
+      return b;
+    }
+  }
+  return std::vector<uint8_t>(n);
+}
+
+void PeerMailboxes::recycle(std::vector<uint8_t> buffer) {
+  if (buffer.capacity() == 0) return;
+  std::lock_guard lock(pool_mu_);
+  if (pool_bytes_ + buffer.capacity() > kPoolBytes || pool_.size() >= kPoolBuffers) return;
+  pool_bytes_ += buffer.capacity();
+  pool_.push_back(std::move(buffer));
+}
+
+}  // namespace lightwire::proxy::peer
