@@ -390,6 +390,12 @@ std::vector<KeyImpl> makeKeyTable() {
       "Steps in flight at most (429 beyond)",
       unsignedSetter<C>([](C& c) -> int& { return c.limits.max_pending_steps; }, 1, INT_MAX),
       [](const C& c) { return json::value(c.limits.max_pending_steps); });
+  add("limits.max_state_bytes", "--max-state-bytes", "integer >= 0", "0",
+      "Codec state (residuals, momentum, factors) of all tensors together at most, in bytes; a "
+      "step whose tensor would need more fails with 507 state_limit (0 = no cap)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.max_state_bytes; }, 0,
+                        std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.limits.max_state_bytes); });
   add("limits.max_connections", "--max-connections", "integer >= 1", "256",
       "Open client connections at most, all listeners together",
       unsignedSetter<C>([](C& c) -> int& { return c.limits.max_connections; }, 1, INT_MAX),

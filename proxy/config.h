@@ -75,6 +75,7 @@ struct ServeConfig {
     int max_buffers = 1024;
     int max_pending_steps = 4096;
     int max_connections = 256;
+    uint64_t max_state_bytes = 0;  // codec state of all tensors together (0 = no cap)
   } limits;
 
   std::string token;  // secret: "" = no bearer token

@@ -203,6 +203,7 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   eo.rank = config.peer.rank;
   eo.checksum_every = config.peer.checksum_every;
   eo.warmup_steps = config.schedule.warmup_steps;
+  eo.max_state_bytes = config.limits.max_state_bytes;
   auto compression = std::make_shared<const CompressionConfig>(config.compression);
   StepEngine engine(
       eo,

@@ -429,6 +429,24 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     t.has_state = false;
   }
   if (!t.has_state) {
+    const uint64_t need = 2 * uint64_t{codec.stateFloats(n)} * sizeof(float);  // double-buffered
+    if (options_.max_state_bytes > 0 && need > 0) {
+      uint64_t held = 0;
+      {
+        std::lock_guard lock(mu_);
+        for (const auto& [name, other] : tensors_) {
+          if (other.get() != &t) held += other->state_bytes;
+        }
+      }
+      if (held + need > options_.max_state_bytes) {
+        t.state = kernels::CodecState();  // nothing held for it
+        return fail(507, "state_limit",
+                    "tensor '" + t.name + "' needs " + std::to_string(need) +
+                        " bytes of codec state, other tensors hold " + std::to_string(held) +
+                        ": more than limits.max_state_bytes (" +
+                        std::to_string(options_.max_state_bytes) + ")");
+      }
+    }
     t.state = kernels::CodecState(codec.stateFloats(n));
     t.state_elements = n;
     t.state_dtype = p.dtype;

@@ -144,6 +144,7 @@ struct EngineOptions {
   // DGC warm-up (DESIGN.md §5): over a tensor's first warmup_steps steps, selection codecs send
   // at least 25 %, 6.25 %, 1.5625 %, 0.39 %, 0.098 % (five equal stages), then their own density.
   uint64_t warmup_steps = 0;
+  uint64_t max_state_bytes = 0;  // codec state of all tensors together (0 = no cap)
 };
 
 /// Runs steps, one at a time. submit() is thread-safe; it never waits for other trainers, and it

@@ -121,6 +121,7 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"limits.max_buffers", {"2", "3", "4"}},
       {"limits.max_pending_steps", {"2", "3", "4"}},
       {"limits.max_connections", {"2", "3", "4"}},
+      {"limits.max_state_bytes", {"1000", "2000", "3000"}},
       {"security.token", {"tok-file", "tok-env", "tok-flag"}},
       {"compression.chunk_elements", {"2", "3", "4"}},
       {"rank", {"1", "2", "3"}},

@@ -499,3 +499,22 @@ TEST_CASE("DGC warm-up: five stages of decreasing density, then the codec's own"
   CHECK(near(10, 11));
   CHECK(wire[0] > 15 * wire[10]);
 }
+
+TEST_CASE("limits.max_state_bytes: a tensor whose codec state would not fit fails with 507") {
+  EngineOptions o = withTrainers(1);
+  // topk with error feedback keeps a residual of n floats, double-buffered: 8 n bytes.
+  o.max_state_bytes = 8 * 1000 + 8 * 500;
+  Fixture f(o, always(codecNamed("topk", 0.1)));
+  CHECK(step1(f.engine, "a", 1, randomValues(1000, 1)).first.http_status == 200);
+  CHECK(step1(f.engine, "b", 1, randomValues(500, 2)).first.http_status == 200);
+  auto [refused, values] = step1(f.engine, "c", 1, randomValues(10, 3));
+  CHECK(refused.http_status == 507);
+  CHECK(refused.error == "state_limit");
+  CHECK(refused.message.find("tensor 'c' needs 80 bytes") != std::string::npos);
+  CHECK(refused.message.find("other tensors hold 12000") != std::string::npos);
+  // What is held already goes on; a tensor that shrinks fits again.
+  CHECK(step1(f.engine, "a", 2, randomValues(1000, 4)).first.http_status == 200);
+  CHECK(step1(f.engine, "b", 2, randomValues(490, 5)).first.http_status == 200);
+  CHECK(step1(f.engine, "c", 2, randomValues(10, 6)).first.http_status == 200);
+  CHECK(f.metrics.exposition().find("lightwire_state_bytes 12000") != std::string::npos);
+}
