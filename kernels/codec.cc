@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "kernels/parallel.h"
+
 namespace lightwire::kernels {
 
 Chunking Chunking::make(size_t n, size_t requested, size_t alignment) {
@@ -16,8 +18,17 @@ void CodecState::reset() {
   std::fill(next_.begin(), next_.end(), 0.0f);
 }
 
-Status Codec::checkStepArgs(const Chunking& chunking, ConstTensor input, const CodecState& state,
-                            std::span<std::byte> workspace) const {
+Status CodecState::restore(std::span<const float> current) {
+  if (current.size() != current_.size()) {
+    return invalidArgument("codec state holds " + std::to_string(current_.size()) +
+                           " floats, the state to restore " + std::to_string(current.size()));
+  }
+  std::copy(current.begin(), current.end(), current_.begin());
+  return Status::ok();
+}
+
+Status Codec::checkTensorArgs(const Chunking& chunking, ConstTensor input,
+                              const CodecState& state) const {
   const std::string name = traits().name;
   const size_t n = chunking.elements;
   if (input.elements != n) {
@@ -35,6 +46,13 @@ Status Codec::checkStepArgs(const Chunking& chunking, ConstTensor input, const C
     return invalidArgument(name + ": codec state holds " + std::to_string(state.floats()) +
                            " floats, the codec needs " + std::to_string(stateFloats(n)));
   }
+  return Status::ok();
+}
+
+Status Codec::checkStepArgs(const Chunking& chunking, ConstTensor input, const CodecState& state,
+                            std::span<std::byte> workspace) const {
+  LW_RETURN_IF_ERROR(checkTensorArgs(chunking, input, state));
+  const std::string name = traits().name;
   if (workspace.size() < workspaceBytes(chunking)) {
     return invalidArgument(name + ": workspace of " + std::to_string(workspace.size()) +
                            " bytes, the codec needs " + std::to_string(workspaceBytes(chunking)));
@@ -69,6 +87,26 @@ Result<size_t> Codec::encodeChunk(const StepContext& ctx, const Chunking& chunki
   }
   return doEncodeChunk(ctx, chunking, chunk, round, previous, input, state, workspace, out);
 }
+
+Status Codec::flush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                    CodecState& state, float* out) const {
+  LW_RETURN_IF_ERROR(checkTensorArgs(chunking, input, state));
+  if (chunking.elements > 0 && out == nullptr) {
+    return invalidArgument(std::string(traits().name) + ": flush output is null");
+  }
+  return doFlush(ctx, chunking, input, state, out);
+}
+
+Status Codec::doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                      CodecState& state, float* out) const {
+  parallelFor(ctx.stream, chunking.elements, size_t{1} << 16,
+              [&](size_t lo, size_t hi) { widenToFloat(input.slice(lo, hi - lo), out + lo); });
+  const std::span<const float> current = state.currentSpan();
+  if (!current.empty()) std::copy(current.begin(), current.end(), state.next());
+  return Status::ok();
+}
+
+double Codec::residualNorm2(const CodecState&, size_t) const { return 0.0; }
 
 Result<size_t> Codec::addPayloads(std::span<const uint8_t>, std::span<const uint8_t>,
                                   std::span<uint8_t>) const {

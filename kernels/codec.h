@@ -18,6 +18,9 @@
 //   state.commit() when the step succeeded everywhere, otherwise nothing.
 // Multi-round codecs decode with decodeRounds(...) (every round's reduced payload) instead of
 // decodeChunk(...), and need finishStep(...) after the last round and before state.commit().
+// A full synchronisation (DESIGN.md §5) replaces all of that with flush(...): the dense fp32
+// tensor to exchange, which includes what the state held back, and the state after it (committed
+// like any step's). residualNorm2(...) tells how much the committed state holds back.
 
 #include <cstddef>
 #include <cstdint>
@@ -50,6 +53,10 @@ struct CodecConfig {
   std::optional<double> threshold;     // threshold: send elements with |g| >= threshold
   std::optional<bool> error_feedback;  // unset = the codec's default (DESIGN.md §3)
   int approx_rank = 1;                 // powersgd
+  /// topk, dgc, threshold: an element whose value to send (after error feedback / momentum, in
+  /// fp32, before any fp16 value encoding) has |value| < min_magnitude is never sent; it stays in
+  /// the residual (velocity) like any unsent element. Finite and >= 0; 0 = off.
+  double min_magnitude = 0.0;
 };
 
 /// Static facts about a codec.
@@ -110,6 +117,9 @@ class CodecState {
   /// Forgets everything (fresh state, e.g. after a size change or a residual flush).
   void reset();
   std::span<const float> currentSpan() const { return current_; }
+  /// Sets the committed state to `current` (a checkpoint); `next` is untouched. Fails, changing
+  /// nothing, when current.size() != floats().
+  Status restore(std::span<const float> current);
 
  private:
   std::vector<float> current_, next_;
@@ -171,6 +181,24 @@ class Codec {
   virtual Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,
                                      std::span<uint8_t> out) const;
 
+  /// Full synchronisation (DESIGN.md §5): writes into out[0..chunking.elements) what a dense
+  /// exchange of this step must send so that nothing this sidecar owes is lost — the input plus
+  /// whatever the codec's state holds back (error-feedback residual; DGC's accumulated velocity
+  /// after this step's momentum update, clipping included; PowerSGD's error) — and prepares
+  /// state.next() as the state after such a flush (residual zero; DGC: velocity and momentum zero;
+  /// PowerSGD: error zero, warm-start factor kept). Commit it as after any step. Reads input and
+  /// state.current(); never touches state.current(). Checks the arguments as analyze() does (no
+  /// workspace is needed) plus a non-null `out` when there are elements, then runs doFlush().
+  Status flush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+               CodecState& state, float* out) const;
+
+  /// Squared L2 norm of what `state` (committed, state.current()) holds back for a tensor of n
+  /// elements, accumulated in fp64 in the canonical order (docs/determinism.md §2): the
+  /// error-feedback residual, DGC's accumulated velocity v (not the momentum u), PowerSGD's error.
+  /// 0 for stateless codecs, and for a state that holds nothing (floats() == 0) or is not sized for
+  /// n elements (stateFloats(n)).
+  virtual double residualNorm2(const CodecState& state, size_t n) const;
+
   /// Multi-round codecs (traits().rounds > 1, single_chunk): decodes one step from the reduced
   /// payload of every round, in round order, and adds weight * decoded to out[0..out_elements).
   /// The default accepts exactly one payload and is decodeChunk(). On error `out` is untouched.
@@ -198,10 +226,17 @@ class Codec {
                                        ConstTensor input, CodecState& state,
                                        std::span<std::byte> workspace,
                                        std::span<uint8_t> out) const = 0;
+  /// flush() after its argument checks (as doAnalyze's, without the workspace; `out` holds
+  /// chunking.elements floats). Default, for codecs without state: out = input (widened to fp32),
+  /// state.next() = state.current().
+  virtual Status doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                         CodecState& state, float* out) const;
 
  private:
   Status checkStepArgs(const Chunking& chunking, ConstTensor input, const CodecState& state,
                        std::span<std::byte> workspace) const;
+  Status checkTensorArgs(const Chunking& chunking, ConstTensor input,
+                         const CodecState& state) const;
 };
 
 /// Bump allocator over a caller-owned workspace; every slice is 64-byte aligned.

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "kernels/parallel.h"
+#include "kernels/reduce.h"
 #include "kernels/registry.h"
 
 namespace lightwire::kernels {
@@ -60,6 +61,28 @@ class ErrorFeedbackCodec final : public Codec {
     if (!s.isOk())
       return internalError("error feedback could not decode its own payload: " + s.message());
     return size;
+  }
+
+  /// out = x + e, exactly as a_i of doAnalyze (determinism.md §4.6); the prepared residual is 0.
+  Status doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                 CodecState& state, float* out) const override {
+    const size_t n = chunking.elements;
+    const float* e = state.current();
+    float* en = state.next();
+    visitDType(input.dtype, [&](auto d) {
+      constexpr DType D = decltype(d)::value;
+      parallelFor(ctx.stream, n, 1 << 16, [&](size_t lo, size_t hi) {
+        for (size_t i = lo; i < hi; ++i) out[i] = loadWidened<D>(input.data, i) + e[i];
+        std::fill(en + lo, en + hi, 0.0f);
+      });
+    });
+    return Status::ok();
+  }
+
+  /// Σ e_i² of the committed residual.
+  double residualNorm2(const CodecState& state, size_t n) const override {
+    if (n == 0 || state.floats() != stateFloats(n)) return 0.0;
+    return canonicalSum(state.current(), n, ReduceTerm::kSquare);
   }
 
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,

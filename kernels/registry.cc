@@ -1,11 +1,14 @@
 #include "kernels/registry.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <sstream>
+
+#include "kernels/select.h"
 
 namespace lightwire::kernels {
 namespace {
@@ -52,6 +55,12 @@ Result<std::unique_ptr<Codec>> createCodec(const CodecConfig& config) {
     }
     factory = it->second;
   }
+  // Shared by every codec (those that do not select ignore it), so checked here once.
+  if (!std::isfinite(config.min_magnitude) || !(config.min_magnitude >= 0.0)) {
+    return invalidArgument(config.name +
+                           ": min_magnitude must be a finite number >= 0 (0 = off), got " +
+                           formatNumber(config.min_magnitude));
+  }
   auto made = factory(config);
   if (!made) return made.status();
   std::unique_ptr<Codec> codec = std::move(made).value();
@@ -95,6 +104,9 @@ std::string configKey(const CodecConfig& c) {
     << c.sample_fraction << '|' << static_cast<int>(c.sparse_values) << '|';
   opt(c.threshold);
   o << (c.error_feedback ? (*c.error_feedback ? 1 : 0) : -1) << '|' << c.approx_rank;
+  // Fields added later appear only when set, so the keys of existing configurations stay as
+  // they were.
+  if (c.min_magnitude != 0.0) o << "|min_magnitude=" << c.min_magnitude;
   return o.str();
 }
 

@@ -508,6 +508,29 @@ void selectExact(ConstTensor x, size_t k, CpuStream* stream, const SelectWorkspa
   selectByHistogram(x, k, stream, ws, plan);
 }
 
+uint32_t minMagnitudeKey(double min_magnitude) {
+  if (!(min_magnitude > 0.0)) return 0;
+  float f = static_cast<float>(min_magnitude);  // nearest (+Inf beyond the fp32 range)
+  if (static_cast<double>(f) < min_magnitude) {
+    f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  }
+  return magnitudeKey(f);
+}
+
+void applyMinKey(ConstTensor x, uint32_t min_key, std::span<uint32_t> slots, SelectionPlan* plan) {
+  if (min_key == 0 || plan->select_none || plan->threshold >= min_key) return;
+  plan->threshold = min_key;
+  plan->tie_end = std::numeric_limits<uint64_t>::max();
+  if (!plan->has_list) return;
+  uint64_t kept = 0;
+  for (uint64_t j = 0; j < plan->listed; ++j) {
+    const uint32_t i = slots[j];
+    slots[kept] = i;
+    kept += magnitudeKey(x.at(i)) >= min_key;
+  }
+  plan->listed = kept;
+}
+
 uint64_t countKeysAtLeast(const float* x, size_t n, uint32_t threshold, CpuStream* stream) {
   const TaskSplit split = TaskSplit::of(n);
   std::array<uint64_t, TaskSplit::kMaxTasks> counts{};

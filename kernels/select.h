@@ -103,6 +103,17 @@ struct SelectWorkspace {
   static SelectWorkspace carve(WorkspaceCarver& carver, size_t n);
 };
 
+/// The smallest key an element must have to be sent under CodecConfig::min_magnitude m: the key of
+/// the smallest fp32 value >= m (m rounded up to fp32; +Inf beyond the fp32 range), or 0 when m is
+/// not > 0 (off). For every fp32 x, NaN included: key(x) >= minMagnitudeKey(m) <=> !(|x| < m).
+uint32_t minMagnitudeKey(double min_magnitude);
+
+/// Removes from the selection of `plan` (over the tensor `x`) every element with key < min_key
+/// (min_magnitude, docs/determinism.md §4.2): where the plan's threshold is below min_key it
+/// becomes min_key with every tie taken, and a listed selection (has_list, in slots) is compacted
+/// in place. A plain, scalar filter after the selection, so every SIMD path honours it alike.
+void applyMinKey(ConstTensor x, uint32_t min_key, std::span<uint32_t> slots, SelectionPlan* plan);
+
 /// Exact top-k of `x` (§4.3): the k largest keys, ties broken by lower index. Writes the plan to
 /// *plan; the result is independent of the thread count. Usually one pass over x: a strided
 /// sample gives a key bound a, the pass collects every element with key >= a as a u64 composite

@@ -29,7 +29,8 @@ constexpr int kMaxRefinements = 3;
 
 class DgcCodec final : public Codec {
  public:
-  DgcCodec(const CodecConfig& c, double density) : config_(c), density_(density) {}
+  DgcCodec(const CodecConfig& c, double density)
+      : config_(c), density_(density), min_key_(minMagnitudeKey(c.min_magnitude)) {}
 
   const CodecTraits& traits() const override {
     static const CodecTraits t{.id = CodecId::kDgc,
@@ -142,11 +143,16 @@ class DgcCodec final : public Codec {
         }
       });
     });
+    // min_magnitude (§4.2): whichever path selected S, elements below the floor stay in v'.
+    auto done = [&] {
+      applyMinKey(acc, min_key_, ws.slots, ws.plan);
+      return Status::ok();
+    };
     if (!listable) {
       if (!sampled || !sampledSelection(ctx, vn, n, k, sample_keys, ws.plan)) {
         selectExact(acc, k, ctx.stream, ws, ws.plan);
       }
-      return Status::ok();
+      return done();
     }
 
     // 4. Selection on key(v'): the first count is the fused pass's.
@@ -163,12 +169,12 @@ class DgcCodec final : public Codec {
         listed += counts[t];
       }
       *ws.plan = SelectionPlan{pass.threshold, n, false, true, listed};
-      return Status::ok();
+      return done();
     }
     if (!refine(ctx, vn, n, k, sample_keys, r, pass.threshold, c, ws.plan)) {
       selectExact(acc, k, ctx.stream, ws, ws.plan);
     }
-    return Status::ok();
+    return done();
   }
 
   Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
@@ -217,6 +223,49 @@ class DgcCodec final : public Codec {
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
                      size_t out_elements) const override {
     return decodeSparsePayload(payload, CodecId::kDgc, weight, out, out_elements);
+  }
+
+  /// Steps 1–3 of doAnalyze (clipping, momentum correction, accumulation), bit for bit, then
+  /// everything accumulated is sent: out = v'. The prepared u' and v' are zero.
+  Status doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                 CodecState& state, float* out) const override {
+    const size_t n = chunking.elements;
+    if (n == 0) return Status::ok();
+    DgcPass pass;
+    pass.momentum = hasMomentum();
+    pass.m = static_cast<float>(config_.momentum);
+    pass.u = hasMomentum() ? state.current() : nullptr;
+    pass.v = hasMomentum() ? pass.u + n : state.current();
+    ConstTensor x = input;
+    if (config_.clip_norm > 0.0) {
+      if (input.dtype != DType::kF32) {  // widen into out (overwritten element-wise below)
+        forEach(ctx.stream, n,
+                [&](size_t lo, size_t hi) { widenToFloat(input.slice(lo, hi - lo), out + lo); });
+        x = ConstTensor{out, n, DType::kF32};
+      }
+      // The canonical norm does not depend on the stream (block sums go sequential here).
+      const double norm = canonicalNorm(static_cast<const float*>(x.data), n, nullptr);
+      if (norm > config_.clip_norm) {
+        pass.clip = true;
+        pass.factor = static_cast<float>(config_.clip_norm / norm);
+      }
+    }
+    float* next = state.next();
+    visitDType(x.dtype, [&](auto d) {
+      constexpr DType D = decltype(d)::value;
+      forEach(ctx.stream, n, [&](size_t lo, size_t hi) {
+        for (size_t i = lo; i < hi; ++i) out[i] = accumulatedAt<D>(pass, x.data, i);
+      });
+    });
+    std::fill(next, next + stateFloats(n), 0.0f);
+    return Status::ok();
+  }
+
+  /// Σ v_i² of the committed accumulated velocity (not the momentum u).
+  double residualNorm2(const CodecState& state, size_t n) const override {
+    if (n == 0 || state.floats() != stateFloats(n)) return 0.0;
+    const float* v = hasMomentum() ? state.current() + n : state.current();
+    return canonicalSum(v, n, ReduceTerm::kSquare);
   }
 
  private:
@@ -379,6 +428,7 @@ class DgcCodec final : public Codec {
 
   CodecConfig config_;
   double density_;
+  uint32_t min_key_;  // min_magnitude as a key floor (0 = off)
 };
 
 Result<std::unique_ptr<Codec>> makeDgc(const CodecConfig& c) {

@@ -159,6 +159,7 @@ HWY_AFTER_NAMESPACE();
 
 #include "kernels/parallel.h"
 #include "kernels/philox.h"
+#include "kernels/reduce.h"
 #include "kernels/registry.h"
 #include "kernels/select.h"
 
@@ -457,6 +458,31 @@ class PowerSgdCodec final : public Codec {
     for (size_t i = 0; i < q.count; ++i) qn[i] = weight * loadF32(q.values + 4 * i);
     writeMeta(meta, p.view, 1.0f);
     return Status::ok();
+  }
+
+  /// out = x + e (M of doAnalyze, bit for bit); the prepared error is zero and the committed
+  /// meta block and warm-start Q are kept as they are.
+  Status doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                 CodecState& state, float* out) const override {
+    const size_t n = chunking.elements;
+    if (n == 0) return Status::ok();
+    const float* e = state.current();
+    float* en = state.next();
+    visitDType(input.dtype, [&](auto d) {
+      constexpr DType D = decltype(d)::value;
+      parallelFor(ctx.stream, n, size_t{1} << 16, [&](size_t lo, size_t hi) {
+        for (size_t i = lo; i < hi; ++i) out[i] = loadWidened<D>(input.data, i) + e[i];
+        std::fill(en + lo, en + hi, 0.0f);
+      });
+    });
+    std::copy(e + n, e + state.floats(), en + n);
+    return Status::ok();
+  }
+
+  /// Σ e_i² of the committed error (not the meta block or Q).
+  double residualNorm2(const CodecState& state, size_t n) const override {
+    if (n == 0 || state.floats() != stateFloats(n)) return 0.0;
+    return canonicalSum(state.current(), n, ReduceTerm::kSquare);
   }
 
   Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,

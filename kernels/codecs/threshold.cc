@@ -3,6 +3,7 @@
 // each element, so a chunk needs nothing from the others and analyze() has nothing to do. No
 // memory of its own; the registry wraps it in error feedback by default.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -18,7 +19,8 @@ namespace {
 class ThresholdCodec final : public Codec {
  public:
   ThresholdCodec(const CodecConfig& c, float tau) : config_(c) {
-    plan_.threshold = magnitudeKey(tau);
+    // min_magnitude (§4.2) only ever raises the key threshold.
+    plan_.threshold = std::max(magnitudeKey(tau), minMagnitudeKey(c.min_magnitude));
     plan_.tie_end = std::numeric_limits<uint64_t>::max();  // every key == threshold is taken
     plan_.select_none = false;
   }

@@ -1,6 +1,6 @@
 // `topk` (docs/determinism.md §4.3): the k elements of largest magnitude over the whole tensor,
-// ties broken by lower index, sent in the sparse layout. No memory of its own; the registry wraps
-// it in error feedback by default.
+// ties broken by lower index, less those below min_magnitude (§4.2), sent in the sparse layout. No
+// memory of its own; the registry wraps it in error feedback by default.
 
 #include <algorithm>
 #include <cmath>
@@ -16,7 +16,8 @@ namespace {
 
 class TopkCodec final : public Codec {
  public:
-  TopkCodec(const CodecConfig& c, double density) : config_(c), density_(density) {}
+  TopkCodec(const CodecConfig& c, double density)
+      : config_(c), density_(density), min_key_(minMagnitudeKey(c.min_magnitude)) {}
 
   const CodecTraits& traits() const override {
     static const CodecTraits t{.id = CodecId::kTopk,
@@ -53,6 +54,7 @@ class TopkCodec final : public Codec {
     WorkspaceCarver carver(workspace);
     const SelectWorkspace ws = SelectWorkspace::carve(carver, n);
     selectExact(input, selectionSize(n, density), ctx.stream, ws, ws.plan);
+    applyMinKey(input, min_key_, ws.slots, ws.plan);
     return Status::ok();
   }
 
@@ -85,6 +87,7 @@ class TopkCodec final : public Codec {
  private:
   CodecConfig config_;
   double density_;
+  uint32_t min_key_;  // min_magnitude as a key floor (0 = off)
 };
 
 LW_REGISTER_CODEC(topk, "topk", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {

@@ -475,6 +475,27 @@ def selection_size(n, density):
     return min(n, max(1, math.floor(density * n + 0.5)))
 
 
+def min_magnitude_key(m):
+    """The key floor of min_magnitude m (§4.2): key of the smallest fp32 value >= m (m rounded up
+    to fp32, +Inf beyond the fp32 range); 0 when m is not > 0 (off)."""
+    if not (m is not None and m > 0):
+        return 0
+    with np.errstate(over="ignore"):
+        f = np.float32(m)  # round to nearest
+    if float(f) < m:
+        f = np.nextafter(f, np.float32(np.inf), dtype=np.float32)
+    return int(np.array([f], dtype=np.float32).view(np.uint32)[0]) & 0x7FFFFFFF
+
+
+def apply_min_magnitude(sel, keys, cfg):
+    """§4.2: drop from the selected indices `sel` every element whose key is below the floor of
+    cfg["min_magnitude"] (absent or 0 = off); what is dropped stays in the residual."""
+    mk = min_magnitude_key(cfg.get("min_magnitude") or 0.0)
+    if mk == 0:
+        return sel
+    return sel[keys[sel] >= mk]
+
+
 def topk_select(keys, k):
     """Sorted indices: the k largest keys, ties broken by lower index (§4.3, via T literally)."""
     if k == 0:
@@ -619,7 +640,8 @@ class Codec:
                 out.append(header(cid, dcode, 0, m) + h.astype("<u2").tobytes())
         elif cname == "topk":
             k = selection_size(self.n, effective_density(cfg, step_density))
-            sel = topk_select(key_of(a), k)
+            keys = key_of(a)
+            sel = apply_min_magnitude(topk_select(keys, k), keys, cfg)
             info["k"] = k
             info["nnz"] = int(len(sel))
             out = self._sparse_chunks(3, a, sel, dcode, chunking)
@@ -631,7 +653,8 @@ class Codec:
             tau = to_f32(cfg["threshold"])
             assert np.isfinite(tau) and tau > 0
             ktau = int(bits_of(np.array([tau], dtype=np.float32))[0]) & 0x7FFFFFFF
-            sel = np.nonzero(key_of(a) >= ktau)[0]
+            keys = key_of(a)
+            sel = apply_min_magnitude(np.nonzero(keys >= ktau)[0], keys, cfg)
             info["nnz"] = int(len(sel))
             out = self._sparse_chunks(5, a, sel, dcode, chunking)
         elif cname in ("terngrad", "signsgd", "onebit"):
@@ -807,9 +830,10 @@ class Codec:
         keys = key_of(v2)
         sel = dgc_select(keys, k, n, cfg["sample_fraction"], seed, name, step, rank, info)
         info["k"] = k
-        info["nnz"] = int(len(sel))
-        # spec: "the count always lies in [0.8k, 1.3k]"
+        # spec: "the count always lies in [0.8k, 1.3k]" (before min_magnitude)
         assert (8 * k + 9) // 10 <= len(sel) <= (13 * k) // 10, info
+        sel = apply_min_magnitude(sel, keys, cfg)
+        info["nnz"] = int(len(sel))
         # 5. payload carries v'_i for i in S
         payloads = self._sparse_chunks(6, v2, sel, dcode, chunking)
         # 6. masking: v'_i = v'_i - value_i (as decoded), u'_i = 0
@@ -1099,6 +1123,30 @@ def _self_test():
         c.decode(p, ch, F32(1.0), dec)
         assert np.count_nonzero(dec) == 100
         assert np.array_equal(_f32(dec + c.e), _f32(x + e0))
+    # min_magnitude: the key floor is m rounded up to fp32; below it nothing is sent
+    assert min_magnitude_key(0.0) == 0 and min_magnitude_key(None) == 0
+    assert min_magnitude_key(1.0) == 0x3F800000
+    assert min_magnitude_key(0.1) == 0x3DCCCCCD  # (float)0.1 is above 0.1 already
+    assert min_magnitude_key(0.30000001192092896) == 0x3E99999A  # exactly (float)0.3: kept
+    assert min_magnitude_key(float.fromhex("0x1.000001p0")) == 0x3F800001  # rounded up
+    assert min_magnitude_key(1e-50) == 1 and min_magnitude_key(1e300) == 0x7F800000
+    n = 1000
+    x = (rng.standard_normal(n) * 1e-6).astype(np.float32)
+    x[::10] = F32(3.0)
+    for cfg in ({"name": "topk", "density": 0.5, "sparse_values": "fp32", "error_feedback": None,
+                 "min_magnitude": 1e-3},
+                {"name": "threshold", "threshold": 1e-30, "sparse_values": "fp32",
+                 "error_feedback": None, "min_magnitude": 1e-3},
+                {"name": "dgc", "density": 0.5, "momentum": 0.9, "clip_norm": 0.0,
+                 "sample_fraction": 0.01, "sparse_values": "fp32", "error_feedback": None,
+                 "min_magnitude": 1e-3}):
+        c = Codec(cfg, n)
+        p, info = c.step(x, "fp32", chunk_ranges(n, 300, 1), 0, "m", 0, 0, None)
+        assert info["nnz"] == 100, (cfg["name"], info)
+        kept = c.v if cfg["name"] == "dgc" else c.e
+        small = np.ones(n, dtype=bool)
+        small[::10] = False
+        assert np.array_equal(kept[small], x[small]) and not np.any(kept[~small])
     # qsgd: levels within range, decoded mean close to the input (unbiased)
     n = 4096
     x = rng.standard_normal(n).astype(np.float32)
