@@ -118,6 +118,12 @@ void PeerMailboxes::deliverAbort(uint32_t src, uint64_t tensor, uint64_t step, s
   spdlog::warn("peer: rank {} aborted tensor {:016x} step {}: {}", src, tensor, step, reason);
   std::lock_guard lock(mu_);
   Slot& slot = peers_[src];
+  if (auto done = done_upto_.find(tensor); done != done_upto_.end() && step <= done->second) {
+    // The step is over here (it failed or completed): a late abort of it must not fail a later
+    // attempt of the same step (after a resume).
+    releaseLocked(slot, reason.size());
+    return;
+  }
   auto [it, inserted] = slot.aborts.try_emplace({tensor, step});
   if (!inserted) releaseLocked(slot, it->second.size());
   it->second = std::move(reason);
@@ -134,13 +140,8 @@ Result<Frame> PeerMailboxes::receive(uint32_t src, const FrameKey& key,
   Slot& slot = peers_[src];
   const uint64_t generation = slot.generation;
   for (;;) {
-    if (auto it = slot.mailbox.find(key); it != slot.mailbox.end()) {
-      Frame f = std::move(it->second.front());
-      it->second.pop_front();
-      if (it->second.empty()) slot.mailbox.erase(it);
-      releaseLocked(slot, f.payload.size());
-      return f;
-    }
+    // An abort wins over frames already kept: the step failed on another rank, so it must fail
+    // here too, even when that rank's frames arrived before it gave up.
     for (uint32_t r = 0; r < peers_.size(); ++r) {
       const auto& aborts = peers_[r].aborts;
       if (auto it = aborts.find({key.tensor, key.step}); it != aborts.end()) {
@@ -148,6 +149,13 @@ Result<Frame> PeerMailboxes::receive(uint32_t src, const FrameKey& key,
                       fmt::format("peer: rank {} aborted step {} of tensor {:016x}: {}", r,
                                   key.step, key.tensor, it->second));
       }
+    }
+    if (auto it = slot.mailbox.find(key); it != slot.mailbox.end()) {
+      Frame f = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) slot.mailbox.erase(it);
+      releaseLocked(slot, f.payload.size());
+      return f;
     }
     if (!slot.up || slot.generation != generation) {
       return Status(
@@ -164,8 +172,21 @@ Result<Frame> PeerMailboxes::receive(uint32_t src, const FrameKey& key,
   }
 }
 
+void PeerMailboxes::beginStep(uint64_t tensor, uint64_t step) {
+  std::lock_guard lock(mu_);
+  auto it = done_upto_.find(tensor);
+  if (it == done_upto_.end() || it->second < step) return;
+  if (step == 0) {
+    done_upto_.erase(it);
+  } else {
+    it->second = step - 1;
+  }
+}
+
 void PeerMailboxes::discard(uint64_t tensor, uint64_t step) {
   std::lock_guard lock(mu_);
+  auto& done = done_upto_[tensor];
+  done = std::max(done, step);
   for (auto& slot : peers_) {
     std::erase_if(slot.mailbox, [&](auto& entry) {
       if (entry.first.tensor != tensor || entry.first.step > step) return false;

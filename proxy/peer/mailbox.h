@@ -81,8 +81,11 @@ class PeerMailboxes {
   /// Transport::receive() once started: the frame `key` from `src`, or an abort of its step from
   /// any rank, or the loss of `src`, or the deadline.
   Result<Frame> receive(uint32_t src, const FrameKey& key, Clock::time_point deadline);
-  /// Drops kept frames and aborts of (tensor, steps <= step).
+  /// Drops kept frames and aborts of (tensor, steps <= step). An abort of such a step that
+  /// arrives later is stale (the step is over here) and dropped, until beginStep() of that step.
   void discard(uint64_t tensor, uint64_t step);
+  /// (tensor, step) starts here (again, after a resume): aborts of it are kept from now on.
+  void beginStep(uint64_t tensor, uint64_t step);
 
   // --- payload buffers ---------------------------------------------------------------------------
 
@@ -106,6 +109,9 @@ class PeerMailboxes {
 
   void releaseLocked(Slot& slot, uint64_t bytes);
 
+  // Per tensor: the last step discarded here (its late aborts are stale). Under mu_; one entry
+  // per tensor this side has run.
+  std::unordered_map<uint64_t, uint64_t> done_upto_;
   const uint64_t max_kept_bytes_;
   const uint64_t max_kept_frames_;
 

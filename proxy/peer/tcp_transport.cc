@@ -1010,6 +1010,10 @@ void TcpTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& 
 
 void TcpTransport::discard(uint64_t tensor, uint64_t step) { impl_->mail.discard(tensor, step); }
 
+void TcpTransport::beginStep(uint64_t tensor, uint64_t step) {
+  impl_->mail.beginStep(tensor, step);
+}
+
 void TcpTransport::setJobState(std::function<std::vector<uint8_t>()> provide,
                                std::function<void(uint32_t, std::span<const uint8_t>)> take) {
   impl_->provide_state = std::move(provide);

@@ -115,7 +115,11 @@ class Transport {
   /// their deadline. Best effort.
   virtual void abortStep(uint64_t tensor, uint64_t step, const std::string& reason) = 0;
 
-  /// Drops kept frames of (tensor, steps <= step): the step is over on this side.
+  /// (tensor, step) starts on this side: aborts of it count again even if an earlier attempt of
+  /// it was discarded (a step retried after a resume).
+  virtual void beginStep(uint64_t /*tensor*/, uint64_t /*step*/) {}
+  /// Drops kept frames of (tensor, steps <= step): the step is over on this side; a late abort
+  /// of it is stale and ignored (until beginStep()).
   virtual void discard(uint64_t tensor, uint64_t step) = 0;
 
   /// The job state (DESIGN.md §5) this sidecar tells every peer once connected (`provide`), and

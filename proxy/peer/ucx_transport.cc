@@ -1263,6 +1263,10 @@ void UcxTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& 
 
 void UcxTransport::discard(uint64_t tensor, uint64_t step) { impl_->mail.discard(tensor, step); }
 
+void UcxTransport::beginStep(uint64_t tensor, uint64_t step) {
+  impl_->mail.beginStep(tensor, step);
+}
+
 bool UcxTransport::allConnected() const { return impl_->mail.allUp() && impl_->started; }
 
 std::vector<bool> UcxTransport::peersUp() const { return impl_->mail.peersUp(); }
