@@ -119,6 +119,23 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
       result_mismatches(counterFamily(*r, "lightwire_result_mismatches_total",
                                       "Result checksums that differed between ranks.")
                             .Add({})),
+      rollbacks(counterFamily(*r, "lightwire_rollbacks_total",
+                              "Compression settings reverted to the last known-good ones.")
+                    .Add({})),
+      bypass_active(BuildGauge()
+                        .Name("lightwire_bypass_active")
+                        .Help("1 while compression is bypassed (dense exchange) after an anomaly.")
+                        .Register(*r)
+                        .Add({})),
+      checkpoints_ok(counterFamily(*r, "lightwire_checkpoints_total",
+                                   "State checkpoint files written, by result.")
+                         .Add({{"result", "ok"}})),
+      checkpoints_failed(counterFamily(*r, "lightwire_checkpoints_total",
+                                       "State checkpoint files written, by result.")
+                             .Add({{"result", "failed"}})),
+      skipped_steps(counterFamily(*r, "lightwire_skipped_steps_total",
+                                  "Delayed-sync steps accumulated locally instead of exchanged.")
+                        .Add({})),
       registry_(std::move(r)),
       ratio_family_(BuildGauge()
                         .Name("lightwire_compression_ratio")
@@ -134,7 +151,24 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                            .Name("lightwire_peer_rtt_seconds")
                            .Help("Last measured round-trip time to the peer sidecar.")
                            .Register(*registry_)),
+      anomalies_family_(counterFamily(*registry_, "lightwire_anomalies_total",
+                                      "Anomalies detected in the global statistics, by kind.")),
+      full_syncs_family_(counterFamily(*registry_, "lightwire_full_syncs_total",
+                                       "Full (dense, residual-flushing) synchronisations, by "
+                                       "reason.")),
+      cosine_family_(BuildGauge()
+                         .Name("lightwire_cosine_similarity")
+                         .Help("Sampled cosine similarity between the compressed and the original "
+                               "gradient, all ranks together, per tensor group.")
+                         .Register(*registry_)),
+      residual_family_(BuildGauge()
+                           .Name("lightwire_residual_norm")
+                           .Help("L2 norm of the residual the codecs hold back, all ranks "
+                                 "together, per tensor group.")
+                           .Register(*registry_)),
       start_time_(nowSeconds()) {
+  for (const char* kind : {"nonfinite", "explosion", "vanishing"}) anomalies(kind);
+  for (const char* reason : {"periodic", "divergence"}) fullSyncs(reason);
   auto& stage_family = BuildHistogram()
                            .Name("lightwire_stage_duration_seconds")
                            .Help("Duration of each stage of a step.")
@@ -159,6 +193,22 @@ prometheus::Gauge& Metrics::peerUp(uint32_t rank) {
 
 prometheus::Gauge& Metrics::peerRtt(uint32_t rank) {
   return peer_rtt_family_.Add({{"peer", std::to_string(rank)}});
+}
+
+prometheus::Counter& Metrics::anomalies(std::string_view kind) {
+  return anomalies_family_.Add({{"kind", std::string(kind)}});
+}
+
+prometheus::Counter& Metrics::fullSyncs(std::string_view reason) {
+  return full_syncs_family_.Add({{"reason", std::string(reason)}});
+}
+
+prometheus::Gauge& Metrics::cosineSimilarity(std::string_view group) {
+  return cosine_family_.Add({{"group", std::string(group)}});
+}
+
+prometheus::Gauge& Metrics::residualNorm(std::string_view group) {
+  return residual_family_.Add({{"group", std::string(group)}});
 }
 
 std::string Metrics::exposition() const {

@@ -54,6 +54,26 @@ class Metrics {
   // lightwire_result_mismatches_total: result checksums that differed between ranks.
   prometheus::Counter& result_mismatches;
 
+  // Policies (DESIGN.md §5, docs/policies.md).
+  // lightwire_rollbacks_total: compression settings reverted to the last known-good ones.
+  prometheus::Counter& rollbacks;
+  // lightwire_bypass_active: 1 while compression is bypassed (dense exchange) after an anomaly.
+  prometheus::Gauge& bypass_active;
+  // lightwire_checkpoints_total{result}: state files written ("ok") or not ("failed").
+  prometheus::Counter& checkpoints_ok;
+  prometheus::Counter& checkpoints_failed;
+  // lightwire_skipped_steps_total: delayed-sync steps accumulated locally, not exchanged.
+  prometheus::Counter& skipped_steps;
+
+  /// lightwire_anomalies_total{kind}: nonfinite, explosion, vanishing, resume_mismatch.
+  prometheus::Counter& anomalies(std::string_view kind);
+  /// lightwire_full_syncs_total{reason}: periodic, divergence.
+  prometheus::Counter& fullSyncs(std::string_view reason);
+  /// lightwire_cosine_similarity{group}: sampled cosine between compressed and original gradient.
+  prometheus::Gauge& cosineSimilarity(std::string_view group);
+  /// lightwire_residual_norm{group}: L2 norm of the residual held back (all ranks together).
+  prometheus::Gauge& residualNorm(std::string_view group);
+
   /// lightwire_stage_duration_seconds{stage}.
   prometheus::Histogram& stage(Stage s) { return *stages_[static_cast<size_t>(s)]; }
   /// lightwire_compression_ratio{group} (raw / wire bytes of the group's last step).
@@ -72,6 +92,10 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& http_family_;
   prometheus::Family<prometheus::Gauge>& peer_up_family_;
   prometheus::Family<prometheus::Gauge>& peer_rtt_family_;
+  prometheus::Family<prometheus::Counter>& anomalies_family_;
+  prometheus::Family<prometheus::Counter>& full_syncs_family_;
+  prometheus::Family<prometheus::Gauge>& cosine_family_;
+  prometheus::Family<prometheus::Gauge>& residual_family_;
   std::array<prometheus::Histogram*, kStageCount> stages_{};
   double start_time_ = 0;
 };

@@ -92,7 +92,7 @@ Sidecar::Sidecar(Options o) : o_(std::move(o)) {
   // Everything the child needs is built before fork(): only async-signal-safe calls after it.
   std::vector<std::string> args = {o_.exe,          "serve", "--socket",       o_.socket,
                                    "--control-tcp", "",      "--admin-listen", "",
-                                   "--log-level",   "warn"};
+                                   "--log-level",   "warn",  "--state-dir",    ""};
   args.insert(args.end(), o_.args.begin(), o_.args.end());
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());

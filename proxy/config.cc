@@ -5,6 +5,7 @@
 #include <yaml-cpp/yaml.h>
 #include <CLI/CLI.hpp>
 #include <boost/json/array.hpp>
+#include <boost/json/serialize.hpp>
 
 #include <algorithm>
 #include <cctype>
@@ -35,6 +36,8 @@ constexpr char kRedacted[] = "<redacted>";
 constexpr int kMaxDepth = 16;          // far deeper than any key; bounds recursion on hostile input
 constexpr size_t kMaxShownValue = 80;  // longer values are cut in error messages
 constexpr double kMaxSeconds = 1e9;    // keeps durations representable as int64 nanoseconds
+constexpr uint64_t kMaxSyncEvery = 1000000;  // a rule's sync_every
+constexpr size_t kMaxGroupChars = 64;        // a rule's group
 
 // --- Parsing one value from its text (the same code for every source) --------------------------
 // Each setter returns "" on success, else what the value must be ("must be ..."); the caller adds
@@ -101,6 +104,38 @@ std::string setAnyNumber(std::string_view s, double& out) {
   const auto v = parseNumber(s);
   if (!v) return "must be a finite number";
   out = *v;
+  return "";
+}
+
+/// A finite number for which ok() holds; `must` says which ("must be a number > 0").
+std::string setNumber(std::string_view s, double& out, bool (*ok)(double),
+                      const std::string& must) {
+  const auto v = parseNumber(s);
+  if (!v || !ok(*v)) return must;
+  out = *v;
+  return "";
+}
+
+/// The shortest text that parses back to `v` exactly (the key table's defaults).
+std::string numberText(double v) {
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return ec == std::errc{} ? std::string(buf, end) : std::string();
+}
+
+constexpr char kBoolType[] = "true | false";
+
+/// true, yes, on, 1 / false, no, off, 0 in any case (YAML 1.1's spellings, and the JSON ones).
+std::string setBool(std::string_view s, bool& out) {
+  std::string v(s.size() <= 5 ? s : std::string_view());  // longer: no spelling matches
+  for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (v == "true" || v == "yes" || v == "on" || v == "1") {
+    out = true;
+  } else if (v == "false" || v == "no" || v == "off" || v == "0") {
+    out = false;
+  } else {
+    return "must be true or false (or yes/no, on/off, 1/0)";
+  }
   return "";
 }
 
@@ -301,7 +336,7 @@ std::vector<KeyImpl> makeKeyTable() {
   std::vector<KeyImpl> t;
   auto add = [&](std::string path, std::string flag, std::string type,
                  std::optional<std::string> def, std::string description, auto set, auto get,
-                 bool secret = false) {
+                 bool secret = false, bool boolean = false) {
     ConfigKey info;
     info.env = envName(path);
     info.path = std::move(path);
@@ -311,6 +346,7 @@ std::vector<KeyImpl> makeKeyTable() {
     info.default_text = def.value_or("");
     info.description = std::move(description);
     info.secret = secret;
+    info.boolean = boolean;
     t.push_back({std::move(info), std::move(set), std::move(get)});
   };
   using C = ServeConfig;
@@ -532,13 +568,140 @@ std::vector<KeyImpl> makeKeyTable() {
       "listener's port on the address rank 0 sees the connection come from)",
       [](C& c, std::string_view s) { return setListen(s, c.peer.advertise); },
       [](const C& c) { return listenJson(c.peer.advertise); });
-  add("schedule.warmup_steps", "--warmup-steps", "integer >= 0", "0",
-      "DGC warm-up: over each tensor's first N steps, topk/dgc/randomk send at least 25 %, "
-      "6.25 %, 1.5625 %, 0.39 %, 0.098 % of the elements (five equal stages), then their own "
-      "density (0 = off)",
-      unsignedSetter<C>([](C& c) -> uint64_t& { return c.schedule.warmup_steps; }, 0,
-                        std::numeric_limits<uint64_t>::max()),
-      [](const C& c) { return json::value(c.schedule.warmup_steps); });
+  // --- policies (DESIGN.md §5, docs/policies.md); the defaults are PolicyConfig's own ----------
+  const policies::PolicyConfig pd;
+  using P = policies::PolicyConfig;
+  auto policyBool = [&](std::string path, std::string flag, bool P::*field, std::string what) {
+    add(
+        std::move(path), std::move(flag), kBoolType, std::string(pd.*field ? "true" : "false"),
+        std::move(what),
+        [field](C& c, std::string_view s) { return setBool(s, c.policies.*field); },
+        [field](const C& c) { return json::value(c.policies.*field); }, /*secret=*/false,
+        /*boolean=*/true);
+  };
+  auto policyNumber = [&](std::string path, std::string flag, double P::*field, bool (*ok)(double),
+                          std::string type, std::string what) {
+    std::string must = "must be a number " + type.substr(type.find(' ') + 1);
+    add(
+        std::move(path), std::move(flag), std::move(type), numberText(pd.*field), std::move(what),
+        [field, ok, must](C& c, std::string_view s) {
+          return setNumber(s, c.policies.*field, ok, must);
+        },
+        [field](const C& c) { return json::value(c.policies.*field); });
+  };
+  // An unsigned field of PolicyConfig in [lo, hi] (its type's range at most).
+  auto policyUnsigned = [&](std::string path, std::string flag, auto P::*field, uint64_t lo,
+                            uint64_t hi, std::string what) {
+    using T = std::remove_cvref_t<decltype(pd.*field)>;
+    hi = std::min<uint64_t>(hi, std::numeric_limits<T>::max());
+    std::string type = hi == std::numeric_limits<uint64_t>::max()
+                           ? "integer >= " + std::to_string(lo)
+                           : "integer " + std::to_string(lo) + ".." + std::to_string(hi);
+    add(std::move(path), std::move(flag), std::move(type), std::to_string(pd.*field),
+        std::move(what),
+        unsignedSetter<C>([field](C& c) -> T& { return c.policies.*field; }, lo, hi),
+        [field](const C& c) { return json::value(static_cast<uint64_t>(c.policies.*field)); });
+  };
+  constexpr uint64_t kNoMax = std::numeric_limits<uint64_t>::max();
+  policyBool("policies.anomaly", "--anomaly", &P::anomaly,
+             "Anomaly policy: NaN/Inf, or a global gradient norm exploding or vanishing against "
+             "its baseline, bypasses compression (dense exchange) for policies.bypass_steps steps");
+  policyUnsigned("policies.bypass_steps", "--bypass-steps", &P::bypass_steps, 1, kNoMax,
+                 "Steps of dense exchange after an anomaly");
+  policyNumber(
+      "policies.explode_factor", "--explode-factor", &P::explode_factor,
+      [](double v) { return v > 1; }, "number > 1",
+      "Norm explosion: the norm is above this times its baseline mean (and 6 deviations above it)");
+  policyNumber(
+      "policies.vanish_factor", "--vanish-factor", &P::vanish_factor,
+      [](double v) { return v > 0 && v < 1; }, "number in (0, 1)",
+      "Norm vanishing: the norm is below this times its baseline mean");
+  policyNumber(
+      "policies.ewma_alpha", "--ewma-alpha", &P::ewma_alpha,
+      [](double v) { return v > 0 && v <= 1; }, "number in (0, 1]",
+      "Weight of a new sample in every exponentially weighted baseline");
+  policyUnsigned("policies.baseline_steps", "--baseline-steps", &P::baseline_steps, 1, kNoMax,
+                 "Samples before a baseline is trusted (no anomaly or rollback decided before)");
+  policyUnsigned("policies.full_sync_every", "--full-sync-every", &P::full_sync_every, 0, kNoMax,
+                 "Periodic full-sync: steps N, 2N, ... of a tensor are a dense exchange that also "
+                 "flushes the residuals (0 = off)");
+  policyBool("policies.rollback", "--rollback", &P::rollback,
+             "Rollback policy: when the health signals degrade, revert to the last known-good "
+             "compression settings");
+  policyNumber(
+      "policies.cosine_drop", "--cosine-drop", &P::cosine_drop,
+      [](double v) { return v > 0 && v <= 2; }, "number in (0, 2]",
+      "Degraded: the sampled cosine similarity is below its baseline minus this");
+  policyNumber(
+      "policies.loss_rise", "--loss-rise", &P::loss_rise, [](double v) { return v > 0; },
+      "number > 0", "Degraded: the reported loss is above its baseline times (1 + this)");
+  policyUnsigned("policies.patience", "--patience", &P::patience, 1, kNoMax,
+                 "Consecutive degraded steps before a rollback");
+  policyUnsigned("policies.cooldown_steps", "--cooldown-steps", &P::cooldown_steps, 0, kNoMax,
+                 "No further rollback for this many steps after one");
+  policyUnsigned("policies.known_good_steps", "--known-good-steps", &P::known_good_steps, 0, kNoMax,
+                 "Settings in force this many steps without degradation become known-good");
+  policyNumber(
+      "policies.min_magnitude", "--min-magnitude", &P::min_magnitude,
+      [](double v) { return v >= 0; }, "number >= 0",
+      "Selection codecs (topk, dgc, randomk, threshold) never send an element with |g| below this");
+  policyUnsigned("policies.decision_log", "--decision-log", &P::decision_log, 1, 100000,
+                 "Decision log entries kept (shown in /v1/status)");
+  policyUnsigned("schedule.warmup_steps", "--warmup-steps", &P::warmup_steps, 0, kNoMax,
+                 "DGC warm-up: over each tensor's first N steps, topk/dgc/randomk send at least "
+                 "25 %, 6.25 %, 1.5625 %, 0.39 %, 0.098 % of the elements (five equal stages), "
+                 "then their own density (0 = off)");
+  policyUnsigned("schedule.total_steps", "--total-steps", &P::total_steps, 0, kNoMax,
+                 "Training-phase schedule: the job's length in steps; in its first and last 20 % "
+                 "the density is schedule.phase_factor times higher (0 = off)");
+  policyNumber(
+      "schedule.phase_factor", "--phase-factor", &P::phase_factor, [](double v) { return v >= 1; },
+      "number >= 1",
+      "Training-phase schedule: density multiplier early and late (the density stays <= 1)");
+  policyBool("schedule.adaptive", "--adaptive", &P::adaptive,
+             "Adaptive ratio: compress harder or softer from the gradient statistics");
+  policyNumber(
+      "schedule.adaptive_tiny", "--adaptive-tiny", &P::adaptive_tiny,
+      [](double v) { return v > 0 && v < 1; }, "number in (0, 1)",
+      "Adaptive: a norm below this times its baseline compresses harder (ratio x2)");
+  policyNumber(
+      "schedule.adaptive_sparse", "--adaptive-sparse", &P::adaptive_sparse,
+      [](double v) { return v > 0 && v <= 1; }, "number in (0, 1]",
+      "Adaptive: a fraction of elements below policies.min_magnitude above this compresses "
+      "softer (ratio /2)");
+  policyNumber(
+      "schedule.adaptive_max_ratio", "--adaptive-max-ratio", &P::adaptive_max_ratio,
+      [](double v) { return v >= 1; }, "number >= 1", "Adaptive: harder up to this ratio (n/k)");
+  policyNumber(
+      "schedule.adaptive_min_ratio", "--adaptive-min-ratio", &P::adaptive_min_ratio,
+      [](double v) { return v >= 1; }, "number >= 1",
+      "Adaptive: softer down to this ratio (n/k); at most schedule.adaptive_max_ratio");
+  // --- durable state ----------------------------------------------------------------------------
+  add(
+      "state.dir", "--state-dir", "path", "/var/lib/lightwire",
+      "Directory of the checkpoint files of codec and policy state (\"\" = no durable state)",
+      [](C& c, std::string_view s) -> std::string {
+        if (s.size() > 4095 || s.find('\0') != std::string_view::npos) {
+          return "must be a path of at most 4095 bytes";
+        }
+        c.state.dir = std::string(s);
+        return "";
+      },
+      [](const C& c) { return json::value(c.state.dir); });
+  add("state.checkpoint_every", "--checkpoint-every", "integer >= 0", "1000",
+      "Periodic checkpoint of the state every N steps (0 = off)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.state.checkpoint_every; }, 0, kNoMax),
+      [](const C& c) { return json::value(c.state.checkpoint_every); });
+  add("state.keep", "--checkpoint-keep", "integer 1..1000", "3",
+      "Periodic and on-SIGTERM checkpoint files kept (the oldest are removed)",
+      unsignedSetter<C>([](C& c) -> uint32_t& { return c.state.keep; }, 1, 1000),
+      [](const C& c) { return json::value(c.state.keep); });
+  add(
+      "state.fresh", "--fresh-state", kBoolType, "false",
+      "Start without the checkpoints in state.dir, even when the newest is unreadable or of "
+      "another job or world size",
+      [](C& c, std::string_view s) { return setBool(s, c.state.fresh); },
+      [](const C& c) { return json::value(c.state.fresh); }, /*secret=*/false, /*boolean=*/true);
   add("compression.chunk_elements", "--chunk-elements", "integer >= 1", "1048576",
       "Elements per chunk (rounded up to the codec's alignment)",
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.compression.chunk_elements; }, 1,
@@ -719,7 +882,8 @@ Result<Tree> fromJson(const json::value& v, const std::string& path, int depth) 
 
 // --- Applying a tree ----------------------------------------------------------------------------
 
-/// Which source last set each compression.default.* key (for messages about the whole section).
+/// Which source last set each key (for messages about several keys together: the default codec,
+/// the policies).
 using Origins = std::map<std::string, std::string>;
 
 std::string valueError(const std::string& source, const std::string& key, const std::string& what,
@@ -734,7 +898,7 @@ Status setKey(const KeyImpl& k, std::string_view raw, ServeConfig& cfg, const st
   const std::string e = k.set(cfg, raw);
   if (!e.empty())
     return invalidArgument(valueError(source, name_in_message, e, raw, k.info.secret));
-  if (origins && k.info.path.rfind(kDefaultCodecPath, 0) == 0) (*origins)[k.info.path] = source;
+  if (origins) (*origins)[k.info.path] = source;
   return Status::ok();
 }
 
@@ -742,6 +906,15 @@ Status validateCodec(const CodecConfig& c, const std::string& where) {
   auto codec = kernels::createCodec(c);
   if (!codec) return invalidArgument(where + ": " + codec.status().message());
   return Status::ok();
+}
+
+/// A rule's `group`: "" (the codec name) or 1..64 of [A-Za-z0-9_.-] (a metrics label value).
+bool validGroup(std::string_view g) {
+  if (g.size() > kMaxGroupChars) return false;
+  for (unsigned char ch : g) {
+    if (!std::isalnum(ch) && ch != '_' && ch != '.' && ch != '-') return false;
+  }
+  return true;
 }
 
 Result<CodecRule> parseRule(const Tree& t, const std::string& where, const std::string& source) {
@@ -770,6 +943,18 @@ Result<CodecRule> parseRule(const Tree& t, const std::string& where, const std::
       const std::string e = setUnsigned(raw, 0, std::numeric_limits<uint64_t>::max(), v);
       if (!e.empty()) return invalidArgument(valueError(source, name, e, raw, false));
       (key == "min_elements" ? rule.min_elements : rule.max_elements) = v;
+    } else if (key == "sync_every") {
+      uint64_t v = 0;
+      const std::string e = setUnsigned(raw, 1, kMaxSyncEvery, v);
+      if (!e.empty()) return invalidArgument(valueError(source, name, e, raw, false));
+      rule.sync_every = static_cast<uint32_t>(v);
+    } else if (key == "group") {
+      if (!validGroup(raw)) {
+        return invalidArgument(valueError(
+            source, name, "must be 1..64 characters of A-Z a-z 0-9 _ . - (\"\" = the codec name)",
+            raw, false));
+      }
+      rule.group = raw;
     } else if (const CodecKey* ck = findCodecKey(key)) {
       const std::string e = ck->set(rule.codec, raw);
       if (!e.empty()) return invalidArgument(valueError(source, name, e, raw, false));
@@ -847,15 +1032,51 @@ Status validateDefaultCodec(const ServeConfig& cfg, const Origins& origins) {
   auto codec = kernels::createCodec(cfg.compression.default_codec);
   if (codec) return Status::ok();
   std::string m = std::string(kDefaultCodecPath) + ": " + codec.status().message();
-  if (!origins.empty()) {
-    m += " (";
-    bool first = true;
-    for (const auto& [path, source] : origins) {
-      m += (first ? "" : "; ") + path.substr(sizeof(kDefaultCodecPath)) + " from " + source;
-      first = false;
-    }
-    m += ")";
+  const std::string prefix = std::string(kDefaultCodecPath) + ".";
+  std::string from;
+  for (const auto& [path, source] : origins) {
+    if (path.rfind(prefix, 0) != 0) continue;
+    from += (from.empty() ? "" : "; ") + path.substr(prefix.size()) + " from " + source;
   }
+  if (!from.empty()) m += " (" + from + ")";
+  return invalidArgument(m);
+}
+
+/// A key's value as shown in messages ("0.5", not JSON's "5E-1").
+std::string valueText(const json::value& v) {
+  if (v.is_double()) return numberText(v.get_double());
+  if (v.is_string()) return std::string(v.get_string());
+  return json::serialize(v);
+}
+
+/// Whether `message` names the key `path` as a whole word ("schedule.adaptive" is not named by
+/// "schedule.adaptive_tiny").
+bool names(std::string_view message, std::string_view path) {
+  auto word = [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_'; };
+  for (size_t pos = message.find(path); pos != std::string_view::npos;
+       pos = message.find(path, pos + 1)) {
+    const size_t end = pos + path.size();
+    if ((pos == 0 || !word(message[pos - 1])) && (end == message.size() || !word(message[end]))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+/// policies::validate() on the merged config; its error gets the value and the source of every
+/// key it names.
+Status validatePolicies(const ServeConfig& cfg, const Origins& origins) {
+  const Status st = policies::validate(cfg.policies);
+  if (st.isOk()) return st;
+  std::string m = st.message();
+  std::string values;
+  for (const auto& k : keyTable()) {
+    if (k.info.secret || !names(st.message(), k.info.path)) continue;
+    values += (values.empty() ? "" : "; ") + k.info.path + " " + valueText(k.get(cfg));
+    const auto it = origins.find(k.info.path);
+    values += it == origins.end() ? " (default)" : " from " + it->second;
+  }
+  if (!values.empty()) m += " (" + values + ")";
   return invalidArgument(m);
 }
 
@@ -973,12 +1194,17 @@ bool CodecRule::matches(std::string_view name, uint64_t elements) const {
   return true;
 }
 
+const CodecRule* CompressionConfig::ruleFor(std::string_view name, uint64_t elements) const {
+  for (const auto& r : rules) {
+    if (r.matches(name, elements)) return &r;
+  }
+  return nullptr;
+}
+
 const kernels::CodecConfig& CompressionConfig::codecFor(std::string_view name,
                                                         uint64_t elements) const {
-  for (const auto& r : rules) {
-    if (r.matches(name, elements)) return r.codec;
-  }
-  return default_codec;
+  const CodecRule* r = ruleFor(name, elements);
+  return r ? r->codec : default_codec;
 }
 
 std::string ListenAddress::toString() const {
@@ -1006,9 +1232,13 @@ void addServeFlags(CLI::App& app, FlagValues& flags) {
     help += info.has_default ? (info.default_text.empty() ? "\"\"" : info.default_text) : "unset";
     help += "]";
     const std::string path = info.path;
-    app.add_option_function<std::string>(
-           info.flag, [&flags, path](const std::string& v) { flags.values[path] = v; }, help)
-        ->type_name(info.type);
+    CLI::Option* opt =
+        app.add_option_function<std::string>(
+               info.flag, [&flags, path](const std::string& v) { flags.values[path] = v; }, help)
+            ->type_name(info.type);
+    // A bool key's flag alone means true ("--fresh-state"); "--anomaly false" and "--anomaly=no"
+    // give the value.
+    if (info.boolean) opt->expected(0, 1)->default_str("true")->option_text("[true | false]");
   }
 }
 
@@ -1057,6 +1287,8 @@ Result<ServeConfig> buildServeConfig(const std::optional<std::string>& file_path
   LW_RETURN_IF_ERROR(applyEnvironment(environ_entries, cfg, origins, w));
   LW_RETURN_IF_ERROR(applyFlags(flags, cfg, origins, w));
   LW_RETURN_IF_ERROR(validateDefaultCodec(cfg, origins));
+  // Each key was checked alone; now the policies as a whole (adaptive_min_ratio <= max, ...).
+  LW_RETURN_IF_ERROR(validatePolicies(cfg, origins));
   return cfg;
 }
 
@@ -1082,6 +1314,8 @@ boost::json::object toJson(const ServeConfig& c) {
     if (r.min_elements) o["min_elements"] = *r.min_elements;
     if (r.max_elements) o["max_elements"] = *r.max_elements;
     for (auto& kv : codecJson(r.codec)) o[kv.key()] = kv.value();
+    o["sync_every"] = r.sync_every;
+    if (!r.group.empty()) o["group"] = r.group;
     rules.push_back(std::move(o));
   }
   insertAt(root, kRulesPath, std::move(rules));

@@ -19,6 +19,7 @@
 
 #include "kernels/codec.h"
 #include "kernels/status.h"
+#include "policies/policy.h"
 
 namespace CLI {
 class App;
@@ -31,6 +32,8 @@ struct CodecRule {
   std::optional<std::string> pattern;  // fnmatch(3) glob on the tensor name, no flags
   std::optional<uint64_t> min_elements, max_elements;  // inclusive bounds
   kernels::CodecConfig codec;  // validated by createCodec; unset parameters = codec's defaults
+  uint32_t sync_every = 1;  // delayed sync: exchanged every k steps, accumulated between (1..1e6)
+  std::string group;        // metrics label, 1..64 of [A-Za-z0-9_.-]; "" = the codec name
 
   /// Whether this rule applies to the tensor `name` of `elements` elements.
   bool matches(std::string_view name, uint64_t elements) const;
@@ -41,6 +44,9 @@ struct CompressionConfig {
   kernels::CodecConfig default_codec;
   std::vector<CodecRule> rules;
   uint64_t chunk_elements = 1048576;
+
+  /// The first rule matching a tensor, or nullptr when none does (the default applies).
+  const CodecRule* ruleFor(std::string_view name, uint64_t elements) const;
 
   /// The codec settings for a tensor (first matching rule, else the default).
   const kernels::CodecConfig& codecFor(std::string_view name, uint64_t elements) const;
@@ -81,10 +87,17 @@ struct ServeConfig {
   std::string token;  // secret: "" = no bearer token
   CompressionConfig compression;
 
-  /// Schedules (DESIGN.md §5): functions of the step, so every sidecar applies them alike.
-  struct Schedule {
-    uint64_t warmup_steps = 0;  // DGC warm-up over each tensor's first N steps (0 = off)
-  } schedule;
+  /// The `policies` and `schedule` sections (DESIGN.md §5, docs/policies.md): anomaly bypass,
+  /// full-sync, rollback, schedules. Its own initialisers are the defaults of these keys.
+  policies::PolicyConfig policies;
+
+  /// Durable state (DESIGN.md §5): the checkpoint files of codec and policy state.
+  struct State {
+    std::string dir = "/var/lib/lightwire";  // "" = no durable state
+    uint64_t checkpoint_every = 1000;        // periodic checkpoint every N steps (0 = off)
+    uint32_t keep = 3;                       // periodic and on-SIGTERM files kept (1..1000)
+    bool fresh = false;  // start without the checkpoints in `dir` (even unreadable/foreign ones)
+  } state;
 
   /// Membership of the job (DESIGN.md §4): sidecars, i.e. nodes, not trainers.
   struct Peer {
@@ -115,7 +128,8 @@ struct ConfigKey {
   std::string default_text;  // "" with has_default = false means unset
   bool has_default = true;   // false: unset unless given
   std::string description;
-  bool secret = false;  // never shown: "<redacted>" in toJson(), not echoed in errors
+  bool secret = false;   // never shown: "<redacted>" in toJson(), not echoed in errors
+  bool boolean = false;  // true | false: the flag may be given without a value (= true)
 };
 
 /// The key table every source, `--help` and docs/configuration.md follow (compression.rules is

@@ -203,6 +203,8 @@ json::object figuresJson(const std::string& name, uint64_t step, const StepFigur
                  {"wire_bytes", f.wire_bytes},
                  {"nonfinite", f.nonfinite},
                  {"state_reset", f.state_reset},
+                 {"mode", f.mode},
+                 {"settings", f.settings},
                  {"durations_us", std::move(d)}};
   o["ratio"] =
       f.wire_bytes ? static_cast<double>(f.raw_bytes) / static_cast<double>(f.wire_bytes) : 0.0;
@@ -212,7 +214,8 @@ json::object figuresJson(const std::string& name, uint64_t step, const StepFigur
 /// The route template of a path, for metric labels (bounded set).
 std::string routeTemplate(const std::string& path) {
   static const char* known[] = {"/healthz",          "/readyz",     "/metrics",   "/v1/status",
-                                "/v1/emit_gradient", "/v1/buffers", "/v1/report", "/v1/config"};
+                                "/v1/emit_gradient", "/v1/buffers", "/v1/report", "/v1/config",
+                                "/v1/checkpoint",    "/v1/resume"};
   for (const char* k : known) {
     if (path == k) return k;
   }
@@ -222,12 +225,25 @@ std::string routeTemplate(const std::string& path) {
 
 }  // namespace
 
+CodecChooser chooserFor(std::shared_ptr<const CompressionConfig> c) {
+  return [c = std::move(c)](std::string_view name, uint64_t elements) {
+    const CodecRule* rule = c->ruleFor(name, elements);
+    TensorSettings s(rule ? rule->codec : c->default_codec);
+    if (rule) {
+      s.sync_every = rule->sync_every;
+      s.group = rule->group;
+    }
+    return s;
+  };
+}
+
 ControlApi::ControlApi(ServeConfig config, metrics::Metrics& metrics, ipc::BufferTable& buffers,
-                       StepEngine& engine)
+                       StepEngine& engine, policies::PolicyEngine* policy)
     : config_(std::move(config)),
       metrics_(metrics),
       buffers_(buffers),
       engine_(engine),
+      policy_(policy),
       compression_(std::make_shared<const CompressionConfig>(config_.compression)) {}
 
 void ControlApi::setPeers(std::function<std::vector<bool>()> peers_up) {
@@ -353,6 +369,10 @@ Response ControlApi::route(Request& req, const RequestTarget& t, const RequestIn
     if (method != http::verb::put) return methodNotAllowed("PUT");
     return putConfig(req, info);
   }
+  if (t.path == "/v1/checkpoint" || t.path == "/v1/resume") {
+    if (method != http::verb::post) return methodNotAllowed("POST");
+    return durableState(req, t.path == "/v1/resume");
+  }
   return errorResponse(status::not_found, "not_found", "no route " + quoted(t.path));
 }
 
@@ -445,6 +465,8 @@ Response ControlApi::emitRaw(Request& req, const RequestTarget& t, Reply& reply,
     r.set("X-Lightwire-Raw-Bytes", std::to_string(o.figures.raw_bytes));
     r.set("X-Lightwire-Wire-Bytes", std::to_string(o.figures.wire_bytes));
     r.set("X-Lightwire-Nonfinite", o.figures.nonfinite ? "1" : "0");
+    r.set("X-Lightwire-Mode", o.figures.mode);
+    r.set("X-Lightwire-Settings", std::to_string(o.figures.settings));
     r.body() = std::move(*body);
     reply(std::move(r));
   });
@@ -607,9 +629,47 @@ Response ControlApi::report(const Request& req) {
     spdlog::warn("a trainer reports {} step(s) fallen back to its process group (step {})",
                  fallbacks, step);
   }
+  if (policy_) {
+    if (const auto* loss = kept.if_contains("loss")) policy_->reportLoss(step, loss->as_double());
+  }
   std::lock_guard lock(mu_);
   last_report_ = std::move(kept);
   return jsonResponse(status::ok, json::object{});
+}
+
+Response ControlApi::durableState(const Request& req, bool resume) {
+  json::object o;
+  if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
+  uint64_t step = 0;
+  if (std::string e = jsonU64(o, "step", true, &step); !e.empty()) return badRequest(e);
+  for (const auto& kv : o) {
+    if (kv.key() != "step")
+      return badRequest("unknown field " + quoted(kv.key()) + " (known: step)");
+  }
+  if (config_.state.dir.empty()) {
+    return errorResponse(status::conflict, "failed_precondition",
+                         "this sidecar keeps no durable state (state.dir is \"\")");
+  }
+  if (resume) {
+    if (auto st = engine_.resume(step); !st.isOk()) {
+      const bool missing = st.message().find("No such file") != std::string::npos;
+      return errorResponse(missing ? status::not_found : status::conflict,
+                           missing ? "not_found" : "failed_precondition",
+                           "resume from step " + std::to_string(step) + ": " + st.message());
+    }
+    return jsonResponse(status::ok, json::object{{"step", step}, {"next_step", step + 1}});
+  }
+  auto path = engine_.checkpoint(step);
+  if (!path) {
+    const bool late = path.status().code() == StatusCode::kFailedPrecondition;
+    return errorResponse(
+        late ? status::conflict : status::internal_server_error, late ? "conflict" : "internal",
+        "checkpoint of step " + std::to_string(step) + ": " + path.status().message());
+  }
+  json::object r{{"step", step}, {"path", *path}};
+  r["peers"] =
+      config_.peer.world_size > 1 ? "asked: they save with the next step" : "none (world size 1)";
+  return jsonResponse(status::ok, r);
 }
 
 Response ControlApi::putConfig(const Request& req, const RequestInfo& /*info*/) {
@@ -627,9 +687,26 @@ Response ControlApi::putConfig(const Request& req, const RequestInfo& /*info*/) 
   auto c = compressionFromJson(v);
   if (!c) return badRequest(c.status().message());
   auto shared = std::make_shared<const CompressionConfig>(std::move(*c));
-  engine_.setChooser([shared](std::string_view name, uint64_t elements) {
-    return shared->codecFor(name, elements);
-  });
+  if (policy_) {
+    // The settings travel with this sidecar's next step to every sidecar and take effect, on all
+    // of them alike, at the step after it (DESIGN.md §5).
+    const uint64_t id = policy_->proposeSettings(json::serialize(toJson(*shared)));
+    {
+      std::lock_guard lock(mu_);
+      compression_ = shared;
+    }
+    spdlog::info(
+        "compression settings proposed through PUT /v1/config (default codec {}): they "
+        "take effect on every sidecar after this sidecar's next step",
+        shared->default_codec.name);
+    return jsonResponse(status::accepted,
+                        json::object{{"applied", false},
+                                     {"proposal", id},
+                                     {"takes_effect",
+                                      "at the step after this sidecar's next exchanged step, on "
+                                      "every sidecar (see policies.settings in /v1/status)"}});
+  }
+  engine_.setChooser(chooserFor(shared));
   {
     std::lock_guard lock(mu_);
     compression_ = shared;
@@ -681,6 +758,7 @@ Response ControlApi::status() {
   }
   o["buffers"] = std::move(bufs);
   o["steps"] = json::object{{"ok", engine_.stepsOk()}, {"failed", engine_.stepsFailed()}};
+  if (policy_) o["policies"] = policy_->statusJson();
   return jsonResponse(status::ok, o);
 }
 

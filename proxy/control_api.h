@@ -14,6 +14,7 @@
 
 #include "ipc/shm_region.h"
 #include "metrics/metrics.h"
+#include "policies/policy.h"
 #include "proxy/config.h"
 #include "proxy/http_server.h"
 #include "proxy/step_engine.h"
@@ -26,13 +27,18 @@ struct BoundListeners {
   std::optional<uint16_t> control_tcp_port, admin_port;
 };
 
+/// The chooser of a compression section: the first matching rule, else the default.
+CodecChooser chooserFor(std::shared_ptr<const CompressionConfig> c);
+
 struct RequestTarget;  // a request's path and query parameters, parsed once (control_api.cc)
 
 /// Serves the control and admin routes. Thread-safe.
 class ControlApi {
  public:
+  /// `policy` (may be null): PUT /v1/config proposes settings to every sidecar through it, and
+  /// reported losses feed it.
   ControlApi(ServeConfig config, metrics::Metrics& metrics, ipc::BufferTable& buffers,
-             StepEngine& engine);
+             StepEngine& engine, policies::PolicyEngine* policy = nullptr);
 
   /// The HttpServer handler.
   void handle(Request&& request, const RequestInfo& info, Reply reply);
@@ -54,6 +60,7 @@ class ControlApi {
   Response releaseBuffer(const std::string& id);
   Response report(const Request& req);
   Response putConfig(const Request& req, const RequestInfo& info);
+  Response durableState(const Request& req, bool resume);
   Response status();
   bool tokenOk(const Request& req) const;
 
@@ -61,6 +68,7 @@ class ControlApi {
   metrics::Metrics& metrics_;
   ipc::BufferTable& buffers_;
   StepEngine& engine_;
+  policies::PolicyEngine* const policy_;
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   std::atomic<bool> stopping_{false};
   mutable std::mutex mu_;

@@ -8,6 +8,8 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
 
 #include <malloc.h>
 
@@ -27,6 +29,8 @@
 #if LIGHTWIRE_HAVE_UCX
 #include "proxy/peer/ucx_transport.h"
 #endif
+#include "policies/checkpoint.h"
+#include "policies/policy.h"
 #include "proxy/step_engine.h"
 #include "proxy/version.h"
 
@@ -65,22 +69,70 @@ Result<std::unique_ptr<peer::Transport>> listenForPeers(const ServeConfig& confi
   return std::unique_ptr<peer::Transport>(std::move(*t));
 }
 
-/// A peer's STATE frame: taken while this sidecar has completed nothing (just (re)started).
-void takeJobState(StepEngine& engine, uint32_t from, std::span<const uint8_t> bytes) {
-  auto steps = decodeJobState(bytes);
-  if (!steps) {
+/// A peer's STATE frame: taken while this sidecar has completed nothing (just (re)started): the
+/// job's steps and policy state, and then (a restart mid-job) this sidecar's own codec state from
+/// its newest checkpoint (DESIGN.md §5).
+void takeJobState(StepEngine& engine, policies::PolicyEngine& policy, std::atomic<bool>& restored,
+                  uint32_t from, std::span<const uint8_t> bytes) {
+  auto state = decodeJobState(bytes);
+  if (!state) {
     spdlog::warn("peer: rank {} sent a job state we cannot read: {}", from,
-                 steps.status().message());
+                 state.status().message());
     return;
   }
-  if (const size_t taken = engine.adoptCommittedSteps(*steps); taken > 0) {
-    uint64_t latest = 0;
-    for (const auto& [name, step] : *steps) latest = std::max(latest, step);
-    spdlog::info(
-        "took the job's step state from rank {}: {} tensor(s), latest committed step {}; their "
-        "next steps must come after it",
-        from, taken, latest);
+  if (engine.stepsOk() > 0) return;
+  if (state->policy) {
+    if (auto st = policy.restoreState(*state->policy); !st.isOk()) {
+      spdlog::warn("peer: rank {} sent a policy state we cannot take: {}", from, st.message());
+    }
   }
+  if (const size_t taken = engine.adoptCommittedSteps(state->committed); taken > 0) {
+    uint64_t latest = 0;
+    for (const auto& [name, step] : state->committed) latest = std::max(latest, step);
+    spdlog::info(
+        "took the job's step state from rank {} (and its policy state): {} tensor(s), latest "
+        "committed step {}; their next steps must come after it",
+        from, taken, latest);
+    // The job is under way: this sidecar restarted in it. Its own codec state comes from its
+    // newest checkpoint (once).
+    // Queued, not waited for: this is the transport's thread, which a running step may wait on.
+    if (!restored.exchange(true)) {
+      engine.postBetweenSteps([&engine]() -> Status {
+        auto got = engine.restoreLatest();
+        if (!got) {
+          return failedPrecondition("could not restore the codec state: " + got.status().message());
+        }
+        if (!*got) {
+          spdlog::warn(
+              "no checkpoint of this sidecar to restore: its codec state starts fresh "
+              "(the residuals it held are lost)");
+        }
+        return Status::ok();
+      });
+    }
+  }
+}
+
+/// The newest checkpoint of this sidecar must be readable and of this job, unless the sidecar is
+/// told to start fresh (state.fresh).
+Status checkLatestCheckpoint(const ServeConfig& config) {
+  if (config.state.dir.empty() || config.state.fresh) return Status::ok();
+  const auto steps = policies::listCheckpoints(config.state.dir, config.job_id, config.peer.rank);
+  if (steps.empty()) return Status::ok();
+  const std::string path =
+      policies::checkpointPath(config.state.dir, config.job_id, config.peer.rank, steps.back());
+  policies::CheckpointExpect expect;
+  expect.job_id = config.job_id;
+  expect.world_size = config.peer.world_size;
+  expect.rank = config.peer.rank;
+  auto c = policies::readCheckpoint(path, expect);
+  if (!c) {
+    return failedPrecondition(c.status().message() +
+                              " — remove it, or start with --fresh-state (state.fresh) to run "
+                              "without the checkpoints in " +
+                              config.state.dir);
+  }
+  return Status::ok();
 }
 constexpr auto kPollAfterWork = std::chrono::microseconds(50);
 
@@ -202,23 +254,54 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   eo.seed = static_cast<uint32_t>(XXH3_64bits(config.job_id.data(), config.job_id.size()));
   eo.rank = config.peer.rank;
   eo.checksum_every = config.peer.checksum_every;
-  eo.warmup_steps = config.schedule.warmup_steps;
+  eo.warmup_steps = config.policies.warmup_steps;
   eo.max_state_bytes = config.limits.max_state_bytes;
-  auto compression = std::make_shared<const CompressionConfig>(config.compression);
-  StepEngine engine(
-      eo,
-      [compression](std::string_view name, uint64_t elements) {
-        return compression->codecFor(name, elements);
-      },
-      metrics, *exchange);
-  ControlApi api(config, metrics, buffers, engine);
+  if (auto st = checkLatestCheckpoint(config); !st.isOk()) {
+    spdlog::error("{}", st.message());
+    return kExitFailure;
+  }
+  if (config.peer.synchrony == "bounded-staleness" &&
+      (config.policies.anomaly || config.policies.rollback || config.policies.adaptive)) {
+    spdlog::warn(
+        "bounded staleness: the statistics reach the ranks at different steps, so anomaly "
+        "bypass, rollback and the adaptive schedule are off (policies need synchrony sync)");
+  }
+  policies::PolicyConfig pc = config.policies;
+  if (config.peer.synchrony == "bounded-staleness") {
+    pc.anomaly = false;
+    pc.rollback = false;
+    pc.adaptive = false;
+  }
+  policies::PolicyEngine policy(pc, boost::json::serialize(toJson(config.compression)), &metrics);
+  eo.policy = &policy;
+  eo.settings = [](uint64_t version, const std::string& json) -> CodecChooser {
+    boost::system::error_code ec;
+    const auto v = boost::json::parse(json, ec);
+    auto c = ec ? Result<CompressionConfig>(invalidArgument(ec.message())) : compressionFromJson(v);
+    if (!c) {
+      spdlog::error("settings version {} cannot be used ({}): the configured ones stay", version,
+                    c.status().message());
+      return nullptr;
+    }
+    return chooserFor(std::make_shared<const CompressionConfig>(std::move(*c)));
+  };
+  eo.state_dir = config.state.dir;
+  eo.job_id = config.job_id;
+  eo.world_size = config.peer.world_size;
+  eo.checkpoint_every = config.state.checkpoint_every;
+  eo.checkpoint_keep = config.state.keep;
+  StepEngine engine(eo, chooserFor(std::make_shared<const CompressionConfig>(config.compression)),
+                    metrics, *exchange);
+  ControlApi api(config, metrics, buffers, engine, &policy);
+  std::atomic<bool> restored{false};
   if (transport) {
-    // The job's step state travels to every peer that connects; a sidecar that has just
-    // (re)started takes it (DESIGN.md §5), so its tensors go on from the job's steps.
-    transport->setJobState([&engine] { return encodeJobState(engine.committedSteps()); },
-                           [&engine](uint32_t from, std::span<const uint8_t> bytes) {
-                             takeJobState(engine, from, bytes);
-                           });
+    // The job's step and policy state travel to every peer that connects; a sidecar that has
+    // just (re)started takes them (DESIGN.md §5), so its tensors go on from the job's steps.
+    transport->setJobState(
+        [&engine, &policy] { return encodeJobState(engine.committedSteps(), &policy); },
+        [&engine, &policy, &restored](uint32_t from, std::span<const uint8_t> bytes) {
+          takeJobState(engine, policy, restored, from, bytes);
+        });
     if (auto st = transport->start(std::move(membership)); !st.isOk()) {
       spdlog::error("peer transport: {}", st.message());
       return kExitFailure;
@@ -313,6 +396,14 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   abandoned = true;
   if (watcher.joinable()) watcher.join();
   engine.shutdown();
+  // The state as it stands, for a restart (DESIGN.md §5): the engine has stopped, nothing runs.
+  if (!config.state.dir.empty() && engine.stepsOk() > 0) {
+    uint64_t latest = 0;
+    for (const auto& [name, step] : engine.committedSteps()) latest = std::max(latest, step);
+    if (auto saved = engine.saveCheckpoint(latest, "sigterm"); !saved) {
+      spdlog::error("checkpoint on shutdown: {}", saved.status().message());
+    }
+  }
   spdlog::info("stopped");
   return 0;
 }

@@ -15,6 +15,7 @@
 #include "kernels/philox.h"
 #include "kernels/registry.h"
 #include "kernels/simd/kernels.h"
+#include "policies/checkpoint.h"
 
 #include <xxh_x86dispatch.h>
 #include <xxhash.h>
@@ -65,7 +66,50 @@ void narrowRange(DType dtype, const float* result, size_t lo, size_t hi, std::by
   }
 }
 
+/// The statistics record of one input (policies): norm, non-finite and small values.
+policies::StepStats localStats(const float* input, size_t n, double min_magnitude) {
+  policies::StepStats st;
+  st.elements = n;
+  double norm2 = 0;
+  uint64_t bad = 0, small = 0;
+  for (size_t b = 0; b < n; b += 4096) {
+    const size_t e = std::min(n, b + 4096);
+    double acc = 0;
+    for (size_t i = b; i < e; ++i) {
+      const float v = input[i];
+      if (!std::isfinite(v)) {
+        ++bad;
+        continue;
+      }
+      acc += static_cast<double>(v) * v;
+      small += std::fabs(v) < min_magnitude ? 1 : 0;
+    }
+    norm2 += acc;
+  }
+  st.grad_norm2 = norm2;
+  st.nonfinite = bad;
+  st.small = small;
+  return st;
+}
+
 }  // namespace
+
+/// Cosine terms of a codec's payload against what it encoded (one chunk).
+std::optional<CosineTerms> cosineTerms(const kernels::Codec& codec,
+                                       std::span<const uint8_t> payload, const float* original,
+                                       size_t len, std::vector<float>& scratch) {
+  scratch.assign(len, 0.0f);
+  if (!codec.decodeChunk(payload, 1.0f, scratch.data(), len).isOk()) return std::nullopt;
+  CosineTerms c;
+  for (size_t i = 0; i < len; ++i) {
+    const double a = scratch[i], g = original[i];
+    if (!std::isfinite(a) || !std::isfinite(g)) return std::nullopt;
+    c.dot += a * g;
+    c.c2 += a * a;
+    c.g2 += g * g;
+  }
+  return c;
+}
 
 const char* apiDTypeName(DType t) {
   switch (t) {
@@ -83,6 +127,9 @@ Result<std::vector<std::vector<std::span<const uint8_t>>>> LocalExchange::run(
     ExchangeRound& round) {
   std::vector<std::vector<std::span<const uint8_t>>> out(round.payloads.size());
   for (size_t c = 0; c < round.payloads.size(); ++c) out[c].push_back(round.payloads[c]);
+  round.stats_in.clear();
+  if (!round.stats_out.empty())
+    round.stats_in.emplace_back(round.stats_out.begin(), round.stats_out.end());
   return out;
 }
 
@@ -109,6 +156,10 @@ struct StepEngine::Tensor {
   std::vector<std::byte> workspace;
   std::vector<float> sum, result;
   std::vector<std::vector<std::vector<uint8_t>>> payloads;  // [round][chunk], reused
+  std::vector<float> accum;        // delayed sync: accumulated since the last exchange step
+  std::vector<float> flushed;      // full-sync: input plus what the codec state held back
+  std::vector<float> scratch;      // cosine sampling
+  std::optional<CosineTerms> cos;  // of the last committed compressed step
   // Under mu_.
   std::optional<uint64_t> last_committed;
   std::optional<uint64_t> running;
@@ -211,7 +262,7 @@ void StepEngine::submit(Contribution c, StepDone done) {
     // A small step with nothing ahead of it runs right here: no hand-off to the engine thread and
     // back (two thread wake-ups, most of a 4 KiB round trip).
     // Only without peers: waiting for them must not hold up the caller's (I/O) thread.
-    if (!executing_ && ready_.size() == 1 && p.elements <= kInlineMaxElements &&
+    if (!executing_ && tasks_.empty() && ready_.size() == 1 && p.elements <= kInlineMaxElements &&
         exchange_.worldSize() == 1) {
       runNextReady(lock);
       return;
@@ -236,6 +287,10 @@ void StepEngine::loop() {
       for (auto& [step, p] : t->pending) {
         if (!p.queued && (!next || p.deadline < *next)) next = p.deadline;
       }
+    }
+    if (!tasks_.empty() && !executing_) {
+      runTasks(lock);
+      continue;
     }
     if (ready_.empty() && !stopping_) {
       if (next) {
@@ -293,6 +348,48 @@ void StepEngine::loop() {
   }
 }
 
+void StepEngine::runTasks(std::unique_lock<std::mutex>& lock) {
+  while (!tasks_.empty()) {
+    auto task = tasks_.front();
+    tasks_.pop_front();
+    executing_ = true;
+    lock.unlock();
+    Status st = task->fn();
+    task->done.set_value(std::move(st));
+    lock.lock();
+    executing_ = false;
+  }
+}
+
+void StepEngine::postBetweenSteps(std::function<Status()> fn) {
+  auto task = std::make_shared<Task>();
+  task->fn = [fn = std::move(fn)] {
+    if (Status st = fn(); !st.isOk()) spdlog::error("{}", st.message());
+    return Status::ok();
+  };
+  {
+    std::lock_guard lock(mu_);
+    if (!thread_.joinable() || stopping_) return;
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_all();
+}
+
+Status StepEngine::runBetweenSteps(const std::function<Status()>& fn) {
+  auto task = std::make_shared<Task>();
+  task->fn = fn;
+  auto result = task->done.get_future();
+  {
+    std::lock_guard lock(mu_);
+    if (!thread_.joinable() || stopping_) {
+      return failedPrecondition("the sidecar is shutting down");
+    }
+    tasks_.push_back(task);
+  }
+  cv_.notify_all();
+  return result.get();
+}
+
 void StepEngine::runNextReady(std::unique_lock<std::mutex>& lock) {
   auto [name, step] = ready_.front();
   ready_.pop_front();
@@ -330,6 +427,18 @@ void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
       outcome = {409, "conflict",
                  "tensor '" + t.name + "' step " + std::to_string(step) + " goes backwards: step " +
                      std::to_string(*t.last_committed) + " already completed"};
+    }
+  }
+  // Periodic checkpoint: the first step numbered a multiple of checkpoint_every saves the state
+  // after the step before it (every tensor's last committed step).
+  // Not before this sidecar has completed a step: a restarted sidecar has nothing of its own yet,
+  // and an empty file would shadow its real one.
+  if (outcome.http_status == 200 && options_.checkpoint_every > 0 && !options_.state_dir.empty() &&
+      step > 0 && step % options_.checkpoint_every == 0 && step - 1 > last_periodic_ &&
+      stepsOk() > 0) {
+    last_periodic_ = step - 1;
+    if (auto saved = saveCheckpoint(step - 1, "periodic"); !saved) {
+      spdlog::error("periodic checkpoint of step {}: {}", step - 1, saved.status().message());
     }
   }
   if (outcome.http_status == 200) outcome = execute(t, step, p);
@@ -374,6 +483,14 @@ void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
     spdlog::warn("tensor '{}' step {} failed: {}", t.name, step, outcome.message);
   }
   for (auto& d : p.dones) d(outcome);
+  if (pending_resume_) {
+    const uint64_t at = *pending_resume_;
+    pending_resume_.reset();
+    if (auto st = resumeHere(at); !st.isOk()) {
+      spdlog::error("could not resume from step {} as the other sidecars did: {}", at,
+                    st.message());
+    }
+  }
   for (auto& [old_step, old] : overtaken) {
     metrics_.steps_failed.Increment();
     failPending(old, 409, "conflict",
@@ -402,24 +519,56 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     }
   }
 
-  // The codec of this tensor; fresh state when the codec or the tensor's size or dtype changed.
-  kernels::CodecConfig config;
+  // The settings of this tensor (the agreed settings version) and what the policies make of
+  // this step; then its codec, with fresh state when the codec or the tensor's size or dtype
+  // changed.
+  TensorSettings settings;
   {
     std::lock_guard lock(mu_);
-    config = chooser_(t.name, n);
+    settings = chooser_(t.name, n);
   }
+  policies::StepPlan plan;
+  policies::PolicyEngine* const policy = options_.policy;
+  if (policy) {
+    auto [version, json] = policy->settingsAt(step);
+    if (version > 0 && options_.settings) {
+      if (!settings_chooser_ || settings_version_ != version) {
+        settings_chooser_ = options_.settings(version, json);
+        settings_version_ = version;
+      }
+      if (settings_chooser_) settings = settings_chooser_(t.name, n);
+    }
+    plan = policy->plan(t.name, step, settings.codec, settings.sync_every);
+    plan.settings = version;
+    const auto& name = settings.codec.name;
+    if (name == "topk" || name == "dgc" || name == "threshold") {
+      settings.codec.min_magnitude = plan.min_magnitude;
+    }
+  }
+  fig.mode = policies::stepModeName(plan.mode);
+  fig.settings = plan.settings;
+  const kernels::CodecConfig& config = settings.codec;
+  const std::string group = settings.group.empty() ? config.name : settings.group;
   const std::string key = kernels::configKey(config);
   if (!t.codec || key != t.config_key) {
     auto codec = kernels::createCodec(config);
     if (!codec) return fail(500, "internal", "codec settings: " + codec.status().message());
+    // Codec state restored from a checkpoint is kept when it is of these very settings.
+    const bool restored = !t.codec && t.has_state && key == t.config_key;
     if (t.codec) {
       spdlog::info("tensor '{}': codec changed to {}, its codec state starts fresh", t.name,
                    config.name);
       fig.state_reset = true;
+    } else if (t.has_state && !restored) {
+      spdlog::warn(
+          "tensor '{}': the restored codec state is of other settings ({}), not {}: it "
+          "starts fresh",
+          t.name, t.config_key, key);
+      fig.state_reset = true;
     }
     t.codec = std::move(*codec);
     t.config_key = key;
-    t.has_state = false;
+    if (!restored) t.has_state = false;
   }
   const kernels::Codec& codec = *t.codec;
   if (t.has_state && (t.state_elements != n || t.state_dtype != p.dtype)) {
@@ -470,6 +619,28 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     });
     input = t.sum.data();
   }
+  // Delayed sync (a rule's sync_every): between its exchange steps a tensor is accumulated
+  // locally and the trainers get zeros; the exchange step sends the accumulation too.
+  if (t.accum.size() != n) t.accum.assign(n, 0.0f);
+  if (plan.mode == policies::StepMode::kSkip) {
+    float* acc = t.accum.data();
+    kernels::parallelFor(&stream_, n, kGrain, [&](size_t lo, size_t hi) {
+      for (size_t i = lo; i < hi; ++i) acc[i] = acc[i] + input[i];
+    });
+    for (auto& part : p.parts) std::memset(part->data, 0, n * kernels::dtypeSize(p.dtype));
+    metrics_.skipped_steps.Increment();
+    fig.durations_us[static_cast<size_t>(metrics::Stage::kTotal)] = microsSince(t0);
+    return out;
+  }
+  if (plan.delayed_sync_step) {
+    t.sum.resize(n);
+    const float* acc = t.accum.data();
+    float* sum = t.sum.data();
+    kernels::parallelFor(&stream_, n, kGrain, [&](size_t lo, size_t hi) {
+      for (size_t i = lo; i < hi; ++i) sum[i] = input[i] + acc[i];
+    });
+    input = sum;
+  }
   fig.durations_us[static_cast<size_t>(metrics::Stage::kIngest)] = microsSince(t0);
 
   // Compress (and, for multi-round codecs, exchange round by round).
@@ -480,26 +651,62 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   ctx.rank = options_.rank;
   ctx.stream = &stream_;
   ctx.shape = p.shape;
-  // Schedules: the warm-up density, where it asks for more than the codec's own.
-  if (const auto id = codec.traits().id; id == kernels::CodecId::kTopk ||
-                                         id == kernels::CodecId::kDgc ||
-                                         id == kernels::CodecId::kRandomk) {
+  // Schedules: the policies' density, or (without policies) the warm-up density where it asks
+  // for more than the codec's own.
+  if (policy) {
+    ctx.density = plan.density;
+  } else if (const auto id = codec.traits().id; id == kernels::CodecId::kTopk ||
+                                                id == kernels::CodecId::kDgc ||
+                                                id == kernels::CodecId::kRandomk) {
     const auto& cc = codec.config();
     const double target = cc.density ? *cc.density : (cc.ratio ? 1.0 / *cc.ratio : 1.0);
     if (const auto d = warmupDensity(step, options_.warmup_steps); d && *d > target) {
       ctx.density = *d;
     }
   }
+  // Bypass and full-sync steps exchange dense fp32 (codec `none`); a full-sync first flushes what
+  // the codec state holds back into what it sends, and prepares the flushed state.
+  const bool dense_step =
+      plan.mode == policies::StepMode::kBypass || plan.mode == policies::StepMode::kFullSync;
+  if (plan.mode == policies::StepMode::kFullSync) {
+    t.flushed.resize(n);
+    const auto codec_chunking = kernels::chunkingFor(codec, n, options_.chunk_elements);
+    if (auto s = codec.flush(ctx, codec_chunking, kernels::ConstTensor{input, n, DType::kF32},
+                             t.state, t.flushed.data());
+        !s.isOk()) {
+      return fail(500, "internal", "flushing the codec state: " + s.message());
+    }
+    input = t.flushed.data();
+  }
+  kernels::CodecState none_state;
+  const kernels::Codec& sc = dense_step ? kernels::noneCodec() : codec;  // this step's codec
+  kernels::CodecState& state = dense_step ? none_state : t.state;
+  if (dense_step) ctx.density.reset();
+
+  // This sidecar's statistics record, carried by the exchange to every rank (policies).
+  std::vector<uint8_t> record;
+  if (policy) {
+    policies::StepStats st = localStats(input, n, plan.min_magnitude);
+    if (t.has_state && t.state.floats() > 0) st.residual_norm2 = codec.residualNorm2(t.state, n);
+    if (t.cos) {
+      st.cos_dot = t.cos->dot;
+      st.cos_c2 = t.cos->c2;
+      st.cos_g2 = t.cos->g2;
+    }
+    record = policy->record(std::move(st));
+  }
+  std::vector<std::vector<uint8_t>> stats_in;
+  std::optional<CosineTerms> cos;  // of this step, measured on one chunk while it is encoded
   const kernels::ConstTensor tensor{input, n, DType::kF32};
   const kernels::Chunking chunking = kernels::chunkingFor(codec, n, options_.chunk_elements);
   // The whole-tensor phase (error feedback, momentum, thresholds) is part of compressing.
   const auto ta = Clock::now();
-  t.workspace.resize(codec.workspaceBytes(chunking));
-  if (auto s = codec.analyze(ctx, chunking, tensor, t.state, t.workspace); !s.isOk()) {
+  t.workspace.resize(sc.workspaceBytes(chunking));
+  if (auto s = sc.analyze(ctx, chunking, tensor, state, t.workspace); !s.isOk()) {
     return fail(500, "internal", "compressing: " + s.message());
   }
   const double analyze_us = microsSince(ta);
-  const int rounds = codec.traits().rounds;
+  const int rounds = sc.traits().rounds;
   const size_t chunks = chunking.count();
   // Payload buffers live with the tensor: allocated (and faulted in) once, not every step.
   t.payloads.resize(static_cast<size_t>(rounds));
@@ -556,14 +763,20 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       if (c >= chunks) return internalError("chunk " + std::to_string(c) + " out of range");
       if (encoded[c]) return mine[c];
       const auto tc = Clock::now();
-      const size_t max = codec.maxPayloadBytes(chunking.size(c));
+      const size_t max = sc.maxPayloadBytes(chunking.size(c));
       if (bufs[c].size() < max) bufs[c].resize(max);
-      auto size = codec.encodeChunk(ctx, chunking, c, r, previous, tensor, t.state, t.workspace,
-                                    std::span<uint8_t>(bufs[c].data(), max));
+      auto size = sc.encodeChunk(ctx, chunking, c, r, previous, tensor, state, t.workspace,
+                                 std::span<uint8_t>(bufs[c].data(), max));
       if (!size) return internalError("compressing: " + size.status().message());
       mine[c] = {bufs[c].data(), *size};
       encoded[c] = 1;
       fig.wire_bytes += *size;
+      // The sampled cosine of this step: one chunk (which one turns with the step), decoded
+      // back right after it is encoded, against what it was encoded from.
+      if (policy && r == 0 && rounds == 1 && plan.mode == policies::StepMode::kCompressed &&
+          c == step % chunks) {
+        cos = cosineTerms(sc, mine[c], input + chunking.begin(c), chunking.size(c), t.scratch);
+      }
       round_compress_us += microsSince(tc);
       return mine[c];
     };
@@ -576,7 +789,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     const auto te = Clock::now();
     const std::span<const std::span<const uint8_t>> given =
         lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine);
-    ExchangeRound er{t.name, step, r, codec, chunking, given};
+    ExchangeRound er{t.name, step, r, sc, chunking, given};
     er.density = ctx.density;
     if (rounds == 1) {
       // A chunk whose payloads are final is decoded at once, while later chunks still travel.
@@ -584,7 +797,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
         if (c >= chunks || decoded[c]) return internalError("chunk decoded twice or unknown");
         const auto td = Clock::now();
         const float w = 1.0f / static_cast<float>(exchange_.worldSize() * trainers);
-        std::string e = decodeInto(c, list, er.dense ? kernels::noneCodec() : codec, w);
+        std::string e = decodeInto(c, list, er.dense ? kernels::noneCodec() : sc, w);
         early_decode_us += microsSince(td);
         if (!e.empty()) return dataLoss("decompressing: " + e);
         decoded[c] = 1;
@@ -592,7 +805,9 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       };
     }
     if (lazy) er.encode = encodeOne;
+    if (r == 0) er.stats_out = record;
     auto got = exchange_.run(er);
+    if (r == 0) stats_in = std::move(er.stats_in);
     const double round_us = microsSince(te);
     if (!got) return fail(502, "exchange_failed", got.status().message());
     // Every chunk's state update happens in its encode: none may be left out.
@@ -623,14 +838,13 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   const auto t2 = Clock::now();
   const float weight = 1.0f / static_cast<float>(contributors * trainers);
   // A sparse allgather the exchange switched to a dense allreduce returns plain fp32 sums.
-  const kernels::Codec& decoder = dense_result ? kernels::noneCodec() : codec;
+  const kernels::Codec& decoder = dense_result ? kernels::noneCodec() : sc;
   if (rounds > 1) {
     std::fill_n(result, n, 0.0f);
-    if (auto s = codec.decodeRounds(round_payloads, weight, result, n); !s.isOk()) {
+    if (auto s = sc.decodeRounds(round_payloads, weight, result, n); !s.isOk()) {
       return fail(500, "internal", "decompressing: " + s.message());
     }
-    if (auto s =
-            codec.finishStep(ctx, chunking, round_payloads, weight, tensor, t.state, t.workspace);
+    if (auto s = sc.finishStep(ctx, chunking, round_payloads, weight, tensor, state, t.workspace);
         !s.isOk()) {
       return fail(500, "internal", "finishing the step: " + s.message());
     }
@@ -657,14 +871,50 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       std::string ranks;
       for (uint32_t r : *differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
       metrics_.result_mismatches.Increment();
+      if (policy) policy->forceFullSync(t.name, step);
       spdlog::error(
           "tensor '{}' step {}: the result differs from rank(s) {} (checksum {:016x}): "
           "the sidecars have diverged",
           t.name, step, ranks, checksum);
     }
   }
-  // Non-finite results are returned as plain averaging would, and the state is not committed.
-  const bool nonfinite = nonfinite_seen.load();
+  // The policies: every rank aggregates the same records and decides alike. Checkpoints asked
+  // for are saved first, with the state as it stood before this step.
+  bool global_nonfinite = false;
+  if (policy) {
+    auto g = policies::aggregate(stats_in);
+    if (!g) return fail(502, "exchange_failed", "statistics: " + g.status().message());
+    if (auto m = policies::resumeMismatch(*g)) {
+      // POST /v1/resume reached some sidecars only: the others resume from the same step now
+      // (from their own checkpoint of it), so the step after this failed one agrees again.
+      std::optional<uint64_t> newest;
+      for (const auto& r : g->resumed_from) {
+        if (r && (!newest || *r > *newest)) newest = *r;
+      }
+      if (newest && policy->resumedFrom() != newest) pending_resume_ = *newest;
+      return fail(409, "resume_mismatch",
+                  *m + (pending_resume_ ? "; this sidecar resumes from step " +
+                                              std::to_string(*pending_resume_) + " now"
+                                        : std::string()));
+    }
+    for (const auto& q : g->requests) {
+      if (q.kind != policies::Request::Kind::kCheckpoint) continue;
+      if (q.origin == options_.rank) continue;  // saved when it was asked for
+      auto saved = saveCheckpoint(q.step, "trainer");
+      if (!saved) {
+        spdlog::error("checkpoint of step {} asked for by rank {}: {}", q.step, q.origin,
+                      saved.status().message());
+      }
+    }
+    global_nonfinite = g->nonfinite > 0;
+    policy->update(t.name, step, plan, *g);
+    if (const auto c = g->cosine()) metrics_.cosineSimilarity(group).Set(*c);
+    metrics_.residualNorm(group).Set(std::sqrt(g->residual_norm2));
+  }
+  // Non-finite results are returned as plain averaging would, and the state is not committed —
+  // also when the NaN/Inf of some rank's gradient did not make it into the result (a codec that
+  // did not select it): the global statistics say so on every rank alike.
+  const bool nonfinite = nonfinite_seen.load() || global_nonfinite;
   fig.nonfinite = nonfinite;
   if (!in_place) {
     for (auto& part : p.parts) {
@@ -673,7 +923,13 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       });
     }
   }
-  if (!nonfinite) t.state.commit();
+  if (!nonfinite) {
+    // Compressed steps commit what the codec prepared; full-syncs the flushed state (prepared by
+    // flush() in the tensor's own state); bypasses leave the state as it was.
+    if (plan.mode != policies::StepMode::kBypass) t.state.commit();
+    if (plan.delayed_sync_step) std::fill(t.accum.begin(), t.accum.end(), 0.0f);
+    if (plan.mode == policies::StepMode::kCompressed) t.cos = cos;
+  }
   fig.durations_us[static_cast<size_t>(metrics::Stage::kDecompress)] =
       microsSince(t2) + early_decode_us;
   fig.durations_us[static_cast<size_t>(metrics::Stage::kTotal)] = microsSince(t0);
@@ -683,8 +939,8 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     metrics_.stage(static_cast<metrics::Stage>(s)).Observe(fig.durations_us[s] * 1e-6);
   }
   if (fig.wire_bytes > 0) {
-    metrics_.compressionRatio(fig.codec).Set(static_cast<double>(fig.raw_bytes) /
-                                             static_cast<double>(fig.wire_bytes));
+    metrics_.compressionRatio(group).Set(static_cast<double>(fig.raw_bytes) /
+                                         static_cast<double>(fig.wire_bytes));
   }
   return out;
 }
@@ -697,15 +953,17 @@ std::optional<double> warmupDensity(uint64_t step, uint64_t warmup_steps) {
   return d;
 }
 
-std::vector<uint8_t> encodeJobState(const std::map<std::string, uint64_t>& committed) {
+std::vector<uint8_t> encodeJobState(const std::map<std::string, uint64_t>& committed,
+                                    const policies::PolicyEngine* policy) {
   boost::json::object steps;
   for (const auto& [name, step] : committed) steps[name] = step;
-  const std::string text =
-      boost::json::serialize(boost::json::object{{"version", 1}, {"committed", std::move(steps)}});
+  boost::json::object o{{"version", 1}, {"committed", std::move(steps)}};
+  if (policy) o["policy"] = policy->stateJson();
+  const std::string text = boost::json::serialize(o);
   return {text.begin(), text.end()};
 }
 
-Result<std::map<std::string, uint64_t>> decodeJobState(std::span<const uint8_t> bytes) {
+Result<JobState> decodeJobState(std::span<const uint8_t> bytes) {
   boost::system::error_code ec;
   const boost::json::value v = boost::json::parse(
       std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), ec);
@@ -719,7 +977,12 @@ Result<std::map<std::string, uint64_t>> decodeJobState(std::span<const uint8_t> 
   if (!committed || !committed->is_object()) {
     return invalidArgument("job state: \"committed\" must be an object");
   }
-  std::map<std::string, uint64_t> out;
+  JobState state;
+  auto& out = state.committed;
+  if (const auto* p = o->if_contains("policy")) {
+    if (!p->is_object()) return invalidArgument("job state: \"policy\" must be an object");
+    state.policy = *p;
+  }
   for (const auto& [name, step] : committed->as_object()) {
     if (name.empty() || name.size() > 1024) {
       return invalidArgument("job state: a tensor name is empty or longer than 1024 bytes");
@@ -733,7 +996,195 @@ Result<std::map<std::string, uint64_t>> decodeJobState(std::span<const uint8_t> 
                              "' is not a non-negative integer");
     }
   }
+  return state;
+}
+
+Result<std::string> StepEngine::saveCheckpoint(uint64_t step, const std::string& reason) {
+  if (options_.state_dir.empty()) {
+    return failedPrecondition("no state directory is configured (state.dir)");
+  }
+  policies::Checkpoint c;
+  c.job_id = options_.job_id;
+  c.world_size = options_.world_size;
+  c.rank = options_.rank;
+  c.step = step;
+  c.reason = reason;
+  if (options_.policy) c.policy_json = boost::json::serialize(options_.policy->stateJson());
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [name, t] : tensors_) {
+      if (!t->last_committed) continue;
+      policies::CheckpointTensor ct;
+      ct.name = name;
+      ct.last_committed = *t->last_committed;
+      if (t->has_state) {
+        ct.codec_key = t->config_key;
+        ct.elements = t->state_elements;
+        ct.dtype = static_cast<uint8_t>(t->state_dtype);
+        const auto cur = t->state.currentSpan();
+        ct.state.assign(cur.begin(), cur.end());
+      }
+      if (std::any_of(t->accum.begin(), t->accum.end(), [](float v) { return v != 0.0f; })) {
+        ct.accumulator = t->accum;
+      }
+      c.tensors.push_back(std::move(ct));
+    }
+  }
+  // Trainer-driven checkpoints live apart from the periodic and on-SIGTERM ones, which are pruned.
+  const std::string dir =
+      reason == "trainer" ? options_.state_dir + "/trainer" : options_.state_dir;
+  auto path = policies::writeCheckpoint(dir, c);
+  if (!path) {
+    metrics_.checkpoints_failed.Increment();
+    return path.status();
+  }
+  metrics_.checkpoints_ok.Increment();
+  spdlog::info("checkpoint of step {} ({}): {} tensor(s) written to {}", step, reason,
+               c.tensors.size(), *path);
+  if (reason != "trainer") {
+    policies::pruneCheckpoints(options_.state_dir, options_.job_id, options_.rank,
+                               std::max<size_t>(1, options_.checkpoint_keep));
+  }
+  return path;
+}
+
+Result<std::string> StepEngine::checkpoint(uint64_t step) {
+  Result<std::string> out = internalError("not run");
+  const Status st = runBetweenSteps([&]() -> Status {
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& [name, t] : tensors_) {
+        if (t->last_committed && *t->last_committed > step) {
+          out = failedPrecondition(
+              "the state after step " + std::to_string(step) + " is gone here: tensor '" + name +
+              "' has completed step " + std::to_string(*t->last_committed) +
+              " (ask for a checkpoint before sending the next step's gradients)");
+          return Status::ok();
+        }
+      }
+    }
+    out = saveCheckpoint(step, "trainer");
+    if (out && options_.policy && options_.world_size > 1) options_.policy->requestCheckpoint(step);
+    return Status::ok();
+  });
+  if (!st.isOk()) return st;
   return out;
+}
+
+Status StepEngine::restoreFrom(const std::string& path, std::optional<uint64_t> step,
+                               bool steps_too, bool policy_too) {
+  policies::CheckpointExpect expect;
+  expect.job_id = options_.job_id;
+  expect.world_size = options_.world_size;
+  expect.rank = options_.rank;
+  expect.step = step;
+  auto c = policies::readCheckpoint(path, expect);
+  if (!c) return c.status();
+  std::optional<boost::json::value> policy_state;
+  if (options_.policy && policy_too && !c->policy_json.empty()) {
+    boost::system::error_code ec;
+    policy_state = boost::json::parse(c->policy_json, ec);
+    if (ec) return dataLoss(path + ": the policy state is not JSON: " + ec.message());
+  }
+  for (const auto& ct : c->tensors) {
+    if (ct.dtype > static_cast<uint8_t>(DType::kBF16)) {
+      return dataLoss(path + ": tensor '" + ct.name + "' has an unknown dtype");
+    }
+  }
+  if (policy_state) LW_RETURN_IF_ERROR(options_.policy->restoreState(*policy_state));
+  std::vector<std::pair<std::string, Pending>> dropped;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& ct : c->tensors) {
+      auto& slot = tensors_[ct.name];
+      if (!slot) {
+        slot = std::make_unique<Tensor>();
+        slot->name = ct.name;
+      }
+      Tensor& t = *slot;
+      t.codec.reset();  // re-created from the settings at the next step; state kept if they match
+      t.cos.reset();
+      t.has_state = !ct.codec_key.empty();
+      t.config_key = ct.codec_key;
+      t.state_elements = ct.elements;
+      t.state_dtype = static_cast<DType>(ct.dtype);
+      t.state = kernels::CodecState(ct.state.size());
+      if (!ct.state.empty()) LW_RETURN_IF_ERROR(t.state.restore(ct.state));
+      t.state_bytes = t.state.bytes();
+      t.accum = ct.accumulator;
+      if (steps_too) {
+        t.last_committed = c->step;
+        for (auto it = t.pending.begin(); it != t.pending.end();) {
+          if (it->second.queued) {
+            ++it;
+            continue;
+          }
+          dropped.emplace_back(ct.name + "' step " + std::to_string(it->first),
+                               std::move(it->second));
+          it = t.pending.erase(it);
+          --pending_count_;
+        }
+      }
+    }
+  }
+  for (auto& [what, p] : dropped) {
+    failPending(p, 409, "conflict", "tensor '" + what + " was pending when the sidecar resumed");
+  }
+  return Status::ok();
+}
+
+Status StepEngine::resume(uint64_t step) {
+  if (options_.state_dir.empty()) {
+    return failedPrecondition("no state directory is configured (state.dir)");
+  }
+  return runBetweenSteps([&] { return resumeHere(step); });
+}
+
+Status StepEngine::resumeHere(uint64_t step) {
+  if (options_.state_dir.empty()) {
+    return failedPrecondition("no state directory is configured (state.dir)");
+  }
+  const std::string path = policies::checkpointPath(options_.state_dir + "/trainer",
+                                                    options_.job_id, options_.rank, step);
+  LW_RETURN_IF_ERROR(restoreFrom(path, step, /*steps_too=*/true, /*policy_too=*/true));
+  {
+    std::lock_guard lock(mu_);
+    // Tensors the checkpoint does not know start after `step` too.
+    for (auto& [name, t] : tensors_) t->last_committed = step;
+  }
+  if (options_.policy) options_.policy->setResumedFrom(step);
+  spdlog::info("resumed from the checkpoint of step {} ({}); the next step is {}", step, path,
+               step + 1);
+  return Status::ok();
+}
+
+Result<std::optional<uint64_t>> StepEngine::restoreLatest() {
+  if (options_.state_dir.empty()) return std::optional<uint64_t>{};
+  // The newest of the periodic, on-SIGTERM and trainer-driven checkpoints.
+  std::optional<std::pair<uint64_t, std::string>> newest;
+  for (const std::string& dir : {options_.state_dir, options_.state_dir + "/trainer"}) {
+    const auto steps = policies::listCheckpoints(dir, options_.job_id, options_.rank);
+    if (!steps.empty() && (!newest || steps.back() > newest->first)) {
+      newest = {steps.back(), dir};
+    }
+  }
+  if (!newest) return std::optional<uint64_t>{};
+  const uint64_t step = newest->first;
+  const std::string path =
+      policies::checkpointPath(newest->second, options_.job_id, options_.rank, step);
+  // The job's steps and policy state come from the peers; only the codec state from the file.
+  LW_RETURN_IF_ERROR(restoreFrom(path, step, /*steps_too=*/false, /*policy_too=*/false));
+  uint64_t residual = 0;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [name, t] : tensors_) residual += t->state.floats() * sizeof(float);
+  }
+  spdlog::warn(
+      "restored the codec state of step {} from {} ({} bytes of residual and momentum); what "
+      "the steps since then accumulated here is lost, and the job's step and policy state come "
+      "from the peers",
+      step, path, residual);
+  return std::optional<uint64_t>{step};
 }
 
 std::map<std::string, uint64_t> StepEngine::committedSteps() const {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,6 +25,7 @@
 #include "kernels/codec.h"
 #include "kernels/parallel.h"
 #include "metrics/metrics.h"
+#include "policies/policy.h"
 
 namespace lightwire::proxy {
 
@@ -50,6 +52,8 @@ struct StepFigures {
   std::string codec;
   uint64_t elements = 0, raw_bytes = 0, wire_bytes = 0;
   bool nonfinite = false, state_reset = false;
+  std::string mode = "compressed";  // policies::stepModeName() of the step
+  uint64_t settings = 0;            // the compression settings version it ran with
   double durations_us[metrics::kStageCount] = {};
 };
 
@@ -61,6 +65,9 @@ struct StepOutcome {
   StepFigures figures;
 };
 using StepDone = std::function<void(StepOutcome)>;
+
+/// Largest statistics record a sidecar sends or accepts with a step (ExchangeRound::stats_out).
+inline constexpr size_t kMaxStatsBytes = size_t{64} << 10;
 
 /// One exchange round of one step of one tensor, as this sidecar sees it.
 struct ExchangeRound {
@@ -89,6 +96,14 @@ struct ExchangeRound {
   // Set by the exchange: the returned payloads are plain fp32 arrays (codec `none`), not the
   // codec's payloads (a sparse allgather switched to a dense allreduce because it was smaller).
   bool dense = false;
+  // Policy statistics (DESIGN.md §5, docs/policies.md): this sidecar's statistics record of the
+  // step (opaque bytes, at most kMaxStatsBytes; given in round 0 only, empty = none). The exchange
+  // delivers every sidecar's record to every sidecar within the step's own exchange (frames posted
+  // with the step's first data frames, received once its data is in: no extra round trip) and
+  // fills `stats_in`, index = rank; an entry stays empty for a rank whose record is not part of
+  // the step (not a contributor under bounded staleness). Every rank gets the same records.
+  std::span<const uint8_t> stats_out;
+  std::vector<std::vector<uint8_t>> stats_in;
 
   Result<std::span<const uint8_t>> payload(size_t chunk) const {
     if (encode) return encode(chunk);
@@ -129,8 +144,29 @@ class LocalExchange final : public Exchange {
   Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override;
 };
 
-/// Picks the codec settings of a tensor (name, elements): compression.default and rules.
-using CodecChooser = std::function<kernels::CodecConfig(std::string_view, uint64_t)>;
+/// Sums of a sampled chunk for the cosine similarity of a compressed gradient (policies).
+struct CosineTerms {
+  double dot = 0, c2 = 0, g2 = 0;
+};
+/// Decodes `payload` (one chunk) and returns its sums against `original` (nullopt: not finite or
+/// not decodable). `scratch` is reused.
+std::optional<CosineTerms> cosineTerms(const kernels::Codec& codec,
+                                       std::span<const uint8_t> payload, const float* original,
+                                       size_t len, std::vector<float>& scratch);
+
+/// A tensor's settings from compression.default and compression.rules.
+struct TensorSettings {
+  TensorSettings() = default;
+  TensorSettings(kernels::CodecConfig c) : codec(std::move(c)) {}  // NOLINT: implicit on purpose
+  kernels::CodecConfig codec;
+  uint32_t sync_every = 1;  // delayed sync: exchanged every k steps, accumulated locally between
+  std::string group;        // metrics label ("" = the codec's name)
+};
+/// Picks the settings of a tensor (name, elements).
+using CodecChooser = std::function<TensorSettings(std::string_view, uint64_t)>;
+/// The chooser of a compression settings version (PUT /v1/config versions agreed through the
+/// policies: version, its JSON). Called on the engine thread; may cache.
+using SettingsChooser = std::function<CodecChooser(uint64_t, const std::string&)>;
 
 struct EngineOptions {
   unsigned local_trainers = 1;
@@ -145,6 +181,17 @@ struct EngineOptions {
   // at least 25 %, 6.25 %, 1.5625 %, 0.39 %, 0.098 % (five equal stages), then their own density.
   uint64_t warmup_steps = 0;
   uint64_t max_state_bytes = 0;  // codec state of all tensors together (0 = no cap)
+  // Policies (DESIGN.md §5): null = none (every step compressed, warm-up from warmup_steps, no
+  // statistics in the exchange). With them, warm-up comes from their configuration, and
+  // `settings` (when set) maps agreed settings versions to choosers (else the chooser is used).
+  policies::PolicyEngine* policy = nullptr;
+  SettingsChooser settings;
+  // Durable state (docs/policies.md "Checkpoints"): where files go ("" = nowhere), whose they are.
+  std::string state_dir;
+  std::string job_id = "default";
+  uint32_t world_size = 1;
+  uint64_t checkpoint_every = 0;  // periodic checkpoint every N steps (0 = off)
+  size_t checkpoint_keep = 3;     // periodic/sigterm files kept per sidecar
 };
 
 /// Runs steps, one at a time. submit() is thread-safe; it never waits for other trainers, and it
@@ -172,6 +219,26 @@ class StepEngine {
   /// or restarted): each tensor's next step must then come after the job's last committed one
   /// (the largest any peer reports). Returns how many tensors it took (0: ignored).
   size_t adoptCommittedSteps(const std::map<std::string, uint64_t>& steps);
+  /// Runs `task` on the engine's thread between two steps (never during one) and waits for it.
+  /// Used for checkpoints and resume, which touch every tensor's codec state.
+  Status runBetweenSteps(const std::function<Status()>& task);
+  /// Like runBetweenSteps() without waiting (for threads the running step may wait on, such as a
+  /// transport's); an error is logged.
+  void postBetweenSteps(std::function<Status()> task);
+  /// Writes this sidecar's state as it stands (the last committed step of every tensor) as the
+  /// checkpoint of `step` (reason: trainer, periodic, sigterm). Engine thread, or after shutdown().
+  Result<std::string> saveCheckpoint(uint64_t step, const std::string& reason);
+  /// POST /v1/checkpoint: saves here now (between steps) unless a step after `step` has already
+  /// committed (an error), and asks every other sidecar to save theirs with the next step.
+  Result<std::string> checkpoint(uint64_t step);
+  /// POST /v1/resume: restores this sidecar's checkpoint of `step` (codec and policy state); every
+  /// tensor's next step is then step + 1. Pending steps fail (409).
+  Status resume(uint64_t step);
+  /// A restart mid-job: takes the codec state (not the steps, not the policy state: those come
+  /// from the peers) of the newest checkpoint of this sidecar in state_dir, logging what was lost.
+  /// Returns its step (nullopt: none). Refuses a checkpoint of another job, world size or rank, or
+  /// a corrupted one. Between steps only (postBetweenSteps()).
+  Result<std::optional<uint64_t>> restoreLatest();
   /// Steps completed and failed so far.
   uint64_t stepsOk() const;
   uint64_t stepsFailed() const;
@@ -188,6 +255,20 @@ class StepEngine {
   StepOutcome execute(Tensor& t, uint64_t step, Pending& p);
   void failPending(Pending& p, unsigned status, const std::string& error,
                    const std::string& message);
+  /// Runs queued between-step tasks (mu_ held on entry and exit).
+  void runTasks(std::unique_lock<std::mutex>& lock);
+  Status restoreFrom(const std::string& path, std::optional<uint64_t> step, bool steps_too,
+                     bool policy_too);
+  Status resumeHere(uint64_t step);         // engine thread
+  std::optional<uint64_t> pending_resume_;  // engine thread: resume once the step has ended
+  struct Task {
+    std::function<Status()> fn;
+    std::promise<Status> done;
+  };
+  std::deque<std::shared_ptr<Task>> tasks_;
+  uint64_t settings_version_ = 0;  // engine thread: the settings version settings_chooser_ is of
+  CodecChooser settings_chooser_;
+  uint64_t last_periodic_ = 0;
 
   EngineOptions options_;
   metrics::Metrics& metrics_;
@@ -208,9 +289,15 @@ class StepEngine {
 
 /// The job state a sidecar tells its peers (STATE frames, docs/peer-protocol.md): JSON
 /// {"version": 1, "committed": {"<tensor>": <last committed step>, ...}}.
-std::vector<uint8_t> encodeJobState(const std::map<std::string, uint64_t>& committed);
+/// With policies, also "policy": PolicyEngine::stateJson().
+std::vector<uint8_t> encodeJobState(const std::map<std::string, uint64_t>& committed,
+                                    const policies::PolicyEngine* policy = nullptr);
+struct JobState {
+  std::map<std::string, uint64_t> committed;
+  std::optional<boost::json::value> policy;
+};
 /// Parses and checks a peer's job state (any malformed input is an error, nothing taken).
-Result<std::map<std::string, uint64_t>> decodeJobState(std::span<const uint8_t> bytes);
+Result<JobState> decodeJobState(std::span<const uint8_t> bytes);
 
 /// The density the DGC warm-up prescribes for `step` of `warmup_steps` (nullopt after it): stage
 /// i = step * 5 / warmup_steps sends 0.25^(i+1).

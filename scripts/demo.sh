@@ -53,7 +53,8 @@ for ((r = 0; r < nodes; r++)); do
   sockets+=("$sock")
   "$dir/proxy/lightwire" serve --job-id demo --rank "$r" --world-size "$nodes" --peers "$peers" \
     --peer-listen "127.0.0.1:${ports[$r]}" --socket "$sock" --control-tcp "" \
-    --admin-listen 127.0.0.1:0 --threads 1 "${codec_args[@]}" 2>"$work/node$r.log" &
+    --admin-listen 127.0.0.1:0 --threads 1 --state-dir "$work/state$r" "${codec_args[@]}" \
+    2>"$work/node$r.log" &
   pids+=($!)
 done
 ready=0

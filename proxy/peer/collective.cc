@@ -18,6 +18,17 @@ using Spans = std::vector<std::vector<std::span<const uint8_t>>>;
 constexpr uint8_t kPhaseReduce = 0;
 constexpr uint8_t kPhaseGather = 1;
 constexpr uint8_t kPhaseChecksum = 2;
+constexpr uint8_t kPhaseStats = 3;  // a rank's policy statistics record, to every other rank
+
+/// The key of `origin`'s statistics record of a step (round 0, chunk 0).
+FrameKey statsKey(uint64_t tensor, uint64_t step, uint32_t origin) {
+  FrameKey k;
+  k.tensor = tensor;
+  k.step = step;
+  k.phase = kPhaseStats;
+  k.origin = origin;
+  return k;
+}
 
 FrameKey keyOf(uint64_t tensor, const ExchangeRound& r, uint8_t phase, uint32_t chunk,
                uint32_t origin) {
@@ -101,22 +112,80 @@ void RingExchange::stepDone(const std::string& tensor, uint64_t step) {
   sums_.clear();
 }
 
+Status RingExchange::postStats(const ExchangeRound& r, uint64_t tensor) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  for (uint32_t k = 0; k < w; ++k) {
+    if (k == me) continue;
+    // r.stats_out is the engine's and stays valid during run(), so until the flush.
+    LW_RETURN_IF_ERROR(transport_.post(k, FrameType::kData, statsKey(tensor, r.step, me), 0,
+                                       r.stats_out, deadline_));
+  }
+  return Status::ok();
+}
+
+Status RingExchange::receiveStats(ExchangeRound& r, uint64_t tensor) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  std::vector<std::vector<uint8_t>> in(w);
+  in[me].assign(r.stats_out.begin(), r.stats_out.end());
+  for (uint32_t k = 0; k < w; ++k) {
+    if (k == me) continue;
+    auto got = transport_.receive(k, statsKey(tensor, r.step, k), deadline_);
+    if (!got) {
+      return Status(got.status().code(), "waiting for the statistics record of rank " +
+                                             std::to_string(k) + ": " + got.status().message());
+    }
+    const size_t bytes = got->payload.size();
+    if (bytes == 0 || bytes > kMaxStatsBytes) {
+      transport_.recycle(std::move(got->payload));
+      return dataLoss("the statistics record of rank " + std::to_string(k) +
+                      (bytes == 0 ? std::string(" is empty")
+                                  : " has " + std::to_string(bytes) + " bytes, more than " +
+                                        std::to_string(kMaxStatsBytes)));
+    }
+    // A copy: the received buffer may be a recycled one much larger than the record.
+    in[k].assign(got->payload.begin(), got->payload.end());
+    transport_.recycle(std::move(got->payload));
+  }
+  r.stats_in = std::move(in);
+  return Status::ok();
+}
+
 Result<Spans> RingExchange::run(ExchangeRound& r) {
   const uint64_t tensor = tensorKey(r.tensor);
   const auto& traits = r.codec.traits();
   deadline_ = Clock::now() + timeout_;
+  if (r.round == 0) transport_.beginStep(tensor, r.step);
+  r.stats_in.clear();
+  // Statistics records (round 0): expected from every rank iff this rank has one (the engine
+  // gives every rank of a job one, or none). Posted before any data frame, received after the data.
+  const bool stats = r.round == 0 && !r.stats_out.empty();
+  if (stats && r.stats_out.size() > kMaxStatsBytes) {
+    return fail(tensor, r.step,
+                invalidArgument("this sidecar's statistics record has " +
+                                std::to_string(r.stats_out.size()) + " bytes, more than " +
+                                std::to_string(kMaxStatsBytes)));
+  }
   Result<Spans> out = Spans{};
-  if (traits.summable || traits.rounds > 1) {
+  if (Status posted = stats ? postStats(r, tensor) : Status::ok(); !posted.isOk()) {
+    out = posted;  // nothing of the data exchange runs
+  } else if (traits.summable || traits.rounds > 1) {
     out = allreduce(r, tensor);
   } else if (denseIsSmaller(r)) {
     out = denseAllreduce(r, tensor);
   } else {
     out = allgather(r, tensor);
   }
-  // Frames were post()ed: they reference this step's payloads until flushed, success or not.
+  // Frames were post()ed: they reference this step's payloads (and r.stats_out) until flushed,
+  // success or not.
   const Status flushed = transport_.flush(deadline_);
   if (!out) return fail(tensor, r.step, out.status());
   if (!flushed.isOk()) return fail(tensor, r.step, flushed);
+  if (stats) {
+    if (auto s = receiveStats(r, tensor); !s.isOk()) {
+      r.stats_in.clear();
+      return fail(tensor, r.step, s);
+    }
+  }
   return out;
 }
 

@@ -12,6 +12,12 @@
 //     more bytes than a dense ring allreduce (W × nominal payload > 2 × dense chunk): then every
 //     rank decodes its own payloads and the decoded fp32 chunks are ring-allreduced instead.
 //
+// Policy statistics records (ExchangeRound::stats_out, round 0): every rank posts its record to
+// every other rank (the transports are a full mesh) before its first data frame, frame phase 3
+// (chunk 0, origin = the sender), and receives every other rank's once its data exchange is done,
+// so every rank holds the same stats_in. Records are expected from every rank iff this rank has
+// one: every rank of a job sends one, or none (the engine guarantees it).
+//
 // Every wait has the exchange deadline; a failure (a peer down or silent, a malformed frame, a
 // payload that does not add up) fails the step here and is sent to every peer as an abort, so
 // they fail it at once instead of at their deadline.
@@ -47,6 +53,11 @@ class RingExchange final : public Exchange {
   Result<std::vector<std::vector<std::span<const uint8_t>>>> allgather(ExchangeRound& r,
                                                                        uint64_t tensor);
   Status fail(uint64_t tensor, uint64_t step, Status s);
+  /// Policy statistics (round 0, ExchangeRound::stats_out non-empty): posts this rank's record
+  /// to every other rank (before any data frame), and receives every other rank's once the data
+  /// is in (checked: non-empty, at most kMaxStatsBytes), filling r.stats_in.
+  Status postStats(const ExchangeRound& r, uint64_t tensor);
+  Status receiveStats(ExchangeRound& r, uint64_t tensor);
   struct Ring;
   Ring ringFor(const ExchangeRound& r) const;
 

@@ -23,6 +23,8 @@ constexpr uint8_t kPhasePush = 3;       // a rank's payload of one chunk, to the
 constexpr uint8_t kPhaseBroadcast = 4;  // the server's combined payload of one chunk, to everyone
 constexpr uint8_t kPhaseChecksum = 5;   // a rank's result checksum, to the server
 constexpr uint8_t kPhaseChecksums = 6;  // every rank's checksum, from the server to everyone
+constexpr uint8_t kPhaseStats = 7;      // a rank's policy statistics record, to the server
+constexpr uint8_t kPhaseStatsAll = 8;   // the step's statistics records, from the server to all
 constexpr uint8_t kRoundChecksum = 0xFF;
 
 // Bounded staleness: how long the server blocks on one missing rank before looking at the others.
@@ -38,6 +40,37 @@ FrameKey keyOf(uint64_t tensor, uint64_t step, int round, uint8_t phase, uint32_
   k.chunk = chunk;
   k.origin = origin;
   return k;
+}
+
+/// Whether this exchange carries statistics records: round 0 with a record of this sidecar's (the
+/// engine gives every rank of a job one, or none).
+bool carriesStats(const ExchangeRound& r) { return r.round == 0 && !r.stats_out.empty(); }
+
+/// The key of a statistics frame of a step (round 0, chunk 0).
+FrameKey statsKey(uint64_t tensor, uint64_t step, uint8_t phase, uint32_t origin) {
+  return keyOf(tensor, step, 0, phase, 0, origin);
+}
+
+/// Checks the size of rank `rank`'s statistics record (non-empty, at most kMaxStatsBytes).
+Status checkStatsSize(uint32_t rank, size_t bytes) {
+  if (bytes == 0) {
+    return dataLoss("the statistics record of rank " + std::to_string(rank) + " is empty");
+  }
+  if (bytes > kMaxStatsBytes) {
+    return dataLoss("the statistics record of rank " + std::to_string(rank) + " has " +
+                    std::to_string(bytes) + " bytes, more than " + std::to_string(kMaxStatsBytes));
+  }
+  return Status::ok();
+}
+
+uint32_t readU32(std::span<const uint8_t> p, size_t at) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t{p[at + i]} << (8 * i);
+  return v;
+}
+
+void appendU32(uint32_t v, std::vector<uint8_t>& out) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
 }
 
 Status withContext(const std::string& context, const Status& s) {
@@ -87,6 +120,75 @@ Result<PsHeader> parsePsHeader(std::span<const uint8_t> payload, uint32_t world_
   }
   if (h.count == 0) return dataLoss("broadcast header counts no contribution");
   return h;
+}
+
+// --- the statistics broadcast -------------------------------------------------------------------
+
+std::vector<uint8_t> encodePsStats(const std::vector<std::vector<uint8_t>>& by_rank) {
+  std::vector<uint8_t> out;
+  uint32_t count = 0;
+  size_t bytes = 4;
+  for (const auto& rec : by_rank) {
+    if (rec.empty()) continue;
+    ++count;
+    bytes += 8 + rec.size();
+  }
+  out.reserve(bytes);
+  appendU32(count, out);
+  for (size_t k = 0; k < by_rank.size(); ++k) {
+    if (by_rank[k].empty()) continue;
+    appendU32(static_cast<uint32_t>(k), out);
+    appendU32(static_cast<uint32_t>(by_rank[k].size()), out);
+    out.insert(out.end(), by_rank[k].begin(), by_rank[k].end());
+  }
+  return out;
+}
+
+Result<std::vector<std::vector<uint8_t>>> parsePsStats(std::span<const uint8_t> payload,
+                                                       uint32_t world_size) {
+  const std::string what = "statistics broadcast of " + std::to_string(payload.size()) + " bytes";
+  if (payload.size() < 4) return dataLoss(what + " is shorter than its count (4 bytes)");
+  const uint32_t count = readU32(payload, 0);
+  if (count > world_size) {
+    return dataLoss(what + " counts " + std::to_string(count) + " records in a world of " +
+                    std::to_string(world_size));
+  }
+  std::vector<std::vector<uint8_t>> out(world_size);
+  size_t at = 4;
+  std::optional<uint32_t> previous;
+  for (uint32_t i = 0; i < count; ++i) {
+    if (payload.size() - at < 8) {
+      return dataLoss(what + ": record " + std::to_string(i) + " of " + std::to_string(count) +
+                      " is cut short (" + std::to_string(payload.size() - at) +
+                      " bytes left, its rank and length take 8)");
+    }
+    const uint32_t rank = readU32(payload, at), length = readU32(payload, at + 4);
+    at += 8;
+    if (rank >= world_size) {
+      return dataLoss(what + " holds a record of rank " + std::to_string(rank) + " of a world of " +
+                      std::to_string(world_size));
+    }
+    if (previous && rank <= *previous) {
+      return dataLoss(what + ": the record of rank " + std::to_string(rank) +
+                      " follows that of rank " + std::to_string(*previous) +
+                      " (ranks must be ascending, each once)");
+    }
+    if (auto s = checkStatsSize(rank, length); !s.isOk()) return withContext(what, s);
+    if (length > payload.size() - at) {
+      return dataLoss(what + ": the record of rank " + std::to_string(rank) + " claims " +
+                      std::to_string(length) + " bytes, " + std::to_string(payload.size() - at) +
+                      " remain");
+    }
+    out[rank].assign(payload.begin() + static_cast<std::ptrdiff_t>(at),
+                     payload.begin() + static_cast<std::ptrdiff_t>(at + length));
+    at += length;
+    previous = rank;
+  }
+  if (at != payload.size()) {
+    return dataLoss(what + " has " + std::to_string(payload.size() - at) +
+                    " bytes after its last record");
+  }
+  return out;
 }
 
 // --- state
@@ -201,6 +303,7 @@ void PsExchange::stepDone(const std::string& tensor, uint64_t step) {
 
 Result<PsExchange::Spans> PsExchange::run(ExchangeRound& r) {
   const uint64_t tensor = tensorKey(r.tensor);
+  if (r.round == 0) transport_.beginStep(tensor, r.step);
   const auto& traits = r.codec.traits();
   if (options_.server_rank >= transport_.worldSize()) {
     return fail(
@@ -220,8 +323,18 @@ Result<PsExchange::Spans> PsExchange::run(ExchangeRound& r) {
                                    "for one decoding: re-compressing the server's sum would scale "
                                    "it twice)"));
   }
+  r.stats_in.clear();
+  if (carriesStats(r) && r.stats_out.size() > kMaxStatsBytes) {
+    return fail(tensor, r.step,
+                invalidArgument("this sidecar's statistics record has " +
+                                std::to_string(r.stats_out.size()) + " bytes, more than " +
+                                std::to_string(kMaxStatsBytes)));
+  }
   auto out = isServer() ? server(r, tensor) : worker(r, tensor);
-  if (!out) return fail(tensor, r.step, out.status());
+  if (!out) {
+    r.stats_in.clear();
+    return fail(tensor, r.step, out.status());
+  }
   return out;
 }
 
@@ -231,6 +344,14 @@ Result<PsExchange::Spans> PsExchange::worker(ExchangeRound& r, uint64_t tensor) 
   const auto deadline = Clock::now() + timeout_;
   const uint8_t codec = static_cast<uint8_t>(r.codec.traits().id);
   const std::string server_name = "the parameter server (rank " + std::to_string(srv) + ")";
+  const bool stats = carriesStats(r);
+  if (stats) {  // a frame of its own, right before the push (the same TCP connection)
+    if (auto s = transport_.send(srv, FrameType::kData, statsKey(tensor, r.step, kPhaseStats, me),
+                                 0, r.stats_out, deadline);
+        !s.isOk()) {
+      return withContext("sending the statistics record to " + server_name, s);
+    }
+  }
   for (size_t c = 0; c < chunks; ++c) {
     if (auto s = transport_.send(
             srv, FrameType::kData,
@@ -262,13 +383,37 @@ Result<PsExchange::Spans> PsExchange::worker(ExchangeRound& r, uint64_t tensor) 
     held_.push_back(std::move(got->payload));
     out[c].push_back(std::span<const uint8_t>(held_.back()).subspan(psHeaderBytes(w)));
   }
-  if (!first) return out;  // no chunk (not produced by the engine)
-  if (!options_.bounded_staleness &&
+  if (first && !options_.bounded_staleness &&
       (first->count != w || std::count(first->ranks.begin(), first->ranks.end(), true) != w)) {
     return failedPrecondition(server_name + " sent the sum of " + std::to_string(first->count) +
                               " contribution(s) of a sync step of " + std::to_string(w) +
                               " ranks (does it run peer.synchrony bounded-staleness?)");
   }
+  if (stats) {
+    // The records of the step's contributors (rank ascending), sent by the server right before
+    // its broadcast: already in once the data is.
+    auto got = transport_.receive(srv, statsKey(tensor, r.step, kPhaseStatsAll, srv), deadline);
+    if (!got) {
+      return withContext("waiting for the statistics records from " + server_name, got.status());
+    }
+    auto records = parsePsStats(got->payload, w);
+    transport_.recycle(std::move(got->payload));
+    if (!records) return withContext("from " + server_name, records.status());
+    if (first) {
+      for (uint32_t k = 0; k < w; ++k) {
+        if ((*records)[k].empty() == first->ranks[k]) {
+          return dataLoss(server_name + " sent " +
+                          (first->ranks[k] ? std::string("no statistics record")
+                                           : std::string("a statistics record")) +
+                          " of rank " + std::to_string(k) + ", " +
+                          (first->ranks[k] ? "a" : "not a") + " contributor to step " +
+                          std::to_string(r.step));
+        }
+      }
+    }
+    r.stats_in = std::move(*records);
+  }
+  if (!first) return out;  // no chunk (not produced by the engine)
   if (!first->ranks[me]) {
     spdlog::debug(
         "tensor '{}' step {}: this sidecar's contribution came late; it is folded into "
@@ -500,6 +645,26 @@ Result<PsExchange::Spans> PsExchange::server(ExchangeRound& r, uint64_t tensor) 
       present[k] = true;
     }
   }
+  // The statistics records of this step's contributors (sent right before their pushes).
+  const bool stats = carriesStats(r);
+  std::vector<std::vector<uint8_t>> records;
+  if (stats) {
+    records.resize(w);
+    records[me].assign(r.stats_out.begin(), r.stats_out.end());
+    for (uint32_t k = 0; k < w; ++k) {
+      if (k == me || !present[k]) continue;
+      auto f = transport_.receive(k, statsKey(tensor, r.step, kPhaseStats, k), deadline);
+      if (!f) {
+        return withContext("waiting for rank " + std::to_string(k) + "'s statistics record",
+                           f.status());
+      }
+      const Status size = checkStatsSize(k, f->payload.size());
+      // A copy: the received buffer may be a recycled one much larger than the record.
+      if (size.isOk()) records[k].assign(f->payload.begin(), f->payload.end());
+      transport_.recycle(std::move(f->payload));
+      LW_RETURN_IF_ERROR(size);
+    }
+  }
   auto payloadOf = [&](uint32_t k, size_t c) -> std::span<const uint8_t> {
     return k == me ? r.payloads[c] : std::span<const uint8_t>(ontime[k][c]);
   };
@@ -610,17 +775,31 @@ Result<PsExchange::Spans> PsExchange::server(ExchangeRound& r, uint64_t tensor) 
   }
 
   Spans out(chunks);
-  LW_RETURN_IF_ERROR(broadcast(r, tensor, header, combined, deadline, out));
+  const std::vector<uint8_t> stats_frame = stats ? encodePsStats(records) : std::vector<uint8_t>{};
+  LW_RETURN_IF_ERROR(broadcast(r, tensor, header, combined, stats_frame, deadline, out));
   r.contributors = header.count;
+  if (stats) r.stats_in = std::move(records);
   pending_ = std::move(pending);
   return out;
 }
 
 Status PsExchange::broadcast(const ExchangeRound& r, uint64_t tensor, const PsHeader& header,
                              const std::vector<std::span<const uint8_t>>& combined,
-                             Clock::time_point deadline, Spans& out) {
+                             std::span<const uint8_t> stats, Clock::time_point deadline,
+                             Spans& out) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
   const uint8_t codec = static_cast<uint8_t>(r.codec.traits().id);
+  if (!stats.empty()) {  // the step's statistics records, right before its first chunk
+    for (uint32_t k = 0; k < w; ++k) {
+      if (k == me) continue;
+      if (auto s =
+              transport_.send(k, FrameType::kData, statsKey(tensor, r.step, kPhaseStatsAll, me), 0,
+                              stats, deadline);
+          !s.isOk()) {
+        return withContext("sending the statistics records to rank " + std::to_string(k), s);
+      }
+    }
+  }
   for (size_t c = 0; c < combined.size(); ++c) {
     std::vector<uint8_t> framed;
     framed.reserve(psHeaderBytes(w) + combined[c].size());

@@ -21,6 +21,13 @@
 // >= t - S) and straggler_wait has passed since the last arrival; a late push is folded into the
 // next aggregate the server builds; the divisor is the number of contributions in the sum.
 //
+// Policy statistics records (ExchangeRound::stats_out, round 0): a worker sends its record to the
+// server right before its push (frame phase 7); the server takes the records of the step's
+// contributors (its own included) and sends them to every rank as one frame (phase 8,
+// encodePsStats) right before its broadcast, so every rank fills the same stats_in. A late
+// contribution's record (bounded staleness) is dropped: only the step's own contributors' records
+// travel. Records are expected iff this rank has one: every rank of a job sends one, or none.
+//
 // Every wait has the exchange deadline; a failure fails the step here and is sent to every peer as
 // an abort (Transport::abortStep).
 
@@ -61,6 +68,15 @@ void appendPsHeader(const PsHeader& h, std::vector<uint8_t>& out);
 /// Parses the header at the start of `payload`; errors when it is short or names ranks >= W.
 Result<PsHeader> parsePsHeader(std::span<const uint8_t> payload, uint32_t world_size);
 
+/// The server's broadcast of a step's policy statistics records (docs/exchange.md): u32 LE count,
+/// then per record u32 LE rank, u32 LE length, `length` bytes; ranks ascending. `by_rank` (index =
+/// rank): the records, an empty entry = none (not a contributor).
+std::vector<uint8_t> encodePsStats(const std::vector<std::vector<uint8_t>>& by_rank);
+/// Parses it strictly (every length against what remains, ranks < W, ascending, each once, each
+/// record non-empty and at most kMaxStatsBytes, nothing after the last); returns W entries.
+Result<std::vector<std::vector<uint8_t>>> parsePsStats(std::span<const uint8_t> payload,
+                                                       uint32_t world_size);
+
 /// The `ps` topology over a Transport. Used by one engine thread at a time (the engine runs one
 /// step at a time); the spans run() returns stay valid until stepDone() of that step.
 class PsExchange final : public Exchange {
@@ -96,9 +112,12 @@ class PsExchange final : public Exchange {
                        std::vector<bool>& present);
   /// The server's codec for the tensor of `r` (created or refreshed), or an error.
   Status prepareServerCodec(const ExchangeRound& r, ServerTensor& st);
+  /// Sends `stats` (a statistics broadcast, empty = none) and then every chunk of `combined` (with
+  /// `header`) to every other rank; fills `out` with this rank's view of the combined payloads.
   Status broadcast(const ExchangeRound& r, uint64_t tensor, const PsHeader& header,
                    const std::vector<std::span<const uint8_t>>& combined,
-                   std::chrono::steady_clock::time_point deadline, Spans& out);
+                   std::span<const uint8_t> stats, std::chrono::steady_clock::time_point deadline,
+                   Spans& out);
   Status fail(uint64_t tensor, uint64_t step, Status s);
 
   Transport& transport_;

@@ -1,17 +1,20 @@
 // The ring collectives (proxy/peer/collective.h) over real TcpTransports on loopback: results
 // against a plain computation of docs/exchange.md, bitwise identical on every rank; the
-// result-checksum guard.
+// result-checksum guard; the policy statistics records carried by round 0 of every path.
 
 #include <doctest.h>
 
 #include <cstring>
+#include <functional>
 #include <future>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "kernels/codec.h"
 #include "kernels/registry.h"
 #include "proxy/peer/collective.h"
+#include "proxy/step_engine.h"
 #include "tests/proxy/peer_mesh.h"
 
 namespace lightwire::proxy::peer {
@@ -242,6 +245,239 @@ TEST_CASE("result checksums: a silent peer fails the comparison within the deadl
   CHECK_FALSE(d.isOk());
   CHECK(d.status().message().find("1") != std::string::npos);
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+}
+
+// --- policy statistics records -------------------------------------------------------------------
+
+using Bytes = std::vector<uint8_t>;
+
+/// Rank r's statistics record of `step`: a different size on every rank, rank 1's the largest
+/// allowed.
+Bytes statsOf(uint32_t rank, uint64_t step) {
+  const size_t n = rank == 1 ? kMaxStatsBytes : 1 + 37 * rank + step % 5;
+  Bytes b;
+  b.reserve(n);
+  for (size_t i = 0; i < n; ++i) b.push_back(static_cast<uint8_t>(i * 31 + rank * 7 + step));
+  return b;
+}
+
+/// One step of one rank through every round of its codec.
+struct StatsRun {
+  bool ok = false;
+  std::string error;
+  bool dense = false;
+  std::vector<size_t> per_chunk;             // round 0: payloads returned per chunk
+  std::vector<std::vector<Bytes>> stats_in;  // per round
+  std::vector<Bytes> reduced;                // per round: what run() returned, chunk 0
+};
+
+/// Runs step `step` of tensor "s" with `cfg` on every rank (threads), every round; rank r gives
+/// `stats[r]` as its record in round 0 (none when `stats` is empty). `before(r, transport)` runs
+/// on rank r's thread before its exchange.
+std::vector<StatsRun> runWithStats(
+    Mesh& mesh, const kernels::CodecConfig& cfg, size_t n, size_t chunk, uint64_t step,
+    const std::vector<Bytes>& stats, std::function<void(uint32_t, Transport&)> before = {},
+    std::chrono::milliseconds timeout = std::chrono::milliseconds(5000)) {
+  const uint32_t w = static_cast<uint32_t>(mesh.transports.size());
+  std::vector<std::future<StatsRun>> futures;
+  for (uint32_t r = 0; r < w; ++r) {
+    futures.push_back(std::async(std::launch::async, [&, r] {
+      StatsRun run;
+      auto made = kernels::createCodec(cfg);
+      REQUIRE(made.isOk());
+      const kernels::Codec& codec = **made;
+      const kernels::Chunking chunking = kernels::chunkingFor(codec, n, chunk);
+      kernels::CodecState state(codec.stateFloats(n));
+      std::vector<std::byte> ws(codec.workspaceBytes(chunking));
+      const auto x = tensorOf(r, n);
+      const kernels::ConstTensor input{x.data(), n, kernels::DType::kF32};
+      kernels::StepContext ctx;
+      ctx.rank = r;
+      ctx.step = step;
+      REQUIRE(codec.analyze(ctx, chunking, input, state, ws).isOk());
+      if (before) before(r, *mesh.transports[r]);
+      RingExchange ring(*mesh.transports[r], timeout);
+      const std::string name = "s";
+      Bytes previous;
+      run.ok = true;
+      for (int round = 0; round < codec.traits().rounds; ++round) {
+        std::vector<Bytes> bufs;
+        for (size_t c = 0; c < chunking.count(); ++c) {
+          Bytes buf(codec.maxPayloadBytes(chunking.size(c)));
+          auto size = codec.encodeChunk(ctx, chunking, c, round, previous, input, state, ws, buf);
+          REQUIRE(size.isOk());
+          buf.resize(*size);
+          bufs.push_back(std::move(buf));
+        }
+        std::vector<std::span<const uint8_t>> mine(bufs.begin(), bufs.end());
+        ExchangeRound er{name, step, round, codec, chunking, mine};
+        if (round == 0 && !stats.empty()) er.stats_out = stats[r];
+        er.stats_in.push_back({1, 2, 3});  // stale: run() clears it
+        auto got = ring.run(er);
+        if (!got) {
+          run.ok = false;
+          run.error = got.status().message();
+          CHECK(er.stats_in.empty());
+          break;
+        }
+        if (round == 0) {
+          run.dense = er.dense;
+          for (const auto& list : *got) run.per_chunk.push_back(list.size());
+        }
+        run.stats_in.push_back(er.stats_in);
+        run.reduced.emplace_back((*got)[0][0].begin(), (*got)[0][0].end());
+        previous = run.reduced.back();
+      }
+      if (!run.ok) ring.abort(name, step, run.error);
+      ring.stepDone(name, step);
+      return run;
+    }));
+  }
+  std::vector<StatsRun> out;
+  for (auto& f : futures) out.push_back(f.get());
+  return out;
+}
+
+TEST_CASE("ring statistics records: every rank gets every rank's record, on every path") {
+  struct Path {
+    const char* what;
+    kernels::CodecConfig cfg;
+    uint32_t w;
+    size_t n, chunk;
+  };
+  const std::vector<Path> paths = {
+      {"summable allreduce", {.name = "fp16"}, 2, 5000, 1024},
+      {"summable allreduce", {.name = "none"}, 3, 5000, 1024},
+      {"sparse allgather",
+       {.name = "topk", .density = 0.1, .error_feedback = false},
+       3,
+       5000,
+       2048},
+      {"dense switch", {.name = "topk", .density = 0.6, .error_feedback = false}, 4, 6000, 1000},
+      {"multi-round", {.name = "powersgd", .approx_rank = 1}, 3, 4096, 1 << 20},
+  };
+  for (const auto& path : paths) {
+    CAPTURE(path.what);
+    CAPTURE(path.cfg.name);
+    CAPTURE(path.w);
+    Mesh mesh(path.w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    for (const bool with_stats : {true, false}) {
+      CAPTURE(with_stats);
+      const uint64_t step = with_stats ? 3 : 4;
+      std::vector<Bytes> stats;
+      if (with_stats) {
+        for (uint32_t r = 0; r < path.w; ++r) stats.push_back(statsOf(r, step));
+      }
+      const auto runs = runWithStats(mesh, path.cfg, path.n, path.chunk, step, stats);
+      const int rounds = path.cfg.name == "powersgd" ? 2 : 1;
+      for (uint32_t r = 0; r < path.w; ++r) {
+        CAPTURE(r);
+        const StatsRun& run = runs[r];
+        REQUIRE_MESSAGE(run.ok, run.error);
+        REQUIRE(run.stats_in.size() == static_cast<size_t>(rounds));
+        // The path taken.
+        CHECK(run.dense == (std::string(path.what) == "dense switch"));
+        for (size_t k : run.per_chunk) {
+          CHECK(k == (std::string(path.what) == "sparse allgather" ? path.w : 1u));
+        }
+        // Round 0: every rank's record, index = rank; later rounds carry none.
+        CHECK(run.stats_in[0] == stats);
+        for (int round = 1; round < rounds; ++round) CHECK(run.stats_in[round].empty());
+        // The data exchange is untouched: the same bytes everywhere.
+        CHECK(run.reduced == runs[0].reduced);
+      }
+    }
+  }
+}
+
+/// Rank `bad` sends every other rank a statistics frame of `bytes` bytes for step `step` through
+/// the transport itself (as a hostile or broken peer would), then runs the step without a record.
+std::function<void(uint32_t, Transport&)> injectRecord(uint32_t bad, uint64_t step, size_t bytes) {
+  return [=](uint32_t r, Transport& t) {
+    if (r != bad) return;
+    FrameKey k;
+    k.tensor = tensorKey("s");
+    k.step = step;
+    k.phase = 3;  // docs/exchange.md: statistics records
+    k.origin = bad;
+    const Bytes record(bytes, 0xAB);
+    for (uint32_t dst = 0; dst < t.worldSize(); ++dst) {
+      if (dst == bad) continue;
+      REQUIRE(t.send(dst, FrameType::kData, k, 0, record, Clock::now() + std::chrono::seconds(2))
+                  .isOk());
+    }
+  };
+}
+
+TEST_CASE("ring statistics records: an oversized or empty record fails the step, naming the rank") {
+  const uint32_t w = 3;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  struct Case {
+    const char* codec;
+    size_t bytes;
+    std::string want;
+  };
+  const std::string too_big = "statistics record of rank 2 has 65537 bytes, more than 65536";
+  const std::string empty = "statistics record of rank 2 is empty";
+  uint64_t step = 10;
+  for (const Case& c : {Case{"none", kMaxStatsBytes + 1, too_big}, Case{"none", 0, empty},
+                        Case{"topk", kMaxStatsBytes + 1, too_big}}) {
+    CAPTURE(c.codec);
+    CAPTURE(c.bytes);
+    ++step;
+    const kernels::CodecConfig cfg{.name = c.codec, .density = 0.1, .error_feedback = false};
+    // Ranks 0 and 1 give records; rank 2 sends them a bad one through its transport and runs the
+    // step without a record of its own (so it expects none).
+    const std::vector<Bytes> stats = {statsOf(0, step), statsOf(1, step), {}};
+    const auto runs = runWithStats(mesh, cfg, 3000, 1024, step, stats,
+                                   injectRecord(2, step, c.bytes), std::chrono::milliseconds(3000));
+    for (uint32_t r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      CHECK_FALSE(runs[r].ok);
+      // Its own check, or the abort of the other honest rank carrying the same reason.
+      CHECK_MESSAGE(runs[r].error.find(c.want) != std::string::npos, runs[r].error);
+    }
+  }
+}
+
+TEST_CASE("ring statistics records: an oversized record of our own fails the step on every rank") {
+  const uint32_t w = 3;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  std::vector<Bytes> stats = {statsOf(0, 1), statsOf(1, 1), Bytes(kMaxStatsBytes + 1, 7)};
+  const auto t0 = Clock::now();
+  const auto runs = runWithStats(mesh, {.name = "none"}, 3000, 1024, 1, stats, {},
+                                 std::chrono::milliseconds(3000));
+  for (uint32_t r = 0; r < w; ++r) {
+    CAPTURE(r);
+    CHECK_FALSE(runs[r].ok);
+    CHECK_MESSAGE(runs[r].error.find("statistics record has 65537 bytes, more than 65536") !=
+                      std::string::npos,
+                  runs[r].error);
+  }
+  CHECK(Clock::now() - t0 < std::chrono::milliseconds(2500));  // the abort, not the deadline
+}
+
+TEST_CASE("ring statistics records: a rank that sends none fails the others at the deadline") {
+  // The engine gives every rank a record or none; a job that breaks this rule loses the step.
+  const uint32_t w = 3;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  const std::vector<Bytes> stats = {statsOf(0, 2), statsOf(1, 2), {}};
+  const auto runs = runWithStats(mesh, {.name = "none"}, 3000, 1024, 2, stats, {},
+                                 std::chrono::milliseconds(400));
+  for (uint32_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK_FALSE(runs[r].ok);
+    CHECK_MESSAGE(runs[r].error.find("statistics record of rank 2") != std::string::npos,
+                  runs[r].error);
+  }
 }
 
 }  // namespace

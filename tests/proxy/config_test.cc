@@ -100,8 +100,28 @@ TEST_CASE("config: defaults") {
   CHECK(c->compression.default_codec.sample_fraction == 0.01);
   CHECK(!c->compression.default_codec.error_feedback);
   CHECK(c->compression.rules.empty());
+  // The policies' defaults are PolicyConfig's own.
+  const lightwire::policies::PolicyConfig pd;
+  CHECK(c->policies.anomaly == pd.anomaly);
+  CHECK(c->policies.bypass_steps == pd.bypass_steps);
+  CHECK(c->policies.explode_factor == pd.explode_factor);
+  CHECK(c->policies.vanish_factor == pd.vanish_factor);
+  CHECK(c->policies.ewma_alpha == pd.ewma_alpha);
+  CHECK(c->policies.full_sync_every == pd.full_sync_every);
+  CHECK(c->policies.rollback == pd.rollback);
+  CHECK(c->policies.min_magnitude == pd.min_magnitude);
+  CHECK(c->policies.decision_log == pd.decision_log);
+  CHECK(c->policies.warmup_steps == 0);
+  CHECK(c->policies.adaptive == pd.adaptive);
+  CHECK(c->policies.adaptive_min_ratio == pd.adaptive_min_ratio);
+  CHECK(lightwire::policies::validate(c->policies).isOk());
+  CHECK(c->state.dir == "/var/lib/lightwire");
+  CHECK(c->state.checkpoint_every == 1000u);
+  CHECK(c->state.keep == 3u);
+  CHECK(!c->state.fresh);
   // The table's defaults and the struct's initialisers agree.
-  CHECK(json::serialize(toJson(*c)) == json::serialize(toJson(ServeConfig{})));
+  const ServeConfig initialised;
+  CHECK(json::serialize(toJson(*c)) == json::serialize(toJson(initialised)));
 }
 
 TEST_CASE("config: every key: file < environment < flag") {
@@ -133,6 +153,32 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"peer.checksum_every", {"0", "10", "1000"}},
       {"peer.transport", {"ucx", "tcp", "ucx"}},
       {"schedule.warmup_steps", {"50", "100", "5000"}},
+      {"schedule.total_steps", {"100", "1000", "0"}},
+      {"schedule.phase_factor", {"1", "2", "8"}},
+      {"schedule.adaptive", {"true", "no", "On"}},
+      {"schedule.adaptive_tiny", {"0.5", "0.1", "0.001"}},
+      {"schedule.adaptive_sparse", {"1", "0.5", "0.99"}},
+      {"schedule.adaptive_max_ratio", {"100", "200", "300"}},
+      {"schedule.adaptive_min_ratio", {"1", "20", "40"}},
+      {"policies.anomaly", {"off", "YES", "0"}},
+      {"policies.bypass_steps", {"1", "5", "20"}},
+      {"policies.explode_factor", {"1.5", "20", "100"}},
+      {"policies.vanish_factor", {"0.5", "0.01", "1e-9"}},
+      {"policies.ewma_alpha", {"1", "0.5", "0.01"}},
+      {"policies.baseline_steps", {"1", "2", "100"}},
+      {"policies.full_sync_every", {"0", "50", "100"}},
+      {"policies.rollback", {"false", "1", "no"}},
+      {"policies.cosine_drop", {"2", "0.5", "0.1"}},
+      {"policies.loss_rise", {"0.1", "1", "10"}},
+      {"policies.patience", {"1", "2", "5"}},
+      {"policies.cooldown_steps", {"0", "5", "7"}},
+      {"policies.known_good_steps", {"0", "1", "2"}},
+      {"policies.min_magnitude", {"0", "1e-3", "0.5"}},
+      {"policies.decision_log", {"1", "100", "100000"}},
+      {"state.dir", {"/tmp/a", "", "rel/dir"}},
+      {"state.checkpoint_every", {"0", "10", "20"}},
+      {"state.keep", {"1", "5", "1000"}},
+      {"state.fresh", {"TRUE", "off", "yes"}},
       {"peer.topology", {"ps", "ring", "ps"}},
       {"peer.ps_rank", {"1", "2", "3"}},
       {"peer.synchrony", {"bounded-staleness", "sync", "bounded-staleness"}},
@@ -235,6 +281,44 @@ TEST_CASE("config: bad values name the key and the source, from every source") {
       {"compression.default.values", "bfloat16", "float32 or float16"},
       {"compression.default.error_feedback", "maybe", "true, false, on or off"},
       {"compression.default.codec", "", "codec name"},
+      {"policies.anomaly", "maybe", "true or false"},
+      {"policies.anomaly", "", "true or false"},
+      {"policies.anomaly", "2", "true or false"},
+      {"policies.anomaly", "truee", "true or false"},
+      {"policies.anomaly", " true", "true or false"},
+      {"policies.rollback", "y", "true or false"},
+      {"schedule.adaptive", "enable", "true or false"},
+      {"state.fresh", "-1", "true or false"},
+      {"policies.bypass_steps", "0", "1..4294967295"},
+      {"policies.bypass_steps", "4294967296", "1..4294967295"},
+      {"policies.explode_factor", "1", "must be a number > 1"},
+      {"policies.explode_factor", "inf", "must be a number > 1"},
+      {"policies.vanish_factor", "0", "in (0, 1)"},
+      {"policies.vanish_factor", "1", "in (0, 1)"},
+      {"policies.ewma_alpha", "0", "in (0, 1]"},
+      {"policies.ewma_alpha", "1.01", "in (0, 1]"},
+      {"policies.baseline_steps", "0", "1..4294967295"},
+      {"policies.full_sync_every", "-1", "non-negative integer"},
+      {"policies.cosine_drop", "0", "in (0, 2]"},
+      {"policies.cosine_drop", "2.5", "in (0, 2]"},
+      {"policies.loss_rise", "0", "> 0"},
+      {"policies.patience", "0", "1..4294967295"},
+      {"policies.cooldown_steps", "-1", "0..4294967295"},
+      {"policies.known_good_steps", "x", "0..4294967295"},
+      {"policies.min_magnitude", "-1e-9", ">= 0"},
+      {"policies.min_magnitude", "nan", ">= 0"},
+      {"policies.decision_log", "0", "1..100000"},
+      {"policies.decision_log", "100001", "1..100000"},
+      {"schedule.warmup_steps", "-1", "non-negative integer"},
+      {"schedule.total_steps", "1.5", "non-negative integer"},
+      {"schedule.phase_factor", "0.5", ">= 1"},
+      {"schedule.adaptive_tiny", "1", "in (0, 1)"},
+      {"schedule.adaptive_sparse", "0", "in (0, 1]"},
+      {"schedule.adaptive_max_ratio", "0.5", ">= 1"},
+      {"schedule.adaptive_min_ratio", "0", ">= 1"},
+      {"state.checkpoint_every", "-5", "non-negative integer"},
+      {"state.keep", "0", "1..1000"},
+      {"state.keep", "1001", "1..1000"},
   };
   TempDir dir;
   for (const auto& b : bad) {
@@ -471,6 +555,21 @@ TEST_CASE("config: bad rules name compression.rules[i]") {
       {"    - {codec: none, min_elements: 5, max_elements: 4}\n", "compression.rules[1]: min"},
       {"    - {codec: none, pattern: ''}\n", "compression.rules[1].pattern"},
       {"    - {codec: [none]}\n", "compression.rules[1].codec must be a single value"},
+      {"    - {codec: none, sync_every: 0}\n",
+       "compression.rules[1].sync_every must be an integer in 1..1000000, got '0'"},
+      {"    - {codec: none, sync_every: 1000001}\n", "compression.rules[1].sync_every must be"},
+      {"    - {codec: none, sync_every: -1}\n", "compression.rules[1].sync_every must be"},
+      {"    - {codec: none, sync_every: 1.5}\n", "compression.rules[1].sync_every must be"},
+      {"    - {codec: none, sync_every: [2]}\n",
+       "compression.rules[1].sync_every must be a single"},
+      {"    - {codec: none, group: 'has space'}\n",
+       "compression.rules[1].group must be 1..64 characters of A-Z a-z 0-9 _ . -"},
+      {"    - {codec: none, group: 'a/b'}\n", "compression.rules[1].group must be"},
+      {"    - {codec: none, group: 'a:b'}\n", "compression.rules[1].group must be"},
+      {"    - {codec: none, group: 'a\"b'}\n", "compression.rules[1].group must be"},
+      {"    - {codec: none, group: 'gr\u00fcn'}\n", "compression.rules[1].group must be"},
+      {"    - {codec: none, group: '" + std::string(65, 'g') + "'}\n",
+       "compression.rules[1].group must be"},
   };
   for (const auto& [rule, says] : cases) {
     CAPTURE(rule);
@@ -544,6 +643,13 @@ TEST_CASE("config: compressionFromJson") {
       {R"({"rules": {}})", "compression.rules must be a list"},
       {R"({"bogus": 1})", "unknown key 'compression.bogus'"},
       {R"({"chunk_elements": 0})", "compression.chunk_elements"},
+      {R"({"rules": [{"codec": "none", "sync_every": 0}]})", "compression.rules[0].sync_every"},
+      {R"({"rules": [{"codec": "none", "sync_every": 2.5}]})", "compression.rules[0].sync_every"},
+      {R"({"rules": [{"codec": "none", "sync_every": true}]})", "compression.rules[0].sync_every"},
+      {R"({"rules": [{"codec": "none", "group": "a b"}]})", "compression.rules[0].group must be"},
+      {R"({"rules": [{"codec": "none", "group": "a,b"}]})", "compression.rules[0].group must be"},
+      {R"({"rules": [{"codec": "none", "group": ["a"]}]})",
+       "compression.rules[0].group must be a single value"},
       {R"([1])", "compression must be a JSON object"},
   };
   for (const auto& [text, says] : bad) {
@@ -672,4 +778,273 @@ TEST_CASE("config: membership keys agree with each other; the job secret is neve
   auto bad = buildServeConfig(std::nullopt, {}, flagsOf({{"peer.peers", "a:1,nocolon"}}), nullptr);
   REQUIRE_FALSE(bad.isOk());
   CHECK(contains(bad.status().message(), "peer.peers"));
+}
+
+TEST_CASE("config: bool keys: true/false, yes/no, on/off, 1/0 in any case; nothing else") {
+  const std::vector<std::pair<std::string, bool>> good = {
+      {"true", true}, {"True", true}, {"TRUE", true}, {"yes", true},    {"Yes", true},
+      {"on", true},   {"ON", true},   {"1", true},    {"false", false}, {"False", false},
+      {"no", false},  {"NO", false},  {"off", false}, {"Off", false},   {"0", false},
+  };
+  for (const auto& [raw, want] : good) {
+    CAPTURE(raw);
+    auto c = buildServeConfig(std::nullopt, {"LIGHTWIRE_POLICIES__ANOMALY=" + raw},
+                              flagsOf({{"state.fresh", raw}, {"schedule.adaptive", raw}}), nullptr);
+    REQUIRE_MESSAGE(c.isOk(), c.status().message());
+    CHECK(c->policies.anomaly == want);
+    CHECK(c->state.fresh == want);
+    CHECK(c->policies.adaptive == want);
+    CHECK(at(*c, "policies.anomaly") == json::value(want));  // a JSON boolean, not text
+  }
+  for (const std::string raw :
+       {"", "2", "-1", "t", "y", "n", "yess", "enabled", "true ", "0x1", "01", "null", "~"}) {
+    CAPTURE(raw);
+    auto c = buildServeConfig(std::nullopt, {}, flagsOf({{"policies.rollback", raw}}), nullptr);
+    REQUIRE(!c.isOk());
+    CHECK(c.status().message().rfind("flag --rollback: policies.rollback must be true or false",
+                                     0) == 0);
+  }
+
+  // Unquoted YAML booleans read as their text.
+  TempDir dir;
+  const std::string file = dir.write("b.yaml",
+                                     "policies:\n  anomaly: no\n  rollback: False\n"
+                                     "schedule:\n  adaptive: yes\nstate:\n  fresh: ON\n");
+  auto c = buildServeConfig(file, {}, {}, nullptr);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  CHECK(!c->policies.anomaly);
+  CHECK(!c->policies.rollback);
+  CHECK(c->policies.adaptive);
+  CHECK(c->state.fresh);
+  auto bad = buildServeConfig(dir.write("bb.yaml", "state:\n  fresh: maybe\n"), {}, {}, nullptr);
+  REQUIRE(!bad.isOk());
+  CHECK(contains(bad.status().message(), "state.fresh must be true or false"));
+  CHECK(contains(bad.status().message(), "got 'maybe'"));
+}
+
+TEST_CASE("config: a bool key's flag alone means true") {
+  CLI::App app{"test", "lightwire"};
+  FlagValues flags;
+  addServeFlags(app, flags);
+  const std::string help = app.help();
+  CHECK(contains(help, "--fresh-state"));
+  CHECK(contains(help, "LIGHTWIRE_STATE__FRESH"));
+  const char* argv[] = {"lightwire",  "--fresh-state", "--anomaly", "false",       "--adaptive=no",
+                        "--rollback", "--threads",     "2",         "--state-dir", ""};
+  app.parse(static_cast<int>(std::size(argv)), argv);
+  CHECK(flags.values.at("state.fresh") == "true");
+  CHECK(flags.values.at("policies.anomaly") == "false");
+  CHECK(flags.values.at("schedule.adaptive") == "no");
+  CHECK(flags.values.at("policies.rollback") == "true");
+  CHECK(flags.values.at("threads") == "2");
+  CHECK(flags.values.at("state.dir") == "");
+  auto c = buildServeConfig(std::nullopt, {"LIGHTWIRE_STATE__FRESH=false"}, flags, nullptr);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  CHECK(c->state.fresh);  // the flag wins over the environment
+  CHECK(!c->policies.anomaly);
+  CHECK(!c->policies.adaptive);
+  CHECK(c->policies.rollback);
+  CHECK(c->state.dir.empty());  // "" = no durable state
+
+  // A key that is not a bool still needs its value.
+  CLI::App app2{"test", "lightwire"};
+  FlagValues flags2;
+  addServeFlags(app2, flags2);
+  const char* missing[] = {"lightwire", "--bypass-steps"};
+  CHECK_THROWS_AS(app2.parse(2, missing), CLI::ParseError);
+}
+
+TEST_CASE("config: the policies and state keys reach ServeConfig") {
+  TempDir dir;
+  const std::string file = dir.write("p.yaml", R"(
+policies:
+  anomaly: false
+  bypass_steps: 7
+  explode_factor: 12.5
+  vanish_factor: 0.0001
+  ewma_alpha: 0.25
+  baseline_steps: 20
+  full_sync_every: 500
+  rollback: false
+  cosine_drop: 0.3
+  loss_rise: 0.75
+  patience: 4
+  cooldown_steps: 200
+  known_good_steps: 60
+  min_magnitude: 1e-7
+  decision_log: 1024
+schedule:
+  warmup_steps: 300
+  total_steps: 90000
+  phase_factor: 3
+  adaptive: true
+  adaptive_tiny: 0.02
+  adaptive_sparse: 0.8
+  adaptive_max_ratio: 5000
+  adaptive_min_ratio: 20
+state:
+  dir: /data/lw
+  checkpoint_every: 250
+  keep: 5
+  fresh: true
+)");
+  auto c = buildServeConfig(file, {}, flagsOf({{"policies.full_sync_every", "0"}}), nullptr);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  const auto& p = c->policies;
+  CHECK(!p.anomaly);
+  CHECK(p.bypass_steps == 7u);
+  CHECK(p.explode_factor == 12.5);
+  CHECK(p.vanish_factor == 0.0001);
+  CHECK(p.ewma_alpha == 0.25);
+  CHECK(p.baseline_steps == 20u);
+  CHECK(p.full_sync_every == 0u);  // the flag wins
+  CHECK(!p.rollback);
+  CHECK(p.cosine_drop == 0.3);
+  CHECK(p.loss_rise == 0.75);
+  CHECK(p.patience == 4u);
+  CHECK(p.cooldown_steps == 200u);
+  CHECK(p.known_good_steps == 60u);
+  CHECK(p.min_magnitude == 1e-7);
+  CHECK(p.decision_log == 1024u);
+  CHECK(p.warmup_steps == 300u);
+  CHECK(p.total_steps == 90000u);
+  CHECK(p.phase_factor == 3);
+  CHECK(p.adaptive);
+  CHECK(p.adaptive_tiny == 0.02);
+  CHECK(p.adaptive_sparse == 0.8);
+  CHECK(p.adaptive_max_ratio == 5000);
+  CHECK(p.adaptive_min_ratio == 20);
+  CHECK(c->state.dir == "/data/lw");
+  CHECK(c->state.checkpoint_every == 250u);
+  CHECK(c->state.keep == 5u);
+  CHECK(c->state.fresh);
+  CHECK(at(*c, "schedule.warmup_steps") == json::value(300));
+  CHECK(at(*c, "policies.explode_factor") == json::value(12.5));
+  CHECK(at(*c, "state.dir") == json::value("/data/lw"));
+  CHECK(at(*c, "state.fresh") == json::value(true));
+
+  // state.dir: at most 4095 bytes, no NUL.
+  auto long_dir =
+      buildServeConfig(std::nullopt, {}, flagsOf({{"state.dir", std::string(4096, 'd')}}), nullptr);
+  REQUIRE(!long_dir.isOk());
+  CHECK(long_dir.status().message().rfind(
+            "flag --state-dir: state.dir must be a path of at most 4095 bytes", 0) == 0);
+  auto nul_dir =
+      buildServeConfig(std::nullopt, {}, flagsOf({{"state.dir", std::string("a\0b", 3)}}), nullptr);
+  REQUIRE(!nul_dir.isOk());
+  CHECK(contains(nul_dir.status().message(), "state.dir must be a path"));
+}
+
+TEST_CASE("config: policies::validate() runs once every source is merged") {
+  TempDir dir;
+  const std::string file = dir.write("v.yaml", "schedule:\n  adaptive_max_ratio: 50\n");
+  // Each value alone is fine...
+  REQUIRE(buildServeConfig(file, {}, {}, nullptr).isOk());
+  REQUIRE(
+      buildServeConfig(std::nullopt, {}, flagsOf({{"schedule.adaptive_min_ratio", "100"}}), nullptr)
+          .isOk());
+  // ...together min > max is refused, naming the keys.
+  auto c = buildServeConfig(file, {}, flagsOf({{"schedule.adaptive_min_ratio", "100"}}), nullptr);
+  REQUIRE(!c.isOk());
+  CHECK(c.status().code() == lightwire::StatusCode::kInvalidArgument);
+  const std::string& m = c.status().message();
+  CAPTURE(m);
+  CHECK(m.rfind("schedule.adaptive_min_ratio must be", 0) == 0);
+  CHECK(contains(m, "schedule.adaptive_max_ratio"));
+  // The keys it names, with their values and where they came from.
+  CHECK(contains(m, "(schedule.adaptive_max_ratio 50 from file " + file +
+                        "; schedule.adaptive_min_ratio 100 from flag --adaptive-min-ratio)"));
+  // Against a default too: a max below the default min (10).
+  auto e =
+      buildServeConfig(std::nullopt, {"LIGHTWIRE_SCHEDULE__ADAPTIVE_MAX_RATIO=5"}, {}, nullptr);
+  REQUIRE(!e.isOk());
+  CHECK(
+      contains(e.status().message(),
+               "schedule.adaptive_max_ratio 5 from environment "
+               "LIGHTWIRE_SCHEDULE__ADAPTIVE_MAX_RATIO; schedule.adaptive_min_ratio 10 (default)"));
+  // Equal is fine.
+  auto eq = buildServeConfig(std::nullopt, {"LIGHTWIRE_SCHEDULE__ADAPTIVE_MAX_RATIO=5"},
+                             flagsOf({{"schedule.adaptive_min_ratio", "5"}}), nullptr);
+  CHECK_MESSAGE(eq.isOk(), eq.status().message());
+}
+
+TEST_CASE("config: rules: sync_every, group and ruleFor") {
+  TempDir dir;
+  const std::string file = dir.write("sg.yaml", R"(
+compression:
+  default:
+    codec: topk
+    density: 0.01
+  rules:
+    - pattern: "embed*"
+      codec: qsgd
+      bits: 4
+      sync_every: 4
+      group: embeddings
+    - max_elements: 1000
+      codec: none
+      group: small.Dense-1_x
+    - pattern: "*.bias"
+      codec: fp16
+      sync_every: 1000000
+)");
+  auto c = buildServeConfig(file, {}, {}, nullptr);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  const CompressionConfig& cc = c->compression;
+  REQUIRE(cc.rules.size() == 3);
+  CHECK(cc.rules[0].sync_every == 4u);
+  CHECK(cc.rules[0].group == "embeddings");
+  CHECK(cc.rules[1].sync_every == 1u);  // the default
+  CHECK(cc.rules[1].group == "small.Dense-1_x");
+  CHECK(cc.rules[2].sync_every == 1000000u);
+  CHECK(cc.rules[2].group.empty());  // "" = the codec name
+
+  CHECK(cc.ruleFor("embed.weight", 10) == &cc.rules[0]);  // first match wins
+  CHECK(cc.ruleFor("fc.weight", 1000) == &cc.rules[1]);
+  CHECK(cc.ruleFor("fc.bias", 5000) == &cc.rules[2]);
+  CHECK(cc.ruleFor("fc.weight", 5000) == nullptr);
+  CHECK(&cc.codecFor("fc.weight", 5000) == &cc.default_codec);
+  CHECK(&cc.codecFor("fc.bias", 5000) == &cc.rules[2].codec);
+  CompressionConfig none;
+  CHECK(none.ruleFor("x", 1) == nullptr);
+  CHECK(&none.codecFor("x", 1) == &none.default_codec);
+
+  // toJson shows sync_every always and group when set; compressionFromJson reads them back.
+  const json::object j = toJson(cc);
+  const auto& rules = j.at("rules").as_array();
+  REQUIRE(rules.size() == 3);
+  CHECK(rules[0].as_object().at("sync_every") == json::value(4));
+  CHECK(rules[0].as_object().at("group") == json::value("embeddings"));
+  CHECK(rules[2].as_object().at("sync_every") == json::value(1000000));
+  CHECK(!rules[2].as_object().contains("group"));
+  CHECK(at(*c, "compression.rules").as_array()[1].as_object().at("group") ==
+        json::value("small.Dense-1_x"));
+  auto back = compressionFromJson(j);
+  REQUIRE_MESSAGE(back.isOk(), back.status().message());
+  REQUIRE(back->rules.size() == 3);
+  CHECK(back->rules[0].sync_every == 4u);
+  CHECK(back->rules[0].group == "embeddings");
+  CHECK(back->rules[1].group == "small.Dense-1_x");
+  CHECK(back->rules[2].group.empty());
+  CHECK(json::serialize(toJson(*back)) == json::serialize(j));
+
+  // From PUT /v1/config JSON: numbers or strings; null and "" = no group.
+  auto put = compressionFromJson(json::parse(R"({"rules": [
+      {"pattern": "a*", "codec": "none", "sync_every": 8, "group": "g-1"},
+      {"codec": "fp16", "sync_every": "2", "group": null},
+      {"codec": "fp16", "sync_every": 3.0, "group": ""},
+      {"codec": "none", "group": ")" + std::string(64, 'z') +
+                                             R"("}]})"));
+  REQUIRE_MESSAGE(put.isOk(), put.status().message());
+  REQUIRE(put->rules.size() == 4);
+  CHECK(put->rules[0].sync_every == 8u);
+  CHECK(put->rules[0].group == "g-1");
+  CHECK(put->rules[1].sync_every == 2u);
+  CHECK(put->rules[1].group.empty());
+  CHECK(put->rules[2].sync_every == 3u);
+  CHECK(put->rules[2].group.empty());
+  CHECK(put->rules[3].sync_every == 1u);
+  CHECK(put->rules[3].group == std::string(64, 'z'));
+  CHECK(put->ruleFor("ab", 1) == &put->rules[0]);
+  CHECK(put->ruleFor("b", 1) == &put->rules[1]);
 }

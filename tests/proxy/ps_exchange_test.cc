@@ -3,10 +3,12 @@
 // combination (rank-order compressed-domain sum, or decode -> dense sum -> re-encode with a server
 // codec of its own); failures within the deadline naming the rank; result checksums through the
 // server; bounded staleness (steps closed without a rank within the bound, its late contributions
-// folded into the next aggregate, a rank beyond the bound waited for).
+// folded into the next aggregate, a rank beyond the bound waited for); the policy statistics
+// records (those of the step's contributors, the same on every rank).
 
 #include <doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -18,7 +20,9 @@
 #include "kernels/codec.h"
 #include "kernels/philox.h"
 #include "kernels/registry.h"
+#include "proxy/peer/collective.h"
 #include "proxy/peer/ps_exchange.h"
+#include "proxy/step_engine.h"
 #include "tests/proxy/peer_mesh.h"
 
 namespace lightwire::proxy::peer {
@@ -46,6 +50,7 @@ struct StepRecord {
   std::string error;
   std::vector<Chunks> sent, got;  // per round: the payload of every chunk
   uint32_t contributors = 0;
+  std::vector<Bytes> stats_in;  // round 0's
   std::vector<float> result;
   std::chrono::milliseconds took{0};
 };
@@ -57,7 +62,18 @@ struct RankPlan {
   std::vector<uint64_t> steps;
   std::function<void(uint64_t)> before;  // called before the step is compressed and pushed
   std::function<void(uint64_t, const StepRecord&)> after;
+  std::function<Bytes(uint64_t)> stats;  // this rank's statistics record of a step (empty = none)
 };
+
+/// Rank r's statistics record of `step`: a different size on every rank and step, rank 1's the
+/// largest allowed.
+Bytes statsOf(uint32_t rank, uint64_t step) {
+  const size_t n = rank == 1 ? kMaxStatsBytes : 1 + 37 * rank + step % 5;
+  Bytes b;
+  b.reserve(n);
+  for (size_t i = 0; i < n; ++i) b.push_back(static_cast<uint8_t>(i * 31 + rank * 7 + step));
+  return b;
+}
 
 /// Runs `plans` in order on rank `rank` through `ps` (one engine thread): compress (state
 /// prepared), exchange every round, decode with weight 1/contributors, commit, stepDone.
@@ -89,6 +105,7 @@ std::vector<std::map<uint64_t, StepRecord>> runRank(PsExchange& ps, uint32_t ran
       std::vector<std::span<const uint8_t>> round_payloads;
       std::vector<std::vector<std::span<const uint8_t>>> reduced;
       std::vector<Chunks> bufs(static_cast<size_t>(rounds));
+      const Bytes record = plan.stats ? plan.stats(step) : Bytes{};
       bool failed = false;
       for (int r = 0; r < rounds && !failed; ++r) {
         std::vector<std::span<const uint8_t>> mine;
@@ -104,13 +121,21 @@ std::vector<std::map<uint64_t, StepRecord>> runRank(PsExchange& ps, uint32_t ran
         for (const auto& b : bufs[static_cast<size_t>(r)]) mine.emplace_back(b);
         rec.sent.push_back(bufs[static_cast<size_t>(r)]);
         ExchangeRound er{plan.name, step, r, codec, chunking, mine};
+        if (r == 0) er.stats_out = record;
+        er.stats_in.push_back({1, 2, 3});  // stale: run() clears it
         auto got = ps.run(er);
         if (!got) {
           rec.error = got.status().message();
+          CHECK(er.stats_in.empty());
           failed = true;
           break;
         }
         rec.contributors = er.contributors;
+        if (r == 0) {
+          rec.stats_in = er.stats_in;
+        } else {
+          CHECK(er.stats_in.empty());  // records travel in round 0 only
+        }
         Chunks g;
         for (const auto& per_chunk : *got) {
           REQUIRE(per_chunk.size() == 1);
@@ -264,6 +289,8 @@ TEST_CASE("ps sync: every codec at W = 2, 3, 4: identical bytes on every rank, a
         p.cfg = cfg;
         p.name = "layer." + cfg.name;
         p.steps = steps;
+        // Statistics records in steps 0 and 2 (every rank), none in step 1.
+        p.stats = [r](uint64_t s) { return s == 1 ? Bytes{} : statsOf(r, s); };
         plans[r].push_back(p);
       }
     }
@@ -284,6 +311,12 @@ TEST_CASE("ps sync: every codec at W = 2, 3, 4: identical bytes on every rank, a
           REQUIRE_MESSAGE(rec.ok, rec.error);
           CHECK(rec.contributors == w);
           CHECK(rec.got == res[0][p].at(s).got);
+          if (s == 1) {
+            CHECK(rec.stats_in.empty());
+          } else {  // every rank's record, index = rank, on every rank
+            REQUIRE(rec.stats_in.size() == w);
+            for (uint32_t k = 0; k < w; ++k) CHECK(rec.stats_in[k] == statsOf(k, s));
+          }
           CHECK(sameBits(rec.result, res[0][p].at(s).result));
         }
         const StepRecord& rec0 = res[0][p].at(s);
@@ -473,6 +506,7 @@ TEST_CASE(
       p.cfg = cfg;
       p.name = "w";
       p.steps = steps;
+      p.stats = [r](uint64_t s) { return statsOf(r, s); };
       if (r < 2) {
         p.after = [&](uint64_t s, const StepRecord&) {
           if (s == 2) ++done_step2;
@@ -510,6 +544,15 @@ TEST_CASE(
         CHECK(rec.contributors == composition.at(s).size());
         CHECK(rec.got[0] == want);
         CHECK(sameBits(rec.result, res[0][0].at(s).result));
+        // The records of step s's own contributors (late ones dropped), the same on every rank:
+        // rank 2's steps 1 and 2 hold none of its own.
+        REQUIRE(rec.stats_in.size() == 3);
+        for (uint32_t k = 0; k < 3; ++k) {
+          CAPTURE(k);
+          const bool ontime = std::find(composition.at(s).begin(), composition.at(s).end(),
+                                        std::make_pair(k, s)) != composition.at(s).end();
+          CHECK(rec.stats_in[k] == (ontime ? statsOf(k, s) : Bytes{}));
+        }
       }
     }
     // Step 3 waited for rank 2 (beyond the bound) rather than closing without it.
@@ -555,6 +598,7 @@ TEST_CASE("ps bounded staleness: a step a rank never ran holds nothing up") {
       REQUIRE_MESSAGE(rec.ok, rec.error);
       CHECK(rec.contributors == parts_of.size());
       CHECK(rec.got[0] == want);
+      CHECK(rec.stats_in.empty());  // no records given, none delivered
     }
   }
 }
@@ -618,6 +662,161 @@ TEST_CASE("ps bounded staleness: multi-round codecs and randomk are refused") {
     CHECK(got.status().message().find(cfg.name + " needs peer.synchrony sync") !=
           std::string::npos);
     ps.stepDone("r", 0);
+  }
+}
+
+// --- policy statistics records -------------------------------------------------------------------
+
+TEST_CASE("ps statistics broadcast: layout, round trip, hostile payloads refused") {
+  const std::vector<Bytes> by_rank = {{0xA1, 0xA2}, {}, {0xC1}};
+  const Bytes b = encodePsStats(by_rank);
+  CHECK(b == Bytes{2, 0, 0, 0,                          // count
+                   0, 0, 0, 0, 2, 0, 0, 0, 0xA1, 0xA2,  // rank 0, 2 bytes
+                   2, 0, 0, 0, 1, 0, 0, 0, 0xC1});      // rank 2, 1 byte
+  auto back = parsePsStats(b, 3);
+  REQUIRE(back.isOk());
+  CHECK(*back == by_rank);
+  CHECK(encodePsStats({{}, {}}) == Bytes{0, 0, 0, 0});
+  auto none = parsePsStats(Bytes{0, 0, 0, 0}, 2);
+  REQUIRE(none.isOk());
+  CHECK(*none == std::vector<Bytes>(2));
+  // The largest record allowed, and one byte more.
+  std::vector<Bytes> big = {Bytes(kMaxStatsBytes, 1)};
+  CHECK(parsePsStats(encodePsStats(big), 1).isOk());
+  big[0].push_back(2);
+  auto too_big = parsePsStats(encodePsStats(big), 1);
+  REQUIRE_FALSE(too_big.isOk());
+  CHECK(too_big.status().message().find("record of rank 0 has 65537 bytes") != std::string::npos);
+
+  auto refused = [](const Bytes& p, uint32_t w, const std::string& why) {
+    CAPTURE(why);
+    auto r = parsePsStats(p, w);
+    REQUIRE_FALSE(r.isOk());
+    CHECK_MESSAGE(r.status().message().find(why) != std::string::npos, r.status().message());
+  };
+  refused(Bytes{1, 0, 0}, 3, "shorter than its count");
+  refused(Bytes{4, 0, 0, 0}, 3, "counts 4 records in a world of 3");
+  refused(Bytes{1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0}, 3, "cut short");
+  refused(Bytes{1, 0, 0, 0, 3, 0, 0, 0, 1, 0, 0, 0, 9}, 3, "record of rank 3 of a world of 3");
+  refused(Bytes{2, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 9, 0, 0, 0, 0, 1, 0, 0, 0, 9}, 3,
+          "rank 0 follows that of rank 1");
+  refused(Bytes{2, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 9, 1, 0, 0, 0, 1, 0, 0, 0, 9}, 3,
+          "rank 1 follows that of rank 1");
+  refused(Bytes{1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, 3, "record of rank 0 is empty");
+  refused(Bytes{1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 9, 9}, 3, "claims 3 bytes, 2 remain");
+  refused(Bytes{1, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0xFF, 9}, 3, "more than 65536");
+  refused(Bytes{1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 9, 7}, 3, "1 bytes after its last record");
+  refused(Bytes{0, 0, 0, 0, 7}, 3, "1 bytes after its last record");
+}
+
+TEST_CASE("ps statistics records: an oversized record from a worker fails the step everywhere") {
+  for (const bool bounded : {false, true}) {
+    CAPTURE(bounded);
+    Mesh mesh(3);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    PsOptions o;
+    o.server_rank = 0;
+    o.bounded_staleness = bounded;
+    o.straggler_wait = 100ms;
+    o.seed = kSeed;
+    std::vector<std::vector<RankPlan>> plans(3);
+    for (uint32_t r = 0; r < 3; ++r) {
+      RankPlan p;
+      p.cfg = {.name = "topk", .density = 0.1};
+      p.name = "t";
+      p.steps = {0};
+      if (r < 2) {
+        p.stats = [r](uint64_t s) { return statsOf(r, s); };
+      } else {
+        // Rank 2 sends the server a record one byte too large through its transport (as a
+        // hostile or broken peer would) and runs the step without a record of its own.
+        p.before = [&](uint64_t s) {
+          FrameKey k;
+          k.tensor = tensorKey("t");
+          k.step = s;
+          k.phase = 7;  // docs/exchange.md: a rank's statistics record, to the server
+          k.origin = 2;
+          const Bytes record(kMaxStatsBytes + 1, 0xEE);
+          REQUIRE(mesh.transports[2]
+                      ->send(0, FrameType::kData, k, 0, record, Clock::now() + 2s)
+                      .isOk());
+        };
+      }
+      plans[r].push_back(p);
+    }
+    const auto res = runAll(mesh, o, 3000ms, plans);
+    for (uint32_t r = 0; r < 3; ++r) {
+      CAPTURE(r);
+      const StepRecord& rec = res[r][0].at(0);
+      CHECK_FALSE(rec.ok);
+      // The server's own check; the workers learn it from the server's abort.
+      CHECK_MESSAGE(
+          rec.error.find("statistics record of rank 2 has 65537 bytes, more than 65536") !=
+              std::string::npos,
+          rec.error);
+      CHECK(rec.took < 2500ms);
+    }
+  }
+}
+
+TEST_CASE("ps statistics records: a bad statistics broadcast fails the worker, naming it") {
+  struct Case {
+    Bytes frame;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {encodePsStats({statsOf(0, 0), Bytes(kMaxStatsBytes + 1, 1)}),
+       "statistics record of rank 1 has 65537 bytes"},
+      {encodePsStats({statsOf(0, 0), {}}), "sent no statistics record of rank 1, a contributor"},
+      {Bytes{1, 0, 0, 0, 5, 0, 0, 0, 1, 0, 0, 0, 9}, "record of rank 5 of a world of 2"},
+  };
+  uint64_t step = 0;
+  for (const Case& c : cases) {
+    CAPTURE(c.want);
+    ++step;
+    Mesh mesh(2);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    PsOptions o;
+    o.server_rank = 0;
+    auto codec = kernels::createCodec({.name = "none"});
+    REQUIRE(codec.isOk());
+    const size_t n = 256;
+    const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, 1024);
+    // Rank 0 plays a server whose statistics broadcast is bad: a valid broadcast of rank 1's
+    // payload, preceded by `c.frame`.
+    auto fake = std::async(std::launch::async, [&] {
+      Transport& t = *mesh.transports[0];
+      const uint64_t tensor = tensorKey("t");
+      FrameKey push{tensor, step, 0, 3, 0, 1};
+      auto pushed = t.receive(1, push, Clock::now() + 3s);
+      REQUIRE(pushed.isOk());
+      FrameKey stats{tensor, step, 0, 8, 0, 0};
+      REQUIRE(t.send(1, FrameType::kData, stats, 0, c.frame, Clock::now() + 2s).isOk());
+      Bytes framed;
+      appendPsHeader({2, {true, true}}, framed);
+      framed.insert(framed.end(), pushed->payload.begin(), pushed->payload.end());
+      FrameKey bcast{tensor, step, 0, 4, 0, 0};
+      REQUIRE(t.send(1, FrameType::kData, bcast, pushed->codec, framed, Clock::now() + 2s).isOk());
+    });
+    PsExchange ps(*mesh.transports[1], 3000ms, o);
+    const auto x = tensorOf(1, step, n);
+    kernels::CodecState state((*codec)->stateFloats(n));
+    auto payloads =
+        kernels::encodeTensor(**codec, {}, chunking, kernels::ConstTensor{x.data(), n}, state);
+    REQUIRE(payloads.isOk());
+    std::vector<std::span<const uint8_t>> mine(payloads->begin(), payloads->end());
+    const Bytes record = statsOf(1, step);
+    ExchangeRound round{"t", step, 0, **codec, chunking, mine};
+    round.stats_out = record;
+    auto got = ps.run(round);
+    fake.get();
+    REQUIRE_FALSE(got.isOk());
+    CHECK_MESSAGE(got.status().message().find(c.want) != std::string::npos, got.status().message());
+    CHECK(got.status().message().find("parameter server (rank 0)") != std::string::npos);
+    CHECK(round.stats_in.empty());
+    ps.stepDone("t", step);
   }
 }
 

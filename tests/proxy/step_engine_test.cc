@@ -5,7 +5,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <future>
 #include <limits>
 #include <memory>
@@ -16,6 +18,7 @@
 
 #include "kernels/dtype.h"
 #include "metrics/metrics.h"
+#include "policies/policy.h"
 #include "proxy/step_engine.h"
 
 using namespace lightwire;
@@ -437,10 +440,11 @@ TEST_CASE("a fresh engine takes the job's step state from a peer; a running one 
   const auto values = randomValues(100, 7);
   auto state = decodeJobState(encodeJobState({{"a", 41}, {"b", 7}}));
   REQUIRE(state.isOk());
-  CHECK(*state == std::map<std::string, uint64_t>{{"a", 41}, {"b", 7}});
-  CHECK(f.engine.adoptCommittedSteps(*state) == 2);
+  CHECK(state->committed == std::map<std::string, uint64_t>{{"a", 41}, {"b", 7}});
+  CHECK(!state->policy);
+  CHECK(f.engine.adoptCommittedSteps(state->committed) == 2);
   CHECK(f.engine.adoptCommittedSteps({{"a", 40}}) == 0);  // older: nothing to take
-  CHECK(f.engine.committedSteps() == *state);
+  CHECK(f.engine.committedSteps() == state->committed);
   // Steps up to the job's last committed one are over; the next one runs.
   CHECK(step1(f.engine, "a", 41, values).first.http_status == 409);
   CHECK(step1(f.engine, "a", 42, values).first.http_status == 200);
@@ -461,7 +465,9 @@ TEST_CASE("a malformed job state is refused whole") {
   CHECK_FALSE(bad(R"({"version": 1, "committed": {"a": -1}})").isOk());
   CHECK_FALSE(bad(R"({"version": 1, "committed": {"a": 1, "b": "x"}})").isOk());
   CHECK_FALSE(bad(R"({"version": 1, "committed": {"": 1}})").isOk());
+  CHECK_FALSE(bad(R"({"version": 1, "committed": {}, "policy": 3})").isOk());
   CHECK(bad(R"({"version": 1, "committed": {}})").isOk());
+  CHECK(bad(R"({"version": 1, "committed": {}, "policy": {"version": 1}})")->policy);
 }
 
 TEST_CASE("DGC warm-up: five stages of decreasing density, then the codec's own") {
@@ -517,4 +523,144 @@ TEST_CASE("limits.max_state_bytes: a tensor whose codec state would not fit fail
   CHECK(step1(f.engine, "b", 2, randomValues(490, 5)).first.http_status == 200);
   CHECK(step1(f.engine, "c", 2, randomValues(10, 6)).first.http_status == 200);
   CHECK(f.metrics.exposition().find("lightwire_state_bytes 12000") != std::string::npos);
+}
+
+// --- policies (world size 1: the statistics loop back) ----------------------------------------
+
+namespace {
+
+/// An engine with policies and (optionally) a state directory.
+struct PolicyFixture {
+  PolicyFixture(policies::PolicyConfig pc, CodecChooser chooser, std::string state_dir = "")
+      : policy(pc, "{}", &metrics),
+        engine(options(state_dir), std::move(chooser), metrics, exchange) {}
+  EngineOptions options(const std::string& dir) {
+    EngineOptions o = withTrainers(1);
+    o.policy = &policy;
+    o.state_dir = dir;
+    o.job_id = "pj";
+    return o;
+  }
+  metrics::Metrics metrics;
+  LocalExchange exchange;
+  policies::PolicyEngine policy;
+  StepEngine engine;
+};
+
+policies::PolicyConfig quickPolicies() {
+  policies::PolicyConfig c;
+  c.bypass_steps = 3;
+  c.full_sync_every = 0;
+  c.min_magnitude = 0;
+  return c;
+}
+
+std::string tempDir() {
+  char tmpl[] = "/tmp/lw-engine-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  return tmpl;
+}
+
+}  // namespace
+
+TEST_CASE("policies: a full-sync sends everything the residual held back") {
+  policies::PolicyConfig pc = quickPolicies();
+  pc.full_sync_every = 6;
+  PolicyFixture f(pc, always(codecNamed("topk", 0.05)));
+  std::vector<double> inputs(2000, 0.0), results(2000, 0.0);
+  for (uint64_t s = 1; s <= 6; ++s) {
+    const auto v = randomValues(2000, 100 + static_cast<uint32_t>(s));
+    auto [o, r] = step1(f.engine, "g", s, v);
+    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    CHECK(o.figures.mode == (s == 6 ? "full_sync" : "compressed"));
+    for (size_t i = 0; i < v.size(); ++i) {
+      inputs[i] += v[i];
+      results[i] += r[i];
+    }
+  }
+  // Error feedback loses nothing, and the flush delivered the rest: the sums agree.
+  for (size_t i = 0; i < inputs.size(); ++i)
+    CHECK(results[i] == doctest::Approx(inputs[i]).epsilon(1e-5));
+  CHECK(f.metrics.exposition().find("lightwire_full_syncs_total{reason=\"periodic\"} 1") !=
+        std::string::npos);
+}
+
+TEST_CASE("policies: NaN -> result returned, state not committed, bypass for K steps") {
+  PolicyFixture f(quickPolicies(), always(codecNamed("topk", 0.1)));
+  for (uint64_t s = 1; s <= 4; ++s) {
+    REQUIRE(
+        step1(f.engine, "g", s, randomValues(500, static_cast<uint32_t>(s))).first.http_status ==
+        200);
+  }
+  auto bad = randomValues(500, 9);
+  bad[17] = std::numeric_limits<float>::quiet_NaN();
+  auto [o, r] = step1(f.engine, "g", 5, bad);
+  REQUIRE(o.http_status == 200);
+  CHECK(o.figures.nonfinite);
+  for (uint64_t s = 6; s <= 8; ++s) {
+    const auto v = randomValues(500, 50 + static_cast<uint32_t>(s));
+    auto [ob, rb] = step1(f.engine, "g", s, v);
+    CHECK(ob.figures.mode == "bypass");
+    CHECK(rb == v);  // dense, world size 1: the gradient itself
+  }
+  CHECK(step1(f.engine, "g", 9, randomValues(500, 9)).first.figures.mode == "compressed");
+  CHECK(f.metrics.exposition().find("lightwire_anomalies_total{kind=\"nonfinite\"} 1") !=
+        std::string::npos);
+}
+
+TEST_CASE("policies: a delayed-sync tensor accumulates locally and sends the sum on its steps") {
+  CodecChooser chooser = [](std::string_view, uint64_t) {
+    TensorSettings s(codecNamed("none"));
+    s.sync_every = 3;
+    return s;
+  };
+  PolicyFixture f(quickPolicies(), chooser);
+  std::vector<float> acc(300, 0.0f);
+  for (uint64_t s = 0; s < 9; ++s) {
+    const auto v = randomValues(300, 200 + static_cast<uint32_t>(s));
+    for (size_t i = 0; i < v.size(); ++i) acc[i] = acc[i] + v[i];
+    auto [o, r] = step1(f.engine, "d", s, v);
+    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    if ((s + 1) % 3 == 0) {
+      CHECK(o.figures.mode == "compressed");
+      CHECK(r == acc);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+    } else {
+      CHECK(o.figures.mode == "skip");
+      CHECK(r == std::vector<float>(300, 0.0f));
+    }
+  }
+}
+
+TEST_CASE("policies: checkpoint then resume replays the same results bitwise") {
+  const std::string dir = tempDir();
+  kernels::CodecConfig dgc = codecNamed("dgc", 0.05);
+  dgc.momentum = 0.9;
+  PolicyFixture f(quickPolicies(), always(dgc), dir);
+  for (uint64_t s = 1; s <= 10; ++s) {
+    REQUIRE(
+        step1(f.engine, "w", s, randomValues(3000, static_cast<uint32_t>(s))).first.http_status ==
+        200);
+  }
+  auto path = f.engine.checkpoint(10);
+  REQUIRE_MESSAGE(path, path.status().message());
+  std::vector<std::vector<float>> first;
+  for (uint64_t s = 11; s <= 15; ++s) {
+    first.push_back(step1(f.engine, "w", s, randomValues(3000, static_cast<uint32_t>(s))).second);
+  }
+  // Too late now: step 15 has completed.
+  CHECK_FALSE(f.engine.checkpoint(10));
+  REQUIRE(f.engine.resume(10).isOk());
+  for (uint64_t s = 11; s <= 15; ++s) {
+    auto [o, r] = step1(f.engine, "w", s, randomValues(3000, static_cast<uint32_t>(s)));
+    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    CHECK(r == first[s - 11]);
+  }
+  // A fresh engine (a restarted sidecar) resumes the same way.
+  PolicyFixture g(quickPolicies(), always(dgc), dir);
+  REQUIRE(g.engine.resume(10).isOk());
+  CHECK(step1(g.engine, "w", 11, randomValues(3000, 11)).second == first[0]);
+  CHECK(step1(g.engine, "w", 10, randomValues(3000, 11)).first.http_status == 409);
+  CHECK_FALSE(g.engine.resume(77).isOk());
+  std::filesystem::remove_all(dir);
 }

@@ -17,11 +17,12 @@ if CLIENT_DIR not in sys.path:
 LIGHTWIRE_BIN = os.environ.get("LIGHTWIRE_BIN") or os.path.join(REPO, "build-release", "proxy", "lightwire")
 
 _serve_ok = None
+_serve_help = b""
 
 
 def _serve_available():
     """(ok, reason): the binary exists and has the `serve` subcommand."""
-    global _serve_ok
+    global _serve_ok, _serve_help
     if _serve_ok is None:
         if not os.access(LIGHTWIRE_BIN, os.X_OK):
             _serve_ok = (False, "sidecar binary not found at %s (build it or set LIGHTWIRE_BIN)" % LIGHTWIRE_BIN)
@@ -30,6 +31,7 @@ def _serve_available():
                 r = subprocess.run([LIGHTWIRE_BIN, "serve", "--help"], stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, timeout=20)
                 ok = r.returncode == 0 and b"--socket" in r.stdout and b"--local-trainers" in r.stdout
+                _serve_help = r.stdout
                 _serve_ok = (ok, "%s has no `serve` subcommand with --socket/--local-trainers yet "
                                  "(serve --help exited %d)" % (LIGHTWIRE_BIN, r.returncode))
             except (OSError, subprocess.TimeoutExpired) as e:
@@ -37,13 +39,24 @@ def _serve_available():
     return _serve_ok
 
 
+def serve_has_flag(flag):
+    """True when `lightwire serve --help` lists `flag` (e.g. "--state-dir")."""
+    _serve_available()
+    return flag.encode() in _serve_help
+
+
 class Sidecar(object):
-    """A `lightwire serve` process on a Unix socket in a temp dir."""
+    """A `lightwire serve` process on a Unix socket in a temp dir.
+
+    `state_dir`: its --state-dir (checkpoints), by default `<its temp dir>/state`, so that no test
+    touches /var/lib/lightwire or another test's files; None = the flag is not passed. A restart
+    (stop()/kill() then start()) keeps it."""
 
     def __init__(self, tmpdir, local_trainers=1, codec="none", density=0.01, config=None, extra=(),
-                 control_tcp=""):
+                 control_tcp="", state_dir="default"):
         self.dir = str(tmpdir)
         self.socket = os.path.join(self.dir, "lightwire.sock")
+        self.state_dir = os.path.join(self.dir, "state") if state_dir == "default" else state_dir
         self.local_trainers = local_trainers
         self.codec = codec
         self.density = density
@@ -60,15 +73,25 @@ class Sidecar(object):
             a += ["--density", str(self.density)]
         if self.config:
             a += ["--config", self.config]
-        return a + self.extra
+        return a + self.state_args() + self.extra
 
-    def start(self, timeout=20.0):
+    def state_args(self):
+        if self.state_dir is None or not serve_has_flag("--state-dir"):
+            return []
+        return ["--state-dir", self.state_dir]
+
+    def spawn(self):
+        """Starts the process without waiting for it (see start(), wait_exit())."""
         assert self.proc is None
         self.starts += 1
         self.stderr_path = os.path.join(self.dir, "sidecar-%d.stderr" % self.starts)
         self._stderr = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(self.args(), stdin=subprocess.DEVNULL, stdout=self._stderr,
                                      stderr=self._stderr)
+        return self
+
+    def start(self, timeout=20.0):
+        self.spawn()
         import lightwire
         probe = lightwire.Client(socket_path=self.socket, timeout=(1.0, 2.0))
         deadline = time.monotonic() + timeout
@@ -111,11 +134,28 @@ class Sidecar(object):
         assert not os.path.exists(self.socket), "sidecar left its socket %s behind" % self.socket
 
     def kill(self):
+        """SIGKILL (kill -9) and reap; no checkpoint, no cleanup (the socket file stays)."""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
             self._stderr.close()
+
+    def wait_exit(self, timeout=20.0):
+        """For a process expected to exit by itself (e.g. refusing to start): its exit status once
+        it exited within `timeout` (else it is killed and the test fails), with its stderr."""
+        assert self.proc is not None
+        proc, self.proc = self.proc, None
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            self._stderr.close()
+            pytest.fail("sidecar still running %.0f s after start, expected it to exit; stderr:\n%s"
+                        % (timeout, self.stderr()))
+        self._stderr.close()
+        return rc, self.stderr()
 
     def client(self, **kw):
         import lightwire
@@ -208,6 +248,7 @@ class PeerSidecar(Sidecar):
 
     def __init__(self, tmpdir, cluster, rank):
         super().__init__(tmpdir, local_trainers=cluster.local_trainers, codec=cluster.codec)
+        # self.state_dir: <its temp dir>/state, the same across restarts of this rank.
         self.cluster = cluster
         self.rank = rank
         self.job_id = cluster.job_id
@@ -225,7 +266,7 @@ class PeerSidecar(Sidecar):
             a += ["--rendezvous", "127.0.0.1:%d" % c.ports[0]]
         else:
             a += ["--peers", ",".join("127.0.0.1:%d" % p for p in c.ports)]
-        return a + list(c.codec_args) + list(c.extra) + list(self.extra)
+        return a + list(c.codec_args) + self.state_args() + list(c.extra) + list(self.extra)
 
     def launch(self):
         """Starts the process (no waiting); readiness is checked by the cluster."""
@@ -374,11 +415,28 @@ class Cluster(object):
         for sc in self.sidecars:
             sc.kill()
 
+    def kill9(self, rank):
+        """SIGKILL one rank (a crash: no checkpoint on the way out) and reap it."""
+        self.sidecars[rank].kill()
+
+    def restart(self, ranks, timeout=20.0, extra=None):
+        """Kill -9 the sidecars of `ranks` (an int or a list) where still running, then start them
+        again with the same ports, state dirs and flags (`extra`, when given, replaces their own
+        extra flags) and wait until every rank is ready."""
+        ranks = [ranks] if isinstance(ranks, int) else list(ranks)
+        for r in ranks:
+            self.sidecars[r].kill()
+            if extra is not None:
+                self.sidecars[r].extra = list(extra)
+        return self.launch(ranks, timeout=timeout).wait_ready(timeout=timeout)
+
 
 @pytest.fixture
 def cluster_factory(tmp_path_factory):
     """make(world_size, codec=..., codec_args=[...], local_trainers=1, chunk_elements=1024,
-    peer_timeout=3, job_id=..., start=True) -> a Cluster (started and ready unless start=False).
+    peer_timeout=3, job_id=..., extra=[...], start=True) -> a Cluster (started and ready unless
+    start=False). Each rank gets its own --state-dir (`cluster[r].state_dir`, kept across
+    restarts); `extra` flags go to every rank, `cluster[r].extra` to one.
     At the end every cluster is stopped with SIGTERM (exit 0, sockets removed); leftovers are
     always killed."""
     ok, reason = _serve_available()

@@ -303,3 +303,123 @@ def test_shm_leaked_segment_removed_by_tracker():
     assert rc == 0, err
     assert "Traceback" not in err and err.count("leaked shared_memory") == 1, err
     assert not os.path.exists("/dev/shm/" + names[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# Durable state and settings (DESIGN.md section 5): checkpoint, resume, put_config, report
+# ------------------------------------------------------------------------------------------------
+def test_checkpoint_and_resume(sidecar_factory):
+    sc = sidecar_factory(codec="topk", density=0.1)
+    c = sc.client()
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(500).astype(np.float32) for _ in range(6)]
+    for s in range(4):
+        c.emit_gradient(xs[s], name="ck", step=s)
+    reply = c.checkpoint(3)
+    assert reply["step"] == 3 and set(reply) >= {"step", "path", "peers"}, reply
+    assert os.path.dirname(os.path.realpath(reply["path"])) == \
+        os.path.realpath(os.path.join(sc.state_dir, "trainer")), reply
+    assert os.path.exists(reply["path"])
+    first = [c.emit_gradient(xs[s], name="ck", step=s) for s in (4, 5)]
+    with pytest.raises(LightwireError) as ei:  # step 5 completed: the state after 2 is gone
+        c.checkpoint(2)
+    assert ei.value.status == 409
+    assert c.resume(3) == {"step": 3, "next_step": 4}
+    assert _tensor(c, "ck")["last_committed_step"] == 3
+    # topk with error feedback: the same steps again give the same bits.
+    again = [c.emit_gradient(xs[s], name="ck", step=s) for s in (4, 5)]
+    for a, b in zip(first, again):
+        assert a.tobytes() == b.tobytes()
+    with pytest.raises(LightwireError) as ei:
+        c.resume(99)
+    assert (ei.value.status, ei.value.error) == (404, "not_found"), ei.value
+    with pytest.raises(LightwireError) as ei:
+        c.checkpoint(-1)
+    assert ei.value.status == 400
+    c.close()
+
+
+def test_put_config_returns_the_proposal(sidecar):
+    c = sidecar.client()
+    with ShmSegment(4 * 64) as seg:
+        c.register_buffer(seg)
+        np.frombuffer(seg.buf, dtype=np.float32)[:] = 1.0
+        assert c.emit_gradient_shm(seg, name="pc", step=0)["settings"] == 0
+        reply = c.put_config({"default": {"codec": "fp16"}})
+        assert reply["applied"] is False and isinstance(reply["proposal"], int), reply
+        # The proposal travels with the next step (1) and takes effect at the one after it (2).
+        r1 = c.emit_gradient_shm(seg, name="pc", step=1)
+        r2 = c.emit_gradient_shm(seg, name="pc", step=2)
+        assert (r1["settings"], r1["codec"]) == (0, "none"), r1
+        assert (r2["settings"], r2["codec"]) == (1, "fp16"), r2
+        assert r2["mode"] == "compressed"
+        c.release_buffer(seg)
+    versions = c.status()["policies"]["settings"]
+    assert [v["from_step"] for v in versions] == [0, 2], versions
+    with pytest.raises(LightwireError) as ei:
+        c.put_config({"default": {"codec": "nonsense"}})
+    assert ei.value.status == 400
+    c.close()
+
+
+def test_report_loss_reaches_the_policies(sidecar):
+    c = sidecar.client()
+    assert c.report(4, loss=0.25) == {}
+    assert c.report(5, fallbacks=2, trainer=0) == {}
+    with pytest.raises(LightwireError) as ei:
+        c.report(6, loss=float("nan"))
+    assert ei.value.status == 400
+    c.close()
+
+
+def test_module_level_checkpoint_and_resume(sidecar, monkeypatch):
+    import lightwire.client as lc
+    monkeypatch.setenv("LIGHTWIRE_SOCKET", sidecar.socket)
+    monkeypatch.setattr(lc, "_default", None)
+    lightwire.emit_gradient(np.ones(3, np.float32), name="m", step=0)
+    assert lc.checkpoint(0)["step"] == 0
+    assert lc.resume(0)["next_step"] == 1
+    lc._default.close()
+
+
+class _FakeBucket(object):
+    """What ddp_comm_hook uses of a torch.distributed.GradBucket."""
+
+    def __init__(self, index, buf):
+        self._index, self._buf = index, buf
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buf
+
+
+@needs_torch
+def test_torch_save_state_and_load_state(sidecar):
+    import lightwire.torch as lwt
+    c = sidecar.client()
+    state = lwt.LightwireHookState(client=c, trainer=0)
+    try:
+        assert state.last_step is None
+        for i in range(3):
+            fut = lwt.ddp_comm_hook(state, _FakeBucket(0, torch.full((16,), float(i))))
+            assert torch.equal(fut.wait(), torch.full((16,), float(i)))
+        assert state.last_step == 2 and state.sidecar_steps == 3
+        reply = lwt.save_state(state.last_step, hook_state=state)
+        assert reply["step"] == 2 and os.path.exists(reply["path"])
+        fut = lwt.ddp_comm_hook(state, _FakeBucket(0, torch.ones(16)))  # step 3
+        fut.wait()
+        # A restart from the step-2 checkpoint: the hook's counters continue at step 3.
+        assert lwt.load_state(2, hook_state=state) == {"step": 2, "next_step": 3}
+        assert state.steps == {} and state.first_step == 3
+        fut = lwt.ddp_comm_hook(state, _FakeBucket(0, torch.full((16,), 7.0)))
+        assert torch.equal(fut.wait(), torch.full((16,), 7.0))
+        assert state.fallbacks == 0 and state.last_step == 3
+        assert _tensor(c, "bucket.0")["last_committed_step"] == 3
+        with pytest.raises(LightwireError) as ei:
+            lwt.load_state(40, client=c)
+        assert ei.value.status == 404
+    finally:
+        state.close()
+        c.close()

@@ -279,6 +279,9 @@ class Client(object):
             "raw_bytes": _int_or_none(resp.headers.get("X-Lightwire-Raw-Bytes")),
             "wire_bytes": _int_or_none(resp.headers.get("X-Lightwire-Wire-Bytes")),
             "nonfinite": resp.headers.get("X-Lightwire-Nonfinite") == "1",
+            # None when the sidecar does not send them (Form 2's JSON reply always has them).
+            "mode": resp.headers.get("X-Lightwire-Mode"),
+            "settings": _int_or_none(resp.headers.get("X-Lightwire-Settings")),
         }
         return out["obj"]
 
@@ -331,7 +334,10 @@ class Client(object):
         return self._json("POST", "/v1/emit_gradient", doc).json()
 
     def report(self, step, loss=None, fallbacks=None, trainer=None):
-        """``POST /v1/report``: the trainer's loss and/or fallback count for ``step``."""
+        """``POST /v1/report``: the trainer's loss and/or fallback count for ``step``. The loss
+        travels with the sidecar's next exchanged step to every sidecar, where the mean over the
+        ranks that reported feeds the rollback policy (docs/api.md); report it after step
+        ``step`` and before the next step's gradients."""
         doc = {"step": int(step)}
         trainer = self._trainer(trainer)
         if trainer is not None:
@@ -343,8 +349,31 @@ class Client(object):
         return self._json("POST", "/v1/report", doc).json()
 
     def put_config(self, compression):
-        """``PUT /v1/config`` with the ``compression`` settings (a dict)."""
+        """``PUT /v1/config`` with the ``compression`` settings (a dict, the keys of the YAML
+        file's ``compression`` section). Returns the parsed reply: with the policies (every
+        sidecar of this version) ``202 {"applied": false, "proposal": id, ...}`` -- the settings
+        travel with this sidecar's next exchanged step to every sidecar and take effect, on all of
+        them, at the step after it (``settings`` in the step replies says which version a step
+        ran with); a sidecar without them answers ``200 {"applied": true}``. Raises
+        ``LightwireError`` (400 for invalid settings, 401 without the token)."""
         return self._json("PUT", "/v1/config", compression).json()
+
+    def checkpoint(self, step):
+        """``POST /v1/checkpoint {"step": step}``: this sidecar saves its codec and policy state
+        as it stands after ``step`` now, and every other sidecar of the job saves its own when the
+        request reaches it with the next exchanged step. Call it after step ``step`` completed and
+        before sending any gradient of the next step (otherwise ``409``). Returns the reply
+        ``{"step", "path", "peers"}`` (``path``: the file this sidecar wrote)."""
+        return self._json("POST", "/v1/checkpoint", {"step": int(step)}).json()
+
+    def resume(self, step):
+        """``POST /v1/resume {"step": step}``: this sidecar restores its own checkpoint of
+        ``step`` (codec and policy state); the next step of every tensor is ``step + 1``. Every
+        sidecar of the job must be told (each trainer calls it on its own sidecar): they compare
+        at the next step and fail it everywhere (``409 resume_mismatch``) when they disagree.
+        Raises ``LightwireError`` 404 when there is no such checkpoint, 409 when it cannot be
+        used (corrupted, another job, rank or world size). Returns the reply."""
+        return self._json("POST", "/v1/resume", {"step": int(step)}).json()
 
     def status(self):
         """``GET /v1/status`` as a dict."""
@@ -395,3 +424,13 @@ def emit_gradient(tensor, name, step, trainer=None):
 def report(step, loss=None, fallbacks=None, trainer=None):
     """``default_client().report(...)``."""
     return default_client().report(step, loss=loss, fallbacks=fallbacks, trainer=trainer)
+
+
+def checkpoint(step):
+    """``default_client().checkpoint(step)``."""
+    return default_client().checkpoint(step)
+
+
+def resume(step):
+    """``default_client().resume(step)``."""
+    return default_client().resume(step)

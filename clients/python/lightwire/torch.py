@@ -15,6 +15,17 @@ sidecar (``/v1/report``) when it can be reached, and the bucket is averaged by t
 group's own allreduce instead (as PyTorch's ``allreduce_hook``); the next call tries the sidecar
 again. With ``on_error="raise"`` the future carries the exception.
 
+Durable state (DESIGN.md section 5): the sidecars' codec state (residuals, momentum) and policy
+state belong with the trainer's own checkpoint. ``save_state(step)`` next to ``torch.save`` and
+``load_state(step)`` next to ``torch.load`` keep them together:
+
+    if rank == 0:
+        torch.save({"model": ..., "optim": ..., "step": step}, path)
+        lwt.save_state(step, hook_state=state)      # every sidecar saves its state after `step`
+    ...
+    ckpt = torch.load(path)                         # after a restart, on every rank
+    lwt.load_state(ckpt["step"], hook_state=state)  # every rank, each on its own sidecar
+
 Every rank must fall back at the same step, or the fallback allreduce waits for ranks that never
 join it. A step fails on the sidecar for all its trainers together (they all get the same 5xx
 reply, e.g. 503 while it stops or 504 when a trainer is missing), so they fall back together. A
@@ -83,6 +94,7 @@ class LightwireHookState(object):
         env = os.environ.get("LOCAL_RANK")
         self.trainer = int(env) if env not in (None, "") else (0 if trainer is None else int(trainer))
         self.steps = {}            # bucket index -> next step number
+        self.first_step = 0        # the step number of a bucket's first call (load_state sets it)
         self.fallbacks = 0
         self.fallbacks_reported = 0
         self.sidecar_steps = 0
@@ -95,6 +107,14 @@ class LightwireHookState(object):
         # rank), so fallback allreduces are issued in the same order on every rank.
         self._http = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="lightwire-http")
         self._ordered = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lightwire-complete")
+
+    @property
+    def last_step(self):
+        """The sidecar step number of the last iteration the hook sent (None before the first):
+        what ``save_state`` takes after that iteration's optimizer step."""
+        if not self.steps:
+            return None
+        return max(self.steps.values()) - 1
 
     # ------------------------------------------------------------------ segments
 
@@ -203,7 +223,7 @@ def ddp_comm_hook(state, bucket):
     gradient (the sidecar divides by the number of trainers, as DDP expects)."""
     buf = bucket.buffer()
     index = bucket.index()
-    step = state.steps.get(index, 0)
+    step = state.steps.get(index, state.first_step)
     state.steps[index] = step + 1
     fut = torch.futures.Future()
     try:
@@ -222,3 +242,52 @@ def ddp_comm_hook(state, bucket):
     http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()])
     state._ordered.submit(state._complete, http_future, fut, slot, buf, step)
     return fut
+
+
+def _client_of(client, hook_state):
+    if client is not None:
+        return client
+    if hook_state is not None:
+        return hook_state.client
+    from .client import default_client
+    return default_client()
+
+
+def save_state(step, client=None, hook_state=None):
+    """Checkpoints the sidecars' state as it stands after ``step`` (``POST /v1/checkpoint``); call
+    it next to ``torch.save``.
+
+    ``step`` is the sidecar step number of the last exchange (with ``ddp_comm_hook``:
+    ``hook_state.last_step``; iteration i, counted from 0 over the iterations whose gradients were
+    synchronised, is step i). Call it after the optimizer step of ``step`` and before the next
+    iteration's backward pass sends any gradient: on rank 0 only (as DDP trainers usually save)
+    or on every rank -- the sidecar asked saves at once and tells the others, which save theirs
+    (their state after ``step``) when the request reaches them with the next step. Asked too late
+    (a later step already completed at that sidecar), it raises ``LightwireError`` 409 and saves
+    nothing.
+
+    ``client``: the sidecar to ask (default: ``hook_state.client``, else the default client from
+    ``LIGHTWIRE_SOCKET``). Returns the reply ``{"step", "path", "peers"}``.
+    """
+    return _client_of(client, hook_state).checkpoint(int(step))
+
+
+def load_state(step, client=None, hook_state=None):
+    """Restores the sidecar's state of ``step`` (``POST /v1/resume``); call it next to
+    ``torch.load``, on EVERY rank, each with its own sidecar, after restarting the trainers (and
+    the sidecars, if they restarted) from a checkpoint taken with ``save_state(step)``.
+
+    The sidecars compare the step they resumed from at the next step and fail it on every rank
+    (``409 resume_mismatch``) if one of them was not told, so call it before the first backward
+    pass. The next step of every tensor is ``step + 1``; with ``hook_state`` (a
+    ``LightwireHookState``) the hook's step counters are set to continue from there.
+
+    Raises ``LightwireError``: 404 when that sidecar has no checkpoint of ``step``, 409 when the
+    file cannot be used (corrupted, another job, rank or world size: the message says which).
+    Returns the reply ``{"step", "next_step"}``.
+    """
+    reply = _client_of(client, hook_state).resume(int(step))
+    if hook_state is not None:
+        hook_state.steps = {}
+        hook_state.first_step = int(step) + 1
+    return reply

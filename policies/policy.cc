@@ -1,0 +1,599 @@
+#include "policies/policy.h"
+
+#include <spdlog/spdlog.h>
+
+#include <boost/json/array.hpp>
+#include <boost/json/serialize.hpp>
+
+#include <algorithm>
+#include <cmath>
+
+namespace lightwire::policies {
+namespace {
+
+namespace json = boost::json;
+
+constexpr size_t kMaxSettingsVersions = 64;
+
+bool selection(const kernels::CodecConfig& c) {
+  return c.name == "topk" || c.name == "dgc" || c.name == "randomk";
+}
+
+std::string fmt(double v) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+/// Density the DGC warm-up prescribes for `step` of `warmup_steps`: 25 %, 6.25 %, 1.5625 %,
+/// 0.39 %, 0.098 % in five equal stages (nullopt after it).
+std::optional<double> warmup(uint64_t step, uint64_t warmup_steps) {
+  if (warmup_steps == 0 || step >= warmup_steps) return std::nullopt;
+  const uint64_t stage = std::min<uint64_t>(4, step * 5 / warmup_steps);
+  double d = 0.25;
+  for (uint64_t i = 0; i < stage; ++i) d *= 0.25;
+  return d;
+}
+
+}  // namespace
+
+Status validate(const PolicyConfig& c) {
+  auto bad = [](const char* key, const std::string& what) {
+    return invalidArgument(std::string(key) + " must be " + what);
+  };
+  if (c.bypass_steps < 1) return bad("policies.bypass_steps", "at least 1");
+  if (!(c.explode_factor > 1)) return bad("policies.explode_factor", "> 1");
+  if (!(c.vanish_factor > 0 && c.vanish_factor < 1))
+    return bad("policies.vanish_factor", "in (0, 1)");
+  if (!(c.ewma_alpha > 0 && c.ewma_alpha <= 1)) return bad("policies.ewma_alpha", "in (0, 1]");
+  if (!(c.cosine_drop > 0 && c.cosine_drop <= 2)) return bad("policies.cosine_drop", "in (0, 2]");
+  if (!(c.loss_rise > 0)) return bad("policies.loss_rise", "> 0");
+  if (c.patience < 1) return bad("policies.patience", "at least 1");
+  if (!(c.phase_factor >= 1)) return bad("schedule.phase_factor", ">= 1");
+  if (!(c.adaptive_tiny > 0 && c.adaptive_tiny < 1))
+    return bad("schedule.adaptive_tiny", "in (0, 1)");
+  if (!(c.adaptive_sparse > 0 && c.adaptive_sparse <= 1))
+    return bad("schedule.adaptive_sparse", "in (0, 1]");
+  if (!(c.adaptive_min_ratio >= 1 && c.adaptive_max_ratio >= c.adaptive_min_ratio))
+    return bad("schedule.adaptive_min_ratio", ">= 1 and <= schedule.adaptive_max_ratio");
+  if (!(c.min_magnitude >= 0 && std::isfinite(c.min_magnitude)))
+    return bad("policies.min_magnitude", "a finite number >= 0");
+  return Status::ok();
+}
+
+const char* stepModeName(StepMode m) {
+  switch (m) {
+    case StepMode::kCompressed:
+      return "compressed";
+    case StepMode::kBypass:
+      return "bypass";
+    case StepMode::kFullSync:
+      return "full_sync";
+    case StepMode::kSkip:
+      return "skip";
+  }
+  return "?";
+}
+
+void PolicyEngine::Ewma::add(double x, double alpha) {
+  if (n == 0) {
+    mean = x;
+    var = 0;
+  } else {
+    const double d = x - mean;
+    mean += alpha * d;
+    var = (1 - alpha) * (var + alpha * d * d);
+  }
+  ++n;
+}
+
+double PolicyEngine::Ewma::dev() const { return std::sqrt(std::max(0.0, var)); }
+
+PolicyEngine::PolicyEngine(PolicyConfig config, std::string initial_settings,
+                           metrics::Metrics* metrics)
+    : config_(config), metrics_(metrics) {
+  settings_.push_back({std::move(initial_settings), 0, true, "configured"});
+}
+
+size_t PolicyEngine::currentSettingsIndex(uint64_t step) const {
+  size_t idx = 0;
+  for (size_t i = 0; i < settings_.size(); ++i) {
+    if (settings_[i].from_step <= step) idx = i;
+  }
+  return idx;
+}
+
+std::pair<uint64_t, std::string> PolicyEngine::settingsAt(uint64_t step) const {
+  std::lock_guard lock(mu_);
+  const size_t i = currentSettingsIndex(step);
+  return {i, settings_[i].json};
+}
+
+StepPlan PolicyEngine::plan(const std::string& tensor, uint64_t step,
+                            const kernels::CodecConfig& codec, uint32_t sync_every) const {
+  std::lock_guard lock(mu_);
+  StepPlan p;
+  p.settings = currentSettingsIndex(step);
+  p.min_magnitude = config_.min_magnitude;
+  if (sync_every > 1) {
+    if ((step + 1) % sync_every != 0) {
+      p.mode = StepMode::kSkip;
+      return p;
+    }
+    p.delayed_sync_step = true;
+  }
+  const auto it = tensors_.find(tensor);
+  const bool forced = it != tensors_.end() && it->second.force_full_sync == step;
+  if (forced || (config_.full_sync_every > 0 && step > 0 && step % config_.full_sync_every == 0)) {
+    p.mode = StepMode::kFullSync;
+    return p;
+  }
+  if (step >= bypass_from_ && step < bypass_until_) {
+    p.mode = StepMode::kBypass;
+    return p;
+  }
+  if (!selection(codec) || codec.name == "none") return p;
+  const double base = codec.density ? *codec.density : (codec.ratio ? 1.0 / *codec.ratio : 1.0);
+  double d = base;
+  if (config_.adaptive && it != tensors_.end() && it->second.adaptive_scale != 1.0) {
+    d = std::clamp(base * it->second.adaptive_scale, 1.0 / config_.adaptive_max_ratio,
+                   std::min(1.0, 1.0 / config_.adaptive_min_ratio));
+  }
+  if (config_.total_steps > 0) {
+    const double f = static_cast<double>(step) / static_cast<double>(config_.total_steps);
+    if (f < 0.2 || f >= 0.8) d = std::min(1.0, d * config_.phase_factor);
+  }
+  if (const auto w = warmup(step, config_.warmup_steps); w && *w > d) d = *w;
+  if (d != base) p.density = d;
+  return p;
+}
+
+std::vector<uint8_t> PolicyEngine::record(StepStats local) const {
+  std::lock_guard lock(mu_);
+  if (loss_) {
+    local.loss = loss_->sum / static_cast<double>(loss_->count);
+    local.loss_step = loss_->step;
+  }
+  local.resumed_from = resumed_from_;
+  local.requests = outgoing_;
+  return encodeStats(local);
+}
+
+void PolicyEngine::log(uint64_t step, const std::string& tensor, std::string kind,
+                       std::string detail) {
+  Decision d{next_seq_++, step, tensor, std::move(kind), std::move(detail)};
+  spdlog::info("policy: tensor '{}' step {}: {}: {}", d.tensor, d.step, d.kind, d.detail);
+  log_.push_back(std::move(d));
+  while (log_.size() > std::max<size_t>(1, config_.decision_log)) log_.pop_front();
+}
+
+void PolicyEngine::anomaly(uint64_t step, const std::string& tensor, const char* kind,
+                           std::string detail) {
+  if (metrics_) metrics_->anomalies(kind).Increment();
+  if (!config_.anomaly) {
+    log(step, tensor, "anomaly", std::string(kind) + ": " + detail + " (bypass is off)");
+    return;
+  }
+  const uint64_t until = step + 1 + config_.bypass_steps;
+  log(step, tensor, "anomaly",
+      std::string(kind) + ": " + detail + "; compression bypassed for steps " +
+          std::to_string(step + 1) + ".." + std::to_string(until - 1));
+  // From the next step on (a later tensor of this very step is not bypassed: the ranks decided
+  // at the end of this one).
+  if (step + 1 >= bypass_until_) bypass_from_ = step + 1;
+  bypass_until_ = std::max(bypass_until_, until);
+}
+
+UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, const StepPlan& plan,
+                                  const GlobalStats& g) {
+  std::lock_guard lock(mu_);
+  UpdateResult out;
+  TensorState& ts = tensors_[tensor];
+  const double alpha = config_.ewma_alpha;
+
+  // Requests first: they are the same on every rank, in rank order.
+  for (const Request& q : g.requests) {
+    if (q.kind == Request::Kind::kCheckpoint) {
+      out.checkpoints.push_back(q);
+      log(step, tensor, "checkpoint",
+          "rank " + std::to_string(q.origin) + " asked for the state after step " +
+              std::to_string(q.step));
+    } else {
+      // Equal to the settings in force: nothing to do (a proposal seen twice, or a no-op).
+      const size_t cur = currentSettingsIndex(step + 1);
+      if (settings_[cur].json == q.body) continue;
+      settings_.push_back(
+          {q.body, step + 1, false, "PUT /v1/config at rank " + std::to_string(q.origin)});
+      out.settings = settings_.size() - 1;
+      log(step, tensor, "settings",
+          "version " + std::to_string(settings_.size() - 1) + " from rank " +
+              std::to_string(q.origin) + " takes effect at step " + std::to_string(step + 1));
+    }
+  }
+  // Our own requests reached every rank: stop sending them.
+  std::erase_if(outgoing_, [&](const Request& mine) {
+    return std::any_of(g.requests.begin(), g.requests.end(), [&](const Request& q) {
+      return q.kind == mine.kind && q.id == mine.id && q.body == mine.body && q.step == mine.step;
+    });
+  });
+  // Anomalies of this step's gradient.
+  const double norm = std::sqrt(g.grad_norm2);
+  if (g.nonfinite > 0 || !std::isfinite(norm)) {
+    anomaly(step, tensor, "nonfinite",
+            std::to_string(g.nonfinite) + " NaN/Inf value(s) in the gradients");
+  } else {
+    const bool trusted = ts.norm.n >= config_.baseline_steps;
+    if (trusted && ts.norm.mean > 0 && norm > config_.explode_factor * ts.norm.mean &&
+        norm > ts.norm.mean + 6 * ts.norm.dev()) {
+      anomaly(step, tensor, "explosion",
+              "gradient norm " + fmt(norm) + " against a baseline of " + fmt(ts.norm.mean));
+    } else if (trusted && ts.norm.mean > 0 && norm < config_.vanish_factor * ts.norm.mean) {
+      anomaly(step, tensor, "vanishing",
+              "gradient norm " + fmt(norm) + " against a baseline of " + fmt(ts.norm.mean));
+    } else {
+      // Adaptive ratio, from the statistics of a normal step.
+      if (config_.adaptive && plan.mode == StepMode::kCompressed && g.elements > 0) {
+        const double before = ts.adaptive_scale;
+        const double small = static_cast<double>(g.small) / static_cast<double>(g.elements);
+        if (small > config_.adaptive_sparse) {
+          ts.adaptive_scale = std::min(ts.adaptive_scale * 2, 1e6);
+        } else if (trusted && norm < config_.adaptive_tiny * ts.norm.mean) {
+          ts.adaptive_scale = std::max(ts.adaptive_scale / 2, 1e-6);
+        }
+        if (ts.adaptive_scale != before) {
+          log(step, tensor, "density",
+              std::string(ts.adaptive_scale > before ? "already-sparse gradient ("
+                                                     : "tiny gradient norm (") +
+                  (ts.adaptive_scale > before ? fmt(small * 100) + " % below min_magnitude"
+                                              : fmt(norm) + " against " + fmt(ts.norm.mean)) +
+                  "): density scale " + fmt(before) + " -> " + fmt(ts.adaptive_scale));
+        }
+      }
+      ts.norm.add(norm, alpha);
+    }
+  }
+  if (metrics_) {
+    const bool next = step + 1 >= bypass_from_ && step + 1 < bypass_until_;
+    metrics_->bypass_active.Set(next ? 1.0 : 0.0);
+  }
+
+  // Health: cosine of compressed steps, reported loss.
+  bool degraded = false;
+  std::string why;
+  const auto cos = g.cosine();
+  if (cos && plan.mode == StepMode::kCompressed) {
+    if (ts.cosine.n >= config_.baseline_steps && *cos < ts.cosine.mean - config_.cosine_drop) {
+      degraded = true;
+      why = "cosine similarity " + fmt(*cos) + " against a baseline of " + fmt(ts.cosine.mean);
+    }
+  }
+  const auto loss = g.loss();
+  const bool new_loss = loss && (!ts.has_loss_step || g.loss_step > ts.last_loss_step);
+  if (new_loss) {
+    ts.has_loss_step = true;
+    ts.last_loss_step = g.loss_step;
+    if (ts.loss.n >= config_.baseline_steps && *loss > ts.loss.mean * (1 + config_.loss_rise)) {
+      degraded = true;
+      why += (why.empty() ? "" : "; ") + std::string("reported loss ") + fmt(*loss) +
+             " against a baseline of " + fmt(ts.loss.mean);
+    }
+  }
+  const size_t cur = currentSettingsIndex(step);
+  if (degraded && config_.rollback && step >= cooldown_until_) {
+    if (++ts.degraded >= config_.patience) {
+      ts.degraded = 0;
+      // The newest known-good settings older than the ones in force.
+      std::optional<size_t> good;
+      for (size_t i = cur; i-- > 0;) {
+        if (settings_[i].known_good) {
+          good = i;
+          break;
+        }
+      }
+      cooldown_until_ = step + 1 + config_.cooldown_steps;
+      if (good && settings_[*good].json != settings_[cur].json) {
+        settings_.push_back({settings_[*good].json, step + 1, true,
+                             "rollback to version " + std::to_string(*good)});
+        out.settings = settings_.size() - 1;
+        if (metrics_) metrics_->rollbacks.Increment();
+        log(step, tensor, "rollback",
+            why + ": settings version " + std::to_string(cur) + " reverted to version " +
+                std::to_string(*good) + " from step " + std::to_string(step + 1));
+        for (auto& [name, other] : tensors_) {
+          other.cosine = {};
+          other.degraded = 0;
+          other.adaptive_scale = 1.0;
+        }
+      } else {
+        log(step, tensor, "degraded", why + ": no earlier known-good settings to revert to");
+      }
+    }
+  } else {
+    if (!degraded) ts.degraded = 0;
+    if (cos && plan.mode == StepMode::kCompressed) ts.cosine.add(*cos, alpha);
+    if (new_loss) ts.loss.add(*loss, alpha);
+    // Settings in force long enough without degradation are known-good.
+    if (!degraded && !settings_[cur].known_good &&
+        step >= settings_[cur].from_step + config_.known_good_steps) {
+      settings_[cur].known_good = true;
+      log(step, tensor, "known_good", "settings version " + std::to_string(cur) + " is known-good");
+    }
+  }
+  if (plan.mode == StepMode::kFullSync) {
+    const bool forced = ts.force_full_sync == step;
+    if (metrics_) metrics_->fullSyncs(forced ? "divergence" : "periodic").Increment();
+    log(step, tensor, "full_sync", forced ? "after a result mismatch" : "periodic");
+  }
+  // Bound the history: keep the newest versions and every one still referenced.
+  while (settings_.size() > kMaxSettingsVersions) {
+    settings_.erase(settings_.begin() + 1);  // version 0 (as configured) stays
+  }
+  return out;
+}
+
+void PolicyEngine::forceFullSync(const std::string& tensor, uint64_t step) {
+  std::lock_guard lock(mu_);
+  tensors_[tensor].force_full_sync = step + 1;
+}
+
+uint64_t PolicyEngine::proposeSettings(std::string json) {
+  std::lock_guard lock(mu_);
+  Request q;
+  q.kind = Request::Kind::kSettings;
+  q.id = next_request_id_++;
+  q.body = std::move(json);
+  // A newer proposal replaces one not yet sent.
+  std::erase_if(outgoing_, [](const Request& r) { return r.kind == Request::Kind::kSettings; });
+  outgoing_.push_back(std::move(q));
+  return outgoing_.back().id;
+}
+
+uint64_t PolicyEngine::requestCheckpoint(uint64_t step) {
+  std::lock_guard lock(mu_);
+  Request q;
+  q.kind = Request::Kind::kCheckpoint;
+  q.id = next_request_id_++;
+  q.step = step;
+  outgoing_.push_back(q);
+  while (outgoing_.size() > 8) outgoing_.erase(outgoing_.begin());
+  return q.id;
+}
+
+void PolicyEngine::reportLoss(uint64_t step, double loss) {
+  std::lock_guard lock(mu_);
+  if (!std::isfinite(loss)) return;
+  // The mean of the losses of the newest step (several local trainers report one each).
+  if (!loss_ || step > loss_->step) {
+    loss_ = Loss{step, loss, 1};
+  } else if (step == loss_->step) {
+    loss_->sum += loss;
+    ++loss_->count;
+  }
+}
+
+void PolicyEngine::setResumedFrom(uint64_t step) {
+  std::lock_guard lock(mu_);
+  resumed_from_ = step;
+  loss_.reset();
+}
+
+std::optional<uint64_t> PolicyEngine::resumedFrom() const {
+  std::lock_guard lock(mu_);
+  return resumed_from_;
+}
+
+bool PolicyEngine::bypassActive(uint64_t step) const {
+  std::lock_guard lock(mu_);
+  return step >= bypass_from_ && step < bypass_until_;
+}
+
+std::vector<Decision> PolicyEngine::decisions() const {
+  std::lock_guard lock(mu_);
+  return {log_.begin(), log_.end()};
+}
+
+namespace {
+
+json::object ewmaJson(double mean, double var, uint64_t n) {
+  return {{"mean", mean}, {"var", var}, {"n", n}};
+}
+
+}  // namespace
+
+json::object PolicyEngine::stateJson() const {
+  std::lock_guard lock(mu_);
+  json::object o;
+  o["version"] = 1;
+  o["bypass_from"] = bypass_from_;
+  o["bypass_until"] = bypass_until_;
+  o["cooldown_until"] = cooldown_until_;
+  o["next_seq"] = next_seq_;
+  o["resumed_from"] = resumed_from_ ? json::value(*resumed_from_) : json::value(nullptr);
+  json::array settings;
+  for (const auto& s : settings_) {
+    settings.push_back(json::object{{"json", s.json},
+                                    {"from_step", s.from_step},
+                                    {"known_good", s.known_good},
+                                    {"why", s.why}});
+  }
+  o["settings"] = std::move(settings);
+  json::object tensors;
+  for (const auto& [name, t] : tensors_) {
+    tensors[name] = json::object{
+        {"norm", ewmaJson(t.norm.mean, t.norm.var, t.norm.n)},
+        {"cosine", ewmaJson(t.cosine.mean, t.cosine.var, t.cosine.n)},
+        {"loss", ewmaJson(t.loss.mean, t.loss.var, t.loss.n)},
+        {"degraded", t.degraded},
+        {"adaptive_scale", t.adaptive_scale},
+        {"force_full_sync", t.force_full_sync},
+        {"last_loss_step", t.has_loss_step ? json::value(t.last_loss_step) : json::value(nullptr)}};
+  }
+  o["tensors"] = std::move(tensors);
+  json::array log;
+  for (const auto& d : log_) {
+    log.push_back(json::object{{"seq", d.seq},
+                               {"step", d.step},
+                               {"tensor", d.tensor},
+                               {"kind", d.kind},
+                               {"detail", d.detail}});
+  }
+  o["log"] = std::move(log);
+  return o;
+}
+
+namespace {
+
+/// Strict readers for restoreState(): every field present with the right type.
+struct JsonReader {
+  std::string error;
+  const json::value* field(const json::object& o, const char* key) {
+    const auto* v = o.if_contains(key);
+    if (!v && error.empty()) error = std::string("missing '") + key + "'";
+    return v;
+  }
+  uint64_t u64(const json::object& o, const char* key) {
+    const auto* v = field(o, key);
+    if (!v) return 0;
+    if (v->is_uint64()) return v->as_uint64();
+    if (v->is_int64() && v->as_int64() >= 0) return static_cast<uint64_t>(v->as_int64());
+    if (error.empty()) error = std::string("'") + key + "' must be a non-negative integer";
+    return 0;
+  }
+  double num(const json::object& o, const char* key) {
+    const auto* v = field(o, key);
+    if (!v) return 0;
+    if (v->is_double() && std::isfinite(v->as_double())) return v->as_double();
+    if (v->is_int64()) return static_cast<double>(v->as_int64());
+    if (v->is_uint64()) return static_cast<double>(v->as_uint64());
+    if (error.empty()) error = std::string("'") + key + "' must be a finite number";
+    return 0;
+  }
+  std::string str(const json::object& o, const char* key) {
+    const auto* v = field(o, key);
+    if (!v) return {};
+    if (v->is_string()) return std::string(v->as_string());
+    if (error.empty()) error = std::string("'") + key + "' must be a string";
+    return {};
+  }
+  bool boolean(const json::object& o, const char* key) {
+    const auto* v = field(o, key);
+    if (!v) return false;
+    if (v->is_bool()) return v->as_bool();
+    if (error.empty()) error = std::string("'") + key + "' must be true or false";
+    return false;
+  }
+  const json::object& obj(const json::object& o, const char* key) {
+    static const json::object empty;
+    const auto* v = field(o, key);
+    if (v && v->is_object()) return v->as_object();
+    if (v && error.empty()) error = std::string("'") + key + "' must be an object";
+    return empty;
+  }
+  const json::array& arr(const json::object& o, const char* key) {
+    static const json::array empty;
+    const auto* v = field(o, key);
+    if (v && v->is_array()) return v->as_array();
+    if (v && error.empty()) error = std::string("'") + key + "' must be an array";
+    return empty;
+  }
+};
+
+}  // namespace
+
+Status PolicyEngine::restoreState(const json::value& v) {
+  if (!v.is_object()) return invalidArgument("policy state must be a JSON object");
+  const auto& o = v.as_object();
+  JsonReader r;
+  if (r.u64(o, "version") != 1 && r.error.empty()) r.error = "unsupported policy state version";
+  const uint64_t bypass_from = r.u64(o, "bypass_from");
+  const uint64_t bypass_until = r.u64(o, "bypass_until");
+  const uint64_t cooldown_until = r.u64(o, "cooldown_until");
+  const uint64_t next_seq = r.u64(o, "next_seq");
+  std::optional<uint64_t> resumed_from;
+  if (const auto* rf = o.if_contains("resumed_from"); rf && !rf->is_null()) {
+    resumed_from = r.u64(o, "resumed_from");
+  }
+  std::vector<Settings> settings;
+  for (const auto& s : r.arr(o, "settings")) {
+    if (!s.is_object()) {
+      r.error = r.error.empty() ? "a settings entry is not an object" : r.error;
+      break;
+    }
+    const auto& so = s.as_object();
+    settings.push_back(
+        {r.str(so, "json"), r.u64(so, "from_step"), r.boolean(so, "known_good"), r.str(so, "why")});
+  }
+  if (settings.empty() && r.error.empty()) r.error = "no settings versions";
+  if (settings.size() > kMaxSettingsVersions && r.error.empty()) r.error = "too many settings";
+  std::map<std::string, TensorState> tensors;
+  auto ewma = [&](const json::object& t, const char* key) {
+    const auto& e = r.obj(t, key);
+    Ewma out;
+    if (!r.error.empty()) return out;
+    out.mean = r.num(e, "mean");
+    out.var = r.num(e, "var");
+    out.n = r.u64(e, "n");
+    return out;
+  };
+  for (const auto& [name, tv] : r.obj(o, "tensors")) {
+    if (!tv.is_object()) {
+      r.error = r.error.empty() ? "a tensor entry is not an object" : r.error;
+      break;
+    }
+    const auto& t = tv.as_object();
+    TensorState ts;
+    ts.norm = ewma(t, "norm");
+    ts.cosine = ewma(t, "cosine");
+    ts.loss = ewma(t, "loss");
+    ts.degraded = static_cast<uint32_t>(r.u64(t, "degraded"));
+    ts.adaptive_scale = r.num(t, "adaptive_scale");
+    ts.force_full_sync = r.u64(t, "force_full_sync");
+    if (const auto* l = t.if_contains("last_loss_step"); l && !l->is_null()) {
+      ts.last_loss_step = r.u64(t, "last_loss_step");
+      ts.has_loss_step = true;
+    }
+    if (!(ts.adaptive_scale > 0) && r.error.empty()) r.error = "adaptive_scale must be > 0";
+    tensors[std::string(name)] = ts;
+  }
+  std::deque<Decision> log;
+  for (const auto& e : r.arr(o, "log")) {
+    if (!e.is_object()) {
+      r.error = r.error.empty() ? "a log entry is not an object" : r.error;
+      break;
+    }
+    const auto& eo = e.as_object();
+    log.push_back({r.u64(eo, "seq"), r.u64(eo, "step"), r.str(eo, "tensor"), r.str(eo, "kind"),
+                   r.str(eo, "detail")});
+  }
+  if (!r.error.empty()) return invalidArgument("policy state: " + r.error);
+  std::lock_guard lock(mu_);
+  bypass_from_ = bypass_from;
+  bypass_until_ = bypass_until;
+  cooldown_until_ = cooldown_until;
+  next_seq_ = next_seq;
+  resumed_from_ = resumed_from;
+  settings_ = std::move(settings);
+  tensors_ = std::move(tensors);
+  log_ = std::move(log);
+  while (log_.size() > std::max<size_t>(1, config_.decision_log)) log_.pop_front();
+  return Status::ok();
+}
+
+json::object PolicyEngine::statusJson() const {
+  json::object o = stateJson();
+  std::lock_guard lock(mu_);
+  // Settings bodies can be long: status shows versions without them.
+  for (auto& s : o["settings"].as_array()) s.as_object().erase("json");
+  o["pending_requests"] = outgoing_.size();
+  o["config"] = json::object{{"anomaly", config_.anomaly},
+                             {"bypass_steps", config_.bypass_steps},
+                             {"full_sync_every", config_.full_sync_every},
+                             {"rollback", config_.rollback},
+                             {"warmup_steps", config_.warmup_steps},
+                             {"total_steps", config_.total_steps},
+                             {"adaptive", config_.adaptive},
+                             {"min_magnitude", config_.min_magnitude}};
+  return o;
+}
+
+}  // namespace lightwire::policies

@@ -1,0 +1,190 @@
+#pragma once
+// The policies (DESIGN.md §5, docs/policies.md): what each step of each tensor does — compressed
+// with which density, bypassed (dense), a full-sync (dense, residuals flushed), or skipped (a
+// delayed-sync group accumulating locally) — and which compression settings are in force. Every
+// decision for step t+1 is a pure function of this state and the *global* statistics of step t
+// (policies/stats.h), which every rank receives identically with the step, so every rank decides
+// alike without extra messages. Decisions are counted, logged and kept in a decision log.
+//
+// Thread-safe: plan()/update() run on the engine's thread; proposals, reports and status come
+// from HTTP threads.
+
+#include <boost/json/object.hpp>
+#include <boost/json/value.hpp>
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "metrics/metrics.h"
+#include "policies/stats.h"
+
+namespace lightwire::policies {
+
+/// The `policies` and `schedule` configuration sections (docs/configuration.md). Plain value.
+struct PolicyConfig {
+  // Anomalies: NaN/Inf, and norm explosion or vanishing against an exponentially weighted
+  // baseline (mean and deviation of the global gradient norm) -> bypass for bypass_steps steps.
+  bool anomaly = true;
+  uint32_t bypass_steps = 10;    // K
+  double explode_factor = 10.0;  // norm > factor * baseline mean (and > mean + 6 deviations)
+  double vanish_factor = 1e-3;   // norm < factor * baseline mean
+  double ewma_alpha = 0.1;       // weight of a new sample in every baseline
+  uint32_t baseline_steps = 10;  // samples before a baseline is trusted
+  // Periodic full-sync every N steps of a tensor (steps N, 2N, ...; 0 = off).
+  uint64_t full_sync_every = 1000;
+  // Rollback to the last known-good compression settings.
+  bool rollback = true;
+  double cosine_drop = 0.2;        // degraded: cosine < baseline - drop
+  double loss_rise = 0.5;          // degraded: loss > baseline * (1 + rise)
+  uint32_t patience = 3;           // consecutive degraded steps before a rollback
+  uint32_t cooldown_steps = 100;   // no further rollback for this many steps
+  uint32_t known_good_steps = 50;  // settings in force this long without degradation are good
+  // Schedules.
+  uint64_t warmup_steps = 0;     // DGC warm-up over a tensor's first N steps (0 = off)
+  uint64_t total_steps = 0;      // phase schedule: gentler in the first and last 20 % (0 = off)
+  double phase_factor = 4.0;     // ... density times this there (at most 1)
+  bool adaptive = false;         // adaptive ratio from the gradient statistics
+  double adaptive_tiny = 0.01;   // norm < tiny * baseline -> compress harder (ratio x2)
+  double adaptive_sparse = 0.9;  // fraction of |g| < min_magnitude above this -> softer (/2)
+  double adaptive_max_ratio = 10000;  // harder up to this ratio
+  double adaptive_min_ratio = 10;     // softer down to this ratio
+  double min_magnitude = 1e-6;        // selection codecs never send |value| below this
+  size_t decision_log = 256;          // entries kept in /v1/status
+};
+
+/// Checks ranges (factors > 0, alpha in (0, 1], cosine_drop in (0, 2], ...); errors name the key.
+Status validate(const PolicyConfig& c);
+
+enum class StepMode { kCompressed, kBypass, kFullSync, kSkip };
+const char* stepModeName(StepMode m);
+
+/// What one step of one tensor does. Plain value.
+struct StepPlan {
+  StepMode mode = StepMode::kCompressed;
+  std::optional<double> density;   // selection codecs: the step's density when not the configured
+  double min_magnitude = 0;        // selection codecs
+  uint64_t settings = 0;           // the compression settings version in force (index)
+  bool delayed_sync_step = false;  // a delayed-sync group's exchange step (sends its accumulation)
+};
+
+/// One entry of the decision log (identical on every rank). Plain value.
+struct Decision {
+  uint64_t seq = 0;  // position in the job's log
+  uint64_t step = 0;
+  std::string tensor;
+  std::string kind;  // anomaly, bypass, full_sync, rollback, settings, density, checkpoint, ...
+  std::string detail;
+};
+
+/// What update() asks the step's owner to do. Plain value.
+struct UpdateResult {
+  std::vector<Request> checkpoints;  // save the state as it stood before this step
+  std::optional<uint64_t> settings;  // a new settings version takes effect at step + 1
+};
+
+/// Every decision of one sidecar. Thread-safe.
+class PolicyEngine {
+ public:
+  /// `initial_settings`: the compression section as configured (JSON), version 0.
+  PolicyEngine(PolicyConfig config, std::string initial_settings, metrics::Metrics* metrics);
+
+  const PolicyConfig& config() const { return config_; }
+
+  /// What step `step` of `tensor` does. `codec`: its configured settings; `sync_every`: its rule's
+  /// delayed-sync period (<= 1 = every step). Pure function of the state and the arguments.
+  StepPlan plan(const std::string& tensor, uint64_t step, const kernels::CodecConfig& codec,
+                uint32_t sync_every) const;
+
+  /// The settings version in force at `step` and its JSON.
+  std::pair<uint64_t, std::string> settingsAt(uint64_t step) const;
+
+  /// This sidecar's statistics record for a step (adds the pending outgoing requests and the last
+  /// reported loss to `local`).
+  std::vector<uint8_t> record(StepStats local) const;
+
+  /// After step `step` of `tensor` succeeded on every rank (mode as planned) with global
+  /// statistics `g`: updates the baselines, decides anomalies, rollbacks and adaptive changes for
+  /// the next steps, takes the requests. Outgoing requests seen in `g` are no longer sent.
+  UpdateResult update(const std::string& tensor, uint64_t step, const StepPlan& plan,
+                      const GlobalStats& g);
+
+  /// A checksum mismatch (silent divergence): the tensor's next step is a full-sync.
+  void forceFullSync(const std::string& tensor, uint64_t step);
+
+  // --- requests from this sidecar's clients -------------------------------------------------
+  /// PUT /v1/config: the settings (JSON, validated by the caller) travel with this sidecar's next
+  /// step to every rank and take effect at the step after it. Returns the proposal id.
+  uint64_t proposeSettings(std::string json);
+  /// POST /v1/checkpoint: every sidecar saves its state as it stood after `step`.
+  uint64_t requestCheckpoint(uint64_t step);
+  /// POST /v1/report: the trainer's loss at `step` (travels with the next records).
+  void reportLoss(uint64_t step, double loss);
+  /// POST /v1/resume: this sidecar resumed from `step` (told in every record from now on).
+  void setResumedFrom(uint64_t step);
+  std::optional<uint64_t> resumedFrom() const;
+
+  // --- state ------------------------------------------------------------------------------------
+  bool bypassActive(uint64_t step) const;
+  /// Status: config, bypass, settings history, baselines, decision log (last entries).
+  boost::json::object statusJson() const;
+  /// The decision log (for tests and `lightwire status`).
+  std::vector<Decision> decisions() const;
+  /// Everything decisions depend on, as JSON (checkpoints, and the job state a rejoining sidecar
+  /// takes from its peers). Pending outgoing requests and reported losses are not part of it.
+  boost::json::object stateJson() const;
+  /// Replaces the state with one from stateJson() (checked; nothing changes on error).
+  Status restoreState(const boost::json::value& v);
+
+ private:
+  struct Ewma {
+    double mean = 0, var = 0;
+    uint64_t n = 0;
+    void add(double x, double alpha);
+    double dev() const;
+  };
+  struct TensorState {
+    Ewma norm, cosine, loss;
+    uint32_t degraded = 0;                  // consecutive degraded steps
+    double adaptive_scale = 1.0;            // density multiplier of the adaptive schedule
+    uint64_t force_full_sync = UINT64_MAX;  // a full-sync forced at this step
+    uint64_t last_loss_step = 0;
+    bool has_loss_step = false;
+  };
+  struct Settings {
+    std::string json;
+    uint64_t from_step = 0;
+    bool known_good = false;
+    std::string why;
+  };
+  void log(uint64_t step, const std::string& tensor, std::string kind, std::string detail);
+  void anomaly(uint64_t step, const std::string& tensor, const char* kind, std::string detail);
+  size_t currentSettingsIndex(uint64_t step) const;
+
+  const PolicyConfig config_;
+  metrics::Metrics* metrics_;
+  mutable std::mutex mu_;
+  std::map<std::string, TensorState> tensors_;
+  std::vector<Settings> settings_;
+  uint64_t bypass_from_ = 0, bypass_until_ = 0;  // steps in [from, until) are bypassed (job-wide)
+  uint64_t cooldown_until_ = 0;
+  uint64_t next_seq_ = 0;
+  std::deque<Decision> log_;
+  // This sidecar's outgoing requests (until seen in a step's global statistics).
+  std::vector<Request> outgoing_;
+  uint64_t next_request_id_ = 1;
+  struct Loss {
+    uint64_t step = 0;
+    double sum = 0;
+    uint64_t count = 0;
+  };
+  std::optional<Loss> loss_;
+  std::optional<uint64_t> resumed_from_;
+};
+
+}  // namespace lightwire::policies

@@ -1,0 +1,213 @@
+#include "policies/stats.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+
+namespace lightwire::policies {
+namespace {
+
+constexpr uint8_t kMagic[4] = {'L', 'W', 'S', '1'};
+constexpr uint16_t kVersion = 1;
+constexpr size_t kMaxRecordBytes = size_t{64} << 10;  // = proxy's kMaxStatsBytes
+constexpr uint32_t kMaxRequests = 16;
+constexpr size_t kMaxBodyBytes = size_t{48} << 10;
+
+class Writer {
+ public:
+  void bytes(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    out.insert(out.end(), b, b + n);
+  }
+  template <typename T>
+  void le(T v) {
+    for (size_t i = 0; i < sizeof(T); ++i)
+      out.push_back(static_cast<uint8_t>(uint64_t(v) >> (8 * i)));
+  }
+  void f64(double v) { le(std::bit_cast<uint64_t>(v)); }
+  std::vector<uint8_t> out;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::span<const uint8_t> b) : b_(b) {}
+  bool need(size_t n) const { return b_.size() - pos_ >= n; }
+  template <typename T>
+  bool le(T& v) {
+    if (!need(sizeof(T))) return false;
+    uint64_t x = 0;
+    for (size_t i = 0; i < sizeof(T); ++i) x |= uint64_t{b_[pos_ + i]} << (8 * i);
+    pos_ += sizeof(T);
+    v = static_cast<T>(x);
+    return true;
+  }
+  bool f64(double& v) {
+    uint64_t u = 0;
+    if (!le(u)) return false;
+    v = std::bit_cast<double>(u);
+    return true;
+  }
+  bool str(std::string& s, size_t n) {
+    if (!need(n)) return false;
+    s.assign(reinterpret_cast<const char*>(b_.data() + pos_), n);
+    pos_ += n;
+    return true;
+  }
+  size_t left() const { return b_.size() - pos_; }
+
+ private:
+  std::span<const uint8_t> b_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::optional<double> GlobalStats::cosine() const {
+  if (cos_ranks == 0 || !(cos_c2 > 0) || !(cos_g2 > 0)) return std::nullopt;
+  const double c = cos_dot / std::sqrt(cos_c2 * cos_g2);
+  if (!std::isfinite(c)) return std::nullopt;
+  return c;
+}
+
+std::optional<double> GlobalStats::loss() const {
+  if (loss_ranks == 0) return std::nullopt;
+  return loss_sum / loss_ranks;
+}
+
+std::vector<uint8_t> encodeStats(const StepStats& s) {
+  Writer w;
+  w.bytes(kMagic, 4);
+  w.le<uint16_t>(kVersion);
+  const bool cos = s.cos_dot && s.cos_c2 && s.cos_g2;
+  w.le<uint16_t>(static_cast<uint16_t>((cos ? 1 : 0) | (s.loss ? 2 : 0)));
+  w.f64(s.grad_norm2);
+  w.le<uint64_t>(s.nonfinite);
+  w.le<uint64_t>(s.elements);
+  w.le<uint64_t>(s.small);
+  w.f64(s.residual_norm2);
+  w.f64(cos ? *s.cos_dot : 0.0);
+  w.f64(cos ? *s.cos_c2 : 0.0);
+  w.f64(cos ? *s.cos_g2 : 0.0);
+  w.f64(s.loss.value_or(0.0));
+  w.le<uint64_t>(s.loss_step);
+  w.le<uint64_t>(s.resumed_from ? *s.resumed_from + 1 : 0);
+  w.le<uint32_t>(static_cast<uint32_t>(s.requests.size()));
+  for (const auto& r : s.requests) {
+    w.le<uint8_t>(static_cast<uint8_t>(r.kind));
+    w.le<uint64_t>(r.id);
+    w.le<uint64_t>(r.step);
+    w.le<uint32_t>(static_cast<uint32_t>(r.body.size()));
+    w.bytes(r.body.data(), r.body.size());
+  }
+  return std::move(w.out);
+}
+
+Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
+  if (bytes.size() > kMaxRecordBytes) {
+    return invalidArgument("statistics record of " + std::to_string(bytes.size()) +
+                           " bytes (at most " + std::to_string(kMaxRecordBytes) + ")");
+  }
+  Reader r(bytes);
+  const auto truncated = [] { return invalidArgument("statistics record is truncated"); };
+  if (bytes.size() < 4 || std::memcmp(bytes.data(), kMagic, 4) != 0) {
+    return invalidArgument("not a statistics record (bad magic)");
+  }
+  std::string skip;
+  (void)r.str(skip, 4);
+  uint16_t version = 0, flags = 0;
+  if (!r.le(version) || !r.le(flags)) return truncated();
+  if (version != kVersion) {
+    return invalidArgument("statistics record version " + std::to_string(version) +
+                           " (this sidecar reads " + std::to_string(kVersion) + ")");
+  }
+  if ((flags & ~uint16_t{3}) != 0) return invalidArgument("statistics record: unknown flags");
+  StepStats s;
+  double dot = 0, c2 = 0, g2 = 0, loss = 0;
+  uint64_t resumed = 0;
+  if (!r.f64(s.grad_norm2) || !r.le(s.nonfinite) || !r.le(s.elements) || !r.le(s.small) ||
+      !r.f64(s.residual_norm2) || !r.f64(dot) || !r.f64(c2) || !r.f64(g2) || !r.f64(loss) ||
+      !r.le(s.loss_step) || !r.le(resumed)) {
+    return truncated();
+  }
+  if (s.nonfinite > s.elements || s.small > s.elements) {
+    return invalidArgument("statistics record: counts exceed the element count");
+  }
+  if (flags & 1) {
+    s.cos_dot = dot;
+    s.cos_c2 = c2;
+    s.cos_g2 = g2;
+  }
+  if (flags & 2) s.loss = loss;
+  if (resumed > 0) s.resumed_from = resumed - 1;
+  uint32_t count = 0;
+  if (!r.le(count)) return truncated();
+  if (count > kMaxRequests) {
+    return invalidArgument("statistics record: " + std::to_string(count) + " requests (at most " +
+                           std::to_string(kMaxRequests) + ")");
+  }
+  for (uint32_t i = 0; i < count; ++i) {
+    Request q;
+    uint8_t kind = 0;
+    uint32_t len = 0;
+    if (!r.le(kind) || !r.le(q.id) || !r.le(q.step) || !r.le(len)) return truncated();
+    if (kind != 1 && kind != 2) {
+      return invalidArgument("statistics record: unknown request kind " + std::to_string(kind));
+    }
+    q.kind = static_cast<Request::Kind>(kind);
+    if (len > kMaxBodyBytes) return invalidArgument("statistics record: request body too long");
+    if (q.kind == Request::Kind::kCheckpoint && len != 0) {
+      return invalidArgument("statistics record: a checkpoint request has no body");
+    }
+    if (!r.str(q.body, len)) return truncated();
+    s.requests.push_back(std::move(q));
+  }
+  if (r.left() != 0) return invalidArgument("statistics record: trailing bytes");
+  return s;
+}
+
+Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) {
+  GlobalStats g;
+  for (size_t rank = 0; rank < records.size(); ++rank) {
+    if (records[rank].empty()) continue;
+    auto s = decodeStats(records[rank]);
+    if (!s) return invalidArgument("rank " + std::to_string(rank) + ": " + s.status().message());
+    ++g.ranks;
+    g.grad_norm2 += s->grad_norm2;
+    g.nonfinite += s->nonfinite;
+    g.elements += s->elements;
+    g.small += s->small;
+    g.residual_norm2 += s->residual_norm2;
+    if (s->cos_dot) {
+      ++g.cos_ranks;
+      g.cos_dot += *s->cos_dot;
+      g.cos_c2 += *s->cos_c2;
+      g.cos_g2 += *s->cos_g2;
+    }
+    if (s->loss && std::isfinite(*s->loss)) {
+      ++g.loss_ranks;
+      g.loss_sum += *s->loss;
+      g.loss_step = std::max(g.loss_step, s->loss_step);
+    }
+    g.resumed_from.push_back(s->resumed_from);
+    for (auto& q : s->requests) {
+      q.origin = static_cast<uint32_t>(rank);
+      g.requests.push_back(std::move(q));
+    }
+  }
+  return g;
+}
+
+std::optional<std::string> resumeMismatch(const GlobalStats& g) {
+  bool differ = false;
+  for (const auto& r : g.resumed_from) differ = differ || r != g.resumed_from.front();
+  if (!differ) return std::nullopt;
+  std::string list;
+  for (size_t i = 0; i < g.resumed_from.size(); ++i) {
+    list += (i ? ", " : "") +
+            (g.resumed_from[i] ? std::to_string(*g.resumed_from[i]) : std::string("none"));
+  }
+  return "the sidecars resumed from different steps (in rank order: " + list +
+         "): POST /v1/resume with the same step at every sidecar before the next step";
+}
+
+}  // namespace lightwire::policies

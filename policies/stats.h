@@ -1,0 +1,84 @@
+#pragma once
+// The statistics record one sidecar contributes to one step of one tensor, and their aggregate
+// (DESIGN.md §5, docs/policies.md "Statistics"). The exchange carries every rank's record to every
+// rank with the step (ExchangeRound::stats_out / stats_in), so every rank aggregates the same bytes
+// in rank order and takes the same decisions. Records also carry the control requests that must
+// reach every sidecar at an agreed step: compression settings proposed through PUT /v1/config and
+// trainer-driven checkpoints (POST /v1/checkpoint).
+//
+// Layout (little-endian): "LWS1" | u16 version (1) | u16 flags (bit 0: cosine terms valid, bit 1:
+// loss valid) | f64 grad_norm2 | u64 nonfinite | u64 elements | u64 small | f64 residual_norm2 |
+// f64 cos_dot | f64 cos_c2 | f64 cos_g2 | f64 loss | u64 loss_step | u64 resumed_from (+1, 0 =
+// none) | u32 request count | per request: u8 kind (1 settings, 2 checkpoint) | u64 id | u64 step |
+// u32 body length | body.
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/status.h"
+
+namespace lightwire::policies {
+
+/// A control request travelling with the statistics (to every rank, at an agreed step).
+struct Request {
+  enum class Kind : uint8_t { kSettings = 1, kCheckpoint = 2 };
+  Kind kind = Kind::kSettings;
+  uint64_t id = 0;      // unique per origin sidecar (its own counter)
+  uint64_t step = 0;    // checkpoint: the step whose state is saved; settings: unused (0)
+  std::string body;     // settings: the compression section as JSON; checkpoint: empty
+  uint32_t origin = 0;  // the rank whose record carried it (set when aggregated, not encoded)
+  bool operator==(const Request&) const = default;
+};
+
+/// One rank's record of one step of one tensor. Plain value.
+struct StepStats {
+  double grad_norm2 = 0;      // squared L2 norm of the input (the sum of the local trainers)
+  uint64_t nonfinite = 0;     // NaN/Inf values in the input
+  uint64_t elements = 0;      // values in the input
+  uint64_t small = 0;         // finite values with |g| < min_magnitude
+  double residual_norm2 = 0;  // what the codec state holds back, before this step
+  // Sampled cosine between this rank's compressed and original gradient, of its previous
+  // compressed step of the tensor: sum c*g, sum c*c, sum g*g over the sampled chunk.
+  std::optional<double> cos_dot, cos_c2, cos_g2;  // all set or none
+  std::optional<double> loss;                     // the last loss the trainer reported...
+  uint64_t loss_step = 0;                         // ... and its step
+  std::optional<uint64_t>
+      resumed_from;  // the step this sidecar last resumed from (POST /v1/resume)
+  std::vector<Request> requests;
+};
+
+/// The aggregate of every rank's record of a step (sums in rank order). Plain value.
+struct GlobalStats {
+  uint32_t ranks = 0;  // records aggregated
+  double grad_norm2 = 0;
+  uint64_t nonfinite = 0, elements = 0, small = 0;
+  double residual_norm2 = 0;
+  uint32_t cos_ranks = 0;  // records with cosine terms
+  double cos_dot = 0, cos_c2 = 0, cos_g2 = 0;
+  uint32_t loss_ranks = 0;  // records with a loss
+  double loss_sum = 0;
+  uint64_t loss_step = 0;                             // the largest step of the losses reported
+  std::vector<std::optional<uint64_t>> resumed_from;  // per aggregated record, rank order
+  std::vector<Request> requests;                      // rank order, then the origin's order
+
+  /// The global cosine similarity, when measured: sum dot / sqrt(sum c2 * sum g2).
+  std::optional<double> cosine() const;
+  /// The mean reported loss, when any rank reported one.
+  std::optional<double> loss() const;
+};
+
+std::vector<uint8_t> encodeStats(const StepStats& s);
+/// Parses a record strictly (every length against what remains; at most kMaxStatsBytes as the
+/// exchange enforces; at most 16 requests, settings bodies at most 48 KiB).
+Result<StepStats> decodeStats(std::span<const uint8_t> bytes);
+/// Decodes and sums the records (index = rank; empty entries are ranks without a record). Errors
+/// name the rank whose record is malformed.
+Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records);
+/// When the records disagree about the step their sidecars resumed from (POST /v1/resume): what
+/// to tell the trainers (the step fails on every rank alike).
+std::optional<std::string> resumeMismatch(const GlobalStats& g);
+
+}  // namespace lightwire::policies
