@@ -246,6 +246,11 @@ ControlApi::ControlApi(ServeConfig config, metrics::Metrics& metrics, ipc::Buffe
       policy_(policy),
       compression_(std::make_shared<const CompressionConfig>(config_.compression)) {}
 
+void ControlApi::setAfterResume(std::function<void()> after) {
+  std::lock_guard lock(mu_);
+  after_resume_ = std::move(after);
+}
+
 void ControlApi::setPeers(std::function<std::vector<bool>()> peers_up) {
   std::lock_guard lock(mu_);
   peers_up_ = std::move(peers_up);
@@ -657,6 +662,12 @@ Response ControlApi::durableState(const Request& req, bool resume) {
                            missing ? "not_found" : "failed_precondition",
                            "resume from step " + std::to_string(step) + ": " + st.message());
     }
+    std::function<void()> after;
+    {
+      std::lock_guard lock(mu_);
+      after = after_resume_;
+    }
+    if (after) after();  // the other sidecars resume too (docs/policies.md)
     return jsonResponse(status::ok, json::object{{"step", step}, {"next_step", step + 1}});
   }
   auto path = engine_.checkpoint(step);

@@ -50,6 +50,8 @@ class ControlApi {
   /// Where the peers stand (world size > 1): one entry per rank, true when connected (this
   /// rank's own entry is true). /readyz is 503 until all are, and /v1/status lists them.
   void setPeers(std::function<std::vector<bool>()> peers_up);
+  /// Called after a successful POST /v1/resume (tells the other sidecars).
+  void setAfterResume(std::function<void()> after);
 
  private:
   Response route(Request& req, const RequestTarget& t, const RequestInfo& info, Reply& reply,
@@ -74,6 +76,7 @@ class ControlApi {
   mutable std::mutex mu_;
   BoundListeners listeners_;
   std::function<std::vector<bool>()> peers_up_;
+  std::function<void()> after_resume_;
   std::shared_ptr<const CompressionConfig> compression_;
   boost::json::object last_report_;
 };

@@ -13,6 +13,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <limits>
@@ -79,6 +80,24 @@ void takeJobState(StepEngine& engine, policies::PolicyEngine& policy, std::atomi
     spdlog::warn("peer: rank {} sent a job state we cannot read: {}", from,
                  state.status().message());
     return;
+  }
+  // A peer has just resumed from a trainer checkpoint (POST /v1/resume there): its tensors all
+  // stand at that step. Resume here from our own checkpoint of the same step. (A peer that
+  // resumed long ago and went on is a job this sidecar rejoins: below.)
+  if (state->policy && state->policy->is_object()) {
+    const auto* rf = state->policy->as_object().if_contains("resumed_from");
+    if (rf && (rf->is_uint64() || (rf->is_int64() && rf->as_int64() >= 0))) {
+      const uint64_t step =
+          rf->is_uint64() ? rf->as_uint64() : static_cast<uint64_t>(rf->as_int64());
+      const bool fresh = std::all_of(state->committed.begin(), state->committed.end(),
+                                     [&](const auto& kv) { return kv.second == step; });
+      if (fresh && policy.resumedFrom() != step) {
+        spdlog::info("rank {} resumed from the checkpoint of step {}: resuming here too", from,
+                     step);
+        engine.resumeLater(step);
+        return;
+      }
+    }
   }
   if (engine.stepsOk() > 0) return;
   if (state->policy) {
@@ -309,6 +328,9 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     spdlog::info("rank {} of {}: peers on {}:{}", config.peer.rank, config.peer.world_size,
                  config.peer.listen.host, transport->port());
     api.setPeers([t = transport.get()] { return t->peersUp(); });
+    // A resume at this sidecar is told to the others at once: they resume from their own
+    // checkpoint of the same step (takeJobState).
+    api.setAfterResume([t = transport.get()] { t->broadcastState(); });
   }
 
   boost::asio::io_context io;

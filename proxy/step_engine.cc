@@ -1140,6 +1140,17 @@ Status StepEngine::resume(uint64_t step) {
   return runBetweenSteps([&] { return resumeHere(step); });
 }
 
+void StepEngine::resumeLater(uint64_t step) {
+  postBetweenSteps([this, step]() -> Status {
+    if (options_.policy && options_.policy->resumedFrom() == step) return Status::ok();
+    if (auto st = resumeHere(step); !st.isOk()) {
+      return failedPrecondition("resuming from step " + std::to_string(step) +
+                                " as a peer did: " + st.message());
+    }
+    return Status::ok();
+  });
+}
+
 Status StepEngine::resumeHere(uint64_t step) {
   if (options_.state_dir.empty()) {
     return failedPrecondition("no state directory is configured (state.dir)");

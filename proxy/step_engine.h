@@ -234,6 +234,9 @@ class StepEngine {
   /// POST /v1/resume: restores this sidecar's checkpoint of `step` (codec and policy state); every
   /// tensor's next step is then step + 1. Pending steps fail (409).
   Status resume(uint64_t step);
+  /// resume(step) queued between steps without waiting (from a transport's thread); does nothing
+  /// when this sidecar has resumed from that step already. Errors are logged.
+  void resumeLater(uint64_t step);
   /// A restart mid-job: takes the codec state (not the steps, not the policy state: those come
   /// from the peers) of the newest checkpoint of this sidecar in state_dir, logging what was lost.
   /// Returns its step (nullopt: none). Refuses a checkpoint of another job, world size or rank, or

@@ -1008,6 +1008,21 @@ void TcpTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& 
   });
 }
 
+void TcpTransport::broadcastState() {
+  Impl& s = *impl_;
+  if (!s.started || !s.provide_state) return;
+  std::vector<std::shared_ptr<Conn>> conns;
+  {
+    std::lock_guard lock(s.mu);
+    for (auto& link : s.links) {
+      if (link) conns.push_back(link);
+    }
+  }
+  asio::post(*s.io, [&s, conns = std::move(conns), state = s.provide_state()] {
+    for (auto& c : conns) s.sendInternal(c, FrameType::kState, {}, state);
+  });
+}
+
 void TcpTransport::discard(uint64_t tensor, uint64_t step) { impl_->mail.discard(tensor, step); }
 
 void TcpTransport::beginStep(uint64_t tensor, uint64_t step) {

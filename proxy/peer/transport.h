@@ -128,6 +128,10 @@ class Transport {
   virtual void setJobState(std::function<std::vector<uint8_t>()> /*provide*/,
                            std::function<void(uint32_t, std::span<const uint8_t>)> /*take*/) {}
 
+  /// Sends the job state (setJobState's `provide`) to every connected peer now, not only at
+  /// connect: a change every sidecar must learn at once (a resume). Best effort.
+  virtual void broadcastState() {}
+
   /// Whether every peer is connected and authenticated (readyz), and per peer (peer_up; index =
   /// rank, our own rank reads true).
   virtual bool allConnected() const = 0;

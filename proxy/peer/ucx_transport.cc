@@ -1261,6 +1261,21 @@ void UcxTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& 
   });
 }
 
+void UcxTransport::broadcastState() {
+  Impl& s = *impl_;
+  if (!s.started || !s.provide_state) return;
+  s.post([&s, state = s.provide_state()] {
+    std::vector<std::shared_ptr<Conn>> up;
+    {
+      std::lock_guard lock(s.mu);
+      for (auto& link : s.links) {
+        if (link) up.push_back(link);
+      }
+    }
+    for (auto& c : up) s.sendInternal(c, FrameType::kState, {}, state);
+  });
+}
+
 void UcxTransport::discard(uint64_t tensor, uint64_t step) { impl_->mail.discard(tensor, step); }
 
 void UcxTransport::beginStep(uint64_t tensor, uint64_t step) {

@@ -89,6 +89,7 @@ class UcxTransport final : public Transport {
   void abortStep(uint64_t tensor, uint64_t step, const std::string& reason) override;
   void discard(uint64_t tensor, uint64_t step) override;
   void beginStep(uint64_t tensor, uint64_t step) override;
+  void broadcastState() override;
   void setJobState(std::function<std::vector<uint8_t>()> provide,
                    std::function<void(uint32_t, std::span<const uint8_t>)> take) override;
   bool allConnected() const override;

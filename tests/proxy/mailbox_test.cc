@@ -1,0 +1,93 @@
+// PeerMailboxes (proxy/peer/mailbox.h): aborts against kept frames, stale aborts after a step is
+// over here, and their accounting.
+#include <doctest.h>
+
+#include <chrono>
+
+#include "proxy/peer/mailbox.h"
+
+namespace lightwire::proxy::peer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+FrameKey keyOf(uint64_t tensor, uint64_t step) {
+  FrameKey k;
+  k.tensor = tensor;
+  k.step = step;
+  return k;
+}
+
+/// Rank 0 of 2, rank 1 up.
+struct Mail {
+  Mail() : m(1 << 20, 64) {
+    m.reset(2, 0);
+    std::lock_guard lock(m.mutex());
+    m.markUpLocked(1);
+  }
+  void frame(uint64_t tensor, uint64_t step) {
+    std::string why;
+    REQUIRE(m.reserve(1, 4, why));
+    Frame f;
+    f.key = keyOf(tensor, step);
+    f.src = 1;
+    f.payload = {1, 2, 3, 4};
+    m.deliver(std::move(f));
+  }
+  void abort(uint64_t tensor, uint64_t step) {
+    std::string why;
+    REQUIRE(m.reserve(1, 6, why));
+    m.deliverAbort(1, tensor, step, "failed");
+  }
+  Result<Frame> receive(uint64_t tensor, uint64_t step) {
+    return m.receive(1, keyOf(tensor, step), Clock::now() + std::chrono::milliseconds(20));
+  }
+  PeerMailboxes m;
+};
+
+TEST_CASE("mailbox: an abort wins over a frame the aborting rank sent before giving up") {
+  Mail mail;
+  mail.frame(7, 3);
+  mail.abort(7, 3);
+  auto got = mail.receive(7, 3);
+  REQUIRE_FALSE(got);
+  CHECK(got.status().message().find("aborted step 3") != std::string::npos);
+  // Other steps are not affected.
+  mail.frame(7, 4);
+  CHECK(mail.receive(7, 4));
+}
+
+TEST_CASE("mailbox: a late abort of a step over here is dropped until the step starts again") {
+  Mail mail;
+  mail.m.discard(7, 11);  // step 11 failed (or ended) here
+  mail.abort(7, 11);      // the peer's abort of that attempt arrives late: stale
+  mail.frame(7, 11);
+  CHECK(mail.receive(7, 11));  // not failed by the stale abort
+  mail.m.discard(7, 11);
+  mail.abort(7, 12);  // a later step's abort counts
+  CHECK_FALSE(mail.receive(7, 12));
+  mail.m.beginStep(7, 11);  // step 11 again (a resume): its aborts count again
+  mail.abort(7, 11);
+  CHECK_FALSE(mail.receive(7, 11));
+  // Other tensors are not affected by tensor 7's steps.
+  mail.abort(8, 5);
+  CHECK_FALSE(mail.receive(8, 5));
+}
+
+TEST_CASE("mailbox: a dropped stale abort gives its reservation back") {
+  PeerMailboxes m(64, 2);  // room for two kept items
+  m.reset(2, 0);
+  {
+    std::lock_guard lock(m.mutex());
+    m.markUpLocked(1);
+  }
+  m.discard(7, 100);
+  std::string why;
+  for (int i = 0; i < 10; ++i) {
+    REQUIRE_MESSAGE(m.reserve(1, 6, why), why);  // would run out if the stale ones were kept
+    m.deliverAbort(1, 7, 50 + static_cast<uint64_t>(i), "late");
+  }
+}
+
+}  // namespace
+}  // namespace lightwire::proxy::peer
