@@ -257,6 +257,17 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
     metrics_->bypass_active.Set(next ? 1.0 : 0.0);
   }
 
+  // A schedule changed the density (warm-up stages, phases, adaptive): the cosine moves with it
+  // by design, so its baseline starts again rather than reading that as degradation. (A settings
+  // change is judged against the baseline of the settings before: that is what rollback is for.)
+  const double density = plan.density.value_or(-1.0);
+  if (plan.mode == StepMode::kCompressed && density != ts.last_density) {
+    if (ts.last_density != -2.0) {
+      ts.cosine = {};
+      ts.degraded = 0;
+    }
+    ts.last_density = density;
+  }
   // Health: cosine of compressed steps, reported loss.
   bool degraded = false;
   std::string why;
@@ -425,6 +436,7 @@ json::object PolicyEngine::stateJson() const {
         {"loss", ewmaJson(t.loss.mean, t.loss.var, t.loss.n)},
         {"degraded", t.degraded},
         {"adaptive_scale", t.adaptive_scale},
+        {"last_density", t.last_density},
         {"force_full_sync", t.force_full_sync},
         {"last_loss_step", t.has_loss_step ? json::value(t.last_loss_step) : json::value(nullptr)}};
   }
@@ -547,6 +559,7 @@ Status PolicyEngine::restoreState(const json::value& v) {
     ts.loss = ewma(t, "loss");
     ts.degraded = static_cast<uint32_t>(r.u64(t, "degraded"));
     ts.adaptive_scale = r.num(t, "adaptive_scale");
+    ts.last_density = r.num(t, "last_density");
     ts.force_full_sync = r.u64(t, "force_full_sync");
     if (const auto* l = t.if_contains("last_loss_step"); l && !l->is_null()) {
       ts.last_loss_step = r.u64(t, "last_loss_step");

@@ -153,6 +153,7 @@ class PolicyEngine {
     uint32_t degraded = 0;                  // consecutive degraded steps
     double adaptive_scale = 1.0;            // density multiplier of the adaptive schedule
     uint64_t force_full_sync = UINT64_MAX;  // a full-sync forced at this step
+    double last_density = -2.0;  // the density override of its last compressed step (-1: none)
     uint64_t last_loss_step = 0;
     bool has_loss_step = false;
   };

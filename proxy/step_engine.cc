@@ -67,28 +67,42 @@ void narrowRange(DType dtype, const float* result, size_t lo, size_t hi, std::by
 }
 
 /// The statistics record of one input (policies): norm, non-finite and small values.
-policies::StepStats localStats(const float* input, size_t n, double min_magnitude) {
+/// The statistics record of one input (policies): norm, non-finite and small values. Blocks of
+/// 4096 values in parallel, their sums added in block order (the same figures whatever the
+/// thread count).
+policies::StepStats localStats(kernels::CpuStream* stream, const float* input, size_t n,
+                               double min_magnitude) {
+  constexpr size_t kBlock = 4096;
+  struct Block {
+    double norm2 = 0;
+    uint64_t bad = 0, small = 0;
+  };
+  std::vector<Block> blocks((n + kBlock - 1) / kBlock);
+  const float tiny = static_cast<float>(min_magnitude);
+  kernels::parallelFor(stream, blocks.size(), 16, [&](size_t lo, size_t hi) {
+    for (size_t k = lo; k < hi; ++k) {
+      Block& out = blocks[k];
+      const size_t e = std::min(n, (k + 1) * kBlock);
+      double acc = 0;
+      for (size_t i = k * kBlock; i < e; ++i) {
+        const float v = input[i];
+        if (!std::isfinite(v)) {
+          ++out.bad;
+          continue;
+        }
+        acc += static_cast<double>(v) * v;
+        out.small += std::fabs(v) < tiny ? 1 : 0;
+      }
+      out.norm2 = acc;
+    }
+  });
   policies::StepStats st;
   st.elements = n;
-  double norm2 = 0;
-  uint64_t bad = 0, small = 0;
-  for (size_t b = 0; b < n; b += 4096) {
-    const size_t e = std::min(n, b + 4096);
-    double acc = 0;
-    for (size_t i = b; i < e; ++i) {
-      const float v = input[i];
-      if (!std::isfinite(v)) {
-        ++bad;
-        continue;
-      }
-      acc += static_cast<double>(v) * v;
-      small += std::fabs(v) < min_magnitude ? 1 : 0;
-    }
-    norm2 += acc;
+  for (const Block& b : blocks) {
+    st.grad_norm2 += b.norm2;
+    st.nonfinite += b.bad;
+    st.small += b.small;
   }
-  st.grad_norm2 = norm2;
-  st.nonfinite = bad;
-  st.small = small;
   return st;
 }
 
@@ -686,7 +700,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   // This sidecar's statistics record, carried by the exchange to every rank (policies).
   std::vector<uint8_t> record;
   if (policy) {
-    policies::StepStats st = localStats(input, n, plan.min_magnitude);
+    policies::StepStats st = localStats(&stream_, input, n, plan.min_magnitude);
     if (t.has_state && t.state.floats() > 0) st.residual_norm2 = codec.residualNorm2(t.state, n);
     if (t.cos) {
       st.cos_dot = t.cos->dot;

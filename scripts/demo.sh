@@ -26,6 +26,9 @@ work=$(mktemp -d)
 codec=${LW_DEMO_CODEC:-dgc}
 nodes=${LW_DEMO_NODES:-4}
 codec_args=(--codec "$codec")
+# Policies (docs/policies.md): the DGC warm-up, and a full-sync every 100 steps.
+read -r -a policy_args <<<"${LW_DEMO_POLICY_ARGS:---warmup-steps 50 --full-sync-every 100}"
+codec_args+=("${policy_args[@]}")
 [[ "$codec" == dgc || "$codec" == topk || "$codec" == randomk ]] &&
   codec_args+=(--density "${LW_DEMO_DENSITY:-0.01}")
 # Free loopback ports for the peer listeners (chosen by the OS, then handed to the sidecars).
@@ -79,4 +82,12 @@ PYTHONPATH=clients/python "$python" clients/python/examples/train_ddp.py \
   --steps "${LW_DEMO_STEPS:-300}" --compare
 echo "demo: rank 0 sidecar figures:" >&2
 curl -s --unix-socket "${sockets[0]}" http://localhost/metrics 2>/dev/null |
-  grep -E '^lightwire_(steps_total|raw_bytes_total|wire_bytes_total|fallbacks_total|compression_ratio|peer_rtt)' >&2 || true
+  grep -E '^lightwire_(steps_total|raw_bytes_total|wire_bytes_total|fallbacks_total|compression_ratio|peer_rtt|anomalies_total|full_syncs_total|rollbacks_total|bypass_active|cosine_similarity|residual_norm|checkpoints_total)' >&2 || true
+echo "demo: rank 0 decision log (the same on every rank; /v1/status policies.log):" >&2
+curl -s --unix-socket "${sockets[0]}" http://localhost/v1/status 2>/dev/null |
+  "$python" -c 'import json, sys
+log = json.load(sys.stdin).get("policies", {}).get("log", [])
+for e in log[-12:]:
+    print("  step %(step)5d  %(tensor)-10s %(kind)-10s %(detail)s" % e)
+if len(log) > 12:
+    print("  (%d earlier entries)" % (len(log) - 12))' >&2 || true

@@ -220,6 +220,25 @@ TEST_SUITE("policies") {
     CHECK(*r.plan("t", 40, topk(0.01), 1).density == doctest::Approx(0.1));
   }
 
+  TEST_CASE(
+      "a schedule's density change restarts the cosine baseline, a settings change does not") {
+    PolicyConfig c = quick();
+    c.warmup_steps = 10;
+    PolicyEngine p(c, "v0", nullptr);
+    // Warm-up stages move the cosine down by design: no degradation, nothing logged.
+    for (uint64_t s = 0; s < 10; ++s)
+      run(p, s, normStats(1, 0.95 - 0.1 * static_cast<double>(s / 2)), topk(0.001));
+    for (uint64_t s = 10; s < 20; ++s) run(p, s, normStats(1, 0.3), topk(0.001));
+    CHECK(p.decisions().empty());
+    // A settings change that lowers it is judged against the baseline before it.
+    GlobalStats g = normStats(1, 0.3);
+    g.requests.push_back({Request::Kind::kSettings, 1, 0, "v1"});
+    run(p, 20, g, topk(0.001));
+    run(p, 21, normStats(1, 0.01), topk(0.001));
+    run(p, 22, normStats(1, 0.01), topk(0.001));
+    CHECK(p.decisions().back().kind == "rollback");
+  }
+
   TEST_CASE("checkpoint requests reach every rank; own requests stop once seen") {
     PolicyEngine p(quick(), "{}", nullptr);
     p.requestCheckpoint(9);

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import lightwire
-from lightwire.torch import LightwireHookState, ddp_comm_hook
+from lightwire.torch import LightwireHookState, ddp_comm_hook, save_state
 
 
 def make_data(seed, n=4096, dim=64, classes=8):
@@ -64,6 +64,9 @@ def train(rank, args, store_path, sockets, results):
         if state is not None and state.last_reply:
             wire += state.last_reply.get("wire_bytes", 0)
             raw += state.last_reply.get("raw_bytes", 0)
+        if state is not None:
+            # The loss feeds the sidecars' rollback policy (docs/policies.md).
+            state.client.report(step, loss=loss.item(), trainer=0)
         if rank == 0 and args.every and (step % args.every == 0 or step == 1):
             with torch.no_grad():
                 acc = (ddp(x).argmax(1) == y).float().mean().item()
@@ -74,10 +77,14 @@ def train(rank, args, store_path, sockets, results):
             dense = sum(q.numel() * q.element_size() for q in model.parameters())
             r = (state.last_reply or {}) if state else {"codec": "dense", "wire_bytes": dense}
             print(f"{label:9s}  step {step:4d}  loss {loss.item():.4f}  acc {acc:.3f}  "
-                  f"codec {r.get('codec', '-'):6s}  ratio {r.get('ratio', 1.0):6.1f}  "
+                  f"codec {r.get('codec', '-'):6s}  mode {r.get('mode', '-'):10s}  "
+                  f"ratio {r.get('ratio', 1.0):6.1f}  "
                   f"payload/step {r.get('wire_bytes', 0):8d} B  step {ms:6.1f} ms", flush=True)
-            if state:
-                state.client.report(step, loss=loss.item(), trainer=0)
+    if rank == 0 and state is not None:
+        # Next to torch.save: every sidecar keeps its codec and policy state as of this step.
+        reply = save_state(state.last_step, hook_state=state)
+        print(f"{label:9s}  sidecar state saved with the model: {reply.get('path')} "
+              f"(peers: {reply.get('peers')})", flush=True)
     if rank == 0:
         with torch.no_grad():
             acc = (ddp(x).argmax(1) == y).float().mean().item()

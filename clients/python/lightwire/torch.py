@@ -277,9 +277,10 @@ def load_state(step, client=None, hook_state=None):
     ``torch.load``, on EVERY rank, each with its own sidecar, after restarting the trainers (and
     the sidecars, if they restarted) from a checkpoint taken with ``save_state(step)``.
 
-    The sidecars compare the step they resumed from at the next step and fail it on every rank
-    (``409 resume_mismatch``) if one of them was not told, so call it before the first backward
-    pass. The next step of every tensor is ``step + 1``; with ``hook_state`` (a
+    The sidecar asked tells the others, which resume from their own checkpoint of ``step`` too;
+    calling it on every rank before the first backward pass makes sure no step runs before they
+    have (the sidecars compare the step they resumed from with every step and fail one on every
+    rank, ``409 resume_mismatch``, when they disagree). The next step of every tensor is ``step + 1``; with ``hook_state`` (a
     ``LightwireHookState``) the hook's step counters are set to continue from there.
 
     Raises ``LightwireError``: 404 when that sidecar has no checkpoint of ``step``, 409 when the
