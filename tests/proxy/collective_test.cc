@@ -251,15 +251,7 @@ TEST_CASE("result checksums: a silent peer fails the comparison within the deadl
 
 using Bytes = std::vector<uint8_t>;
 
-/// Rank r's statistics record of `step`: a different size on every rank, rank 1's the largest
-/// allowed.
-Bytes statsOf(uint32_t rank, uint64_t step) {
-  const size_t n = rank == 1 ? kMaxStatsBytes : 1 + 37 * rank + step % 5;
-  Bytes b;
-  b.reserve(n);
-  for (size_t i = 0; i < n; ++i) b.push_back(static_cast<uint8_t>(i * 31 + rank * 7 + step));
-  return b;
-}
+using testing::statsOf;
 
 /// One step of one rank through every round of its codec.
 struct StatsRun {

@@ -13,6 +13,8 @@
 #include "metrics/metrics.h"
 #include "proxy/peer/tcp_transport.h"
 
+#include "proxy/step_engine.h"
+
 namespace lightwire::proxy::peer::testing {
 
 using namespace std::chrono_literals;  // NOLINT(google-build-using-namespace)
@@ -95,5 +97,15 @@ struct Mesh {
   std::vector<std::unique_ptr<TcpTransport>> transports;
   std::vector<uint16_t> ports;
 };
+
+/// Rank r's policy statistics record of `step` for exchange tests: a different size on every
+/// rank and step, rank 1's the largest allowed (kMaxStatsBytes).
+inline std::vector<uint8_t> statsOf(uint32_t rank, uint64_t step) {
+  const size_t n = rank == 1 ? kMaxStatsBytes : 1 + 37 * rank + step % 5;
+  std::vector<uint8_t> b;
+  b.reserve(n);
+  for (size_t i = 0; i < n; ++i) b.push_back(static_cast<uint8_t>(i * 31 + rank * 7 + step));
+  return b;
+}
 
 }  // namespace lightwire::proxy::peer::testing

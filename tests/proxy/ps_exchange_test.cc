@@ -65,15 +65,7 @@ struct RankPlan {
   std::function<Bytes(uint64_t)> stats;  // this rank's statistics record of a step (empty = none)
 };
 
-/// Rank r's statistics record of `step`: a different size on every rank and step, rank 1's the
-/// largest allowed.
-Bytes statsOf(uint32_t rank, uint64_t step) {
-  const size_t n = rank == 1 ? kMaxStatsBytes : 1 + 37 * rank + step % 5;
-  Bytes b;
-  b.reserve(n);
-  for (size_t i = 0; i < n; ++i) b.push_back(static_cast<uint8_t>(i * 31 + rank * 7 + step));
-  return b;
-}
+using testing::statsOf;
 
 /// Runs `plans` in order on rank `rank` through `ps` (one engine thread): compress (state
 /// prepared), exchange every round, decode with weight 1/contributors, commit, stepDone.
