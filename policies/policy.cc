@@ -162,7 +162,9 @@ std::vector<uint8_t> PolicyEngine::record(StepStats local) const {
 void PolicyEngine::log(uint64_t step, const std::string& tensor, std::string kind,
                        std::string detail) {
   Decision d{next_seq_++, step, tensor, std::move(kind), std::move(detail)};
-  spdlog::info("policy: tensor '{}' step {}: {}: {}", d.tensor, d.step, d.kind, d.detail);
+  // Events at info; the adaptive schedule's density moves can come every step: debug.
+  spdlog::log(d.kind == "density" ? spdlog::level::debug : spdlog::level::info,
+              "policy: tensor '{}' step {}: {}: {}", d.tensor, d.step, d.kind, d.detail);
   log_.push_back(std::move(d));
   while (log_.size() > std::max<size_t>(1, config_.decision_log)) log_.pop_front();
 }

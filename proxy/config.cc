@@ -378,6 +378,15 @@ std::vector<KeyImpl> makeKeyTable() {
       },
       [](const C& c) { return json::value(c.log_level); });
   add(
+      "log_format", "--log-format", "text | json", "text",
+      "Log lines as text, or as one JSON object per line (time, level, msg)",
+      [](C& c, std::string_view s) -> std::string {
+        if (s != "text" && s != "json") return "must be text or json";
+        c.log_format = std::string(s);
+        return "";
+      },
+      [](const C& c) { return json::value(c.log_format); });
+  add(
       "control.socket", "--socket", "path", "/run/lightwire/lightwire.sock",
       "Unix socket of the control API (\"\" = no Unix listener); also LIGHTWIRE_SOCKET",
       [](C& c, std::string_view s) -> std::string {

@@ -68,6 +68,7 @@ struct ServeConfig {
   int local_trainers = 1;
   unsigned threads = 0;  // 0 = hardware concurrency (resolved by the caller)
   std::string log_level = "info";
+  std::string log_format = "text";  // text | json (one object per line)
   std::string control_socket = "/run/lightwire/lightwire.sock";  // "" = no Unix listener
   std::optional<ListenAddress> control_tcp = ListenAddress{"127.0.0.1", 4780};  // nullopt = off
   std::optional<ListenAddress> admin_listen = ListenAddress{"0.0.0.0", 4782};   // nullopt = off

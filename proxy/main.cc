@@ -22,6 +22,7 @@
 #include "proxy/bench_ingest.h"
 #include "proxy/config.h"
 #include "proxy/serve.h"
+#include "proxy/status_cli.h"
 #include "proxy/version.h"
 
 namespace lightwire::proxy {
@@ -278,6 +279,23 @@ int run(int argc, char** argv) {
   });
 
   serve->callback([&] { rc = runServe(serve_flags, check_config); });
+
+  CLI::App* status = app.add_subcommand(
+      "status", "Summary of a running sidecar: rank, peers, codec settings, policies, tensors");
+  StatusOptions so;
+  status->add_option(
+      "--socket", so.socket,
+      "Control socket (default: $LIGHTWIRE_SOCKET, else /run/lightwire/lightwire.sock)");
+  status->add_option("--url", so.url, "http://HOST:PORT of a control or admin listener instead");
+  status->add_option("--token", so.token, "Bearer token (default: $LIGHTWIRE_TOKEN)");
+  status->add_option("--decisions", so.decisions, "Decision-log entries shown")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100000));
+  status->add_option("--timeout", so.timeout_s, "Seconds to wait for the sidecar")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 3600.0));
+  status->add_flag("--json", so.json, "Print the /v1/status JSON as it is");
+  status->callback([&] { rc = runStatus(so); });
 
   try {
     app.parse(argc, argv);

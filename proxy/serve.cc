@@ -1,5 +1,6 @@
 #include "proxy/serve.h"
 
+#include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
@@ -153,6 +154,53 @@ Status checkLatestCheckpoint(const ServeConfig& config) {
   }
   return Status::ok();
 }
+/// `%*`: the message as a JSON string body (quotes, backslashes and control characters escaped).
+class JsonEscapedMessage final : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm& /*tm*/,
+              spdlog::memory_buf_t& dest) override {
+    static constexpr char kHex[] = "0123456789abcdef";
+    for (const char ch : msg.payload) {
+      const auto c = static_cast<unsigned char>(ch);
+      switch (c) {
+        case '"':
+          dest.append(std::string_view("\\\""));
+          break;
+        case '\\':
+          dest.append(std::string_view("\\\\"));
+          break;
+        case '\n':
+          dest.append(std::string_view("\\n"));
+          break;
+        case '\t':
+          dest.append(std::string_view("\\t"));
+          break;
+        case '\r':
+          dest.append(std::string_view("\\r"));
+          break;
+        default:
+          if (c < 0x20) {
+            const char esc[6] = {'\\', 'u', '0', '0', kHex[c >> 4], kHex[c & 15]};
+            dest.append(std::string_view(esc, 6));
+          } else {
+            dest.push_back(ch);
+          }
+      }
+    }
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override {
+    return std::make_unique<JsonEscapedMessage>();
+  }
+};
+
+/// One JSON object per line: {"time": ISO 8601 UTC, "level": ..., "msg": ...}.
+void setJsonLogFormat() {
+  auto formatter = std::make_unique<spdlog::pattern_formatter>(spdlog::pattern_time_type::utc);
+  formatter->add_flag<JsonEscapedMessage>('*').set_pattern(
+      R"({"time":"%Y-%m-%dT%H:%M:%S.%eZ","level":"%l","msg":"%*"})");
+  spdlog::set_formatter(std::move(formatter));
+}
+
 constexpr auto kPollAfterWork = std::chrono::microseconds(50);
 
 std::vector<std::string> environment() {
@@ -212,6 +260,7 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   }
   const ServeConfig config = std::move(*built);
   spdlog::set_level(spdlog::level::from_str(config.log_level));
+  if (config.log_format == "json") setJsonLogFormat();
 
   // Large request bodies and step buffers come and go at every step: keep freed memory in the
   // heap instead of unmapping it, so the next 100 MB body does not page-fault its way in again

@@ -1,0 +1,285 @@
+#include "proxy/status_cli.h"
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/core/tcp_stream.hpp>
+#include <boost/beast/http/empty_body.hpp>
+#include <boost/beast/http/read.hpp>
+#include <boost/beast/http/string_body.hpp>
+#include <boost/beast/http/write.hpp>
+#include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string_view>
+
+namespace lightwire::proxy {
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace json = boost::json;
+
+constexpr const char* kDefaultSocket = "/run/lightwire/lightwire.sock";
+
+std::string str(const json::value* v) {
+  if (!v || v->is_null()) return "-";
+  if (v->is_string()) return std::string(v->as_string());
+  return json::serialize(*v);
+}
+
+const json::value* at(const json::object& o, std::string_view key) { return o.if_contains(key); }
+
+std::string num(double v) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  return buf;
+}
+
+std::string bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return num(b) + " " + units[u];
+}
+
+double number(const json::value* v) {
+  if (!v) return 0;
+  if (v->is_double()) return v->as_double();
+  if (v->is_int64()) return static_cast<double>(v->as_int64());
+  if (v->is_uint64()) return static_cast<double>(v->as_uint64());
+  return 0;
+}
+
+/// GET /v1/status over an already connected stream.
+template <typename Stream>
+std::string get(Stream& stream, const std::string& host, const std::string& token) {
+  http::request<http::empty_body> req{http::verb::get, "/v1/status", 11};
+  req.set(http::field::host, host);
+  req.set(http::field::user_agent, "lightwire-status");
+  if (!token.empty()) req.set(http::field::authorization, "Bearer " + token);
+  http::write(stream, req);
+  beast::flat_buffer buffer;
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(64u << 20);
+  http::read(stream, buffer, parser);
+  auto res = parser.release();
+  if (res.result() != http::status::ok) {
+    throw std::runtime_error("HTTP " + std::to_string(res.result_int()) + ": " +
+                             res.body().substr(0, 300));
+  }
+  return res.body();
+}
+
+std::string fetch(const StatusOptions& o, std::string& where) {
+  asio::io_context io;
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
+  if (o.url) {
+    std::string_view u = *o.url;
+    if (u.rfind("http://", 0) != 0) {
+      throw std::invalid_argument("--url must be http://HOST:PORT, got '" + *o.url + "'");
+    }
+    u.remove_prefix(7);
+    if (const auto slash = u.find('/'); slash != std::string_view::npos) u = u.substr(0, slash);
+    std::string host, port;
+    if (!u.empty() && u.front() == '[') {
+      const auto close = u.find(']');
+      if (close == std::string_view::npos || close + 1 >= u.size() || u[close + 1] != ':') {
+        throw std::invalid_argument("--url: bad IPv6 address in '" + *o.url + "'");
+      }
+      host = std::string(u.substr(1, close - 1));
+      port = std::string(u.substr(close + 2));
+    } else {
+      const auto colon = u.rfind(':');
+      if (colon == std::string_view::npos) {
+        throw std::invalid_argument("--url needs a port: '" + *o.url + "'");
+      }
+      host = std::string(u.substr(0, colon));
+      port = std::string(u.substr(colon + 1));
+    }
+    where = *o.url;
+    beast::tcp_stream stream(io);
+    stream.expires_after(timeout);
+    asio::ip::tcp::resolver resolver(io);
+    stream.connect(resolver.resolve(host, port));
+    return get(stream, host, o.token);
+  }
+  const char* env = std::getenv("LIGHTWIRE_SOCKET");
+  const std::string path = o.socket ? *o.socket : (env && *env ? env : kDefaultSocket);
+  where = "unix:" + path;
+  asio::local::stream_protocol::socket sock(io);
+  sock.connect(asio::local::stream_protocol::endpoint(path));
+  struct timeval tv {};
+  tv.tv_sec = static_cast<time_t>(o.timeout_s);
+  tv.tv_usec = static_cast<suseconds_t>((o.timeout_s - static_cast<double>(tv.tv_sec)) * 1e6);
+  ::setsockopt(sock.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(sock.native_handle(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  return get(sock, "localhost", o.token);
+}
+
+/// "codec=topk density=0.1 ..." of a codec or rule object: set fields only.
+std::string settingsLine(const json::value* v) {
+  if (!v || !v->is_object()) return str(v);
+  std::string line;
+  for (const auto& [k, x] : v->as_object()) {
+    if (x.is_null()) continue;
+    std::string value;
+    if (x.is_number()) {
+      value = num(number(&x));
+    } else if (x.is_string()) {
+      value = std::string(x.as_string());
+    } else {
+      value = json::serialize(x);
+    }
+    line += (line.empty() ? "" : " ") + std::string(k) + "=" + value;
+  }
+  return line;
+}
+
+}  // namespace
+
+std::string formatStatus(const json::object& s, int decisions) {
+  std::ostringstream out;
+  const json::object empty;
+  const auto obj = [&](const json::object& o, std::string_view k) -> const json::object& {
+    const auto* v = o.if_contains(k);
+    return v && v->is_object() ? v->as_object() : empty;
+  };
+  const auto& config = obj(s, "config");
+  out << "lightwire " << str(at(s, "version")) << "  job " << str(at(config, "job_id")) << "  rank "
+      << str(at(s, "rank")) << " of " << str(at(s, "world_size")) << "  up "
+      << num(number(at(s, "uptime_s"))) << " s\n";
+  // Peers.
+  if (const auto* peers = at(s, "peers_up"); peers && peers->is_array()) {
+    const auto& arr = peers->as_array();
+    size_t up = 0;
+    std::string list;
+    for (size_t r = 0; r < arr.size(); ++r) {
+      const bool ok = arr[r].is_bool() && arr[r].as_bool();
+      up += ok ? 1 : 0;
+      list += (r ? " " : "") + std::to_string(r) + (ok ? ":up" : ":DOWN");
+    }
+    if (!arr.empty()) out << "peers     " << up << "/" << arr.size() << " up  (" << list << ")\n";
+  }
+  const auto& listeners = obj(s, "listeners");
+  out << "listeners control " << str(at(listeners, "control_socket")) << ", tcp "
+      << str(at(listeners, "control_tcp_port")) << ", admin " << str(at(listeners, "admin_port"))
+      << "\n";
+  const auto& steps = obj(s, "steps");
+  out << "steps     " << str(at(steps, "ok")) << " ok, " << str(at(steps, "failed"))
+      << " failed  (local trainers " << str(at(s, "local_trainers")) << ")\n";
+  // Codec settings per group.
+  const auto& compression = obj(config, "compression");
+  out << "\ncompression\n  default  " << settingsLine(at(compression, "default")) << "\n";
+  if (const auto* rules = at(compression, "rules"); rules && rules->is_array()) {
+    for (const auto& r : rules->as_array()) out << "  rule     " << settingsLine(&r) << "\n";
+  }
+  // Policies.
+  const auto& pol = obj(s, "policies");
+  if (!pol.empty()) {
+    const double from = number(at(pol, "bypass_from")), until = number(at(pol, "bypass_until"));
+    out << "\npolicies\n  bypass   "
+        << (until > 0 ? "steps " + num(from) + ".." + num(until - 1) : std::string("never"))
+        << "\n";
+    if (const auto* settings = at(pol, "settings"); settings && settings->is_array()) {
+      const auto& arr = settings->as_array();
+      for (size_t i = 0; i < arr.size(); ++i) {
+        if (!arr[i].is_object()) continue;
+        const auto& e = arr[i].as_object();
+        out << "  settings v" << i << " from step " << str(at(e, "from_step"))
+            << (at(e, "known_good") && at(e, "known_good")->is_bool() &&
+                        at(e, "known_good")->as_bool()
+                    ? ", known-good"
+                    : "")
+            << " (" << str(at(e, "why")) << ")\n";
+      }
+    }
+    out << "  resumed  " << str(at(pol, "resumed_from")) << "\n";
+    if (const auto* log = at(pol, "log"); log && log->is_array()) {
+      const auto& arr = log->as_array();
+      out << "  decisions (" << arr.size() << " kept, last " << decisions << ")\n";
+      const size_t first = arr.size() > static_cast<size_t>(decisions)
+                               ? arr.size() - static_cast<size_t>(decisions)
+                               : 0;
+      for (size_t i = first; i < arr.size(); ++i) {
+        if (!arr[i].is_object()) continue;
+        const auto& e = arr[i].as_object();
+        out << "    step " << str(at(e, "step")) << "  " << str(at(e, "tensor")) << "  "
+            << str(at(e, "kind")) << ": " << str(at(e, "detail")) << "\n";
+      }
+    }
+  }
+  // Tensors and their recent steps.
+  if (const auto* tensors = at(s, "tensors"); tensors && tensors->is_array()) {
+    out << "\ntensors\n";
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-24s %-8s %12s %10s %10s %12s\n", "name", "codec",
+                  "elements", "last step", "committed", "state");
+    out << line;
+    for (const auto& t : tensors->as_array()) {
+      if (!t.is_object()) continue;
+      const auto& o = t.as_object();
+      std::snprintf(line, sizeof line, "  %-24s %-8s %12s %10s %10s %12s\n",
+                    str(at(o, "name")).substr(0, 24).c_str(), str(at(o, "codec")).c_str(),
+                    str(at(o, "elements")).c_str(), str(at(o, "last_step")).c_str(),
+                    str(at(o, "last_committed_step")).c_str(),
+                    bytes(number(at(o, "state_bytes"))).c_str());
+      out << line;
+    }
+  }
+  if (const auto* report = at(s, "last_report");
+      report && report->is_object() && !report->as_object().empty()) {
+    out << "\nlast report  " << json::serialize(*report) << "\n";
+  }
+  return out.str();
+}
+
+int runStatus(const StatusOptions& o) {
+  if (o.socket && o.url) {
+    std::fprintf(stderr, "lightwire status: give --socket or --url, not both\n");
+    return 2;
+  }
+  StatusOptions opts = o;
+  if (opts.token.empty()) {
+    if (const char* t = std::getenv("LIGHTWIRE_TOKEN"); t) opts.token = t;
+  }
+  std::string where, body;
+  try {
+    body = fetch(opts, where);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "lightwire status: %s\n", e.what());
+    return 2;
+  } catch (const boost::system::system_error& e) {
+    std::fprintf(stderr, "lightwire status: cannot read the status of %s: %s\n",
+                 where.empty() ? "the sidecar" : where.c_str(), e.code().message().c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lightwire status: cannot read the status of %s: %s\n",
+                 where.empty() ? "the sidecar" : where.c_str(), e.what());
+    return 1;
+  }
+  boost::system::error_code ec;
+  const json::value v = json::parse(body, ec);
+  if (ec || !v.is_object()) {
+    std::fprintf(stderr, "lightwire status: %s did not answer a JSON object\n", where.c_str());
+    return 1;
+  }
+  if (opts.json) {
+    std::printf("%s\n", body.c_str());
+  } else {
+    std::fputs(formatStatus(v.as_object(), opts.decisions).c_str(), stdout);
+  }
+  return 0;
+}
+
+}  // namespace lightwire::proxy

@@ -1,0 +1,82 @@
+"""`lightwire status` against a real sidecar, and `--log-format json` (issue 7)."""
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import LIGHTWIRE_BIN, free_tcp_port
+
+
+def status(*args, timeout=20):
+    return subprocess.run([LIGHTWIRE_BIN, "status", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=timeout, text=True)
+
+
+def drive(sc, steps, name="layer1.weight", n=5000):
+    c = sc.client()
+    try:
+        rng = np.random.default_rng(3)
+        for s in range(steps):
+            c.emit_gradient(rng.standard_normal(n).astype(np.float32), name, s)
+        c.report(steps - 1, loss=0.75)
+    finally:
+        c.close()
+
+
+def test_status_summarises_a_running_sidecar(sidecar_factory):
+    port = free_tcp_port()
+    sc = sidecar_factory(codec="topk", density=0.1, control_tcp="127.0.0.1:%d" % port,
+                         extra=["--full-sync-every", "3"])
+    drive(sc, 8)
+    r = status("--socket", sc.socket)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "rank 0 of 1" in out
+    assert "8 ok, 0 failed" in out
+    assert "codec=topk density=0.1" in out
+    assert "settings v0 from step 0, known-good" in out
+    # The decision log: full-syncs at steps 3 and 6.
+    assert "step 3  layer1.weight  full_sync: periodic" in out
+    assert "step 6  layer1.weight  full_sync: periodic" in out
+    assert "layer1.weight" in out and "5000" in out
+    assert '"loss":7.5E-1' in out
+    # The same through the TCP control listener, and the raw JSON.
+    r2 = status("--url", "http://127.0.0.1:%d" % port)
+    assert r2.returncode == 0, r2.stderr
+    assert "8 ok, 0 failed" in r2.stdout
+    r3 = status("--socket", sc.socket, "--json")
+    assert r3.returncode == 0, r3.stderr
+    doc = json.loads(r3.stdout)
+    assert doc["steps"]["ok"] == 8
+    assert [e["step"] for e in doc["policies"]["log"]] == [3, 6]
+
+
+def test_status_errors_are_clear(tmp_path):
+    r = status("--socket", str(tmp_path / "nothing.sock"), "--timeout", "2")
+    assert r.returncode == 1
+    assert "cannot read the status of unix:" in r.stderr and "nothing.sock" in r.stderr
+    r = status("--url", "http://127.0.0.1:%d" % free_tcp_port(), "--timeout", "2")
+    assert r.returncode == 1 and "Connection refused" in r.stderr, r.stderr
+    r = status("--url", "ftp://x:1")
+    assert r.returncode == 2 and "http://HOST:PORT" in r.stderr
+    r = status("--url", "http://127.0.0.1:1", "--socket", "/tmp/x.sock")
+    assert r.returncode == 2 and "not both" in r.stderr
+
+
+def test_json_logs_are_one_object_per_line(sidecar_factory):
+    sc = sidecar_factory(codec="topk", density=0.1, extra=["--log-format", "json",
+                                                           "--full-sync-every", "2"])
+    drive(sc, 5, name='odd"name'.replace('"', "_"))
+    sc.stop()
+    with open(sc.stderr_path, encoding="utf-8") as f:
+        lines = [l for l in f.read().splitlines() if l.strip()]
+    assert lines, "no log lines"
+    for line in lines:
+        rec = json.loads(line)  # every line is one JSON object
+        assert set(rec) == {"time", "level", "msg"}, rec
+        assert rec["time"].endswith("Z")
+    msgs = [json.loads(l)["msg"] for l in lines]
+    assert any("full_sync" in m for m in msgs)
+    # Quotes in messages stay valid JSON (tensor names cannot hold them; paths and reasons can).
+    assert any("serving" in m for m in msgs)
