@@ -174,6 +174,10 @@ struct StepEngine::Tensor {
   std::vector<float> flushed;      // full-sync: input plus what the codec state held back
   std::vector<float> scratch;      // cosine sampling
   std::optional<CosineTerms> cos;  // of the last committed compressed step
+  struct {
+    std::string group;
+    prometheus::Gauge *ratio = nullptr, *cosine = nullptr, *residual = nullptr;
+  } gauges;  // lightwire_*{group} of the tensor's group
   // Under mu_.
   std::optional<uint64_t> last_committed;
   std::optional<uint64_t> running;
@@ -562,7 +566,12 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   fig.mode = policies::stepModeName(plan.mode);
   fig.settings = plan.settings;
   const kernels::CodecConfig& config = settings.codec;
-  const std::string group = settings.group.empty() ? config.name : settings.group;
+  // The tensor's per-group gauges, looked up once per group change, not every step.
+  const std::string& group = settings.group.empty() ? config.name : settings.group;
+  if (t.gauges.group != group || !t.gauges.ratio) {
+    t.gauges = {group, &metrics_.compressionRatio(group), &metrics_.cosineSimilarity(group),
+                &metrics_.residualNorm(group)};
+  }
   const std::string key = kernels::configKey(config);
   if (!t.codec || key != t.config_key) {
     auto codec = kernels::createCodec(config);
@@ -922,8 +931,8 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     }
     global_nonfinite = g->nonfinite > 0;
     policy->update(t.name, step, plan, *g);
-    if (const auto c = g->cosine()) metrics_.cosineSimilarity(group).Set(*c);
-    metrics_.residualNorm(group).Set(std::sqrt(g->residual_norm2));
+    if (const auto c = g->cosine()) t.gauges.cosine->Set(*c);
+    t.gauges.residual->Set(std::sqrt(g->residual_norm2));
   }
   // Non-finite results are returned as plain averaging would, and the state is not committed —
   // also when the NaN/Inf of some rank's gradient did not make it into the result (a codec that
@@ -953,8 +962,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     metrics_.stage(static_cast<metrics::Stage>(s)).Observe(fig.durations_us[s] * 1e-6);
   }
   if (fig.wire_bytes > 0) {
-    metrics_.compressionRatio(group).Set(static_cast<double>(fig.raw_bytes) /
-                                         static_cast<double>(fig.wire_bytes));
+    t.gauges.ratio->Set(static_cast<double>(fig.raw_bytes) / static_cast<double>(fig.wire_bytes));
   }
   return out;
 }
