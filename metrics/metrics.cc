@@ -195,6 +195,17 @@ prometheus::Gauge& Metrics::peerRtt(uint32_t rank) {
   return peer_rtt_family_.Add({{"peer", std::to_string(rank)}});
 }
 
+void Metrics::setInfo(const std::map<std::string, std::string>& labels) {
+  BuildGauge()
+      .Name("lightwire_info")
+      .Help(
+          "Identity of this sidecar (value 1): job, rank, world size, version, transport, "
+          "topology.")
+      .Register(*registry_)
+      .Add(labels)
+      .Set(1);
+}
+
 prometheus::Counter& Metrics::anomalies(std::string_view kind) {
   return anomalies_family_.Add({{"kind", std::string(kind)}});
 }

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -65,7 +66,10 @@ class Metrics {
   // lightwire_skipped_steps_total: delayed-sync steps accumulated locally, not exchanged.
   prometheus::Counter& skipped_steps;
 
-  /// lightwire_anomalies_total{kind}: nonfinite, explosion, vanishing, resume_mismatch.
+  /// lightwire_info{job_id,rank,world_size,version,transport,topology} = 1: who this sidecar is
+  /// (join it on instance to label other series). Set once at start.
+  void setInfo(const std::map<std::string, std::string>& labels);
+  /// lightwire_anomalies_total{kind}: nonfinite, explosion, vanishing.
   prometheus::Counter& anomalies(std::string_view kind);
   /// lightwire_full_syncs_total{reason}: periodic, divergence.
   prometheus::Counter& fullSyncs(std::string_view reason);

@@ -46,7 +46,7 @@ Status validate(const PolicyConfig& c) {
   if (!(c.vanish_factor > 0 && c.vanish_factor < 1))
     return bad("policies.vanish_factor", "in (0, 1)");
   if (!(c.ewma_alpha > 0 && c.ewma_alpha <= 1)) return bad("policies.ewma_alpha", "in (0, 1]");
-  if (!(c.cosine_drop > 0 && c.cosine_drop <= 2)) return bad("policies.cosine_drop", "in (0, 2]");
+  if (!(c.cosine_drop > 0 && c.cosine_drop < 1)) return bad("policies.cosine_drop", "in (0, 1)");
   if (!(c.loss_rise > 0)) return bad("policies.loss_rise", "> 0");
   if (c.patience < 1) return bad("policies.patience", "at least 1");
   if (!(c.phase_factor >= 1)) return bad("schedule.phase_factor", ">= 1");
@@ -275,7 +275,8 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
   std::string why;
   const auto cos = g.cosine();
   if (cos && plan.mode == StepMode::kCompressed) {
-    if (ts.cosine.n >= config_.baseline_steps && *cos < ts.cosine.mean - config_.cosine_drop) {
+    if (ts.cosine.n >= config_.baseline_steps && ts.cosine.mean > 0 &&
+        *cos < ts.cosine.mean * (1 - config_.cosine_drop)) {
       degraded = true;
       why = "cosine similarity " + fmt(*cos) + " against a baseline of " + fmt(ts.cosine.mean);
     }

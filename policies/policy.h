@@ -40,9 +40,10 @@ struct PolicyConfig {
   uint64_t full_sync_every = 1000;
   // Rollback to the last known-good compression settings.
   bool rollback = true;
-  double cosine_drop = 0.2;        // degraded: cosine < baseline - drop
-  double loss_rise = 0.5;          // degraded: loss > baseline * (1 + rise)
-  uint32_t patience = 3;           // consecutive degraded steps before a rollback
+  double cosine_drop = 0.5;  // degraded: cosine < baseline * (1 - drop) (relative: sparse codecs
+                             // sit at 0.02..0.5 by nature, docs/metrics.md)
+  double loss_rise = 0.5;    // degraded: loss > baseline * (1 + rise)
+  uint32_t patience = 3;     // consecutive degraded steps before a rollback
   uint32_t cooldown_steps = 100;   // no further rollback for this many steps
   uint32_t known_good_steps = 50;  // settings in force this long without degradation are good
   // Schedules.
@@ -58,7 +59,7 @@ struct PolicyConfig {
   size_t decision_log = 256;          // entries kept in /v1/status
 };
 
-/// Checks ranges (factors > 0, alpha in (0, 1], cosine_drop in (0, 2], ...); errors name the key.
+/// Checks ranges (factors > 0, alpha in (0, 1], cosine_drop in (0, 1), ...); errors name the key.
 Status validate(const PolicyConfig& c);
 
 enum class StepMode { kCompressed, kBypass, kFullSync, kSkip };

@@ -639,8 +639,8 @@ std::vector<KeyImpl> makeKeyTable() {
              "compression settings");
   policyNumber(
       "policies.cosine_drop", "--cosine-drop", &P::cosine_drop,
-      [](double v) { return v > 0 && v <= 2; }, "number in (0, 2]",
-      "Degraded: the sampled cosine similarity is below its baseline minus this");
+      [](double v) { return v > 0 && v < 1; }, "number in (0, 1)",
+      "Degraded: the sampled cosine similarity is below its baseline times (1 - this)");
   policyNumber(
       "policies.loss_rise", "--loss-rise", &P::loss_rise, [](double v) { return v > 0; },
       "number > 0", "Degraded: the reported loss is above its baseline times (1 + this)");

@@ -271,6 +271,12 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   const unsigned threads =
       config.threads ? config.threads : std::max(1u, std::thread::hardware_concurrency());
   metrics::Metrics metrics;
+  metrics.setInfo({{"job_id", config.job_id},
+                   {"rank", std::to_string(config.peer.rank)},
+                   {"world_size", std::to_string(config.peer.world_size)},
+                   {"version", LIGHTWIRE_VERSION},
+                   {"transport", config.peer.transport},
+                   {"topology", config.peer.topology}});
   ipc::BufferTable buffers(static_cast<size_t>(config.limits.max_buffers));
   // The exchange with the other sidecars: none at world size 1, else the configured topology over
   // the configured transport.

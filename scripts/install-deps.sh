@@ -16,6 +16,9 @@ packages=(
   doctest-dev python3-numpy python3-xxhash python3-torch python3-pytest
   # source formatting check (.clang-format)
   clang-format
+  # observability: promtool (config, alert rules and their unit tests) and the Prometheus server
+  # the observability test scrapes the sidecars with
+  prometheus
 )
 
 missing=()

@@ -6,6 +6,7 @@
 #     which counts as skipped on a machine without a GPU (exit 77), never as passed;
 #   - the golden payload check of the independent reference implementation (one test);
 #   - the Python client and DDP hook tests (pytest) against the real sidecar and PyTorch;
+#   - promtool checks of docker/prometheus (config, rules, rule unit tests);
 #   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan).
 # Ends with exactly one line `N passed, M failed[, K skipped]` and exits non-zero when anything
 # failed, including a build. Logs: <prefix>-test-logs/ (prefix: LW_BUILD_PREFIX, default "build").
@@ -150,6 +151,14 @@ elif "$python" "$golden" --check >"$logs/golden.log" 2>&1; then
 else
   tail -n 40 "$logs/golden.log"
   fail "golden check" "see $logs/golden.log"
+fi
+
+note "== Prometheus configuration and alert rules (promtool)"
+if bash scripts/check-prometheus.sh >"$logs/promtool.log" 2>&1; then
+  pass "promtool check config, check rules, test rules (docker/prometheus)"
+else
+  tail -n 40 "$logs/promtool.log"
+  fail "promtool" "see $logs/promtool.log"
 fi
 
 note "== formatting (.clang-format)"
