@@ -80,3 +80,24 @@ def test_json_logs_are_one_object_per_line(sidecar_factory):
     assert any("full_sync" in m for m in msgs)
     # Quotes in messages stay valid JSON (tensor names cannot hold them; paths and reasons can).
     assert any("serving" in m for m in msgs)
+
+
+def test_no_per_step_lines_at_info(sidecar_factory):
+    """Info logs events, not steps: 60 steps of two tensors add no line at all."""
+    sc = sidecar_factory(codec="topk", density=0.1, extra=["--log-format", "json",
+                                                           "--full-sync-every", "0"])
+    with open(sc.stderr_path, encoding="utf-8") as f:
+        before = len([l for l in f.read().splitlines() if l.strip()])
+    c = sc.client()
+    try:
+        rng = np.random.default_rng(5)
+        for s in range(60):
+            for name in ("a", "b"):
+                c.emit_gradient(rng.standard_normal(3000).astype(np.float32), name, s)
+            c.report(s, loss=1.0)
+    finally:
+        c.close()
+    status("--socket", sc.socket)
+    with open(sc.stderr_path, encoding="utf-8") as f:
+        after = [json.loads(l) for l in f.read().splitlines() if l.strip()]
+    assert len(after) == before, [r["msg"] for r in after[before:]]
