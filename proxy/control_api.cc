@@ -246,6 +246,12 @@ ControlApi::ControlApi(ServeConfig config, metrics::Metrics& metrics, ipc::Buffe
       policy_(policy),
       compression_(std::make_shared<const CompressionConfig>(config_.compression)) {}
 
+void ControlApi::setCuda(std::shared_ptr<ipc::CudaDriver> driver, std::string why_not) {
+  std::lock_guard lock(mu_);
+  cuda_ = std::move(driver);
+  cuda_why_not_ = std::move(why_not);
+}
+
 void ControlApi::setAfterResume(std::function<void()> after) {
   std::lock_guard lock(mu_);
   after_resume_ = std::move(after);
@@ -580,8 +586,19 @@ Response ControlApi::registerBuffer(const Request& req) {
                         jsonU64(o, "size", true, &size)}) {
     if (!e.empty()) return badRequest(e);
   }
+  if (kind == "cuda_ipc") {
+    std::lock_guard lock(mu_);
+    if (!cuda_) {
+      return errorResponse(status::conflict, "failed_precondition",
+                           "this sidecar cannot open CUDA IPC handles: " + cuda_why_not_ +
+                               "; send host memory (kind 'shm') or an HTTP body instead");
+    }
+    return errorResponse(status::not_implemented, "not_implemented",
+                         "CUDA IPC buffers are not served yet (the GPU path, issue 8); send host "
+                         "memory (kind 'shm') or an HTTP body instead");
+  }
   if (kind != "shm") {
-    return badRequest("unknown buffer kind " + quoted(kind) + " (this build takes 'shm')");
+    return badRequest("unknown buffer kind " + quoted(kind) + " (known: 'shm', 'cuda_ipc')");
   }
   ipc::BufferTable::AddError why{};
   std::string error;
@@ -770,6 +787,22 @@ Response ControlApi::status() {
   o["buffers"] = std::move(bufs);
   o["steps"] = json::object{{"ok", engine_.stepsOk()}, {"failed", engine_.stepsFailed()}};
   if (policy_) o["policies"] = policy_->statusJson();
+  {
+    std::lock_guard lock(mu_);
+    json::object cuda{{"available", cuda_ != nullptr}};
+    if (cuda_) {
+      cuda["driver_version"] = cuda_->version();
+      json::array devices;
+      for (const auto& d : cuda_->devices()) {
+        devices.push_back(
+            json::object{{"ordinal", d.ordinal}, {"name", d.name}, {"pci_bus_id", d.pci_bus_id}});
+      }
+      cuda["devices"] = std::move(devices);
+    } else {
+      cuda["why_not"] = cuda_why_not_;
+    }
+    o["cuda"] = std::move(cuda);
+  }
   return jsonResponse(status::ok, o);
 }
 

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "ipc/cuda_driver.h"
 #include "ipc/shm_region.h"
 #include "metrics/metrics.h"
 #include "policies/policy.h"
@@ -50,6 +51,8 @@ class ControlApi {
   /// Where the peers stand (world size > 1): one entry per rank, true when connected (this
   /// rank's own entry is true). /readyz is 503 until all are, and /v1/status lists them.
   void setPeers(std::function<std::vector<bool>()> peers_up);
+  /// The CUDA driver, when loaded (else null and why): /v1/status and `cuda_ipc` buffers.
+  void setCuda(std::shared_ptr<ipc::CudaDriver> driver, std::string why_not);
   /// Called after a successful POST /v1/resume (tells the other sidecars).
   void setAfterResume(std::function<void()> after);
 
@@ -77,6 +80,8 @@ class ControlApi {
   BoundListeners listeners_;
   std::function<std::vector<bool>()> peers_up_;
   std::function<void()> after_resume_;
+  std::shared_ptr<ipc::CudaDriver> cuda_;
+  std::string cuda_why_not_ = "not probed";
   std::shared_ptr<const CompressionConfig> compression_;
   boost::json::object last_report_;
 };

@@ -367,6 +367,24 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   StepEngine engine(eo, chooserFor(std::make_shared<const CompressionConfig>(config.compression)),
                     metrics, *exchange);
   ControlApi api(config, metrics, buffers, engine, &policy);
+  {
+    // The CUDA driver, loaded at run time: absent, the sidecar is CPU-only (DESIGN.md §9).
+    std::string why_not;
+    auto cuda = ipc::CudaDriver::load(&why_not);
+    if (cuda) {
+      std::string gpus;
+      for (const auto& d : cuda->devices()) {
+        gpus += (gpus.empty() ? "" : "; ") + std::to_string(d.ordinal) + ": " + d.name + " (" +
+                d.pci_bus_id + ")";
+      }
+      spdlog::info("CUDA driver {}.{}: {} GPU(s){}{}", cuda->version() / 1000,
+                   cuda->version() % 1000 / 10, cuda->devices().size(), gpus.empty() ? "" : ": ",
+                   gpus);
+    } else {
+      spdlog::info("CUDA: {}; CPU only", why_not);
+    }
+    api.setCuda(std::move(cuda), why_not);
+  }
   std::atomic<bool> restored{false};
   if (transport) {
     // The job's step and policy state travel to every peer that connects; a sidecar that has

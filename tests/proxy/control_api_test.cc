@@ -533,11 +533,16 @@ TEST_CASE("buffers: register, bad registrations, Form 2 regions, release twice")
        {R"({"name": "/a/b", "size": 64})", R"({"name": "x", "size": 64})",
         R"({"name": "", "size": 64})", R"({"size": 64})", R"({"name": "/x"})",
         R"({"name": "/x", "size": -1})", R"({"name": "/x", "size": 0})",
-        R"({"kind": "cuda_ipc", "name": "/x", "size": 64})",
+        R"({"kind": "gpu", "name": "/x", "size": 64})",
         R"({"name": "/x", "size": 64, "extra": 1})", R"({"name": 5, "size": 64})"}) {
     CAPTURE(body);
     expectError(c.request(http::verb::post, "/v1/buffers", body, kJson), 400, "invalid_argument");
   }
+  // CUDA IPC handles need the CUDA driver (none here, or none probed): a clear refusal.
+  m = expectError(c.request(http::verb::post, "/v1/buffers",
+                            R"({"kind": "cuda_ipc", "name": "/x", "size": 64})", kJson),
+                  409, "failed_precondition");
+  CHECK(m.find("cannot open CUDA IPC handles") != std::string::npos);
   CHECK(snapshot(c) == before);
   CHECK(s.buffers.count() == 0);
 
