@@ -533,8 +533,8 @@ TEST_CASE("buffers: register, bad registrations, Form 2 regions, release twice")
        {R"({"name": "/a/b", "size": 64})", R"({"name": "x", "size": 64})",
         R"({"name": "", "size": 64})", R"({"size": 64})", R"({"name": "/x"})",
         R"({"name": "/x", "size": -1})", R"({"name": "/x", "size": 0})",
-        R"({"kind": "gpu", "name": "/x", "size": 64})",
-        R"({"name": "/x", "size": 64, "extra": 1})", R"({"name": 5, "size": 64})"}) {
+        R"({"kind": "gpu", "name": "/x", "size": 64})", R"({"name": "/x", "size": 64, "extra": 1})",
+        R"({"name": 5, "size": 64})"}) {
     CAPTURE(body);
     expectError(c.request(http::verb::post, "/v1/buffers", body, kJson), 400, "invalid_argument");
   }
