@@ -249,6 +249,12 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     return 0;
   }
   auto built = buildServeConfig(flags.config_file, environment(), flags, &warnings);
+  // The log format first, so that even the configuration's warnings come in it (a configuration
+  // that fails to build is reported as text: its format is unknown).
+  if (built) {
+    spdlog::set_level(spdlog::level::from_str(built->log_level));
+    if (built->log_format == "json") setJsonLogFormat();
+  }
   for (const auto& w : warnings) spdlog::warn("{}", w);
   if (!built) {
     spdlog::error("{}", built.status().message());
@@ -259,8 +265,6 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     return kExitUsage;
   }
   const ServeConfig config = std::move(*built);
-  spdlog::set_level(spdlog::level::from_str(config.log_level));
-  if (config.log_format == "json") setJsonLogFormat();
 
   // Large request bodies and step buffers come and go at every step: keep freed memory in the
   // heap instead of unmapping it, so the next 100 MB body does not page-fault its way in again

@@ -64,7 +64,9 @@ def test_status_errors_are_clear(tmp_path):
     assert r.returncode == 2 and "not both" in r.stderr
 
 
-def test_json_logs_are_one_object_per_line(sidecar_factory):
+def test_json_logs_are_one_object_per_line(sidecar_factory, monkeypatch):
+    # An unknown LIGHTWIRE_* variable: its warning comes before anything else, in JSON too.
+    monkeypatch.setenv("LIGHTWIRE_NO_SUCH_KEY", "1")
     sc = sidecar_factory(codec="topk", density=0.1, extra=["--log-format", "json",
                                                            "--full-sync-every", "2"])
     drive(sc, 5, name='odd"name'.replace('"', "_"))
@@ -80,6 +82,7 @@ def test_json_logs_are_one_object_per_line(sidecar_factory):
     assert any("full_sync" in m for m in msgs)
     # Quotes in messages stay valid JSON (tensor names cannot hold them; paths and reasons can).
     assert any("serving" in m for m in msgs)
+    assert any("LIGHTWIRE_NO_SUCH_KEY" in m for m in msgs)
 
 
 def test_no_per_step_lines_at_info(sidecar_factory):
