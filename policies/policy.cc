@@ -323,7 +323,10 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
       }
     }
   } else {
-    if (!degraded) ts.degraded = 0;
+    // A step that measured no health signal (the cosine is sampled) neither breaks nor extends
+    // a degraded streak.
+    const bool measured = (cos && plan.mode == StepMode::kCompressed) || new_loss;
+    if (!degraded && measured) ts.degraded = 0;
     if (cos && plan.mode == StepMode::kCompressed) ts.cosine.add(*cos, alpha);
     if (new_loss) ts.loss.add(*loss, alpha);
     // Settings in force long enough without degradation are known-good.
