@@ -92,22 +92,29 @@ std::string instancePrefix() {
 BufferTable::BufferTable(size_t max_buffers)
     : max_buffers_(max_buffers), prefix_(instancePrefix()) {}
 
+bool BufferTable::hasRoom(std::string* error) const {
+  std::lock_guard lock(mu_);
+  if (buffers_.size() < max_buffers_) return true;
+  *error = "at most " + std::to_string(max_buffers_) +
+           " buffers may be registered (limits.max_buffers); release one first";
+  return false;
+}
+
 std::string BufferTable::add(const std::string& name, uint64_t size, AddError* why,
                              std::string* error) {
-  {
-    std::lock_guard lock(mu_);
-    if (buffers_.size() >= max_buffers_) {
-      *why = AddError::kLimit;
-      *error = "at most " + std::to_string(max_buffers_) +
-               " buffers may be registered (limits.max_buffers); release one first";
-      return "";
-    }
+  if (!hasRoom(error)) {
+    *why = AddError::kLimit;
+    return "";
   }
   auto region = ShmRegion::open(name, size, error);  // outside the lock: a system call
   if (!region) {
     *why = AddError::kInvalid;
     return "";
   }
+  return insert(std::shared_ptr<Region>(std::move(region)), why, error);
+}
+
+std::string BufferTable::insert(std::shared_ptr<Region> region, AddError* why, std::string* error) {
   std::lock_guard lock(mu_);
   if (buffers_.size() >= max_buffers_) {  // another registration won the race
     *why = AddError::kLimit;
@@ -117,13 +124,13 @@ std::string BufferTable::add(const std::string& name, uint64_t size, AddError* w
   }
   const uint64_t ordinal = next_id_++;
   std::string id = prefix_ + std::to_string(ordinal);
-  buffers_.emplace(id, Entry{ordinal, std::shared_ptr<ShmRegion>(std::move(region))});
+  buffers_.emplace(id, Entry{ordinal, std::move(region)});
   *why = AddError::kNone;
   return id;
 }
 
 bool BufferTable::remove(const std::string& id) {
-  std::shared_ptr<ShmRegion> released;  // unmapped after the lock is dropped
+  std::shared_ptr<Region> released;  // unmapped (closed) after the lock is dropped
   std::lock_guard lock(mu_);
   auto it = buffers_.find(id);
   if (it == buffers_.end()) return false;
@@ -132,7 +139,7 @@ bool BufferTable::remove(const std::string& id) {
   return true;
 }
 
-std::shared_ptr<ShmRegion> BufferTable::find(const std::string& id) const {
+std::shared_ptr<Region> BufferTable::find(const std::string& id) const {
   std::lock_guard lock(mu_);
   auto it = buffers_.find(id);
   return it == buffers_.end() ? nullptr : it->second.region;
@@ -148,7 +155,7 @@ std::vector<BufferTable::Listed> BufferTable::list() const {
   {
     std::lock_guard lock(mu_);
     for (const auto& [id, e] : buffers_) {
-      sorted.push_back({e.ordinal, {id, e.region->name(), e.region->size()}});
+      sorted.push_back({e.ordinal, {id, e.region->name(), e.region->size(), e.region->kind()}});
     }
   }
   std::sort(sorted.begin(), sorted.end(),

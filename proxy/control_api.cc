@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 
+#include "ipc/cuda_ipc.h"
 #include "proxy/version.h"
 
 namespace lightwire::proxy {
@@ -561,6 +562,15 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   c.spec = spec;
   c.data = region->data() + offset;
   c.still_valid = [region] { return region->stillBacked(); };
+  if (std::string_view(region->kind()) != "shm") {
+    const uint64_t bytes = spec.elements * width;
+    c.fetch = [region, offset, bytes](std::string* why) {
+      return region->fetch(offset, bytes, why);
+    };
+    c.store = [region, offset, bytes](std::string* why) {
+      return region->store(offset, bytes, why);
+    };
+  }
   c.keep_alive = region;
   replied = true;
   const std::string name = spec.name;
@@ -575,30 +585,21 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
 Response ControlApi::registerBuffer(const Request& req) {
   json::object o;
   if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
-  for (const auto& kv : o) {
-    if (kv.key() != "kind" && kv.key() != "name" && kv.key() != "size") {
-      return badRequest("unknown field " + quoted(kv.key()));
-    }
-  }
-  std::string kind = "shm", name;
-  uint64_t size = 0;
-  for (std::string e : {jsonString(o, "kind", false, &kind), jsonString(o, "name", true, &name),
-                        jsonU64(o, "size", true, &size)}) {
-    if (!e.empty()) return badRequest(e);
-  }
-  if (kind == "cuda_ipc") {
-    std::lock_guard lock(mu_);
-    if (!cuda_) {
-      return errorResponse(status::conflict, "failed_precondition",
-                           "this sidecar cannot open CUDA IPC handles: " + cuda_why_not_ +
-                               "; send host memory (kind 'shm') or an HTTP body instead");
-    }
-    return errorResponse(status::not_implemented, "not_implemented",
-                         "CUDA IPC buffers are not served yet (the GPU path, issue 8); send host "
-                         "memory (kind 'shm') or an HTTP body instead");
-  }
+  std::string kind = "shm";
+  if (std::string e = jsonString(o, "kind", false, &kind); !e.empty()) return badRequest(e);
+  if (kind == "cuda_ipc") return registerCudaBuffer(o);
   if (kind != "shm") {
     return badRequest("unknown buffer kind " + quoted(kind) + " (known: 'shm', 'cuda_ipc')");
+  }
+  for (const auto& kv : o) {
+    if (kv.key() != "kind" && kv.key() != "name" && kv.key() != "size") {
+      return badRequest("unknown field " + quoted(kv.key()) + " for kind 'shm'");
+    }
+  }
+  std::string name;
+  uint64_t size = 0;
+  for (std::string e : {jsonString(o, "name", true, &name), jsonU64(o, "size", true, &size)}) {
+    if (!e.empty()) return badRequest(e);
   }
   ipc::BufferTable::AddError why{};
   std::string error;
@@ -612,6 +613,83 @@ Response ControlApi::registerBuffer(const Request& req) {
   metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
   spdlog::debug("registered buffer {} ({} bytes of {})", id, size, name);
   return jsonResponse(status::created, json::object{{"id", id}, {"kind", "shm"}, {"size", size}});
+}
+
+Response ControlApi::registerCudaBuffer(const json::object& o) {
+  for (const auto& kv : o) {
+    const std::string_view k = kv.key();
+    if (k != "kind" && k != "name" && k != "size" && k != "handle" && k != "device" &&
+        k != "offset" && k != "event") {
+      return badRequest("unknown field " + quoted(kv.key()) + " for kind 'cuda_ipc'");
+    }
+  }
+  ipc::CudaIpcSpec spec;
+  std::string handle, event;
+  bool has_event = false;
+  for (std::string e :
+       {jsonString(o, "handle", true, &handle), jsonString(o, "device", true, &spec.pci_bus_id),
+        jsonU64(o, "size", true, &spec.size), jsonU64(o, "offset", false, &spec.offset),
+        jsonString(o, "name", false, &spec.name)}) {
+    if (!e.empty()) return badRequest(e);
+  }
+  if (o.if_contains("event") != nullptr && !o.at("event").is_null()) {
+    if (std::string e = jsonString(o, "event", true, &event); !e.empty()) return badRequest(e);
+    has_event = true;
+  }
+  if (!ipc::parseHandleHex(handle, &spec.memory)) {
+    return badRequest(
+        "field 'handle' must be the 64-byte CUDA IPC memory handle as 128 hex digits");
+  }
+  if (has_event) {
+    ipc::CudaIpcHandle ev;
+    if (!ipc::parseHandleHex(event, &ev)) {
+      return badRequest(
+          "field 'event' must be the 64-byte CUDA IPC event handle as 128 hex digits");
+    }
+    spec.event = ev;
+  }
+  if (spec.size == 0) return badRequest("field 'size' must be > 0");
+  if (spec.pci_bus_id.empty() || spec.pci_bus_id.size() > 64) {
+    return badRequest("field 'device' must be the GPU's PCI bus id, e.g. \"0000:3b:00.0\"");
+  }
+  if (spec.name.size() > 256) return badRequest("field 'name' is longer than 256 bytes");
+  std::shared_ptr<ipc::CudaDriver> driver;
+  {
+    std::lock_guard lock(mu_);
+    if (!cuda_) {
+      return errorResponse(status::conflict, "failed_precondition",
+                           "this sidecar cannot open CUDA IPC handles: " + cuda_why_not_ +
+                               "; send host memory (kind 'shm') or an HTTP body instead");
+    }
+    driver = cuda_;
+  }
+  std::string error;
+  if (!buffers_.hasRoom(&error)) {
+    return errorResponse(status::too_many_requests, "limit_reached", error);
+  }
+  // This version stages device buffers through host memory of their size: bounded like a body.
+  if (spec.size > config_.limits.max_body_bytes) {
+    return errorResponse(status::payload_too_large, "too_large",
+                         "a CUDA IPC buffer of " + std::to_string(spec.size) +
+                             " bytes exceeds limits.max_body_bytes (" +
+                             std::to_string(config_.limits.max_body_bytes) +
+                             "): register smaller ranges (one per gradient bucket)");
+  }
+  auto region = ipc::CudaIpcRegion::open(driver, spec, &error);
+  if (!region) return badRequest(error);
+  const std::string label = region->name();
+  const int ordinal = region->deviceOrdinal();
+  ipc::BufferTable::AddError why{};
+  const std::string id = buffers_.insert(std::move(region), &why, &error);
+  if (id.empty()) return errorResponse(status::too_many_requests, "limit_reached", error);
+  metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
+  spdlog::debug("registered CUDA IPC buffer {} ({} bytes on GPU {} = {})", id, spec.size, ordinal,
+                spec.pci_bus_id);
+  return jsonResponse(status::created, json::object{{"id", id},
+                                                    {"kind", "cuda_ipc"},
+                                                    {"size", spec.size},
+                                                    {"device", spec.pci_bus_id},
+                                                    {"name", label}});
 }
 
 Response ControlApi::releaseBuffer(const std::string& id) {
@@ -782,7 +860,8 @@ Response ControlApi::status() {
   o["tensors"] = engine_.tensorsJson();
   json::array bufs;
   for (const auto& b : buffers_.list()) {
-    bufs.push_back(json::object{{"id", b.id}, {"name", b.name}, {"size", b.size}});
+    bufs.push_back(
+        json::object{{"id", b.id}, {"name", b.name}, {"size", b.size}, {"kind", b.kind}});
   }
   o["buffers"] = std::move(bufs);
   o["steps"] = json::object{{"ok", engine_.stepsOk()}, {"failed", engine_.stepsFailed()}};

@@ -62,6 +62,7 @@ class ControlApi {
   Response emitRaw(Request& req, const RequestTarget& t, Reply& reply, bool& replied);
   Response emitShm(Request& req, Reply& reply, bool& replied);
   Response registerBuffer(const Request& req);
+  Response registerCudaBuffer(const boost::json::object& o);
   Response releaseBuffer(const std::string& id);
   Response report(const Request& req);
   Response putConfig(const Request& req, const RequestInfo& info);

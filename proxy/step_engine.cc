@@ -516,7 +516,21 @@ void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
     metrics_.steps_failed.Increment();
     spdlog::warn("tensor '{}' step {} failed: {}", t.name, step, outcome.message);
   }
-  for (auto& d : p.dones) d(outcome);
+  for (size_t k = 0; k < p.dones.size(); ++k) {
+    // Device buffers get their result copied back before the reply says it is there.
+    std::string why;
+    if (outcome.http_status == 200 && p.parts[k] && p.parts[k]->store && !p.parts[k]->store(&why)) {
+      spdlog::error(
+          "tensor '{}' step {}: trainer {}'s result could not be written to its GPU "
+          "buffer: {}",
+          t.name, step, k, why);
+      StepOutcome failed{500, "device_error",
+                         "the result could not be written to the GPU buffer: " + why};
+      p.dones[k](failed);
+      continue;
+    }
+    p.dones[k](outcome);
+  }
   if (pending_resume_) {
     const uint64_t at = *pending_resume_;
     pending_resume_.reset();
@@ -550,6 +564,11 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       return fail(409, "conflict",
                   "trainer " + std::to_string(part->spec.trainer) +
                       "'s buffer no longer holds its registered size (was it truncated?)");
+    }
+    if (std::string why; part->fetch && !part->fetch(&why)) {
+      return fail(500, "device_error",
+                  "trainer " + std::to_string(part->spec.trainer) +
+                      "'s GPU buffer could not be read: " + why);
     }
   }
 

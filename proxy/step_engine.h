@@ -45,6 +45,11 @@ struct Contribution {
   std::byte* data = nullptr;          // elements * dtypeSize(dtype) bytes, read then overwritten
   std::shared_ptr<void> keep_alive;   // owns `data` (a request body, a mapped region)
   std::function<bool()> still_valid;  // checked right before the bytes are touched (may be empty)
+  /// Device memory (a CUDA IPC buffer, ipc/cuda_ipc.h) staged at `data`: `fetch` copies the
+  /// gradient from the device into `data` right before the step reads it, `store` copies the
+  /// result from `data` back to the device after the step, before the reply. Empty for host
+  /// memory. false and a message on failure.
+  std::function<bool(std::string*)> fetch, store;
 };
 
 /// Figures of a completed step (the JSON reply of docs/api.md).

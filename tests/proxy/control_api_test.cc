@@ -538,11 +538,43 @@ TEST_CASE("buffers: register, bad registrations, Form 2 regions, release twice")
     CAPTURE(body);
     expectError(c.request(http::verb::post, "/v1/buffers", body, kJson), 400, "invalid_argument");
   }
-  // CUDA IPC handles need the CUDA driver (none here, or none probed): a clear refusal.
-  m = expectError(c.request(http::verb::post, "/v1/buffers",
-                            R"({"kind": "cuda_ipc", "name": "/x", "size": 64})", kJson),
+  // CUDA IPC handles: malformed registrations are refused as such (400) before anything else;
+  // a well-formed one needs the CUDA driver (none here, or none probed): a clear 409.
+  const std::string handle(128, 'a');
+  auto cudaReg = [&](const std::string& fields) {
+    return c.request(http::verb::post, "/v1/buffers", R"({"kind": "cuda_ipc", )" + fields + "}",
+                     kJson);
+  };
+  m = expectError(cudaReg(R"("device": "0000:3b:00.0", "size": 64)"), 400, "invalid_argument");
+  CHECK(m.find("'handle'") != std::string::npos);
+  m = expectError(cudaReg(R"("handle": "abc", "device": "0000:3b:00.0", "size": 64)"), 400,
+                  "invalid_argument");
+  CHECK(m.find("128 hex digits") != std::string::npos);
+  m = expectError(
+      cudaReg(R"("handle": ")" + std::string(127, 'a') + R"(g", "device": "0", "size": 64)"), 400,
+      "invalid_argument");
+  CHECK(m.find("128 hex digits") != std::string::npos);
+  m = expectError(cudaReg(R"("handle": ")" + handle + R"(", "size": 64)"), 400, "invalid_argument");
+  CHECK(m.find("'device'") != std::string::npos);
+  m = expectError(cudaReg(R"("handle": ")" + handle + R"(", "device": "0000:3b:00.0", "size": 0)"),
+                  400, "invalid_argument");
+  CHECK(m.find("'size'") != std::string::npos);
+  m = expectError(cudaReg(R"("handle": ")" + handle +
+                          R"(", "device": "0000:3b:00.0", "size": 64, "event": "zz")"),
+                  400, "invalid_argument");
+  CHECK(m.find("'event'") != std::string::npos);
+  m = expectError(
+      cudaReg(R"("handle": ")" + handle + R"(", "device": "0000:3b:00.0", "size": 64, "color": 1)"),
+      400, "invalid_argument");
+  CHECK(m.find("unknown field") != std::string::npos);
+  m = expectError(cudaReg(R"("handle": ")" + handle + R"(", "device": "0000:3b:00.0", "size": 64)"),
                   409, "failed_precondition");
   CHECK(m.find("cannot open CUDA IPC handles") != std::string::npos);
+  // An shm registration with a cuda_ipc field is refused, naming the field and the kind.
+  m = expectError(c.request(http::verb::post, "/v1/buffers",
+                            R"({"kind": "shm", "name": "/x", "size": 64, "handle": "a"})", kJson),
+                  400, "invalid_argument");
+  CHECK(m.find("for kind 'shm'") != std::string::npos);
   CHECK(snapshot(c) == before);
   CHECK(s.buffers.count() == 0);
 

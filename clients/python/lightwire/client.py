@@ -303,6 +303,17 @@ class Client(object):
             shm.buffer_id = bid
         return bid
 
+    def register_cuda(self, tensor, event=None, name=None):
+        """Register a CUDA tensor's memory through CUDA IPC (``POST /v1/buffers`` with kind
+        ``cuda_ipc``); returns the buffer id. The tensor must stay alive (and must not move)
+        while registered. ``event``: a ``torch.cuda.Event(interprocess=True)`` the trainer
+        records after writing each gradient; the sidecar orders its reads after it. Without one,
+        synchronise the producing stream before each emit. The sidecar writes each result in
+        place before it replies. Raises ``LightwireError`` 409 ``failed_precondition`` when the
+        sidecar has no CUDA driver (use the shared-memory path instead)."""
+        doc = cuda_ipc_spec(tensor, event=event, name=name)
+        return str(self._json("POST", "/v1/buffers", doc).json()["id"])
+
     def release_buffer(self, buffer_id):
         """``DELETE /v1/buffers/{id}`` (accepts a registered ``ShmSegment`` too)."""
         seg = None
@@ -389,6 +400,58 @@ class Client(object):
             return self.request("GET", "/healthz").status == 200
         except LightwireError:
             return False
+
+
+def pci_bus_id(device):
+    """The PCI bus id ("0000:3b:00.0") of a CUDA device (a torch.device or index), as the CUDA
+    driver names it: how the sidecar finds the GPU whatever CUDA_VISIBLE_DEVICES each process
+    has."""
+    import subprocess
+    import torch
+    props = torch.cuda.get_device_properties(device)
+    try:
+        return "%04x:%02x:%02x.0" % (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+    except AttributeError:
+        pass
+    # Older PyTorch: match the device's UUID in nvidia-smi's table.
+    uuid = str(getattr(props, "uuid", "") or "").lower().replace("gpu-", "")
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and uuid and parts[0].lower().replace("gpu-", "") == uuid:
+            return parts[1]
+    raise ValueError("lightwire: cannot tell the PCI bus id of %s (this PyTorch %s does not "
+                     "report it and nvidia-smi did not help); CUDA IPC registration needs it"
+                     % (device, torch.__version__))
+
+
+def cuda_ipc_spec(tensor, event=None, name=None):
+    """The ``POST /v1/buffers`` document that registers ``tensor`` (contiguous, on a GPU) through
+    CUDA IPC, from PyTorch's own IPC export (``UntypedStorage._share_cuda_``): the handle names
+    the allocator block that holds the storage, so the registered range is the storage's offset
+    in that block plus the tensor's offset in the storage."""
+    if not tensor.is_cuda:
+        raise ValueError("lightwire: register_cuda takes a CUDA tensor, got one on %s" % tensor.device)
+    if not tensor.is_contiguous():
+        raise ValueError("lightwire: register_cuda takes a contiguous tensor")
+    storage = tensor.untyped_storage()
+    shared = storage._share_cuda_()
+    handle, storage_offset = shared[1], shared[3]
+    if not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
+        raise ValueError("lightwire: unexpected CUDA IPC handle from this PyTorch: %r" % (handle,))
+    esize = tensor.element_size()
+    doc = {"kind": "cuda_ipc", "handle": bytes(handle).hex(), "device": pci_bus_id(tensor.device),
+           "offset": int(storage_offset) + tensor.storage_offset() * esize,
+           "size": tensor.numel() * esize}
+    if event is not None:
+        doc["event"] = bytes(event.ipc_handle()).hex()
+    if name is not None:
+        doc["name"] = str(name)
+    return doc
 
 
 def _int_or_none(v):

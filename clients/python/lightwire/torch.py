@@ -4,10 +4,16 @@
     state = lwt.LightwireHookState()
     ddp_model.register_comm_hook(state, lwt.ddp_comm_hook)
 
-Each bucket goes over the shared-memory path (docs/api.md, Form 2): the flattened gradient is
+Each CPU bucket goes over the shared-memory path (docs/api.md, Form 2): the flattened gradient is
 copied once into a segment registered with the sidecar, the sidecar writes the mean over all
 trainers back in place, and the hook's future resolves to a tensor viewing that segment (DDP
 copies it into the parameters' gradients; the hook copies nothing back).
+
+Each CUDA bucket goes over CUDA IPC (docs/cuda.md): it is copied (device to device) into a tensor
+of its own, registered once with the sidecar through PyTorch's IPC export, an interprocess event
+is recorded after the copy, and the sidecar writes the mean in place before it replies. When the
+sidecar has no CUDA driver (409 failed_precondition), CUDA buckets go through host shared memory
+instead, for the rest of the run.
 
 Failures (DESIGN.md §10): with ``on_error="fallback"`` (default) a failed step (an error reply,
 a timeout or an unreachable sidecar) is logged, counted in ``state.fallbacks``, reported to the
@@ -65,6 +71,22 @@ class _Slot(object):
         self.view = torch.frombuffer(self.segment.buf, dtype=dtype, count=numel)
 
 
+class _CudaSlot(object):
+    """One CUDA bucket index's device tensor, registered with the sidecar through CUDA IPC, and
+    the interprocess event recorded after each copy into it (the sidecar orders its reads after
+    it). The sidecar writes the mean back in place before it replies."""
+
+    __slots__ = ("view", "dtype", "numel", "event", "buffer_id", "device")
+
+    def __init__(self, numel, dtype, device):
+        self.view = torch.empty(numel, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.numel = numel
+        self.device = device
+        self.event = torch.cuda.Event(interprocess=True)
+        self.buffer_id = None
+
+
 class LightwireHookState(object):
     """State of ``ddp_comm_hook``.
 
@@ -101,6 +123,10 @@ class LightwireHookState(object):
         self.last_reply = None
         self.last_error = None
         self._slots = {}           # bucket index -> _Slot
+        self._cuda_slots = {}      # bucket index -> _CudaSlot
+        # CUDA buckets go through CUDA IPC while the sidecar takes it; after a refusal (no CUDA
+        # driver there) through shared memory, copied to and from the host.
+        self.cuda_ipc = True
         self._lock = threading.Lock()
         # HTTP calls run in one thread (see max_workers); completions (and fallback collectives) run in one
         # thread, in the order DDP launched the buckets (bucket index order, the same on every
@@ -139,12 +165,33 @@ class LightwireHookState(object):
                 log.debug("lightwire: releasing buffer %s: %s", bid, e)
         slot.segment.close()
 
+    def _cuda_slot(self, index, numel, dtype, device):
+        slot = self._cuda_slots.get(index)
+        if slot is not None and slot.numel == numel and slot.dtype == dtype and slot.device == device:
+            return slot
+        if slot is not None:
+            self._drop_cuda_slot(index, slot)
+        slot = _CudaSlot(numel, dtype, device)
+        self._cuda_slots[index] = slot
+        return slot
+
+    def _drop_cuda_slot(self, index, slot):
+        self._cuda_slots.pop(index, None)
+        bid, slot.buffer_id = slot.buffer_id, None
+        if bid is not None:
+            try:
+                self.client.release_buffer(bid)
+            except LightwireError as e:
+                log.debug("lightwire: releasing buffer %s: %s", bid, e)
+
     def close(self):
         """Wait for the calls in flight, release and unlink every segment, stop the threads."""
         self._http.shutdown(wait=True)
         self._ordered.shutdown(wait=True)
         for index, slot in list(self._slots.items()):
             self._drop_slot(index, slot)
+        for index, slot in list(self._cuda_slots.items()):
+            self._drop_cuda_slot(index, slot)
 
     # ------------------------------------------------------------------ one bucket
 
@@ -171,6 +218,28 @@ class LightwireHookState(object):
                     continue
                 raise
 
+    def _emit_cuda(self, slot, name, step, shape):
+        """As _emit, for a CUDA slot (its event was recorded by the caller's stream)."""
+        from .client import cuda_ipc_spec
+        for attempt in (0, 1):
+            if slot.buffer_id is None:
+                doc = cuda_ipc_spec(slot.view, event=slot.event)
+                slot.buffer_id = str(self.client._json("POST", "/v1/buffers", doc).json()["id"])
+            try:
+                return self.client.emit_gradient_shm(slot.buffer_id, name=name, step=step,
+                                                     dtype=_DTYPES[slot.dtype], shape=shape,
+                                                     trainer=self.trainer)
+            except SidecarUnavailable:
+                slot.buffer_id = None
+                raise
+            except LightwireError as e:
+                if e.error == "shutting_down":
+                    slot.buffer_id = None
+                elif e.status == 404 and e.error == "not_found" and attempt == 0:
+                    slot.buffer_id = None
+                    continue
+                raise
+
     def _complete(self, http_future, fut, slot, bucket_buffer, step):
         """Runs in the ordered thread: resolve the hook's future."""
         try:
@@ -184,7 +253,10 @@ class LightwireHookState(object):
         pending = self.fallbacks - self.fallbacks_reported
         if pending > 0:
             self._report_fallbacks(step, pending)
-        fut.set_result(slot.view.view(bucket_buffer.shape))
+        result = slot.view.view(bucket_buffer.shape)
+        if result.device != bucket_buffer.device:  # a CUDA bucket through shared memory
+            result = result.to(bucket_buffer.device)
+        fut.set_result(result)
 
     def _failed(self, e, fut, bucket_buffer, step):
         self.last_error = e
@@ -226,22 +298,60 @@ def ddp_comm_hook(state, bucket):
     step = state.steps.get(index, state.first_step)
     state.steps[index] = step + 1
     fut = torch.futures.Future()
+    name = "%s.%d" % (state.name_prefix, index)
     try:
-        if buf.dtype not in _DTYPES or buf.device.type != "cpu":
-            raise TypeError("lightwire: bucket %d has dtype %s on %s; the sidecar takes CPU "
-                            "float32, float16 or bfloat16" % (index, buf.dtype, buf.device))
+        if buf.dtype not in _DTYPES or buf.device.type not in ("cpu", "cuda"):
+            raise TypeError("lightwire: bucket %d has dtype %s on %s; the sidecar takes CPU or "
+                            "CUDA float32, float16 or bfloat16" % (index, buf.dtype, buf.device))
         flat = buf.view(-1) if buf.is_contiguous() else buf.reshape(-1)
+        if buf.device.type == "cuda" and state.cuda_ipc:
+            slot = state._cuda_slot(index, flat.numel(), buf.dtype, buf.device)
+            slot.view.copy_(flat)  # device to device, on the current stream
+            slot.event.record()    # the sidecar's copy waits for it
+            http_future = state._http.submit(_emit_cuda_or_degrade, state, slot, index, flat,
+                                             name, step)
+            state._ordered.submit(_complete_cuda, state, http_future, fut, buf, step)
+            return fut
         slot = state._slot(index, flat.numel(), buf.dtype)
-        slot.view.copy_(flat)  # the only copy
+        slot.view.copy_(flat)  # the only copy (CUDA buckets: to the host)
     except (OSError, ValueError, TypeError) as e:  # e.g. /dev/shm full: this bucket falls back
         done = concurrent.futures.Future()
         done.set_exception(e)
         state._ordered.submit(state._complete, done, fut, None, buf, step)
         return fut
-    name = "%s.%d" % (state.name_prefix, index)
     http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()])
     state._ordered.submit(state._complete, http_future, fut, slot, buf, step)
     return fut
+
+
+def _emit_cuda_or_degrade(state, slot, index, flat, name, step):
+    """HTTP thread: the CUDA IPC path; if the sidecar cannot open CUDA IPC handles (409
+    failed_precondition: no CUDA driver there), every later CUDA bucket goes through shared
+    memory, and this one does now. Returns (slot used, reply)."""
+    try:
+        return slot, state._emit_cuda(slot, name, step, [flat.numel()])
+    except LightwireError as e:
+        if not (e.status == 409 and e.error == "failed_precondition" and slot.buffer_id is None):
+            raise
+        log.warning("lightwire: the sidecar cannot take CUDA IPC buffers (%s); CUDA buckets go "
+                    "through host shared memory instead", e)
+        state.cuda_ipc = False
+    host = state._slot(index, flat.numel(), slot.dtype)
+    torch.cuda.current_stream(slot.device).synchronize()
+    host.view.copy_(slot.view)
+    return host, state._emit(host, name, step, [flat.numel()])
+
+
+def _complete_cuda(state, http_future, fut, bucket_buffer, step):
+    """Ordered thread: unwrap (slot, reply) and resolve as _complete does."""
+    try:
+        slot, reply = http_future.result()
+    except Exception as e:
+        state._failed(e, fut, bucket_buffer, step)
+        return
+    done = concurrent.futures.Future()
+    done.set_result(reply)
+    state._complete(done, fut, slot, bucket_buffer, step)
 
 
 def _client_of(client, hook_state):
