@@ -295,49 +295,20 @@ using bucket_simd::signCodes;
 using bucket_simd::splitBlockSums;
 using bucket_simd::ternaryCodes;
 
-constexpr size_t kBucketHeaderBytes = kHeaderBytes + 4;  // + d
-constexpr size_t kSubBlock = 1024;                       // elements coded per batch
-constexpr size_t kParallelGrain = 1 << 15;               // elements per thread at least
+constexpr size_t kSubBlock = 1024;          // elements coded per batch
+constexpr size_t kParallelGrain = 1 << 15;  // elements per thread at least
 
-/// Static description of one kind. Plain value.
-struct KindInfo {
-  CodecId id;
-  const char* name;
-  unsigned bits;    // per element code width
-  unsigned scales;  // fp32 scales per bucket
-  bool default_error_feedback;
-};
-
-constexpr KindInfo kindInfo(BucketCodecKind k) {
-  switch (k) {
+/// The name of scale k of a bucket in messages.
+std::string scaleName(BucketCodecKind kind, uint64_t k) {
+  switch (kind) {
     case BucketCodecKind::kTerngrad:
-      return {CodecId::kTerngrad, "terngrad", 2, 1, false};
+      return "scaler";
     case BucketCodecKind::kSignsgd:
-      return {CodecId::kSignsgd, "signsgd", 1, 1, true};
+      return "scale";
     case BucketCodecKind::kOnebit:
       break;
   }
-  return {CodecId::kOnebit, "onebit", 1, 2, true};
-}
-
-/// Byte sizes of one payload. Plain value.
-struct BucketLayout {
-  uint64_t buckets = 0;
-  uint64_t scale_bytes = 0;
-  uint64_t code_bytes = 0;
-  uint64_t total = 0;
-};
-
-/// The layout of n elements in buckets of d; nullopt when d = 0 or n is so large that the sizes
-/// could overflow (hostile element counts).
-std::optional<BucketLayout> bucketLayout(uint64_t n, uint64_t d, const KindInfo& info) {
-  if (d == 0 || n > (uint64_t{1} << 60)) return std::nullopt;
-  BucketLayout l;
-  l.buckets = n / d + (n % d != 0 ? 1 : 0);
-  l.scale_bytes = 4 * info.scales * l.buckets;
-  l.code_bytes = packedBytes(n, info.bits);
-  l.total = kBucketHeaderBytes + l.scale_bytes + l.code_bytes;
-  return l;
+  return (k & 1) != 0 ? "neg" : "pos";
 }
 
 /// Packs codes[0..len) of `bits` (1 or 2) bits each, LSB-first, into dst[0..ceil(len*bits/8));
@@ -397,7 +368,7 @@ void unpackCodes(const uint8_t* src, size_t len, unsigned bits, uint8_t* codes) 
 class BucketCodec final : public Codec {
  public:
   BucketCodec(BucketCodecKind kind, const CodecConfig& c)
-      : kind_(kind), info_(kindInfo(kind)), config_(c), bucket_(c.bucket_size) {
+      : kind_(kind), info_(bucketKindInfo(kind)), config_(c), bucket_(c.bucket_size) {
     traits_.id = info_.id;
     traits_.name = info_.name;
     traits_.default_error_feedback = info_.default_error_feedback;
@@ -461,48 +432,14 @@ class BucketCodec final : public Codec {
 
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
                      size_t out_elements) const override {
-    const std::string name = info_.name;
-    auto h = readHeader(payload, info_.id, out_elements, 0);
-    if (!h) return h.status();
-    if (h->codec == CodecId::kNone) return decodeDenseF32(payload, *h, weight, out);
-    const uint8_t* p = payload.data();
-    if (payload.size() < kBucketHeaderBytes) {
-      return dataLoss(name + " payload truncated: " + std::to_string(payload.size()) +
-                      " bytes, its headers alone need " + std::to_string(kBucketHeaderBytes));
+    auto parsed = parseBucketPayload(kind_, payload, out_elements);
+    if (!parsed) return parsed.status();
+    if (parsed->header.codec == CodecId::kNone) {
+      return decodeDenseF32(payload, parsed->header, weight, out);
     }
-    const uint32_t d = loadU32(p + kHeaderBytes);
-    if (d == 0) return dataLoss(name + " payload has bucket size d = 0");
-    const uint64_t n = h->elements;
-    const auto layout = bucketLayout(n, d, info_);
-    if (!layout) {
-      return dataLoss(name + " payload element count " + std::to_string(n) + " is too large");
-    }
-    if (payload.size() != layout->total) {
-      return dataLoss(name + " payload of " + std::to_string(n) + " elements (d = " +
-                      std::to_string(d) + ") must be " + std::to_string(layout->total) +
-                      " bytes, got " + std::to_string(payload.size()));
-    }
-    const uint8_t* scales = p + kBucketHeaderBytes;
-    const uint64_t scale_count = layout->buckets * info_.scales;
-    for (uint64_t k = 0; k < scale_count; ++k) {
-      const float v = loadF32(scales + 4 * k);
-      // onebit's second scale of each bucket (neg) must be <= 0, every other scale >= 0.
-      const bool negative_scale = info_.scales == 2 && (k & 1) != 0;
-      const bool bad = !std::isfinite(v) || (negative_scale ? v > 0.0f : v < 0.0f);
-      if (bad) {
-        return dataLoss(name + " bucket " + std::to_string(k / info_.scales) + " has " +
-                        scaleName(k) + " " + std::to_string(v) + " (must be finite and " +
-                        (negative_scale ? "<= 0)" : ">= 0)"));
-      }
-    }
-    const uint8_t* codes = scales + layout->scale_bytes;
-    const auto code_bytes = static_cast<size_t>(layout->code_bytes);
-    if (!paddingIsZero({codes, code_bytes}, n * info_.bits)) {
-      return dataLoss(name + " payload has non-zero unused bits after its last code");
-    }
-    if (kind_ == BucketCodecKind::kTerngrad && hasCode3(codes, code_bytes)) {
-      return dataLoss(name + " payload has the invalid code 3");
-    }
+    const uint64_t n = parsed->header.elements, d = parsed->d;
+    const uint8_t* scales = parsed->scales;
+    const uint8_t* codes = parsed->codes;
 
     // Sub-blocks of kSubBlock codes start on byte boundaries; each is decoded bucket segment
     // by bucket segment.
@@ -533,18 +470,6 @@ class BucketCodec final : public Codec {
   }
 
  private:
-  std::string scaleName(uint64_t k) const {
-    switch (kind_) {
-      case BucketCodecKind::kTerngrad:
-        return "scaler";
-      case BucketCodecKind::kSignsgd:
-        return "scale";
-      case BucketCodecKind::kOnebit:
-        break;
-    }
-    return (k & 1) != 0 ? "neg" : "pos";
-  }
-
   // Stores bucket j's scales (x: its fp32-widenable elements) at `dst`; false when not finite.
   bool bucketScales(ConstTensor bucket, float* scratch, uint8_t* dst, float* first) const {
     uint32_t max_bits = 0;
@@ -654,7 +579,7 @@ class BucketCodec final : public Codec {
   }
 
   BucketCodecKind kind_;
-  KindInfo info_;
+  BucketKindInfo info_;
   CodecTraits traits_;
   CodecConfig config_;
   uint32_t bucket_;
@@ -663,9 +588,73 @@ class BucketCodec final : public Codec {
 
 }  // namespace
 
+std::optional<BucketLayout> bucketLayout(uint64_t n, uint64_t d, const BucketKindInfo& info) {
+  if (d == 0 || n > (uint64_t{1} << 60)) return std::nullopt;
+  BucketLayout l;
+  l.buckets = n / d + (n % d != 0 ? 1 : 0);
+  l.scale_bytes = 4 * info.scales * l.buckets;
+  l.code_bytes = packedBytes(n, info.bits);
+  l.total = kBucketHeaderBytes + l.scale_bytes + l.code_bytes;
+  return l;
+}
+
+Result<BucketPayload> parseBucketPayload(BucketCodecKind kind, std::span<const uint8_t> payload,
+                                         uint64_t out_elements) {
+  const BucketKindInfo info = bucketKindInfo(kind);
+  const std::string name = info.name;
+  auto h = readHeader(payload, info.id, out_elements, 0);
+  if (!h) return h.status();
+  BucketPayload parsed;
+  parsed.header = *h;
+  if (h->codec == CodecId::kNone) return parsed;
+  const uint8_t* p = payload.data();
+  if (payload.size() < kBucketHeaderBytes) {
+    return dataLoss(name + " payload truncated: " + std::to_string(payload.size()) +
+                    " bytes, its headers alone need " + std::to_string(kBucketHeaderBytes));
+  }
+  const uint32_t d = loadU32(p + kHeaderBytes);
+  if (d == 0) return dataLoss(name + " payload has bucket size d = 0");
+  const uint64_t n = h->elements;
+  const auto layout = bucketLayout(n, d, info);
+  if (!layout) {
+    return dataLoss(name + " payload element count " + std::to_string(n) + " is too large");
+  }
+  if (payload.size() != layout->total) {
+    return dataLoss(name + " payload of " + std::to_string(n) + " elements (d = " +
+                    std::to_string(d) + ") must be " + std::to_string(layout->total) +
+                    " bytes, got " + std::to_string(payload.size()));
+  }
+  const uint8_t* scales = p + kBucketHeaderBytes;
+  const uint64_t scale_count = layout->buckets * info.scales;
+  for (uint64_t k = 0; k < scale_count; ++k) {
+    const float v = loadF32(scales + 4 * k);
+    // onebit's second scale of each bucket (neg) must be <= 0, every other scale >= 0.
+    const bool negative_scale = info.scales == 2 && (k & 1) != 0;
+    const bool bad = !std::isfinite(v) || (negative_scale ? v > 0.0f : v < 0.0f);
+    if (bad) {
+      return dataLoss(name + " bucket " + std::to_string(k / info.scales) + " has " +
+                      scaleName(kind, k) + " " + std::to_string(v) + " (must be finite and " +
+                      (negative_scale ? "<= 0)" : ">= 0)"));
+    }
+  }
+  const uint8_t* codes = scales + layout->scale_bytes;
+  const auto code_bytes = static_cast<size_t>(layout->code_bytes);
+  if (!paddingIsZero({codes, code_bytes}, n * info.bits)) {
+    return dataLoss(name + " payload has non-zero unused bits after its last code");
+  }
+  if (kind == BucketCodecKind::kTerngrad && hasCode3(codes, code_bytes)) {
+    return dataLoss(name + " payload has the invalid code 3");
+  }
+  parsed.d = d;
+  parsed.layout = *layout;
+  parsed.scales = scales;
+  parsed.codes = codes;
+  return parsed;
+}
+
 Result<std::unique_ptr<Codec>> makeBucketCodec(BucketCodecKind kind, const CodecConfig& config) {
   if (config.bucket_size < 1 || config.bucket_size > kMaxScaleBucket) {
-    return invalidArgument(std::string(kindInfo(kind).name) + ": bucket_size must be in 1.." +
+    return invalidArgument(std::string(bucketKindInfo(kind).name) + ": bucket_size must be in 1.." +
                            std::to_string(kMaxScaleBucket) + ", got " +
                            std::to_string(config.bucket_size));
   }

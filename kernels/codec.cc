@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kernels/parallel.h"
+#include "kernels/tensor_args.h"
 
 namespace lightwire::kernels {
 
@@ -27,26 +28,45 @@ Status CodecState::restore(std::span<const float> current) {
   return Status::ok();
 }
 
-Status Codec::checkTensorArgs(const Chunking& chunking, ConstTensor input,
-                              const CodecState& state) const {
-  const std::string name = traits().name;
+Status checkTensorValues(const std::string& name, const Chunking& chunking, size_t elements,
+                         DType dtype, const void* data, size_t chunk_alignment, size_t state_floats,
+                         size_t need_floats) {
   const size_t n = chunking.elements;
-  if (input.elements != n) {
-    return invalidArgument(name + ": input has " + std::to_string(input.elements) +
+  if (elements != n) {
+    return invalidArgument(name + ": input has " + std::to_string(elements) +
                            " elements, the chunking " + std::to_string(n));
   }
-  if (input.dtype > DType::kBF16) return invalidArgument(name + ": input dtype is unknown");
-  if (n > 0 && input.data == nullptr) return invalidArgument(name + ": input data is null");
+  if (dtype > DType::kBF16) return invalidArgument(name + ": input dtype is unknown");
+  if (n > 0 && data == nullptr) return invalidArgument(name + ": input data is null");
   if (chunking.chunk_elements == 0) return invalidArgument(name + ": chunk_elements is 0");
-  if (chunking.count() > 1 && chunking.chunk_elements % chunkAlignment() != 0) {
+  if (chunking.count() > 1 && chunking.chunk_elements % chunk_alignment != 0) {
     return invalidArgument(name + ": chunk size " + std::to_string(chunking.chunk_elements) +
-                           " is not a multiple of " + std::to_string(chunkAlignment()));
+                           " is not a multiple of " + std::to_string(chunk_alignment));
   }
-  if (state.floats() != stateFloats(n)) {
-    return invalidArgument(name + ": codec state holds " + std::to_string(state.floats()) +
-                           " floats, the codec needs " + std::to_string(stateFloats(n)));
+  if (state_floats != need_floats) {
+    return invalidArgument(name + ": codec state holds " + std::to_string(state_floats) +
+                           " floats, the codec needs " + std::to_string(need_floats));
   }
   return Status::ok();
+}
+
+Status checkChunkAndRound(const std::string& name, const Chunking& chunking, size_t chunk,
+                          int round, int rounds) {
+  if (chunk >= chunking.count()) {
+    return outOfRange(name + ": chunk " + std::to_string(chunk) + " of " +
+                      std::to_string(chunking.count()));
+  }
+  if (round < 0 || round >= rounds) {
+    return invalidArgument(name + " has " + std::to_string(rounds) + " round(s), got round " +
+                           std::to_string(round));
+  }
+  return Status::ok();
+}
+
+Status Codec::checkTensorArgs(const Chunking& chunking, ConstTensor input,
+                              const CodecState& state) const {
+  return checkTensorValues(traits().name, chunking, input.elements, input.dtype, input.data,
+                           chunkAlignment(), state.floats(), stateFloats(chunking.elements));
 }
 
 Status Codec::checkStepArgs(const Chunking& chunking, ConstTensor input, const CodecState& state,
@@ -72,14 +92,7 @@ Result<size_t> Codec::encodeChunk(const StepContext& ctx, const Chunking& chunki
                                   std::span<uint8_t> out) const {
   LW_RETURN_IF_ERROR(checkStepArgs(chunking, input, state, workspace));
   const std::string name = traits().name;
-  if (chunk >= chunking.count()) {
-    return outOfRange(name + ": chunk " + std::to_string(chunk) + " of " +
-                      std::to_string(chunking.count()));
-  }
-  if (round < 0 || round >= traits().rounds) {
-    return invalidArgument(name + " has " + std::to_string(traits().rounds) +
-                           " round(s), got round " + std::to_string(round));
-  }
+  LW_RETURN_IF_ERROR(checkChunkAndRound(name, chunking, chunk, round, traits().rounds));
   if (out.size() < maxPayloadBytes(chunking.size(chunk))) {
     return outOfRange(name + ": payload buffer of " + std::to_string(out.size()) +
                       " bytes, a chunk may need " +

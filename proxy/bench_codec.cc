@@ -28,12 +28,19 @@ using kernels::DType;
 using kernels::StepContext;
 using Clock = std::chrono::steady_clock;
 
-/// Codecs measured against the std::nth_element baseline (they select the k largest).
-bool isSelection(const std::string& name) { return name == "topk" || name == "dgc"; }
 /// Codecs configured by density or ratio.
 bool usesDensity(const std::string& name) { return isSelection(name) || name == "randomk"; }
 
-/// Effective density of a selection codec (density, or 1/ratio), as the codec computes it.
+std::string formatNumber(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+}  // namespace
+
+bool isSelection(const std::string& name) { return name == "topk" || name == "dgc"; }
+
 std::optional<double> effectiveDensity(const CodecConfig& c) {
   if (!usesDensity(c.name)) return std::nullopt;
   auto d = kernels::configuredDensity(
@@ -42,13 +49,6 @@ std::optional<double> effectiveDensity(const CodecConfig& c) {
   return *d;
 }
 
-std::string formatNumber(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
-
-/// The parameters the codec actually uses, as reported in `params` and in the row label.
 boost::json::object effectiveParams(const CodecConfig& c, const Codec& codec) {
   boost::json::object p;
   const auto& t = codec.traits();
@@ -94,6 +94,8 @@ std::string makeLabel(const CodecConfig& c) {
   if (c.error_feedback) label += *c.error_feedback ? " ef=on" : " ef=off";
   return label;
 }
+
+namespace {
 
 /// Median wall time of `runs` calls of `body`, after one untimed warm-up call. `before` runs
 /// untimed ahead of every call (resetting buffers). Stops at the first error.
@@ -296,6 +298,15 @@ boost::json::object BenchResult::toJson() const {
     o["nth_element_gbps"] = gbps(*nth_element_s);
     o["nth_element_threads"] = 1;
   }
+  o["device"] = device;
+  if (device == "cuda") {
+    o["device_name"] = device_name;
+    o["d2d_copy_gbps"] = gbps(memcpy_s);
+    if (torch_topk_s) {
+      o["torch_topk_gbps"] = gbps(*torch_topk_s);
+      o["torch_topk_seconds"] = *torch_topk_s;
+    }
+  }
   o["compress_seconds"] = compress_s;
   o["decompress_seconds"] = decompress_s;
   o["memcpy_seconds"] = memcpy_s;
@@ -360,10 +371,15 @@ namespace {
 constexpr const char* kRowFormat = "%-34s %7s %10s %13s %15s %11s %9s %15s\n";
 }
 
-std::string tableHeader() {
+std::string tableHeader(const std::string& device) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, kRowFormat, "codec", "ratio", "wire MB", "compress GB/s",
-                "decompress GB/s", "memcpy GB/s", "c/memcpy", "nth_elem GB/s");
+  if (device == "cuda") {
+    std::snprintf(buf, sizeof buf, kRowFormat, "codec (cuda)", "ratio", "wire MB", "compress GB/s",
+                  "decompress GB/s", "d2d GB/s", "c/d2d", "torch.topk GB/s");
+  } else {
+    std::snprintf(buf, sizeof buf, kRowFormat, "codec", "ratio", "wire MB", "compress GB/s",
+                  "decompress GB/s", "memcpy GB/s", "c/memcpy", "nth_elem GB/s");
+  }
   return buf;
 }
 
@@ -374,7 +390,8 @@ std::string tableRow(const BenchResult& r) {
     return std::string(b);
   };
   const double ratio = r.wire_bytes ? double(r.raw_bytes) / double(r.wire_bytes) : 0.0;
-  const std::string nth = r.nth_element_s ? fixed(r.gbps(*r.nth_element_s), 2) + " (1 thr)" : "-";
+  std::string nth = r.nth_element_s ? fixed(r.gbps(*r.nth_element_s), 2) + " (1 thr)" : "-";
+  if (r.device == "cuda") nth = r.torch_topk_s ? fixed(r.gbps(*r.torch_topk_s), 2) : "-";
   char buf[512];
   std::snprintf(
       buf, sizeof buf, kRowFormat, r.label.c_str(), fixed(ratio, 1).c_str(),

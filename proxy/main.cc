@@ -45,6 +45,8 @@ struct BenchCodecFlags {
   size_t chunk_elements = 0;
   int runs = kMinRuns;
   bool json = false;
+  std::string device = "cpu";
+  std::string python;
 };
 
 kernels::CodecConfig toConfig(const BenchCodecFlags& f) {
@@ -76,6 +78,12 @@ int runBenchCodec(const BenchCodecFlags& f) {
   settings.chunk_elements = f.chunk_elements;
   settings.runs = f.runs;
 
+  const bool cuda = f.device == "cuda";
+  if (cuda && !cudaBenchBuilt()) {
+    std::fprintf(stderr, "lightwire: %s\n",
+                 benchCodecCuda({}, {}, settings, f.python, nullptr).status().message().c_str());
+    return kExitFailure;
+  }
   // Parameters are checked before the (slow) input is made: a typo costs nothing.
   for (const auto& c : configs) {
     auto codec = kernels::createCodec(c);
@@ -85,16 +93,24 @@ int runBenchCodec(const BenchCodecFlags& f) {
     }
   }
 
-  std::fprintf(stderr, "lightwire bench codec: %zu elements (%.1f MB fp32), %u threads, %d runs\n",
-               settings.elements, double(settings.elements) * 4 / 1e6, settings.threads,
-               settings.runs);
+  if (cuda) {
+    std::fprintf(stderr,
+                 "lightwire bench codec --device cuda: %zu elements (%.1f MB fp32), %d runs\n",
+                 settings.elements, double(settings.elements) * 4 / 1e6, settings.runs);
+  } else {
+    std::fprintf(
+        stderr, "lightwire bench codec: %zu elements (%.1f MB fp32), %u threads, %d runs\n",
+        settings.elements, double(settings.elements) * 4 / 1e6, settings.threads, settings.runs);
+  }
   const std::vector<float> input = makeBenchInput(settings.elements);
   kernels::CpuStream stream(settings.threads);
   auto progress = [](const std::string& line) { std::fprintf(stderr, "  %s\n", line.c_str()); };
 
-  if (!f.json) std::fputs(tableHeader().c_str(), stdout);
+  if (!f.json) std::fputs(tableHeader(f.device).c_str(), stdout);
   for (const auto& c : configs) {
-    auto result = benchCodec(c, input, settings, stream, progress);
+    if (cuda && f.all && c.name == "powersgd") continue;  // two rounds: --device cpu only
+    auto result = cuda ? benchCodecCuda(c, input, settings, f.python, progress)
+                       : benchCodec(c, input, settings, stream, progress);
     if (!result) {
       std::fprintf(stderr, "lightwire: %s: %s\n", c.name.c_str(),
                    result.status().message().c_str());
@@ -161,6 +177,18 @@ int run(int argc, char** argv) {
   codec->add_option("--runs", f.runs, "Timed runs per figure; the median is reported (>= 5)")
       ->check(CLI::Range(kMinRuns, 1000000));
   codec->add_flag("--json", f.json, "One JSON object per line");
+  codec
+      ->add_option("--device", f.device,
+                   "cpu (default) or cuda: the CUDA codecs on GPU 0, against a device copy and "
+                   "torch.topk")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  {
+    const char* py = std::getenv("PYTHON");
+    f.python = py != nullptr && *py != '\0' ? py : "/usr/bin/python3";
+  }
+  codec->add_option("--python", f.python,
+                    "Python with PyTorch for the torch.topk baseline of --device cuda "
+                    "(default $PYTHON or /usr/bin/python3)");
 
   CLI::App* ingest = bench->add_subcommand(
       "ingest", "Round trips through a real `lightwire serve` child process (codec none)");

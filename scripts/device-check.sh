@@ -6,8 +6,9 @@
 #
 # 1. Prepare the carry here, from a release build that has the CUDA kernels:
 #
-#      bash scripts/build.sh release                      # build-release/, CUDA auto
-#      bash scripts/device-check.sh --prepare build-release build-device
+#      bash scripts/pack-device.sh                        # builds build-release/, packs build-device/
+#   (or: bash scripts/build.sh release && bash scripts/device-check.sh --prepare build-release
+#    build-device)
 #
 #    --prepare copies kernels_cuda_tests, kernels_tests and lightwire into build-device/ (ignored
 #    by git through .gitignore's /build*/, so it travels only when carried), then runs `ldd` on
@@ -21,13 +22,19 @@
 #
 # 2. Run it there, from the repository root (the golden payload files come from the working tree):
 #
-#      device run: command "bash scripts/device-check.sh build-device", carry ["build-device"],
+#      bash scripts/device-check.sh [OUTDIR]     (OUTDIR default: $OUT, else build-device/out)
+#      device run: command "bash scripts/device-check.sh \"$OUT\"", carry ["build-device"],
 #                  timeout_s 300
 #
 #    It sets LD_LIBRARY_PATH=build-device/lib, runs nvidia-smi (information), kernels_cuda_tests
-#    (must pass on the GPU), kernels_tests (the CPU suite, on that machine's CPU), and
-#    `lightwire --version` and a `lightwire bench codec --all` at 25M elements (figures only,
-#    never judged). Logs and a summary land in $OUT (or build-device/out when OUT is unset).
+#    (every CUDA codec against the CPU one, byte for byte; must pass on the GPU), kernels_tests
+#    (the CPU suite, on that machine's CPU), `lightwire --version`, the CUDA IPC checks
+#    (tests/python/cuda_ipc_check.py: this machine's python3 with PyTorch CUDA as the trainer,
+#    `lightwire serve` as the sidecar), and, for figures only (never judged),
+#    `lightwire bench codec --device cuda --all` at 100M elements (with the device copy and
+#    torch.topk baselines) and the CPU `bench codec --all` at 25M elements. Logs, summary.txt and
+#    summary.json land in OUTDIR. The packed binaries are read from LW_DEVICE_DIR (default
+#    build-device).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
@@ -69,9 +76,9 @@ if [[ "${1:-}" == "--prepare" ]]; then
   exit
 fi
 
-dir=${1:-build-device}
+dir=${LW_DEVICE_DIR:-build-device}
 [[ "$dir" == /* ]] || dir=$PWD/$dir
-out=${OUT:-$dir/out}
+out=${1:-${OUT:-$dir/out}}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 summary=$out/summary.txt
@@ -119,15 +126,45 @@ if [[ -f "$dir/test-data-dir.txt" ]]; then
   fi
 fi
 
+python=${PYTHON:-python3}
 check "kernels_cuda_tests (GPU)" kernels_cuda_tests.log \
   env LW_REQUIRE_CUDA=1 "$dir/kernels_cuda_tests" -r=console
 check "kernels_tests (CPU suite)" kernels_tests.log "$dir/kernels_tests" -r=console
 check "lightwire --version" version.log "$dir/lightwire" --version
-check "lightwire bench codec --all --elements 25000000" bench.txt \
+check "CUDA IPC: trainer process -> lightwire serve, results in place" cuda_ipc.log \
+  "$python" tests/python/cuda_ipc_check.py "$dir/lightwire" "$out/cuda_ipc.json"
+cat "$out/cuda_ipc.log"
+# One JSON object per codec on stdout (bench_cuda.jsonl), progress on stderr (bench_cuda.log).
+t0=$SECONDS
+if "$dir/lightwire" bench codec --device cuda --all --elements 100000000 --python "$python" \
+  --json >"$out/bench_cuda.jsonl" 2>"$out/bench_cuda.log"; then
+  record "PASS  lightwire bench codec --device cuda --all --elements 100000000 ($((SECONDS - t0)) s)"
+else
+  record "FAIL  lightwire bench codec --device cuda (exit $?; $out/bench_cuda.log)"
+  tail -n 30 "$out/bench_cuda.log"
+  failed=$((failed + 1))
+fi
+cat "$out/bench_cuda.jsonl"
+check "lightwire bench codec --all --elements 25000000 (CPU)" bench.txt \
   "$dir/lightwire" bench codec --all --elements 25000000
 cat "$out/bench.txt"
 
 grep -h '^\[doctest\] test cases' "$out"/kernels_cuda_tests.log "$out"/kernels_tests.log \
   >>"$summary" 2>/dev/null
 record "device-check: $failed failed"
+# summary.json: every check's line, and the GPU figures (one JSON object per codec).
+"$python" - "$summary" "$out/bench_cuda.jsonl" "$out/summary.json" <<'PY' || true
+import json, sys
+lines = [l.rstrip("\n") for l in open(sys.argv[1])]
+checks = [{"status": l.split()[0], "check": l[6:]} for l in lines if l[:4] in ("PASS", "FAIL")]
+bench = []
+try:
+    for l in open(sys.argv[2]):
+        l = l.strip()
+        if l.startswith("{"):
+            bench.append(json.loads(l))
+except OSError:
+    pass
+json.dump({"checks": checks, "bench_cuda": bench, "summary": lines}, open(sys.argv[3], "w"), indent=1)
+PY
 ((failed == 0))

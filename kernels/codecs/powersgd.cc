@@ -157,6 +157,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 
+#include "kernels/codecs/powersgd_layout.h"
 #include "kernels/parallel.h"
 #include "kernels/philox.h"
 #include "kernels/reduce.h"
@@ -172,27 +173,18 @@ HWY_EXPORT(RowApply);
 
 namespace {
 
-constexpr int kMaxRank = 1024;
-constexpr size_t kBodyHeaderBytes = 16;  // rows, cols, rank, reserved (u32 each)
-constexpr size_t kFactorOffset = kHeaderBytes + kBodyHeaderBytes;
-constexpr size_t kMetaFloats = 8;  // state: valid, rows, cols, rank
+using powersgd::describe;
+using powersgd::Factors;
+using powersgd::kFactorOffset;
+using powersgd::kMaxRank;
+using powersgd::kMetaFloats;
+using powersgd::View;
+using powersgd::writeMeta;
+
 constexpr size_t kBlock = powersgd_simd::HWY_NAMESPACE::kBlock;
 constexpr size_t kTile = powersgd_simd::HWY_NAMESPACE::kTile;
 constexpr size_t kTileRanks = powersgd_simd::HWY_NAMESPACE::kTileRanks;
 static_assert(kMaxRank <= int(kBlock), "RowApply sums r terms in one canonical block");
-
-/// The matrix view of §4.12: rows × cols, row-major, zero-padded past n; r factor columns.
-struct View {
-  uint64_t rows = 0, cols = 0, rank = 0;
-  bool operator==(const View&) const = default;
-};
-
-uint64_t isqrtCeil(uint64_t n) {
-  uint64_t c = static_cast<uint64_t>(std::ceil(std::sqrt(static_cast<double>(n))));
-  while (static_cast<unsigned __int128>(c) * c < n) ++c;
-  while (c > 0 && static_cast<unsigned __int128>(c - 1) * (c - 1) >= n) --c;
-  return c;
-}
 
 /// Canonical fp64 sum (§2) of term(0..len): blocks of 4096, eight strided accumulators.
 template <typename Term>
@@ -243,14 +235,6 @@ void orthonormalize(float* a, size_t rows, size_t r) {
   }
 }
 
-/// A parsed factor payload (header and body header validated, length exact).
-struct Factors {
-  PayloadHeader header;
-  View view;
-  const uint8_t* values = nullptr;  // rows·r (round 0) or cols·r (round 1) fp32
-  size_t count = 0;
-};
-
 class PowerSgdCodec final : public Codec {
  public:
   explicit PowerSgdCodec(const CodecConfig& c) : config_(c) {}
@@ -281,8 +265,7 @@ class PowerSgdCodec final : public Codec {
 
   Status doAnalyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                    CodecState& state, std::span<std::byte> workspace) const override {
-    LW_RETURN_IF_ERROR(checkSingleChunk(chunking));
-    auto view = viewFor(ctx, chunking.elements);
+    auto view = stepView(ctx, chunking);
     if (!view) return view.status();
     const size_t n = chunking.elements;
     if (n == 0) return Status::ok();
@@ -333,8 +316,7 @@ class PowerSgdCodec final : public Codec {
                                std::span<const uint8_t> previous, ConstTensor input,
                                CodecState& state, std::span<std::byte> workspace,
                                std::span<uint8_t> out) const override {
-    LW_RETURN_IF_ERROR(checkSingleChunk(chunking));
-    auto view = viewFor(ctx, chunking.elements);
+    auto view = stepView(ctx, chunking);
     if (!view) return view.status();
     const View v = *view;
     const size_t n = chunking.elements;
@@ -362,7 +344,7 @@ class PowerSgdCodec final : public Codec {
           }
         }
       });
-      writeHeaders(out.data(), input.dtype, 0, n, v);
+      powersgd::writeFactorHeaders(out.data(), input.dtype, 0, n, v);
       return kFactorOffset + 4 * rows * r;
     }
     // Round 1: P̂ = orthonormalise(reduced P), then Q[k][j] = canonical Σ_i M[i][k]·P̂[i][j].
@@ -390,7 +372,7 @@ class PowerSgdCodec final : public Codec {
         }
       }
     });
-    writeHeaders(out.data(), input.dtype, 1, n, v);
+    powersgd::writeFactorHeaders(out.data(), input.dtype, 1, n, v);
     return kFactorOffset + 4 * cols * r;
   }
 
@@ -417,33 +399,20 @@ class PowerSgdCodec final : public Codec {
                     std::span<const std::span<const uint8_t>> rounds, float weight,
                     ConstTensor input, CodecState& state,
                     std::span<std::byte> workspace) const override {
-    LW_RETURN_IF_ERROR(checkSingleChunk(chunking));
     const size_t n = chunking.elements;
-    if (input.elements != n) {
-      return invalidArgument("powersgd: input has " + std::to_string(input.elements) +
-                             " elements, the chunking " + std::to_string(n));
-    }
-    if (state.floats() != stateFloats(n)) {
-      return invalidArgument("powersgd: codec state holds " + std::to_string(state.floats()) +
-                             " floats, the codec needs " + std::to_string(stateFloats(n)));
-    }
-    if (workspace.size() < workspaceBytes(chunking)) {
-      return invalidArgument("powersgd: workspace of " + std::to_string(workspace.size()) +
-                             " bytes, the codec needs " + std::to_string(workspaceBytes(chunking)));
-    }
-    auto view = viewFor(ctx, n);
-    if (!view) return view.status();
-    auto f = parseRounds(rounds, n);
+    const powersgd::FinishArgs args{.input_elements = input.elements,
+                                    .state_floats = state.floats(),
+                                    .state_needed = stateFloats(n),
+                                    .workspace_bytes = workspace.size(),
+                                    .workspace_needed = workspaceBytes(chunking),
+                                    .workspace_null = false};
+    auto f = powersgd::parseFinishStep(ctx, chunking, rounds, args, config_.approx_rank);
     if (!f) return f.status();
     const auto& [p, q] = *f;
-    if (p.view != *view) {
-      return dataLoss("powersgd: the reduced payloads are for a " + describe(p.view) +
-                      " view, this rank uses " + describe(*view));
-    }
     if (n == 0) return Status::ok();
     float* m = state.next();
     float* meta = m + n;
-    if (metaView(meta) != *view || meta[0] != 0.0f) {
+    if (metaView(meta) != p.view || meta[0] != 0.0f) {
       return failedPrecondition(
           "powersgd: finishStep() needs a matching analyze() first, and runs once per step");
     }
@@ -511,152 +480,30 @@ class PowerSgdCodec final : public Codec {
 
  private:
   /// Room for one factor (rows·r or cols·r values) of any view of n elements.
-  size_t capFactor(size_t n) const {
-    if (n == 0) return 0;
-    const size_t by_rank = n > SIZE_MAX / kMaxRank ? SIZE_MAX : n * size_t(config_.approx_rank);
-    return std::min<size_t>(n + isqrtCeil(n), by_rank);
-  }
+  size_t capFactor(size_t n) const { return powersgd::capFactor(n, config_.approx_rank); }
 
   float* carveFactor(std::span<std::byte> workspace, size_t n) const {
     WorkspaceCarver carver(workspace);
     return carver.take<float>(capFactor(n)).data();
   }
 
-  static Status checkSingleChunk(const Chunking& chunking) {
-    if (chunking.count() > 1) {
-      return invalidArgument("powersgd: the whole matrix is one payload, got " +
-                             std::to_string(chunking.count()) +
-                             " chunks (use kernels::chunkingFor(), which gives one chunk)");
-    }
-    return Status::ok();
+  Result<View> stepView(const StepContext& ctx, const Chunking& chunking) const {
+    return powersgd::stepView(ctx, chunking, config_.approx_rank);
   }
 
-  uint64_t rankFor(uint64_t rows, uint64_t cols) const {
-    return std::min<uint64_t>({uint64_t(config_.approx_rank), rows, cols});
-  }
-
-  Result<View> viewFor(const StepContext& ctx, size_t n) const {
-    View v;
-    if (ctx.shape.size() >= 2) {
-      unsigned __int128 product = 1;
-      for (uint64_t d : ctx.shape) {
-        product *= d;
-        if (product > n) break;
-      }
-      if (product != n) {
-        return invalidArgument(
-            "powersgd: the tensor shape holds " +
-            (product > n ? std::string("more") : std::to_string(uint64_t(product))) +
-            " elements, the tensor has " + std::to_string(n));
-      }
-      if (n == 0) return View{};
-      v.rows = ctx.shape[0];
-      v.cols = n / v.rows;
-    } else {
-      if (n == 0) return View{};
-      v.cols = isqrtCeil(n);
-      v.rows = (n + v.cols - 1) / v.cols;
-    }
-    if (v.rows > UINT32_MAX || v.cols > UINT32_MAX) {
-      return invalidArgument("powersgd: the matrix view " + describe(v) +
-                             " has a dimension above 2^32 - 1");
-    }
-    v.rank = rankFor(v.rows, v.cols);
-    return v;
-  }
-
-  static std::string describe(const View& v) {
-    return std::to_string(v.rows) + " x " + std::to_string(v.cols) + " rank " +
-           std::to_string(v.rank);
-  }
-
-  static void writeMeta(float* meta, const View& v, float valid) {
-    meta[0] = valid;
-    meta[1] = static_cast<float>(v.rows >> 16);
-    meta[2] = static_cast<float>(v.rows & 0xFFFF);
-    meta[3] = static_cast<float>(v.cols >> 16);
-    meta[4] = static_cast<float>(v.cols & 0xFFFF);
-    meta[5] = static_cast<float>(v.rank);
-    meta[6] = meta[7] = 0.0f;
-  }
   static View metaView(const float* meta) {
     auto u = [](float f) { return f >= 0.0f && f < 65536.0f ? uint64_t(f) : uint64_t(1) << 40; };
     return View{(u(meta[1]) << 16) | u(meta[2]), (u(meta[3]) << 16) | u(meta[4]), u(meta[5])};
   }
 
-  static void writeHeaders(uint8_t* out, DType dtype, int round, size_t n, const View& v) {
-    writeHeader(out, {CodecId::kPowersgd, dtype, 0, static_cast<uint8_t>(round), n});
-    storeU32(out + 16, static_cast<uint32_t>(v.rows));
-    storeU32(out + 20, static_cast<uint32_t>(v.cols));
-    storeU32(out + 24, static_cast<uint32_t>(v.rank));
-    storeU32(out + 28, 0);
-  }
-
-  /// Validates a factor payload for n elements; round < 0 accepts either round.
   Result<Factors> parseFactors(std::span<const uint8_t> payload, uint64_t n, int round,
                                const std::string& what) const {
-    auto h = readHeader(payload, CodecId::kPowersgd, n, 0, 1);
-    if (!h) return Status{h.status().code(), what + ": " + h.status().message()};
-    if (h->codec != CodecId::kPowersgd) {
-      return dataLoss(what + " carries codec id " + std::to_string(int(h->codec)) +
-                      ", powersgd factors have no dense escape");
-    }
-    if (round >= 0 && h->round != round) {
-      return dataLoss(what + " is for round " + std::to_string(h->round) + ", expected round " +
-                      std::to_string(round));
-    }
-    if (payload.size() < kFactorOffset) {
-      return dataLoss(what + " truncated: " + std::to_string(payload.size()) +
-                      " bytes, the headers need " + std::to_string(kFactorOffset));
-    }
-    const uint8_t* p = payload.data();
-    Factors f;
-    f.header = *h;
-    f.view = View{loadU32(p + 16), loadU32(p + 20), loadU32(p + 24)};
-    if (loadU32(p + 28) != 0) return dataLoss(what + ": reserved body field is not zero");
-    const View& v = f.view;
-    if (n == 0) {
-      if (v != View{}) return dataLoss(what + ": an empty tensor needs a 0 x 0 rank 0 view");
-    } else {
-      const unsigned __int128 area = static_cast<unsigned __int128>(v.rows) * v.cols;
-      const unsigned __int128 short_area =
-          static_cast<unsigned __int128>(v.rows == 0 ? 0 : v.rows - 1) * v.cols;
-      if (v.rows == 0 || v.cols == 0 || area < n || short_area >= n) {
-        return dataLoss(what + ": a " + describe(v) + " view cannot hold " + std::to_string(n) +
-                        " elements (needs rows·cols >= n > (rows−1)·cols)");
-      }
-      if (v.rank != rankFor(v.rows, v.cols)) {
-        return dataLoss(what + ": rank " + std::to_string(v.rank) + ", this codec uses rank " +
-                        std::to_string(rankFor(v.rows, v.cols)) + " for a " +
-                        std::to_string(v.rows) + " x " + std::to_string(v.cols) + " view");
-      }
-    }
-    f.count = static_cast<size_t>((h->round == 0 ? v.rows : v.cols) * v.rank);
-    const uint64_t need = kFactorOffset + 4 * uint64_t(f.count);
-    if (payload.size() != need) {
-      return dataLoss(what + " of " + std::to_string(payload.size()) + " bytes, a round-" +
-                      std::to_string(h->round) + " " + describe(v) + " payload has " +
-                      std::to_string(need));
-    }
-    f.values = p + kFactorOffset;
-    return f;
+    return powersgd::parseFactors(payload, n, round, what, config_.approx_rank);
   }
 
   Result<std::pair<Factors, Factors>> parseRounds(std::span<const std::span<const uint8_t>> rounds,
                                                   size_t n) const {
-    if (rounds.size() != 2) {
-      return invalidArgument("powersgd has 2 rounds, got " + std::to_string(rounds.size()) +
-                             " reduced payloads");
-    }
-    auto p = parseFactors(rounds[0], n, 0, "powersgd: reduced round-0 payload");
-    if (!p) return p.status();
-    auto q = parseFactors(rounds[1], n, 1, "powersgd: reduced round-1 payload");
-    if (!q) return q.status();
-    if (p->view != q->view) {
-      return dataLoss("powersgd: the reduced payloads have different views (" + describe(p->view) +
-                      " and " + describe(q->view) + ")");
-    }
-    return std::pair<Factors, Factors>{*p, *q};
+    return powersgd::parseRounds(rounds, n, config_.approx_rank);
   }
 
   /// The round-1 factor (cols × r) as r × cols.

@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 
+#include "kernels/codecs/qsgd_layout.h"
 #include "kernels/parallel.h"
 #include "kernels/philox.h"
 #include "kernels/reduce.h"
@@ -24,32 +25,13 @@ namespace lightwire::kernels {
 namespace {
 
 constexpr uint32_t kMaxBucketSize = 1u << 24;
-constexpr size_t kQsgdHeaderBytes = kHeaderBytes + 8;  // + b, 3 reserved bytes, d
-constexpr size_t kSubBlock = 1024;                     // elements quantised per batch
-constexpr size_t kParallelGrain = 1 << 15;             // elements per thread at least
+constexpr size_t kSubBlock = 1024;          // elements quantised per batch
+constexpr size_t kParallelGrain = 1 << 15;  // elements per thread at least
 
 // Element i rounds with half i mod 2 (0 = low 16 bits) of stream word i / 2 (§4.5 step 3); the
 // encoder copies a run of words into a uint16_t array, which is that order only here.
 static_assert(std::endian::native == std::endian::little,
               "qsgd reads the 16-bit halves of Philox words in little-endian order");
-
-/// Byte sizes of a qsgd payload. Plain value.
-struct QsgdLayout {
-  uint64_t buckets = 0;
-  uint64_t code_bytes = 0;
-  uint64_t total = 0;
-};
-
-/// The layout of n elements in buckets of d with b bits; nullopt when d = 0 or the sizes would
-/// not fit in 64 bits (hostile element counts).
-std::optional<QsgdLayout> qsgdLayout(uint64_t n, uint64_t d, unsigned b) {
-  if (d == 0 || n > (uint64_t{1} << 60)) return std::nullopt;  // then nothing below overflows
-  QsgdLayout l;
-  l.buckets = n / d + (n % d != 0 ? 1 : 0);
-  l.code_bytes = packedBytes(n, b);
-  l.total = kQsgdHeaderBytes + 4 * l.buckets + l.code_bytes;
-  return l;
-}
 
 /// fp32 norm of one bucket: canonical fp64 sum of squares (§2: reduce blocks added in order, as
 /// canonicalSum does without a stream), fp64 sqrt, then fp32. `scratch` holds kReduceBlock floats
@@ -166,46 +148,13 @@ class QsgdCodec final : public Codec {
 
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
                      size_t out_elements) const override {
-    auto h = readHeader(payload, CodecId::kQsgd, out_elements, 0);
-    if (!h) return h.status();
-    if (h->codec == CodecId::kNone) return decodeDenseF32(payload, *h, weight, out);
-    const uint8_t* p = payload.data();
-    if (payload.size() < kQsgdHeaderBytes) {
-      return dataLoss("qsgd payload truncated: " + std::to_string(payload.size()) +
-                      " bytes, its headers alone need " + std::to_string(kQsgdHeaderBytes));
-    }
-    const unsigned b = p[16];
-    if (b < 2 || b > 8) {
-      return dataLoss("qsgd payload has b = " + std::to_string(b) + " bits, must be 2..8");
-    }
-    if (p[17] != 0 || p[18] != 0 || p[19] != 0) {
-      return dataLoss("qsgd payload reserved bytes 17..19 are not zero");
-    }
-    const uint32_t d = loadU32(p + 20);
-    if (d == 0) return dataLoss("qsgd payload has bucket size d = 0");
-    const uint64_t n = h->elements;
-    const auto layout = qsgdLayout(n, d, b);
-    if (!layout) {
-      return dataLoss("qsgd payload element count " + std::to_string(n) + " is too large");
-    }
-    if (payload.size() != layout->total) {
-      return dataLoss("qsgd payload of " + std::to_string(n) +
-                      " elements (b = " + std::to_string(b) + ", d = " + std::to_string(d) +
-                      ") must be " + std::to_string(layout->total) + " bytes, got " +
-                      std::to_string(payload.size()));
-    }
-    const uint8_t* norms = p + kQsgdHeaderBytes;
-    for (uint64_t k = 0; k < layout->buckets; ++k) {
-      const float norm = loadF32(norms + 4 * k);
-      if (std::isnan(norm) || std::isinf(norm) || norm < 0.0f) {
-        return dataLoss("qsgd bucket " + std::to_string(k) + " has norm " + std::to_string(norm) +
-                        " (must be finite and >= 0)");
-      }
-    }
-    const uint8_t* codes = norms + 4 * layout->buckets;
-    if (!paddingIsZero({codes, static_cast<size_t>(layout->code_bytes)}, n * b)) {
-      return dataLoss("qsgd payload has non-zero unused bits after its last code");
-    }
+    auto q = parseQsgdPayload(payload, out_elements);
+    if (!q) return q.status();
+    if (q->header.codec == CodecId::kNone) return decodeDenseF32(payload, q->header, weight, out);
+    const unsigned b = q->bits;
+    const uint64_t d = q->d, n = q->header.elements;
+    const uint8_t* norms = q->norms;
+    const uint8_t* codes = q->codes;
 
     const uint32_t s = (1u << (b - 1)) - 1;
     const float s_f = static_cast<float>(s);
@@ -214,7 +163,7 @@ class QsgdCodec final : public Codec {
     alignas(64) float scales[kSubBlock];
     // Batches of whole buckets when they are small, else sub-blocks of one bucket.
     const uint64_t per_batch = std::max<uint64_t>(1, kSubBlock / d);
-    for (uint64_t k = 0; k < layout->buckets; k += per_batch) {
+    for (uint64_t k = 0; k < q->layout.buckets; k += per_batch) {
       const uint64_t e_end = std::min<uint64_t>(n, (k + per_batch) * d);
       for (uint64_t off = k * d; off < e_end; off += kSubBlock) {
         const auto m = static_cast<size_t>(std::min<uint64_t>(kSubBlock, e_end - off));

@@ -24,6 +24,7 @@
 #include "kernels/philox.h"
 #include "kernels/registry.h"
 #include "kernels/simd/targets.h"
+#include "tests/kernels/golden_manifest.h"
 
 namespace json = boost::json;
 using namespace lightwire::kernels;
@@ -32,14 +33,8 @@ static_assert(std::endian::native == std::endian::little, "golden files are litt
 
 namespace {
 
-const std::string kGoldenDir = std::string(LW_TEST_DATA_DIR) + "/kernels/golden/";
-
-bool readFile(const std::string& rel, std::vector<uint8_t>& out) {
-  std::ifstream in(kGoldenDir + rel, std::ios::binary);
-  if (!in) return false;
-  out.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  return true;
-}
+const std::string& kGoldenDir = golden::dir();
+using golden::readFile;
 
 std::string hex32(uint32_t v) {
   char buf[16];
@@ -47,15 +42,9 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
-// Doubles are stored as decimal strings (shortest round trip); strtod rounds correctly.
-double toDouble(const json::value& v) {
-  if (v.is_string()) return std::strtod(v.as_string().c_str(), nullptr);
-  return v.to_number<double>();
-}
-std::optional<double> toOptDouble(const json::value* v) {
-  if (v == nullptr || v->is_null()) return std::nullopt;
-  return toDouble(*v);
-}
+using golden::configFrom;
+using golden::toDouble;
+using golden::toOptDouble;
 
 // Reads a file of concatenated payloads and cuts it by the manifest's sizes.
 bool splitPayloads(const std::string& rel, const json::array& sizes,
@@ -71,26 +60,6 @@ bool splitPayloads(const std::string& rel, const json::array& sizes,
     off += len;
   }
   return off == all.size();
-}
-
-CodecConfig configFrom(const json::object& o) {
-  CodecConfig c;
-  c.name = std::string(o.at("name").as_string());
-  c.density = toOptDouble(o.if_contains("density"));
-  c.ratio = toOptDouble(o.if_contains("ratio"));
-  c.bits = static_cast<int>(o.at("bits").to_number<int64_t>());
-  c.bucket_size = static_cast<uint32_t>(o.at("bucket_size").to_number<int64_t>());
-  c.momentum = toDouble(o.at("momentum"));
-  c.clip_norm = toDouble(o.at("clip_norm"));
-  c.sample_fraction = toDouble(o.at("sample_fraction"));
-  c.sparse_values = *parseDType(std::string(o.at("sparse_values").as_string()));
-  const json::value& ef = o.at("error_feedback");
-  if (!ef.is_null()) c.error_feedback = ef.as_bool();
-  c.threshold = toOptDouble(o.if_contains("threshold"));
-  if (const json::value* r = o.if_contains("approx_rank")) {
-    c.approx_rank = static_cast<int>(r->to_number<int64_t>());
-  }
-  return c;
 }
 
 // Runs one manifest case on a CpuStream of `threads`; returns a description of every mismatch
