@@ -5,7 +5,8 @@
 #
 #   release  optimised build; CUDA kernels when the toolkit is found (-Dcuda=auto, which fails
 #            loudly if nvcc exists but CUDA cannot be enabled). Default dir: build-release.
-#   asan     AddressSanitizer + UndefinedBehaviorSanitizer, -O2 with debug info, no CUDA.
+#   asan     AddressSanitizer + UndefinedBehaviorSanitizer, -O1 with debug info (what ASan
+#            recommends; it also compiles about a third faster than -O2), no CUDA.
 #            Default dir: build-asan.
 #
 # An existing build directory is reused (ninja re-runs meson itself when a meson.build changed).
@@ -25,8 +26,8 @@ fi
 
 case "$variant" in
   release) options=(--buildtype=release -Dcuda=auto) ;;
-  asan) options=(--buildtype=debugoptimized "-Db_sanitize=address,undefined" -Db_lundef=false
-                 -Dcuda=disabled) ;;
+  asan) options=(-Doptimization=1 -Ddebug=true -Db_ndebug=false "-Db_sanitize=address,undefined"
+                 -Db_lundef=false -Dcuda=disabled) ;;
   *) echo "usage: $0 [release|asan] [BUILD_DIR]" >&2; exit 2 ;;
 esac
 
