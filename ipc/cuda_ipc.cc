@@ -181,6 +181,14 @@ bool CudaIpcRegion::fetch(uint64_t offset, uint64_t bytes, std::string* error) {
          check(driver_->cuStreamSynchronize(stream_), "cuStreamSynchronize", error);
 }
 
+bool CudaIpcRegion::waitOn(void* stream, std::string* error) {
+  if (event_ == nullptr) return true;
+  std::lock_guard lock(mu_);
+  if (!check(driver_->cuCtxSetCurrent(context_), "cuCtxSetCurrent", error)) return false;
+  return check(driver_->cuStreamWaitEvent(static_cast<CudaDriver::CUstream>(stream), event_, 0),
+               "cuStreamWaitEvent", error);
+}
+
 bool CudaIpcRegion::store(uint64_t offset, uint64_t bytes, std::string* error) {
   if (offset > spec_.size || bytes > spec_.size - offset) {
     *error = "range outside the registered buffer";

@@ -7,9 +7,11 @@
 // range against the allocation (cuMemGetAddressRange), and keeps the mapping until the buffer is
 // released.
 //
-// Data path of this version: each step copies the range to a host staging buffer on the sidecar's
-// own stream, after waiting on the trainer's event, and copies the result back before the step
-// replies. The on-GPU compression path (kernels/cuda) plugs in behind the same region.
+// Data paths: the step engine works on the range in place on the GPU (devicePointer(), after
+// waitOn(): docs/cuda.md "Steps on the GPU") when every trainer of a step hands device memory and
+// the codec runs there; otherwise each step copies the range to a host staging buffer on the
+// region's own stream (fetch, after waiting on the trainer's event) and the result back (store)
+// before the step replies.
 
 #include <cstddef>
 #include <cstdint>
@@ -61,6 +63,11 @@ class CudaIpcRegion final : public Region {
   bool stillBacked() const override { return true; }  // the mapping holds the allocation alive
   bool fetch(uint64_t offset, uint64_t bytes, std::string* error) override;
   bool store(uint64_t offset, uint64_t bytes, std::string* error) override;
+
+  /// Makes `stream` (a stream of this region's GPU, as the CUDA runtime's cudaStream_t) wait on
+  /// the device for the trainer's IPC event; nothing when the trainer registered none. The GPU
+  /// path of the step engine calls it before it reads the region in place.
+  bool waitOn(void* stream, std::string* error);
 
   int deviceOrdinal() const { return ordinal_; }
   const std::string& pciBusId() const { return spec_.pci_bus_id; }

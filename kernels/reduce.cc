@@ -48,4 +48,17 @@ double canonicalNorm(const float* x, size_t n, CpuStream* stream, std::span<doub
   return std::sqrt(canonicalSum(x, n, ReduceTerm::kSquare, stream, block_sums));
 }
 
+double statsSquareBlockSum(const float* x, size_t len) {
+  constexpr size_t kLanes = 16;
+  float lane[kLanes] = {};
+  size_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    for (size_t j = 0; j < kLanes; ++j) lane[j] += x[i + j] * x[i + j];  // vectorises
+  }
+  double sum = 0;
+  for (; i < len; ++i) sum += static_cast<double>(x[i]) * x[i];
+  for (size_t j = 0; j < kLanes; ++j) sum += lane[j];
+  return sum;
+}
+
 }  // namespace lightwire::kernels

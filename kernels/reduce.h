@@ -28,4 +28,12 @@ double canonicalSum(const float* x, size_t n, ReduceTerm term, CpuStream* stream
 double canonicalNorm(const float* x, size_t n, CpuStream* stream = nullptr,
                      std::span<double> block_sums = {});
 
+/// The fast squared-norm statistic of the policies (not a payload; docs/policies.md): per
+/// 4096-value block, 16 fp32 lanes (lane j: the squares of the block's values i ≡ j mod 16 among
+/// its first floor(len/16)·16, in order), then (((+0.0 + the tail's squares in fp64, in order) +
+/// lane 0) + ... + lane 15). Half the cost of the canonical reduction, and as deterministic: the
+/// GPU path computes the same bits (kernels/cuda/engine_ops.h statsSquareBlockSums).
+inline constexpr size_t kStatsBlock = 4096;
+double statsSquareBlockSum(const float* x, size_t len);
+
 }  // namespace lightwire::kernels

@@ -367,6 +367,12 @@ std::vector<KeyImpl> makeKeyTable() {
       unsignedSetter<C>([](C& c) -> unsigned& { return c.threads; }, 0, 1024),
       [](const C& c) { return json::value(c.threads); });
   add(
+      "gpu", "--gpu", kBoolType, "true",
+      "Run a step on the GPU when every trainer hands device memory (CUDA IPC) on one GPU and its "
+      "codec runs there (false: stage it through the host)",
+      [](C& c, std::string_view s) { return setBool(s, c.gpu); },
+      [](const C& c) { return json::value(c.gpu); }, /*secret=*/false, /*boolean=*/true);
+  add(
       "log_level", "--log-level", "trace | debug | info | warn | error", "info",
       "Least severe level logged",
       [](C& c, std::string_view s) -> std::string {

@@ -67,6 +67,7 @@ struct ServeConfig {
   std::string job_id = "default";
   int local_trainers = 1;
   unsigned threads = 0;  // 0 = hardware concurrency (resolved by the caller)
+  bool gpu = true;       // the step engine's GPU path for CUDA IPC buffers (EngineOptions::gpu)
   std::string log_level = "info";
   std::string log_format = "text";  // text | json (one object per line)
   std::string control_socket = "/run/lightwire/lightwire.sock";  // "" = no Unix listener

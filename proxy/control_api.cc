@@ -206,6 +206,7 @@ json::object figuresJson(const std::string& name, uint64_t step, const StepFigur
                  {"state_reset", f.state_reset},
                  {"mode", f.mode},
                  {"settings", f.settings},
+                 {"device", f.device},
                  {"durations_us", std::move(d)}};
   o["ratio"] =
       f.wire_bytes ? static_cast<double>(f.raw_bytes) / static_cast<double>(f.wire_bytes) : 0.0;
@@ -570,6 +571,14 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
     c.store = [region, offset, bytes](std::string* why) {
       return region->store(offset, bytes, why);
     };
+  }
+  if (auto cuda = std::dynamic_pointer_cast<ipc::CudaIpcRegion>(region)) {
+    // The engine's GPU path reads and writes the trainer's memory in place.
+    Contribution::Device d;
+    d.ordinal = cuda->deviceOrdinal();
+    d.ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(cuda->devicePointer() + offset));
+    d.wait = [cuda](void* stream, std::string* why) { return cuda->waitOn(stream, why); };
+    c.device = std::move(d);
   }
   c.keep_alive = region;
   replied = true;

@@ -325,6 +325,7 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   EngineOptions eo;
   eo.local_trainers = static_cast<unsigned>(config.local_trainers);
   eo.threads = threads;
+  eo.gpu = config.gpu;
   eo.chunk_elements = config.compression.chunk_elements;
   eo.step_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(config.limits.step_timeout_s * 1000.0));

@@ -17,6 +17,7 @@
 #include "kernels/registry.h"
 #include "kernels/simd/kernels.h"
 #include "policies/checkpoint.h"
+#include "proxy/step_engine_gpu.h"
 
 #include <xxh_x86dispatch.h>
 #include <xxhash.h>
@@ -77,21 +78,12 @@ policies::StepStats localStats(kernels::CpuStream* stream, const float* input, s
   st.elements = n;
   // A statistic, not a payload: float lanes per 4096-value block (vectorised; NaN and Inf
   // propagate), blocks added in order in fp64. Half the cost of the canonical fp64 reduction.
-  constexpr size_t kBlock = 4096, kLanes = 16;
+  constexpr size_t kBlock = kernels::kStatsBlock;
   block_sums.assign((n + kBlock - 1) / kBlock, 0.0);
   kernels::parallelFor(stream, block_sums.size(), 16, [&](size_t lo, size_t hi) {
     for (size_t k = lo; k < hi; ++k) {
-      const float* x = input + k * kBlock;
-      const size_t len = std::min(kBlock, n - k * kBlock);
-      float lane[kLanes] = {};
-      size_t i = 0;
-      for (; i + kLanes <= len; i += kLanes) {
-        for (size_t j = 0; j < kLanes; ++j) lane[j] += x[i + j] * x[i + j];
-      }
-      double sum = 0;
-      for (; i < len; ++i) sum += static_cast<double>(x[i]) * x[i];
-      for (size_t j = 0; j < kLanes; ++j) sum += lane[j];
-      block_sums[k] = sum;
+      block_sums[k] =
+          kernels::statsSquareBlockSum(input + k * kBlock, std::min(kBlock, n - k * kBlock));
     }
   });
   for (const double b : block_sums) st.grad_norm2 += b;
@@ -187,9 +179,14 @@ struct StepEngine::Tensor {
   std::vector<float> accum;              // delayed sync: accumulated since the last exchange step
   std::vector<float> flushed;            // full-sync: input plus what the codec state held back
   std::vector<float> scratch;            // cosine sampling
+  std::vector<float> original;           // cosine sampling on the GPU path: the chunk's input
   std::optional<CosineTerms> cos;        // of the last committed compressed step
   std::optional<double> residual_norm2;  // of the state, last measured
   std::vector<double> blocks;            // block sums of the statistics' norm
+  // The GPU path (step_engine_gpu.h): the tensor's device resources, and whether its committed
+  // codec state is there (then `state` is empty) rather than in `state`.
+  std::shared_ptr<gpu::TensorGpu> gpu;
+  bool state_on_gpu = false;
   struct {
     std::string group;
     prometheus::Gauge *ratio = nullptr, *cosine = nullptr, *residual = nullptr;
@@ -505,7 +502,7 @@ void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
     t.codec_name = outcome.figures.codec.empty() ? t.codec_name : outcome.figures.codec;
     t.elements = p.elements;
     t.dtype = p.dtype;
-    t.state_bytes = t.state.bytes();
+    t.state_bytes = t.state_on_gpu ? gpu::stateBytes(t.gpu.get()) : t.state.bytes();
     uint64_t total = 0;
     for (const auto& [name, other] : tensors_) total += other->state_bytes;
     metrics_.state_bytes.Set(static_cast<double>(total));
@@ -519,7 +516,9 @@ void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
   for (size_t k = 0; k < p.dones.size(); ++k) {
     // Device buffers get their result copied back before the reply says it is there.
     std::string why;
-    if (outcome.http_status == 200 && p.parts[k] && p.parts[k]->store && !p.parts[k]->store(&why)) {
+    // (The GPU path wrote them in place already.)
+    if (outcome.http_status == 200 && outcome.figures.device == "cpu" && p.parts[k] &&
+        p.parts[k]->store && !p.parts[k]->store(&why)) {
       spdlog::error(
           "tensor '{}' step {}: trainer {}'s result could not be written to its GPU "
           "buffer: {}",
@@ -564,11 +563,6 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       return fail(409, "conflict",
                   "trainer " + std::to_string(part->spec.trainer) +
                       "'s buffer no longer holds its registered size (was it truncated?)");
-    }
-    if (std::string why; part->fetch && !part->fetch(&why)) {
-      return fail(500, "device_error",
-                  "trainer " + std::to_string(part->spec.trainer) +
-                      "'s GPU buffer could not be read: " + why);
     }
   }
 
@@ -635,6 +629,16 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     fig.state_reset = true;
     t.has_state = false;
   }
+  // The GPU path (docs/cuda.md "Steps on the GPU") when every trainer hands device memory and the
+  // codec runs there; else the host, device memory staged through `data`.
+  // (Delayed-sync tensors stay on the host: their accumulation lives there, with checkpoints.)
+  std::optional<int> gpu_ordinal;
+  if (options_.gpu && settings.sync_every <= 1 && plan.mode != policies::StepMode::kSkip &&
+      !plan.delayed_sync_step) {
+    std::vector<const Contribution*> parts;
+    for (const auto& part : p.parts) parts.push_back(&*part);
+    gpu_ordinal = gpu::eligibleDevice(parts, config.name);
+  }
   if (!t.has_state) {
     const uint64_t need = 2 * uint64_t{codec.stateFloats(n)} * sizeof(float);  // double-buffered
     if (options_.max_state_bytes > 0 && need > 0) {
@@ -654,7 +658,9 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
                         std::to_string(options_.max_state_bytes) + ")");
       }
     }
-    t.state = kernels::CodecState(codec.stateFloats(n));
+    // On the GPU path the fresh state is created on the device (zeros), not here.
+    t.state = gpu_ordinal ? kernels::CodecState() : kernels::CodecState(codec.stateFloats(n));
+    t.state_on_gpu = false;
     t.state_elements = n;
     t.state_dtype = p.dtype;
     t.has_state = true;
@@ -664,9 +670,47 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   fig.elements = n;
   fig.raw_bytes = n * kernels::dtypeSize(p.dtype);
 
+  std::unique_ptr<gpu::GpuStep> g;  // the GPU path's step (null: the host path)
+  auto device_fail = [&](const Status& st) { return fail(500, "device_error", st.message()); };
+  if (gpu_ordinal) {
+    std::vector<Contribution*> parts;
+    for (auto& part : p.parts) parts.push_back(&*part);
+    // The committed state moves to the device when it is on the host (once).
+    auto begun = gpu::GpuStep::begin(t.gpu, *gpu_ordinal, config, parts, n, p.dtype,
+                                     t.state_on_gpu ? nullptr : &t.state);
+    if (!begun) {
+      // A fresh state was never made on the host: make it afresh on the next step.
+      if (!t.state_on_gpu && t.state.floats() != codec.stateFloats(n)) t.has_state = false;
+      return device_fail(begun.status());
+    }
+    g = std::move(*begun);
+    if (!t.state_on_gpu) {
+      t.state = kernels::CodecState();
+      t.state_on_gpu = true;
+    }
+    fig.device = g->deviceName();
+  } else {
+    if (t.state_on_gpu) {
+      // The tensor's state moves to the host (its trainers no longer all hand device memory).
+      auto host = gpu::downloadState(*t.gpu);
+      if (!host) return device_fail(host.status());
+      t.state = std::move(*host);
+      t.state_on_gpu = false;
+    }
+    for (auto& part : p.parts) {
+      if (std::string why; part->fetch && !part->fetch(&why)) {
+        return fail(500, "device_error",
+                    "trainer " + std::to_string(part->spec.trainer) +
+                        "'s GPU buffer could not be read: " + why);
+      }
+    }
+  }
+
   // Ingest: the sum of the local trainers' tensors, in trainer order (deterministic).
-  const float* input = nullptr;
-  if (trainers == 1 && p.dtype == DType::kF32) {
+  const float* input = nullptr;  // the host path's (the GPU path keeps its own on the device)
+  if (g) {
+    if (auto st = g->ingest(); !st.isOk()) return device_fail(st);
+  } else if (trainers == 1 && p.dtype == DType::kF32) {
     input = reinterpret_cast<const float*>(p.parts[0]->data);
   } else {
     t.sum.resize(n);
@@ -679,7 +723,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   }
   // Delayed sync (a rule's sync_every): between its exchange steps a tensor is accumulated
   // locally and the trainers get zeros; the exchange step sends the accumulation too.
-  if (t.accum.size() != n) t.accum.assign(n, 0.0f);
+  if (!g && t.accum.size() != n) t.accum.assign(n, 0.0f);
   if (plan.mode == policies::StepMode::kSkip) {
     float* acc = t.accum.data();
     kernels::parallelFor(&stream_, n, kGrain, [&](size_t lo, size_t hi) {
@@ -726,7 +770,12 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   // the codec state holds back into what it sends, and prepares the flushed state.
   const bool dense_step =
       plan.mode == policies::StepMode::kBypass || plan.mode == policies::StepMode::kFullSync;
-  if (plan.mode == policies::StepMode::kFullSync) {
+  if (plan.mode == policies::StepMode::kFullSync && g) {
+    if (auto st = g->flush(ctx, kernels::chunkingFor(codec, n, options_.chunk_elements));
+        !st.isOk()) {
+      return device_fail(st);
+    }
+  } else if (plan.mode == policies::StepMode::kFullSync) {
     t.flushed.resize(n);
     const auto codec_chunking = kernels::chunkingFor(codec, n, options_.chunk_elements);
     if (auto s = codec.flush(ctx, codec_chunking, kernels::ConstTensor{input, n, DType::kF32},
@@ -744,13 +793,25 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   // This sidecar's statistics record, carried by the exchange to every rank (policies).
   std::vector<uint8_t> record;
   if (policy) {
-    policies::StepStats st =
-        localStats(&stream_, input, n, plan.min_magnitude, policy->config().adaptive, t.blocks);
+    policies::StepStats st;
+    if (g) {
+      auto got = g->stats(plan.min_magnitude, policy->config().adaptive);
+      if (!got) return device_fail(got.status());
+      st = std::move(*got);
+    } else {
+      st = localStats(&stream_, input, n, plan.min_magnitude, policy->config().adaptive, t.blocks);
+    }
     // The residual's norm feeds a gauge only: a tensor of more than 256 Ki elements has it
     // measured every 8th step (a pass over the state), smaller ones every step.
     if (n <= (size_t{1} << 18) || step % 8 == 0 || !t.residual_norm2) {
-      t.residual_norm2 =
-          t.has_state && t.state.floats() > 0 ? codec.residualNorm2(t.state, n) : 0.0;
+      if (g) {
+        auto r2 = g->residualNorm2();
+        if (!r2) return device_fail(r2.status());
+        t.residual_norm2 = *r2;
+      } else {
+        t.residual_norm2 =
+            t.has_state && t.state.floats() > 0 ? codec.residualNorm2(t.state, n) : 0.0;
+      }
     }
     st.residual_norm2 = *t.residual_norm2;
     if (t.cos) {
@@ -766,9 +827,13 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   const kernels::Chunking chunking = kernels::chunkingFor(codec, n, options_.chunk_elements);
   // The whole-tensor phase (error feedback, momentum, thresholds) is part of compressing.
   const auto ta = Clock::now();
-  t.workspace.resize(sc.workspaceBytes(chunking));
-  if (auto s = sc.analyze(ctx, chunking, tensor, state, t.workspace); !s.isOk()) {
-    return fail(500, "internal", "compressing: " + s.message());
+  if (g) {
+    if (auto st = g->analyze(ctx, chunking, dense_step); !st.isOk()) return device_fail(st);
+  } else {
+    t.workspace.resize(sc.workspaceBytes(chunking));
+    if (auto s = sc.analyze(ctx, chunking, tensor, state, t.workspace); !s.isOk()) {
+      return fail(500, "internal", "compressing: " + s.message());
+    }
   }
   const double analyze_us = microsSince(ta);
   const int rounds = sc.traits().rounds;
@@ -780,8 +845,10 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   // One fp32 trainer whose step has one round: decode straight into its buffer (its values were
   // read by the encoder already), which saves a pass over the result.
   const bool in_place = trainers == 1 && p.dtype == DType::kF32 && rounds == 1;
-  float* result = nullptr;
-  if (in_place) {
+  float* result = nullptr;  // the host path's
+  if (g) {
+    if (auto st = g->prepareResult(in_place); !st.isOk()) return device_fail(st);
+  } else if (in_place) {
     result = reinterpret_cast<float*>(p.parts[0]->data);
   } else {
     t.result.resize(n);
@@ -800,6 +867,10 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   // Decodes chunk c's final payloads into its range of the result (zeroed first), then scans it.
   auto decodeInto = [&](size_t c, std::span<const std::span<const uint8_t>> list,
                         const kernels::Codec& decoder, float weight) -> std::string {
+    if (g) {  // on the device: its non-finite check comes once every chunk is in
+      const auto st = g->decodeChunk(chunking, c, list, &decoder != &sc, weight);
+      return st.isOk() ? "" : "chunk " + std::to_string(c) + ": " + st.message();
+    }
     const size_t begin = chunking.begin(c), len = chunking.size(c);
     std::fill_n(result + begin, len, 0.0f);
     for (const auto& payload : list) {
@@ -828,14 +899,20 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       if (c >= chunks) return internalError("chunk " + std::to_string(c) + " out of range");
       if (encoded[c]) return mine[c];
       const auto tc = Clock::now();
-      const size_t max = sc.maxPayloadBytes(chunking.size(c));
-      if (bufs[c].size() < max) bufs[c].resize(max);
-      auto size = sc.encodeChunk(ctx, chunking, c, r, previous, tensor, state, t.workspace,
-                                 std::span<uint8_t>(bufs[c].data(), max));
-      if (!size) return internalError("compressing: " + size.status().message());
-      mine[c] = {bufs[c].data(), *size};
+      if (g) {
+        auto payload = g->encodeChunk(ctx, chunking, c, r, previous, bufs[c]);
+        if (!payload) return payload.status();
+        mine[c] = *payload;
+      } else {
+        const size_t max = sc.maxPayloadBytes(chunking.size(c));
+        if (bufs[c].size() < max) bufs[c].resize(max);
+        auto size = sc.encodeChunk(ctx, chunking, c, r, previous, tensor, state, t.workspace,
+                                   std::span<uint8_t>(bufs[c].data(), max));
+        if (!size) return internalError("compressing: " + size.status().message());
+        mine[c] = {bufs[c].data(), *size};
+      }
       encoded[c] = 1;
-      fig.wire_bytes += *size;
+      fig.wire_bytes += mine[c].size();
       // The sampled cosine of this step: one chunk (which one turns with the step), decoded
       // back right after it is encoded, against what it was encoded from.
       // A health signal, not worth a decode of a large chunk every step: tensors of more than
@@ -843,7 +920,14 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       const uint64_t every = n > (size_t{1} << 18) ? 4 : 1;
       if (policy && r == 0 && rounds == 1 && plan.mode == policies::StepMode::kCompressed &&
           step % every == 0 && c == (step / every) % chunks) {
-        cos = cosineTerms(sc, mine[c], input + chunking.begin(c), chunking.size(c), t.scratch);
+        const float* original = nullptr;
+        if (g) {  // the chunk's input from the device
+          if (auto st = g->chunkInput(chunking, c, t.original); !st.isOk()) return st;
+          original = t.original.data();
+        } else {
+          original = input + chunking.begin(c);
+        }
+        cos = cosineTerms(sc, mine[c], original, chunking.size(c), t.scratch);
       }
       round_compress_us += microsSince(tc);
       return mine[c];
@@ -851,7 +935,9 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     const bool lazy = exchange_.encodesLazily();
     if (!lazy) {
       for (size_t c = 0; c < chunks; ++c) {
-        if (auto p = encodeOne(c); !p) return fail(500, "internal", p.status().message());
+        if (auto p = encodeOne(c); !p) {
+          return fail(500, g ? "device_error" : "internal", p.status().message());
+        }
       }
     }
     const auto te = Clock::now();
@@ -859,8 +945,10 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
         lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine);
     ExchangeRound er{t.name, step, r, sc, chunking, given};
     er.density = ctx.density;
-    if (rounds == 1) {
+    if (rounds == 1 && !g) {
       // A chunk whose payloads are final is decoded at once, while later chunks still travel.
+      // (Not on the GPU path: a device decode is brief, and the exchange's threads would have to
+      // take turns with the engine's on the device.)
       er.on_chunk = [&](size_t c, std::span<const std::span<const uint8_t>> list) -> Status {
         if (c >= chunks || decoded[c]) return internalError("chunk decoded twice or unknown");
         const auto td = Clock::now();
@@ -880,7 +968,9 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
     if (!got) return fail(502, "exchange_failed", got.status().message());
     // Every chunk's state update happens in its encode: none may be left out.
     for (size_t c = 0; c < chunks; ++c) {
-      if (auto p = encodeOne(c); !p) return fail(500, "internal", p.status().message());
+      if (auto p = encodeOne(c); !p) {
+        return fail(500, g ? "device_error" : "internal", p.status().message());
+      }
     }
     compress_us += round_compress_us;
     exchange_us += std::max(0.0, round_us - (lazy ? round_compress_us : 0.0) - early_decode_us);
@@ -907,7 +997,11 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   const float weight = 1.0f / static_cast<float>(contributors * trainers);
   // A sparse allgather the exchange switched to a dense allreduce returns plain fp32 sums.
   const kernels::Codec& decoder = dense_result ? kernels::noneCodec() : sc;
-  if (rounds > 1) {
+  if (rounds > 1 && g) {
+    if (auto st = g->decodeRounds(ctx, chunking, round_payloads, weight); !st.isOk()) {
+      return device_fail(st);
+    }
+  } else if (rounds > 1) {
     std::fill_n(result, n, 0.0f);
     if (auto s = sc.decodeRounds(round_payloads, weight, result, n); !s.isOk()) {
       return fail(500, "internal", "decompressing: " + s.message());
@@ -917,6 +1011,12 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       return fail(500, "internal", "finishing the step: " + s.message());
     }
     kernels::parallelFor(&stream_, n, kGrain, scan);
+  } else if (g) {
+    for (size_t c = 0; c < chunks; ++c) {
+      if (std::string e = decodeInto(c, reduced[c], decoder, weight); !e.empty()) {
+        return fail(502, "exchange_failed", "decompressing: " + e);
+      }
+    }
   } else {
     std::vector<std::string> errors(chunks);
     kernels::parallelFor(&stream_, chunks, 1, [&](size_t lo, size_t hi) {
@@ -928,10 +1028,22 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       if (!e.empty()) return fail(502, "exchange_failed", "decompressing: " + e);
     }
   }
+  if (g) {
+    auto bad = g->resultNonfinite();
+    if (!bad) return device_fail(bad.status());
+    if (*bad) nonfinite_seen.store(true);
+  }
   // Silent-divergence guard: every checksum_every steps the ranks compare their results.
   if (exchange_.worldSize() > 1 && options_.checksum_every > 0 &&
       step % options_.checksum_every == 0) {
-    const uint64_t checksum = XXH3_64bits_dispatch(result, n * sizeof(float));
+    uint64_t checksum = 0;
+    if (g) {
+      auto sum = g->resultChecksum();
+      if (!sum) return device_fail(sum.status());
+      checksum = *sum;
+    } else {
+      checksum = XXH3_64bits_dispatch(result, n * sizeof(float));
+    }
     auto differ = exchange_.compareResults(t.name, step, checksum);
     if (!differ)
       return fail(502, "exchange_failed", "comparing results: " + differ.status().message());
@@ -984,7 +1096,9 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   // did not select it): the global statistics say so on every rank alike.
   const bool nonfinite = nonfinite_seen.load() || global_nonfinite;
   fig.nonfinite = nonfinite;
-  if (!in_place) {
+  if (g) {
+    if (auto st = g->writeBack(); !st.isOk()) return device_fail(st);
+  } else if (!in_place) {
     for (auto& part : p.parts) {
       kernels::parallelFor(&stream_, n, kGrain, [&](size_t lo, size_t hi) {
         narrowRange(p.dtype, result, lo, hi, part->data);
@@ -994,8 +1108,14 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
   if (!nonfinite) {
     // Compressed steps commit what the codec prepared; full-syncs the flushed state (prepared by
     // flush() in the tensor's own state); bypasses leave the state as it was.
-    if (plan.mode != policies::StepMode::kBypass) t.state.commit();
-    if (plan.delayed_sync_step) std::fill(t.accum.begin(), t.accum.end(), 0.0f);
+    if (g) {
+      if (auto st = g->commit(plan.mode != policies::StepMode::kBypass); !st.isOk()) {
+        return device_fail(st);
+      }
+    } else {
+      if (plan.mode != policies::StepMode::kBypass) t.state.commit();
+      if (plan.delayed_sync_step) std::fill(t.accum.begin(), t.accum.end(), 0.0f);
+    }
     // A measured cosine goes out with the tensor's next record, once.
     if (plan.mode == policies::StepMode::kCompressed) t.cos = cos;
   }
@@ -1089,8 +1209,15 @@ Result<std::string> StepEngine::saveCheckpoint(uint64_t step, const std::string&
         ct.codec_key = t->config_key;
         ct.elements = t->state_elements;
         ct.dtype = static_cast<uint8_t>(t->state_dtype);
-        const auto cur = t->state.currentSpan();
-        ct.state.assign(cur.begin(), cur.end());
+        if (t->state_on_gpu) {
+          auto host = gpu::downloadState(*t->gpu);
+          if (!host) return host.status();
+          const auto cur = host->currentSpan();
+          ct.state.assign(cur.begin(), cur.end());
+        } else {
+          const auto cur = t->state.currentSpan();
+          ct.state.assign(cur.begin(), cur.end());
+        }
       }
       if (std::any_of(t->accum.begin(), t->accum.end(), [](float v) { return v != 0.0f; })) {
         ct.accumulator = t->accum;
@@ -1178,6 +1305,7 @@ Status StepEngine::restoreFrom(const std::string& path, std::optional<uint64_t> 
       t.state_dtype = static_cast<DType>(ct.dtype);
       t.state = kernels::CodecState(ct.state.size());
       if (!ct.state.empty()) LW_RETURN_IF_ERROR(t.state.restore(ct.state));
+      t.state_on_gpu = false;  // a GPU step moves it back to the device
       t.state_bytes = t.state.bytes();
       t.accum = ct.accumulator;
       if (steps_too) {

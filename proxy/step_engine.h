@@ -50,6 +50,19 @@ struct Contribution {
   /// result from `data` back to the device after the step, before the reply. Empty for host
   /// memory. false and a message on failure.
   std::function<bool(std::string*)> fetch, store;
+  /// Device memory the engine may work on directly (the GPU path, docs/cuda.md "Steps on the
+  /// GPU"): when every trainer of a step gives one and the step's codec has a CUDA implementation,
+  /// the step runs on trainer 0's GPU — the local sum (other GPUs' gradients copied over peer to
+  /// peer), the statistics, compression and decompression on the device, only payloads crossing
+  /// to the host — and `fetch`/`store` are not called. Otherwise the step stages through `data`.
+  struct Device {
+    int ordinal = -1;     // CUDA device ordinal in this process
+    void* ptr = nullptr;  // elements * dtypeSize(dtype) bytes (the device's primary context)
+    // Makes `stream` (a cudaStream_t of that device) wait, on the device, for the trainer's work
+    // that produced the gradient (its IPC event). May be empty (nothing to wait for).
+    std::function<bool(void* stream, std::string* error)> wait;
+  };
+  std::optional<Device> device;
 };
 
 /// Figures of a completed step (the JSON reply of docs/api.md).
@@ -59,6 +72,7 @@ struct StepFigures {
   bool nonfinite = false, state_reset = false;
   std::string mode = "compressed";  // policies::stepModeName() of the step
   uint64_t settings = 0;            // the compression settings version it ran with
+  std::string device = "cpu";       // where it ran: "cpu", or "cuda:<ordinal>" (the GPU path)
   double durations_us[metrics::kStageCount] = {};
 };
 
@@ -197,6 +211,9 @@ struct EngineOptions {
   uint32_t world_size = 1;
   uint64_t checkpoint_every = 0;  // periodic checkpoint every N steps (0 = off)
   size_t checkpoint_keep = 3;     // periodic/sigterm files kept per sidecar
+  // Steps whose trainers all hand device memory (Contribution::device) run on the GPU when the
+  // binary has the CUDA codecs; false stages them through the host (engine.gpu: false).
+  bool gpu = true;
 };
 
 /// Runs steps, one at a time. submit() is thread-safe; it never waits for other trainers, and it

@@ -2,7 +2,8 @@
 # GPU check from carried binaries. Builds nothing: the binaries are built on a development machine
 # (which has the CUDA toolkit but no GPU) and carried to a machine with a GPU, where this script
 # runs them and writes the results under $OUT. Exits non-zero on any failure, including "no GPU"
-# (kernels_cuda_tests runs with LW_REQUIRE_CUDA=1, so a missing device fails instead of skipping).
+# (kernels_cuda_tests and proxy_cuda_tests run with LW_REQUIRE_CUDA=1, so a missing device fails
+# instead of skipping).
 #
 # 1. Prepare the carry here, from a release build that has the CUDA kernels:
 #
@@ -10,15 +11,15 @@
 #   (or: bash scripts/build.sh release && bash scripts/device-check.sh --prepare build-release
 #    build-device)
 #
-#    --prepare copies kernels_cuda_tests, kernels_tests and lightwire into build-device/ (ignored
-#    by git through .gitignore's /build*/, so it travels only when carried), then runs `ldd` on
-#    each and copies every shared library they resolve to into build-device/lib/ — except the
-#    glibc family (libc, libm, libdl, librt, libpthread, ld-linux), which every Linux has and which
-#    must match the target's kernel interface. libstdc++/libgcc_s are carried: the target's may be
-#    older. The CUDA runtime is linked statically (cudart_static), so only the driver (libcuda,
-#    on the GPU machine) is needed. Binaries are stripped. The carry must stay under 64 MiB in all
-#    (the device tool's limit for the working tree plus carried paths); --prepare prints the size
-#    and fails above 60 MiB.
+#    --prepare copies kernels_cuda_tests, proxy_cuda_tests, kernels_tests and lightwire into
+#    build-device/ (ignored by git through .gitignore's /build*/, so it travels only when carried),
+#    then runs `ldd` on each and copies every shared library they resolve to into build-device/lib/
+#    — except the glibc family (libc, libm, libdl, librt, libpthread, ld-linux), which every Linux
+#    has and which must match the target's kernel interface. libstdc++/libgcc_s are carried: the
+#    target's may be older. The CUDA runtime is linked statically (cudart_static), so only the
+#    driver (libcuda, on the GPU machine) is needed. Binaries are stripped. The carry must stay
+#    under 64 MiB in all (the device tool's limit for the working tree plus carried paths);
+#    --prepare prints the size and fails above 60 MiB.
 #
 # 2. Run it there, from the repository root (the golden payload files come from the working tree):
 #
@@ -27,7 +28,8 @@
 #                  timeout_s 300
 #
 #    It sets LD_LIBRARY_PATH=build-device/lib, runs nvidia-smi (information), kernels_cuda_tests
-#    (every CUDA codec against the CPU one, byte for byte; must pass on the GPU), kernels_tests
+#    (every CUDA codec against the CPU one, byte for byte; must pass on the GPU), proxy_cuda_tests
+#    (the step engine's GPU path against its host path, bit for bit; must pass), kernels_tests
 #    (the CPU suite, on that machine's CPU), `lightwire --version`, the CUDA IPC checks
 #    (tests/python/cuda_ipc_check.py: this machine's python3 with PyTorch CUDA as the trainer,
 #    `lightwire serve` as the sidecar), and, for figures only (never judged),
@@ -38,11 +40,12 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
-binaries=(kernels_cuda_tests kernels_tests lightwire)
+binaries=(kernels_cuda_tests proxy_cuda_tests kernels_tests lightwire)
 
 prepare() {
   local build=$1 dest=$2
   local -A source=([kernels_cuda_tests]=$build/tests/kernels_cuda_tests
+                   [proxy_cuda_tests]=$build/tests/proxy_cuda_tests
                    [kernels_tests]=$build/tests/kernels_tests
                    [lightwire]=$build/proxy/lightwire)
   rm -rf "$dest" && mkdir -p "$dest/lib" || return 1
@@ -129,6 +132,8 @@ fi
 python=${PYTHON:-python3}
 check "kernels_cuda_tests (GPU)" kernels_cuda_tests.log \
   env LW_REQUIRE_CUDA=1 "$dir/kernels_cuda_tests" -r=console
+check "proxy_cuda_tests (GPU: step engine, GPU path vs host path)" proxy_cuda_tests.log \
+  env LW_REQUIRE_CUDA=1 "$dir/proxy_cuda_tests" -r=console
 check "kernels_tests (CPU suite)" kernels_tests.log "$dir/kernels_tests" -r=console
 check "lightwire --version" version.log "$dir/lightwire" --version
 check "CUDA IPC: trainer process -> lightwire serve, results in place" cuda_ipc.log \
@@ -149,7 +154,8 @@ check "lightwire bench codec --all --elements 25000000 (CPU)" bench.txt \
   "$dir/lightwire" bench codec --all --elements 25000000
 cat "$out/bench.txt"
 
-grep -h '^\[doctest\] test cases' "$out"/kernels_cuda_tests.log "$out"/kernels_tests.log \
+grep -h '^\[doctest\] test cases' "$out"/kernels_cuda_tests.log "$out"/proxy_cuda_tests.log \
+  "$out"/kernels_tests.log \
   >>"$summary" 2>/dev/null
 record "device-check: $failed failed"
 # summary.json: every check's line, and the GPU figures (one JSON object per codec).

@@ -23,9 +23,11 @@ if ! command -v nvcc >/dev/null 2>&1; then
 fi
 echo "pack-device: building $build (release, CUDA kernels)"
 bash scripts/build.sh release "$build"
-if [[ ! -x "$build/tests/kernels_cuda_tests" ]]; then
-  echo "pack-device: $build has no CUDA kernels (configured without them? remove $build and" \
-    "run again)" >&2
-  exit 1
-fi
+for t in kernels_cuda_tests proxy_cuda_tests; do
+  if [[ ! -x "$build/tests/$t" ]]; then
+    echo "pack-device: $build has no $t (configured without the CUDA kernels? remove $build and" \
+      "run again)" >&2
+    exit 1
+  fi
+done
 bash scripts/device-check.sh --prepare "$build" "$pack"

@@ -97,13 +97,23 @@ note "== unit tests"
 if ((release_ok)); then
   doctest_run kernels-release "$release_dir/tests/kernels_tests"
   if [[ -x "$release_dir/tests/kernels_cuda_tests" ]]; then
-    "$release_dir/tests/kernels_cuda_tests" >"$logs/kernels-cuda.log" 2>&1
-    rc=$?
-    if ((rc == 77)); then
-      skip "kernels-cuda" "$(head -n 1 "$logs/kernels-cuda.log")"
-    else
-      doctest_run kernels-cuda "$release_dir/tests/kernels_cuda_tests"
-    fi
+    # The GPU tests: the CUDA kernels, and the step engine's GPU path (proxy_cuda_tests). Without
+    # a GPU each exits 77 and counts as one skipped, never as passed.
+    for cuda_test in kernels_cuda proxy_cuda; do
+      name=${cuda_test/_/-}
+      binary=$release_dir/tests/${cuda_test}_tests
+      if [[ ! -x "$binary" ]]; then
+        fail "$name" "$binary was not built"
+        continue
+      fi
+      "$binary" >"$logs/$name.log" 2>&1
+      rc=$?
+      if ((rc == 77)); then
+        skip "$name" "$(head -n 1 "$logs/$name.log")"
+      else
+        doctest_run "$name" "$binary"
+      fi
+    done
   else
     note "      (CUDA kernels not built in $release_dir: no CUDA toolkit)"
   fi

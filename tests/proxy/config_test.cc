@@ -130,6 +130,7 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"job_id", {"a", "b", "c"}},
       {"local_trainers", {"2", "3", "4"}},
       {"threads", {"1", "2", "3"}},
+      {"gpu", {"false", "true", "off"}},
       {"log_level", {"debug", "warn", "error"}},
       {"log_format", {"json", "text", "json"}},
       {"control.socket", {"/tmp/a.sock", "/tmp/b.sock", ""}},

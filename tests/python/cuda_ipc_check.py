@@ -93,6 +93,7 @@ def check_none_in_place(binary):
             ev.record()
             reply = c.emit_gradient_shm(bid, name="w", step=step, shape=[x.numel()])
             assert reply["codec"] == "none", reply
+            assert reply["device"].startswith("cuda:"), "the step ran on %s" % reply["device"]
             torch.cuda.synchronize()
             assert torch.equal(x, want * (step + 1)), "step %d: result differs from the input" % step
         assert torch.equal(big[:1000003], before) and torch.equal(big[2000006:], after), \
@@ -126,9 +127,11 @@ def check_fp16_and_two_trainers(binary):
         torch.cuda.synchronize()
         errors = []
 
+        replies = [None, None]
+
         def emit(k):
             try:
-                clients[k].emit_gradient_shm(ids[k], name="g", step=0, shape=[n])
+                replies[k] = clients[k].emit_gradient_shm(ids[k], name="g", step=0, shape=[n])
             except Exception as e:  # reported below
                 errors.append(e)
 
@@ -138,6 +141,7 @@ def check_fp16_and_two_trainers(binary):
         for t in threads:
             t.join(120)
         assert not errors, errors
+        assert all(r["device"].startswith("cuda:") for r in replies), replies
         torch.cuda.synchronize()
         # World 1: the sum in trainer order, sent as fp16, decoded with weight 1/2.
         want = ((ha + hb).half().float() * 0.5)
@@ -214,8 +218,78 @@ def check_ddp_hook_cuda_bucket(binary):
         s.close()
 
 
+def run_steps(binary, codec_args, gpu, dtype, steps=4):
+    """Two local trainers, `steps` steps of two tensors (1M + 4097 elements of `dtype`) through a
+    sidecar with --gpu `gpu`: the results of every step (host copies) and the replies."""
+    import torch
+    s = Serve(binary, local_trainers=2, extra=list(codec_args) + ["--gpu", gpu,
+                                                                  "--chunk-elements", "262144"])
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(7)
+        shapes = {"w": 1 << 20, "b": 4097}
+        clients = [s.client(trainer=0), s.client(trainer=1)]
+        tensors = {(k, name): torch.zeros(n, dtype=dtype, device="cuda")
+                   for k in (0, 1) for name, n in shapes.items()}
+        ids = {key: clients[key[0]].register_cuda(t) for key, t in tensors.items()}
+        results, replies = [], []
+        for step in range(steps):
+            for key, t in tensors.items():
+                t.copy_(torch.randn(t.numel(), generator=gen).to(dtype))
+            torch.cuda.synchronize()
+            for name, n in shapes.items():
+                errors, got = [], [None, None]
+
+                def emit(k):
+                    try:
+                        got[k] = clients[k].emit_gradient_shm(ids[(k, name)], name=name,
+                                                              step=step, shape=[n],
+                                                              dtype=str(dtype).split(".")[1])
+                    except Exception as e:  # reported below
+                        errors.append(e)
+
+                threads = [threading.Thread(target=emit, args=(k,)) for k in (0, 1)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(120)
+                assert not errors, (errors, s.output())
+                replies.extend(got)
+                results.append(tensors[(0, name)].cpu().clone())
+                assert torch.equal(tensors[(0, name)].cpu(), tensors[(1, name)].cpu()), \
+                    "the two trainers got different results"
+        for k in (0, 1):
+            clients[k].close()
+        return results, replies
+    finally:
+        s.close()
+
+
+def check_gpu_path_matches_host(binary):
+    """The GPU path (compression on the device) against the same sidecar staging through the
+    host (--gpu false): bit-identical results step after step (codec state included), for
+    stateful and stateless codecs and fp32/fp16 gradients; the replies say where each step ran."""
+    import torch
+    cases = [(["--codec", "dgc", "--density", "0.01", "--momentum", "0.9"], torch.float32),
+             (["--codec", "topk", "--density", "0.05", "--error-feedback", "true"], torch.float16),
+             (["--codec", "qsgd", "--bits", "4"], torch.float32),
+             (["--codec", "powersgd"], torch.float32),
+             (["--codec", "onebit"], torch.bfloat16)]
+    for args, dtype in cases:
+        on_gpu, gpu_replies = run_steps(binary, args, "true", dtype)
+        on_host, host_replies = run_steps(binary, args, "false", dtype)
+        assert all(r["device"].startswith("cuda:") for r in gpu_replies), gpu_replies[:2]
+        assert all(r["device"] == "cpu" for r in host_replies), host_replies[:2]
+        for i, (a, b) in enumerate(zip(on_gpu, on_host)):
+            bits = torch.int16 if a.element_size() == 2 else torch.int32  # bit for bit
+            assert torch.equal(a.view(bits), b.view(bits)), \
+                "%s %s: result %d differs between the GPU path and the host path" % (args, dtype, i)
+        wire = [r["wire_bytes"] for r in gpu_replies], [r["wire_bytes"] for r in host_replies]
+        assert wire[0] == wire[1], ("wire bytes differ", args)
+    return "dgc, topk+EF (fp16), qsgd, powersgd, onebit (bf16): 4 steps x 2 tensors bit-identical"
+
+
 CHECKS = [check_none_in_place, check_fp16_and_two_trainers, check_refusals,
-          check_ddp_hook_cuda_bucket]
+          check_ddp_hook_cuda_bucket, check_gpu_path_matches_host]
 
 
 def gpu_available():

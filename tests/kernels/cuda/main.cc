@@ -1,7 +1,7 @@
-// Entry point of kernels_cuda_tests. Without a usable CUDA device (no driver, or no GPU) the
-// tests cannot run: the executable says so and exits with 77, which meson and scripts/test.sh
-// count as SKIPPED — never as passed. LW_REQUIRE_CUDA=1 turns that into a failure (exit 1), for
-// scripts/device-check.sh on machines that are supposed to have a GPU.
+// Entry point of kernels_cuda_tests and proxy_cuda_tests. Without a usable CUDA device (no
+// driver, or no GPU) the tests cannot run: the executable says so and exits with 77, which meson
+// and scripts/test.sh count as SKIPPED — never as passed. LW_REQUIRE_CUDA=1 turns that into a
+// failure (exit 1), for scripts/device-check.sh on machines that are supposed to have a GPU.
 
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <cuda_runtime_api.h>

@@ -1,0 +1,498 @@
+// The step engine's GPU path (proxy/step_engine_gpu.h): the data operations of a step on the
+// device, with the CUDA codecs (kernels/cuda/codec.h) and the element-wise kernels of
+// kernels/cuda/engine_ops.h. Each operation is the device counterpart of the CPU engine's, bit for
+// bit. Only payloads cross to the host (and, on the steps that need them, a sampled chunk for the
+// cosine and the result for the divergence checksum).
+
+#include <cuda_runtime_api.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "kernels/cuda/codec.h"
+#include "kernels/cuda/engine_ops.h"
+#include "kernels/cuda/reduce.h"
+#include "kernels/registry.h"
+#include "proxy/step_engine_gpu.h"
+
+namespace lightwire::proxy::gpu {
+namespace {
+
+namespace kc = kernels::cuda;
+using kernels::DType;
+
+Status deviceError(cudaError_t e, const std::string& what) {
+  return kc::cudaStatus(e, "GPU path: " + what);
+}
+
+/// Grow-only device memory of one GPU.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer() { cudaFree(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  Status ensure(size_t bytes, const char* what) {
+    if (bytes <= size_) return Status::ok();
+    cudaFree(data_);
+    data_ = nullptr;
+    size_ = 0;
+    if (cudaError_t e = cudaMalloc(&data_, bytes); e != cudaSuccess) {
+      data_ = nullptr;
+      return deviceError(e, std::string(what) + " of " + std::to_string(bytes) + " bytes");
+    }
+    size_ = bytes;
+    return Status::ok();
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  kc::DeviceBytes bytes() const { return {data_, size_}; }
+  size_t size() const { return size_; }
+  void release() {
+    cudaFree(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace
+
+class TensorGpu {
+ public:
+  explicit TensorGpu(int ordinal) : ordinal_(ordinal) {}
+  ~TensorGpu() {
+    if (stream_ != nullptr) {
+      cudaSetDevice(ordinal_);
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+  }
+  TensorGpu(const TensorGpu&) = delete;
+  TensorGpu& operator=(const TensorGpu&) = delete;
+
+  int ordinal_;
+  cudaStream_t stream_ = nullptr;
+  std::mutex mu_;  // one operation at a time (the exchange may encode from its own thread)
+  // The tensor's CUDA codec (of config_key_) and its committed state; `none` for dense steps.
+  std::string config_key_;
+  std::unique_ptr<kc::CudaCodec> codec_, none_;
+  kc::DeviceState state_, no_state_;
+  bool has_state_ = false;
+  // Trainers on other GPUs of the node: their gradient copied here (peer to peer), and their
+  // result narrowed here before it is copied back. Index = trainer.
+  std::vector<std::unique_ptr<DeviceBuffer>> remote_;
+  DeviceBuffer sum_, flushed_, result_, workspace_, payload_, size_, scratch_, stats_;
+};
+
+uint64_t stateBytes(const TensorGpu* tg) {
+  return tg != nullptr && tg->has_state_ ? tg->state_.bytes() : 0;
+}
+
+Result<kernels::CodecState> downloadState(TensorGpu& tg) {
+  std::lock_guard lock(tg.mu_);
+  if (cudaError_t e = cudaSetDevice(tg.ordinal_); e != cudaSuccess) {
+    return deviceError(e, "selecting GPU " + std::to_string(tg.ordinal_));
+  }
+  kernels::CodecState host(tg.state_.floats());
+  if (tg.state_.floats() == 0) return host;
+  auto values = tg.state_.download(tg.stream_);
+  if (!values) return values.status();
+  LW_RETURN_IF_ERROR(host.restore(*values));
+  return host;
+}
+
+std::optional<int> eligibleDevice(std::span<const Contribution* const> parts,
+                                  std::string_view codec) {
+  std::optional<int> ordinal;  // trainer 0's GPU: where the step runs
+  for (const Contribution* c : parts) {
+    if (c == nullptr || !c->device || c->device->ptr == nullptr || c->device->ordinal < 0) {
+      return std::nullopt;
+    }
+    if (!ordinal) ordinal = c->device->ordinal;
+  }
+  if (!ordinal || !kc::hasCudaCodec(codec) || !kc::hasCudaCodec("none")) return std::nullopt;
+  return ordinal;
+}
+
+struct GpuStep::Impl {
+  TensorGpu& t;
+  std::shared_ptr<TensorGpu> keep;
+  std::vector<void*> parts;        // each trainer's device memory
+  std::vector<int> part_devices;   // ... and its GPU
+  std::vector<const void*> local;  // each trainer's gradient on this GPU (itself, or a copy)
+  size_t n = 0;
+  DType dtype = DType::kF32;
+  const float* input = nullptr;  // the step's input (fp32, n)
+  float* result = nullptr;
+  bool in_place = false;
+  bool dense = false;  // this step compresses with `none` (bypass, full sync)
+
+  std::unique_lock<std::mutex> lock() {
+    std::unique_lock l(t.mu_);
+    cudaSetDevice(t.ordinal_);  // per host thread; an error surfaces at the next call
+    return l;
+  }
+  const kc::CudaCodec& codec() const { return dense ? *t.none_ : *t.codec_; }
+  kc::DeviceState& state() { return dense ? t.no_state_ : t.state_; }
+  Status sync(const char* what) { return deviceError(cudaStreamSynchronize(t.stream_), what); }
+};
+
+GpuStep::GpuStep(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GpuStep::~GpuStep() = default;
+
+std::string GpuStep::deviceName() const { return "cuda:" + std::to_string(impl_->t.ordinal_); }
+
+Result<std::unique_ptr<GpuStep>> GpuStep::begin(std::shared_ptr<TensorGpu>& tg, int ordinal,
+                                                const kernels::CodecConfig& config,
+                                                std::span<Contribution* const> parts, size_t n,
+                                                DType dtype,
+                                                const kernels::CodecState* host_state) {
+  if (cudaError_t e = cudaSetDevice(ordinal); e != cudaSuccess) {
+    return deviceError(e, "selecting GPU " + std::to_string(ordinal));
+  }
+  if (!tg || tg->ordinal_ != ordinal) {
+    if (host_state == nullptr) {
+      return internalError("GPU path: the tensor's codec state is on another GPU");
+    }
+    tg = std::make_shared<TensorGpu>(ordinal);
+  }
+  TensorGpu& t = *tg;
+  std::unique_lock lock(t.mu_);
+  if (t.stream_ == nullptr) {
+    if (cudaError_t e = cudaStreamCreateWithFlags(&t.stream_, cudaStreamNonBlocking);
+        e != cudaSuccess) {
+      t.stream_ = nullptr;
+      return deviceError(e, "creating a stream");
+    }
+  }
+  const std::string key = kernels::configKey(config);
+  if (!t.codec_ || t.config_key_ != key) {
+    auto codec = kc::createCudaCodec(config);
+    if (!codec) return codec.status();
+    t.codec_ = std::move(*codec);
+    t.config_key_ = key;
+  }
+  if (!t.none_) {
+    kernels::CodecConfig none;
+    none.name = "none";
+    auto codec = kc::createCudaCodec(none);
+    if (!codec) return codec.status();
+    t.none_ = std::move(*codec);
+  }
+  if (host_state != nullptr) {
+    // The state moves here: the host's when it is this codec's for this size, else fresh zeros.
+    const size_t floats = t.codec_->stateFloats(n);
+    auto state = kc::DeviceState::create(floats);
+    if (!state) return state.status();
+    if (host_state->floats() == floats && floats > 0) {
+      LW_RETURN_IF_ERROR(state->upload(host_state->currentSpan(), t.stream_));
+    }
+    t.state_ = std::move(*state);
+    t.has_state_ = true;
+  }
+  auto impl = std::make_unique<Impl>(Impl{t, tg, {}, {}, {}, n, dtype});
+  if (t.remote_.size() < parts.size()) t.remote_.resize(parts.size());
+  for (size_t k = 0; k < parts.size(); ++k) {
+    Contribution* c = parts[k];
+    impl->parts.push_back(c->device->ptr);
+    impl->part_devices.push_back(c->device->ordinal);
+    impl->local.push_back(c->device->ptr);
+    if (c->device->ordinal != ordinal) {
+      if (!t.remote_[k]) t.remote_[k] = std::make_unique<DeviceBuffer>();
+      LW_RETURN_IF_ERROR(
+          t.remote_[k]->ensure(n * kernels::dtypeSize(dtype), "a copy of another GPU's gradient"));
+      impl->local.back() = t.remote_[k]->as<void>();
+    }
+    if (std::string why; c->device->wait && !c->device->wait(t.stream_, &why)) {
+      return internalError("GPU path: waiting for trainer " + std::to_string(c->spec.trainer) +
+                           "'s gradient: " + why);
+    }
+  }
+  return std::unique_ptr<GpuStep>(new GpuStep(std::move(impl)));
+}
+
+Status GpuStep::ingest() {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  // Gradients of trainers on other GPUs come over first (NVLink or PCIe peer to peer; the driver
+  // stages through the host where the GPUs cannot reach each other).
+  const size_t bytes = s.n * kernels::dtypeSize(s.dtype);
+  for (size_t k = 0; k < s.parts.size(); ++k) {
+    if (s.local[k] == s.parts[k]) continue;
+    LW_RETURN_IF_ERROR(
+        deviceError(cudaMemcpyPeerAsync(const_cast<void*>(s.local[k]), s.t.ordinal_, s.parts[k],
+                                        s.part_devices[k], bytes, s.t.stream_),
+                    "copying trainer " + std::to_string(k) + "'s gradient from GPU " +
+                        std::to_string(s.part_devices[k])));
+  }
+  if (s.parts.size() == 1 && s.dtype == DType::kF32) {
+    s.input = static_cast<const float*>(s.local[0]);
+    return Status::ok();
+  }
+  LW_RETURN_IF_ERROR(s.t.sum_.ensure(s.n * sizeof(float), "the local sum"));
+  LW_RETURN_IF_ERROR(
+      deviceError(kc::sumWidened(s.local.data(), static_cast<unsigned>(s.local.size()), s.dtype,
+                                 s.n, s.t.sum_.as<float>(), s.t.stream_),
+                  "summing the local trainers"));
+  s.input = s.t.sum_.as<float>();
+  return Status::ok();
+}
+
+Status GpuStep::flush(const kernels::StepContext& ctx, const kernels::Chunking& chunking) {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  LW_RETURN_IF_ERROR(s.t.flushed_.ensure(s.n * sizeof(float), "the flushed input"));
+  LW_RETURN_IF_ERROR(s.t.codec_->flush(ctx, chunking, {s.input, s.n, DType::kF32}, s.t.state_,
+                                       s.t.flushed_.as<float>(), s.t.stream_));
+  s.input = s.t.flushed_.as<float>();
+  return Status::ok();
+}
+
+Result<policies::StepStats> GpuStep::stats(double min_magnitude, bool count_small) {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  policies::StepStats st;
+  st.elements = s.n;
+  const size_t blocks = (s.n + kernels::kStatsBlock - 1) / kernels::kStatsBlock;
+  // [block sums | total | 2 counts], and the canonical reduction's block sums after them.
+  const size_t canonical = kc::canonicalBlocks(s.n);
+  const size_t doubles = blocks + 1 + 2 + canonical + 1;
+  LW_RETURN_IF_ERROR(s.t.stats_.ensure(doubles * sizeof(double), "statistics"));
+  auto* sums = s.t.stats_.as<double>();
+  double* total = sums + blocks;
+  auto* counts = reinterpret_cast<unsigned long long*>(total + 1);
+  double* canonical_sums = total + 3;
+  double* canonical_total = canonical_sums + canonical;
+  cudaStream_t stream = s.t.stream_;
+  LW_RETURN_IF_ERROR(
+      deviceError(kc::statsSquareBlockSums(s.input, s.n, sums, stream), "statistics"));
+  LW_RETURN_IF_ERROR(deviceError(kc::sumBlockSums(sums, blocks, total, stream), "statistics"));
+  double norm2 = 0.0;
+  LW_RETURN_IF_ERROR(deviceError(
+      cudaMemcpyAsync(&norm2, total, sizeof norm2, cudaMemcpyDeviceToHost, stream), "statistics"));
+  LW_RETURN_IF_ERROR(s.sync("statistics"));
+  st.grad_norm2 = s.n == 0 ? 0.0 : norm2;
+  if (!std::isfinite(st.grad_norm2) || count_small) {
+    unsigned long long host[2] = {0, 0};
+    LW_RETURN_IF_ERROR(deviceError(cudaMemsetAsync(counts, 0, sizeof host, stream), "statistics"));
+    LW_RETURN_IF_ERROR(deviceError(
+        kc::countValues(s.input, s.n, static_cast<float>(min_magnitude), counts, stream),
+        "statistics"));
+    LW_RETURN_IF_ERROR(deviceError(
+        cudaMemcpyAsync(host, counts, sizeof host, cudaMemcpyDeviceToHost, stream), "statistics"));
+    LW_RETURN_IF_ERROR(s.sync("statistics"));
+    st.nonfinite = host[0];
+    st.small = count_small ? host[1] : 0;
+    if (st.nonfinite > 0) {
+      st.grad_norm2 = 0;  // the count says it; the norm is meaningless
+    } else if (!std::isfinite(st.grad_norm2)) {
+      // Finite values whose float squares overflowed: the exact fp64 sum, as on the CPU.
+      LW_RETURN_IF_ERROR(
+          deviceError(kc::canonicalSum(s.input, DType::kF32, s.n, kernels::ReduceTerm::kSquare,
+                                       canonical_sums, canonical_total, stream),
+                      "statistics"));
+      LW_RETURN_IF_ERROR(
+          deviceError(cudaMemcpyAsync(&st.grad_norm2, canonical_total, sizeof(double),
+                                      cudaMemcpyDeviceToHost, stream),
+                      "statistics"));
+      LW_RETURN_IF_ERROR(s.sync("statistics"));
+    }
+  }
+  return st;
+}
+
+Result<double> GpuStep::residualNorm2() {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  if (!s.t.has_state_ || s.t.state_.floats() == 0) return 0.0;
+  LW_RETURN_IF_ERROR(
+      s.t.scratch_.ensure(kc::CudaCodec::residualScratchBytes(s.n), "residual scratch"));
+  return s.t.codec_->residualNorm2(s.t.state_, s.n, s.t.scratch_.bytes(), s.t.stream_);
+}
+
+Status GpuStep::analyze(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
+                        bool dense) {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  s.dense = dense;
+  const kc::CudaCodec& codec = s.codec();
+  size_t max_payload = 0;
+  for (size_t c = 0; c < chunking.count(); ++c) {
+    max_payload = std::max(max_payload, codec.maxPayloadBytes(chunking.size(c)));
+  }
+  LW_RETURN_IF_ERROR(s.t.workspace_.ensure(std::max<size_t>(codec.workspaceBytes(chunking), 1),
+                                           "the codec workspace"));
+  LW_RETURN_IF_ERROR(s.t.payload_.ensure(std::max<size_t>(max_payload, 1), "a payload"));
+  LW_RETURN_IF_ERROR(s.t.size_.ensure(sizeof(uint64_t), "a payload size"));
+  return codec.analyze(ctx, chunking, {s.input, s.n, DType::kF32}, s.state(),
+                       s.t.workspace_.bytes(), s.t.stream_);
+}
+
+Result<std::span<const uint8_t>> GpuStep::encodeChunk(const kernels::StepContext& ctx,
+                                                      const kernels::Chunking& chunking,
+                                                      size_t chunk, int round,
+                                                      std::span<const uint8_t> previous,
+                                                      std::vector<uint8_t>& out) {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  const kc::CudaCodec& codec = s.codec();
+  cudaStream_t stream = s.t.stream_;
+  LW_RETURN_IF_ERROR(codec.encodeChunk(
+      ctx, chunking, chunk, round, previous, {s.input, s.n, DType::kF32}, s.state(),
+      s.t.workspace_.bytes(), s.t.payload_.as<uint8_t>(), s.t.size_.as<uint64_t>(), stream));
+  uint64_t size = 0;
+  LW_RETURN_IF_ERROR(deviceError(
+      cudaMemcpyAsync(&size, s.t.size_.as<uint64_t>(), sizeof size, cudaMemcpyDeviceToHost, stream),
+      "reading a payload's size"));
+  LW_RETURN_IF_ERROR(s.sync("compressing"));
+  const size_t max = codec.maxPayloadBytes(chunking.size(chunk));
+  if (size > max) {
+    return internalError("GPU path: chunk " + std::to_string(chunk) + "'s payload of " +
+                         std::to_string(size) + " bytes exceeds its bound " + std::to_string(max));
+  }
+  if (out.size() < max) out.resize(max);
+  LW_RETURN_IF_ERROR(deviceError(
+      cudaMemcpyAsync(out.data(), s.t.payload_.as<uint8_t>(), size, cudaMemcpyDeviceToHost, stream),
+      "copying a payload"));
+  LW_RETURN_IF_ERROR(s.sync("copying a payload"));
+  return std::span<const uint8_t>(out.data(), size);
+}
+
+Status GpuStep::chunkInput(const kernels::Chunking& chunking, size_t chunk,
+                           std::vector<float>& out) {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  out.resize(chunking.size(chunk));
+  LW_RETURN_IF_ERROR(
+      deviceError(cudaMemcpyAsync(out.data(), s.input + chunking.begin(chunk),
+                                  out.size() * sizeof(float), cudaMemcpyDeviceToHost, s.t.stream_),
+                  "reading a chunk"));
+  return s.sync("reading a chunk");
+}
+
+Status GpuStep::prepareResult(bool in_place) {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  s.in_place = in_place && s.parts.size() == 1 && s.dtype == DType::kF32;
+  if (s.in_place) {
+    s.result = static_cast<float*>(s.parts[0]);
+    return Status::ok();
+  }
+  LW_RETURN_IF_ERROR(s.t.result_.ensure(std::max<size_t>(s.n, 1) * sizeof(float), "the result"));
+  s.result = s.t.result_.as<float>();
+  return Status::ok();
+}
+
+Status GpuStep::decodeChunk(const kernels::Chunking& chunking, size_t chunk,
+                            std::span<const std::span<const uint8_t>> payloads, bool dense,
+                            float weight) {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  const kc::CudaCodec& decoder = dense ? *s.t.none_ : s.codec();
+  const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
+  size_t scratch = 0;
+  for (const auto& p : payloads) {
+    scratch = std::max(scratch, decoder.decodeScratchBytes(p.size(), len));
+  }
+  if (scratch > s.t.scratch_.size()) {
+    // Growing frees the old scratch, which earlier decodes on the stream may still read.
+    LW_RETURN_IF_ERROR(s.sync("decompressing"));
+    LW_RETURN_IF_ERROR(s.t.scratch_.ensure(scratch, "decode scratch"));
+  }
+  cudaStream_t stream = s.t.stream_;
+  LW_RETURN_IF_ERROR(deviceError(cudaMemsetAsync(s.result + begin, 0, len * sizeof(float), stream),
+                                 "zeroing the result"));
+  for (const auto& p : payloads) {
+    // Validated on the host first (nothing from a peer is trusted); nothing enqueued on error.
+    LW_RETURN_IF_ERROR(
+        decoder.decodeChunk(p, weight, s.result + begin, len, s.t.scratch_.bytes(), stream));
+  }
+  return Status::ok();
+}
+
+Status GpuStep::decodeRounds(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
+                             std::span<const std::span<const uint8_t>> rounds, float weight) {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  const kc::CudaCodec& codec = s.codec();
+  cudaStream_t stream = s.t.stream_;
+  LW_RETURN_IF_ERROR(s.sync("decompressing"));
+  LW_RETURN_IF_ERROR(
+      s.t.scratch_.ensure(std::max<size_t>(codec.decodeScratchBytes(0, s.n), 1), "decode scratch"));
+  LW_RETURN_IF_ERROR(
+      deviceError(cudaMemsetAsync(s.result, 0, s.n * sizeof(float), stream), "zeroing the result"));
+  LW_RETURN_IF_ERROR(
+      codec.decodeRounds(rounds, weight, s.result, s.n, s.t.scratch_.bytes(), stream));
+  return codec.finishStep(ctx, chunking, rounds, weight, {s.input, s.n, DType::kF32}, s.state(),
+                          s.t.workspace_.bytes(), stream);
+}
+
+Result<bool> GpuStep::resultNonfinite() {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  LW_RETURN_IF_ERROR(s.t.stats_.ensure(2 * sizeof(unsigned long long), "statistics"));
+  auto* counts = s.t.stats_.as<unsigned long long>();
+  unsigned long long host[2] = {0, 0};
+  cudaStream_t stream = s.t.stream_;
+  LW_RETURN_IF_ERROR(
+      deviceError(cudaMemsetAsync(counts, 0, sizeof host, stream), "checking the result"));
+  LW_RETURN_IF_ERROR(
+      deviceError(kc::countValues(s.result, s.n, 0.0f, counts, stream), "checking the result"));
+  LW_RETURN_IF_ERROR(
+      deviceError(cudaMemcpyAsync(host, counts, sizeof host, cudaMemcpyDeviceToHost, stream),
+                  "checking the result"));
+  LW_RETURN_IF_ERROR(s.sync("checking the result"));
+  return host[0] > 0;
+}
+
+Result<uint64_t> GpuStep::resultChecksum() {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  std::vector<float> host(s.n);
+  LW_RETURN_IF_ERROR(deviceError(cudaMemcpyAsync(host.data(), s.result, s.n * sizeof(float),
+                                                 cudaMemcpyDeviceToHost, s.t.stream_),
+                                 "reading the result"));
+  LW_RETURN_IF_ERROR(s.sync("reading the result"));
+  return XXH3_64bits(host.data(), host.size() * sizeof(float));
+}
+
+Status GpuStep::writeBack() {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  if (!s.in_place) {
+    const size_t bytes = s.n * kernels::dtypeSize(s.dtype);
+    for (size_t k = 0; k < s.parts.size(); ++k) {
+      // A trainer on another GPU: narrowed here (its gradient's copy is no longer needed), then
+      // copied over.
+      void* here = const_cast<void*>(s.local[k]);
+      LW_RETURN_IF_ERROR(deviceError(kc::narrowFloats(s.result, s.n, s.dtype, here, s.t.stream_),
+                                     "writing the result"));
+      if (here != s.parts[k]) {
+        LW_RETURN_IF_ERROR(
+            deviceError(cudaMemcpyPeerAsync(s.parts[k], s.part_devices[k], here, s.t.ordinal_,
+                                            bytes, s.t.stream_),
+                        "copying the result to GPU " + std::to_string(s.part_devices[k])));
+      }
+    }
+  }
+  // In place before the reply: the trainer reads its tensor as soon as it has the reply.
+  return s.sync("writing the result");
+}
+
+Status GpuStep::commit(bool state) {
+  auto l = impl_->lock();
+  Impl& s = *impl_;
+  if (state) s.t.state_.commit();
+  return Status::ok();
+}
+
+}  // namespace lightwire::proxy::gpu
