@@ -1,9 +1,10 @@
 #pragma once
 // The step engine's GPU path (docs/cuda.md "Steps on the GPU"): the device half of
-// StepEngine::execute() for steps whose trainers all hand device memory (Contribution::device). The engine keeps the control flow (policies, exchange rounds, commit);
-// GpuStep does each data operation on the device with the CUDA codecs, which are byte-identical to
-// the CPU codecs, so a step gives the same result bits and the same codec state on either path and
-// a tensor may move between them (its state is copied across once when it does).
+// StepEngine::execute() for steps whose trainers all hand device memory (Contribution::device).
+// The engine keeps the control flow (policies, exchange rounds, commit); GpuStep does each data
+// operation on the device with the CUDA codecs, which are byte-identical to the CPU codecs, so a
+// step gives the same result bits and the same codec state on either path and a tensor may move
+// between them (its state is copied across once when it does).
 //
 // No CUDA type appears here: the engine compiles the same with or without the CUDA toolkit.
 // step_engine_cuda.cc implements it; step_engine_nogpu.cc (builds without the CUDA codecs) says
