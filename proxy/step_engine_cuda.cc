@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 #include "kernels/cuda/codec.h"
 #include "kernels/cuda/engine_ops.h"
@@ -71,9 +72,12 @@ class TensorGpu {
   explicit TensorGpu(int ordinal) : ordinal_(ordinal) {}
   ~TensorGpu() {
     if (stream_ != nullptr) {
+      int previous = -1;
+      cudaGetDevice(&previous);
       cudaSetDevice(ordinal_);
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
+      if (previous >= 0) cudaSetDevice(previous);
     }
   }
   TensorGpu(const TensorGpu&) = delete;
@@ -147,7 +151,12 @@ struct GpuStep::Impl {
 };
 
 GpuStep::GpuStep(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-GpuStep::~GpuStep() = default;
+GpuStep::~GpuStep() {
+  // A step that failed half-way may still have work queued that reads the trainers' gradients or
+  // writes their results: it ends before the reply goes out.
+  auto l = impl_->lock();
+  cudaStreamSynchronize(impl_->t.stream_);
+}
 
 std::string GpuStep::deviceName() const { return "cuda:" + std::to_string(impl_->t.ordinal_); }
 
@@ -156,16 +165,25 @@ Result<std::unique_ptr<GpuStep>> GpuStep::begin(std::shared_ptr<TensorGpu>& tg, 
                                                 std::span<Contribution* const> parts, size_t n,
                                                 DType dtype,
                                                 const kernels::CodecState* host_state) {
+  // The tensor's resources on this GPU; `tg` is replaced only once the step has begun, so a
+  // failure leaves the state where it was.
+  std::shared_ptr<TensorGpu> target = tg && tg->ordinal_ == ordinal ? tg : nullptr;
+  std::optional<kernels::CodecState> moved;
+  if (!target) {
+    if (host_state == nullptr) {
+      // Trainer 0 is on another GPU now: the state moves there through the host.
+      if (!tg) return internalError("GPU path: the tensor has no codec state");
+      auto state = downloadState(*tg);
+      if (!state) return state.status();
+      moved = std::move(*state);
+      host_state = &*moved;
+    }
+    target = std::make_shared<TensorGpu>(ordinal);
+  }
   if (cudaError_t e = cudaSetDevice(ordinal); e != cudaSuccess) {
     return deviceError(e, "selecting GPU " + std::to_string(ordinal));
   }
-  if (!tg || tg->ordinal_ != ordinal) {
-    if (host_state == nullptr) {
-      return internalError("GPU path: the tensor's codec state is on another GPU");
-    }
-    tg = std::make_shared<TensorGpu>(ordinal);
-  }
-  TensorGpu& t = *tg;
+  TensorGpu& t = *target;
   std::unique_lock lock(t.mu_);
   if (t.stream_ == nullptr) {
     if (cudaError_t e = cudaStreamCreateWithFlags(&t.stream_, cudaStreamNonBlocking);
@@ -199,7 +217,7 @@ Result<std::unique_ptr<GpuStep>> GpuStep::begin(std::shared_ptr<TensorGpu>& tg, 
     t.state_ = std::move(*state);
     t.has_state_ = true;
   }
-  auto impl = std::make_unique<Impl>(Impl{t, tg, {}, {}, {}, n, dtype});
+  auto impl = std::make_unique<Impl>(Impl{t, target, {}, {}, {}, n, dtype});
   if (t.remote_.size() < parts.size()) t.remote_.resize(parts.size());
   for (size_t k = 0; k < parts.size(); ++k) {
     Contribution* c = parts[k];
@@ -217,6 +235,8 @@ Result<std::unique_ptr<GpuStep>> GpuStep::begin(std::shared_ptr<TensorGpu>& tg, 
                            "'s gradient: " + why);
     }
   }
+  tg = std::move(target);
+  lock.unlock();  // the step's operations take it one at a time
   return std::unique_ptr<GpuStep>(new GpuStep(std::move(impl)));
 }
 

@@ -824,7 +824,9 @@ TEST_CASE("policies on both paths: NaN, then bypass for K steps, then compressed
   }
 }
 
-TEST_CASE("policies on both paths: delayed sync accumulates on the device and sends the sum") {
+// Delayed-sync tensors stay on the host path (their accumulation lives there, with checkpoints:
+// docs/cuda.md "Steps on the GPU"), with device memory staged: the same results either way.
+TEST_CASE("policies on both paths: a delayed-sync tensor stages through the host, same results") {
   std::string where;
   CAPTURE(where);
   kernels::CodecConfig topk = named("topk");
@@ -843,7 +845,8 @@ TEST_CASE("policies on both paths: delayed sync accumulates on the device and se
         where = describe(codec) + " trainers " + std::to_string(trainers) + " step " +
                 std::to_string(step);
         auto [g, c] = pair.step("d", step, dtype,
-                                gradients(trainers, 9000, static_cast<uint32_t>(200 + step)));
+                                gradients(trainers, 9000, static_cast<uint32_t>(200 + step)), {},
+                                {}, /*gpu_path=*/false);
         CHECK(g.outcomes[0].figures.mode == ((step + 1) % 3 == 0 ? "compressed" : "skip"));
         if ((step + 1) % 3 != 0) {
           const std::vector<std::byte> zeros = encodeAs(std::vector<float>(9000, 0.0f), dtype);
@@ -943,7 +946,7 @@ TEST_CASE("checkpoint on the GPU engine, resume on either: the same state, the s
       CAPTURE(step);
       Run g = runStep(gpu, t.name, step, t.dtype, inputsOf(t, step), {}, t.shape);
       Run c = runStep(cpu, t.name, step, t.dtype, inputsOf(t, step), {}, t.shape);
-      checkSame(g, c);
+      checkSame(g, c, /*gpu_path=*/t.name != "w.delay");  // delayed sync: on the host
       if (out) (*out)[t.name] = std::move(c);
     }
   };
@@ -981,10 +984,12 @@ TEST_CASE("checkpoint on the GPU engine, resume on either: the same state, the s
       CHECK(x.last_committed == 6);
       CHECK(y.last_committed == 6);
       REQUIRE(x.state.size() == y.state.size());
-      CHECK_MESSAGE(std::memcmp(x.state.data(), y.state.data(), x.state.size() * 4) == 0,
-                    "codec state saved from the GPU differs from the host's");
+      CHECK_MESSAGE(
+          (x.state.empty() || std::memcmp(x.state.data(), y.state.data(), x.state.size() * 4) == 0),
+          "codec state saved from the GPU differs from the host's");
       REQUIRE(x.accumulator.size() == y.accumulator.size());
-      CHECK(std::memcmp(x.accumulator.data(), y.accumulator.data(), x.accumulator.size() * 4) == 0);
+      CHECK((x.accumulator.empty() || std::memcmp(x.accumulator.data(), y.accumulator.data(),
+                                                  x.accumulator.size() * 4) == 0));
       any_accumulator = any_accumulator || !x.accumulator.empty();
       if (x.name != "w.delay") CHECK_FALSE(x.state.empty());
     }
