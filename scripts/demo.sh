@@ -23,6 +23,9 @@ fi
 rm -f "$build_log"
 
 work=$(mktemp -d)
+# One BLAS thread per trainer process (the trainers set torch.set_num_threads(1), which Debian's
+# torch does not pass on to OpenBLAS): four trainers share the cores.
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 codec=${LW_DEMO_CODEC:-dgc}
 nodes=${LW_DEMO_NODES:-4}
 codec_args=(--codec "$codec")

@@ -12,13 +12,18 @@ packages=(
   libboost1.81-dev libboost-json1.81-dev prometheus-cpp-dev libyaml-cpp-dev libcli11-dev
   libspdlog-dev libxxhash-dev libssl-dev libhwy-dev librandom123-dev libucx-dev
   # tests (doctest; the numpy reference implementation behind the golden payloads; the Python
-  # client's tests and the demo's trainer: PyTorch and pytest)
-  doctest-dev python3-numpy python3-xxhash python3-torch python3-pytest
+  # client's tests and the demo's trainer: PyTorch and pytest). OpenBLAS: Debian's torch and
+  # numpy link libblas.so.3, which is otherwise the reference BLAS (about 5 GFLOPS a core against
+  # OpenBLAS's 30: the trainers of the demo and of bench/e2e spend 5-7 times longer per step)
+  doctest-dev python3-numpy python3-xxhash python3-torch python3-pytest libopenblas0-pthread
   # source formatting check (.clang-format)
   clang-format
   # observability: promtool (config, alert rules and their unit tests) and the Prometheus server
   # the observability test scrapes the sidecars with
   prometheus
+  # benchmarks: network namespaces and the rate limit (ip, tc) of bench/netns_exchange.sh and
+  # bench/e2e; the plots of docs/BENCHMARKS.md
+  iproute2 python3-matplotlib
 )
 
 missing=()

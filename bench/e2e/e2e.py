@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark: real PyTorch DDP training (W trainer processes, CPU) on a rate-limited
+link, with PyTorch's own gradient communication against lightwire's, every configuration measured
+in the same run. Writes the results JSON, docs/BENCHMARKS.md and its plots (bench/e2e/report.py).
+Needs root: it creates a network namespace whose loopback is limited with `tc qdisc ... tbf`, so
+every byte between the ranks shares one link of the given rate. Figures only: it never passes or
+fails on time. Method: bench/README.md, docs/BENCHMARKS.md.
+
+    /usr/bin/python3 bench/e2e/e2e.py --quick     # MLP at 1 Gbit/s, every configuration (~10 min)
+    /usr/bin/python3 bench/e2e/e2e.py             # full: MLP and transformer LM, 1 and 10 Gbit/s
+
+Options: --tasks mlp,lm  --rates 1gbit,10gbit  --configs NAME,...  --steps N  --world-size W
+--out-dir DIR (default docs)  --results FILE  --smoke (tiny models, 2 ranks, 3 steps: checks that
+everything runs)  --list (the configurations). $LIGHTWIRE_BIN: the executable (default
+build-release/proxy/lightwire); $PYTHON: the trainers' interpreter (default /usr/bin/python3).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+
+# Policies off for every lightwire row but the one that is about them, so each codec is measured
+# alone (the sidecar's defaults turn the anomaly, rollback and full-sync policies on).
+POLICIES_OFF = ["--anomaly", "false", "--rollback", "false", "--full-sync-every", "0",
+                "--warmup-steps", "0"]
+
+# name: (label, kind, torch hook, sidecar arguments). The first is the baseline.
+CONFIGS = [
+    ("ddp", "DDP over gloo", "ddp", None, None),
+    ("ddp_fp16", "DDP + PyTorch fp16_compress_hook", "torch_hook", "fp16", None),
+    ("ddp_powersgd", "DDP + PyTorch PowerSGD hook (rank 1)", "torch_hook", "powersgd", None),
+    ("lightwire_none", "lightwire none", "lightwire", None, ["--codec", "none"] + POLICIES_OFF),
+    ("lightwire_fp16", "lightwire fp16", "lightwire", None, ["--codec", "fp16"] + POLICIES_OFF),
+    ("lightwire_topk", "lightwire topk 1 %", "lightwire", None,
+     ["--codec", "topk", "--density", "0.01"] + POLICIES_OFF),
+    ("lightwire_dgc", "lightwire dgc 1 %", "lightwire", None,
+     ["--codec", "dgc", "--density", "0.01"] + POLICIES_OFF),
+    ("lightwire_qsgd4", "lightwire qsgd 4 bits", "lightwire", None,
+     ["--codec", "qsgd", "--bits", "4"] + POLICIES_OFF),
+    ("lightwire_qsgd8", "lightwire qsgd 8 bits", "lightwire", None,
+     ["--codec", "qsgd", "--bits", "8"] + POLICIES_OFF),
+    ("lightwire_powersgd", "lightwire powersgd (rank 1)", "lightwire", None,
+     ["--codec", "powersgd", "--approx-rank", "1"] + POLICIES_OFF),
+    # The policies (docs/policies.md): the DGC warm-up over the first 20 steps, anomaly bypass,
+    # rollback on the reported loss, periodic full-sync at its default period.
+    ("lightwire_dgc_policies", "lightwire dgc 1 % + policies", "lightwire", None,
+     ["--codec", "dgc", "--density", "0.01", "--warmup-steps", "20", "--anomaly", "true",
+      "--rollback", "true"] + os.environ.get("LW_E2E_POLICY_EXTRA", "").split()),
+]
+
+PROFILES = {
+    # tasks, rates, steps and evaluation period per task, world size, model size, seconds a run
+    # may take. The steps: the MLP's loss falls clearly from step 20 on and still falls at 100;
+    # the LM's comes off its first plateau around step 100 (bench/e2e/tasks.py).
+    "quick": {"tasks": ["mlp"], "rates": ["1gbit"], "steps": {"mlp": 80},
+              "eval_every": {"mlp": 5}, "world_size": 4, "size": "full", "timeout": 600},
+    "full": {"tasks": ["mlp", "lm"], "rates": ["1gbit", "10gbit"], "steps": {"mlp": 100, "lm": 100},
+             "eval_every": {"mlp": 5, "lm": 10}, "world_size": 4, "size": "full", "timeout": 900},
+    "smoke": {"tasks": ["mlp"], "rates": ["1gbit"], "steps": {"mlp": 3, "lm": 3},
+              "eval_every": {"mlp": 1, "lm": 1}, "world_size": 2, "size": "smoke", "timeout": 240},
+}
+
+
+def log(msg):
+    print("e2e: %s" % msg, file=sys.stderr, flush=True)
+
+
+def die(msg):
+    print("e2e: %s" % msg, file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def rate_bits(rate):
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)bit", rate)
+    if not m:
+        die("--rates: NUMBER[k|m|g|t]bit, e.g. 1gbit (got %r)" % rate)
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+
+
+class Namespace(object):
+    """A network namespace of our own; its loopback limited to one rate at a time."""
+
+    def __init__(self):
+        self.name = "lightwire-e2e-%d" % os.getpid()
+        subprocess.run(["ip", "netns", "add", self.name], check=True)
+        self.run(["ip", "link", "set", "lo", "up"], check=True)
+
+    def cmd(self, argv):
+        return ["ip", "netns", "exec", self.name] + list(argv)
+
+    def run(self, argv, **kw):
+        return subprocess.run(self.cmd(argv), **kw)
+
+    def limit(self, rate):
+        # As bench/netns_exchange.sh (bench/README.md "Shaping"): burst = 2 ms of the rate, at
+        # least 256 KiB (a whole 64 KiB GSO packet and the qdisc watchdog's delay on a loaded VM);
+        # latency 100 ms holds what the flows have in flight, so TCP sees no drops.
+        burst = max(int(rate_bits(rate) / 8 * 0.002), 262144)
+        self.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst",
+                  str(burst), "latency", "100ms"], check=True)
+        log("namespace %s: lo limited to %s (burst %d bytes, latency 100 ms)" % (
+            self.name, rate, burst))
+
+    def close(self):
+        pids = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True,
+                              text=True).stdout.split()
+        for p in pids:
+            try:
+                os.kill(int(p), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        subprocess.run(["ip", "netns", "del", self.name], stderr=subprocess.DEVNULL)
+
+
+class Sidecars(object):
+    """W `lightwire serve` processes in the namespace, one per rank, peers on its loopback."""
+
+    def __init__(self, ns, binary, world, args, work):
+        self.procs, self.sockets, self.logs = [], [], []
+        peers = ",".join("127.0.0.1:%d" % (47100 + r) for r in range(world))
+        env = dict(os.environ, LIGHTWIRE_PEER__SECRET="e2e-%d" % os.getpid())
+        for r in range(world):
+            sock = os.path.join(work, "sidecar%d.sock" % r)
+            logf = os.path.join(work, "sidecar%d.log" % r)
+            cmd = [binary, "serve", "--job-id", "e2e", "--rank", str(r), "--world-size", str(world),
+                   "--peers", peers, "--peer-listen", "127.0.0.1:%d" % (47100 + r), "--socket",
+                   sock, "--control-tcp", "", "--admin-listen", "", "--state-dir", "",
+                   "--threads", "1", "--log-level", "warn"] + list(args)
+            self.procs.append(subprocess.Popen(ns.cmd(cmd), stdout=subprocess.DEVNULL,
+                                               stderr=open(logf, "wb"), env=env))
+            self.sockets.append(sock)
+            self.logs.append(logf)
+        import lightwire
+        deadline = time.monotonic() + 60
+        for r, sock in enumerate(self.sockets):
+            while True:
+                if self.procs[r].poll() is not None:
+                    raise RuntimeError("sidecar %d exited: %s" % (r, self.tail(r)))
+                if os.path.exists(sock):
+                    c = lightwire.Client(socket_path=sock, timeout=(1.0, 5.0))
+                    try:
+                        if c.request("GET", "/readyz").status == 200:
+                            break
+                    except lightwire.LightwireError:
+                        pass
+                    finally:
+                        c.close()
+                if time.monotonic() > deadline:
+                    raise RuntimeError("sidecar %d not ready in 60 s: %s" % (r, self.tail(r)))
+                time.sleep(0.1)
+
+    def tail(self, r, lines=5):
+        try:
+            with open(self.logs[r], "rb") as f:
+                return " | ".join(f.read().decode("utf-8", "replace").strip().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run_config(ns, binary, python, profile, task, rate, config, work):
+    """One configuration: returns its row of the results."""
+    name, label, kind, hook, sidecar_args = config
+    trainer_momentum = None  # the task's optimizer as it is
+    row = {"task": task, "rate": rate, "rate_bits_per_second": rate_bits(rate), "config": name,
+           "label": label, "kind": kind, "baseline": name == "ddp", "status": "ok", "error": None,
+           "steps": profile["steps"][task]}
+    d = tempfile.mkdtemp(prefix="%s-%s-" % (task, name), dir=work)
+    spec = {"task": task, "size": profile["size"], "seed": 0, "world_size": profile["world_size"],
+            "steps": profile["steps"][task], "eval_every": profile["eval_every"][task], "kind": kind,
+            "hook": hook, "powersgd_rank": 1, "sockets": [], "store_dir": d, "config": name,
+            "trainer_momentum": trainer_momentum}
+    sidecars = None
+    t0 = time.monotonic()
+    try:
+        if kind == "lightwire":
+            sidecars = Sidecars(ns, binary, profile["world_size"], sidecar_args, d)
+            spec["sockets"] = sidecars.sockets
+        spec_path, out_path = os.path.join(d, "spec.json"), os.path.join(d, "result.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        err_path = os.path.join(d, "worker.err")
+        # One BLAS thread per trainer (as torch.set_num_threads(1), which Debian's torch does not
+        # pass on to OpenBLAS): W trainers share the cores.
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
+                   OPENBLAS_NUM_THREADS="1")
+        with open(err_path, "wb") as err:
+            p = subprocess.Popen(ns.cmd([python, os.path.join(HERE, "worker.py"), spec_path,
+                                         out_path]), stdout=subprocess.DEVNULL, stderr=err,
+                                 env=env, start_new_session=True)
+            follower = Follower(err_path)
+            follower.start()
+            try:
+                rc = p.wait(profile["timeout"])
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGUSR1)  # the ranks print where they hang
+                time.sleep(2)
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                rc = None
+            finally:
+                follower.stop()
+        with open(err_path, "rb") as f:
+            stderr = f.read().decode("utf-8", "replace")
+        if rc is None:
+            row["status"], row["error"] = "timeout", "no result in %d s; last output: %s" % (
+                profile["timeout"], last_lines(stderr))
+        elif rc != 0 or not os.path.exists(out_path):
+            row["status"], row["error"] = "failed", "exit status %s: %s" % (rc, last_lines(stderr))
+        else:
+            with open(out_path) as f:
+                row.update(json.load(f))
+            if row.get("fallbacks"):
+                row["notes"] = "%d bucket(s) fell back to gloo's allreduce" % row["fallbacks"]
+    except Exception as e:  # a sidecar that did not start: the row says so
+        row["status"], row["error"] = "failed", str(e)
+    finally:
+        if sidecars is not None:
+            if row["status"] != "ok":
+                row["error"] = (row["error"] or "") + " | sidecar 0: " + sidecars.tail(0)
+            sidecars.close()
+    log("%s %s %s: %s in %.0f s%s" % (task, rate, name, row["status"], time.monotonic() - t0,
+                                      (", %.3f s/step, final loss %.4f" % (
+                                          row["median_step_seconds"], row["final_loss"]))
+                                      if row["status"] == "ok" else ": " + str(row["error"])))
+    return row
+
+
+class Follower(threading.Thread):
+    """Prints the worker's progress lines ("e2e worker: ...") as they are written."""
+
+    def __init__(self, path):
+        super().__init__(daemon=True)
+        self.path, self.done = path, threading.Event()
+
+    def run(self):
+        with open(self.path, "rb") as f:
+            pending = b""
+            while True:
+                chunk = f.read()
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    text = line.decode("utf-8", "replace")
+                    if text.startswith("e2e worker:"):
+                        print("  " + text, file=sys.stderr, flush=True)
+                if not chunk:
+                    if self.done.is_set():
+                        return
+                    time.sleep(0.5)
+
+    def stop(self):
+        self.done.set()
+        self.join()
+
+
+def last_lines(text, n=6):
+    """The error of a failed run: the lines that name an error (the first three), then the last
+    n lines of its output."""
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    if not lines:
+        return "(no output)"
+    errors = [l for l in lines[:-n] if re.search(r"Error|Exception|what\(\)|terminate called", l)]
+    return " | ".join(errors[:3] + (["..."] if errors else []) + lines[-n:])
+
+
+def add_time_to_baseline(rows):
+    """time_to_baseline_loss of every row of one (task, rate) group."""
+    base = next((r for r in rows if r["baseline"] and r["status"] == "ok"), None)
+    for r in rows:
+        r["time_to_baseline_loss"] = None
+        if base is None or r["status"] != "ok":
+            continue
+        for e in r["eval"]:
+            if e["loss"] <= base["final_loss"]:
+                r["time_to_baseline_loss"] = e["seconds"]
+                break
+
+
+def machine_info(binary, python):
+    info = {"cpus": os.cpu_count(), "kernel": platform.release(), "lightwire_bin": binary}
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.*)", f.read())
+            info["cpu_model"] = m.group(1).strip() if m else "unknown"
+        with open("/proc/meminfo") as f:
+            kb = int(re.search(r"MemTotal:\s*(\d+)", f.read()).group(1))
+            info["memory_gib"] = round(kb / 2**20, 1)
+        with open("/etc/os-release") as f:
+            m = re.search(r'PRETTY_NAME="([^"]*)"', f.read())
+            info["os"] = m.group(1) if m else "unknown"
+    except OSError:
+        pass
+    out = subprocess.run([python, "-c", "import sys, torch; print(sys.version.split()[0], "
+                          "torch.__version__)"], capture_output=True, text=True).stdout.split()
+    if len(out) == 2:
+        info["python"], info["torch"] = out
+    return info
+
+
+def git_commit():
+    try:
+        c = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return c + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="MLP at 1 Gbit/s, every configuration")
+    g.add_argument("--smoke", action="store_true", help="tiny models, 2 ranks, 3 steps")
+    p.add_argument("--tasks", help="comma-separated: mlp, lm")
+    p.add_argument("--rates", help="comma-separated tc rates, e.g. 1gbit,10gbit")
+    p.add_argument("--configs", help="comma-separated configuration names (--list)")
+    p.add_argument("--steps", type=int, help="training steps of every run")
+    p.add_argument("--world-size", type=int)
+    p.add_argument("--timeout", type=int, help="seconds a run may take (default: the profile's)")
+    p.add_argument("--out-dir", help="where BENCHMARKS.md and benchmarks/ go (default docs; "
+                   "--smoke: a new temporary directory)")
+    p.add_argument("--results", help="results JSON (default OUT_DIR/benchmarks/results-PROFILE.json)")
+    p.add_argument("--list", action="store_true", help="print the configurations and exit")
+    args = p.parse_args()
+    if args.list:
+        for c in CONFIGS:
+            print("%-24s %-40s %s" % (c[0], c[1], " ".join(c[4] or []) or (c[3] or "")))
+        return 0
+    name = "quick" if args.quick else "smoke" if args.smoke else "full"
+    profile = dict(PROFILES[name])
+    profile["steps"] = dict(profile["steps"])
+    if args.tasks:
+        profile["tasks"] = args.tasks.split(",")
+    if args.rates:
+        profile["rates"] = args.rates.split(",")
+    profile["eval_every"] = dict(profile["eval_every"])
+    for t in ("mlp", "lm"):
+        profile["eval_every"].setdefault(t, 10)
+        profile["steps"].setdefault(t, 100)
+    if args.steps:
+        profile["steps"] = {t: args.steps for t in ("mlp", "lm")}
+        profile["eval_every"] = {t: max(1, min(e, args.steps // 10)) for t, e in
+                                 profile["eval_every"].items()}
+    if args.world_size:
+        profile["world_size"] = args.world_size
+    if args.timeout:
+        profile["timeout"] = args.timeout
+    for t in profile["tasks"]:
+        if t not in ("mlp", "lm"):
+            die("--tasks: mlp, lm (got %r)" % t)
+    for r in profile["rates"]:
+        rate_bits(r)
+    configs = CONFIGS
+    if args.configs:
+        wanted = args.configs.split(",")
+        unknown = [c for c in wanted if c not in [x[0] for x in CONFIGS]]
+        if unknown:
+            die("--configs: unknown %s (--list)" % ", ".join(unknown))
+        configs = [c for c in CONFIGS if c[0] in wanted]
+    if os.geteuid() != 0:
+        die("needs root (ip netns, tc)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            die("needs %s (iproute2: scripts/install-deps.sh)" % tool)
+    binary = os.environ.get("LIGHTWIRE_BIN", os.path.join(ROOT, "build-release", "proxy",
+                                                          "lightwire"))
+    python = os.environ.get("PYTHON", "/usr/bin/python3")
+    if any(c[2] == "lightwire" for c in configs) and not os.access(binary, os.X_OK):
+        die("no lightwire executable at %s (bash scripts/build.sh release, or set LIGHTWIRE_BIN)"
+            % binary)
+    if subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0:
+        die("%s cannot import torch (set PYTHON)" % python)
+    if args.out_dir is None:
+        args.out_dir = tempfile.mkdtemp(prefix="lightwire-e2e-smoke-") if args.smoke else \
+            os.path.join(ROOT, "docs")
+    results_path = args.results or os.path.join(args.out_dir, "benchmarks",
+                                                "results-%s.json" % name)
+    command = " ".join(shlex.quote(a) for a in ["bench/e2e/e2e.py"] + sys.argv[1:])
+    started = time.monotonic()
+    results = {"version": 1, "profile": name, "command": command,
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               "commit": git_commit(), "machine": machine_info(binary, python),
+               "world_size": profile["world_size"], "runs": []}
+    total = len(profile["tasks"]) * len(profile["rates"]) * len(configs)
+    log("profile %s: %d run(s): tasks %s, rates %s, %d configuration(s), world size %d; load "
+        "average %s" % (name, total, ",".join(profile["tasks"]), ",".join(profile["rates"]),
+                         len(configs), profile["world_size"], open("/proc/loadavg").read().split()[0]))
+    ns = Namespace()
+    work = tempfile.mkdtemp(prefix="lightwire-e2e-")
+    done = 0
+    try:
+        for task in profile["tasks"]:
+            for rate in profile["rates"]:
+                ns.limit(rate)
+                rows = []
+                for config in configs:
+                    done += 1
+                    log("[%d/%d] %s at %s: %s" % (done, total, task, rate, config[1]))
+                    rows.append(run_config(ns, binary, python, profile, task, rate, config, work))
+                add_time_to_baseline(rows)
+                results["runs"].extend(rows)
+    finally:
+        ns.close()
+        shutil.rmtree(work, ignore_errors=True)
+    results["elapsed_seconds"] = round(time.monotonic() - started, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
+    with open(results_path, "w") as f:
+        json.dump(results, f, indent=1)
+    log("results: %s" % results_path)
+    import report
+    for path in report.write_report(results, args.out_dir, os.path.basename(results_path)):
+        log("wrote %s" % path)
+    failed = [r for r in results["runs"] if r["status"] != "ok"]
+    log("%d run(s), %d not ok, %.0f s" % (len(results["runs"]), len(failed),
+                                          results["elapsed_seconds"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

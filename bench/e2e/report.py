@@ -1,0 +1,852 @@
+#!/usr/bin/python3
+"""Turns the results JSON of the end-to-end training benchmark (bench/e2e/e2e.py) into
+docs/BENCHMARKS.md and its PNG plots under docs/benchmarks/.
+
+    /usr/bin/python3 bench/e2e/report.py RESULTS_JSON [--out-dir docs]
+
+--out-dir defaults to the repository's docs/ directory (wherever this is run from). Writes
+OUT/BENCHMARKS.md and, per (task, rate) group, OUT/benchmarks/<task>-<rate>-loss-step.png,
+-loss-time.png and -step-time.png. Progress goes to stderr. A malformed results file exits with
+status 2 and a message naming the offending field.
+
+Importable: write_report(results, out_dir) -> [paths written]; it raises ReportError (a
+ValueError) on malformed results. Needs only the standard library and matplotlib (Agg backend;
+Debian's python3-matplotlib, so run it with /usr/bin/python3).
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import textwrap
+
+SCHEMA_VERSION = 1
+BASELINE_CONFIG = "ddp"
+FP16_HOOK_CONFIG = "ddp_fp16"
+TARGET_CONFIG = "lightwire_dgc_policies"
+TARGET_SPEEDUP = 5.0          # target (a): at least this many times faster per step than DDP
+TARGET_LOSS_TOLERANCE = 0.02  # target (a): final loss at most 2 % above DDP's
+EMA_WEIGHT = 0.8              # smoothing of the rank-0 minibatch loss in the loss-step plot
+DPI = 110
+FIGSIZE = (9, 5)
+DASH = "\u2014"               # em dash: "no figure"
+TIMES = "\u00d7"              # multiplication sign
+_EPS = 1e-9                   # tolerance of the target comparisons (floating-point noise only)
+
+
+class ReportError(ValueError):
+    """The results are malformed; the message names the field."""
+
+
+def log(msg):
+    print("report: %s" % msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+def _is_num(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _need(obj, key, where, kinds, allow_none=False):
+    if not isinstance(obj, dict) or key not in obj:
+        raise ReportError("%s: missing field %r" % (where, key))
+    v = obj[key]
+    if v is None and allow_none:
+        return v
+    if kinds == "number":
+        ok = _is_num(v)
+        kinds_name = "a number"
+    elif kinds == "int":
+        ok = isinstance(v, int) and not isinstance(v, bool)
+        kinds_name = "an integer"
+    elif kinds == "str":
+        ok = isinstance(v, str) and v != ""
+        kinds_name = "a non-empty string"
+    elif kinds == "list":
+        ok = isinstance(v, list)
+        kinds_name = "a list"
+    elif kinds == "dict":
+        ok = isinstance(v, dict)
+        kinds_name = "an object"
+    else:  # pragma: no cover
+        raise AssertionError(kinds)
+    if not ok:
+        raise ReportError("%s: field %r must be %s%s, not %r"
+                          % (where, key, kinds_name, " or null" if allow_none else "", v))
+    return v
+
+
+def _opt(obj, key, kinds, where):
+    """An optional field: None when absent or null, else checked like _need."""
+    if obj.get(key) is None:
+        return None
+    return _need(obj, key, where, kinds)
+
+
+def validate(results):
+    """Raises ReportError unless `results` follows schema version 1 (see e2e.py)."""
+    if not isinstance(results, dict):
+        raise ReportError("the top level must be a JSON object, not %s" % type(results).__name__)
+    version = results.get("version")
+    if version != SCHEMA_VERSION:
+        raise ReportError("field 'version' is %r; this report reads version %d"
+                          % (version, SCHEMA_VERSION))
+    _need(results, "command", "top level", "str")
+    _need(results, "world_size", "top level", "int")
+    for key in ("profile", "date", "commit"):
+        _opt(results, key, "str", "top level")
+    _opt(results, "elapsed_seconds", "number", "top level")
+    _opt(results, "machine", "dict", "top level")
+    runs = _need(results, "runs", "top level", "list")
+    if not runs:
+        raise ReportError("field 'runs' is empty: nothing to report")
+    seen = set()
+    for i, run in enumerate(runs):
+        where = "runs[%d]" % i
+        if not isinstance(run, dict):
+            raise ReportError("%s must be an object, not %r" % (where, run))
+        for key in ("task", "rate", "config", "label", "kind", "status"):
+            _need(run, key, where, "str")
+        where = "runs[%d] (%s, %s, %s)" % (i, run["task"], run["rate"], run["config"])
+        ident = (run["task"], run["rate"], run["config"])
+        if ident in seen:
+            raise ReportError("%s: configuration %r appears twice for task %r at rate %r"
+                              % (where, run["config"], run["task"], run["rate"]))
+        seen.add(ident)
+        _opt(run, "error", "str", where)
+        _opt(run, "notes", "str", where)
+        _opt(run, "task_title", "str", where)
+        _opt(run, "rate_bits_per_second", "number", where)
+        _opt(run, "parameters", "number", where)
+        _opt(run, "batch", "int", where)
+        _opt(run, "steps", "int", where)
+        if run.get("baseline") is not None and not isinstance(run["baseline"], bool):
+            raise ReportError("%s: field 'baseline' must be true or false, not %r" % (where, run["baseline"]))
+        if run["status"] != "ok":
+            continue
+        _need(run, "steps", where, "int")
+        _need(run, "median_step_seconds", where, "number")
+        if not run["median_step_seconds"] > 0:
+            raise ReportError("%s: median_step_seconds must be positive, not %r"
+                              % (where, run["median_step_seconds"]))
+        _need(run, "final_loss", where, "number")
+        _opt(run, "final_accuracy", "number", where)
+        _need(run, "wire_bytes_per_step_per_rank", where, "number")
+        _need(run, "time_to_baseline_loss", where, "number", allow_none=True)
+        for key in ("step_seconds", "loss"):
+            seq = _need(run, key, where, "list")
+            for j, x in enumerate(seq):
+                if not _is_num(x):
+                    raise ReportError("%s: %s[%d] must be a number, not %r" % (where, key, j, x))
+        evals = _need(run, "eval", where, "list")
+        for j, ev in enumerate(evals):
+            w = "%s: eval[%d]" % (where, j)
+            if not isinstance(ev, dict):
+                raise ReportError("%s must be an object, not %r" % (w, ev))
+            _need(ev, "step", w, "int")
+            _need(ev, "seconds", w, "number")
+            _need(ev, "loss", w, "number")
+            if ev.get("accuracy") is not None:
+                _need(ev, "accuracy", w, "number")
+
+
+# ------------------------------------------------------------------------------------------------
+# Formatting
+# ------------------------------------------------------------------------------------------------
+def fmt_sig(x, sig=3):
+    """x with `sig` significant digits, never in exponent notation ("0.0412", "123", "12300")."""
+    if x is None:
+        return DASH
+    if not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    digits = sig - 1 - int(math.floor(math.log10(abs(x))))
+    r = round(x, digits)
+    if r != 0 and int(math.floor(math.log10(abs(r)))) != int(math.floor(math.log10(abs(x)))):
+        digits -= 1  # 9.996 -> 10.0, not 10.00
+        r = round(x, digits)
+    if digits <= 0:
+        return "%d" % int(r)
+    return "%.*f" % (digits, r)
+
+
+def fmt_bytes(n):
+    """Decimal units with 3 significant digits: 512 B, 123 KB, 1.50 MB."""
+    if n is None:
+        return DASH
+    if not math.isfinite(n):
+        return str(n)
+    units = [("B", 1.0), ("KB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12)]
+    for i, (name, scale) in enumerate(units):
+        v = n / scale
+        text = fmt_sig(v, 3)
+        if abs(float(text)) < 1000 or i == len(units) - 1:
+            return "%s %s" % (text, name)
+    return "%s B" % n  # pragma: no cover
+
+
+def fmt_rate(bits):
+    if bits is None:
+        return None
+    for name, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3), ("bit/s", 1)):
+        if bits >= scale or scale == 1:
+            text = fmt_sig(bits / scale, 3)
+            if "." in text:
+                text = text.rstrip("0").rstrip(".")  # 1 Gbit/s, not 1.00 Gbit/s
+            return "%s %s" % (text, name)
+
+
+def fmt_pct(frac):
+    if frac is None:
+        return DASH
+    if not math.isfinite(frac):
+        return str(frac)
+    return "%+.2f %%" % (100.0 * frac)
+
+
+def fmt_params(n):
+    if n is None:
+        return None
+    if n >= 1e6:
+        return "%sM parameters" % fmt_sig(n / 1e6, 2)
+    if n >= 1e3:
+        return "%sk parameters" % fmt_sig(n / 1e3, 2)
+    return "%d parameters" % n
+
+
+def md_cell(text):
+    """Text safe inside a Markdown table cell."""
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def md_code_block(text):
+    """A fenced code block whose fence is longer than any backtick run in `text`."""
+    longest = max([len(m) for m in re.findall(r"`+", text)] + [0])
+    fence = "`" * max(3, longest + 1)
+    return "%s\n%s\n%s" % (fence, text.rstrip("\n"), fence)
+
+
+def md_inline_code(text):
+    longest = max([len(m) for m in re.findall(r"`+", text)] + [0])
+    ticks = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return "%s%s%s%s%s" % (ticks, pad, text, pad, ticks)
+
+
+def safe_name(s):
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", s)
+
+
+# ------------------------------------------------------------------------------------------------
+# Figures derived from the data
+# ------------------------------------------------------------------------------------------------
+def ok(run):
+    return run is not None and run.get("status") == "ok"
+
+
+def group_runs(runs):
+    """[((task, rate), [runs in order])] in order of first appearance."""
+    groups = {}
+    for run in runs:
+        groups.setdefault((run["task"], run["rate"]), []).append(run)
+    return list(groups.items())
+
+
+def find_baseline(runs):
+    for run in runs:
+        if run.get("baseline") is True:
+            return run
+    return find_config(runs, BASELINE_CONFIG)
+
+
+def find_config(runs, config):
+    for run in runs:
+        if run["config"] == config:
+            return run
+    return None
+
+
+def speedup(base, run):
+    """Baseline median step / this median step; None when either is not ok."""
+    if not (ok(base) and ok(run)):
+        return None
+    return base["median_step_seconds"] / run["median_step_seconds"]
+
+
+def rel_loss(base, run):
+    """(this final loss - the baseline's) / the baseline's; None when either is not ok."""
+    if not (ok(base) and ok(run)):
+        return None
+    b, x = base["final_loss"], run["final_loss"]
+    if b == 0:
+        return 0.0 if x == 0 else math.copysign(float("inf"), x)
+    return (x - b) / abs(b)
+
+
+def first_of(runs, key):
+    for run in runs:
+        if run.get(key) is not None:
+            return run[key]
+    return None
+
+
+def color_map(runs):
+    """One color per configuration name, the same in every plot and group."""
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+               "#7f7f7f", "#bcbd22", "#17becf", "#000000", "#b8860b", "#00008b", "#ff1493",
+               "#006400", "#8b0000", "#4682b4", "#808000"]
+    colors = {}
+    for run in runs:
+        if run["config"] not in colors:
+            colors[run["config"]] = palette[len(colors) % len(palette)]
+    return colors
+
+
+def ema(values, weight):
+    out, prev = [], None
+    for v in values:
+        if not math.isfinite(v):
+            out.append(float("nan"))
+            continue
+        prev = v if prev is None else weight * prev + (1.0 - weight) * v
+        out.append(prev)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots
+# ------------------------------------------------------------------------------------------------
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit("report: matplotlib is not importable (%s); install Debian's "
+                         "python3-matplotlib and run this with /usr/bin/python3" % e)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _style(run, colors):
+    return dict(color=colors[run["config"]],
+                linestyle="-" if run["kind"] == "lightwire" else "--",
+                linewidth=2.2 if run.get("baseline") or run["config"] == BASELINE_CONFIG else 1.4)
+
+
+def _title(ax, group_title, what):
+    ax.set_title("%s\n%s" % (textwrap.shorten(group_title, 110, placeholder="..."), what),
+                 fontsize=10)
+
+
+def _finish(plt, fig, ax, path, runs):
+    for r in runs:
+        if not ok(r):  # a legend line without a handle: "X: failed, not shown"
+            ax.plot([], [], linestyle="none", label="%s: %s, not shown" % (r["label"], r["status"]))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(True, which="major", alpha=0.3)
+    fig.savefig(path, dpi=DPI, metadata={"Software": None})
+    plt.close(fig)
+
+
+def _empty(ax, text="no successful run in this group"):
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="#555555")
+
+
+def plot_loss_step(plt, runs, title, colors, path):
+    fig, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
+    ys = []
+    for run in runs:
+        if not ok(run):
+            continue
+        st = _style(run, colors)
+        smooth = ema(run["loss"], EMA_WEIGHT)
+        ax.plot(range(1, len(smooth) + 1), smooth, label=run["label"], **st)
+        ys += [v for v in smooth if math.isfinite(v)]
+        ev = run["eval"]
+        if ev:
+            ax.plot([e["step"] for e in ev], [e["loss"] for e in ev], linestyle="none", marker="o",
+                    markersize=4.5, color=st["color"], markeredgecolor="white", markeredgewidth=0.6)
+            ys += [e["loss"] for e in ev if math.isfinite(e["loss"])]
+    if ys:
+        ax.plot([], [], linestyle="none", marker="o", color="#555555", label="evaluation loss (markers)")
+        if min(ys) > 0 and max(ys) / min(ys) > 10:
+            ax.set_yscale("log")
+    else:
+        _empty(ax)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("rank-0 minibatch loss\n(EMA smoothed, weight %.1f on the previous value)" % EMA_WEIGHT)
+    _title(ax, title, "training loss per step")
+    _finish(plt, fig, ax, path, runs)
+
+
+def plot_loss_time(plt, runs, base, title, colors, path):
+    fig, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
+    last_times = []
+    for run in runs:
+        if not ok(run) or not run["eval"]:
+            continue
+        st = _style(run, colors)
+        ev = run["eval"]
+        ax.plot([e["seconds"] for e in ev], [e["loss"] for e in ev], marker="o", markersize=3.5,
+                label=run["label"], **st)
+        last_times.append(ev[-1]["seconds"])
+    if ok(base):
+        ax.axhline(base["final_loss"], color="#333333", linewidth=0.8, linestyle=":",
+                   label="baseline's final evaluation loss")
+    if not last_times:
+        _empty(ax)
+    elif min(last_times) > 0 and max(last_times) / min(last_times) > 20:
+        ax.set_xscale("log")
+    ax.set_xlabel("cumulative training time, rank 0 (s)")
+    ax.set_ylabel("evaluation loss")
+    _title(ax, title, "evaluation loss against training time")
+    _finish(plt, fig, ax, path, runs)
+
+
+def plot_step_time(plt, runs, base, title, colors, path):
+    fig, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
+    labels = [r["label"] for r in runs]
+    ypos = list(range(len(runs)))
+    values = [r["median_step_seconds"] if ok(r) else 0.0 for r in runs]
+    good = [v for r, v in zip(runs, values) if ok(r)]
+    log_x = bool(good) and max(good) / min(good) > 20
+    for y, run, v in zip(ypos, runs, values):
+        is_base = run is base
+        if ok(run):
+            ax.barh(y, v, color=colors[run["config"]], edgecolor="black" if is_base else "none",
+                    linewidth=1.6 if is_base else 0, hatch="//" if is_base else None, height=0.7)
+            sp = speedup(base, run)
+            text = "%s s" % fmt_sig(v, 3)
+            if is_base:
+                text += " (baseline)"
+            elif sp is not None:
+                text += " (%s%s)" % (fmt_sig(sp, 3), TIMES)
+            ax.text(v, y, " " + text, va="center", ha="left", fontsize=8)
+        else:
+            ax.text(0.01, y, run["status"], transform=ax.get_yaxis_transform(), va="center",
+                    ha="left", fontsize=8, color="#b00000")
+    ax.set_yticks(ypos)
+    ax.set_yticklabels(labels, fontsize=8.5)
+    for tick, run in zip(ax.get_yticklabels(), runs):
+        if run is base:
+            tick.set_fontweight("bold")
+    ax.invert_yaxis()
+    if good:
+        if log_x:
+            ax.set_xscale("log")
+            ax.set_xlim(min(good) / 1.5, max(good) * 4)
+        else:
+            ax.set_xlim(0, max(good) * 1.3)
+    else:
+        _empty(ax)
+    ax.set_xlabel("median training step time, rank 0 (s)%s" % (", log scale" if log_x else ""))
+    _title(ax, title, "median step time (baseline hatched; speed-up against it in brackets)")
+    ax.grid(True, axis="x", which="major", alpha=0.3)
+    fig.savefig(path, dpi=DPI, metadata={"Software": None})
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# Markdown
+# ------------------------------------------------------------------------------------------------
+def _group_title(task, rate, runs):
+    title = first_of(runs, "task_title") or task
+    bits = fmt_rate(first_of(runs, "rate_bits_per_second"))
+    return "%s at %s" % (title, bits or rate), title
+
+
+def _table(runs, base, notes):
+    """Markdown table lines; footnotes (errors, notes) appended to `notes` as (n, run, kind)."""
+    has_acc = any(ok(r) and r.get("final_accuracy") is not None for r in runs)
+    head = ["configuration", "status", "median step (s)", "speed-up vs DDP", "wire per step per rank",
+            "final loss", "loss vs DDP"]
+    align = [":--", ":--", "--:", "--:", "--:", "--:", "--:"]
+    if has_acc:
+        head.append("accuracy")
+        align.append("--:")
+    head.append("time to DDP's final loss (s)")
+    align.append("--:")
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    for run in runs:
+        marks = []
+        if run.get("error") and not ok(run):
+            notes.append((len(notes) + 1, run, "error"))
+            marks.append("[%d]" % len(notes))
+        if run.get("notes"):
+            notes.append((len(notes) + 1, run, "notes"))
+            marks.append("[%d]" % len(notes))
+        status = run["status"] + (" " + " ".join(marks) if marks else "")
+        label = run["label"]
+        if run is base:
+            label = "**%s** (baseline)" % md_cell(label)
+        else:
+            label = md_cell(label)
+        if not ok(run):
+            cells = [label, md_cell(status)] + [DASH] * (len(head) - 2)
+        else:
+            sp = speedup(base, run)
+            rl = rel_loss(base, run)
+            cells = [label, md_cell(status), fmt_sig(run["median_step_seconds"], 3),
+                     (fmt_sig(sp, 3) + TIMES) if sp is not None else DASH,
+                     fmt_bytes(run["wire_bytes_per_step_per_rank"]),
+                     fmt_sig(run["final_loss"], 4),
+                     fmt_pct(rl) if run is not base else "0 (baseline)"]
+            if has_acc:
+                acc = run.get("final_accuracy")
+                cells.append(DASH if acc is None else "%.1f %%" % (100.0 * acc))
+            t = run.get("time_to_baseline_loss")
+            cells.append("not reached" if t is None else fmt_sig(t, 3))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _footnotes(notes):
+    out = []
+    for n, run, kind in notes:
+        if kind == "error":
+            out.append("[%d] %s, %s:" % (n, md_cell(run["label"]), run["status"]))
+            out.append("")
+            out.append(md_code_block(run["error"]))
+        else:
+            out.append("[%d] %s: %s" % (n, md_cell(run["label"]), run["notes"].strip()))
+        out.append("")
+    return out
+
+
+def evaluate_targets(runs):
+    """The targets of issue 9 for one group, computed from the data.
+
+    Returns a dict: "a" and "b" (None when a configuration they compare is absent; else a dict with
+    met (True/False/None = cannot be evaluated), reason and the figures), and "losses" (lines
+    naming where lightwire loses against the DDP baseline)."""
+    base = find_baseline(runs)
+    fp16 = find_config(runs, FP16_HOOK_CONFIG)
+    dgc = find_config(runs, TARGET_CONFIG)
+    res = {"a": None, "b": None, "losses": [], "baseline": base, "fp16": fp16, "dgc": dgc}
+    if dgc is not None and base is not None:
+        a = {"met": None}
+        if not ok(base):
+            a["reason"] = "cannot be evaluated: the baseline run %s" % base["status"]
+        elif not ok(dgc):
+            a["met"] = False
+            a["reason"] = "the %s run %s" % (dgc["label"], dgc["status"])
+        else:
+            sp = speedup(base, dgc)
+            rl = rel_loss(base, dgc)
+            fast = sp >= TARGET_SPEEDUP * (1 - _EPS)
+            close = rl <= TARGET_LOSS_TOLERANCE + _EPS
+            a.update(met=fast and close, speedup=sp, rel_loss=rl, fast=fast, close=close)
+            why = []
+            if not fast:
+                why.append("speed-up below %g%s" % (TARGET_SPEEDUP, TIMES))
+            if not close:
+                why.append("final loss more than %g %% above the baseline's" % (100 * TARGET_LOSS_TOLERANCE))
+            a["reason"] = "; ".join(why)
+        res["a"] = a
+    if dgc is not None and fp16 is not None:
+        b = {"met": None}
+        if not ok(fp16):
+            b["reason"] = "cannot be evaluated: the %s run %s" % (fp16["label"], fp16["status"])
+        elif not ok(dgc):
+            b["met"] = False
+            b["reason"] = "the %s run %s" % (dgc["label"], dgc["status"])
+        else:
+            faster = dgc["median_step_seconds"] < fp16["median_step_seconds"]
+            loss_ok = dgc["final_loss"] <= fp16["final_loss"] + _EPS * abs(fp16["final_loss"])
+            b.update(met=faster and loss_ok, speedup=speedup(fp16, dgc), faster=faster,
+                     loss_ok=loss_ok, rel_loss=rel_loss(fp16, dgc))
+            why = []
+            if not faster:
+                why.append("not faster per step than the fp16 hook")
+            if not loss_ok:
+                why.append("final loss above the fp16 hook's")
+            b["reason"] = "; ".join(why)
+        res["b"] = b
+    if base is not None and ok(base):
+        for run in runs:
+            if run["kind"] != "lightwire":
+                continue
+            if not ok(run):
+                res["losses"].append("%s did not finish (%s; error under the table)."
+                                     % (run["label"], run["status"]))
+                continue
+            sp = speedup(base, run)
+            rl = rel_loss(base, run)
+            parts = []
+            if run["median_step_seconds"] > base["median_step_seconds"]:
+                parts.append("slower per step than the baseline (%s s against %s s, %s%s)"
+                             % (fmt_sig(run["median_step_seconds"], 3),
+                                fmt_sig(base["median_step_seconds"], 3), fmt_sig(sp, 3), TIMES))
+            if not rl <= TARGET_LOSS_TOLERANCE:
+                parts.append("final loss %s than the baseline's (%s against %s)"
+                             % (fmt_pct(rl) + " higher" if math.isfinite(rl) else "higher",
+                                fmt_sig(run["final_loss"], 4), fmt_sig(base["final_loss"], 4)))
+            if parts:
+                res["losses"].append("%s: %s." % (run["label"], "; ".join(parts)))
+    return res
+
+
+def _verdict(met):
+    return {True: "**met**", False: "**not met**", None: "**not evaluated**"}[met]
+
+
+def _targets_lines(group_title, runs):
+    t = evaluate_targets(runs)
+    base, fp16, dgc = t["baseline"], t["fp16"], t["dgc"]
+    out = ["### %s" % group_title, ""]
+    a, b = t["a"], t["b"]
+    if a is not None:
+        line = ("- %s against %s (target: at least %g%s faster per step, final loss at most %g %% "
+                "above the baseline's): %s"
+                % (dgc["label"], base["label"], TARGET_SPEEDUP, TIMES, 100 * TARGET_LOSS_TOLERANCE,
+                   _verdict(a["met"])))
+        if "speedup" in a:
+            line += (". Speed-up %s%s (%s s against %s s per step); final loss %s against %s (%s)"
+                     % (fmt_sig(a["speedup"], 3), TIMES, fmt_sig(dgc["median_step_seconds"], 3),
+                        fmt_sig(base["median_step_seconds"], 3), fmt_sig(dgc["final_loss"], 4),
+                        fmt_sig(base["final_loss"], 4), fmt_pct(a["rel_loss"])))
+        if a.get("reason"):
+            line += ". " + a["reason"][0].upper() + a["reason"][1:]
+        out.append(line + ".")
+    if b is not None:
+        line = ("- %s against %s (target: faster per step at equal or lower final loss): %s"
+                % (dgc["label"], fp16["label"], _verdict(b["met"])))
+        if "speedup" in b:
+            line += (". %s s against %s s per step (speed-up %s%s); final loss %s against %s (%s)"
+                     % (fmt_sig(dgc["median_step_seconds"], 3), fmt_sig(fp16["median_step_seconds"], 3),
+                        fmt_sig(b["speedup"], 3), TIMES, fmt_sig(dgc["final_loss"], 4),
+                        fmt_sig(fp16["final_loss"], 4), fmt_pct(b["rel_loss"])))
+        if b.get("reason"):
+            line += ". " + b["reason"][0].upper() + b["reason"][1:]
+        out.append(line + ".")
+    if a is None and b is None:
+        missing = [c for c, r in ((TARGET_CONFIG, dgc), (BASELINE_CONFIG, base)) if r is None]
+        if dgc is not None and base is None and fp16 is None:
+            missing.append(FP16_HOOK_CONFIG)
+        out.append("- No target applies: this group has no %s run."
+                   % " or ".join(md_inline_code(m) for m in missing))
+    if base is None or not ok(base):
+        out.append("- Where lightwire loses: cannot be said without a successful DDP baseline run.")
+    elif not any(r["kind"] == "lightwire" for r in runs):
+        out.append("- No lightwire configuration in this group.")
+    elif t["losses"]:
+        out.append("- Where lightwire loses against the DDP baseline (slower per step, or final "
+                   "loss more than %g %% higher, or no result):" % (100 * TARGET_LOSS_TOLERANCE))
+        out += ["  - " + s for s in t["losses"]]
+    else:
+        out.append("- Every lightwire configuration here was at least as fast per step as the DDP "
+                   "baseline, with final loss at most %g %% above it." % (100 * TARGET_LOSS_TOLERANCE))
+    out.append("")
+    return out
+
+
+def _machine_lines(results):
+    m = results.get("machine") or {}
+
+    def g(key):
+        v = m.get(key)
+        return "unknown" if v is None or v == "" else str(v)
+
+    mem = m.get("memory_gib")
+    commit = results.get("commit") or "unknown"
+    if commit.endswith("-dirty"):
+        commit_text = "%s (with uncommitted changes)" % md_inline_code(commit[:-len("-dirty")])
+    else:
+        commit_text = md_inline_code(commit)
+    elapsed = results.get("elapsed_seconds")
+    elapsed_text = ("unknown" if elapsed is None else
+                    "%s s (%s min)" % (fmt_sig(elapsed, 3), fmt_sig(elapsed / 60.0, 2)))
+    rows = [
+        ("CPUs", g("cpus")),
+        ("CPU model", g("cpu_model")),
+        ("memory", "unknown" if not _is_num(mem) else "%s GiB" % fmt_sig(mem, 3)),
+        ("kernel", g("kernel")),
+        ("OS", g("os")),
+        ("Python", g("python")),
+        ("PyTorch", g("torch")),
+        ("lightwire executable", md_inline_code(g("lightwire_bin"))),
+        ("commit", commit_text),
+        ("date", results.get("date") or "unknown"),
+        ("profile", results.get("profile") or "unknown"),
+        ("ranks (world size)", str(results["world_size"])),
+        ("elapsed (whole benchmark)", elapsed_text),
+    ]
+    lines = ["| | |", "| :-- | :-- |"]
+    lines += ["| %s | %s |" % (md_cell(k), md_cell(v)) for k, v in rows]
+    return lines
+
+
+def render_markdown(results, source, group_info):
+    """The text of BENCHMARKS.md. group_info: [(title, runs, base, {kind: relative png path})]."""
+    w = results["world_size"]
+    L = []
+    L.append("# End-to-end training benchmark")
+    L.append("")
+    L.append("<!-- generated by bench/e2e/report.py from %s; do not edit by hand -->" % source)
+    L.append("")
+    L.append(
+        "Each row below is real PyTorch data-parallel training: %d trainer processes (ranks) on the "
+        "CPU, one per rank, run inside a network namespace whose loopback interface is rate-limited "
+        "with `tc` and a token bucket filter (`tbf`). Every byte exchanged between ranks crosses that "
+        "one interface, so all ranks share a single link of the stated rate. The configurations "
+        "are PyTorch's DistributedDataParallel over gloo (the baseline), DDP with PyTorch's "
+        "communication hooks, and lightwire's codecs through its sidecar; each group of rows "
+        "comes from the same run on the same machine, with the same seeds and data." % w)
+    L.append("")
+    L.append("Generated by `bench/e2e/report.py` from `%s`. The results were produced by this "
+             "command (authoritative for these figures):" % source)
+    L.append("")
+    L.append(md_code_block(results["command"]))
+    L.append("")
+    L.append("To regenerate: `bench/e2e/e2e.py --quick` for the quick profile, `bench/e2e/e2e.py` "
+             "for the full one; to redraw this page from a saved results file: "
+             "`/usr/bin/python3 bench/e2e/report.py RESULTS_JSON --out-dir docs`. The figures "
+             "depend on the machine (CPU count above all); compare rows within a group rather than "
+             "with other machines.")
+    L.append("")
+    L.append("## Machine and run")
+    L.append("")
+    L += _machine_lines(results)
+    L.append("")
+    L.append("## Results")
+    L.append("")
+    for title, runs, base, pngs in group_info:
+        L.append("### %s" % title)
+        L.append("")
+        facts = []
+        params = fmt_params(first_of(runs, "parameters"))
+        if params:
+            facts.append(params)
+        batch = first_of(runs, "batch")
+        if batch is not None:
+            facts.append("batch %s per rank" % batch)
+        steps = first_of(runs, "steps")
+        if steps is not None:
+            facts.append("%s training steps" % steps)
+        facts.append("%d ranks" % w)
+        if base is None:
+            facts.append("no DDP baseline run in this group, so no speed-up or loss comparison")
+        L.append(", ".join(facts) + ".")
+        L.append("")
+        notes = []
+        L += _table(runs, base, notes)
+        L.append("")
+        if notes:
+            L += _footnotes(notes)
+        for kind, caption in (("loss-step", "training loss per step"),
+                              ("loss-time", "evaluation loss against training time"),
+                              ("step-time", "median step time")):
+            L.append("![%s: %s](%s)" % (md_cell(title), caption, pngs[kind]))
+            L.append("")
+    L.append("## Targets")
+    L.append("")
+    L.append("The project's targets: lightwire `dgc` with the policies on (`%s`) at least %g%s "
+             "faster per step than DDP over gloo with final loss within %g %% (lower is fine), and "
+             "faster per step than PyTorch's fp16 compression hook (`%s`) at equal or lower final "
+             "loss. They are set for the MLP at 1 Gbit/s; they are computed below for every group "
+             "that has the configurations, from the figures above."
+             % (TARGET_CONFIG, TARGET_SPEEDUP, TIMES, 100 * TARGET_LOSS_TOLERANCE, FP16_HOOK_CONFIG))
+    L.append("")
+    for title, runs, base, pngs in group_info:
+        L += _targets_lines(title, runs)
+    L.append("## Method")
+    L.append("")
+    L.append("- **Median step (s)**: the median of rank 0's per-step training time (forward, "
+             "backward, gradient exchange, optimizer step); evaluation is excluded.")
+    L.append("- **Speed-up vs DDP**: the DDP baseline's median step divided by this row's.")
+    L.append("- **Wire per step per rank**: bytes counted on the namespace's loopback interface "
+             "during the timed steps, divided by the number of steps and by the world size. Every "
+             "byte between ranks crosses that one link, protocol headers included; traffic between "
+             "a trainer and its lightwire sidecar goes through Unix sockets and shared memory, not "
+             "the link. 1 KB = 1000 bytes, 1 MB = 10^6 bytes.")
+    L.append("- **Final loss**: the final model's loss on a fixed evaluation set; **loss vs DDP** "
+             "is (this final loss − the baseline's) / the baseline's. **Accuracy** is the final "
+             "model's on the same set (classifier only).")
+    L.append("- **Time to DDP's final loss**: the cumulative training time (rank 0, evaluation "
+             "excluded) at the first evaluation whose loss is at most the DDP baseline's final "
+             "evaluation loss; \"not reached\" when no evaluation got there.")
+    L.append("- **Plots**: the loss-per-step plot shows rank 0's minibatch training loss smoothed "
+             "with an exponential moving average (weight %.1f on the previous value), with the "
+             "evaluation losses as markers; runs that did not finish are listed under each plot "
+             "instead of drawn." % EMA_WEIGHT)
+    return "\n".join(L) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry points
+# ------------------------------------------------------------------------------------------------
+def write_report(results, out_dir, source="the results JSON"):
+    """Writes OUT/BENCHMARKS.md and OUT/benchmarks/*.png; returns the paths written.
+
+    `source`: the results file's name for the generated-by line. Raises ReportError when
+    `results` is malformed (nothing is written then)."""
+    validate(results)
+    plt = _pyplot()
+    img_dir = os.path.join(out_dir, "benchmarks")
+    os.makedirs(img_dir, exist_ok=True)
+    colors = color_map(results["runs"])
+    written = []
+    group_info = []
+    for (task, rate), runs in group_runs(results["runs"]):
+        title, short = _group_title(task, rate, runs)
+        base = find_baseline(runs)
+        stem = "%s-%s" % (safe_name(task), safe_name(rate))
+        pngs = {}
+        for kind in ("loss-step", "loss-time", "step-time"):
+            name = "%s-%s.png" % (stem, kind)
+            path = os.path.join(img_dir, name)
+            if kind == "loss-step":
+                plot_loss_step(plt, runs, title, colors, path)
+            elif kind == "loss-time":
+                plot_loss_time(plt, runs, base, title, colors, path)
+            else:
+                plot_step_time(plt, runs, base, title, colors, path)
+            log("wrote %s" % path)
+            written.append(path)
+            pngs[kind] = "benchmarks/" + name
+        group_info.append((title, runs, base, pngs))
+    md = render_markdown(results, source, group_info)
+    md_path = os.path.join(out_dir, "BENCHMARKS.md")
+    tmp = md_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(md)
+    os.replace(tmp, md_path)
+    log("wrote %s" % md_path)
+    written.append(md_path)
+    return written
+
+
+def main(argv=None):
+    repo = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    ap = argparse.ArgumentParser(description="Render the e2e benchmark results JSON as "
+                                 "docs/BENCHMARKS.md and PNG plots.")
+    ap.add_argument("results", help="results JSON written by bench/e2e/e2e.py")
+    ap.add_argument("--out-dir", default=os.path.join(repo, "docs"),
+                    help="directory for BENCHMARKS.md and benchmarks/*.png (default: the "
+                         "repository's docs/)")
+    args = ap.parse_args(argv)
+    try:
+        with open(args.results, "r", encoding="utf-8") as f:
+            results = json.load(f)
+    except OSError as e:
+        print("report: error: cannot read %s: %s" % (args.results, e.strerror or e), file=sys.stderr)
+        return 2
+    except (ValueError, UnicodeDecodeError) as e:
+        print("report: error: %s is not valid JSON: %s" % (args.results, e), file=sys.stderr)
+        return 2
+    try:
+        write_report(results, args.out_dir, source=os.path.basename(args.results))
+    except ReportError as e:
+        print("report: error: %s: malformed results: %s" % (args.results, e), file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""One configuration of the end-to-end benchmark (bench/e2e/e2e.py runs it inside the network
+namespace): W PyTorch DDP trainer processes (gloo, CPU, one thread each) train one task of
+bench/e2e/tasks.py for a fixed number of steps, gradients averaged by plain DDP, by one of
+PyTorch's communication hooks, or by lightwire sidecars (one per rank, through
+lightwire.torch.ddp_comm_hook). Rank 0 times every step, evaluates the model every few steps
+(outside the timed steps), counts the bytes that crossed the namespace's loopback during the timed
+steps, and writes one JSON object.
+
+    $PYTHON bench/e2e/worker.py SPEC_JSON OUT_JSON
+
+SPEC_JSON: {"task", "size", "seed", "world_size", "steps", "eval_every", "kind" ("ddp" |
+"torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" | null), "powersgd_rank", "sockets"
+(lightwire: one Unix socket per rank), "store_dir"}. Progress goes to stderr.
+"""
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
+
+LO_TX = "/sys/class/net/lo/statistics/tx_bytes"
+
+
+def log(msg):
+    print("e2e worker: %s" % msg, file=sys.stderr, flush=True)
+
+
+def lo_tx_bytes():
+    """Bytes sent on this network namespace's loopback so far (every byte between ranks)."""
+    with open(LO_TX) as f:
+        return int(f.read())
+
+
+def attach_hook(spec, ddp, dist):
+    """Registers the configuration's communication hook; returns the lightwire hook state or
+    None."""
+    if spec["kind"] == "torch_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        if spec["hook"] == "fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif spec["hook"] == "powersgd":
+            # PowerSGD from step 10 (start_powerSGD_iter must be > 1 with error feedback and warm
+            # start: DDP rebuilds its buckets after the first step); vanilla allreduce before.
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=spec.get("powersgd_rank", 1),
+                start_powerSGD_iter=spec.get("powersgd_start", 10), use_error_feedback=True, warm_start=True, random_seed=0)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        else:
+            raise ValueError("unknown hook %r" % spec["hook"])
+        return None
+    if spec["kind"] == "lightwire":
+        import lightwire
+        from lightwire.torch import LightwireHookState, ddp_comm_hook
+        sock = spec["sockets"][dist.get_rank()]
+        state = LightwireHookState(client=lightwire.Client(socket_path=sock, timeout=300.0),
+                                   process_group=dist.group.WORLD)
+        ddp.register_comm_hook(state, ddp_comm_hook)
+        return state
+    return None
+
+
+def train(rank, spec, out_path):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import tasks
+
+    os.environ["LOCAL_RANK"] = "0"  # each rank has a sidecar of its own: trainer 0 there
+    torch.set_num_threads(1)
+    world = spec["world_size"]
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(spec["store_dir"], "store"),
+                            rank=rank, world_size=world)
+    task = tasks.make_task(spec["task"], spec["size"], spec["seed"])
+    if spec.get("trainer_momentum") is not None:
+        # DGC's momentum correction runs in the sidecar: the optimizer's momentum goes to 0
+        # (docs/codecs.md).
+        task.momentum = spec["trainer_momentum"]
+    torch.manual_seed(spec["seed"])
+    model = task.model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    hook_state = attach_hook(spec, ddp, dist)
+    opt = task.optimizer(ddp.parameters())
+    steps, every = spec["steps"], spec["eval_every"]
+    step_seconds, losses, evals = [], [], []
+    elapsed = 0.0
+    dist.barrier()
+    tx0 = lo_tx_bytes() if rank == 0 else 0
+    for step in range(1, steps + 1):
+        x, y = task.batch(rank, step)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = task.loss(ddp, x, y)
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        value = loss.item()
+        if hook_state is not None:
+            # The loss feeds the sidecars' rollback policy (docs/policies.md).
+            hook_state.client.report(step, loss=value, trainer=0)
+        if rank == 0:
+            elapsed += dt
+            step_seconds.append(dt)
+            losses.append(value)
+            if step % every == 0 or step == steps:
+                e = task.evaluate(model)  # outside the timed step
+                evals.append({"step": step, "seconds": elapsed, "loss": e["loss"],
+                              "accuracy": e.get("accuracy")})
+                log("%s step %d/%d: loss %.4f, eval loss %.4f, %.3f s/step" % (
+                    spec["config"], step, steps, value, e["loss"], dt))
+    dist.barrier()
+    if rank == 0:
+        tx = lo_tx_bytes() - tx0
+        sorted_s = sorted(step_seconds)
+        result = {
+            "step_seconds": step_seconds, "loss": losses, "eval": evals,
+            "final_loss": evals[-1]["loss"], "final_accuracy": evals[-1]["accuracy"],
+            "median_step_seconds": sorted_s[len(sorted_s) // 2],
+            "wire_bytes_per_step_per_rank": tx / steps / world,
+            "parameters": task.parameters(), "batch": task.batch_size,
+            "task_title": task.title,
+        }
+        if hook_state is not None:
+            result["fallbacks"] = hook_state.fallbacks
+            reply = hook_state.last_reply or {}
+            result["sidecar"] = {k: reply.get(k) for k in ("codec", "ratio", "mode", "device")}
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(out_path + ".tmp", out_path)  # whole, for the parent watching for it
+    if hook_state is not None:
+        hook_state.close()
+    dist.destroy_process_group()
+
+
+def _entry(rank, spec, out_path):
+    # A hung run is killed by e2e.py after SIGUSR1, which makes every rank print its stacks.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        train(rank, spec, out_path)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # noqa: the other ranks are stuck in collectives: the parent kills them
+
+
+def main(argv):
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    with open(argv[1]) as f:
+        spec = json.load(f)
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, spec, argv[2])) for r in range(spec["world_size"])]
+    for p in procs:
+        p.start()
+    failed = None
+    written = None  # when rank 0 wrote the results
+    # A rank that fails leaves the others waiting in a collective: stop them all. Ranks that do
+    # not exit once the results are written (a hang in the process group's teardown) are
+    # stopped too: their work is done.
+    while any(p.is_alive() for p in procs):
+        for p in procs:
+            p.join(0.2)
+            if p.exitcode not in (None, 0) and failed is None:
+                failed = p
+        if written is None and os.path.exists(argv[2]):
+            written = time.monotonic()
+        if failed is not None or (written is not None and time.monotonic() - written > 30):
+            if failed is None:
+                log("the trainers did not exit 30 s after writing their results: stopped")
+                for p in procs:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGUSR1)  # where they hang, for the log
+                time.sleep(1)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            break
+    for p in procs:
+        p.join()
+    if failed is not None:
+        log("rank %d exited with %s" % (procs.index(failed), failed.exitcode))
+        return 1
+    return 0 if os.path.exists(argv[2]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
