@@ -61,7 +61,7 @@ CONFIGS = [
     # rollback on the reported loss, periodic full-sync at its default period.
     ("lightwire_dgc_policies", "lightwire dgc 1 % + policies", "lightwire", None,
      ["--codec", "dgc", "--density", "0.01", "--warmup-steps", "20", "--anomaly", "true",
-      "--rollback", "true"] + os.environ.get("LW_E2E_POLICY_EXTRA", "").split()),
+      "--rollback", "true"]),
 ]
 
 PROFILES = {
@@ -236,6 +236,7 @@ def run_config(ns, binary, python, profile, task, rate, config, work):
         else:
             with open(out_path) as f:
                 row.update(json.load(f))
+            summarize(row)
             if row.get("fallbacks"):
                 row["notes"] = "%d bucket(s) fell back to gloo's allreduce" % row["fallbacks"]
     except Exception as e:  # a sidecar that did not start: the row says so
@@ -290,6 +291,20 @@ def last_lines(text, n=6):
     return " | ".join(errors[:3] + (["..."] if errors else []) + lines[-n:])
 
 
+# The final loss and accuracy: the mean of the last evaluations, not the last one alone (one
+# evaluation moves by several per cent from one step to the next with SGD's noise).
+FINAL_EVALS = 3
+
+
+def summarize(row):
+    """The final figures of a finished row, from its evaluations."""
+    last = row["eval"][-FINAL_EVALS:]
+    row["final_loss"] = sum(e["loss"] for e in last) / len(last)
+    acc = [e["accuracy"] for e in last if e.get("accuracy") is not None]
+    row["final_accuracy"] = sum(acc) / len(acc) if acc else None
+    row["final_evals"] = len(last)
+
+
 def add_time_to_baseline(rows):
     """time_to_baseline_loss of every row of one (task, rate) group."""
     base = next((r for r in rows if r["baseline"] and r["status"] == "ok"), None)
@@ -335,6 +350,26 @@ def git_commit():
         return "unknown"
 
 
+def rereport(path, out_dir):
+    """--rereport: the derived figures (final loss and accuracy, time to the baseline's loss)
+    recomputed from the evaluations a results file holds, the file and the report rewritten."""
+    with open(path) as f:
+        results = json.load(f)
+    groups = {}
+    for row in results["runs"]:
+        if row["status"] == "ok":
+            summarize(row)
+        groups.setdefault((row["task"], row["rate"]), []).append(row)
+    for rows in groups.values():
+        add_time_to_baseline(rows)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    import report
+    for written in report.write_report(results, out_dir, os.path.basename(path)):
+        log("wrote %s" % written)
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group()
@@ -350,7 +385,12 @@ def main():
                    "--smoke: a new temporary directory)")
     p.add_argument("--results", help="results JSON (default OUT_DIR/benchmarks/results-PROFILE.json)")
     p.add_argument("--list", action="store_true", help="print the configurations and exit")
+    p.add_argument("--rereport", metavar="RESULTS",
+                   help="recompute the final figures of a results file and rewrite it and the "
+                        "report (no training)")
     args = p.parse_args()
+    if args.rereport:
+        return rereport(args.rereport, args.out_dir or os.path.join(ROOT, "docs"))
     if args.list:
         for c in CONFIGS:
             print("%-24s %-40s %s" % (c[0], c[1], " ".join(c[4] or []) or (c[3] or "")))

@@ -765,12 +765,14 @@ def render_markdown(results, source, group_info):
              "byte between ranks crosses that one link, protocol headers included; traffic between "
              "a trainer and its lightwire sidecar goes through Unix sockets and shared memory, not "
              "the link. 1 KB = 1000 bytes, 1 MB = 10^6 bytes.")
-    L.append("- **Final loss**: the final model's loss on a fixed evaluation set; **loss vs DDP** "
-             "is (this final loss − the baseline's) / the baseline's. **Accuracy** is the final "
-             "model's on the same set (classifier only).")
+    L.append("- **Final loss**: the mean loss of the last three evaluations on a fixed evaluation "
+             "set (the models of the last 10–15 %% of the steps: one evaluation moves by several "
+             "per cent from one step to the next with SGD's noise); **loss vs DDP** is (this final "
+             "loss − the baseline's) / the baseline's. **Accuracy**: the mean of the same three "
+             "evaluations' (classifier only).")
     L.append("- **Time to DDP's final loss**: the cumulative training time (rank 0, evaluation "
              "excluded) at the first evaluation whose loss is at most the DDP baseline's final "
-             "evaluation loss; \"not reached\" when no evaluation got there.")
+             "loss; \"not reached\" when no evaluation got there.")
     L.append("- **Plots**: the loss-per-step plot shows rank 0's minibatch training loss smoothed "
              "with an exponential moving average (weight %.1f on the previous value), with the "
              "evaluation losses as markers; runs that did not finish are listed under each plot "
