@@ -218,12 +218,14 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
       return q.kind == mine.kind && q.id == mine.id && q.body == mine.body && q.step == mine.step;
     });
   });
-  // Anomalies of this step's gradient.
+  // Anomalies of this step's gradient. A full-sync step's input also holds everything the codec
+  // state held back (residuals, momentum), so its norm is no gradient norm: it is neither judged
+  // against the baseline nor folded into it (NaN/Inf still are anomalies).
   const double norm = std::sqrt(g.grad_norm2);
   if (g.nonfinite > 0 || !std::isfinite(norm)) {
     anomaly(step, tensor, "nonfinite",
             std::to_string(g.nonfinite) + " NaN/Inf value(s) in the gradients");
-  } else {
+  } else if (plan.mode != StepMode::kFullSync) {
     const bool trusted = ts.norm.n >= config_.baseline_steps;
     if (trusted && ts.norm.mean > 0 && norm > config_.explode_factor * ts.norm.mean &&
         norm > ts.norm.mean + 6 * ts.norm.dev()) {

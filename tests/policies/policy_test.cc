@@ -5,6 +5,7 @@
 
 #include <boost/json/parse.hpp>
 
+#include <algorithm>
 #include <cmath>
 
 namespace lightwire::policies {
@@ -124,9 +125,34 @@ TEST_SUITE("policies") {
     CHECK(run(q, 41, normStats(1)).mode == StepMode::kBypass);
   }
 
+  TEST_CASE("a full-sync step's norm (gradient + flushed state) is no explosion, nor baseline") {
+    PolicyConfig c = quick();
+    c.full_sync_every = 10;
+    PolicyEngine p(c, "{}", nullptr);
+    for (uint64_t s = 0; s < 10; ++s) run(p, s, normStats(1.0 + 0.01 * (s % 3)));
+    // Step 10 is a full-sync: its input holds the residuals of ten steps.
+    CHECK(run(p, 10, normStats(500)).mode == StepMode::kFullSync);
+    CHECK(run(p, 11, normStats(1)).mode == StepMode::kCompressed);
+    for (const auto& d : p.decisions()) CHECK(d.kind != "anomaly");
+    // The baseline did not take it in: a real explosion at the next step is still one.
+    run(p, 12, normStats(1000));
+    CHECK(p.decisions().back().detail.find("explosion") == 0);
+    CHECK(run(p, 13, normStats(1)).mode == StepMode::kBypass);
+    // NaN/Inf at a full-sync step is an anomaly as ever.
+    for (uint64_t s = 14; s < 30; ++s) run(p, s, normStats(1));
+    GlobalStats bad = normStats(1);
+    bad.nonfinite = 1;
+    CHECK(run(p, 30, bad).mode == StepMode::kFullSync);
+    const auto log = p.decisions();
+    CHECK(std::any_of(log.begin(), log.end(), [](const Decision& d) {
+      return d.step == 30 && d.kind == "anomaly" && d.detail.find("nonfinite") == 0;
+    }));
+  }
+
   TEST_CASE("settings proposals take effect at the step after the one that carried them") {
     PolicyEngine a(quick(), "v0", nullptr), b(quick(), "v0", nullptr);
-    const uint64_t id = a.proposeSettings("v1");
+    const std::string v1 = R"({"default": {"codec": "qsgd"}})";  // records carry JSON objects
+    const uint64_t id = a.proposeSettings(v1);
     auto rec = decodeStats(a.record({}));
     REQUIRE(rec);
     REQUIRE(rec->requests.size() == 1);
@@ -138,7 +164,7 @@ TEST_SUITE("policies") {
       auto r = p->update("t", 7, p->plan("t", 7, topk(0.1), 1), g);
       CHECK(r.settings == std::optional<uint64_t>(1));
       CHECK(p->settingsAt(7).first == 0);
-      CHECK(p->settingsAt(8) == std::pair<uint64_t, std::string>{1, "v1"});
+      CHECK(p->settingsAt(8) == std::pair<uint64_t, std::string>{1, v1});
     }
     // Seen by every rank: no longer sent.
     CHECK(decodeStats(a.record({}))->requests.empty());
