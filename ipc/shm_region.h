@@ -3,6 +3,7 @@
 // creates and owns a segment, the sidecar maps it once and reads the gradient from it and writes
 // the result into it, so no tensor bytes cross the socket.
 
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -57,17 +58,39 @@ class ShmRegion final : public Region {
   uint64_t size() const override { return size_; }
   const std::string& name() const override { return name_; }
   const char* kind() const override { return "shm"; }
+  /// The user id that owns the segment.
+  unsigned uid() const { return uid_; }
   /// True while the segment still holds the mapped size. A client that shrinks its segment under
   /// a mapping would make an access fault (SIGBUS), so each step checks this before touching it.
   bool stillBacked() const override;
 
  private:
-  ShmRegion(std::string name, int fd, std::byte* data, uint64_t size)
-      : name_(std::move(name)), fd_(fd), data_(data), size_(size) {}
+  ShmRegion(std::string name, int fd, std::byte* data, uint64_t size, unsigned uid)
+      : name_(std::move(name)), fd_(fd), data_(data), size_(size), uid_(uid) {}
   std::string name_;
   int fd_ = -1;
   std::byte* data_ = nullptr;
   uint64_t size_ = 0;
+  unsigned uid_ = 0;
+};
+
+/// The process that registered a buffer: its pid as the kernel reported it on the Unix socket
+/// (SO_PEERCRED), and that process's start time, so a recycled pid is never mistaken for it.
+/// pid 0 = unknown (a client over TCP, or in a PID namespace this process cannot see): such
+/// buffers live until released, and count together as one client for the per-client limit.
+struct BufferOwner {
+  int pid = 0;
+  uint64_t start_ticks = 0;  // field 22 of /proc/<pid>/stat (clock ticks after boot)
+  /// The client's user id (SO_PEERCRED), -1 = unknown. A known, non-root client may only register
+  /// segments it owns: the sidecar opens them with its own rights, and must not lend those to a
+  /// client that could not open the segment itself.
+  long uid = -1;
+
+  /// The owner `pid` (0: unknown) as this process sees it now.
+  static BufferOwner of(int pid);
+  /// False once the process has exited (its pid gone, or reused by a later process). Unknown
+  /// owners are always alive.
+  bool alive() const;
 };
 
 /// The registered buffers of one sidecar, by id ("b<instance>-1", "b<instance>-2", ...: the
@@ -76,40 +99,51 @@ class ShmRegion final : public Region {
 /// releasing a buffer during that step unmaps it only afterwards. Thread-safe.
 class BufferTable {
  public:
-  explicit BufferTable(size_t max_buffers);
+  /// At most `max_buffers` in all and `max_per_owner` per owner (unknown owners together).
+  explicit BufferTable(size_t max_buffers, size_t max_per_owner = SIZE_MAX);
 
-  enum class AddError { kNone, kInvalid, kLimit };
-  /// Registers segment `name` of at least `size` bytes; returns its id, or "" with `why` and a
-  /// message in `error`.
-  std::string add(const std::string& name, uint64_t size, AddError* why, std::string* error);
-  /// Whether another buffer may be registered now (false: `error` says why, AddError::kLimit).
-  bool hasRoom(std::string* error) const;
-  /// Registers an opened region of any kind (CUDA IPC: ipc/cuda_ipc.h); "" and kLimit when the
-  /// table is full.
-  std::string insert(std::shared_ptr<Region> region, AddError* why, std::string* error);
+  enum class AddError { kNone, kInvalid, kLimit, kOwnerLimit, kForbidden };
+  /// Registers segment `name` of at least `size` bytes for `owner`; returns its id, or "" with
+  /// `why` and a message in `error`.
+  std::string add(const std::string& name, uint64_t size, const BufferOwner& owner, AddError* why,
+                  std::string* error);
+  /// Whether `owner` may register another buffer now (false: `why` and `error` say why).
+  bool hasRoom(const BufferOwner& owner, AddError* why, std::string* error) const;
+  /// Registers an opened region of any kind (CUDA IPC: ipc/cuda_ipc.h); "" and kLimit or
+  /// kOwnerLimit when there is no room.
+  std::string insert(std::shared_ptr<Region> region, const BufferOwner& owner, AddError* why,
+                     std::string* error);
   /// Releases `id`; false when unknown.
   bool remove(const std::string& id);
   /// The region of `id`, or null.
   std::shared_ptr<Region> find(const std::string& id) const;
   size_t count() const;
-  /// (id, name, size, kind) of every buffer, ordered by id number.
+  /// (id, name, size, kind, owner pid) of every buffer, ordered by id number.
   struct Listed {
     std::string id, name;
     uint64_t size;
     std::string kind;
+    int pid = 0;
   };
   std::vector<Listed> list() const;
+  /// Releases every buffer whose owner has exited (a trainer killed while holding them) and
+  /// returns them. Reads /proc once per distinct owner; call it every second or so.
+  std::vector<Listed> releaseExited();
 
  private:
   struct Entry {
     uint64_t ordinal;  // registration order, for list()
     std::shared_ptr<Region> region;
+    BufferOwner owner;
   };
-  const size_t max_buffers_;
+  bool hasRoomLocked(const BufferOwner& owner, AddError* why, std::string* error) const;
+  Listed listed(const std::string& id, const Entry& e) const;
+  const size_t max_buffers_, max_per_owner_;
   const std::string prefix_;  // "b<instance>-"
   mutable std::mutex mu_;
   uint64_t next_id_ = 1;
   std::unordered_map<std::string, Entry> buffers_;
+  std::unordered_map<int, size_t> per_owner_;  // buffers held per owner pid (0 = unknown)
 };
 
 }  // namespace lightwire::ipc

@@ -566,7 +566,7 @@ class BucketCodec final : public Codec {
               ternaryCodes(v + at, words + at, len, s, batch_codes + at);
             } else {
               // Every x of the bucket is ±0: code 0 (§4.9), and no word is drawn.
-              std::fill(batch_codes + at, batch_codes + seg_end - off, uint8_t{0});
+              std::fill(batch_codes + at, batch_codes + at + len, uint8_t{0});
             }
             pos = seg_end;
           }

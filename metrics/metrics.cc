@@ -143,6 +143,16 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                         .Register(*registry_)),
       http_family_(counterFamily(*registry_, "lightwire_http_requests_total",
                                  "HTTP requests served, by route template and status code.")),
+      limit_family_(counterFamily(*registry_, "lightwire_limit_hits_total",
+                                  "Requests, connections and steps refused because they hit a "
+                                  "configured limit, by limit.")),
+      released_family_(counterFamily(*registry_, "lightwire_buffers_released_total",
+                                     "Registered buffers released, by reason (client: released "
+                                     "by the client; owner_exited: the registering process "
+                                     "exited).")),
+      frames_refused_family_(counterFamily(*registry_, "lightwire_peer_frames_refused_total",
+                                           "Frames from authenticated peers refused (the "
+                                           "connection is closed), by reason.")),
       peer_up_family_(BuildGauge()
                           .Name("lightwire_peer_up")
                           .Help("1 while the peer sidecar is connected and authenticated.")
@@ -169,6 +179,9 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
       start_time_(nowSeconds()) {
   for (const char* kind : {"nonfinite", "explosion", "vanishing"}) anomalies(kind);
   for (const char* reason : {"periodic", "divergence"}) fullSyncs(reason);
+  for (const char* limit : kLimitNames) limitHits(limit);
+  for (const char* reason : {"client", "owner_exited"}) buffersReleased(reason);
+  for (const char* reason : {"header", "checksum", "queue"}) peerFramesRefused(reason);
   auto& stage_family = BuildHistogram()
                            .Name("lightwire_stage_duration_seconds")
                            .Help("Duration of each stage of a step.")
@@ -185,6 +198,18 @@ prometheus::Gauge& Metrics::compressionRatio(std::string_view group) {
 
 prometheus::Counter& Metrics::httpRequests(std::string_view route, unsigned code) {
   return http_family_.Add({{"route", std::string(route)}, {"code", std::to_string(code)}});
+}
+
+prometheus::Counter& Metrics::limitHits(std::string_view limit) {
+  return limit_family_.Add({{"limit", std::string(limit)}});
+}
+
+prometheus::Counter& Metrics::buffersReleased(std::string_view reason) {
+  return released_family_.Add({{"reason", std::string(reason)}});
+}
+
+prometheus::Counter& Metrics::peerFramesRefused(std::string_view reason) {
+  return frames_refused_family_.Add({{"reason", std::string(reason)}});
 }
 
 prometheus::Gauge& Metrics::peerUp(uint32_t rank) {

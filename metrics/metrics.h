@@ -23,6 +23,18 @@ namespace lightwire::metrics {
 enum class Stage { kIngest, kCompress, kExchange, kDecompress, kTotal };
 inline constexpr size_t kStageCount = 5;
 
+/// The `limit` labels of lightwire_limit_hits_total, created at zero when Metrics is built.
+inline constexpr const char* kLimitNames[] = {
+    "body_bytes",          // limits.max_body_bytes (HTTP body, or a CUDA buffer's size)
+    "header_bytes",        // limits.max_header_bytes
+    "connections",         // limits.max_connections (a connection closed at accept)
+    "request_timeout",     // limits.idle_timeout_s ran out in the middle of a request (slow client)
+    "buffers",             // limits.max_buffers
+    "buffers_per_client",  // limits.max_buffers_per_client
+    "pending_steps",       // limits.max_pending_steps
+    "state_bytes",         // limits.max_state_bytes
+};
+
 /// The registry and every family the sidecar exports. Thread-safe (prometheus-cpp's counters,
 /// gauges and histograms are; the labelled lookups below take a lock and cache children).
 class Metrics {
@@ -84,6 +96,16 @@ class Metrics {
   prometheus::Gauge& compressionRatio(std::string_view group);
   /// lightwire_http_requests_total{route,code}; `route` is a template (bounded set).
   prometheus::Counter& httpRequests(std::string_view route, unsigned code);
+  /// lightwire_limit_hits_total{limit}: requests, connections and steps refused because they hit
+  /// one of the configured limits (docs/RELIABILITY.md, "Limits"). `limit` is one of kLimitNames.
+  prometheus::Counter& limitHits(std::string_view limit);
+  /// lightwire_buffers_released_total{reason}: registered buffers released by their client
+  /// ("client") or because the process that registered them exited ("owner_exited").
+  prometheus::Counter& buffersReleased(std::string_view reason);
+  /// lightwire_peer_frames_refused_total{reason}: frames from authenticated peers that closed the
+  /// connection: "header" (malformed, oversized, foreign or out-of-place), "checksum" (payload
+  /// does not match its XXH3), "queue" (past the per-peer queue limits).
+  prometheus::Counter& peerFramesRefused(std::string_view reason);
   /// lightwire_peer_up{peer} (1 connected and authenticated, 0 not); `peer` is the rank.
   prometheus::Gauge& peerUp(uint32_t rank);
   /// lightwire_peer_rtt_seconds{peer}: the last ping round trip to that rank.
@@ -94,6 +116,9 @@ class Metrics {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Gauge>& ratio_family_;
   prometheus::Family<prometheus::Counter>& http_family_;
+  prometheus::Family<prometheus::Counter>& limit_family_;
+  prometheus::Family<prometheus::Counter>& released_family_;
+  prometheus::Family<prometheus::Counter>& frames_refused_family_;
   prometheus::Family<prometheus::Gauge>& peer_up_family_;
   prometheus::Family<prometheus::Gauge>& peer_rtt_family_;
   prometheus::Family<prometheus::Counter>& anomalies_family_;

@@ -1,5 +1,7 @@
 #include "policies/stats.h"
 
+#include <boost/json/parse.hpp>
+
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -12,6 +14,13 @@ constexpr uint16_t kVersion = 1;
 constexpr size_t kMaxRecordBytes = size_t{64} << 10;  // = proxy's kMaxStatsBytes
 constexpr uint32_t kMaxRequests = 16;
 constexpr size_t kMaxBodyBytes = size_t{48} << 10;
+
+/// Whether `text` is a JSON object (Boost.JSON's parser: UTF-8, depth at most 32).
+bool isJsonObject(const std::string& text) {
+  boost::system::error_code ec;
+  const boost::json::value v = boost::json::parse(text, ec);
+  return !ec && v.is_object();
+}
 
 class Writer {
  public:
@@ -159,6 +168,11 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
       return invalidArgument("statistics record: a checkpoint request has no body");
     }
     if (!r.str(q.body, len)) return truncated();
+    if (q.kind == Request::Kind::kSettings && !isJsonObject(q.body)) {
+      // Every rank keeps the settings in its history, its status, its checkpoints and the job
+      // state it tells rejoining peers, all JSON: bytes that are not would make those unreadable.
+      return invalidArgument("statistics record: a settings request's body is not a JSON object");
+    }
     s.requests.push_back(std::move(q));
   }
   if (r.left() != 0) return invalidArgument("statistics record: trailing bytes");

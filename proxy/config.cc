@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "kernels/registry.h"
+#include "proxy/utf8.h"
 
 namespace lightwire::proxy {
 namespace {
@@ -136,6 +137,15 @@ std::string setBool(std::string_view s, bool& out) {
   } else {
     return "must be true or false (or yes/no, on/off, 1/0)";
   }
+  return "";
+}
+
+/// A file or directory path ("" allowed: the key's own meaning of unset).
+std::string setPath(std::string_view s, std::string& out) {
+  if (s.size() > 4095 || s.find('\0') != std::string_view::npos) {
+    return "must be a path of at most 4095 bytes";
+  }
+  out = std::string(s);
   return "";
 }
 
@@ -405,6 +415,31 @@ std::vector<KeyImpl> makeKeyTable() {
       },
       [](const C& c) { return json::value(c.control_socket); });
   add(
+      "control.socket_mode", "--socket-mode", "octal permissions", "0660",
+      "Permissions of the Unix socket: owner read-write, optionally the group (0600 or 0660); "
+      "permissions for others are refused, since whoever can connect drives the sidecar",
+      [](C& c, std::string_view s) -> std::string {
+        unsigned mode = 0;
+        const bool octal = !s.empty() && s.size() <= 4 &&
+                           s.find_first_not_of("01234567") == std::string_view::npos;
+        if (octal) {
+          for (char ch : s) mode = mode * 8 + static_cast<unsigned>(ch - '0');
+        }
+        if (!octal || mode > 0777) return "must be octal permissions such as 0600 or 0660";
+        if ((mode & 0600) != 0600) return "must give the owner read and write (0600 or 0660)";
+        if ((mode & 0007) != 0) {
+          return "must not give others any permission: whoever can connect drives the sidecar";
+        }
+        if ((mode & 0111) != 0) return "must not set execute bits (0600 or 0660)";
+        c.control_socket_mode = mode;
+        return "";
+      },
+      [](const C& c) {
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "%04o", c.control_socket_mode);
+        return json::value(buf);
+      });
+  add(
       "control.tcp", "--control-tcp", "host:port", "127.0.0.1:4780",
       "TCP listener of the control API (\"\" = off, port 0 = chosen by the OS)",
       [](C& c, std::string_view s) { return setListen(s, c.control_tcp); },
@@ -437,6 +472,11 @@ std::vector<KeyImpl> makeKeyTable() {
       "Registered buffers at most (429 beyond)",
       unsignedSetter<C>([](C& c) -> int& { return c.limits.max_buffers; }, 1, INT_MAX),
       [](const C& c) { return json::value(c.limits.max_buffers); });
+  add("limits.max_buffers_per_client", "--max-buffers-per-client", "integer >= 1", "256",
+      "Registered buffers one client process may hold (429 beyond); clients over TCP count "
+      "together as one",
+      unsignedSetter<C>([](C& c) -> int& { return c.limits.max_buffers_per_client; }, 1, INT_MAX),
+      [](const C& c) { return json::value(c.limits.max_buffers_per_client); });
   add("limits.max_pending_steps", "--max-pending-steps", "integer >= 1", "4096",
       "Steps in flight at most (429 beyond)",
       unsignedSetter<C>([](C& c) -> int& { return c.limits.max_pending_steps; }, 1, INT_MAX),
@@ -583,6 +623,39 @@ std::vector<KeyImpl> makeKeyTable() {
       "listener's port on the address rank 0 sees the connection come from)",
       [](C& c, std::string_view s) { return setListen(s, c.peer.advertise); },
       [](const C& c) { return listenJson(c.peer.advertise); });
+  // --- TLS on the tcp transport's connections (docs/peer-protocol.md "TLS") ---------------------
+  auto tlsBool = [&](std::string path, std::string flag, bool C::Peer::Tls::*field, bool def,
+                     std::string what) {
+    add(
+        std::move(path), std::move(flag), kBoolType, def ? "true" : "false", std::move(what),
+        [field](C& c, std::string_view s) { return setBool(s, c.peer.tls.*field); },
+        [field](const C& c) { return json::value(c.peer.tls.*field); }, /*secret=*/false,
+        /*boolean=*/true);
+  };
+  auto tlsFile = [&](std::string path, std::string flag, std::string C::Peer::Tls::*field,
+                     std::string what) {
+    add(
+        std::move(path), std::move(flag), "path", "", std::move(what),
+        [field](C& c, std::string_view s) { return setPath(s, c.peer.tls.*field); },
+        [field](const C& c) { return json::value(c.peer.tls.*field); });
+  };
+  tlsBool("peer.tls.enabled", "--peer-tls", &C::Peer::Tls::enabled, false,
+          "TLS (1.2 or 1.3) on every peer connection of the tcp transport, mutual: each sidecar "
+          "presents peer.tls.cert_file and checks the other's against peer.tls.ca_file; the job "
+          "secret's handshake runs inside it");
+  tlsFile("peer.tls.cert_file", "--peer-tls-cert", &C::Peer::Tls::cert_file,
+          "PEM certificate this sidecar presents to its peers (then any intermediate CA "
+          "certificates); required with peer.tls.enabled");
+  tlsFile("peer.tls.key_file", "--peer-tls-key", &C::Peer::Tls::key_file,
+          "PEM private key of peer.tls.cert_file, unencrypted; required with peer.tls.enabled "
+          "(its contents are never logged)");
+  tlsFile("peer.tls.ca_file", "--peer-tls-ca", &C::Peer::Tls::ca_file,
+          "PEM certificate(s) of the CA a peer's certificate must chain to; required with "
+          "peer.tls.enabled and peer.tls.verify");
+  tlsBool("peer.tls.verify", "--peer-tls-verify", &C::Peer::Tls::verify, true,
+          "Check the peers' certificates against peer.tls.ca_file (host names are not checked); "
+          "false: any certificate is accepted (encryption only, the job secret still "
+          "authenticates)");
   // --- policies (DESIGN.md §5, docs/policies.md); the defaults are PolicyConfig's own ----------
   const policies::PolicyConfig pd;
   using P = policies::PolicyConfig;
@@ -695,13 +768,7 @@ std::vector<KeyImpl> makeKeyTable() {
   add(
       "state.dir", "--state-dir", "path", "/var/lib/lightwire",
       "Directory of the checkpoint files of codec and policy state (\"\" = no durable state)",
-      [](C& c, std::string_view s) -> std::string {
-        if (s.size() > 4095 || s.find('\0') != std::string_view::npos) {
-          return "must be a path of at most 4095 bytes";
-        }
-        c.state.dir = std::string(s);
-        return "";
-      },
+      [](C& c, std::string_view s) { return setPath(s, c.state.dir); },
       [](const C& c) { return json::value(c.state.dir); });
   add("state.checkpoint_every", "--checkpoint-every", "integer >= 0", "1000",
       "Periodic checkpoint of the state every N steps (0 = off)",
@@ -910,7 +977,8 @@ std::string valueError(const std::string& source, const std::string& key, const 
 
 Status setKey(const KeyImpl& k, std::string_view raw, ServeConfig& cfg, const std::string& source,
               const std::string& name_in_message, Origins* origins) {
-  const std::string e = k.set(cfg, raw);
+  // Values end up in JSON (/v1/status, the settings proposed to the peers): UTF-8 only.
+  const std::string e = isValidUtf8(raw) ? k.set(cfg, raw) : "is not UTF-8 text";
   if (!e.empty())
     return invalidArgument(valueError(source, name_in_message, e, raw, k.info.secret));
   if (origins) (*origins)[k.info.path] = source;
@@ -1114,6 +1182,8 @@ Status applyFile(const std::string& path, ServeConfig& cfg, Origins& origins) {
   const std::string source = "file " + path;
   auto text = readFile(path);
   if (!text) return text.status();
+  // Values end up in JSON (/v1/status, the settings proposed to the peers): UTF-8 only.
+  if (!isValidUtf8(*text)) return invalidArgument(source + ": the file is not UTF-8 text");
   Tree tree;
   try {
     const YAML::Node root = YAML::Load(*text);
@@ -1257,8 +1327,34 @@ void addServeFlags(CLI::App& app, FlagValues& flags) {
   }
 }
 
+namespace {
+
+/// peer.tls: complete when enabled, and for the tcp transport only.
+Status checkPeerTls(const ServeConfig::Peer& p) {
+  if (!p.tls.enabled) return Status::ok();
+  if (p.transport != "tcp") {
+    return invalidArgument("peer.tls applies to the tcp transport only (peer.transport is " +
+                           p.transport + ")");
+  }
+  const std::pair<const char*, const std::string*> files[] = {
+      {"peer.tls.cert_file", &p.tls.cert_file},
+      {"peer.tls.key_file", &p.tls.key_file},
+      {"peer.tls.ca_file", p.tls.verify ? &p.tls.ca_file : nullptr},
+  };
+  for (const auto& [key, path] : files) {
+    if (path && path->empty()) {
+      return invalidArgument(std::string(key) + " must be set when peer.tls.enabled is true" +
+                             (path == &p.tls.ca_file ? " and peer.tls.verify is true" : ""));
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
 Status checkMembership(const ServeConfig& c) {
   const auto& p = c.peer;
+  LW_RETURN_IF_ERROR(checkPeerTls(p));
   if (p.rank >= p.world_size) {
     return invalidArgument("rank " + std::to_string(p.rank) + " is not below world_size " +
                            std::to_string(p.world_size));

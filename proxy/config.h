@@ -71,6 +71,7 @@ struct ServeConfig {
   std::string log_level = "info";
   std::string log_format = "text";  // text | json (one object per line)
   std::string control_socket = "/run/lightwire/lightwire.sock";  // "" = no Unix listener
+  unsigned control_socket_mode = 0660;  // its permissions: owner and group, never others
   std::optional<ListenAddress> control_tcp = ListenAddress{"127.0.0.1", 4780};  // nullopt = off
   std::optional<ListenAddress> admin_listen = ListenAddress{"0.0.0.0", 4782};   // nullopt = off
 
@@ -81,6 +82,7 @@ struct ServeConfig {
     double idle_timeout_s = 60;
     double step_timeout_s = 120;
     int max_buffers = 1024;
+    int max_buffers_per_client = 256;  // per registering process (Unix socket), or TCP together
     int max_pending_steps = 4096;
     int max_connections = 256;
     uint64_t max_state_bytes = 0;  // codec state of all tensors together (0 = no cap)
@@ -118,6 +120,12 @@ struct ServeConfig {
     double straggler_wait_s = 0.02;  // bounded-staleness: the server's wait for late contributions
     std::optional<ListenAddress> rendezvous;  // rank 0's peer address; instead of `peers`
     std::optional<ListenAddress> advertise;   // this rank's address for the rendezvous
+    /// TLS on the tcp transport's connections (peer::TcpOptions::Tls, docs/peer-protocol.md).
+    struct Tls {
+      bool enabled = false;
+      std::string cert_file, key_file, ca_file;  // PEM paths (the key's contents never logged)
+      bool verify = true;                        // check the peers' certificates against ca_file
+    } tls;
   } peer;
 };
 
@@ -155,8 +163,9 @@ Result<ServeConfig> buildServeConfig(const std::optional<std::string>& file_path
                                      const std::vector<std::string>& environ_entries,
                                      const FlagValues& flags, std::vector<std::string>* warnings);
 
-/// rank, world_size, peer.peers and peer.secret agree with each other (checked by `serve` and
-/// `--check-config` after buildServeConfig(), which checks each key alone).
+/// rank, world_size, peer.peers and peer.secret agree with each other, and peer.tls is complete
+/// and used with the tcp transport (checked by `serve` and `--check-config` after
+/// buildServeConfig(), which checks each key alone).
 Status checkMembership(const ServeConfig& c);
 
 /// Compression section from JSON (PUT /v1/config body): same keys, same validation as the YAML one;

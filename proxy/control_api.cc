@@ -368,7 +368,7 @@ Response ControlApi::route(Request& req, const RequestTarget& t, const RequestIn
   }
   if (t.path == "/v1/buffers") {
     if (method != http::verb::post) return methodNotAllowed("POST");
-    return registerBuffer(req);
+    return registerBuffer(req, info);
   }
   if (t.path.rfind("/v1/buffers/", 0) == 0) {
     if (method != http::verb::delete_) return methodNotAllowed("DELETE");
@@ -591,12 +591,21 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   return {};
 }
 
-Response ControlApi::registerBuffer(const Request& req) {
+Response ControlApi::bufferLimit(ipc::BufferTable::AddError why, const std::string& error) {
+  metrics_
+      .limitHits(why == ipc::BufferTable::AddError::kOwnerLimit ? "buffers_per_client" : "buffers")
+      .Increment();
+  return errorResponse(status::too_many_requests, "limit_reached", error);
+}
+
+Response ControlApi::registerBuffer(const Request& req, const RequestInfo& info) {
   json::object o;
   if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
   std::string kind = "shm";
   if (std::string e = jsonString(o, "kind", false, &kind); !e.empty()) return badRequest(e);
-  if (kind == "cuda_ipc") return registerCudaBuffer(o);
+  ipc::BufferOwner owner = ipc::BufferOwner::of(info.pid);
+  owner.uid = info.uid;
+  if (kind == "cuda_ipc") return registerCudaBuffer(o, owner);
   if (kind != "shm") {
     return badRequest("unknown buffer kind " + quoted(kind) + " (known: 'shm', 'cuda_ipc')");
   }
@@ -612,11 +621,12 @@ Response ControlApi::registerBuffer(const Request& req) {
   }
   ipc::BufferTable::AddError why{};
   std::string error;
-  const std::string id = buffers_.add(name, size, &why, &error);
+  const std::string id = buffers_.add(name, size, owner, &why, &error);
   if (id.empty()) {
-    if (why == ipc::BufferTable::AddError::kLimit) {
-      return errorResponse(status::too_many_requests, "limit_reached", error);
+    if (why == ipc::BufferTable::AddError::kForbidden) {
+      return errorResponse(status::forbidden, "forbidden", error);
     }
+    if (why != ipc::BufferTable::AddError::kInvalid) return bufferLimit(why, error);
     return badRequest(error);
   }
   metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
@@ -624,7 +634,7 @@ Response ControlApi::registerBuffer(const Request& req) {
   return jsonResponse(status::created, json::object{{"id", id}, {"kind", "shm"}, {"size", size}});
 }
 
-Response ControlApi::registerCudaBuffer(const json::object& o) {
+Response ControlApi::registerCudaBuffer(const json::object& o, const ipc::BufferOwner& owner) {
   for (const auto& kv : o) {
     const std::string_view k = kv.key();
     if (k != "kind" && k != "name" && k != "size" && k != "handle" && k != "device" &&
@@ -673,11 +683,11 @@ Response ControlApi::registerCudaBuffer(const json::object& o) {
     driver = cuda_;
   }
   std::string error;
-  if (!buffers_.hasRoom(&error)) {
-    return errorResponse(status::too_many_requests, "limit_reached", error);
-  }
+  ipc::BufferTable::AddError why{};
+  if (!buffers_.hasRoom(owner, &why, &error)) return bufferLimit(why, error);
   // This version stages device buffers through host memory of their size: bounded like a body.
   if (spec.size > config_.limits.max_body_bytes) {
+    metrics_.limitHits("body_bytes").Increment();
     return errorResponse(status::payload_too_large, "too_large",
                          "a CUDA IPC buffer of " + std::to_string(spec.size) +
                              " bytes exceeds limits.max_body_bytes (" +
@@ -688,9 +698,8 @@ Response ControlApi::registerCudaBuffer(const json::object& o) {
   if (!region) return badRequest(error);
   const std::string label = region->name();
   const int ordinal = region->deviceOrdinal();
-  ipc::BufferTable::AddError why{};
-  const std::string id = buffers_.insert(std::move(region), &why, &error);
-  if (id.empty()) return errorResponse(status::too_many_requests, "limit_reached", error);
+  const std::string id = buffers_.insert(std::move(region), owner, &why, &error);
+  if (id.empty()) return bufferLimit(why, error);
   metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
   spdlog::debug("registered CUDA IPC buffer {} ({} bytes on GPU {} = {})", id, spec.size, ordinal,
                 spec.pci_bus_id);
@@ -706,7 +715,20 @@ Response ControlApi::releaseBuffer(const std::string& id) {
     return errorResponse(status::not_found, "not_found", "unknown buffer " + quoted(id));
   }
   metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
+  metrics_.buffersReleased("client").Increment();
   return jsonResponse(status::ok, json::object{});
+}
+
+size_t ControlApi::releaseExitedOwners() {
+  const auto released = buffers_.releaseExited();
+  if (released.empty()) return 0;
+  for (const auto& b : released) {
+    spdlog::warn("released buffer {} ({}, {} bytes of {}): process {} that registered it exited",
+                 b.id, b.kind, b.size, b.name, b.pid);
+  }
+  metrics_.buffersReleased("owner_exited").Increment(static_cast<double>(released.size()));
+  metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
+  return released.size();
 }
 
 Response ControlApi::report(const Request& req) {
@@ -869,8 +891,9 @@ Response ControlApi::status() {
   o["tensors"] = engine_.tensorsJson();
   json::array bufs;
   for (const auto& b : buffers_.list()) {
-    bufs.push_back(
-        json::object{{"id", b.id}, {"name", b.name}, {"size", b.size}, {"kind", b.kind}});
+    json::object entry{{"id", b.id}, {"name", b.name}, {"size", b.size}, {"kind", b.kind}};
+    if (b.pid > 0) entry["pid"] = b.pid;
+    bufs.push_back(std::move(entry));
   }
   o["buffers"] = std::move(bufs);
   o["steps"] = json::object{{"ok", engine_.stepsOk()}, {"failed", engine_.stepsFailed()}};

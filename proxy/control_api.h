@@ -55,14 +55,20 @@ class ControlApi {
   void setCuda(std::shared_ptr<ipc::CudaDriver> driver, std::string why_not);
   /// Called after a successful POST /v1/resume (tells the other sidecars).
   void setAfterResume(std::function<void()> after);
+  /// Releases the buffers of trainers that exited without releasing them (logged, counted in
+  /// lightwire_buffers_released_total{reason="owner_exited"}); returns how many. Call it
+  /// periodically (serve does, every second).
+  size_t releaseExitedOwners();
 
  private:
   Response route(Request& req, const RequestTarget& t, const RequestInfo& info, Reply& reply,
                  bool& replied);
   Response emitRaw(Request& req, const RequestTarget& t, Reply& reply, bool& replied);
   Response emitShm(Request& req, Reply& reply, bool& replied);
-  Response registerBuffer(const Request& req);
-  Response registerCudaBuffer(const boost::json::object& o);
+  Response registerBuffer(const Request& req, const RequestInfo& info);
+  Response registerCudaBuffer(const boost::json::object& o, const ipc::BufferOwner& owner);
+  /// The 429 reply to a registration refused for room, counted as a limit hit.
+  Response bufferLimit(ipc::BufferTable::AddError why, const std::string& error);
   Response releaseBuffer(const std::string& id);
   Response report(const Request& req);
   Response putConfig(const Request& req, const RequestInfo& info);

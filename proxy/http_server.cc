@@ -1,5 +1,6 @@
 #include "proxy/http_server.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <boost/asio/ip/tcp.hpp>
@@ -10,11 +11,16 @@
 #include <boost/json/serialize.hpp>
 #include <boost/json/value.hpp>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <list>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <vector>
+
+#include "proxy/utf8.h"
 
 namespace lightwire::proxy {
 namespace {
@@ -32,8 +38,9 @@ Response errorResponse(http::status status, std::string_view code, std::string_v
   Response r{status, version};
   r.set(http::field::content_type, "application/json");
   r.keep_alive(keep_alive);
+  // Messages quote what the client sent (a path, a name): only UTF-8 keeps the reply JSON.
   r.body() = boost::json::serialize(
-      boost::json::object{{"error", std::string(code)}, {"message", std::string(message)}});
+      boost::json::object{{"error", std::string(code)}, {"message", toValidUtf8(message)}});
   r.prepare_payload();
   return r;
 }
@@ -43,6 +50,7 @@ struct Shared {
   HttpLimits limits;
   Handler handler;
   HttpServer::RefusedHook on_refused;
+  HttpServer::LimitHook on_limit;
   std::atomic<bool> stopping{false};
   std::shared_ptr<std::atomic<size_t>> connections;
   std::mutex mu;
@@ -69,6 +77,15 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
   ~Session() { shared_->connections->fetch_sub(1); }
 
   void start() {
+    if constexpr (std::is_same_v<Stream, UnixStream>) {
+      struct ucred cred {};
+      socklen_t len = sizeof cred;
+      if (::getsockopt(stream_.socket().native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) ==
+          0) {
+        info_.pid = cred.pid;
+        info_.uid = static_cast<long>(cred.uid);
+      }
+    }
     buffer_.reserve(kSmallBuffer);
     std::weak_ptr<Session> weak = this->shared_from_this();
     {
@@ -100,8 +117,17 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
         [self = this->shared_from_this()](beast::error_code ec, size_t) { self->onHeader(ec); });
   }
 
+  void limitHit(std::string_view limit) {
+    if (shared_->on_limit) shared_->on_limit(limit);
+  }
+
   /// Parse errors are answered (when the connection still works) and end the connection.
   bool failRead(beast::error_code ec) {
+    // The timeout ran out in the middle of a request (a slow or stalled client), not between
+    // requests of a kept-alive connection.
+    if (ec == beast::error::timeout && (buffer_.size() > 0 || (parser_ && parser_->got_some()))) {
+      limitHit("request_timeout");
+    }
     if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
         ec == asio::error::operation_aborted || ec == asio::error::connection_reset ||
         ec == asio::error::eof || ec == asio::error::bad_descriptor) {
@@ -109,10 +135,12 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
       return true;
     }
     if (ec == http::error::header_limit) {
+      limitHit("header_bytes");
       fail(http::status::request_header_fields_too_large, "header_too_large",
            "request headers exceed limits.max_header_bytes (" +
                std::to_string(shared_->limits.max_header_bytes) + " bytes)");
     } else if (ec == http::error::body_limit) {
+      limitHit("body_bytes");
       fail(http::status::payload_too_large, "too_large",
            "request body exceeds limits.max_body_bytes (" +
                std::to_string(shared_->limits.max_body_bytes) + " bytes)");
@@ -130,6 +158,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
     }
     const auto& req = parser_->get();
     if (const auto len = parser_->content_length(); len && *len > shared_->limits.max_body_bytes) {
+      limitHit("body_bytes");
       fail(http::status::payload_too_large, "too_large",
            "request body of " + std::to_string(*len) + " bytes exceeds limits.max_body_bytes (" +
                std::to_string(shared_->limits.max_body_bytes) + " bytes)");
@@ -192,6 +221,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
     http::async_write(
         stream_, *response_, [self = this->shared_from_this()](beast::error_code ec, size_t) {
           self->busy_ = false;
+          if (ec == beast::error::timeout) self->limitHit("request_timeout");  // never read it
           const bool again = !ec && self->response_->keep_alive();
           self->response_.reset();
           if (again) {
@@ -261,6 +291,9 @@ class Listener : public std::enable_shared_from_this<Listener<Protocol, Stream>>
               self->shared_->connections->load() >= self->shared_->limits.max_connections) {
             beast::error_code ignored;
             socket.close(ignored);  // over limits.max_connections: refused at once
+            if (!self->shared_->stopping.load() && self->shared_->on_limit) {
+              self->shared_->on_limit("connections");
+            }
           } else {
             // Large socket buffers: a 100 MB body moves in hundreds of wake-ups, not thousands.
             beast::error_code ignored;
@@ -310,7 +343,9 @@ HttpServer::~HttpServer() { stop(); }
 
 void HttpServer::onRefused(RefusedHook hook) { impl_->shared->on_refused = std::move(hook); }
 
-std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind) {
+void HttpServer::onLimit(LimitHook hook) { impl_->shared->on_limit = std::move(hook); }
+
+std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind, unsigned mode) {
   namespace fs = std::filesystem;
   std::error_code fec;
   const fs::path p(path);
@@ -332,9 +367,18 @@ std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind) {
   beast::error_code ec;
   auto& acc = listener->acceptor();
   acc.open(unix_socket(), ec);
-  if (!ec) acc.bind(unix_socket::endpoint(path), ec);
+  if (!ec) {
+    // bind() creates the file with 0777 & ~umask: narrow the umask for that call, so the socket
+    // never exists with wider permissions than `mode` (listeners are opened before any thread
+    // that creates files starts).
+    const mode_t previous = ::umask(static_cast<mode_t>(~mode & 0777));
+    acc.bind(unix_socket::endpoint(path), ec);
+    ::umask(previous);
+  }
   if (ec) return "cannot bind Unix socket " + path + ": " + ec.message();
-  ::chmod(path.c_str(), 0660);
+  if (::chmod(path.c_str(), static_cast<mode_t>(mode)) != 0) {
+    return "cannot set the permissions of " + path + ": " + std::strerror(errno);
+  }
   acc.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) return "cannot listen on " + path + ": " + ec.message();
   listener->accept();

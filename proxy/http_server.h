@@ -38,6 +38,11 @@ using Reply = std::function<void(Response)>;
 struct RequestInfo {
   ListenerKind listener = ListenerKind::kControl;
   bool tcp = false;
+  /// The client's process id as the kernel reports it (SO_PEERCRED) on a Unix socket; 0 over TCP
+  /// or when the client lives in a PID namespace this process cannot see.
+  int pid = 0;
+  /// The client's user id (SO_PEERCRED) on a Unix socket; -1 over TCP.
+  long uid = -1;
 };
 using Handler = std::function<void(Request&& request, const RequestInfo& info, Reply reply)>;
 
@@ -56,10 +61,15 @@ class HttpServer {
   /// Set before listening.
   using RefusedHook = std::function<void(std::string_view target, unsigned status)>;
   void onRefused(RefusedHook hook);
+  /// Called whenever a connection or request hits one of the limits (metrics::kLimitNames:
+  /// "body_bytes", "header_bytes", "connections", "request_timeout"). Set before listening.
+  using LimitHook = std::function<void(std::string_view limit)>;
+  void onLimit(LimitHook hook);
 
   /// Listens on a Unix socket at `path` (its directory is created; a stale socket file is
-  /// replaced, a live one is an error), mode 0660. Returns "" or an error message.
-  std::string listenUnix(const std::string& path, ListenerKind kind);
+  /// replaced, a live one is an error) with permissions `mode` (set as the socket is created, so
+  /// it is never reachable with wider ones). Returns "" or an error message.
+  std::string listenUnix(const std::string& path, ListenerKind kind, unsigned mode = 0660);
   /// Listens on host:port (port 0 = chosen by the system); returns "" or an error message and
   /// sets `bound_port`.
   std::string listenTcp(const std::string& host, uint16_t port, ListenerKind kind,

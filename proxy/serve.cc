@@ -9,10 +9,12 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
 #include <boost/json/parse.hpp>
 #include <boost/json/serialize.hpp>
 
 #include <malloc.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -66,7 +68,14 @@ Result<std::unique_ptr<peer::Transport>> listenForPeers(const ServeConfig& confi
         "peer.transport tcp");
 #endif
   }
-  auto t = peer::TcpTransport::listen(l.host, l.port, peer::TcpOptions{}, metrics);
+  peer::TcpOptions options;
+  const auto& tls = config.peer.tls;
+  options.tls = {.enabled = tls.enabled,
+                 .cert_file = tls.cert_file,
+                 .key_file = tls.key_file,
+                 .ca_file = tls.ca_file,
+                 .verify_peer = tls.verify};
+  auto t = peer::TcpTransport::listen(l.host, l.port, options, metrics);
   if (!t) return t.status();
   return std::unique_ptr<peer::Transport>(std::move(*t));
 }
@@ -272,6 +281,28 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   mallopt(M_MMAP_MAX, 0);
   mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
 
+  // Every registered shared-memory buffer and every connection holds a descriptor: lift the soft
+  // limit on open files to the hard one (often 1024 and 524288), and say so when even that cannot
+  // hold the configured limits.
+  if (struct rlimit nofile{}; ::getrlimit(RLIMIT_NOFILE, &nofile) == 0) {
+    if (nofile.rlim_cur < nofile.rlim_max) {
+      nofile.rlim_cur = nofile.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &nofile);
+      ::getrlimit(RLIMIT_NOFILE, &nofile);
+    }
+    const rlim_t needed = static_cast<rlim_t>(config.limits.max_buffers) +
+                          static_cast<rlim_t>(config.limits.max_connections) +
+                          static_cast<rlim_t>(2 * config.peer.world_size) + 64;
+    if (nofile.rlim_cur != RLIM_INFINITY && nofile.rlim_cur < needed) {
+      spdlog::warn(
+          "open files are limited to {} (ulimit -n), fewer than limits.max_buffers + "
+          "limits.max_connections + peers need ({}): registrations or connections may fail with "
+          "'too many open files'",
+          static_cast<unsigned long long>(nofile.rlim_cur),
+          static_cast<unsigned long long>(needed));
+    }
+  }
+
   const unsigned threads =
       config.threads ? config.threads : std::max(1u, std::thread::hardware_concurrency());
   metrics::Metrics metrics;
@@ -281,7 +312,8 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
                    {"version", LIGHTWIRE_VERSION},
                    {"transport", config.peer.transport},
                    {"topology", config.peer.topology}});
-  ipc::BufferTable buffers(static_cast<size_t>(config.limits.max_buffers));
+  ipc::BufferTable buffers(static_cast<size_t>(config.limits.max_buffers),
+                           static_cast<size_t>(config.limits.max_buffers_per_client));
   // The exchange with the other sidecars: none at world size 1, else the configured topology over
   // the configured transport.
   LocalExchange local_exchange;
@@ -424,9 +456,11 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
 
   server.onRefused(
       [&api](std::string_view target, unsigned status) { api.countRefused(target, status); });
+  server.onLimit([&metrics](std::string_view limit) { metrics.limitHits(limit).Increment(); });
   BoundListeners bound;
   if (!config.control_socket.empty()) {
-    if (std::string e = server.listenUnix(config.control_socket, ListenerKind::kControl);
+    if (std::string e = server.listenUnix(config.control_socket, ListenerKind::kControl,
+                                          config.control_socket_mode);
         !e.empty()) {
       spdlog::error("control socket: {}", e);
       return kExitFailure;
@@ -455,6 +489,20 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   }
   api.setListeners(bound);
 
+  // Buffers of trainers that exited while holding them (a crash, kill -9) are released within a
+  // second, so a dead trainer never pins memory or the buffer limits.
+  boost::asio::steady_timer reaper(boost::asio::make_strand(io));  // its handlers, serialised
+  std::atomic<bool> reaping{true};
+  std::function<void()> reapLater = [&] {
+    reaper.expires_after(std::chrono::seconds(1));
+    reaper.async_wait([&](const boost::system::error_code& ec) {
+      if (ec || !reaping.load()) return;
+      api.releaseExitedOwners();
+      reapLater();
+    });
+  };
+  reapLater();
+
   // Graceful shutdown: stop accepting, fail the steps still waiting for trainers (503), let the
   // running step finish, flush the replies, remove the socket files.
   boost::asio::signal_set signals(io, SIGINT, SIGTERM);
@@ -466,6 +514,8 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     if (ec) return;
     spdlog::info("signal {} received: shutting down", sig);
     api.setStopping();
+    reaping = false;
+    boost::asio::post(reaper.get_executor(), [&] { reaper.cancel(); });
     server.stop();
     engine.shutdown();
     drain.expires_after(kDrainLimit);

@@ -254,6 +254,7 @@ void StepEngine::submit(Contribution c, StepDone done) {
   if (it == t.pending.end()) {
     if (pending_count_ >= options_.max_pending_steps) {
       lock.unlock();
+      metrics_.limitHits("pending_steps").Increment();
       return refuse(429, "limit_reached",
                     "too many steps in flight (limits.max_pending_steps = " +
                         std::to_string(options_.max_pending_steps) + ")");
@@ -651,6 +652,7 @@ StepOutcome StepEngine::execute(Tensor& t, uint64_t step, Pending& p) {
       }
       if (held + need > options_.max_state_bytes) {
         t.state = kernels::CodecState();  // nothing held for it
+        metrics_.limitHits("state_bytes").Increment();
         return fail(507, "state_limit",
                     "tensor '" + t.name + "' needs " + std::to_string(need) +
                         " bytes of codec state, other tensors hold " + std::to_string(held) +

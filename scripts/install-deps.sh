@@ -18,6 +18,9 @@ packages=(
   doctest-dev python3-numpy python3-xxhash python3-torch python3-pytest libopenblas0-pthread
   # source formatting check (.clang-format)
   clang-format
+  # the asan build (scripts/build.sh asan) and its libFuzzer targets (tests/fuzz): clang and its
+  # sanitizer and libFuzzer runtimes
+  clang-14 libclang-rt-14-dev
   # observability: promtool (config, alert rules and their unit tests) and the Prometheus server
   # the observability test scrapes the sidecars with
   prometheus

@@ -13,6 +13,7 @@
 #define LIGHTWIRE_KERNELS_SIMD_PHILOX_SIMD_INL_H_
 #endif
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -111,6 +112,10 @@ inline void philoxGroupsImpl(const uint32_t ctr[3], const uint32_t key[2], uint6
   const auto iota = hn::Iota(d, 0);
   const auto low = hn::Set(d, uint64_t{0xFFFFFFFFu});
   HWY_ALIGN uint32_t tail[4 * HWY_MAX_BYTES / sizeof(uint64_t)];
+  // The stores take uint64_t lanes: straight into `out` only when it is aligned for them (the
+  // emulated target stores them as uint64_t; a misaligned one is undefined behaviour), else
+  // through `tail`.
+  const bool out_aligned = reinterpret_cast<uintptr_t>(out) % alignof(uint64_t) == 0;
   for (; k < count; k += lanes) {
     const V g = hn::Add(iota, hn::Set(d, g0 + k));
     // Round 1.
@@ -133,12 +138,12 @@ inline void philoxGroupsImpl(const uint32_t ctr[3], const uint32_t key[2], uint6
     }
     const V w01 = hn::Or(hn::And(c0, low), hn::ShiftLeft<32>(c1));
     const V w23 = hn::Or(hn::And(c2, low), hn::ShiftLeft<32>(c3));
-    if (k + lanes <= count) {
+    if (k + lanes <= count && out_aligned) {
       hn::StoreInterleaved2(w01, w23, d, reinterpret_cast<uint64_t*>(out + 4 * k));
     } else {
       hn::StoreInterleaved2(w01, w23, d, reinterpret_cast<uint64_t*>(tail));
-      std::memcpy(out + 4 * k, tail, 4 * sizeof(uint32_t) * (count - k));
-      return;
+      std::memcpy(out + 4 * k, tail, 4 * sizeof(uint32_t) * std::min<size_t>(lanes, count - k));
+      if (k + lanes >= count) return;
     }
   }
 #endif

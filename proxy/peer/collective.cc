@@ -42,6 +42,37 @@ FrameKey keyOf(uint64_t tensor, const ExchangeRound& r, uint8_t phase, uint32_t 
   return k;
 }
 
+/// A ring exchange that fails at its deadline blames the rank it was waiting for: its ring
+/// predecessor, which may be healthy and waiting itself for a silent rank further up the ring (and
+/// whose deadline passes a moment later). Every rank posts its statistics record of a step to every
+/// other rank before any data frame, so the ranks other than the predecessor whose record has not
+/// arrived have not started the step: they are named too (DESIGN.md §4: the error names the silent
+/// peer). The records found are consumed (the step fails anyway).
+Status nameSilentRanks(Transport& t, Status failed, uint64_t tensor, uint64_t step,
+                       Clock::time_point deadline) {
+  if (Clock::now() < deadline) return failed;  // a lost peer or an abort: its message says why
+  const uint32_t w = t.worldSize(), me = t.rank(), prev = (me + w - 1) % w;
+  std::vector<uint32_t> silent;
+  for (uint32_t k = 0; k < w; ++k) {
+    if (k == me || k == prev) continue;
+    auto got = t.receive(k, statsKey(tensor, step, k), Clock::now());
+    if (got) {
+      t.recycle(std::move(got->payload));
+      continue;
+    }
+    // An abort fails every receive of the step: the aborting rank's reason is the one to give.
+    if (got.status().message().find(" aborted step ") != std::string::npos) return failed;
+    silent.push_back(k);
+  }
+  if (silent.empty()) return failed;
+  std::string names = silent.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < silent.size(); ++i) {
+    names += (i ? ", " : "") + std::to_string(silent[i]);
+  }
+  return Status(failed.code(), failed.message() + "; nothing of this step came from " + names +
+                                   " (silent, or it has not started the step)");
+}
+
 }  // namespace
 
 uint64_t tensorKey(const std::string& name) { return XXH3_64bits(name.data(), name.size()); }
@@ -178,8 +209,11 @@ Result<Spans> RingExchange::run(ExchangeRound& r) {
   // Frames were post()ed: they reference this step's payloads (and r.stats_out) until flushed,
   // success or not.
   const Status flushed = transport_.flush(deadline_);
-  if (!out) return fail(tensor, r.step, out.status());
-  if (!flushed.isOk()) return fail(tensor, r.step, flushed);
+  if (!out || !flushed.isOk()) {
+    const Status failed = !out ? out.status() : flushed;
+    return fail(tensor, r.step,
+                stats ? nameSilentRanks(transport_, failed, tensor, r.step, deadline_) : failed);
+  }
   if (stats) {
     if (auto s = receiveStats(r, tensor); !s.isOk()) {
       r.stats_in.clear();
@@ -269,7 +303,13 @@ RingExchange::Ring RingExchange::ringFor(const ExchangeRound& r) const {
 }
 
 Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
-  const auto [w, me, next, prev, chunks, deadline, codec] = ringFor(r);
+  // Plain variables, not a structured binding: the lambdas below capture them, which clang
+  // before 16 refuses for structured bindings.
+  const Ring ring = ringFor(r);
+  const uint32_t w = ring.w, me = ring.me, next = ring.next, prev = ring.prev;
+  const size_t chunks = ring.chunks;
+  const Clock::time_point deadline = ring.deadline;
+  const uint8_t codec = ring.codec;
   // Position of this rank in chunk c's reduction chain owner+1, owner+2, ..., owner.
   auto position = [&](size_t c) { return (me + w - (static_cast<uint32_t>(c % w) + 1) % w) % w; };
   Spans out(chunks);

@@ -3,6 +3,9 @@
 #include <spdlog/fmt/fmt.h>
 #include <spdlog/spdlog.h>
 
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -15,12 +18,18 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/redirect_error.hpp>
+#include <boost/asio/ssl/context.hpp>
+#include <boost/asio/ssl/error.hpp>
+#include <boost/asio/ssl/stream.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
+#include <cerrno>
 #include <charconv>
 #include <condition_variable>
+#include <cstdio>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -35,6 +44,10 @@ namespace {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
+namespace ssl = asio::ssl;
+// TLS over a connection's socket (TcpOptions::tls); the socket stays the Conn's own, so closing,
+// socket options and addresses work the same with and without TLS.
+using TlsStream = ssl::stream<tcp::socket&>;
 using Clock = std::chrono::steady_clock;
 using asio::awaitable;
 using asio::use_awaitable;
@@ -66,6 +79,9 @@ struct WriteOp {
 struct Conn {
   explicit Conn(tcp::socket s) : socket(std::move(s)) {}
   tcp::socket socket;
+  // With TLS: set by the TLS handshake, before any other byte; every read and write then goes
+  // through it (streamOf). Declared after `socket`, which it refers to.
+  std::unique_ptr<TlsStream> tls;
   uint64_t id = 0;
   uint32_t peer = kNoPeer;  // set once authenticated
   std::string name;         // "rank N" or the remote address, for messages
@@ -77,6 +93,13 @@ struct Conn {
   Clock::time_point last_rx = Clock::now();
   size_t rcvlowat = 1;  // the socket's SO_RCVLOWAT
 };
+
+/// Calls op(stream) with the connection's byte stream: its TLS stream, or else its socket. Both
+/// calls must return the same type (an awaitable, or void).
+template <typename Op>
+auto streamOf(Conn& c, Op&& op) {
+  return c.tls ? op(*c.tls) : op(c.socket);
+}
 
 /// Closes a connection's socket unless disarmed first (connect and handshake deadlines).
 class Watchdog {
@@ -125,6 +148,90 @@ bool parseHostPort(const std::string& s, std::string& host, uint16_t& port) {
   return err == std::errc() && p == e && port != 0;
 }
 
+// --- TLS -----------------------------------------------------------------------------------------
+
+/// The reason of the oldest error in this thread's OpenSSL error queue (the root cause), which is
+/// then cleared.
+std::string opensslReason() {
+  const unsigned long e = ERR_get_error();
+  ERR_clear_error();
+  const char* reason = e ? ERR_reason_error_string(e) : nullptr;
+  return reason ? reason : "unknown OpenSSL error";
+}
+
+/// An error about file `path` of option `key` ("peer.tls.cert_file /x.pem: no start line").
+Status tlsFileError(const char* key, const std::string& path, const std::string& why) {
+  return invalidArgument(fmt::format("{} {}: {}", key, path, why));
+}
+
+/// `path` of option `key` is set and readable.
+Status checkReadable(const char* key, const std::string& path) {
+  if (path.empty()) return invalidArgument(fmt::format("{} is not set (peer.tls is on)", key));
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return tlsFileError(key, path, std::strerror(errno));
+  std::fclose(f);
+  return Status::ok();
+}
+
+/// The TLS context of every connection: TLS >= 1.2, this node's certificate and key, the CA that
+/// peers' certificates are verified against (both roles: a peer connects or is connected to).
+Result<std::unique_ptr<ssl::context>> makeTlsContext(const TcpOptions::Tls& o) {
+  LW_RETURN_IF_ERROR(checkReadable("peer.tls.cert_file", o.cert_file));
+  LW_RETURN_IF_ERROR(checkReadable("peer.tls.key_file", o.key_file));
+  if (o.verify_peer || !o.ca_file.empty()) {
+    LW_RETURN_IF_ERROR(checkReadable("peer.tls.ca_file", o.ca_file));
+  }
+  std::unique_ptr<ssl::context> ctx;
+  try {
+    ctx = std::make_unique<ssl::context>(ssl::context::tls);
+  } catch (const std::exception& e) {
+    return internalError(fmt::format("peer: cannot create a TLS context: {}", e.what()));
+  }
+  SSL_CTX* native = ctx->native_handle();
+  ERR_clear_error();
+  SSL_CTX_set_min_proto_version(native, TLS1_2_VERSION);
+  SSL_CTX_set_options(native, SSL_OP_NO_COMPRESSION | SSL_OP_NO_RENEGOTIATION | SSL_OP_NO_TICKET);
+  SSL_CTX_set_num_tickets(native, 0);  // no session resumption: nothing to hand out
+  SSL_CTX_set_session_cache_mode(native, SSL_SESS_CACHE_OFF);
+  // An encrypted key fails here rather than prompting on the terminal.
+  SSL_CTX_set_default_passwd_cb(native, [](char*, int, int, void*) { return 0; });
+  if (SSL_CTX_use_certificate_chain_file(native, o.cert_file.c_str()) != 1) {
+    return tlsFileError("peer.tls.cert_file", o.cert_file, opensslReason());
+  }
+  const std::string mismatch = "key does not match certificate peer.tls.cert_file " + o.cert_file;
+  if (SSL_CTX_use_PrivateKey_file(native, o.key_file.c_str(), SSL_FILETYPE_PEM) != 1) {
+    const unsigned long e = ERR_peek_error();
+    const bool other_key =
+        ERR_GET_LIB(e) == ERR_LIB_X509 && ERR_GET_REASON(e) == X509_R_KEY_VALUES_MISMATCH;
+    const std::string why = opensslReason() + " (an unencrypted PEM private key is needed)";
+    return tlsFileError("peer.tls.key_file", o.key_file, other_key ? mismatch : why);
+  }
+  if (SSL_CTX_check_private_key(native) != 1) {
+    ERR_clear_error();
+    return tlsFileError("peer.tls.key_file", o.key_file, mismatch);
+  }
+  if (!o.ca_file.empty() &&
+      SSL_CTX_load_verify_locations(native, o.ca_file.c_str(), nullptr) != 1) {
+    return tlsFileError("peer.tls.ca_file", o.ca_file, opensslReason());
+  }
+  SSL_CTX_set_verify(
+      native, o.verify_peer ? SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT : SSL_VERIFY_NONE,
+      nullptr);
+  return ctx;
+}
+
+/// A subject name for the log ("/CN=node-3").
+std::string subjectOf(X509* cert) {
+  if (!cert) return "none";
+  char buf[256];
+  return X509_NAME_oneline(X509_get_subject_name(cert), buf, sizeof buf) ? buf : "?";
+}
+
+/// Whether these bytes (a frame header's place) start a TLS handshake record.
+bool looksLikeTls(std::span<const uint8_t> b) {
+  return b.size() >= 3 && b[0] == 0x16 && b[1] == 0x03 && b[2] <= 0x04;
+}
+
 }  // namespace
 
 struct TcpTransport::Impl {
@@ -141,6 +248,7 @@ struct TcpTransport::Impl {
   metrics::Metrics& metrics;
   Membership membership;
   uint64_t job_hash = 0;
+  std::unique_ptr<ssl::context> tls_ctx;  // set by listen() with options.tls.enabled
   std::unique_ptr<asio::io_context> io;
   tcp::acceptor acceptor;
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
@@ -266,7 +374,14 @@ struct TcpTransport::Impl {
       mail.markUpLocked(peer);
     }
     metrics.peerUp(peer).Set(1);
-    spdlog::info("peer: connected to rank {} ({})", peer, c->address);
+    if (c->tls) {
+      SSL* s = c->tls->native_handle();
+      spdlog::info("peer: connected to rank {} ({}, {} {}, certificate {})", peer, c->address,
+                   SSL_get_version(s), SSL_get_cipher_name(s),
+                   subjectOf(SSL_get0_peer_certificate(s)));
+    } else {
+      spdlog::info("peer: connected to rank {} ({})", peer, c->address);
+    }
     if (provide_state) sendInternal(c, FrameType::kState, {}, provide_state());
     return Status::ok();
   }
@@ -298,7 +413,7 @@ struct TcpTransport::Impl {
     auto op = c->queue.front();
     std::array<asio::const_buffer, 2> bufs = {asio::buffer(op->header),
                                               asio::buffer(op->payload.data(), op->payload.size())};
-    asio::async_write(c->socket, bufs, [this, c, op](const error_code& ec, size_t n) {
+    auto done = [this, c, op](const error_code& ec, size_t n) {
       if (!c->queue.empty() && c->queue.front() == op) c->queue.pop_front();
       metrics.wire_bytes_sent.Increment(static_cast<double>(n));
       if (ec || c->closed) {
@@ -310,7 +425,8 @@ struct TcpTransport::Impl {
       }
       complete(op, {});
       writeNext(c);
-    });
+    };
+    streamOf(*c, [&](auto& stream) { asio::async_write(stream, bufs, std::move(done)); });
   }
 
   /// Queues an internal frame (ping, pong, abort) that owns its payload; nobody waits for it.
@@ -332,15 +448,19 @@ struct TcpTransport::Impl {
       // Wake up for large pieces only (SO_RCVLOWAT, never above what is still to come, or the
       // last bytes would never make the socket readable): a reader woken for every 64 KiB that
       // arrives spends its time in wake-ups on a busy machine.
+      // Not with TLS: the bytes still to come on the socket are not the plaintext still to come
+      // (record overhead, records already buffered by the TLS stream), and it reads at most a
+      // record (16 KiB) at a time anyway.
       const size_t want = std::min(kLowWater, n - off);
-      if (want != c.rcvlowat) {
+      if (want != c.rcvlowat && !c.tls) {
         const int v = static_cast<int>(want);
         ::setsockopt(c.socket.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v);
         c.rcvlowat = want;
       }
-      const size_t got =
-          co_await c.socket.async_read_some(asio::buffer(data + off, std::min(kReadChunk, n - off)),
-                                            asio::redirect_error(use_awaitable, ec));
+      const auto piece = asio::buffer(data + off, std::min(kReadChunk, n - off));
+      const size_t got = co_await streamOf(c, [&](auto& stream) {
+        return stream.async_read_some(piece, asio::redirect_error(use_awaitable, ec));
+      });
       if (got > 0) {
         off += got;
         c.last_rx = Clock::now();
@@ -352,8 +472,41 @@ struct TcpTransport::Impl {
 
   std::string lostReason(const Conn& c, const error_code& ec, std::string_view during) {
     if (c.timed_out) return fmt::format("{} did not finish before its deadline", during);
-    if (ec == asio::error::eof) return fmt::format("{} closed the connection ({})", c.name, during);
+    // A TLS peer that closes its socket without a TLS close_notify, as this transport does.
+    if (ec == asio::error::eof || ec == ssl::error::stream_truncated) {
+      return fmt::format("{} closed the connection ({})", c.name, during);
+    }
     return fmt::format("{} failed: {}", during, ec.message());
+  }
+
+  /// A read or write of the handshake failed. A TLS error (the peer's certificate, a TLS alert,
+  /// bytes that are not TLS) refuses the peer as a bad MAC does; anything else is the network.
+  Status handshakeError(const Conn& c, const error_code& ec, std::string_view what = "handshake") {
+    std::string why = lostReason(c, ec, fmt::format("{} with {}", what, c.name));
+    if (c.timed_out || ec.category() != asio::error::get_ssl_category()) {
+      return Status(StatusCode::kUnavailable, std::move(why));
+    }
+    if (c.tls) {
+      const long v = SSL_get_verify_result(c.tls->native_handle());
+      if (v != X509_V_OK) why += fmt::format(" ({})", X509_verify_cert_error_string(v));
+    }
+    if (ERR_GET_REASON(static_cast<unsigned long>(ec.value())) == SSL_R_WRONG_VERSION_NUMBER) {
+      why += " (no TLS 1.2 or 1.3 there: is peer.tls off on that side?)";
+    }
+    return failedPrecondition(std::move(why));
+  }
+
+  /// With TLS, the TLS handshake in `role`; the HMAC handshake then runs inside it.
+  awaitable<Status> tlsHandshake(Conn& c, ssl::stream_base::handshake_type role) {
+    if (!tls_ctx) co_return Status::ok();
+    try {
+      c.tls = std::make_unique<TlsStream>(c.socket, *tls_ctx);
+    } catch (const std::exception& e) {
+      co_return internalError(fmt::format("TLS with {}: {}", c.name, e.what()));
+    }
+    error_code ec;
+    co_await c.tls->async_handshake(role, asio::redirect_error(use_awaitable, ec));
+    co_return ec ? handshakeError(c, ec, "TLS handshake") : Status::ok();
   }
 
   /// Reads one handshake frame of type `want`; checks its header and payload.
@@ -361,10 +514,13 @@ struct TcpTransport::Impl {
                                        FrameHeader& header, std::vector<uint8_t>& payload) {
     std::array<uint8_t, kHeaderBytes> hb{};
     if (error_code ec = co_await readExact(c, hb.data(), hb.size())) {
-      co_return Status(StatusCode::kUnavailable,
-                       lostReason(c, ec, fmt::format("handshake with {}", c.name)));
+      co_return handshakeError(c, ec);
     }
     auto h = decodeHeader(hb, checks(src, kChallengeBytes), c.name);
+    if (!h && !c.tls && looksLikeTls(hb)) {
+      co_return failedPrecondition(h.status().message() +
+                                   " (it speaks TLS: peer.tls is on there and off here?)");
+    }
     if (!h) co_return h.status();
     if (h->type != want) {
       co_return failedPrecondition(fmt::format("{} sent a {} frame, expected {}", c.name,
@@ -372,8 +528,7 @@ struct TcpTransport::Impl {
     }
     payload.assign(h->length, 0);
     if (error_code ec = co_await readExact(c, payload.data(), payload.size())) {
-      co_return Status(StatusCode::kUnavailable,
-                       lostReason(c, ec, fmt::format("handshake with {}", c.name)));
+      co_return handshakeError(c, ec);
     }
     LW_CO_RETURN_IF_ERROR(verifyPayload(*h, payload, c.name));
     header = *h;
@@ -385,12 +540,11 @@ struct TcpTransport::Impl {
     std::array<asio::const_buffer, 2> bufs = {asio::buffer(hb),
                                               asio::buffer(payload.data(), payload.size())};
     error_code ec;
-    size_t n = co_await asio::async_write(c.socket, bufs, asio::redirect_error(use_awaitable, ec));
+    size_t n = co_await streamOf(c, [&](auto& stream) {
+      return asio::async_write(stream, bufs, asio::redirect_error(use_awaitable, ec));
+    });
     metrics.wire_bytes_sent.Increment(static_cast<double>(n));
-    if (ec) {
-      co_return Status(StatusCode::kUnavailable,
-                       lostReason(c, ec, fmt::format("handshake with {}", c.name)));
-    }
+    if (ec) co_return handshakeError(c, ec);
     co_return Status::ok();
   }
 
@@ -398,6 +552,7 @@ struct TcpTransport::Impl {
   /// anything else means the other side is not a peer of this job.
   awaitable<Status> clientHandshake(std::shared_ptr<Conn> c, uint32_t server) {
     const Membership& m = membership;
+    LW_CO_RETURN_IF_ERROR(co_await tlsHandshake(*c, ssl::stream_base::client));
     auto nonce = randomNonce();
     if (!nonce) co_return nonce.status();
     auto hello = encodeHello(Hello{m.world_size, server, *nonce});
@@ -423,6 +578,7 @@ struct TcpTransport::Impl {
   /// The accepting side: check HELLO, answer CHALLENGE, verify AUTH.
   awaitable<Status> serverHandshake(std::shared_ptr<Conn> c) {
     const Membership& m = membership;
+    LW_CO_RETURN_IF_ERROR(co_await tlsHandshake(*c, ssl::stream_base::server));
     FrameHeader h;
     std::vector<uint8_t> payload;
     LW_CO_RETURN_IF_ERROR(
@@ -486,16 +642,21 @@ struct TcpTransport::Impl {
       auto h = decodeHeader(hb, hc, c->name);
       if (!h) {
         reason = h.status().message();
+        metrics.peerFramesRefused("header").Increment();
         break;
       }
       const FrameType type = h->type;
       if (type == FrameType::kHello || type == FrameType::kChallenge || type == FrameType::kAuth) {
         reason = fmt::format("malformed frame from {}: unexpected {} frame after the handshake",
                              c->name, frameTypeName(type));
+        metrics.peerFramesRefused("header").Increment();
         break;
       }
       const bool kept = type == FrameType::kData || type == FrameType::kAbort;
-      if (kept && !mail.reserve(src, h->length, reason)) break;
+      if (kept && !mail.reserve(src, h->length, reason)) {
+        metrics.peerFramesRefused("queue").Increment();
+        break;
+      }
       std::vector<uint8_t> payload = mail.takeBuffer(h->length);
       error_code ec = co_await readExact(*c, payload.data(), payload.size());
       Status st = ec ? Status(StatusCode::kUnavailable,
@@ -504,6 +665,7 @@ struct TcpTransport::Impl {
       if (!st) {
         if (kept) mail.release(src, h->length);
         reason = st.message();
+        if (!ec) metrics.peerFramesRefused("checksum").Increment();
         break;
       }
       dispatch(c, *h, std::move(payload));
@@ -788,6 +950,11 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::listen(const std::string& ho
     return invalidArgument("peer: max_frame_bytes exceeds max_kept_bytes_per_peer");
   }
   auto impl = std::make_unique<Impl>(options, metrics);
+  if (options.tls.enabled) {
+    auto ctx = makeTlsContext(options.tls);
+    if (!ctx) return ctx.status();
+    impl->tls_ctx = std::move(*ctx);
+  }
   error_code ec;
   auto address = asio::ip::make_address(host, ec);
   if (ec)
@@ -800,6 +967,13 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::listen(const std::string& ho
   if (ec) {
     return Status(StatusCode::kUnavailable,
                   fmt::format("peer: cannot listen on {}:{}: {}", host, port, ec.message()));
+  }
+  if (impl->tls_ctx) {
+    const auto& t = options.tls;
+    spdlog::info("peer: TLS on: certificate {} ({}), {}", t.cert_file,
+                 subjectOf(SSL_CTX_get0_certificate(impl->tls_ctx->native_handle())),
+                 t.verify_peer ? "peers verified against CA " + t.ca_file
+                               : "peers' certificates NOT verified (peer.tls.verify false)");
   }
   return std::unique_ptr<TcpTransport>(new TcpTransport(std::move(impl)));
 }

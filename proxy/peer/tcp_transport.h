@@ -1,7 +1,7 @@
 #pragma once
 // The `tcp` transport (DESIGN.md §4): a full mesh of TCP connections on Boost.Asio, one per pair
 // of ranks (the lower rank connects), authenticated with the HMAC handshake of
-// docs/peer-protocol.md, reconnected with backoff.
+// docs/peer-protocol.md, reconnected with backoff; optionally over mutual TLS (TcpOptions::tls).
 
 #include <chrono>
 #include <cstdint>
@@ -31,6 +31,18 @@ struct TcpOptions {
   uint64_t max_kept_bytes_per_peer = uint64_t{4} << 30;
   uint64_t max_kept_frames_per_peer = 65536;
   int socket_buffer_bytes = 0;  // SO_SNDBUF / SO_RCVBUF; 0 = the kernel's autotuning
+
+  /// TLS on every connection (docs/peer-protocol.md "TLS"; config keys peer.tls.*): TLS 1.2 at
+  /// least (1.3 preferred), mutual: both sides present their certificate and, with verify_peer,
+  /// check the other's against ca_file (host names are not checked). The HMAC handshake runs
+  /// inside it. Files are PEM, read by TcpTransport::listen().
+  struct Tls {
+    bool enabled = false;
+    std::string cert_file;    // this node's certificate (then any intermediates)
+    std::string key_file;     // its private key, unencrypted (the contents are never logged)
+    std::string ca_file;      // the CA certificate(s) a peer's certificate must chain to
+    bool verify_peer = true;  // false: any certificate is accepted (encryption only)
+  } tls;
 };
 
 /// Transport over TCP with its own I/O thread. Thread-safe (Transport's methods may be called from
@@ -39,7 +51,8 @@ struct TcpOptions {
 class TcpTransport final : public Transport {
  public:
   /// Binds and listens on host:port (0: chosen by the OS; see port()). Connections that arrive
-  /// before start() wait in the backlog.
+  /// before start() wait in the backlog. With options.tls.enabled, loads and checks the
+  /// certificate, key and CA first: an error names the option, the file and OpenSSL's reason.
   static Result<std::unique_ptr<TcpTransport>> listen(const std::string& host, uint16_t port,
                                                       const TcpOptions& options,
                                                       metrics::Metrics& metrics);

@@ -8,6 +8,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <ios>
 #include <random>
 #include <vector>
@@ -17,8 +18,24 @@
 namespace lightwire::kernels {
 namespace {
 
+#if defined(__clang__) && __clang_major__ < 15
+// clang 14 has no _Float16 on x86; its __fp16 converts the same way (IEEE binary16, round to
+// nearest even), through the F16C instructions (without them it needs compiler-rt's builtins).
+__attribute__((target("f16c"))) uint16_t halfReference(float f) {
+  const __fp16 h = static_cast<__fp16>(f);
+  uint16_t u;
+  std::memcpy(&u, &h, sizeof u);
+  return u;
+}
+__attribute__((target("f16c"))) float halfValue(uint16_t u) {
+  __fp16 h;
+  std::memcpy(&h, &u, sizeof u);
+  return static_cast<float>(h);
+}
+#else
 uint16_t halfReference(float f) { return std::bit_cast<uint16_t>(static_cast<_Float16>(f)); }
 float halfValue(uint16_t h) { return static_cast<float>(std::bit_cast<_Float16>(h)); }
+#endif
 bool isHalfNan(uint16_t h) { return (h & 0x7C00u) == 0x7C00u && (h & 0x3FFu) != 0; }
 
 // Round to nearest even by comparing the two bf16 neighbours in fp64 (exact: both differences

@@ -54,7 +54,9 @@ TEST_CASE("hostile: structural corruption is rejected by every decoder") {
     CHECK(!decodeGuarded(*codec, m, n));  // trailing byte
     const std::pair<size_t, uint8_t> header_faults[] = {{0, 0x00}, {1, 0x00}, {2, 0x00}, {2, 0x02},
                                                         {4, 0x03}, {5, 0x80}, {6, 0x01}, {7, 0x01}};
-    for (auto [off, val] : header_faults) {
+    for (const auto& fault : header_faults) {
+      const size_t off = fault.first;  // plain variables: CAPTURE's lambda takes them
+      const uint8_t val = fault.second;
       CAPTURE(off);
       m = ok;
       m[off] = val;

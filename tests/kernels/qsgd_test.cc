@@ -242,7 +242,9 @@ TEST_CASE("qsgd payload size and header fields") {
 }
 
 TEST_CASE("qsgd decoded result does not depend on the chunk size") {
-  for (auto [bits, d] : {std::pair{8, 512u}, {3, 7u}, {2, 1u}, {6, 100u}}) {
+  for (const auto& setting : {std::pair{8, 512u}, {3, 7u}, {2, 1u}, {6, 100u}}) {
+    const int bits = setting.first;  // plain variables: CAPTURE's lambda takes them
+    const unsigned d = setting.second;
     CAPTURE(bits);
     CAPTURE(d);
     const auto codec = makeQsgd(bits, d);
@@ -261,7 +263,9 @@ TEST_CASE("qsgd decoded result does not depend on the chunk size") {
 
 TEST_CASE("qsgd payload bytes do not depend on the thread count") {
   CpuStream one(1), two(2), three(3);
-  for (auto [bits, d] : {std::pair{8, 512u}, {3, 7u}, {5, 1u}, {2, 4096u}, {7, 12345u}}) {
+  for (const auto& setting : {std::pair{8, 512u}, {3, 7u}, {5, 1u}, {2, 4096u}, {7, 12345u}}) {
+    const int bits = setting.first;  // plain variables: CAPTURE's lambda takes them
+    const unsigned d = setting.second;
     CAPTURE(bits);
     CAPTURE(d);
     const auto codec = makeQsgd(bits, d);

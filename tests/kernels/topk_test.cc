@@ -612,7 +612,9 @@ TEST_CASE("topk equals nth_element on adversarial key distributions (all paths, 
   // Large enough for the sampled (listed or bracketed) paths; densities where the listed path
   // applies and where it does not.
   const size_t n = (size_t{1} << 18) + 12345;
-  for (const auto& [name, x] : adversarialInputs(n)) {
+  for (const auto& input : adversarialInputs(n)) {
+    const auto& name = input.first;  // not a structured binding: CAPTURE's lambda takes it
+    const auto& x = input.second;
     for (double d : {1e-5, 0.001, 0.01, 0.2, 0.7}) {
       CAPTURE(name);
       CAPTURE(d);

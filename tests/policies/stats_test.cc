@@ -91,6 +91,13 @@ TEST_SUITE("stats") {
       k.requests.push_back({static_cast<Request::Kind>(9), 1, 0, ""});
       CHECK_FALSE(decodeStats(encodeStats(k)));
     }
+    SUBCASE("settings that are not a JSON object (ranks keep them as JSON)") {
+      for (const char* body : {"v1", "[1]", "{\"default\": {\"codec\": \"topk\xff\"}}", ""}) {
+        StepStats s;
+        s.requests.push_back({Request::Kind::kSettings, 1, 0, body});
+        CHECK_FALSE(decodeStats(encodeStats(s)));
+      }
+    }
   }
 
   TEST_CASE("aggregate sums in rank order, skips ranks without records, names bad ones") {

@@ -6,10 +6,13 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <boost/asio/buffer.hpp>
@@ -249,7 +252,7 @@ class Segment {
 struct Stack {
   explicit Stack(ServeConfig config = {}, HttpLimits limits = {},
                  std::chrono::milliseconds step_timeout = std::chrono::seconds(10))
-      : buffers(16),
+      : buffers(16, static_cast<size_t>(config.limits.max_buffers_per_client)),
         engine(
             engineOptions(config, step_timeout),
             [](std::string_view, uint64_t) { return kernels::CodecConfig{}; }, metrics, exchange),
@@ -260,8 +263,10 @@ struct Stack {
         }) {
     server.onRefused(
         [this](std::string_view target, unsigned status) { api.countRefused(target, status); });
+    server.onLimit([this](std::string_view limit) { metrics.limitHits(limit).Increment(); });
     socket_path = dir.path() + "/run/lightwire.sock";
-    REQUIRE(server.listenUnix(socket_path, ListenerKind::kControl) == "");
+    REQUIRE(server.listenUnix(socket_path, ListenerKind::kControl, config.control_socket_mode) ==
+            "");
     REQUIRE(server.listenTcp("127.0.0.1", 0, ListenerKind::kControl, &tcp_port) == "");
     REQUIRE(server.listenTcp("127.0.0.1", 0, ListenerKind::kAdmin, &admin_port) == "");
     REQUIRE(tcp_port != 0);
@@ -450,7 +455,10 @@ TEST_CASE("bad raw emit_gradient requests get 400 and change nothing") {
       {"/v1/emit_gradient?name=w%&step=2", "percent"},
       {"/v1/emit_gradient?name=w&step=2&trainer=x", "trainer"},
   };
-  for (const auto& [target, needle] : cases) {
+  for (const auto& entry : cases) {
+    // Not a structured binding: clang 14 cannot capture one in CAPTURE's lambda.
+    const auto& target = entry.first;
+    const auto& needle = entry.second;
     CAPTURE(target);
     const Res res = c.request(http::verb::post, target, body8, kRaw);
     const std::string message = expectError(res, 400, "invalid_argument");
@@ -724,6 +732,7 @@ TEST_CASE("a body over max_body_bytes is refused from its Content-Length, before
   const std::string metrics = s.unixClient().get("/metrics").body();
   CHECK(metrics.find(R"(lightwire_http_requests_total{code="413",route="/v1/emit_gradient"} 3)") !=
         std::string::npos);
+  CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="body_bytes"} 3)") != std::string::npos);
 }
 
 TEST_CASE("headers over max_header_bytes get 431") {
@@ -740,10 +749,10 @@ TEST_CASE("headers over max_header_bytes get 431") {
   }
   Client c = s.unixClient();
   CHECK(c.get("/healthz").result_int() == 200);
-  CHECK(c.get("/metrics")
-            .body()
-            .find(R"(lightwire_http_requests_total{code="431",route="/healthz"} 2)") !=
+  const std::string metrics = c.get("/metrics").body();
+  CHECK(metrics.find(R"(lightwire_http_requests_total{code="431",route="/healthz"} 2)") !=
         std::string::npos);
+  CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="header_bytes"} 2)") != std::string::npos);
 }
 
 TEST_CASE("two local trainers: a second request for the same part is 409; steps do not go back") {
@@ -937,10 +946,18 @@ TEST_CASE("idle clients are disconnected after idle_timeout") {
     CHECK(used.get("/healthz").result_int() == 200);
     CHECK(used.closedWithin(3000));
   }
-  // A client that sends half its headers is cut off too.
+  // A client that sends half its headers is cut off too, and only it counts as a slow client.
   Client half = s.unixClient();
   half.sendRaw("GET /healthz HTTP/1.1\r\nHost:");
   CHECK(half.closedWithin(3000));
+  // The socket closes as the timer fires; the count follows when the read completes.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  const std::string counted = R"(lightwire_limit_hits_total{limit="request_timeout"} 1)";
+  while (s.metrics.exposition().find(counted) == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(s.metrics.exposition().find(counted) != std::string::npos);
 }
 
 TEST_CASE("HttpServer::stop removes the socket file and refuses new connections") {
@@ -1054,6 +1071,8 @@ TEST_CASE("connections over max_connections are closed at once") {
   Client c = s.unixClient();
   CHECK(c.closedWithin(kTimeoutMs));
   CHECK(a.get("/healthz").result_int() == 200);
+  CHECK(a.get("/metrics").body().find(R"(lightwire_limit_hits_total{limit="connections"} 1)") !=
+        std::string::npos);
 }
 
 TEST_CASE("a buffer shrunk while its step waits fails the step without touching it") {
@@ -1169,4 +1188,136 @@ TEST_CASE("three trainers on their own connections and threads, many steps of tw
   CHECK(failed.load() == 0);
   CHECK(wrong.load() == 0);
   CHECK(s.engine.stepsOk() == 2 * kSteps);
+}
+
+namespace {
+
+/// A POST /v1/buffers request for `size` bytes of segment `name`.
+std::string bufferRequest(const std::string& name, size_t size) {
+  const std::string body = R"({"name": ")" + name + R"(", "size": )" + std::to_string(size) + "}";
+  return "POST /v1/buffers HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+         "Content-Length: " +
+         std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+/// A client in a child process of its own (a trainer, to the sidecar): it becomes `user` (when
+/// not 0), sends `request` over the Unix socket with plain system calls (the parent has threads),
+/// passes the reply's first bytes back, then exits, or waits to be killed when `stay`.
+struct ChildClient {
+  ChildClient(const std::string& socket_path, const std::string& request, uid_t user, bool stay) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket_path.c_str(), sizeof addr.sun_path - 1);
+    int out[2];
+    REQUIRE(::pipe(out) == 0);
+    pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      char buf[1024];
+      ssize_t n = 0;
+      const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+      if ((user != 0 && (::setgid(user) != 0 || ::setuid(user) != 0)) || fd < 0 ||
+          ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+          ::write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size()) ||
+          (n = ::read(fd, buf, sizeof buf)) <= 0 || ::write(out[1], buf, n) != n) {
+        ::_exit(1);
+      }
+      ::close(out[1]);
+      if (stay) ::pause();
+      ::_exit(0);
+    }
+    ::close(out[1]);
+    read_fd = out[0];
+  }
+  ~ChildClient() {
+    if (read_fd >= 0) ::close(read_fd);
+    if (status < 0) kill();
+  }
+  /// The reply as far as the child passed it on (read until it closes its end).
+  std::string reply() {
+    std::string r;
+    char buf[1024];
+    for (ssize_t n; (n = ::read(read_fd, buf, sizeof buf)) > 0;) r.append(buf, n);
+    return r;
+  }
+  void kill() {
+    ::kill(pid, SIGKILL);
+    wait();
+  }
+  int exitCode() {
+    wait();
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  void wait() {
+    if (status < 0) REQUIRE(::waitpid(pid, &status, 0) == pid);
+  }
+  pid_t pid = -1;
+  int read_fd = -1;
+  int status = -1;
+};
+
+}  // namespace
+
+TEST_CASE("buffers belong to the registering process: per-client limit, pid, release on exit") {
+  ServeConfig config;
+  config.limits.max_buffers_per_client = 2;
+  config.control_socket_mode = 0600;
+  Stack s(config);
+  struct stat st {};
+  REQUIRE(::stat(s.socket_path.c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
+
+  Segment seg(4096);
+  Client mine = s.unixClient();
+  registerShm(mine, seg.name(), 4096);
+  registerShm(mine, seg.name(), 1024);
+  const Res over = mine.request(http::verb::post, "/v1/buffers",
+                                R"({"name": ")" + seg.name() + R"(", "size": 64})", kJson);
+  CHECK(expectError(over, 429, "limit_reached").find("limits.max_buffers_per_client") !=
+        std::string::npos);
+  // Over TCP the client is unknown: its own allowance, and no pid.
+  Client tcp = s.tcpClient();
+  registerShm(tcp, seg.name(), 64);
+
+  // A real child process registers a buffer over the Unix socket and is killed without
+  // releasing it.
+  ChildClient child(s.socket_path, bufferRequest(seg.name(), 128), /*user=*/0, /*stay=*/true);
+  CHECK(child.reply().rfind("HTTP/1.1 201", 0) == 0);
+  json::array listed = parseObject(mine.get("/v1/status").body()).at("buffers").as_array();
+  REQUIRE(listed.size() == 4);
+  CHECK(listed[0].as_object().at("pid").to_number<int>() == ::getpid());
+  CHECK(listed[2].as_object().if_contains("pid") == nullptr);  // the TCP client's
+  CHECK(listed[3].as_object().at("pid").to_number<int>() == child.pid);
+  CHECK(s.api.releaseExitedOwners() == 0);
+  child.kill();
+  CHECK(s.api.releaseExitedOwners() == 1);
+  listed = parseObject(mine.get("/v1/status").body()).at("buffers").as_array();
+  CHECK(listed.size() == 3);
+  const std::string metrics = mine.get("/metrics").body();
+  CHECK(metrics.find(R"(lightwire_buffers_released_total{reason="owner_exited"} 1)") !=
+        std::string::npos);
+  CHECK(metrics.find("lightwire_registered_buffers 3") != std::string::npos);
+  CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="buffers_per_client"} 1)") !=
+        std::string::npos);
+}
+
+TEST_CASE("a client may register only shared-memory segments of its own user") {
+  if (::geteuid() != 0) {
+    MESSAGE("skipped: needs root to run a client as another user");
+    return;
+  }
+  Stack s;
+  Segment seg(4096);  // owned by root
+  // Let user 65534 (nobody) reach the socket: this test only, the sidecar refuses such modes.
+  for (std::filesystem::path p = s.socket_path; p != s.dir.path(); p = p.parent_path()) {
+    ::chmod(p.c_str(), p == std::filesystem::path(s.socket_path) ? 0666 : 0755);
+  }
+  ::chmod(s.dir.path().c_str(), 0755);
+  ChildClient child(s.socket_path, bufferRequest(seg.name(), 128), /*user=*/65534,
+                    /*stay=*/false);
+  const std::string reply = child.reply();
+  CHECK(child.exitCode() == 0);
+  CHECK(reply.rfind("HTTP/1.1 403", 0) == 0);
+  CHECK(reply.find("belongs to user 0") != std::string::npos);
+  CHECK(s.buffers.count() == 0);
 }

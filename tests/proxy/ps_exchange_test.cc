@@ -579,7 +579,10 @@ TEST_CASE("ps bounded staleness: a step a rank never ran holds nothing up") {
       {3, {{0, 3}, {1, 3}}},
   };
   ServerRef server(cfg, 3000, 1024, "s", 2);
-  for (const auto& [s, parts_of] : composition) {
+  for (const auto& entry : composition) {
+    // Not a structured binding: clang 14 cannot capture one in CAPTURE's lambda.
+    const auto& s = entry.first;
+    const auto& parts_of = entry.second;
     CAPTURE(s);
     std::vector<const Chunks*> parts;
     for (auto [rank, step] : parts_of) parts.push_back(&res[rank][0].at(step).sent[0]);

@@ -320,20 +320,28 @@ TEST_CASE("a tensor whose size or codec changes starts with fresh codec state") 
   f.engine.setChooser(always(*config));
   const auto v8 = randomValues(8, 3), v16 = randomValues(16, 4);
 
-  auto [o1, r1] = step1(f.engine, "w", 1, v8);
+  StepOutcome o1;
+  std::vector<float> r1;
+  std::tie(o1, r1) = step1(f.engine, "w", 1, v8);
   REQUIRE_MESSAGE(o1.http_status == 200, o1.message);
   CHECK(o1.figures.codec == "topk");
   CHECK_FALSE(o1.figures.state_reset);
-  auto [o2, r2] = step1(f.engine, "w", 2, v16);
+  StepOutcome o2;
+  std::vector<float> r2;
+  std::tie(o2, r2) = step1(f.engine, "w", 2, v16);
   REQUIRE_MESSAGE(o2.http_status == 200, o2.message);
   CHECK(o2.figures.state_reset);
   CHECK(o2.figures.elements == 16);
-  auto [o3, r3] = step1(f.engine, "w", 3, v16);
+  StepOutcome o3;
+  std::vector<float> r3;
+  std::tie(o3, r3) = step1(f.engine, "w", 3, v16);
   REQUIRE_MESSAGE(o3.http_status == 200, o3.message);
   CHECK_FALSE(o3.figures.state_reset);
 
   f.engine.setChooser(always(codecNamed("none")));
-  auto [o4, r4] = step1(f.engine, "w", 4, v16);
+  StepOutcome o4;
+  std::vector<float> r4;
+  std::tie(o4, r4) = step1(f.engine, "w", 4, v16);
   REQUIRE_MESSAGE(o4.http_status == 200, o4.message);
   CHECK(o4.figures.codec == "none");
   CHECK(o4.figures.state_reset);
@@ -358,7 +366,9 @@ TEST_CASE("topk and dgc keep their state across steps and do not commit it after
 
     // Engine A: x1, then x2. Engine B (fresh): x2 at the same step.
     Fixture a(withTrainers(1), chooser), b(withTrainers(1), chooser);
-    auto [a1, ra1] = step1(a.engine, "layer.weight", 1, x1);
+    StepOutcome a1;
+    std::vector<float> ra1;
+    std::tie(a1, ra1) = step1(a.engine, "layer.weight", 1, x1);
     REQUIRE_MESSAGE(a1.http_status == 200, a1.message);
     CHECK(a1.figures.codec == codec);
     CHECK(a1.figures.wire_bytes < a1.figures.raw_bytes);
@@ -373,12 +383,16 @@ TEST_CASE("topk and dgc keep their state across steps and do not commit it after
     auto [c1, rc1] = step1(c.engine, "layer.weight", 1, x1);
     auto [d1, rd1] = step1(d.engine, "layer.weight", 1, x1);
     CHECK(rc1 == rd1);
-    auto [c2, rc2] = step1(c.engine, "layer.weight", 2, with_nan);
+    StepOutcome c2;
+    std::vector<float> rc2;
+    std::tie(c2, rc2) = step1(c.engine, "layer.weight", 2, with_nan);
     REQUIRE_MESSAGE(c2.http_status == 200, c2.message);
     CHECK(c2.figures.nonfinite);
     CHECK(c.metrics.exposition().find("lightwire_steps_total{result=\"nonfinite\"} 1") !=
           std::string::npos);
-    auto [c3, rc3] = step1(c.engine, "layer.weight", 3, x3);
+    StepOutcome c3;
+    std::vector<float> rc3;
+    std::tie(c3, rc3) = step1(c.engine, "layer.weight", 3, x3);
     auto [d3, rd3] = step1(d.engine, "layer.weight", 3, x3);
     REQUIRE_MESSAGE(c3.http_status == 200, c3.message);
     REQUIRE(d3.http_status == 200);
@@ -487,7 +501,9 @@ TEST_CASE("DGC warm-up: five stages of decreasing density, then the codec's own"
   const auto values = randomValues(100000, 3);
   std::map<uint64_t, uint64_t> wire;
   for (uint64_t step : {0, 2, 4, 6, 8, 10, 11}) {
-    auto [outcome, result] = step1(f.engine, "w", step, values);
+    StepOutcome outcome;
+    std::vector<float> result;
+    std::tie(outcome, result) = step1(f.engine, "w", step, values);
     REQUIRE_MESSAGE(outcome.http_status == 200, outcome.message);
     wire[step] = outcome.figures.wire_bytes;
   }
@@ -570,7 +586,9 @@ TEST_CASE("policies: a full-sync sends everything the residual held back") {
   std::vector<double> inputs(2000, 0.0), results(2000, 0.0);
   for (uint64_t s = 1; s <= 6; ++s) {
     const auto v = randomValues(2000, 100 + static_cast<uint32_t>(s));
-    auto [o, r] = step1(f.engine, "g", s, v);
+    StepOutcome o;
+    std::vector<float> r;
+    std::tie(o, r) = step1(f.engine, "g", s, v);
     REQUIRE_MESSAGE(o.http_status == 200, o.message);
     CHECK(o.figures.mode == (s == 6 ? "full_sync" : "compressed"));
     for (size_t i = 0; i < v.size(); ++i) {
@@ -619,7 +637,9 @@ TEST_CASE("policies: a delayed-sync tensor accumulates locally and sends the sum
   for (uint64_t s = 0; s < 9; ++s) {
     const auto v = randomValues(300, 200 + static_cast<uint32_t>(s));
     for (size_t i = 0; i < v.size(); ++i) acc[i] = acc[i] + v[i];
-    auto [o, r] = step1(f.engine, "d", s, v);
+    StepOutcome o;
+    std::vector<float> r;
+    std::tie(o, r) = step1(f.engine, "d", s, v);
     REQUIRE_MESSAGE(o.http_status == 200, o.message);
     if ((s + 1) % 3 == 0) {
       CHECK(o.figures.mode == "compressed");
@@ -652,7 +672,9 @@ TEST_CASE("policies: checkpoint then resume replays the same results bitwise") {
   CHECK_FALSE(f.engine.checkpoint(10));
   REQUIRE(f.engine.resume(10).isOk());
   for (uint64_t s = 11; s <= 15; ++s) {
-    auto [o, r] = step1(f.engine, "w", s, randomValues(3000, static_cast<uint32_t>(s)));
+    StepOutcome o;
+    std::vector<float> r;
+    std::tie(o, r) = step1(f.engine, "w", s, randomValues(3000, static_cast<uint32_t>(s)));
     REQUIRE_MESSAGE(o.http_status == 200, o.message);
     CHECK(r == first[s - 11]);
   }

@@ -1,15 +1,24 @@
 // TcpTransport over real loopback sockets (ports chosen by the OS): mesh set-up in any order,
 // all-to-all traffic, deadlines, aborts, lost and rejoining peers, handshake refusals, and hostile
-// frames from a raw client that speaks the protocol itself. Every wait is bounded.
+// frames from a raw client that speaks the protocol itself (also over TLS), and the TLS option
+// with a throwaway PKI made at test time. Every wait is bounded.
 
 #include <arpa/inet.h>
 #include <doctest.h>
 #include <netinet/in.h>
+#include <openssl/ec.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <future>
 #include <sstream>
@@ -19,6 +28,7 @@
 #include "proxy/peer/frame.h"
 #include "proxy/peer/tcp_transport.h"
 #include "tests/proxy/peer_mesh.h"
+#include "tests/temp_dir.h"
 
 namespace lightwire::proxy::peer {
 namespace {
@@ -97,7 +107,7 @@ void allToAll(Mesh& mesh, size_t big_bytes) {
   CHECK(failures.load() == 0);
 }
 
-/// A client that speaks the protocol by hand.
+/// A client that speaks the protocol by hand, over TLS after startTls().
 class RawClient {
  public:
   explicit RawClient(uint16_t port) {
@@ -110,12 +120,31 @@ class RawClient {
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
   }
-  ~RawClient() { ::close(fd_); }
+  ~RawClient() {
+    SSL_free(ssl_);
+    SSL_CTX_free(ctx_);
+    ::close(fd_);
+  }
   bool connected() const { return connected_; }
+  /// A TLS handshake as a client presenting cert/key (none if empty) and verifying the server
+  /// against ca (not at all if empty); everything after goes through TLS. Whether it succeeded.
+  bool startTls(const std::string& cert, const std::string& key, const std::string& ca) {
+    ctx_ = SSL_CTX_new(TLS_client_method());
+    if (!cert.empty() && (SSL_CTX_use_certificate_chain_file(ctx_, cert.c_str()) != 1 ||
+                          SSL_CTX_use_PrivateKey_file(ctx_, key.c_str(), SSL_FILETYPE_PEM) != 1)) {
+      return false;
+    }
+    if (!ca.empty() && SSL_CTX_load_verify_locations(ctx_, ca.c_str(), nullptr) != 1) return false;
+    SSL_CTX_set_verify(ctx_, ca.empty() ? SSL_VERIFY_NONE : SSL_VERIFY_PEER, nullptr);
+    ssl_ = SSL_new(ctx_);
+    SSL_set_fd(ssl_, fd_);
+    return SSL_connect(ssl_) == 1;
+  }
   bool sendAll(std::span<const uint8_t> b) {
     size_t off = 0;
     while (off < b.size()) {
-      ssize_t n = ::send(fd_, b.data() + off, b.size() - off, MSG_NOSIGNAL);
+      ssize_t n = ssl_ ? SSL_write(ssl_, b.data() + off, static_cast<int>(b.size() - off))
+                       : ::send(fd_, b.data() + off, b.size() - off, MSG_NOSIGNAL);
       if (n <= 0) return false;
       off += static_cast<size_t>(n);
     }
@@ -125,10 +154,21 @@ class RawClient {
     auto hb = encodeHeader(h);
     return sendAll(hb) && sendAll(payload);
   }
+  /// One read: > 0 bytes, 0 at the end of the stream (an EOF, a reset, a TLS alert), < 0 when
+  /// the receive timeout passed.
+  ssize_t recvSome(uint8_t* p, size_t n) {
+    if (!ssl_) {
+      ssize_t k = ::recv(fd_, p, n, 0);
+      return k < 0 && errno == ECONNRESET ? 0 : k;
+    }
+    const int k = SSL_read(ssl_, p, static_cast<int>(n));
+    if (k > 0) return k;
+    return SSL_get_error(ssl_, k) == SSL_ERROR_WANT_READ ? -1 : 0;
+  }
   bool recvAll(uint8_t* p, size_t n) {
     size_t off = 0;
     while (off < n) {
-      ssize_t k = ::recv(fd_, p + off, n - off, 0);
+      ssize_t k = recvSome(p + off, n - off);
       if (k <= 0) return false;
       off += static_cast<size_t>(k);
     }
@@ -139,9 +179,8 @@ class RawClient {
   bool closedByPeer() {
     uint8_t buf[4096];
     for (;;) {
-      ssize_t k = ::recv(fd_, buf, sizeof(buf), 0);
-      if (k == 0) return true;
-      if (k < 0) return errno == ECONNRESET;  // EAGAIN: timed out, still open
+      ssize_t k = recvSome(buf, sizeof(buf));
+      if (k <= 0) return k == 0;  // < 0: timed out, still open
     }
   }
   /// Completes the handshake as `rank` with the server `server` of a world of `world`.
@@ -170,6 +209,8 @@ class RawClient {
  private:
   int fd_ = -1;
   bool connected_ = false;
+  SSL_CTX* ctx_ = nullptr;
+  SSL* ssl_ = nullptr;
 };
 
 /// One transport (rank 1 of 2) whose rank 0 is played by a RawClient.
@@ -404,6 +445,8 @@ TEST_CASE("tcp transport: a corrupted frame closes the connection and fails rece
   CHECK(g.status().message().find("rank 0") != std::string::npos);
   CHECK(g.status().message().find("checksum") != std::string::npos);
   CHECK(waitFor([&] { return !lone.transport->peersUp()[0]; }));
+  CHECK(lone.metrics.peerFramesRefused("checksum").Value() == 1);
+  CHECK(lone.metrics.peerFramesRefused("header").Value() == 0);
 }
 
 TEST_CASE("tcp transport: oversized frames and a flooded mailbox close the connection") {
@@ -423,6 +466,7 @@ TEST_CASE("tcp transport: oversized frames and a flooded mailbox close the conne
     auto f = lone.transport->receive(0, keyFor(1), Clock::now() + 2s);
     REQUIRE(!f.isOk());
     CHECK(f.status().message().find("exceeds the limit") != std::string::npos);
+    CHECK(lone.metrics.peerFramesRefused("header").Value() == 1);
   }
   {
     Lone lone(o);
@@ -436,6 +480,7 @@ TEST_CASE("tcp transport: oversized frames and a flooded mailbox close the conne
     auto f = lone.transport->receive(0, keyFor(99), Clock::now() + 2s);
     REQUIRE(!f.isOk());
     CHECK(f.status().message().find("more than we keep") != std::string::npos);
+    CHECK(lone.metrics.peerFramesRefused("queue").Value() == 1);
   }
 }
 
@@ -511,6 +556,313 @@ TEST_CASE("tcp transport: a rendezvous membership is checked at start") {
   CHECK(start(bad).message().find("bad rendezvous address") != std::string::npos);
   Membership bad_adv = rendezvousFor(1, 2, 4781, "host-without-port");
   CHECK(start(bad_adv).message().find("bad advertised address") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace lightwire::proxy::peer
+
+// --- TLS (TcpOptions::tls, docs/peer-protocol.md "TLS") ------------------------------------------
+
+namespace lightwire::proxy::peer {
+namespace {
+
+using namespace lightwire::proxy::peer::testing;  // NOLINT(google-build-using-namespace)
+using lightwire::testing::TempDir;
+
+using PkeyPtr = std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)>;
+using X509Ptr = std::unique_ptr<X509, decltype(&X509_free)>;
+
+void addExtension(X509* cert, X509* issuer, int nid, const char* value) {
+  X509V3_CTX ctx;
+  X509V3_set_ctx_nodb(&ctx);
+  X509V3_set_ctx(&ctx, issuer, cert, nullptr, nullptr, 0);
+  X509_EXTENSION* ext = X509V3_EXT_conf_nid(nullptr, &ctx, nid, value);
+  REQUIRE(ext != nullptr);
+  X509_add_ext(cert, ext, -1);
+  X509_EXTENSION_free(ext);
+}
+
+/// A certificate for `key` named `cn`, valid from an hour ago for a day: a CA's own when issuer is
+/// null, else a node's (TLS client and server) signed by issuer / issuer_key.
+X509Ptr makeCert(EVP_PKEY* key, const std::string& cn, X509* issuer, EVP_PKEY* issuer_key) {
+  static std::atomic<long> serial{1};
+  X509Ptr x(X509_new(), X509_free);
+  X509_set_version(x.get(), 2);
+  ASN1_INTEGER_set(X509_get_serialNumber(x.get()), serial++);
+  X509_gmtime_adj(X509_getm_notBefore(x.get()), -3600);
+  X509_gmtime_adj(X509_getm_notAfter(x.get()), 86400);
+  X509_set_pubkey(x.get(), key);
+  X509_NAME_add_entry_by_txt(X509_get_subject_name(x.get()), "CN", MBSTRING_ASC,
+                             reinterpret_cast<const unsigned char*>(cn.c_str()), -1, -1, 0);
+  X509* signer = issuer ? issuer : x.get();
+  X509_set_issuer_name(x.get(), X509_get_subject_name(signer));
+  if (!issuer) {
+    addExtension(x.get(), signer, NID_basic_constraints, "critical,CA:TRUE");
+    addExtension(x.get(), signer, NID_key_usage, "critical,keyCertSign,cRLSign");
+  } else {
+    addExtension(x.get(), signer, NID_basic_constraints, "critical,CA:FALSE");
+    addExtension(x.get(), signer, NID_key_usage, "critical,digitalSignature");
+    addExtension(x.get(), signer, NID_ext_key_usage, "serverAuth,clientAuth");
+  }
+  REQUIRE(X509_sign(x.get(), issuer_key ? issuer_key : key, EVP_sha256()) > 0);
+  return x;
+}
+
+template <typename Write>
+void writePem(const std::string& path, Write write) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  REQUIRE(f != nullptr);
+  CHECK(write(f) == 1);
+  std::fclose(f);
+}
+
+/// A throwaway PKI made at test time in a temporary directory: a CA (EC P-256) and a
+/// certificate and key per rank signed by it.
+struct Pki {
+  explicit Pki(uint32_t ranks, const std::string& name = "ca") {
+    PkeyPtr ca_key(EVP_EC_gen("P-256"), EVP_PKEY_free);
+    REQUIRE(ca_key);
+    X509Ptr ca = makeCert(ca_key.get(), "lightwire test " + name, nullptr, nullptr);
+    ca_file = dir.path() + "/" + name + ".pem";
+    writePem(ca_file, [&](std::FILE* f) { return PEM_write_X509(f, ca.get()); });
+    for (uint32_t r = 0; r < ranks; ++r) {
+      PkeyPtr key(EVP_EC_gen("P-256"), EVP_PKEY_free);
+      REQUIRE(key);
+      X509Ptr cert =
+          makeCert(key.get(), name + " node " + std::to_string(r), ca.get(), ca_key.get());
+      cert_files.push_back(dir.path() + "/node" + std::to_string(r) + ".pem");
+      key_files.push_back(dir.path() + "/node" + std::to_string(r) + ".key");
+      writePem(cert_files.back(), [&](std::FILE* f) { return PEM_write_X509(f, cert.get()); });
+      writePem(key_files.back(), [&](std::FILE* f) {
+        return PEM_write_PrivateKey(f, key.get(), nullptr, nullptr, 0, nullptr, nullptr);
+      });
+    }
+  }
+  /// fastOptions() with TLS on as rank r.
+  TcpOptions optionsFor(uint32_t r) const {
+    TcpOptions o = fastOptions();
+    o.tls = {
+        .enabled = true, .cert_file = cert_files[r], .key_file = key_files[r], .ca_file = ca_file};
+    return o;
+  }
+  TempDir dir;
+  std::string ca_file;
+  std::vector<std::string> cert_files, key_files;
+};
+
+/// Adds a rank listening with `o` to `mesh` (made with no ranks).
+void listenRank(Mesh& mesh, const TcpOptions& o) {
+  mesh.metrics.push_back(std::make_unique<metrics::Metrics>());
+  auto t = TcpTransport::listen("127.0.0.1", 0, o, *mesh.metrics.back());
+  REQUIRE_MESSAGE(t.isOk(), t.status().message());
+  mesh.ports.push_back((*t)->port());
+  mesh.transports.push_back(std::move(*t));
+}
+
+/// SIGPIPE ignored while it lives: the raw client's SSL_write may meet a closed connection.
+struct IgnoreSigpipe {
+  IgnoreSigpipe() : old(std::signal(SIGPIPE, SIG_IGN)) {}
+  ~IgnoreSigpipe() { std::signal(SIGPIPE, old); }
+  void (*old)(int);
+};
+
+TEST_CASE("tcp transport: TLS: 3 ranks connect over mutual TLS and exchange all to all") {
+  Pki pki(3);
+  Mesh mesh(0);
+  for (uint32_t r = 0; r < 3; ++r) listenRank(mesh, pki.optionsFor(r));
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  allToAll(mesh, size_t{16} << 20);
+  for (auto& m : mesh.metrics) {
+    CHECK(authFailures(*m) == 0);
+    CHECK(metricValue(*m, "lightwire_wire_bytes_total{direction=\"received\"}") > 0);
+  }
+  // Pings and pongs travel too.
+  CHECK(waitFor(
+      [&] { return metricValue(*mesh.metrics[0], "lightwire_peer_rtt_seconds{peer=\"2\"}") > 0; }));
+}
+
+TEST_CASE("tcp transport: TLS: a TLS rank and a plain rank never connect; refusals are counted") {
+  Pki pki(2);
+  for (const bool tls_connects : {false, true}) {
+    CAPTURE(tls_connects);
+    Mesh mesh(0);  // rank 0 connects to rank 1
+    listenRank(mesh, tls_connects ? pki.optionsFor(0) : fastOptions());
+    listenRank(mesh, tls_connects ? fastOptions() : pki.optionsFor(1));
+    mesh.startAll();
+    // The accepting rank refuses every attempt (a plain HELLO is not TLS; a TLS ClientHello is not
+    // a frame), and the connecting one keeps trying with backoff.
+    CHECK(waitFor([&] { return authFailures(*mesh.metrics[1]) >= 3; }));
+    CHECK(!mesh.allConnected(300ms));
+    CHECK(!mesh.transports[0]->peersUp()[1]);
+    CHECK(!mesh.transports[1]->peersUp()[0]);
+  }
+  // A raw client speaking the plain protocol with the right secret gets nowhere either.
+  Lone lone(pki.optionsFor(1));
+  RawClient c(lone.transport->port());
+  REQUIRE(c.connected());
+  CHECK(!c.handshake(0, 1, 2));
+  CHECK(c.closedByPeer());
+  CHECK(waitFor([&] { return authFailures(lone.metrics) >= 1; }));
+  CHECK(!lone.transport->peersUp()[0]);
+}
+
+TEST_CASE("tcp transport: TLS: a certificate signed by another CA is refused and counted") {
+  Pki pki(2);
+  Pki other(2, "other-ca");
+  for (const uint32_t foreign : {0u, 1u}) {  // the connecting rank's, then the accepting rank's
+    CAPTURE(foreign);
+    Mesh mesh(0);
+    for (uint32_t r = 0; r < 2; ++r) {
+      TcpOptions o = pki.optionsFor(r);
+      if (r == foreign) {
+        o.tls.cert_file = other.cert_files[r];
+        o.tls.key_file = other.key_files[r];
+      }
+      listenRank(mesh, o);
+    }
+    mesh.startAll();
+    // Both sides count: the one that verifies the foreign certificate, and the other from its
+    // TLS alert.
+    CHECK(waitFor([&] { return authFailures(*mesh.metrics[0]) >= 2; }));
+    CHECK(waitFor([&] { return authFailures(*mesh.metrics[1]) >= 2; }));
+    CHECK(!mesh.transports[0]->peersUp()[1]);
+    CHECK(!mesh.transports[1]->peersUp()[0]);
+  }
+  // peer.tls.verify false on both sides: the same certificates connect (encryption only; the job
+  // secret still authenticates), without a CA file on the side that has none to give.
+  Mesh mesh(0);
+  for (uint32_t r = 0; r < 2; ++r) {
+    TcpOptions o = pki.optionsFor(r);
+    o.tls.verify_peer = false;
+    if (r == 1) {
+      o.tls.cert_file = other.cert_files[r];
+      o.tls.key_file = other.key_files[r];
+      o.tls.ca_file.clear();
+    }
+    listenRank(mesh, o);
+  }
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  allToAll(mesh, 1 << 16);
+}
+
+TEST_CASE(
+    "tcp transport: TLS: missing or bad certificate, key or CA files are errors of listen()") {
+  Pki pki(2);
+  metrics::Metrics metrics;
+  const TcpOptions::Tls good = pki.optionsFor(0).tls;
+  auto listenWith = [&](auto change) -> std::string {
+    TcpOptions o = fastOptions();
+    o.tls = good;
+    change(o.tls);
+    auto t = TcpTransport::listen("127.0.0.1", 0, o, metrics);
+    return t.isOk() ? "ok" : t.status().message();
+  };
+  const std::string missing = pki.dir.path() + "/missing.pem";
+  const std::string garbage = pki.dir.write("garbage.pem", "SECRET-KEY-MATERIAL, not PEM\n");
+  CHECK(listenWith([](auto&) {}) == "ok");
+  CHECK(listenWith([&](auto& t) { t.cert_file = missing; }) ==
+        "peer.tls.cert_file " + missing + ": No such file or directory");
+  CHECK(listenWith([&](auto& t) { t.key_file = missing; }) ==
+        "peer.tls.key_file " + missing + ": No such file or directory");
+  CHECK(listenWith([&](auto& t) { t.ca_file = missing; }) ==
+        "peer.tls.ca_file " + missing + ": No such file or directory");
+  CHECK(listenWith([&](auto& t) { t.cert_file.clear(); }) ==
+        "peer.tls.cert_file is not set (peer.tls is on)");
+  using Tls = TcpOptions::Tls;
+  const std::pair<std::string, std::string Tls::*> files[] = {
+      {"peer.tls.cert_file", &Tls::cert_file},
+      {"peer.tls.key_file", &Tls::key_file},
+      {"peer.tls.ca_file", &Tls::ca_file},
+  };
+  for (const auto& entry : files) {  // no structured binding: clang 14 cannot capture those
+    const std::string& key = entry.first;
+    const auto field = entry.second;
+    CAPTURE(key);
+    const std::string e = listenWith([&](Tls& t) { t.*field = garbage; });
+    CHECK(e.rfind(key + " " + garbage + ": ", 0) == 0);
+    CHECK(e.size() > key.size() + garbage.size() + 3);          // OpenSSL's reason
+    CHECK(e.find("SECRET-KEY-MATERIAL") == std::string::npos);  // never a file's contents
+  }
+  // An encrypted key is refused, never prompted for.
+  PkeyPtr key(EVP_EC_gen("P-256"), EVP_PKEY_free);
+  const std::string encrypted = pki.dir.path() + "/encrypted.key";
+  writePem(encrypted, [&](std::FILE* f) {
+    return PEM_write_PrivateKey(f, key.get(), EVP_aes_256_cbc(),
+                                reinterpret_cast<const unsigned char*>("passphrase"), 10, nullptr,
+                                nullptr);
+  });
+  const std::string refused = listenWith([&](auto& t) { t.key_file = encrypted; });
+  CAPTURE(refused);
+  CHECK(refused.find("(an unencrypted PEM private key is needed)") != std::string::npos);
+  CHECK(listenWith([&](auto& t) { t.key_file = pki.key_files[1]; }) ==
+        "peer.tls.key_file " + pki.key_files[1] + ": key does not match certificate " +
+            "peer.tls.cert_file " + good.cert_file);
+  CHECK(listenWith([](auto& t) {
+          t.verify_peer = false;
+          t.ca_file.clear();
+        }) == "ok");
+}
+
+TEST_CASE(
+    "tcp transport: TLS: clients stalling or babbling in or after the TLS handshake are "
+    "dropped within handshake_timeout") {
+  IgnoreSigpipe ignore_sigpipe;
+  Pki pki(2);
+  Pki other(1, "other-ca");
+  TcpOptions o = pki.optionsFor(1);
+  o.handshake_timeout = 500ms;
+  Lone lone(o);
+  auto tls = [&](RawClient& c) {
+    return c.startTls(pki.cert_files[0], pki.key_files[0], pki.ca_file);
+  };
+  auto refused = [&](auto&& speak, const char* what, bool stalls) {
+    CAPTURE(what);
+    const double before = authFailures(lone.metrics);
+    RawClient c(lone.transport->port());
+    REQUIRE(c.connected());
+    const auto t0 = Clock::now();
+    speak(c);
+    CHECK(c.closedByPeer());
+    const auto waited = Clock::now() - t0;
+    CHECK(waited < 2500ms);  // the client's own receive timeout is 5 s
+    if (stalls) CHECK(waited >= 400ms);
+    CHECK(waitFor([&] { return authFailures(lone.metrics) >= before + 1; }));
+    CHECK(!lone.transport->peersUp()[0]);
+  };
+  const std::vector<uint8_t> record_start = {0x16, 0x03, 0x01, 0x02, 0x00};  // 512 bytes to come
+  const std::vector<uint8_t> junk(200, 'x');
+  refused([&](RawClient& c) { c.sendAll(record_start); }, "stalls in the TLS handshake", true);
+  refused([&](RawClient& c) { c.sendAll(junk); }, "garbage instead of TLS", false);
+  refused([&](RawClient& c) { REQUIRE(tls(c)); }, "TLS, then silence", true);
+  refused(
+      [&](RawClient& c) {
+        REQUIRE(tls(c));
+        c.sendAll(junk);
+      },
+      "TLS, then garbage", false);
+  refused(
+      [&](RawClient& c) {
+        REQUIRE(tls(c));
+        c.handshake(0, 1, 2, kJob, "wrong secret");
+      },
+      "TLS, then the wrong secret", false);
+  // TLS 1.3: the client learns of the refusal after its handshake; ignore the outcome.
+  refused([&](RawClient& c) { c.startTls("", "", ""); }, "no client certificate", false);
+  refused([&](RawClient& c) { c.startTls(other.cert_files[0], other.key_files[0], ""); },
+          "a certificate of another CA", false);
+
+  // The right certificate and secret: connected, and frames flow both ways.
+  RawClient c(lone.transport->port());
+  REQUIRE(tls(c));
+  REQUIRE(c.handshake(0, 1, 2));
+  REQUIRE(waitFor([&] { return lone.transport->allConnected(); }));
+  std::vector<uint8_t> p = pattern(70000, 5);
+  REQUIRE(c.sendFrame(makeHeader(FrameType::kData, keyFor(1), 0, jobHash(kJob), 0, p), p));
+  auto f = lone.transport->receive(0, keyFor(1), Clock::now() + 5s);
+  REQUIRE(f.isOk());
+  CHECK(f->payload == p);
 }
 
 }  // namespace
