@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# THE test command (.ci/run runs it): installs the dependencies, builds the release and the
-# ASan+UBSan variants, and runs
-#   - the doctest unit tests in both builds (each test case counts);
+# THE test command (.ci/run runs it): installs the dependencies, builds the release, the
+# ASan+UBSan (clang, with the libFuzzer targets) and the ThreadSanitizer (exchange tests only)
+# variants, and runs
+#   - the doctest unit tests in the release and ASan builds, the exchange tests under TSan as well
+#     (each test case counts; every sanitizer report is a failure);
+#   - every libFuzzer target briefly (scripts/fuzz.sh; each target counts);
 #   - the CUDA tests when the CUDA kernels were built: their host-side part, and the GPU part,
 #     which counts as skipped on a machine without a GPU (exit 77), never as passed;
 #   - the golden payload check of the independent reference implementation (one test);
 #   - the Python client and DDP hook tests (pytest) against the real sidecar and PyTorch;
 #   - promtool checks of docker/prometheus (config, rules, rule unit tests);
-#   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan).
+#   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan);
+#   - a 2-minute soak (bench/soak/soak.py): fails on any error, RSS growth or fd growth.
 # Ends with exactly one line `N passed, M failed[, K skipped]` and exits non-zero when anything
 # failed, including a build. Logs: <prefix>-test-logs/ (prefix: LW_BUILD_PREFIX, default "build").
 set -uo pipefail
@@ -17,6 +21,7 @@ python=${PYTHON:-/usr/bin/python3}
 prefix=${LW_BUILD_PREFIX:-build}
 release_dir=$prefix-release
 asan_dir=$prefix-asan
+tsan_dir=$prefix-tsan
 logs=$prefix-test-logs
 rm -rf "$logs" && mkdir -p "$logs"
 
@@ -79,6 +84,10 @@ doctest_run() {
     # UBSan reports and carries on (so every test case still runs); each report is a failure.
     grep -A3 'runtime error:' "$log" | head -n 20
     fail "$name (UBSan)" "$(grep -c 'runtime error:' "$log") report(s), see $log"
+  elif grep -q 'WARNING: ThreadSanitizer' "$log"; then
+    # Likewise ThreadSanitizer (halt_on_error=0): every data race or lock-order report fails.
+    grep -A12 'WARNING: ThreadSanitizer' "$log" | head -n 40
+    fail "$name (TSan)" "$(grep -c 'WARNING: ThreadSanitizer' "$log") report(s), see $log"
   fi
 }
 
@@ -92,6 +101,9 @@ quiet "build $release_dir" "$logs/build-release.log" bash scripts/build.sh relea
   && release_ok=1 || fail "build release" "see $logs/build-release.log"
 quiet "build $asan_dir" "$logs/build-asan.log" bash scripts/build.sh asan "$asan_dir" \
   && asan_ok=1 || fail "build asan" "see $logs/build-asan.log"
+tsan_ok=0
+quiet "build $tsan_dir (exchange tests)" "$logs/build-tsan.log" bash scripts/build.sh tsan "$tsan_dir" \
+  && tsan_ok=1 || fail "build tsan" "see $logs/build-tsan.log"
 
 note "== unit tests"
 if ((release_ok)); then
@@ -120,6 +132,7 @@ if ((release_ok)); then
 fi
 if ((release_ok)); then
   doctest_run proxy-release "$release_dir/tests/proxy_tests"
+  doctest_run exchange-release "$release_dir/tests/exchange_tests"
 fi
 if ((asan_ok)); then
   doctest_run kernels-asan "$asan_dir/tests/kernels_tests" \
@@ -127,6 +140,41 @@ if ((asan_ok)); then
     UBSAN_OPTIONS=print_stacktrace=1
   doctest_run proxy-asan "$asan_dir/tests/proxy_tests" \
     ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1 UBSAN_OPTIONS=print_stacktrace=1
+  doctest_run exchange-asan "$asan_dir/tests/exchange_tests" \
+    ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1 UBSAN_OPTIONS=print_stacktrace=1
+fi
+if ((tsan_ok)); then
+  # The peer transports, collectives and mailboxes (several threads per rank, real sockets).
+  doctest_run exchange-tsan "$tsan_dir/tests/exchange_tests" \
+    TSAN_OPTIONS=halt_on_error=0:second_deadlock_stack=1:history_size=4
+fi
+
+note "== fuzzing (libFuzzer, ASan+UBSan, every target ${LW_FUZZ_SECONDS:-10} s)"
+if ((asan_ok)); then
+  t0=$SECONDS
+  bash scripts/fuzz.sh "${LW_FUZZ_SECONDS:-10}" "$asan_dir" >"$logs/fuzz.log" 2>&1
+  rc=$?
+  # One line per target: "<target> <runs> ... <result>", result "ok" or "FAILED ...".
+  # A failed target's statistics may be missing: its line is recognised by "FAILED".
+  mapfile -t fuzz_lines < <(awk 'NR > 1 && $1 ~ /^[a-z_]+$/ && (/ ok$/ || /FAILED/)' \
+    "$logs/fuzz.log")
+  fuzz_failed=0
+  for line in "${fuzz_lines[@]}"; do
+    read -r target runs _ cov _ <<<"$line"
+    if [[ "$line" == *" ok" ]]; then
+      pass "fuzz $target ($runs runs, cov $cov)"
+    else
+      fuzz_failed=$((fuzz_failed + 1))
+      fail "fuzz $target" "FAILED${line#*FAILED}"
+    fi
+  done
+  if ((${#fuzz_lines[@]} == 0)); then
+    tail -n 30 "$logs/fuzz.log"
+    fail "fuzz" "no target ran (exit code $rc), see $logs/fuzz.log"
+  elif ((rc != 0 && fuzz_failed == 0)); then
+    fail "fuzz" "exit code $rc, see $logs/fuzz.log"
+  fi
+  note "      ($((SECONDS - t0)) s)"
 fi
 
 note "== Python client and DDP hook (pytest, real sidecar, real PyTorch)"
@@ -241,6 +289,20 @@ sys.exit(0 if names == want else f"codecs measured {sorted(names)}, want {sorted
   else
     grep -E 'ERROR|runtime error|lightwire:' "$logs/bench-asan.err" | head -n 20
     fail "asan: lightwire bench codec --all" "see $logs/bench-asan.*"
+  fi
+fi
+
+note "== soak (2 minutes, 3 sidecars x 2 trainers at full rate)"
+if ((release_ok)); then
+  t0=$SECONDS
+  # A 60 s warm-up: the first checkpoint and full-sync leave their memory for good early on
+  # (docs/RELIABILITY.md "Soak"); judged after it, the RSS noise stays well under the 2 % limit.
+  if "$python" bench/soak/soak.py --duration 120 --warmup 60 --bin "$release_dir/proxy/lightwire" \
+    --json "$logs/soak.json" >"$logs/soak.log" 2>&1; then
+    pass "soak 120 s: $(grep -E '^VERDICT:' "$logs/soak.log" | tail -n 1) ($((SECONDS - t0)) s)"
+  else
+    tail -n 25 "$logs/soak.log"
+    fail "soak 120 s" "see $logs/soak.log"
   fi
 fi
 
