@@ -226,7 +226,9 @@ def test_form2_and_buffers(shared_sidecar):
         assert seg.shm_name.startswith("/") and not seg.name.startswith("/")
         bid = c.register_buffer(seg)
         assert seg.buffer_id == bid
-        assert {"id": bid, "name": seg.shm_name, "size": 64, "kind": "shm"} in c.status()["buffers"]
+        # Registered over the Unix socket: the sidecar knows this process as the owner.
+        assert {"id": bid, "name": seg.shm_name, "size": 64, "kind": "shm", "pid": os.getpid()} \
+            in c.status()["buffers"]
         a = np.frombuffer(seg.buf, dtype=np.float32, count=16)
         a[:] = np.arange(16)
         reply = c.emit_gradient_shm(seg, name="b.0", step=0)

@@ -213,12 +213,14 @@ def test_segment_recreated_when_bucket_size_changes(sidecar):
             if step == 1:
                 old = state._slots[0].segment
                 old_id = old.buffer_id
-                assert c.status()["buffers"] == [{"id": old_id, "name": old.shm_name, "size": 40, "kind": "shm"}]
+                assert c.status()["buffers"] == [{"id": old_id, "name": old.shm_name, "size": 40, "kind": "shm",
+                                                  "pid": os.getpid()}]
         new = state._slots[0].segment
         assert new is not old and old.buffer_id is None and new.buffer_id not in (None, old_id)
         assert not os.path.exists("/dev/shm/" + old.name) and os.path.exists("/dev/shm/" + new.name)
         # The old registration was released, the new one is the only buffer.
-        assert c.status()["buffers"] == [{"id": new.buffer_id, "name": new.shm_name, "size": 96, "kind": "shm"}]
+        assert c.status()["buffers"] == [{"id": new.buffer_id, "name": new.shm_name, "size": 96, "kind": "shm",
+                                          "pid": os.getpid()}]
         assert state.steps == {0: 4} and state.sidecar_steps == 4 and state.fallbacks == 0
         assert state.last_reply["name"] == "grads.0" and state.last_reply["step"] == 3
         assert state.last_reply["elements"] == 24
