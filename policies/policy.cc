@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace lightwire::policies {
 namespace {
@@ -76,13 +77,18 @@ const char* stepModeName(StepMode m) {
 }
 
 void PolicyEngine::Ewma::add(double x, double alpha) {
+  // The state stays finite: it is written as JSON (checkpoints, the job state told to peers),
+  // which has no Infinity or NaN. Samples come from peers' records and trainers' reports.
+  if (!std::isfinite(x)) return;
+  constexpr double kMax = std::numeric_limits<double>::max();
   if (n == 0) {
     mean = x;
     var = 0;
   } else {
-    const double d = x - mean;
-    mean += alpha * d;
+    const double d = x - mean;  // overflows for samples far apart near the largest double
+    mean = std::isfinite(d) ? mean + alpha * d : (1 - alpha) * mean + alpha * x;
     var = (1 - alpha) * (var + alpha * d * d);
+    if (!std::isfinite(var)) var = kMax;  // |d| above ~1e154: as large as it can be
   }
   ++n;
 }

@@ -2,6 +2,7 @@
 
 #include <boost/json/parse.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -75,12 +76,15 @@ std::optional<double> GlobalStats::cosine() const {
   if (cos_ranks == 0 || !(cos_c2 > 0) || !(cos_g2 > 0)) return std::nullopt;
   const double c = cos_dot / std::sqrt(cos_c2 * cos_g2);
   if (!std::isfinite(c)) return std::nullopt;
-  return c;
+  // A cosine is in [-1, 1] (beyond only by rounding, or in a record that is not honest).
+  return std::clamp(c, -1.0, 1.0);
 }
 
 std::optional<double> GlobalStats::loss() const {
   if (loss_ranks == 0) return std::nullopt;
-  return loss_sum / loss_ranks;
+  const double mean = loss_sum / loss_ranks;  // finite losses whose sum overflowed: none
+  if (!std::isfinite(mean)) return std::nullopt;
+  return mean;
 }
 
 std::vector<uint8_t> encodeStats(const StepStats& s) {

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -276,6 +277,27 @@ TEST_SUITE("policies") {
     REQUIRE(r.checkpoints.size() == 1);
     CHECK(r.checkpoints[0].step == 9);
     CHECK(decodeStats(p.record({}))->requests.empty());
+  }
+
+  TEST_CASE("baselines stay finite, so the state stays JSON, whatever the records say") {
+    // Found by fuzzing: a cosine from a record that is not honest (1e247) and a huge reported
+    // loss made a baseline's variance Infinity, which JSON cannot hold (checkpoints, STATE).
+    PolicyEngine p(quick(), "v0", nullptr);
+    for (uint64_t s = 0; s < 12; ++s) {
+      GlobalStats g = normStats(s % 2 ? 1e150 : 1e-150, 0.5);
+      g.cos_dot = s % 2 ? 1e247 : -1e247;
+      g.loss_ranks = 1;
+      g.loss_sum = s % 2 ? 1.7e308 : -1.7e308;
+      g.loss_step = s + 1;
+      run(p, s, g);
+    }
+    const std::string text = boost::json::serialize(p.stateJson());
+    CAPTURE(text);
+    boost::system::error_code ec;
+    const auto back = boost::json::parse(text, ec);
+    REQUIRE_FALSE(ec);
+    PolicyEngine q(quick(), "v0", nullptr);
+    CHECK(q.restoreState(back).isOk());
   }
 
   TEST_CASE("state round-trips: a restored engine decides exactly like the original") {

@@ -156,6 +156,17 @@ TEST_SUITE("stats") {
     g.cos_g2 = 1;
     g.cos_dot = -2;
     CHECK(*g.cosine() == doctest::Approx(-1.0));
+    g.cos_dot = 1e247;  // not an honest record: clamped to what a cosine can be
+    CHECK(*g.cosine() == 1.0);
+  }
+
+  TEST_CASE("the mean loss is absent when the reported losses overflow") {
+    GlobalStats g;
+    g.loss_ranks = 2;
+    g.loss_sum = 1.7e308;
+    CHECK(*g.loss() == 0.85e308);
+    g.loss_sum = HUGE_VAL;  // two finite losses of 1.7e308
+    CHECK(!g.loss());
   }
 }
 
