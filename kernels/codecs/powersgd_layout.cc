@@ -43,10 +43,14 @@ size_t capFactor(size_t n, int approx_rank) {
 Result<View> viewFor(std::span<const uint64_t> shape, size_t n, int approx_rank) {
   View v;
   if (shape.size() >= 2) {
+    // Stops early once past n (no overflow), but a zero dimension anywhere makes it 0.
     unsigned __int128 product = 1;
     for (uint64_t d : shape) {
-      product *= d;
-      if (product > n) break;
+      if (d == 0) {
+        product = 0;
+        break;
+      }
+      if (product <= n) product *= d;
     }
     if (product != n) {
       return invalidArgument(

@@ -289,6 +289,13 @@ TEST_CASE("powersgd: shape-driven and flat views") {
     CHECK(!st.isOk());
     CHECK(st.message().find("shape") != std::string::npos);
   }
+  for (const std::vector<uint64_t>& shape : {std::vector<uint64_t>{5, 0}, {0, 7}, {1u << 31, 0}}) {
+    // An empty tensor whose zero dimension comes after others (found by fuzzing: refused).
+    CodecState s(c->stateFloats(0));
+    const StepContext ctx{.shape = shape};
+    std::vector<std::byte> ws(c->workspaceBytes(chunkingFor(*c, 0, 0)));
+    CHECK(c->analyze(ctx, chunkingFor(*c, 0, 0), ConstTensor{nullptr, 0}, s, ws).isOk());
+  }
 }
 
 TEST_CASE("powersgd: rejects chunking, decodeChunk, and bad configs") {
