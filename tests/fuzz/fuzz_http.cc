@@ -321,6 +321,18 @@ void seeds(Seeds& out) {
   out.emplace_back("report", seed(0, {request("POST", "/v1/report",
                                               R"({"step": 12, "trainer": 0, "loss": 0.731, )"
                                               R"("fallbacks": 1})")}));
+  // Losses at the ends of the doubles feed the loss baseline (it must stay finite: the status
+  // and the policy state are JSON).
+  std::vector<std::string> losses;
+  for (int s = 1; s <= 4; ++s) {
+    losses.push_back(request("POST", "/v1/report",
+                             "{\"step\": " + std::to_string(s) +
+                                 ", \"loss\": " + (s % 2 ? "1.7e308" : "-1.7e308") + "}"));
+    losses.push_back(
+        request("POST", "/v1/emit_gradient?name=w&step=" + std::to_string(s), body4, raw));
+  }
+  losses.push_back(request("GET", "/v1/status"));
+  out.emplace_back("report_huge_losses", seed(0, losses));
   const std::string cfg =
       R"({"default": {"codec": "dgc", "density": 0.01, "momentum": 0.9}, )"
       R"("rules": [{"pattern": "*.bias", "codec": "none"}, {"max_elements": 4096, "codec": "qsgd", "bits": 4}]})";

@@ -237,6 +237,43 @@ void twoRounds(const Parsed& p, const Codec& codec) {
   }
 }
 
+/// PowerSGD seeds: round 0 of two ranks, their sum, then each rank's round 1 from that sum, in
+/// the input's order (rank 0 round 0, rank 0 round 1, rank 1 round 0, rank 1 round 1).
+std::vector<std::vector<uint8_t>> twoRankRounds(const Codec& codec, const Parsed& p) {
+  const Chunking chunking = kernels::chunkingFor(codec, p.n, 0);
+  std::vector<std::vector<uint8_t>> p0(2), p1(2);
+  std::vector<std::vector<float>> xs;
+  std::vector<CodecState> states;
+  std::vector<std::vector<std::byte>> wss;
+  for (uint32_t r = 0; r < 2; ++r) {
+    xs.push_back(pattern(p.n, 3 + r));
+    states.emplace_back(codec.stateFloats(p.n));
+    wss.emplace_back(codec.workspaceBytes(chunking));
+    const ConstTensor input{xs[r].data(), p.n, DType::kF32};
+    if (!codec.analyze(contextFor(p, r), chunking, input, states[r], wss[r]).isOk()) {
+      fail("seed analyze");
+    }
+    p0[r].resize(codec.maxPayloadBytes(p.n));
+    auto s =
+        codec.encodeChunk(contextFor(p, r), chunking, 0, 0, {}, input, states[r], wss[r], p0[r]);
+    if (!s) fail("seed encode round 0");
+    p0[r].resize(*s);
+  }
+  std::vector<uint8_t> sum(codec.maxPayloadBytes(p.n));
+  auto s = codec.addPayloads(p0[0], p0[1], sum);
+  if (!s) fail("seed add");
+  sum.resize(*s);
+  for (uint32_t r = 0; r < 2; ++r) {
+    const ConstTensor input{xs[r].data(), p.n, DType::kF32};
+    p1[r].resize(codec.maxPayloadBytes(p.n));
+    auto e =
+        codec.encodeChunk(contextFor(p, r), chunking, 0, 1, sum, input, states[r], wss[r], p1[r]);
+    if (!e) fail("seed encode round 1");
+    p1[r].resize(*e);
+  }
+  return {p0[0], p1[0], p0[1], p1[1]};
+}
+
 }  // namespace
 
 int run(const uint8_t* data, size_t size) {
@@ -264,36 +301,7 @@ void seeds(Seeds& out) {
       Parsed p{.config = i, .n = n, .chunk = chunk, .shape = shape, .step = 3};
       std::vector<std::vector<uint8_t>> payloads;
       if (codec.traits().rounds > 1) {
-        // Round 0 of both ranks, their sum, then each rank's round 1 from that sum.
-        std::vector<std::vector<uint8_t>> p0(2), p1(2);
-        std::vector<std::vector<float>> xs;
-        std::vector<CodecState> states;
-        std::vector<std::vector<std::byte>> wss;
-        for (uint32_t r = 0; r < 2; ++r) {
-          xs.push_back(pattern(n, 3 + r));
-          states.emplace_back(codec.stateFloats(n));
-          wss.emplace_back(codec.workspaceBytes(chunking));
-          const StepContext ctx = contextFor(p, r);
-          const ConstTensor input{xs[r].data(), n, DType::kF32};
-          if (!codec.analyze(ctx, chunking, input, states[r], wss[r]).isOk()) fail("seed analyze");
-          p0[r].resize(codec.maxPayloadBytes(n));
-          auto s = codec.encodeChunk(ctx, chunking, 0, 0, {}, input, states[r], wss[r], p0[r]);
-          if (!s) fail("seed encode round 0");
-          p0[r].resize(*s);
-        }
-        std::vector<uint8_t> sum(codec.maxPayloadBytes(n));
-        auto s = codec.addPayloads(p0[0], p0[1], sum);
-        if (!s) fail("seed add");
-        sum.resize(*s);
-        for (uint32_t r = 0; r < 2; ++r) {
-          const ConstTensor input{xs[r].data(), n, DType::kF32};
-          p1[r].resize(codec.maxPayloadBytes(n));
-          auto e = codec.encodeChunk(contextFor(p, r), chunking, 0, 1, sum, input, states[r],
-                                     wss[r], p1[r]);
-          if (!e) fail("seed encode round 1");
-          p1[r].resize(*e);
-        }
-        payloads = {p0[0], p1[0], p0[1], p1[1]};
+        payloads = twoRankRounds(codec, p);
         out.emplace_back(name + "_n" + std::to_string(n),
                          encode(i, shape.empty() ? 0 : kShape, n, chunk, shape, 3, payloads));
         continue;
@@ -308,6 +316,11 @@ void seeds(Seeds& out) {
       out.emplace_back(name + "_n" + std::to_string(n), encode(i, mode, n, chunk, {}, 3, payloads));
     }
   }
+  // Found by fuzzing: an empty PowerSGD tensor whose zero dimension comes second was refused.
+  const size_t psgd = codecIndex("powersgd");
+  const Parsed empty{.config = psgd, .shape = {5, 0}, .step = 3};
+  out.emplace_back("powersgd_shape_5x0",
+                   encode(psgd, kShape, 0, 0, empty.shape, 3, twoRankRounds(codecAt(psgd), empty)));
   // A dense allreduce's sums: plain fp32 chunks in the `none` layout, decoded as such.
   CodecState none_state;
   const auto dense =

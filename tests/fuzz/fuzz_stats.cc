@@ -108,6 +108,23 @@ void seeds(Seeds& out) {
   partial.u8(kSteps).u8(3).piece(proxy::peer::encodePsStats(
       {policies::encodeStats(healthy(1.0)), {}, policies::encodeStats(healthy(1.5)), {}}));
   out.emplace_back("steps_partial", partial.take());
+
+  // Found by fuzzing: settings that are not a JSON object (here not UTF-8) were taken into the
+  // policy state; a dishonest cosine and huge losses made a baseline Infinity. Both left a policy
+  // state that is not JSON.
+  StepStats not_json = healthy(1.0);
+  not_json.requests.push_back(
+      {.kind = Request::Kind::kSettings, .id = 2, .body = "{\"a\xff\": 1}"});
+  steps.clear();
+  steps.push_back({not_json, healthy(1.0)});
+  for (int i = 0; i < 6; ++i) {
+    StepStats huge = healthy(i % 2 ? 1e300 : 1e-300);
+    huge.cos_dot = i % 2 ? 1e247 : -1e247;
+    huge.loss = i % 2 ? 1.7e308 : -1.7e308;
+    huge.loss_step = static_cast<uint64_t>(i + 1);
+    steps.push_back({huge, healthy(1.0)});
+  }
+  out.emplace_back("steps_not_json", stepsSeed(2, steps));
 }
 
 }  // namespace lightwire::fuzz::stats
