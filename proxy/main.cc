@@ -325,6 +325,22 @@ int run(int argc, char** argv) {
   status->add_flag("--json", so.json, "Print the /v1/status JSON as it is");
   status->callback([&] { rc = runStatus(so); });
 
+  CLI::App* health = app.add_subcommand(
+      "health",
+      "Probe a sidecar: GET /healthz (or /readyz) of its admin listener; exit 0 when it answers "
+      "200 (a container health check that needs no curl)");
+  HealthOptions ho;
+  health->add_option("--url", ho.url,
+                     "http://HOST:PORT (default: the admin listener from $LIGHTWIRE_ADMIN__LISTEN, "
+                     "else http://127.0.0.1:4782)");
+  health->add_option("--socket", ho.socket, "Probe through the control socket instead");
+  health->add_flag("--ready", ho.ready, "GET /readyz: every listener up and every peer connected");
+  health->add_flag("--quiet,-q", ho.quiet, "Print nothing when healthy");
+  health->add_option("--timeout", ho.timeout_s, "Seconds to wait for the answer")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 3600.0));
+  health->callback([&] { rc = runHealth(ho); });
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -61,12 +61,18 @@ double number(const json::value* v) {
   return 0;
 }
 
-/// GET /v1/status over an already connected stream.
+struct Reply {
+  unsigned status = 0;
+  std::string body;
+};
+
+/// GET `target` over an already connected stream.
 template <typename Stream>
-std::string get(Stream& stream, const std::string& host, const std::string& token) {
-  http::request<http::empty_body> req{http::verb::get, "/v1/status", 11};
+Reply get(Stream& stream, const std::string& host, const std::string& token,
+          const std::string& target) {
+  http::request<http::empty_body> req{http::verb::get, target, 11};
   req.set(http::field::host, host);
-  req.set(http::field::user_agent, "lightwire-status");
+  req.set(http::field::user_agent, "lightwire-cli");
   if (!token.empty()) req.set(http::field::authorization, "Bearer " + token);
   http::write(stream, req);
   beast::flat_buffer buffer;
@@ -74,14 +80,12 @@ std::string get(Stream& stream, const std::string& host, const std::string& toke
   parser.body_limit(64u << 20);
   http::read(stream, buffer, parser);
   auto res = parser.release();
-  if (res.result() != http::status::ok) {
-    throw std::runtime_error("HTTP " + std::to_string(res.result_int()) + ": " +
-                             res.body().substr(0, 300));
-  }
-  return res.body();
+  return Reply{res.result_int(), std::move(res.body())};
 }
 
-std::string fetch(const StatusOptions& o, std::string& where) {
+/// GET `target` from the sidecar `o` names (--url, else --socket, else $LIGHTWIRE_SOCKET, else
+/// the default socket); `where` is set to what was asked, for error messages.
+Reply fetch(const StatusOptions& o, const std::string& target, std::string& where) {
   asio::io_context io;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
   if (o.url) {
@@ -112,7 +116,7 @@ std::string fetch(const StatusOptions& o, std::string& where) {
     stream.expires_after(timeout);
     asio::ip::tcp::resolver resolver(io);
     stream.connect(resolver.resolve(host, port));
-    return get(stream, host, o.token);
+    return get(stream, host, o.token, target);
   }
   const char* env = std::getenv("LIGHTWIRE_SOCKET");
   const std::string path = o.socket ? *o.socket : (env && *env ? env : kDefaultSocket);
@@ -124,7 +128,7 @@ std::string fetch(const StatusOptions& o, std::string& where) {
   tv.tv_usec = static_cast<suseconds_t>((o.timeout_s - static_cast<double>(tv.tv_sec)) * 1e6);
   ::setsockopt(sock.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   ::setsockopt(sock.native_handle(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  return get(sock, "localhost", o.token);
+  return get(sock, "localhost", o.token, target);
 }
 
 /// "codec=topk density=0.1 ..." of a codec or rule object: set fields only.
@@ -255,7 +259,12 @@ int runStatus(const StatusOptions& o) {
   }
   std::string where, body;
   try {
-    body = fetch(opts, where);
+    Reply reply = fetch(opts, "/v1/status", where);
+    if (reply.status != 200) {
+      throw std::runtime_error("HTTP " + std::to_string(reply.status) + ": " +
+                               reply.body.substr(0, 300));
+    }
+    body = std::move(reply.body);
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "lightwire status: %s\n", e.what());
     return 2;
@@ -280,6 +289,58 @@ int runStatus(const StatusOptions& o) {
     std::fputs(formatStatus(v.as_object(), opts.decisions).c_str(), stdout);
   }
   return 0;
+}
+
+std::string defaultHealthUrl(const char* admin_listen) {
+  std::string listen = admin_listen && *admin_listen ? admin_listen : "0.0.0.0:4782";
+  const auto colon = listen.rfind(':');
+  if (colon == std::string::npos || colon + 1 == listen.size()) return "http://127.0.0.1:4782";
+  std::string host = listen.substr(0, colon);
+  const std::string port = listen.substr(colon + 1);
+  // A wildcard listener is reached on the loopback address of its family.
+  if (host.empty() || host == "0.0.0.0") host = "127.0.0.1";
+  if (host == "[::]") host = "[::1]";
+  return "http://" + host + ":" + port;
+}
+
+int runHealth(const HealthOptions& o) {
+  if (o.socket && o.url) {
+    std::fprintf(stderr, "lightwire health: give --socket or --url, not both\n");
+    return 2;
+  }
+  StatusOptions opts;
+  opts.socket = o.socket;
+  opts.url = o.url;
+  opts.timeout_s = o.timeout_s;
+  if (!opts.socket && !opts.url)
+    opts.url = defaultHealthUrl(std::getenv("LIGHTWIRE_ADMIN__LISTEN"));
+  if (const char* t = std::getenv("LIGHTWIRE_TOKEN"); t) opts.token = t;
+  const std::string target = o.ready ? "/readyz" : "/healthz";
+  std::string where;
+  try {
+    const Reply reply = fetch(opts, target, where);
+    std::string body = reply.body.substr(0, 300);
+    while (!body.empty() && (body.back() == '\n' || body.back() == '\r')) body.pop_back();
+    if (reply.status == 200) {
+      if (!o.quiet) std::printf("%s%s: %s\n", where.c_str(), target.c_str(), body.c_str());
+      return 0;
+    }
+    std::fprintf(stderr, "lightwire health: %s%s: HTTP %u: %s\n", where.c_str(), target.c_str(),
+                 reply.status, body.c_str());
+    return 1;
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "lightwire health: %s\n", e.what());
+    return 2;
+  } catch (const boost::system::system_error& e) {
+    std::fprintf(stderr, "lightwire health: %s%s: %s\n",
+                 where.empty() ? "the sidecar" : where.c_str(), target.c_str(),
+                 e.code().message().c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lightwire health: %s%s: %s\n",
+                 where.empty() ? "the sidecar" : where.c_str(), target.c_str(), e.what());
+    return 1;
+  }
 }
 
 }  // namespace lightwire::proxy

@@ -425,3 +425,18 @@ def test_torch_save_state_and_load_state(sidecar):
     finally:
         state.close()
         c.close()
+
+
+def test_wait_ready(tmp_path, sidecar):
+    # Nothing there: waits, then fails naming the reason.
+    c = lightwire.Client(socket_path=str(tmp_path / "none.sock"), timeout=2)
+    notes = []
+    t0 = time.monotonic()
+    with pytest.raises(lightwire.SidecarUnavailable) as e:
+        c.wait_ready(timeout=0.6, interval=0.1, progress=notes.append)
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert e.value.error == "not_ready" and "not ready after" in str(e.value)
+    assert "none.sock" in str(e.value)
+    # A sidecar of world size 1 is ready at once.
+    with sidecar.client() as c:
+        c.wait_ready(timeout=10)

@@ -104,3 +104,80 @@ def test_no_per_step_lines_at_info(sidecar_factory):
     with open(sc.stderr_path, encoding="utf-8") as f:
         after = [json.loads(l) for l in f.read().splitlines() if l.strip()]
     assert len(after) == before, [r["msg"] for r in after[before:]]
+
+
+def _serve(tmp_path, admin, *extra):
+    sock = str(tmp_path / ("s%d.sock" % free_tcp_port()))
+    proc = subprocess.Popen(
+        [LIGHTWIRE_BIN, "serve", "--socket", sock, "--control-tcp", "", "--admin-listen", admin,
+         "--state-dir", str(tmp_path / "state"), *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return proc, sock
+
+
+def _wait_socket(path, proc, seconds=20):
+    import os
+    import time
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "the sidecar did not create its socket"
+        time.sleep(0.05)
+
+
+def health(*args, env=None, timeout=20):
+    import os
+    e = dict(os.environ)
+    e.pop("LIGHTWIRE_ADMIN__LISTEN", None)
+    e.update(env or {})
+    return subprocess.run([LIGHTWIRE_BIN, "health", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=timeout, text=True, env=e)
+
+
+def test_health_probes_the_admin_listener(tmp_path):
+    """`lightwire health` (the image's HEALTHCHECK, issue 11): 0 when /healthz or /readyz
+    answers 200, 1 when it answers otherwise or nothing answers, 2 on usage errors."""
+    port = free_tcp_port()
+    proc, sock = _serve(tmp_path, "127.0.0.1:%d" % port)
+    try:
+        _wait_socket(sock, proc)
+        # The admin address the sidecar was given through the environment, wildcard -> loopback.
+        env = {"LIGHTWIRE_ADMIN__LISTEN": "0.0.0.0:%d" % port}
+        r = health(env=env)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == "http://127.0.0.1:%d/healthz: ok" % port
+        r = health("--ready", env=env)
+        assert r.returncode == 0 and r.stdout.strip().endswith("/readyz: ready"), r
+        assert health("--quiet", "--url", "http://127.0.0.1:%d" % port).stdout == ""
+        # The control socket serves the same routes.
+        r = health("--socket", sock, "--ready")
+        assert r.returncode == 0 and "unix:%s/readyz: ready" % sock in r.stdout, r
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    # Nothing listens any more.
+    r = health("--url", "http://127.0.0.1:%d" % port, "--timeout", "2")
+    assert r.returncode == 1 and "Connection refused" in r.stderr, r.stderr
+    r = health("--url", "ftp://x:1")
+    assert r.returncode == 2 and "http://HOST:PORT" in r.stderr
+    r = health("--url", "http://127.0.0.1:1", "--socket", "/tmp/x.sock")
+    assert r.returncode == 2 and "not both" in r.stderr
+
+
+def test_health_ready_waits_for_the_peers(tmp_path):
+    """A sidecar whose peer is not up is alive (healthz 200) but not ready (readyz 503)."""
+    admin, p0, p1 = free_tcp_port(), free_tcp_port(), free_tcp_port()
+    proc, sock = _serve(tmp_path, "127.0.0.1:%d" % admin, "--rank", "0", "--world-size", "2",
+                        "--peers", "127.0.0.1:%d,127.0.0.1:%d" % (p0, p1),
+                        "--peer-listen", "127.0.0.1:%d" % p0, "--secret", "health-test")
+    try:
+        _wait_socket(sock, proc)
+        url = "http://127.0.0.1:%d" % admin
+        r = health("--url", url)
+        assert r.returncode == 0, r.stderr
+        r = health("--url", url, "--ready")
+        assert r.returncode == 1, r
+        assert "/readyz: HTTP 503" in r.stderr, r.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -9,6 +9,14 @@ compression ratio, the bytes sent per step and the step time. With --compare the
 then runs as plain DDP (no compression) and the two are compared. Usage (sidecars running):
 
     PYTHONPATH=clients/python python3 clients/python/examples/train_ddp.py --sockets A[,B,...]
+
+Launched by torchrun (or with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, as in the
+containers of docker/), it is one trainer of the job instead: this process, init_method env://,
+talking to the sidecar of LIGHTWIRE_SOCKET (or --sockets), which it first waits for
+(GET /readyz). One line per trainer and node:
+
+    torchrun --nnodes 2 --node_rank 0 --nproc_per_node 1 --master_addr HOST --master_port 29500 \
+        clients/python/examples/train_ddp.py --steps 300
 """
 
 import argparse
@@ -33,20 +41,26 @@ def make_data(seed, n=4096, dim=64, classes=8):
     return x, labels
 
 
-def train(rank, args, store_path, sockets, results):
-    os.environ["LOCAL_RANK"] = str(rank if len(sockets) == 1 else 0)
+def train(rank, args, init_method, sockets, results, world_size=None):
+    if init_method == "env://":
+        os.environ.setdefault("LOCAL_RANK", "0")  # torchrun sets it: the trainer's index on the node
+    else:
+        os.environ["LOCAL_RANK"] = str(rank if len(sockets) == 1 else 0)
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=args.trainers)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                            world_size=world_size or args.trainers)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                           nn.Linear(256, 8))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
     state = None
     if sockets:
         sock = sockets[0] if len(sockets) == 1 else sockets[rank]
-        state = LightwireHookState(client=lightwire.Client(socket_path=sock, timeout=60.0),
-                                   process_group=dist.group.WORLD)
+        client = lightwire.Client(socket_path=sock, timeout=60.0)
+        # The sidecar may still be starting or waiting for its peers (containers start together).
+        client.wait_ready(timeout=args.ready_timeout,
+                          progress=lambda line: print("trainer %d: %s" % (rank, line), flush=True))
+        state = LightwireHookState(client=client, process_group=dist.group.WORLD)
         ddp.register_comm_hook(state, ddp_comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     x, y = make_data(seed=rank)
@@ -101,7 +115,8 @@ def run(args, sockets):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=train, args=(r, args, os.path.join(d, "store"), sockets, results))
+        init = "file://" + os.path.join(d, "store")
+        procs = [ctx.Process(target=train, args=(r, args, init, sockets, results))
                  for r in range(args.trainers)]
         for p in procs:
             p.start()
@@ -111,6 +126,27 @@ def run(args, sockets):
             if p.exitcode != 0:
                 raise SystemExit(f"trainer exited with {p.exitcode}")
     return out
+
+
+class _Printer(object):
+    """The results "queue" of one trainer launched by torchrun: rank 0 prints its line."""
+
+    def put(self, r):
+        print("\n%s: final loss %.4f  acc %.3f  %.1f s  %d fallbacks%s" % (
+            r["label"], r["loss"], r["acc"], r["seconds"], r["fallbacks"],
+            ("  compression %.1fx" % (r["raw"] / max(r["wire"], 1))) if r["raw"] else ""),
+            flush=True)
+
+
+def run_one(args, sockets):
+    """One trainer of a torchrun-style job: RANK, WORLD_SIZE (and MASTER_ADDR/PORT) set."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not 0 <= rank < world:
+        raise SystemExit("RANK=%d is not below WORLD_SIZE=%d" % (rank, world))
+    if len(sockets) > 1:
+        raise SystemExit("launched by torchrun: one sidecar socket (--sockets or LIGHTWIRE_SOCKET)")
+    # No socket: plain DDP, as --compare's baseline (LIGHTWIRE_SOCKET unset).
+    train(rank, args, "env://", sockets, _Printer(), world_size=world)
 
 
 def main():
@@ -123,8 +159,12 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--compare", action="store_true", help="then train plain DDP and compare")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for the sidecar's GET /readyz")
     args = p.parse_args()
     sockets = [s for s in args.sockets.split(",") if s]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return run_one(args, sockets)
     if not sockets:
         raise SystemExit("give --sockets (or LIGHTWIRE_SOCKET)")
     if len(sockets) not in (1, args.trainers):

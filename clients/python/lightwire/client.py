@@ -401,6 +401,33 @@ class Client(object):
         except LightwireError:
             return False
 
+    def wait_ready(self, timeout=300.0, interval=0.25, progress=None):
+        """Wait until ``GET /readyz`` answers 200 (every listener up, every peer connected).
+
+        For trainers started next to their sidecar (a container or pod starts both at once):
+        the sidecar may not exist yet, or wait for its peers. ``progress``: called with a
+        one-line reason about every 10 s while waiting. Raises ``SidecarUnavailable`` (error
+        ``"not_ready"``) with the last reason after ``timeout`` seconds."""
+        import time
+        deadline = time.monotonic() + float(timeout)
+        next_note = time.monotonic() + 10.0
+        while True:
+            try:
+                r = self.request("GET", "/readyz")
+                if r.status == 200:
+                    return
+                why = "readyz %d: %s" % (r.status, bytes(r.body).decode("utf-8", "replace").strip())
+            except LightwireError as e:
+                why = str(e)
+            now = time.monotonic()
+            if now >= deadline:
+                raise SidecarUnavailable("%r not ready after %.0f s (%s)" % (self, timeout, why),
+                                         error="not_ready")
+            if progress is not None and now >= next_note:
+                progress("waiting for %r: %s" % (self, why))
+                next_note = now + 10.0
+            time.sleep(min(interval, max(deadline - now, 0.0)))
+
 
 def pci_bus_id(device):
     """The PCI bus id ("0000:3b:00.0") of a CUDA device (a torch.device or index), as the CUDA
