@@ -1,16 +1,35 @@
 #!/usr/bin/env bash
-# Installs every Debian 12 package lightwire needs to build, test and run its demo. Idempotent and
-# quiet: when everything is installed it does nothing at all (not even `apt-get update`).
+# Installs the Debian 12 packages lightwire needs. Idempotent and quiet: when everything is
+# installed it does nothing at all (not even `apt-get update`).
+#
+#   scripts/install-deps.sh [all|build|runtime]
+#
+#   all      (default) everything to build, test and run the demo and benchmarks
+#   build    only what building the sidecar needs (the build stage of docker/Dockerfile)
+#   runtime  only the shared libraries the built binary links (the runtime stage of
+#            docker/Dockerfile; tests/python/test_deploy.py checks that they cover `ldd`)
+#
 # Runs as root, or through sudo otherwise. The CUDA toolkit is optional and not a Debian package:
-# when /usr/local/cuda exists, scripts/build.sh builds the CUDA kernels too.
+# when /usr/local/cuda exists, scripts/build.sh builds the CUDA kernels too (docker/Dockerfile
+# adds NVIDIA's repository for it).
 set -euo pipefail
 
-packages=(
-  # build
+what=${1:-all}
+
+# The shared libraries of build-release/proxy/lightwire (the CUDA runtime is linked statically;
+# the driver, libcuda.so.1, is loaded at run time when present).
+runtime=(
+  libboost-json1.81.0 libfmt9 libhwy1 libprometheus-cpp-core1.0 libspdlog1.10 libssl3 libucx0
+  libxxhash0 libyaml-cpp0.7
+)
+
+build=(
   meson ninja-build pkg-config g++
-  # libraries
   libboost1.81-dev libboost-json1.81-dev prometheus-cpp-dev libyaml-cpp-dev libcli11-dev
   libspdlog-dev libxxhash-dev libssl-dev libhwy-dev librandom123-dev libucx-dev
+)
+
+tests=(
   # tests (doctest; the numpy reference implementation behind the golden payloads; the Python
   # client's tests and the demo's trainer: PyTorch and pytest). OpenBLAS: Debian's torch and
   # numpy link libblas.so.3, which is otherwise the reference BLAS (about 5 GFLOPS a core against
@@ -27,7 +46,17 @@ packages=(
   # benchmarks: network namespaces and the rate limit (ip, tc) of bench/netns_exchange.sh and
   # bench/e2e; the plots of docs/BENCHMARKS.md
   iproute2 python3-matplotlib
+  # deployment: `docker-compose config` checks docker/compose.yml (no engine needed); PyYAML
+  # reads the Kubernetes manifests (tests/python/test_deploy.py)
+  docker-compose python3-yaml
 )
+
+case "$what" in
+  all) packages=("${build[@]}" "${tests[@]}") ;;
+  build) packages=("${build[@]}") ;;
+  runtime) packages=("${runtime[@]}") ;;
+  *) echo "usage: $0 [all|build|runtime]" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${packages[@]}"; do

@@ -9,6 +9,9 @@
 #     which counts as skipped on a machine without a GPU (exit 77), never as passed;
 #   - the golden payload check of the independent reference implementation (one test);
 #   - the Python client and DDP hook tests (pytest) against the real sidecar and PyTorch;
+#     they include the deployment files (tests/python/test_deploy.py: docker-compose config of
+#     docker/compose.yml, the Dockerfile against the binary's libraries, the Kubernetes manifests
+#     and `serve --check-config` of their configuration, the compose job's commands on loopback);
 #   - promtool checks of docker/prometheus (config, rules, rule unit tests);
 #   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan);
 #   - a 2-minute soak (bench/soak/soak.py): fails on any error, RSS growth or fd growth.
