@@ -47,8 +47,12 @@ tests=(
   # bench/e2e; the plots of docs/BENCHMARKS.md
   iproute2 python3-matplotlib
   # deployment: `docker-compose config` checks docker/compose.yml (no engine needed); PyYAML
-  # reads the Kubernetes manifests (tests/python/test_deploy.py)
+  # reads the Kubernetes manifests and the compose file (tests/python/test_deploy.py,
+  # scripts/check-image.py)
   docker-compose python3-yaml
+  # the image emulation (scripts/check-image.py): a Debian 12 root file system to run the
+  # Dockerfile's stages in
+  debootstrap
 )
 
 case "$what" in

@@ -13,6 +13,8 @@
 #     docker/compose.yml, the Dockerfile against the binary's libraries, the Kubernetes manifests
 #     and `serve --check-config` of their configuration, the compose job's commands on loopback);
 #   - promtool checks of docker/prometheus (config, rules, rule unit tests);
+#   - docker/Dockerfile's sidecar and trainer stages run on a debootstrapped Debian 12 (as root;
+#     scripts/check-image.py): health check, a gradient, one compose node's trainer;
 #   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan);
 #   - a 2-minute soak (bench/soak/soak.py): fails on any error, RSS growth or fd growth.
 # Ends with exactly one line `N passed, M failed[, K skipped]` and exits non-zero when anything
@@ -220,6 +222,22 @@ if bash scripts/check-prometheus.sh >"$logs/promtool.log" 2>&1; then
 else
   tail -n 40 "$logs/promtool.log"
   fail "promtool" "see $logs/promtool.log"
+fi
+
+note "== the sidecar and trainer images, emulated (docker/Dockerfile on a debootstrapped Debian 12)"
+if [[ $(id -u) -ne 0 ]]; then
+  skip "image emulation" "needs root (debootstrap, chroot): sudo $python scripts/check-image.py"
+elif [[ ! -x $release_dir/proxy/lightwire ]]; then
+  fail "image emulation" "no $release_dir/proxy/lightwire"
+else
+  t0=$SECONDS
+  if "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
+    --cache "$prefix-image-cache" >"$logs/image.log" 2>&1; then
+    pass "image emulation: sidecar and trainer stages, health check, a compose node's training ($((SECONDS - t0)) s)"
+  else
+    grep '^check-image' "$logs/image.log" | tail -n 20
+    fail "image emulation" "see $logs/image.log"
+  fi
 fi
 
 note "== formatting (.clang-format)"
