@@ -107,9 +107,14 @@ def test_soak_smoke_20s_passes_the_verdict(tmp_path):
     _need_binary()
     out = str(tmp_path / "soak.json")
     # Short periods so that every allocate-once path (first trainer checkpoint, periodic
-    # checkpoint, full-sync) falls within the 10-s warm-up.
+    # checkpoint, full-sync) falls within the 10-s warm-up. This run checks the harness end to
+    # end, not for leaks: its judged window is 10 s (two 1-s samples per compared fifth), where
+    # the heap's high-water mark still rises in steps with the requests in flight at once (+4.4 %
+    # seen on a loaded machine). The leak verdict is the test command's 2-minute soak (60 s
+    # judged, the 2 % limit) and the 30-minute run; judge() itself is tested above.
     cmd = [PYTHON, SOAK, "--duration", "20", "--warmup", "10", "--interval", "5", "--checkpoint-every", "4",
-           "--full-sync-every", "10", "--periodic-checkpoint-every", "15", "--bin", LIGHTWIRE_BIN, "--json", out]
+           "--full-sync-every", "10", "--periodic-checkpoint-every", "15", "--rss-limit", "25",
+           "--bin", LIGHTWIRE_BIN, "--json", out]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180)
     text = r.stdout.decode("utf-8", "replace")
     assert r.returncode == 0, text[-6000:]
