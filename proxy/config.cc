@@ -373,7 +373,7 @@ std::vector<KeyImpl> makeKeyTable() {
       unsignedSetter<C>([](C& c) -> int& { return c.local_trainers; }, 1, 1024),
       [](const C& c) { return json::value(c.local_trainers); });
   add("threads", "--threads", "integer 0..1024", "0",
-      "Codec worker threads (0 = hardware concurrency)",
+      "Codec worker threads (0 = the CPUs this process may use: affinity, cgroup CPU quota)",
       unsignedSetter<C>([](C& c) -> unsigned& { return c.threads; }, 0, 1024),
       [](const C& c) { return json::value(c.threads); });
   add(

@@ -21,6 +21,7 @@
 #include "proxy/bench_exchange.h"
 #include "proxy/bench_ingest.h"
 #include "proxy/config.h"
+#include "proxy/cpus.h"
 #include "proxy/serve.h"
 #include "proxy/status_cli.h"
 #include "proxy/version.h"
@@ -74,7 +75,7 @@ int runBenchCodec(const BenchCodecFlags& f) {
   }
   BenchSettings settings;
   settings.elements = f.elements;
-  settings.threads = f.threads ? f.threads : std::max(1u, std::thread::hardware_concurrency());
+  settings.threads = f.threads ? f.threads : cpuBudget().usable();
   settings.chunk_elements = f.chunk_elements;
   settings.runs = f.runs;
 
@@ -168,7 +169,9 @@ int run(int argc, char** argv) {
   codec->add_option("--elements", f.elements, "Input elements (fp32)")
       ->required()
       ->check(CLI::Range(size_t{1}, size_t{1} << 34));
-  codec->add_option("--threads", f.threads, "CpuStream threads (default: hardware concurrency)")
+  codec
+      ->add_option("--threads", f.threads,
+                   "CpuStream threads (default: the CPUs this process may use)")
       ->check(CLI::Range(1u, 1024u));
   codec
       ->add_option("--chunk-elements", f.chunk_elements,

@@ -26,6 +26,7 @@
 #include "ipc/shm_region.h"
 #include "metrics/metrics.h"
 #include "proxy/control_api.h"
+#include "proxy/cpus.h"
 #include "proxy/http_server.h"
 #include "proxy/peer/collective.h"
 #include "proxy/peer/ps_exchange.h"
@@ -303,8 +304,14 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     }
   }
 
-  const unsigned threads =
-      config.threads ? config.threads : std::max(1u, std::thread::hardware_concurrency());
+  // threads 0: the CPUs this process may use (affinity mask and cgroup CPU quota), not the node's.
+  unsigned threads = config.threads;
+  if (threads == 0) {
+    const CpuBudget cpus = cpuBudget();
+    threads = cpus.usable();
+    spdlog::info("codec threads: {} (threads 0: the CPUs this process may use: {})", threads,
+                 cpus.describe());
+  }
   metrics::Metrics metrics;
   metrics.setInfo({{"job_id", config.job_id},
                    {"rank", std::to_string(config.peer.rank)},

@@ -576,3 +576,71 @@ def test_compose_job_runs_on_loopback(tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+# ---------------------------------------------------------------- containers' CPU limits
+
+
+def _cpu_cgroup(tmp_name):
+    """A new cgroup with the cpu controller (v2 unified, else v1's cpu mount) and the file that
+    sets its quota, or None where this machine does not let us make one."""
+    for base, quota_file, value in (
+            ("/sys/fs/cgroup", "cpu.max", "50000 100000"),
+            ("/sys/fs/cgroup/cpu", "cpu.cfs_quota_us", "50000"),
+            ("/sys/fs/cgroup/cpu,cpuacct", "cpu.cfs_quota_us", "50000")):
+        if not os.path.exists(os.path.join(base, quota_file if base != "/sys/fs/cgroup"
+                                           else "cgroup.subtree_control")):
+            continue
+        if base == "/sys/fs/cgroup":
+            with open(os.path.join(base, "cgroup.subtree_control")) as f:
+                if "cpu" not in f.read().split():
+                    continue
+        path = os.path.join(base, tmp_name)
+        try:
+            os.mkdir(path)
+            with open(os.path.join(path, quota_file), "w") as f:
+                f.write(value)
+            return path, quota_file
+        except OSError:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+    return None
+
+
+def test_threads_follow_the_cgroup_cpu_quota(tmp_path):
+    """threads 0 in a container with a CPU limit: as many codec threads as the quota allows
+    (here half a CPU: one thread), not one per CPU of the machine."""
+    need_binary()
+    cg = _cpu_cgroup("lightwire-test-%d" % os.getpid())
+    if cg is None:
+        pytest.skip("cannot create a cgroup with the cpu controller here (needs root)")
+    path, quota_file = cg
+    sock = str(tmp_path / "s.sock")
+    log = str(tmp_path / "serve.log")
+    try:
+        with open(log, "w") as out:
+            # The shell joins the cgroup, then becomes the sidecar: the quota applies from its start.
+            proc = subprocess.Popen(
+                ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', path, LIGHTWIRE_BIN,
+                 "serve", "--socket", sock, "--control-tcp", "", "--admin-listen", "",
+                 "--state-dir", ""], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(sock):
+                assert proc.poll() is None and time.monotonic() < deadline, open(log).read()
+                time.sleep(0.05)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        text = open(log).read()
+        assert "1 compute thread(s)" in text, text
+        assert "cgroup quota 0.5 CPUs from %s" % os.path.join(path, quota_file) in text, text
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                time.sleep(0.1)
