@@ -228,3 +228,63 @@ def test_segment_recreated_when_bucket_size_changes(sidecar):
         state.close()
     assert not os.path.exists("/dev/shm/" + new.name)
     assert c.status()["buffers"] == []
+
+
+def _split_outcome(rank, store_dir, socket_path, out_dir, agree, timeout_s):
+    """Rank 0 has a working sidecar (world size 1: it answers with rank 0's own gradient);
+    rank 1's sidecar does not exist. Every bucket's step succeeds on rank 0 and fails on rank 1."""
+    import datetime
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.distributed.init_process_group(
+        "gloo", init_method="file://" + os.path.join(store_dir, "store"), rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=timeout_s))
+    sock = socket_path if rank == 0 else os.path.join(out_dir, "no-sidecar.sock")
+    state = lwt.LightwireHookState(client=lightwire.Client(socket_path=sock, timeout=(2.0, 10.0)),
+                                   agree=agree)
+    result = {"fallbacks": None, "error": None}
+    try:
+        losses, params = H.train(state, steps=5, rank=rank, world_size=2)
+        result.update(params=params, losses=losses, fallbacks=state.fallbacks,
+                      sidecar_steps=state.sidecar_steps, last_error=repr(state.last_error))
+    except Exception as e:  # without agreement: the lone fallback times out
+        result["error"] = repr(e)
+    finally:
+        state.close()
+    torch.save(result, os.path.join(out_dir, "rank%d.pt" % rank))
+    try:
+        torch.distributed.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _run_split(sidecar, tmp_path, agree, timeout_s):
+    import torch.multiprocessing as mp
+    store = tmp_path / "store"
+    store.mkdir()
+    mp.spawn(_split_outcome, args=(str(store), sidecar.socket, str(tmp_path), agree, timeout_s),
+             nprocs=2, join=True)
+    return [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(2)]
+
+
+def test_ranks_fall_back_together_when_only_one_sidecar_fails(sidecar, tmp_path):
+    """One rank's sidecar answers, the other's does not (a sidecar that died between the exchange
+    and its answer looks the same to the trainers). With agreement (the default) both ranks fall
+    back for every bucket, together: identical parameters, no hang, both count the fallbacks, and
+    rank 0's error says another rank failed."""
+    r = _run_split(sidecar, tmp_path, True, 60)
+    for i in range(2):
+        assert r[i]["error"] is None, r[i]["error"]
+        assert r[i]["sidecar_steps"] == 0 and r[i]["fallbacks"] == 5, r[i]
+    assert torch.equal(r[0]["params"], r[1]["params"])
+    assert "peer_fallback" in r[0]["last_error"], r[0]["last_error"]
+    assert "SidecarUnavailable" in r[1]["last_error"], r[1]["last_error"]
+    assert _fallbacks_total(sidecar) == 5  # rank 0 reported its fallbacks to its sidecar
+
+
+def test_without_agreement_a_lone_fallback_is_stuck(sidecar, tmp_path):
+    """The same with agree=False: rank 1 falls back alone and its allreduce finds no partner
+    until the process group's timeout (5 s here; 30 min by default), which is why agreement is
+    the default."""
+    r = _run_split(sidecar, tmp_path, False, 5)
+    for i in range(2):
+        assert r[i]["error"] is not None and "Timed out" in r[i]["error"], r[i]

@@ -100,17 +100,26 @@ class LightwireHookState(object):
     same on every rank. With more threads, two buckets can reach two sidecars in opposite orders
     and both steps then wait for each other until the exchange deadline).
 
+    ``agree``: before using a bucket's result, every rank tells the others whether its sidecar
+    answered (a one-element MIN allreduce on the process group); when one did not, every rank
+    falls back for that bucket, together. Without it, a sidecar failing after the exchange but
+    before answering its trainer (it crashed between two answers) leaves that rank alone in its
+    fallback allreduce, which then pairs with another bucket's collective or waits for the
+    process group's timeout. The cost is one small collective per bucket (the figures:
+    clients/python/README.md).
+
     Counters: ``fallbacks`` (buckets averaged by the process group instead), ``sidecar_steps``
     (buckets averaged by the sidecar), ``fallbacks_reported``; ``last_reply`` is the last
     Form 2 reply (codec, ratio, durations), ``last_error`` the last failure.
     """
 
     def __init__(self, client=None, on_error="fallback", process_group=None, name_prefix="bucket",
-                 trainer=None, max_workers=1):
+                 trainer=None, max_workers=1, agree=True):
         if on_error not in ("fallback", "raise"):
             raise ValueError("on_error must be 'fallback' or 'raise', got %r" % (on_error,))
         self.client = client if client is not None else Client()
         self.on_error = on_error
+        self.agree = bool(agree)
         self.process_group = process_group
         self.name_prefix = name_prefix
         env = os.environ.get("LOCAL_RANK")
@@ -240,12 +249,40 @@ class LightwireHookState(object):
                     continue
                 raise
 
+    def _group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _all_ok(self, ok, device):
+        """Every rank's `ok` for this bucket, MIN-reduced (the same order on every rank: the
+        ordered thread runs completions in DDP's launch order)."""
+        if not dist.is_initialized():
+            return ok  # the hook called outside DDP: no one to agree with
+        group = self._group()
+        if dist.get_world_size(group) == 1:
+            return ok
+        on = device if dist.get_backend(group) == "nccl" else "cpu"
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=on)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True).wait()
+        return bool(flag.item())
+
     def _complete(self, http_future, fut, slot, bucket_buffer, step):
         """Runs in the ordered thread: resolve the hook's future."""
         try:
-            reply = http_future.result()
+            reply, error = http_future.result(), None
         except Exception as e:
-            self._failed(e, fut, bucket_buffer, step)
+            reply, error = None, e
+        if self.agree:
+            try:
+                all_ok = self._all_ok(error is None, bucket_buffer.device)
+            except Exception as e2:  # the process group itself failed: nothing left to try
+                fut.set_exception(e2)
+                return
+            if error is None and not all_ok:
+                error = LightwireError(None, "peer_fallback",
+                                       "another rank's sidecar did not answer this bucket's step "
+                                       "%d; every rank falls back together" % step)
+        if error is not None:
+            self._failed(error, fut, bucket_buffer, step)
             return
         with self._lock:
             self.sidecar_steps += 1
@@ -268,7 +305,7 @@ class LightwireHookState(object):
         log.warning("lightwire: step %d failed (%s); this bucket falls back to the process "
                     "group's allreduce (%d fallbacks so far)", step, e, self.fallbacks)
         try:
-            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            group = self._group()
             world = dist.get_world_size(group)
             bucket_buffer.div_(world)
             dist.all_reduce(bucket_buffer, group=group, async_op=True).wait()
@@ -344,13 +381,13 @@ def _emit_cuda_or_degrade(state, slot, index, flat, name, step):
 
 def _complete_cuda(state, http_future, fut, bucket_buffer, step):
     """Ordered thread: unwrap (slot, reply) and resolve as _complete does."""
+    done = concurrent.futures.Future()
+    slot = None
     try:
         slot, reply = http_future.result()
+        done.set_result(reply)
     except Exception as e:
-        state._failed(e, fut, bucket_buffer, step)
-        return
-    done = concurrent.futures.Future()
-    done.set_result(reply)
+        done.set_exception(e)  # _complete agrees with the other ranks, then falls back
     state._complete(done, fut, slot, bucket_buffer, step)
 
 
