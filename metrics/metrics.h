@@ -25,9 +25,10 @@ inline constexpr size_t kStageCount = 5;
 
 /// The `limit` labels of lightwire_limit_hits_total, created at zero when Metrics is built.
 inline constexpr const char* kLimitNames[] = {
-    "body_bytes",          // limits.max_body_bytes (HTTP body, or a CUDA buffer's size)
-    "header_bytes",        // limits.max_header_bytes
-    "connections",         // limits.max_connections (a connection closed at accept)
+    "body_bytes",           // limits.max_body_bytes (HTTP body, or a CUDA buffer's size)
+    "inflight_body_bytes",  // limits.max_inflight_body_bytes (bodies held at once)
+    "header_bytes",         // limits.max_header_bytes
+    "connections",          // limits.max_connections (a connection closed at accept)
     "request_timeout",     // limits.idle_timeout_s ran out in the middle of a request (slow client)
     "buffers",             // limits.max_buffers
     "buffers_per_client",  // limits.max_buffers_per_client

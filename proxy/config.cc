@@ -454,6 +454,12 @@ std::vector<KeyImpl> makeKeyTable() {
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.max_body_bytes; }, 1,
                         std::numeric_limits<uint64_t>::max()),
       [](const C& c) { return json::value(c.limits.max_body_bytes); });
+  add("limits.max_inflight_body_bytes", "--max-inflight-body-bytes", "integer >= 0", "0",
+      "Request bodies held at once, all connections together, in bytes (429 beyond); 0 = half of "
+      "the memory this process may use (its cgroup memory limit, else the physical memory)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.max_inflight_body_bytes; }, 0,
+                        std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.limits.max_inflight_body_bytes); });
   add("limits.max_header_bytes", "--max-header-bytes", "integer 1024..1048576", "16384",
       "Largest request header block accepted (431 beyond)",
       unsignedSetter<C>([](C& c) -> uint32_t& { return c.limits.max_header_bytes; }, 1024, 1048576),

@@ -66,8 +66,9 @@ struct ListenAddress {
 struct ServeConfig {
   std::string job_id = "default";
   int local_trainers = 1;
-  unsigned threads = 0;  // 0 = the CPUs this process may use (proxy/cpus.h; resolved by the caller)
-  bool gpu = true;       // the step engine's GPU path for CUDA IPC buffers (EngineOptions::gpu)
+  unsigned threads =
+      0;            // 0 = the CPUs this process may use (proxy/resources.h; resolved by the caller)
+  bool gpu = true;  // the step engine's GPU path for CUDA IPC buffers (EngineOptions::gpu)
   std::string log_level = "info";
   std::string log_format = "text";  // text | json (one object per line)
   std::string control_socket = "/run/lightwire/lightwire.sock";  // "" = no Unix listener
@@ -78,6 +79,7 @@ struct ServeConfig {
   /// Resource limits of the listeners and the step engine.
   struct Limits {
     uint64_t max_body_bytes = 1073741824;
+    uint64_t max_inflight_body_bytes = 0;  // bodies held at once (0 = half the memory budget)
     uint32_t max_header_bytes = 16384;
     double idle_timeout_s = 60;
     double step_timeout_s = 120;

@@ -53,6 +53,9 @@ struct Shared {
   HttpServer::LimitHook on_limit;
   std::atomic<bool> stopping{false};
   std::shared_ptr<std::atomic<size_t>> connections;
+  // Bytes of request bodies being read or held by a handler, all connections together
+  // (limits.max_inflight_body_bytes): reserved from the Content-Length before the body is read.
+  std::atomic<uint64_t> inflight_body{0};
   std::mutex mu;
   // One per session: close it if idle (on stop). Entries of ended sessions are pruned as new
   // ones arrive, so the list stays about as long as the number of open connections.
@@ -74,7 +77,10 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
       : stream_(std::move(stream)), shared_(std::move(shared)), info_(info) {
     shared_->connections->fetch_add(1);
   }
-  ~Session() { shared_->connections->fetch_sub(1); }
+  ~Session() {
+    release();
+    shared_->connections->fetch_sub(1);
+  }
 
   void start() {
     if constexpr (std::is_same_v<Stream, UnixStream>) {
@@ -121,6 +127,24 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
     if (shared_->on_limit) shared_->on_limit(limit);
   }
 
+  /// Reserves `bytes` of the in-flight body budget for this request; false when it would pass
+  /// limits.max_inflight_body_bytes (0 = no cap). `in_flight` is set to what others hold.
+  bool reserve(uint64_t bytes, uint64_t& in_flight) {
+    const uint64_t cap = shared_->limits.max_inflight_body_bytes;
+    uint64_t cur = shared_->inflight_body.load();
+    do {
+      in_flight = cur;
+      if (cap != 0 && (bytes > cap || cur > cap - bytes)) return false;
+    } while (!shared_->inflight_body.compare_exchange_weak(cur, cur + bytes));
+    reserved_ = bytes;
+    return true;
+  }
+
+  void release() {
+    if (reserved_ != 0) shared_->inflight_body.fetch_sub(reserved_);
+    reserved_ = 0;
+  }
+
   /// Parse errors are answered (when the connection still works) and end the connection.
   bool failRead(beast::error_code ec) {
     // The timeout ran out in the middle of a request (a slow or stalled client), not between
@@ -163,6 +187,22 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
            "request body of " + std::to_string(*len) + " bytes exceeds limits.max_body_bytes (" +
                std::to_string(shared_->limits.max_body_bytes) + " bytes)");
       return;
+    }
+    // The body's bytes count against the budget of bodies held at once until the reply is
+    // written: its Content-Length, or for a chunked body the largest it may grow to.
+    if (!parser_->is_done()) {
+      const auto len = parser_->content_length();
+      const uint64_t need = len ? *len : shared_->limits.max_body_bytes;
+      uint64_t in_flight = 0;
+      if (need > 0 && !reserve(need, in_flight)) {
+        limitHit("inflight_body_bytes");
+        fail(http::status::too_many_requests, "limit_reached",
+             "request bodies held at once would exceed limits.max_inflight_body_bytes (" +
+                 std::to_string(shared_->limits.max_inflight_body_bytes) + " bytes; " +
+                 std::to_string(in_flight) + " held, this one " + std::to_string(need) +
+                 (len ? "" : ", chunked: counted at limits.max_body_bytes") + ")");
+        return;
+      }
     }
     // Beast reads at most the buffer's free capacity (at least 512 bytes) per system call: a large
     // body gets a large buffer, or 100 MB would take 200 000 reads.
@@ -208,6 +248,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
   }
 
   void write(Response r) {
+    release();  // the handler is done with the request's body
     r.version(version_);
     r.keep_alive(keep_alive_ && !shared_->stopping.load());
     r.prepare_payload();
@@ -267,6 +308,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
   bool busy_ = false;
   bool closed_ = false;
   bool head_ = false;
+  uint64_t reserved_ = 0;  // this request's share of Shared::inflight_body
 };
 
 /// Accepts connections of one protocol and starts a Session for each.

@@ -26,6 +26,9 @@ enum class ListenerKind { kControl, kAdmin };
 /// Limits of one server (docs/configuration.md, limits.*).
 struct HttpLimits {
   uint64_t max_body_bytes = uint64_t{1} << 30;
+  /// Request bodies being read or held at once, all connections together (0 = no cap): a body
+  /// that would pass it is refused from its Content-Length (429), before it is read.
+  uint64_t max_inflight_body_bytes = 0;
   uint32_t max_header_bytes = 16384;
   std::chrono::milliseconds idle_timeout{60000};
   size_t max_connections = 256;
@@ -62,7 +65,8 @@ class HttpServer {
   using RefusedHook = std::function<void(std::string_view target, unsigned status)>;
   void onRefused(RefusedHook hook);
   /// Called whenever a connection or request hits one of the limits (metrics::kLimitNames:
-  /// "body_bytes", "header_bytes", "connections", "request_timeout"). Set before listening.
+  /// "body_bytes", "inflight_body_bytes", "header_bytes", "connections", "request_timeout"). Set
+  /// before listening.
   using LimitHook = std::function<void(std::string_view limit)>;
   void onLimit(LimitHook hook);
 

@@ -21,7 +21,7 @@
 #include "proxy/bench_exchange.h"
 #include "proxy/bench_ingest.h"
 #include "proxy/config.h"
-#include "proxy/cpus.h"
+#include "proxy/resources.h"
 #include "proxy/serve.h"
 #include "proxy/status_cli.h"
 #include "proxy/version.h"

@@ -26,11 +26,11 @@
 #include "ipc/shm_region.h"
 #include "metrics/metrics.h"
 #include "proxy/control_api.h"
-#include "proxy/cpus.h"
 #include "proxy/http_server.h"
 #include "proxy/peer/collective.h"
 #include "proxy/peer/ps_exchange.h"
 #include "proxy/peer/tcp_transport.h"
+#include "proxy/resources.h"
 #if LIGHTWIRE_HAVE_UCX
 #include "proxy/peer/ucx_transport.h"
 #endif
@@ -453,6 +453,22 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   boost::asio::io_context io;
   HttpLimits limits;
   limits.max_body_bytes = config.limits.max_body_bytes;
+  limits.max_inflight_body_bytes = config.limits.max_inflight_body_bytes;
+  if (limits.max_inflight_body_bytes == 0) {
+    // Half of what this process may use: the rest is for the steps' working memory and state.
+    const MemoryBudget memory = memoryBudget();
+    if (memory.usable() == 0) {
+      spdlog::warn(
+          "request bodies held at once: no cap (limits.max_inflight_body_bytes 0 and this "
+          "process's memory is unknown)");
+    } else {
+      limits.max_inflight_body_bytes = std::max<uint64_t>(memory.usable() / 2, uint64_t{64} << 20);
+      spdlog::info(
+          "request bodies held at once: at most {} bytes (limits.max_inflight_body_bytes 0: half "
+          "of the memory this process may use, {})",
+          limits.max_inflight_body_bytes, memory.describe());
+    }
+  }
   limits.max_header_bytes = config.limits.max_header_bytes;
   limits.idle_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(config.limits.idle_timeout_s * 1000.0));

@@ -755,6 +755,47 @@ TEST_CASE("headers over max_header_bytes get 431") {
   CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="header_bytes"} 2)") != std::string::npos);
 }
 
+TEST_CASE("bodies held at once are capped: a body that would pass the budget is 429 unread") {
+  ServeConfig config;
+  config.local_trainers = 2;
+  HttpLimits limits;
+  limits.max_inflight_body_bytes = 1 << 20;
+  Stack s(config, limits);
+  constexpr size_t kN = 100000;  // 400 000 bytes per trainer
+  Client a = s.unixClient(), b = s.unixClient(), c = s.tcpClient();
+  // Trainer 0's body is held while the step waits for trainer 1.
+  a.send(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=0",
+         floatsBody(std::vector<float>(kN, 1.0f)), kRaw);
+  waitPending(s.engine, "g");
+  // 700 000 more bytes would pass 1 MiB: refused from the Content-Length, before the body.
+  c.sendRaw(
+      "POST /v1/emit_gradient?name=h&step=1&trainer=0 HTTP/1.1\r\nHost: x\r\n"
+      "Content-Type: application/octet-stream\r\nContent-Length: 700000\r\n\r\n");
+  const Res refused = c.receive();
+  const std::string m = expectError(refused, 429, "limit_reached");
+  CHECK(m.find("limits.max_inflight_body_bytes (1048576 bytes; 400000 held, this one 700000)") !=
+        std::string::npos);
+  CHECK_FALSE(refused.keep_alive());
+  // Trainer 1's 400 000 bytes fit (800 000 held): the step completes, both get the mean.
+  const Res r1 = b.request(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=1",
+                           floatsBody(std::vector<float>(kN, 3.0f)), kRaw);
+  REQUIRE_MESSAGE(r1.result_int() == 200, r1.body());
+  CHECK(bodyFloats(r1.body()) == std::vector<float>(kN, 2.0f));
+  REQUIRE(a.receive().result_int() == 200);
+  // Answered bodies are released: two bodies of 480 000 bytes now fit.
+  Client d = s.unixClient();
+  d.send(http::verb::post, "/v1/emit_gradient?name=h&step=1&trainer=0",
+         floatsBody(std::vector<float>(120000, 1.0f)), kRaw);
+  waitPending(s.engine, "h");
+  const Res h1 = b.request(http::verb::post, "/v1/emit_gradient?name=h&step=1&trainer=1",
+                           floatsBody(std::vector<float>(120000, 1.0f)), kRaw);
+  CHECK(h1.result_int() == 200);
+  CHECK(d.receive().result_int() == 200);
+  const std::string metrics = s.unixClient().get("/metrics").body();
+  CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="inflight_body_bytes"} 1)") !=
+        std::string::npos);
+}
+
 TEST_CASE("two local trainers: a second request for the same part is 409; steps do not go back") {
   ServeConfig config;
   config.local_trainers = 2;
