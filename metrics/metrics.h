@@ -34,6 +34,7 @@ inline constexpr const char* kLimitNames[] = {
     "buffers_per_client",  // limits.max_buffers_per_client
     "pending_steps",       // limits.max_pending_steps
     "state_bytes",         // limits.max_state_bytes
+    "peer_handshakes",     // connections on the peer port still in their handshake (at accept)
 };
 
 /// The registry and every family the sidecar exports. Thread-safe (prometheus-cpp's counters,

@@ -70,6 +70,10 @@ Result<std::unique_ptr<peer::Transport>> listenForPeers(const ServeConfig& confi
 #endif
   }
   peer::TcpOptions options;
+  // Every other rank may be handshaking at once when the job starts; beyond that, connections
+  // that never authenticate are closed at accept.
+  options.max_pending_handshakes = std::max<size_t>(
+      options.max_pending_handshakes, 2 * static_cast<size_t>(config.peer.world_size));
   const auto& tls = config.peer.tls;
   options.tls = {.enabled = tls.enabled,
                  .cert_file = tls.cert_file,

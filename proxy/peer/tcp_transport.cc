@@ -251,6 +251,9 @@ struct TcpTransport::Impl {
   std::unique_ptr<ssl::context> tls_ctx;  // set by listen() with options.tls.enabled
   std::unique_ptr<asio::io_context> io;
   tcp::acceptor acceptor;
+  // Accepted connections whose handshake has not ended (TcpOptions::max_pending_handshakes).
+  size_t pending_handshakes = 0;
+  std::chrono::steady_clock::time_point last_handshake_warning{};
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
   std::thread thread;
   std::atomic<bool> started{false};
@@ -847,10 +850,25 @@ struct TcpTransport::Impl {
         co_await pause.async_wait(asio::redirect_error(use_awaitable, ec));
         continue;
       }
+      if (pending_handshakes >= options.max_pending_handshakes) {
+        error_code ignored;
+        s.close(ignored);
+        metrics.limitHits("peer_handshakes").Increment();
+        const auto now = std::chrono::steady_clock::now();
+        if (now - last_handshake_warning > std::chrono::seconds(10)) {
+          last_handshake_warning = now;
+          spdlog::warn(
+              "peer: {} connections are in their handshake already (at most {}); closing new ones "
+              "until they finish (limit hits counted in lightwire_limit_hits_total)",
+              pending_handshakes, options.max_pending_handshakes);
+        }
+        continue;
+      }
       setSocketOptions(s);
       auto c = newConn(std::move(s));
       c->address = endpointName(c->socket);
       c->name = c->address;
+      ++pending_handshakes;  // from accept to the handshake's verdict (serverSession)
       asio::co_spawn(*io, serverSession(c), asio::detached);
     }
   }
@@ -859,6 +877,7 @@ struct TcpTransport::Impl {
     Watchdog watchdog(io->get_executor());
     watchdog.arm(c, options.handshake_timeout);
     Status st = co_await serverHandshake(c);
+    --pending_handshakes;
     watchdog.disarm();
     if (!st) {
       refuse(c, st);

@@ -22,8 +22,12 @@ namespace lightwire::proxy::peer {
 struct TcpOptions {
   std::chrono::milliseconds connect_timeout{2000};    // one TCP connect attempt
   std::chrono::milliseconds handshake_timeout{5000};  // HELLO .. AUTH, either side
-  std::chrono::milliseconds backoff_initial{50};      // between connect attempts, doubling ...
-  std::chrono::milliseconds backoff_max{2000};        // ... up to this
+  // Accepted connections not yet authenticated, at most; beyond it a new connection is closed at
+  // accept (counted as lightwire_limit_hits_total{limit="peer_handshakes"}): connections that
+  // never authenticate cannot take every descriptor while each waits out handshake_timeout.
+  size_t max_pending_handshakes = 64;
+  std::chrono::milliseconds backoff_initial{50};  // between connect attempts, doubling ...
+  std::chrono::milliseconds backoff_max{2000};    // ... up to this
   std::chrono::milliseconds ping_interval{1000};
   std::chrono::milliseconds peer_timeout{10000};     // nothing received for this long: peer lost
   uint64_t max_frame_bytes = kDefaultMaxFrameBytes;  // payload bytes of one frame

@@ -865,5 +865,37 @@ TEST_CASE(
   CHECK(f->payload == p);
 }
 
+TEST_CASE("tcp transport: connections stuck before authenticating are capped at accept") {
+  TcpOptions o = fastOptions();
+  o.max_pending_handshakes = 4;
+  o.handshake_timeout = 3000ms;
+  Lone lone(o);
+  auto hits = [&] { return lone.metrics.limitHits("peer_handshakes").Value(); };
+  // Four connections that say nothing hold every handshake place ...
+  std::vector<std::unique_ptr<RawClient>> idle;
+  for (int i = 0; i < 4; ++i) {
+    idle.push_back(std::make_unique<RawClient>(lone.transport->port()));
+    REQUIRE(idle.back()->connected());
+  }
+  // ... so a fifth is closed at once, long before the handshake deadline, and counted.
+  const auto t0 = Clock::now();
+  RawClient extra(lone.transport->port());
+  CHECK(extra.closedByPeer());
+  CHECK(Clock::now() - t0 < 1500ms);
+  CHECK(waitFor([&] { return hits() >= 1; }));
+  // Once they are gone, a real rank connects.
+  idle.clear();
+  std::unique_ptr<RawClient> good;
+  bool ok = false;
+  // The server may not have seen the idle ones close yet: a refused attempt is retried.
+  for (int attempt = 0; attempt < 50 && !ok; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(20ms);
+    good = std::make_unique<RawClient>(lone.transport->port());
+    ok = good->handshake(0, 1, 2);
+  }
+  REQUIRE(ok);
+  CHECK(waitFor([&] { return lone.transport->allConnected(); }));
+}
+
 }  // namespace
 }  // namespace lightwire::proxy::peer
