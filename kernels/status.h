@@ -17,6 +17,7 @@ enum class StatusCode : int {
   kFailedPrecondition,
   kInternal,
   kUnavailable,
+  kAborted,  // another rank gave up the step (a peer's ABORT): fail it too, and blame that rank
 };
 
 /// Outcome of an operation: ok, or a code with a human-readable message. Cheap when ok.

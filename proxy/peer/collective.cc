@@ -61,7 +61,7 @@ Status nameSilentRanks(Transport& t, Status failed, uint64_t tensor, uint64_t st
       continue;
     }
     // An abort fails every receive of the step: the aborting rank's reason is the one to give.
-    if (got.status().message().find(" aborted step ") != std::string::npos) return failed;
+    if (got.status().code() == StatusCode::kAborted) return failed;
     silent.push_back(k);
   }
   if (silent.empty()) return failed;

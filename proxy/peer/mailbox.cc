@@ -145,7 +145,7 @@ Result<Frame> PeerMailboxes::receive(uint32_t src, const FrameKey& key,
     for (uint32_t r = 0; r < peers_.size(); ++r) {
       const auto& aborts = peers_[r].aborts;
       if (auto it = aborts.find({key.tensor, key.step}); it != aborts.end()) {
-        return Status(StatusCode::kUnavailable,
+        return Status(StatusCode::kAborted,
                       fmt::format("peer: rank {} aborted step {} of tensor {:016x}: {}", r,
                                   key.step, key.tensor, it->second));
       }

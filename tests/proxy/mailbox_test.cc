@@ -52,6 +52,7 @@ TEST_CASE("mailbox: an abort wins over a frame the aborting rank sent before giv
   auto got = mail.receive(7, 3);
   REQUIRE_FALSE(got);
   CHECK(got.status().message().find("aborted step 3") != std::string::npos);
+  CHECK(got.status().code() == StatusCode::kAborted);
   // Other steps are not affected.
   mail.frame(7, 4);
   CHECK(mail.receive(7, 4));
