@@ -284,7 +284,11 @@ def test_ranks_fall_back_together_when_only_one_sidecar_fails(sidecar, tmp_path)
 def test_without_agreement_a_lone_fallback_is_stuck(sidecar, tmp_path):
     """The same with agree=False: rank 1 falls back alone and its allreduce finds no partner
     until the process group's timeout (5 s here; 30 min by default), which is why agreement is
-    the default."""
+    the default. Neither rank finishes. The first rank whose collective times out leaves and
+    closes its gloo connections, so the other one may see "Connection closed by peer" just
+    before its own deadline instead of a timeout; at least one of them timed out."""
     r = _run_split(sidecar, tmp_path, False, 5)
     for i in range(2):
-        assert r[i]["error"] is not None and "Timed out" in r[i]["error"], r[i]
+        e = r[i]["error"]
+        assert e is not None and ("Timed out" in e or "Connection closed by peer" in e), r[i]
+    assert any("Timed out" in r[i]["error"] for i in range(2)), r
