@@ -1,6 +1,9 @@
 #include "proxy/config.h"
 
+#include <fcntl.h>
 #include <fnmatch.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <yaml-cpp/yaml.h>
 #include <CLI/CLI.hpp>
@@ -190,6 +193,20 @@ std::optional<ListenAddress> parseListen(std::string_view s) {
   if (!p || *p > 65535) return std::nullopt;
   a.port = static_cast<uint16_t>(*p);
   return a;
+}
+
+constexpr std::string_view kRankPlaceholder = "{rank}";
+
+/// `text` with every "{rank}" replaced by `rank`.
+std::string expandRank(std::string_view text, uint32_t rank) {
+  std::string out;
+  for (size_t at = text.find(kRankPlaceholder); at != std::string_view::npos;
+       at = text.find(kRankPlaceholder)) {
+    out += text.substr(0, at);
+    out += std::to_string(rank);
+    text.remove_prefix(at + kRankPlaceholder.size());
+  }
+  return out += text;
 }
 
 std::string setListen(std::string_view s, std::optional<ListenAddress>& out) {
@@ -510,6 +527,12 @@ std::vector<KeyImpl> makeKeyTable() {
       },
       [](const C& c) { return json::value(c.token.empty() ? "" : kRedacted); },
       /*secret=*/true);
+  add(
+      "security.token_file", "--token-file", "path", "",
+      "File holding security.token (one trailing newline ignored), read at start; instead of "
+      "security.token, e.g. a mounted Kubernetes or Docker secret (\"\" = none)",
+      [](C& c, std::string_view s) { return setPath(s, c.token_file); },
+      [](const C& c) { return json::value(c.token_file); });
   add("rank", "--rank", "integer 0..65535", "0", "This sidecar's rank among the job's sidecars",
       unsignedSetter<C>([](C& c) -> uint32_t& { return c.peer.rank; }, 0, 65535),
       [](const C& c) { return json::value(c.peer.rank); });
@@ -530,19 +553,28 @@ std::vector<KeyImpl> makeKeyTable() {
       [](const C& c) { return json::value(c.peer.listen.toString()); });
   add(
       "peer.peers", "--peers", "host:port,...", "",
-      "Every sidecar's peer address, in rank order (this one's included)",
+      "Every sidecar's peer address, in rank order (this one's included); or one address with "
+      "{rank} in it, standing for world_size addresses (\"node-{rank}.peers:4781\": node-0..., "
+      "node-1..., ...)",
       [](C& c, std::string_view s) -> std::string {
         std::vector<std::string> out;
+        bool templated = false;
         while (!s.empty()) {
           const size_t comma = s.find(',');
           const std::string_view item = s.substr(0, comma);
-          if (!parseListen(item)) {
+          const std::string probe = expandRank(item, 0);
+          templated = templated || probe != item;
+          if (!parseListen(probe)) {
             return "must be \"host:port\" addresses separated by commas, got '" +
                    std::string(item.substr(0, 64)) + "'";
           }
           out.emplace_back(item);
           if (comma == std::string_view::npos) break;
           s = s.substr(comma + 1);
+        }
+        if (templated && out.size() != 1) {
+          return "must be one address when it is a template with {rank}, got " +
+                 std::to_string(out.size());
         }
         c.peer.peers = std::move(out);
         return "";
@@ -563,6 +595,12 @@ std::vector<KeyImpl> makeKeyTable() {
       },
       [](const C& c) { return json::value(c.peer.secret.empty() ? "" : kRedacted); },
       /*secret=*/true);
+  add(
+      "peer.secret_file", "--secret-file", "path", "",
+      "File holding peer.secret (one trailing newline ignored), read at start; instead of "
+      "peer.secret, e.g. a mounted Kubernetes or Docker secret (\"\" = none)",
+      [](C& c, std::string_view s) { return setPath(s, c.peer.secret_file); },
+      [](const C& c) { return json::value(c.peer.secret_file); });
   add(
       "peer.timeout_s", "--peer-timeout", "seconds > 0", "30",
       "Deadline of one exchange: a silent or dead peer fails the step everywhere within it",
@@ -1184,6 +1222,69 @@ Result<std::string> readFile(const std::string& path) {
   return text;
 }
 
+constexpr size_t kMaxSecretFileBytes = 4096;
+
+/// Reads `file_key`'s file into the secret key `value_key` (one trailing "\n" or "\r\n"
+/// dropped), checked by that key's own rules; the contents never appear in a message. A file
+/// others may read is allowed (a Kubernetes secret volume's default mode is 0644) with a warning.
+Status readSecretFile(const std::string& file_key, const std::string& file,
+                      const std::string& value_key, ServeConfig& cfg, Origins& origins,
+                      std::vector<std::string>& warnings) {
+  if (file.empty()) return Status::ok();
+  const KeyImpl& value = *findKey(value_key);
+  const json::value current = value.get(cfg);
+  if (!current.is_string() || !current.as_string().empty()) {
+    return invalidArgument("give " + value_key + " or " + file_key + ", not both (" + value_key +
+                           " from " + origins[value_key] + ")");
+  }
+  const std::string source = file_key + " " + file;
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0) return invalidArgument(source + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  std::string text;
+  std::string error;
+  if (::fstat(fd, &st) != 0) {
+    error = std::string("cannot stat: ") + std::strerror(errno);
+  } else if (!S_ISREG(st.st_mode)) {
+    error = "is not a regular file";
+  } else if (static_cast<uint64_t>(st.st_size) > kMaxSecretFileBytes) {
+    error = "is " + std::to_string(st.st_size) + " bytes; a secret file holds at most " +
+            std::to_string(kMaxSecretFileBytes);
+  } else {
+    text.resize(kMaxSecretFileBytes + 1);
+    size_t got = 0;
+    while (got < text.size()) {
+      const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) error = std::string("cannot read: ") + std::strerror(errno);
+      if (n <= 0) break;
+      got += static_cast<size_t>(n);
+    }
+    text.resize(got);
+    if (error.empty() && got > kMaxSecretFileBytes) error = "grew past the limit while read";
+  }
+  ::close(fd);
+  if (!error.empty()) return invalidArgument(source + ": " + error);
+  if (text.size() >= 1 && text.back() == '\n') text.pop_back();
+  if (text.size() >= 1 && text.back() == '\r') text.pop_back();
+  if (text.empty()) return invalidArgument(source + ": the file is empty");
+  if (st.st_mode & S_IROTH) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    warnings.push_back(source + ": other users may read it (mode " + mode + "); chmod o-r");
+  }
+  return setKey(value, text, cfg, source, value_key, &origins);
+}
+
+/// A peer.peers template ("node-{rank}.peers:4781") as world_size addresses.
+void expandPeerTemplate(ServeConfig& cfg) {
+  auto& p = cfg.peer;
+  if (p.peers.size() != 1 || p.peers[0].find(kRankPlaceholder) == std::string::npos) return;
+  const std::string pattern = p.peers[0];
+  p.peers.clear();
+  for (uint32_t r = 0; r < p.world_size; ++r) p.peers.push_back(expandRank(pattern, r));
+}
+
 Status applyFile(const std::string& path, ServeConfig& cfg, Origins& origins) {
   const std::string source = "file " + path;
   auto text = readFile(path);
@@ -1382,7 +1483,9 @@ Status checkMembership(const ServeConfig& c) {
         "ucx give peer.peers");
   }
   if (p.secret.empty()) {
-    return invalidArgument("peer.secret must be set when world_size > 1 (LIGHTWIRE_PEER__SECRET)");
+    return invalidArgument(
+        "peer.secret must be set when world_size > 1 (LIGHTWIRE_PEER__SECRET, or a file named "
+        "by peer.secret_file)");
   }
   if (p.rendezvous) return Status::ok();
   if (p.peers.size() != p.world_size) {
@@ -1403,6 +1506,11 @@ Result<ServeConfig> buildServeConfig(const std::optional<std::string>& file_path
   if (file_path) LW_RETURN_IF_ERROR(applyFile(*file_path, cfg, origins));
   LW_RETURN_IF_ERROR(applyEnvironment(environ_entries, cfg, origins, w));
   LW_RETURN_IF_ERROR(applyFlags(flags, cfg, origins, w));
+  LW_RETURN_IF_ERROR(
+      readSecretFile("peer.secret_file", cfg.peer.secret_file, "peer.secret", cfg, origins, w));
+  LW_RETURN_IF_ERROR(
+      readSecretFile("security.token_file", cfg.token_file, "security.token", cfg, origins, w));
+  expandPeerTemplate(cfg);
   LW_RETURN_IF_ERROR(validateDefaultCodec(cfg, origins));
   // Each key was checked alone; now the policies as a whole (adaptive_min_ratio <= max, ...).
   LW_RETURN_IF_ERROR(validatePolicies(cfg, origins));

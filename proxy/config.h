@@ -90,7 +90,8 @@ struct ServeConfig {
     uint64_t max_state_bytes = 0;  // codec state of all tensors together (0 = no cap)
   } limits;
 
-  std::string token;  // secret: "" = no bearer token
+  std::string token;       // secret: "" = no bearer token
+  std::string token_file;  // file holding `token`, read by buildServeConfig ("" = none)
   CompressionConfig compression;
 
   /// The `policies` and `schedule` sections (DESIGN.md §5, docs/policies.md): anomaly bypass,
@@ -110,8 +111,11 @@ struct ServeConfig {
     uint32_t rank = 0;
     uint32_t world_size = 1;
     ListenAddress listen{"0.0.0.0", 4781};
-    std::vector<std::string> peers;  // "host:port" of every rank, index = rank
+    /// "host:port" of every rank, index = rank. One address with "{rank}" in it is a template
+    /// that buildServeConfig expands to world_size addresses.
+    std::vector<std::string> peers;
     std::string secret;              // job secret (HMAC key); required when world_size > 1
+    std::string secret_file;         // file holding `secret`, read by buildServeConfig ("" = none)
     double timeout_s = 30;           // deadline of one exchange
     uint64_t checksum_every = 100;   // compare result checksums every N steps (0 = never)
     std::string transport = "tcp";   // tcp | ucx
@@ -160,7 +164,8 @@ void addServeFlags(CLI::App& app, FlagValues& flags);
 
 /// Builds the config: defaults < file (YAML, read from `file_path`) < environment ("KEY=VALUE"
 /// entries) < flags. Unknown `LIGHTWIRE_*` variables and other non-fatal findings are appended to
-/// `warnings` (may be null) for the caller to log.
+/// `warnings` (may be null) for the caller to log. Then the secret files (peer.secret_file,
+/// security.token_file) are read and a peer.peers template is expanded to world_size addresses.
 Result<ServeConfig> buildServeConfig(const std::optional<std::string>& file_path,
                                      const std::vector<std::string>& environ_entries,
                                      const FlagValues& flags, std::vector<std::string>* warnings);

@@ -2,6 +2,7 @@
 // errors naming key and source, codec rules, the JSON forms and the generated --help.
 #include <doctest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -125,8 +126,17 @@ TEST_CASE("config: defaults") {
 }
 
 TEST_CASE("config: every key: file < environment < flag") {
+  // The secret files exist: they are read once all sources are merged.
+  TempDir secrets;
+  std::vector<std::string> secret_files;
+  for (const char* name : {"s1", "s2", "s3"}) {
+    secret_files.push_back(secrets.write(name, std::string("secret-") + name));
+    ::chmod(secret_files.back().c_str(), 0600);
+  }
   // Three valid values per key, for the file, the environment and the flag.
   const std::map<std::string, std::vector<std::string>> values = {
+      {"peer.secret_file", secret_files},
+      {"security.token_file", secret_files},
       {"job_id", {"a", "b", "c"}},
       {"local_trainers", {"2", "3", "4"}},
       {"threads", {"1", "2", "3"}},
@@ -805,6 +815,111 @@ TEST_CASE("config: membership keys agree with each other; the job secret is neve
   auto bad = buildServeConfig(std::nullopt, {}, flagsOf({{"peer.peers", "a:1,nocolon"}}), nullptr);
   REQUIRE_FALSE(bad.isOk());
   CHECK(contains(bad.status().message(), "peer.peers"));
+}
+
+TEST_CASE("config: a peer.peers template with {rank} stands for world_size addresses") {
+  auto build = [](std::map<std::string, std::string> v) {
+    return buildServeConfig(std::nullopt, {}, flagsOf(std::move(v)), nullptr);
+  };
+  auto c = build({{"rank", "2"},
+                  {"world_size", "3"},
+                  {"peer.secret", "x"},
+                  {"peer.peers", "lightwire-{rank}.lightwire-peers:4781"}});
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  CHECK(c->peer.peers == std::vector<std::string>{"lightwire-0.lightwire-peers:4781",
+                                                  "lightwire-1.lightwire-peers:4781",
+                                                  "lightwire-2.lightwire-peers:4781"});
+  CHECK(checkMembership(*c).isOk());
+  CHECK(at(*c, "peer.peers").as_string() ==
+        "lightwire-0.lightwire-peers:4781,lightwire-1.lightwire-peers:4781,"
+        "lightwire-2.lightwire-peers:4781");
+  // Every occurrence, the port too; the file's template expanded with the environment's size.
+  TempDir dir;
+  const std::string file = dir.write("c.yaml", "peer:\n  peers: 'n{rank}-{rank}:47{rank}0'\n");
+  auto from_file =
+      buildServeConfig(file, {"LIGHTWIRE_WORLD_SIZE=2"}, flagsOf({{"peer.secret", "x"}}), nullptr);
+  REQUIRE_MESSAGE(from_file.isOk(), from_file.status().message());
+  CHECK(from_file->peer.peers == std::vector<std::string>{"n0-0:4700", "n1-1:4710"});
+  // A template among other addresses, or one that is no address, is refused by the key itself.
+  auto mixed = build({{"peer.peers", "a:1,b{rank}:2"}});
+  REQUIRE_FALSE(mixed.isOk());
+  CHECK(contains(mixed.status().message(), "must be one address when it is a template"));
+  auto broken = build({{"peer.peers", "node-{rank}"}});
+  REQUIRE_FALSE(broken.isOk());
+  CHECK(contains(broken.status().message(), "must be \"host:port\" addresses"));
+  CHECK(contains(broken.status().message(), "got 'node-{rank}'"));
+  // Without a placeholder a single address is a plain list of one.
+  auto one = build({{"peer.peers", "a:1"}});
+  REQUIRE(one.isOk());
+  CHECK(one->peer.peers == std::vector<std::string>{"a:1"});
+}
+
+TEST_CASE("config: peer.secret_file and security.token_file read the secrets from files") {
+  TempDir dir;
+  auto build = [](std::map<std::string, std::string> v,
+                  std::vector<std::string>* warnings = nullptr) {
+    return buildServeConfig(std::nullopt, {}, flagsOf(std::move(v)), warnings);
+  };
+  const std::string secret = dir.write("secret", "s3cret-from-a-file\n");
+  const std::string token = dir.write("token", "tok-from-a-file\r\n");
+  ::chmod(secret.c_str(), 0400);
+  ::chmod(token.c_str(), 0440);
+  std::vector<std::string> warnings;
+  auto c = build({{"world_size", "2"},
+                  {"peer.peers", "a:1,b:2"},
+                  {"peer.secret_file", secret},
+                  {"security.token_file", token}},
+                 &warnings);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  CHECK(c->peer.secret == "s3cret-from-a-file");  // the trailing newline is not part of it
+  CHECK(c->token == "tok-from-a-file");
+  CHECK(checkMembership(*c).isOk());
+  CHECK(warnings.empty());
+  const std::string shown = json::serialize(toJson(*c));
+  CHECK_FALSE(contains(shown, "s3cret-from-a-file"));
+  CHECK(at(*c, "peer.secret").as_string() == "<redacted>");
+  CHECK(at(*c, "peer.secret_file").as_string() == secret);
+  // Only one trailing newline goes; inner ones stay (the HMAC key is the bytes as written).
+  const std::string two = dir.write("two", "a\nb\n\n");
+  ::chmod(two.c_str(), 0600);
+  auto kept = build({{"peer.secret_file", two}});
+  REQUIRE(kept.isOk());
+  CHECK(kept->peer.secret == "a\nb\n");
+  // A file others may read works, with a warning naming the mode.
+  const std::string open_file = dir.write("open", "x");
+  ::chmod(open_file.c_str(), 0644);
+  warnings.clear();
+  REQUIRE(build({{"peer.secret_file", open_file}}, &warnings).isOk());
+  REQUIRE(warnings.size() == 1);
+  CHECK(contains(warnings[0], "other users may read it (mode 0644)"));
+  // Errors name the key and the file, never the contents, and nothing else is built.
+  auto refused = [&](std::map<std::string, std::string> v, const std::string& says) {
+    auto r = build(std::move(v));
+    REQUIRE_FALSE(r.isOk());
+    CHECK_MESSAGE(contains(r.status().message(), says), r.status().message());
+    CHECK_FALSE(contains(r.status().message(), "s3cret"));
+  };
+  refused({{"peer.secret_file", dir.path() + "/missing"}},
+          "peer.secret_file " + dir.path() + "/missing: cannot open");
+  refused({{"peer.secret_file", dir.path()}}, "is not a regular file");
+  refused({{"peer.secret_file", dir.write("empty", "\n")}}, "the file is empty");
+  refused({{"peer.secret_file", dir.write("big", std::string(5000, 'k'))}},
+          "is 5000 bytes; a secret file holds at most 4096");
+  refused({{"peer.secret_file", secret}, {"peer.secret", "s3cret-inline"}},
+          "give peer.secret or peer.secret_file, not both (peer.secret from flag --secret)");
+  refused({{"security.token_file", dir.write("spaced", "has space")}},
+          "security.token must be printable ASCII without spaces (value not shown)");
+  refused({{"peer.secret_file", dir.write("nul", std::string("a\0b", 3))}},
+          "peer.secret must not contain NUL (value not shown)");
+  // The file is read after every source: an environment variable can name it.
+  auto env = buildServeConfig(std::nullopt, {"LIGHTWIRE_PEER__SECRET_FILE=" + secret}, {}, nullptr);
+  REQUIRE(env.isOk());
+  CHECK(env->peer.secret == "s3cret-from-a-file");
+  // And no file at all leaves the secrets unset.
+  auto none = build({});
+  REQUIRE(none.isOk());
+  CHECK(none->peer.secret.empty());
+  CHECK(none->token.empty());
 }
 
 TEST_CASE("config: peer.tls needs its files when enabled, and the tcp transport") {

@@ -259,12 +259,18 @@ class PeerSidecar(Sidecar):
         a = [LIGHTWIRE_BIN, "serve", "--socket", self.socket, "--control-tcp", "",
              "--admin-listen", "127.0.0.1:0", "--local-trainers", str(self.local_trainers),
              "--codec", self.codec, "--rank", str(self.rank), "--world-size", str(c.world_size),
-             "--peer-listen", "127.0.0.1:%d" % (0 if c.rendezvous and self.rank else c.ports[self.rank]),
              "--peer-timeout", str(c.peer_timeout), "--job-id", self.job_id,
              "--chunk-elements", str(c.chunk_elements), "--threads", "1", "--log-level", "info"]
+        if c.peers_template:
+            # One port, one loopback address per rank (127.0.R.1), and peer.peers as a template.
+            a += ["--peer-listen", "127.0.%d.1:%d" % (self.rank, c.ports[0]),
+                  "--peers", "127.0.{rank}.1:%d" % c.ports[0]]
+        else:
+            a += ["--peer-listen",
+                  "127.0.0.1:%d" % (0 if c.rendezvous and self.rank else c.ports[self.rank])]
         if c.rendezvous:
             a += ["--rendezvous", "127.0.0.1:%d" % c.ports[0]]
-        else:
+        elif not c.peers_template:
             a += ["--peers", ",".join("127.0.0.1:%d" % p for p in c.ports)]
         return a + list(c.codec_args) + self.state_args() + list(c.extra) + list(self.extra)
 
@@ -276,7 +282,15 @@ class PeerSidecar(Sidecar):
         self._stderr = open(self.stderr_path, "wb")
         env = dict(os.environ)
         env.pop("LIGHTWIRE_SOCKET", None)
-        env["LIGHTWIRE_PEER__SECRET"] = self.secret
+        if self.cluster.secret_file:
+            # As a mounted secret: a file of the sidecar's user only, with a trailing newline.
+            path = os.path.join(self.dir, "peer-secret")
+            with open(path, "w") as f:
+                f.write(self.secret + "\n")
+            os.chmod(path, 0o600)
+            env["LIGHTWIRE_PEER__SECRET_FILE"] = path
+        else:
+            env["LIGHTWIRE_PEER__SECRET"] = self.secret
         self.proc = subprocess.Popen(self.args(), stdin=subprocess.DEVNULL, stdout=self._stderr,
                                      stderr=self._stderr, env=env)
         return self
@@ -309,8 +323,12 @@ class Cluster(object):
 
     def __init__(self, tmp_path_factory, world_size, codec="none", codec_args=(), local_trainers=1,
                  chunk_elements=1024, peer_timeout=3, job_id="lw-test-job", extra=(),
-                 rendezvous=False):
+                 rendezvous=False, peers_template=False, secret_file=False):
         self.world_size = world_size
+        # peers_template: --peers 127.0.{rank}.1:PORT (every rank on its own loopback address);
+        # secret_file: the secret in a file (LIGHTWIRE_PEER__SECRET_FILE), not the environment.
+        self.peers_template = peers_template
+        self.secret_file = secret_file
         # rendezvous: only rank 0's address is configured (--rendezvous); the other ranks listen
         # on OS-chosen ports and register them there.
         self.rendezvous = rendezvous

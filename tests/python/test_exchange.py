@@ -179,10 +179,11 @@ def assert_bitwise(got, want, what):
                        float(w.view(np.float32)[i]), int(w[i])))
 
 
-def check_exchange(cluster_factory, world, key, local_trainers=1, steps=STEPS, extra=()):
+def check_exchange(cluster_factory, world, key, local_trainers=1, steps=STEPS, extra=(),
+                   **cluster_kw):
     codec, flags, over = CODECS[key]
     cl = cluster_factory(world, codec=codec, codec_args=flags, local_trainers=local_trainers,
-                         extra=extra)
+                         extra=extra, **cluster_kw)
     shape = SHAPE if codec == "powersgd" else None
     ref = Reference(ref_cfg(codec, **over), world, local_trainers, shape=shape)
     jobs = {}
@@ -224,6 +225,25 @@ def test_exchange_matches_reference(cluster_factory, world, key):
 @pytest.mark.parametrize("key", ["none", "topk"])
 def test_two_local_trainers_per_node(cluster_factory, key):
     check_exchange(cluster_factory, 2, key, local_trainers=2)
+
+
+def test_peers_template_and_secret_file(cluster_factory):
+    """As docker/k8s configures the sidecars: peer.peers is one template with {rank} (here
+    127.0.{rank}.1:PORT, each rank on its own loopback address) and the job secret is read from a
+    file (peer.secret_file, with a trailing newline as `echo` writes it). The sidecars find and
+    admit each other and the results are exact; /v1/status shows the expanded peers and no
+    secret."""
+    cl = check_exchange(cluster_factory, 3, "dgc", peers_template=True, secret_file=True)
+    port = cl.ports[0]
+    for r in range(3):
+        c = cl[r].client()
+        try:
+            peer = c.status()["config"]["peer"]
+        finally:
+            c.close()
+        assert peer["peers"] == ",".join("127.0.%d.1:%d" % (i, port) for i in range(3)), peer
+        assert peer["secret"] == "<redacted>" and peer["secret_file"].endswith("peer-secret")
+        assert "other users may read" not in cl[r].stderr()
 
 
 UCX_CASES = [(3, "none"), (3, "topk"), (3, "qsgd8"), (3, "powersgd"), (2, "dgc"), (4, "fp16")]
