@@ -290,8 +290,10 @@ def test_compose_wires_trainers_to_their_sidecars():
     with open(os.path.join(DOCKER, "config", "lightwire.yaml"), encoding="utf-8") as f:
         conf = yaml.safe_load(f)
     sock_dir = os.path.dirname(conf["control"]["socket"])
-    peers = conf["peer"]["peers"].split(",")
-    assert len(peers) == conf["world_size"] == 2
+    # One template for every rank's address (peer.peers with {rank}).
+    assert "," not in conf["peer"]["peers"] and "{rank}" in conf["peer"]["peers"]
+    peers = [conf["peer"]["peers"].replace("{rank}", str(r)) for r in range(conf["world_size"])]
+    assert len(peers) == 2
     stages = dockerfile_stages()
     for rank, peer in enumerate(peers):
         host, port = peer.rsplit(":", 1)
@@ -356,7 +358,7 @@ def test_compose_sidecar_config_checks():
 # ---------------------------------------------------------------- Kubernetes
 
 
-def _pod_env(c, ordinal, secrets):
+def _pod_env(c, ordinal, config_maps):
     """A container's environment as the kubelet gives it to pod `ordinal`."""
     env = {}
     for e in c.get("env", []):
@@ -369,9 +371,16 @@ def _pod_env(c, ordinal, secrets):
                 "metadata.labels['apps.kubernetes.io/pod-index']", src
             env[e["name"]] = str(ordinal)
         else:
-            ref = src["secretKeyRef"]
-            env[e["name"]] = secrets[ref["name"]][ref["key"]]
+            ref = src["configMapKeyRef"]
+            env[e["name"]] = config_maps[ref["name"]][ref["key"]]
     return env
+
+
+def _secret_file(tmp_path, text):
+    f = tmp_path / "peer-secret"
+    f.write_text(text)
+    f.chmod(0o440)  # the volume's defaultMode
+    return str(f)
 
 
 def test_k8s_manifests_hang_together():
@@ -390,13 +399,17 @@ def test_k8s_manifests_hang_together():
     assert spec["serviceName"] == svc["metadata"]["name"]
     assert svc["spec"]["selector"].items() <= labels.items()
     assert spec["podManagementPolicy"] == "Parallel"
+    # The world size is the ConfigMap's world-size in both containers, = replicas; the file has
+    # none of its own, and its peers are one template.
     n = spec["replicas"]
-    assert conf["world_size"] == n
-    peer_port = conf["peer"]["listen"].rsplit(":", 1)[1]
-    assert conf["peer"]["peers"].split(",") == [
-        "%s-%d.%s:%s" % (sts["metadata"]["name"], i, svc["metadata"]["name"], peer_port)
-        for i in range(n)]
+    cms = {cm["metadata"]["name"]: cm["data"]}
     side, trainer = container(pod, "sidecar"), container(pod, "trainer")
+    assert "world_size" not in conf
+    assert _pod_env(side, 0, cms)["LIGHTWIRE_WORLD_SIZE"] == _pod_env(trainer, 0, cms)["WORLD_SIZE"] \
+        == str(n)
+    peer_port = conf["peer"]["listen"].rsplit(":", 1)[1]
+    assert conf["peer"]["peers"] == "%s-{rank}.%s:%s" % (
+        sts["metadata"]["name"], svc["metadata"]["name"], peer_port)
     ports = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
     assert str(ports["peer"]) == peer_port
     assert str(ports["admin"]) == conf["admin"]["listen"].rsplit(":", 1)[1]
@@ -426,10 +439,18 @@ def test_k8s_manifests_hang_together():
     assert mounts(side)[cfg_dir] == "config"
     assert vols["config"]["configMap"]["name"] == cm["metadata"]["name"]
     assert cfg_key in cm["data"]
-    # The secret reference matches the Secret (whose value is left for the user to fill in).
-    ref = [e for e in side["env"] if e["name"] == "LIGHTWIRE_PEER__SECRET"][0]
-    ref = ref["valueFrom"]["secretKeyRef"]
-    assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
+    assert vols["config"]["configMap"]["items"] == [{"key": cfg_key, "path": cfg_key}]
+    # The job secret is the Secret (whose value is left for the user to fill in) as a file where
+    # peer.secret_file says, in the sidecar only, readable by the pod's group and nobody else;
+    # never an environment variable.
+    sec_dir, sec_name = os.path.split(conf["peer"]["secret_file"])
+    assert mounts(side)[sec_dir] == "secret" and "secret" not in mounts(trainer).values()
+    sv = vols["secret"]["secret"]
+    assert sv["secretName"] == secret["metadata"]["name"]
+    assert [i["path"] for i in sv["items"]] == [sec_name]
+    assert sv["items"][0]["key"] in secret["stringData"]
+    assert sv["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10001
+    assert not any("SECRET" in e["name"] for c in pod["containers"] for e in c.get("env", []))
     # Scrape annotations and the ServiceMonitor point at the admin port.
     ann = spec["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == str(ports["admin"])
@@ -437,7 +458,7 @@ def test_k8s_manifests_hang_together():
     assert mon["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
     # The trainer's view matches: one node per pod, rendezvous on pod 0 through the Service.
     assert trainer["command"][:2] == ["python3", "/opt/lightwire/examples/train_ddp.py"]
-    tenv = _pod_env(trainer, 1, {})
+    tenv = _pod_env(trainer, 1, cms)
     assert (tenv["RANK"], tenv["WORLD_SIZE"]) == ("1", str(n))
     assert tenv["MASTER_ADDR"] == "%s-0.%s" % (sts["metadata"]["name"], svc["metadata"]["name"])
     assert tenv["MASTER_PORT"] == str(ports["rendezvous"])
@@ -458,23 +479,36 @@ def test_k8s_manifests_hang_together():
 
 
 def test_k8s_configmap_passes_check_config(tmp_path):
-    """Every pod's sidecar accepts the ConfigMap's file with the environment the pod gives it;
-    the Secret as committed (empty) is refused with a clear error."""
+    """Every pod's sidecar accepts the ConfigMap's file with the environment the pod gives it and
+    a filled-in Secret at the mounted path (moved to a temp dir); the Secret as committed (empty)
+    is refused with a clear error, and so is a pod beyond world-size."""
     sts = k8s_object("StatefulSet")
     cm = k8s_object("ConfigMap")
     secret = k8s_object("Secret")
     side = container(sts["spec"]["template"]["spec"], "sidecar")
+    cms = {cm["metadata"]["name"]: cm["data"]}
     path = str(tmp_path / side["args"][2].rsplit("/", 1)[1])
     with open(path, "w", encoding="utf-8") as f:
         f.write(cm["data"]["lightwire.yaml"])
-    filled = {secret["metadata"]["name"]: {"peer-secret": "0123456789abcdef0123456789abcdef"}}
-    for ordinal in range(sts["spec"]["replicas"]):
-        r = check_config(path, _pod_env(side, ordinal, filled))
-        assert r.returncode == 0 and r.stdout.strip() == path + ": ok", (ordinal, r.stderr)
-    r = check_config(path, _pod_env(side, 0, {secret["metadata"]["name"]: secret["stringData"]}))
-    assert r.returncode != 0 and "peer.secret must be set" in r.stderr, r.stderr
-    # A pod beyond world_size (replicas raised without the ConfigMap) is refused too.
-    r = check_config(path, _pod_env(side, sts["spec"]["replicas"], filled))
+    mounted = yaml.safe_load(cm["data"]["lightwire.yaml"])["peer"]["secret_file"]
+
+    def env(ordinal, secret_text):
+        e = _pod_env(side, ordinal, cms)
+        e["LIGHTWIRE_PEER__SECRET_FILE"] = _secret_file(tmp_path, secret_text)
+        return e
+    # `kubectl create secret --from-literal` writes no newline; a file written by echo has one.
+    for text in ("0123456789abcdef0123456789abcdef", "0123456789abcdef0123456789abcdef\n"):
+        for ordinal in range(sts["spec"]["replicas"]):
+            r = check_config(path, env(ordinal, text))
+            assert r.returncode == 0 and r.stdout.strip() == path + ": ok", (ordinal, r.stderr)
+            assert "other users may read" not in r.stderr, r.stderr
+    r = check_config(path, env(0, secret["stringData"]["peer-secret"]))
+    assert r.returncode != 0 and "the file is empty" in r.stderr, r.stderr
+    # Without the override the sidecar looks where the volume is mounted.
+    r = check_config(path, _pod_env(side, 0, cms))
+    assert r.returncode != 0 and "peer.secret_file " + mounted + ": cannot open" in r.stderr, r.stderr
+    # A pod beyond world-size (replicas raised without the ConfigMap) is refused too.
+    r = check_config(path, env(sts["spec"]["replicas"], "0123456789abcdef"))
     assert r.returncode != 0 and "rank" in r.stderr, r.stderr
 
 
@@ -493,7 +527,7 @@ def test_kustomize_renders_both_variants():
     assert container(pod, "trainer")["resources"]["limits"]["nvidia.com/gpu"] == 1
     env = {e["name"]: e for e in container(pod, "sidecar")["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
-    assert "LIGHTWIRE_PEER__SECRET" in env and "LIGHTWIRE_RANK" in env  # merged, not replaced
+    assert "LIGHTWIRE_WORLD_SIZE" in env and "LIGHTWIRE_RANK" in env  # merged, not replaced
     base_pod = rendered["base"]["StatefulSet"]["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in container(base_pod, "trainer")["resources"]["limits"]
 
