@@ -49,6 +49,12 @@ constexpr int kExitUsage = 2;
 constexpr unsigned kIoThreads = 1;  // HTTP handling is light; steps run on the engine
 constexpr auto kDrainLimit = std::chrono::seconds(10);
 
+/// Every other rank may be handshaking at once when the job starts; beyond that (and the
+/// transport's default), connections that never authenticate are refused at accept.
+size_t pendingHandshakesFor(const ServeConfig& config, size_t transport_default) {
+  return std::max<size_t>(transport_default, 2 * static_cast<size_t>(config.peer.world_size));
+}
+
 /// The configured peer transport, listening.
 Result<std::unique_ptr<peer::Transport>> listenForPeers(const ServeConfig& config,
                                                         metrics::Metrics& metrics) {
@@ -60,7 +66,9 @@ Result<std::unique_ptr<peer::Transport>> listenForPeers(const ServeConfig& confi
           "peer.rendezvous is served by the tcp transport; with ucx give "
           "peer.peers");
     }
-    auto t = peer::UcxTransport::listen(l.host, l.port, peer::UcxOptions{}, metrics);
+    peer::UcxOptions options;
+    options.max_pending_handshakes = pendingHandshakesFor(config, options.max_pending_handshakes);
+    auto t = peer::UcxTransport::listen(l.host, l.port, options, metrics);
     if (!t) return t.status();
     return std::unique_ptr<peer::Transport>(std::move(*t));
 #else
@@ -70,10 +78,7 @@ Result<std::unique_ptr<peer::Transport>> listenForPeers(const ServeConfig& confi
 #endif
   }
   peer::TcpOptions options;
-  // Every other rank may be handshaking at once when the job starts; beyond that, connections
-  // that never authenticate are closed at accept.
-  options.max_pending_handshakes = std::max<size_t>(
-      options.max_pending_handshakes, 2 * static_cast<size_t>(config.peer.world_size));
+  options.max_pending_handshakes = pendingHandshakesFor(config, options.max_pending_handshakes);
   const auto& tls = config.peer.tls;
   options.tls = {.enabled = tls.enabled,
                  .cert_file = tls.cert_file,

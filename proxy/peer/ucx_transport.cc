@@ -179,6 +179,7 @@ struct UcxTransport::Impl {
 
   UcxOptions options;
   metrics::Metrics& metrics;
+  Clock::time_point last_handshake_warning{};  // the cap's warning, at most every 10 s
   Membership membership;
   uint64_t job_hash = 0;
 
@@ -847,6 +848,15 @@ struct UcxTransport::Impl {
     fail(c, Status(StatusCode::kUnavailable, why));
   }
 
+  /// Accepted endpoints whose handshake has not ended (UcxOptions::max_pending_handshakes).
+  size_t pendingHandshakes() const {
+    size_t n = 0;
+    for (const auto& [id, c] : conns) {
+      n += !c->client && c->phase != Phase::kUp && c->phase != Phase::kClosed;
+    }
+    return n;
+  }
+
   void accept(ucp_conn_request_h request) {
     if (stopping || !listener) {
       if (listener) ucp_listener_reject(listener, request);
@@ -857,6 +867,20 @@ struct UcxTransport::Impl {
     std::string address = "unknown address";
     if (ucp_conn_request_query(request, &attr) == UCS_OK) {
       address = sockaddrName(attr.client_address);
+    }
+    if (const size_t pending = pendingHandshakes(); pending >= options.max_pending_handshakes) {
+      ucp_listener_reject(listener, request);
+      metrics.limitHits("peer_handshakes").Increment();
+      const auto now = Clock::now();
+      if (now - last_handshake_warning > std::chrono::seconds(10)) {
+        last_handshake_warning = now;
+        spdlog::warn(
+            "peer: {} connections are in their handshake already (at most {}); rejecting new "
+            "ones, such as {}'s, until they finish (limit hits counted in "
+            "lightwire_limit_hits_total)",
+            pending, options.max_pending_handshakes, address);
+      }
+      return;
     }
     ucp_ep_params_t p{};
     p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |

@@ -49,6 +49,10 @@ struct UcxOptions {
   // Received frames not yet asked for, per peer; beyond either bound the connection is closed.
   uint64_t max_kept_bytes_per_peer = uint64_t{4} << 30;
   uint64_t max_kept_frames_per_peer = 65536;
+  // Accepted endpoints still in their handshake at once; beyond it a connection request is
+  // rejected (ucp_listener_reject) and counted in lightwire_limit_hits_total{limit=
+  // "peer_handshakes"}, as TcpOptions::max_pending_handshakes does at accept.
+  size_t max_pending_handshakes = 64;
 };
 
 /// Transport over UCX with its own progress thread. Thread-safe (Transport's methods may be called

@@ -646,6 +646,46 @@ TEST_CASE("ucx transport: raw clients speaking wrong things are refused and coun
   CHECK(waitFor([&] { return !lone.transport->peersUp()[0]; }));
 }
 
+TEST_CASE("ucx transport: endpoints stuck before authenticating are capped at accept") {
+  UcxOptions o = fastUcxOptions();
+  o.max_pending_handshakes = 3;
+  o.handshake_timeout = 5000ms;
+  Lone lone(o);
+  auto hits = [&] { return lone.metrics.limitHits("peer_handshakes").Value(); };
+  // Four clients that connect and say nothing: three hold every handshake place, whichever
+  // arrives when they are taken is rejected at once and counted (the order in which the
+  // listener sees them is UCX's business).
+  std::vector<std::unique_ptr<RawUcx>> idle;
+  for (int i = 0; i < 4; ++i) {
+    idle.push_back(std::make_unique<RawUcx>(lone.transport->port()));
+    idle.back()->progressFor(20ms);
+  }
+  CHECK(waitFor([&] {
+    for (auto& c : idle) c->progressFor(1ms);
+    return hits() >= 1;
+  }));
+  int closed = 0;
+  for (auto& c : idle) closed += c->closedByPeer(300ms);
+  // Exactly one, long before the handshake deadline would have closed the other three.
+  CHECK(closed == 1);
+  CHECK(hits() == 1);
+  // Once they are gone, a real rank connects.
+  idle.clear();
+  bool ok = false;
+  std::unique_ptr<RawUcx> good;
+  // The server may not have seen the idle ones close yet: a refused attempt is retried.
+  for (int attempt = 0; attempt < 50 && !ok; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(50ms);
+    good = std::make_unique<RawUcx>(lone.transport->port());
+    ok = good->handshake(0, 1, 2);
+  }
+  REQUIRE(ok);
+  CHECK(waitFor([&] {
+    good->progressFor(5ms);
+    return lone.transport->allConnected();
+  }));
+}
+
 TEST_CASE("ucx transport: a peer silent for peer_timeout is lost") {
   UcxOptions o = fastUcxOptions();
   o.peer_timeout = 500ms;
