@@ -148,7 +148,9 @@ def k8s_object(kind):
 
 
 def container(pod_spec, name):
-    found = [c for c in pod_spec["containers"] if c["name"] == name]
+    """A container of the pod, regular or init (the Job's native sidecar is one)."""
+    found = [c for c in pod_spec["containers"] + pod_spec.get("initContainers", [])
+             if c["name"] == name]
     assert len(found) == 1, name
     return found[0]
 
@@ -367,8 +369,9 @@ def _pod_env(c, ordinal, config_maps):
             continue
         src = e["valueFrom"]
         if "fieldRef" in src:
-            assert src["fieldRef"]["fieldPath"] == \
-                "metadata.labels['apps.kubernetes.io/pod-index']", src
+            assert src["fieldRef"]["fieldPath"] in (
+                "metadata.labels['apps.kubernetes.io/pod-index']",  # StatefulSet
+                "metadata.annotations['batch.kubernetes.io/job-completion-index']"), src  # Job
             env[e["name"]] = str(ordinal)
         else:
             ref = src["configMapKeyRef"]
@@ -464,7 +467,7 @@ def test_k8s_manifests_hang_together():
     assert tenv["MASTER_PORT"] == str(ports["rendezvous"])
     assert tenv["LIGHTWIRE_SOCKET"] == conf["control"]["socket"]
     # The kustomizations list files that exist; the GPU patch names the StatefulSet's containers.
-    for rel in ("base", "gpu"):
+    for rel in ("common", "base", "gpu", "job"):
         with open(os.path.join(K8S, rel, "kustomization.yaml"), encoding="utf-8") as f:
             k = yaml.safe_load(f)
         for res in k.get("resources", []):
@@ -512,17 +515,56 @@ def test_k8s_configmap_passes_check_config(tmp_path):
     assert r.returncode != 0 and "rank" in r.stderr, r.stderr
 
 
+def test_k8s_job_runs_the_same_pods_to_completion():
+    """docker/k8s/job: an Indexed Job whose pods are the StatefulSet's, except that the sidecar is
+    a native sidecar (init container, restartPolicy Always: stopped once the trainer is done),
+    the rank is the completion index, and the pod template's restart policy is OnFailure. Same
+    pod names (lightwire-<index> in the subdomain lightwire-peers), so the ConfigMap serves
+    both; every node runs at once."""
+    import copy
+    sts, job = k8s_object("StatefulSet"), k8s_object("Job")
+    svc, cm = k8s_object("Service"), k8s_object("ConfigMap")
+    n = int(cm["data"]["world-size"])
+    assert job["metadata"]["name"] == sts["metadata"]["name"]
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == n
+    jpod, spod = copy.deepcopy(spec["template"]["spec"]), copy.deepcopy(sts["spec"]["template"]["spec"])
+    assert jpod.pop("subdomain") == svc["metadata"]["name"] == sts["spec"]["serviceName"]
+    assert jpod.pop("restartPolicy") == "OnFailure"
+    assert spec["template"]["metadata"] == sts["spec"]["template"]["metadata"]
+    assert svc["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    # The native sidecar: the StatefulSet's sidecar container plus restartPolicy Always.
+    (side,) = jpod.pop("initContainers")
+    assert side.pop("restartPolicy") == "Always"
+    jpod["containers"] = [side] + jpod["containers"]
+    index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    ordinal = "metadata.labels['apps.kubernetes.io/pod-index']"
+    for c in jpod["containers"]:
+        for e in c.get("env", []):
+            ref = e.get("valueFrom", {}).get("fieldRef")
+            if ref is not None:
+                assert ref["fieldPath"] == index, (c["name"], e)
+                ref["fieldPath"] = ordinal
+    strip = lambda pod: [{k: v for k, v in c.items()} for c in pod["containers"]]
+    assert strip(jpod) == strip(spod)
+    assert {k: v for k, v in jpod.items() if k != "containers"} == \
+        {k: v for k, v in spod.items() if k != "containers"}
+
+
 def test_kustomize_renders_both_variants():
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl not installed (kustomize rendering is checked where it is)")
     rendered = {}
-    for rel in ("base", "gpu"):
+    for rel in ("base", "gpu", "job"):
         r = subprocess.run([kubectl, "kustomize", os.path.join(K8S, rel)], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         rendered[rel] = {d["kind"]: d for d in yaml.safe_load_all(r.stdout)}
-        assert set(rendered[rel]) == {"ConfigMap", "Service", "StatefulSet"}
+        workload = "Job" if rel == "job" else "StatefulSet"
+        assert set(rendered[rel]) == {"ConfigMap", "Service", workload}
+        assert rendered[rel][workload]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "lightwire"
+    assert rendered["job"]["ConfigMap"] == rendered["base"]["ConfigMap"]
     pod = rendered["gpu"]["StatefulSet"]["spec"]["template"]["spec"]
     assert container(pod, "trainer")["resources"]["limits"]["nvidia.com/gpu"] == 1
     env = {e["name"]: e for e in container(pod, "sidecar")["env"]}
