@@ -676,11 +676,11 @@ Result<Checkpoint> readCheckpoint(const std::string& path, const CheckpointExpec
   return r;
 }
 
-std::vector<uint64_t> listCheckpoints(const std::string& dir, const std::string& job_id,
-                                      uint32_t rank) {
-  std::vector<uint64_t> steps;
+std::vector<CheckpointFile> listCheckpointFiles(const std::string& dir, const std::string& job_id,
+                                                uint32_t rank) {
+  std::vector<CheckpointFile> files;
   DIR* d = ::opendir(dir.empty() ? "." : dir.c_str());
-  if (d == nullptr) return steps;
+  if (d == nullptr) return files;
   const std::string prefix = fmt::format("{}.rank{}.step", sanitise(job_id), rank);
   constexpr std::string_view kSuffix = ".lwck";
   while (const dirent* e = ::readdir(d)) {
@@ -698,23 +698,53 @@ std::vector<uint64_t> listCheckpoints(const std::string& dir, const std::string&
     if (ec != std::errc() || end != digits.data() + digits.size()) continue;
     struct stat st {};
     if (::fstatat(::dirfd(d), e->d_name, &st, 0) != 0 || !S_ISREG(st.st_mode)) continue;
-    steps.push_back(step);
+    const int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    files.push_back({step, checkpointPath(dir, job_id, rank, step), mtime});
   }
   ::closedir(d);
+  std::sort(files.begin(), files.end(), [](const CheckpointFile& a, const CheckpointFile& b) {
+    return a.mtime_ns != b.mtime_ns ? a.mtime_ns < b.mtime_ns : a.step < b.step;
+  });
+  return files;
+}
+
+std::vector<uint64_t> listCheckpoints(const std::string& dir, const std::string& job_id,
+                                      uint32_t rank) {
+  std::vector<uint64_t> steps;
+  for (const auto& f : listCheckpointFiles(dir, job_id, rank)) steps.push_back(f.step);
   std::sort(steps.begin(), steps.end());
-  steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
   return steps;
+}
+
+std::optional<CheckpointFile> newestCheckpoint(const std::vector<std::string>& dirs,
+                                               const std::string& job_id, uint32_t rank) {
+  std::optional<CheckpointFile> newest;
+  for (const auto& dir : dirs) {
+    auto files = listCheckpointFiles(dir, job_id, rank);
+    if (files.empty()) continue;
+    auto& f = files.back();
+    if (!newest || f.mtime_ns > newest->mtime_ns ||
+        (f.mtime_ns == newest->mtime_ns && f.step > newest->step)) {
+      newest = std::move(f);
+    }
+  }
+  return newest;
+}
+
+Status markNewest(const std::string& path) {
+  if (::utimensat(AT_FDCWD, path.c_str(), nullptr, 0) != 0) {
+    return internalError("cannot set the modification time of '" + path + "': " + errnoText(errno));
+  }
+  return Status::ok();
 }
 
 void pruneCheckpoints(const std::string& dir, const std::string& job_id, uint32_t rank,
                       size_t keep) {
   keep = std::max<size_t>(keep, 1);
-  const std::vector<uint64_t> steps = listCheckpoints(dir, job_id, rank);
-  if (steps.size() <= keep) return;
-  for (size_t i = 0; i + keep < steps.size(); ++i) {
-    const std::string path = checkpointPath(dir, job_id, rank, steps[i]);
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-      spdlog::warn("cannot remove old checkpoint '{}': {}", path, errnoText(errno));
+  const std::vector<CheckpointFile> files = listCheckpointFiles(dir, job_id, rank);
+  for (size_t i = 0; i + keep < files.size(); ++i) {
+    if (::unlink(files[i].path.c_str()) != 0 && errno != ENOENT) {
+      spdlog::warn("cannot remove old checkpoint '{}': {}", files[i].path, errnoText(errno));
     }
   }
 }

@@ -80,7 +80,25 @@ Result<Checkpoint> readCheckpoint(const std::string& path, const CheckpointExpec
 /// Steps of the checkpoint files of (job, rank) in `dir`, ascending (empty when none or no dir).
 std::vector<uint64_t> listCheckpoints(const std::string& dir, const std::string& job_id,
                                       uint32_t rank);
-/// Removes all but the newest `keep` files of (job, rank) in `dir` (keep >= 1).
+
+/// One checkpoint file found in a directory.
+struct CheckpointFile {
+  uint64_t step = 0;
+  std::string path;
+  int64_t mtime_ns = 0;  // its modification time: when it was written (or marked newest)
+};
+/// The checkpoint files of (job, rank) in `dir` in the order they were written: by modification
+/// time, then step. Not by step alone: after a resume from step S the files of steps after S
+/// are of an abandoned run, older than what the resumed run writes (see markNewest).
+std::vector<CheckpointFile> listCheckpointFiles(const std::string& dir, const std::string& job_id,
+                                                uint32_t rank);
+/// The most recently written checkpoint of (job, rank) in any of `dirs`; none when there is none.
+std::optional<CheckpointFile> newestCheckpoint(const std::vector<std::string>& dirs,
+                                               const std::string& job_id, uint32_t rank);
+/// Sets the file's modification time to now, so that it counts as the most recently written
+/// (the checkpoint a run resumed from).
+Status markNewest(const std::string& path);
+/// Removes all but the `keep` most recently written files of (job, rank) in `dir` (keep >= 1).
 void pruneCheckpoints(const std::string& dir, const std::string& job_id, uint32_t rank,
                       size_t keep);
 

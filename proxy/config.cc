@@ -822,6 +822,11 @@ std::vector<KeyImpl> makeKeyTable() {
       "Periodic and on-SIGTERM checkpoint files kept (the oldest are removed)",
       unsignedSetter<C>([](C& c) -> uint32_t& { return c.state.keep; }, 1, 1000),
       [](const C& c) { return json::value(c.state.keep); });
+  add("state.keep_trainer", "--trainer-checkpoint-keep", "integer 0..1000000", "0",
+      "Trainer-requested checkpoint files (POST /v1/checkpoint) kept, the most recently written "
+      "(0 = all: the trainer's own retention decides)",
+      unsignedSetter<C>([](C& c) -> uint32_t& { return c.state.keep_trainer; }, 0, 1000000),
+      [](const C& c) { return json::value(c.state.keep_trainer); });
   add(
       "state.fresh", "--fresh-state", kBoolType, "false",
       "Start without the checkpoints in state.dir, even when the newest is unreadable or of "

@@ -103,6 +103,7 @@ struct ServeConfig {
     std::string dir = "/var/lib/lightwire";  // "" = no durable state
     uint64_t checkpoint_every = 1000;        // periodic checkpoint every N steps (0 = off)
     uint32_t keep = 3;                       // periodic and on-SIGTERM files kept (1..1000)
+    uint32_t keep_trainer = 0;               // trainer-requested files kept (0 = all)
     bool fresh = false;  // start without the checkpoints in `dir` (even unreadable/foreign ones)
   } state;
 

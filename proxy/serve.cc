@@ -156,10 +156,11 @@ void takeJobState(StepEngine& engine, policies::PolicyEngine& policy, std::atomi
 /// told to start fresh (state.fresh).
 Status checkLatestCheckpoint(const ServeConfig& config) {
   if (config.state.dir.empty() || config.state.fresh) return Status::ok();
-  const auto steps = policies::listCheckpoints(config.state.dir, config.job_id, config.peer.rank);
-  if (steps.empty()) return Status::ok();
-  const std::string path =
-      policies::checkpointPath(config.state.dir, config.job_id, config.peer.rank, steps.back());
+  // The one a restart restores (StepEngine::restoreLatest).
+  const auto newest = policies::newestCheckpoint({config.state.dir, config.state.dir + "/trainer"},
+                                                 config.job_id, config.peer.rank);
+  if (!newest) return Status::ok();
+  const std::string& path = newest->path;
   policies::CheckpointExpect expect;
   expect.job_id = config.job_id;
   expect.world_size = config.peer.world_size;
@@ -417,6 +418,7 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   eo.world_size = config.peer.world_size;
   eo.checkpoint_every = config.state.checkpoint_every;
   eo.checkpoint_keep = config.state.keep;
+  eo.trainer_checkpoint_keep = config.state.keep_trainer;
   StepEngine engine(eo, chooserFor(std::make_shared<const CompressionConfig>(config.compression)),
                     metrics, *exchange);
   ControlApi api(config, metrics, buffers, engine, &policy);

@@ -1241,6 +1241,9 @@ Result<std::string> StepEngine::saveCheckpoint(uint64_t step, const std::string&
   if (reason != "trainer") {
     policies::pruneCheckpoints(options_.state_dir, options_.job_id, options_.rank,
                                std::max<size_t>(1, options_.checkpoint_keep));
+  } else if (options_.trainer_checkpoint_keep > 0) {
+    policies::pruneCheckpoints(dir, options_.job_id, options_.rank,
+                               options_.trainer_checkpoint_keep);
   }
   return path;
 }
@@ -1362,6 +1365,15 @@ Status StepEngine::resumeHere(uint64_t step) {
     for (auto& [name, t] : tensors_) t->last_committed = step;
   }
   if (options_.policy) options_.policy->setResumedFrom(step);
+  // Periodic checkpoints go on from here, even below the last one of the abandoned run.
+  last_periodic_ = step;
+  // The checkpoints written after this one belong to the run abandoned here: make this one the
+  // most recently written, so that a restart restores it (or what the resumed run writes next),
+  // not a later step of that run, and pruning removes those first.
+  if (auto st = policies::markNewest(path); !st.isOk()) {
+    spdlog::warn("{}; a restart may restore a checkpoint of the run abandoned at this resume",
+                 st.message());
+  }
   spdlog::info("resumed from the checkpoint of step {} ({}); the next step is {}", step, path,
                step + 1);
   return Status::ok();
@@ -1369,18 +1381,13 @@ Status StepEngine::resumeHere(uint64_t step) {
 
 Result<std::optional<uint64_t>> StepEngine::restoreLatest() {
   if (options_.state_dir.empty()) return std::optional<uint64_t>{};
-  // The newest of the periodic, on-SIGTERM and trainer-driven checkpoints.
-  std::optional<std::pair<uint64_t, std::string>> newest;
-  for (const std::string& dir : {options_.state_dir, options_.state_dir + "/trainer"}) {
-    const auto steps = policies::listCheckpoints(dir, options_.job_id, options_.rank);
-    if (!steps.empty() && (!newest || steps.back() > newest->first)) {
-      newest = {steps.back(), dir};
-    }
-  }
+  // The most recently written of the periodic, on-SIGTERM and trainer-driven checkpoints (after
+  // a resume, the one resumed from counts as written then: policies::markNewest).
+  const auto newest = policies::newestCheckpoint(
+      {options_.state_dir, options_.state_dir + "/trainer"}, options_.job_id, options_.rank);
   if (!newest) return std::optional<uint64_t>{};
-  const uint64_t step = newest->first;
-  const std::string path =
-      policies::checkpointPath(newest->second, options_.job_id, options_.rank, step);
+  const uint64_t step = newest->step;
+  const std::string path = newest->path;
   // The job's steps and policy state come from the peers; only the codec state from the file.
   LW_RETURN_IF_ERROR(restoreFrom(path, step, /*steps_too=*/false, /*policy_too=*/false));
   uint64_t residual = 0;

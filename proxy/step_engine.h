@@ -209,8 +209,9 @@ struct EngineOptions {
   std::string state_dir;
   std::string job_id = "default";
   uint32_t world_size = 1;
-  uint64_t checkpoint_every = 0;  // periodic checkpoint every N steps (0 = off)
-  size_t checkpoint_keep = 3;     // periodic/sigterm files kept per sidecar
+  uint64_t checkpoint_every = 0;       // periodic checkpoint every N steps (0 = off)
+  size_t checkpoint_keep = 3;          // periodic/sigterm files kept per sidecar
+  size_t trainer_checkpoint_keep = 0;  // trainer-requested files kept (0 = all)
   // Steps whose trainers all hand device memory (Contribution::device) run on the GPU when the
   // binary has the CUDA codecs; false stages them through the host (engine.gpu: false).
   bool gpu = true;

@@ -1,6 +1,7 @@
 // Checkpoint files (policies/checkpoint.h): the layout, exact round trips, atomic writes, and
 // hostile files — truncated, bit-flipped, with lengths that lie under a correct checksum.
 #include <doctest.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -840,6 +841,63 @@ TEST_SUITE("checkpoint") {
     SUBCASE("a missing directory") { pruneCheckpoints(tmp.path() + "/none", "j", 1, 1); }
     CHECK(listCheckpoints(tmp.path(), "j", 0) == std::vector<uint64_t>{1});
     CHECK(listCheckpoints(tmp.path(), "k", 1) == std::vector<uint64_t>{1});
+  }
+
+  TEST_CASE("checkpoint files are ordered as written (modification time, then step)") {
+    TempDir tmp;
+    // Written in the order 8 and 7 (at the same time: by step), 5, 3, 9.
+    auto at = [&](uint64_t step, int64_t sec) {
+      const std::string path = tmp.write("j.rank1.step" + std::to_string(step) + ".lwck", "");
+      const timespec times[2] = {{sec, 0}, {sec, 0}};
+      REQUIRE(::utimensat(AT_FDCWD, path.c_str(), times, 0) == 0);
+      return path;
+    };
+    at(5, 1000);
+    const std::string three = at(3, 2000);
+    at(9, 3000);
+    at(8, 500);
+    at(7, 500);
+    auto steps = [&](const std::string& dir) {
+      std::vector<uint64_t> out;
+      for (const auto& f : listCheckpointFiles(dir, "j", 1)) out.push_back(f.step);
+      return out;
+    };
+    CHECK(steps(tmp.path()) == std::vector<uint64_t>{7, 8, 5, 3, 9});
+    CHECK(listCheckpoints(tmp.path(), "j", 1) == std::vector<uint64_t>{3, 5, 7, 8, 9});
+    const auto files = listCheckpointFiles(tmp.path(), "j", 1);
+    CHECK(files[3].path == three);
+    CHECK(files[3].mtime_ns == int64_t{2000} * 1000000000);
+    // A resume from step 3 marks it as the newest; a restart would restore it, not step 9.
+    REQUIRE(markNewest(three).isOk());
+    CHECK(steps(tmp.path()) == std::vector<uint64_t>{7, 8, 5, 9, 3});
+    auto newest = newestCheckpoint({tmp.path()}, "j", 1);
+    REQUIRE(newest);
+    CHECK(newest->step == 3);
+    CHECK(newest->path == three);
+    // Pruning removes the least recently written, whatever their steps.
+    pruneCheckpoints(tmp.path(), "j", 1, 2);
+    CHECK(steps(tmp.path()) == std::vector<uint64_t>{9, 3});
+    CHECK_FALSE(markNewest(tmp.path() + "/missing.lwck").isOk());
+  }
+
+  TEST_CASE("newestCheckpoint looks in every directory") {
+    TempDir a, b;
+    auto at = [](const TempDir& d, uint64_t step, int64_t sec) {
+      const std::string path = d.write("j.rank0.step" + std::to_string(step) + ".lwck", "");
+      const timespec times[2] = {{sec, 0}, {sec, 0}};
+      REQUIRE(::utimensat(AT_FDCWD, path.c_str(), times, 0) == 0);
+    };
+    CHECK_FALSE(newestCheckpoint({a.path(), b.path(), a.path() + "/none"}, "j", 0));
+    at(a, 100, 10);
+    at(b, 40, 20);  // a trainer checkpoint written after the periodic one of a later step
+    auto n = newestCheckpoint({a.path(), b.path()}, "j", 0);
+    REQUIRE(n);
+    CHECK((n->step == 40 && n->path == b.path() + "/j.rank0.step40.lwck"));
+    at(a, 200, 20);  // same time: the higher step
+    n = newestCheckpoint({a.path(), b.path()}, "j", 0);
+    REQUIRE(n);
+    CHECK(n->step == 200);
+    CHECK_FALSE(newestCheckpoint({a.path(), b.path()}, "j", 1));
   }
 }
 

@@ -193,6 +193,7 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"state.dir", {"/tmp/a", "", "rel/dir"}},
       {"state.checkpoint_every", {"0", "10", "20"}},
       {"state.keep", {"1", "5", "1000"}},
+      {"state.keep_trainer", {"2", "7", "1000000"}},
       {"state.fresh", {"TRUE", "off", "yes"}},
       {"peer.topology", {"ps", "ring", "ps"}},
       {"peer.ps_rank", {"1", "2", "3"}},
@@ -347,6 +348,8 @@ TEST_CASE("config: bad values name the key and the source, from every source") {
       {"state.checkpoint_every", "-5", "non-negative integer"},
       {"state.keep", "0", "1..1000"},
       {"state.keep", "1001", "1..1000"},
+      {"state.keep_trainer", "1000001", "0..1000000"},
+      {"state.keep_trainer", "-1", "0..1000000"},
   };
   TempDir dir;
   for (const auto& b : bad) {

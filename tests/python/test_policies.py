@@ -779,6 +779,63 @@ def test_rank_restarted_after_a_resume(cluster_factory, trainers_for):
     assert_same_logs(cl)
 
 
+def _checkpoint_steps(directory, rank):
+    """Steps of rank's checkpoint files in `directory`, most recently written last."""
+    pat = re.compile(r"lw-test-job\.rank%d\.step(\d+)\.lwck$" % rank)
+    found = []
+    for name in os.listdir(directory):
+        m = pat.match(name)
+        if m:
+            found.append((os.stat(os.path.join(directory, name)).st_mtime_ns, int(m.group(1))))
+    return [step for _, step in sorted(found)]
+
+
+def test_trainer_checkpoints_kept_and_a_restart_after_resume(cluster_factory, trainers_for):
+    """state.keep_trainer 2 keeps the two most recently written trainer checkpoints. After every
+    trainer resumes from step 6, the periodic checkpoint of step 9 that the abandoned run wrote is
+    older than the file resumed from: a sidecar that crashes before the resumed run writes one of
+    its own restores step 6, not step 9 of the abandoned run. Periodic checkpoints go on in the
+    resumed run even below the abandoned run's last one."""
+    W = 2
+    cl = make_cluster(cluster_factory, W, codec="dgc", codec_args=DGC,
+                      extra=["--checkpoint-every", "5", "--trainer-checkpoint-keep", "2"])
+    tr = trainers_for(cl)
+    for s in range(1, 12):
+        ok(tr.step(s, grads(W, s)), cl, "step %d" % s)
+        if s in (2, 4, 6, 8):
+            c = cl[0].client()
+            c.checkpoint(s)
+            c.close()
+    for r in range(W):
+        assert _checkpoint_steps(os.path.join(cl[r].state_dir, "trainer"), r) == [6, 8], r
+        assert _checkpoint_steps(cl[r].state_dir, r) == [4, 9], r
+    restart_all(cl, tr)
+    resumed_at = time.time_ns()
+    for r in range(W):
+        c = cl[r].client()
+        assert c.resume(6)["step"] == 6
+        c.close()
+    # The file resumed from now counts as the most recently written.
+    for r in range(W):
+        assert _checkpoint_steps(os.path.join(cl[r].state_dir, "trainer"), r) == [8, 6], r
+    for s in (7, 8):
+        ok(tr.step(s, grads(W, s)), cl, "step %d after the resume" % s)
+    cl.kill9(1)
+    tr.forget_buffers(1)
+    cl.restart(1)
+    err = cl[1].stderr()
+    assert "restored the codec state of step 6 from" in err, err
+    assert "step 9 from" not in err, err
+    for s in (9, 10, 11):
+        res = ok(tr.step(s, grads(W, s)), cl, "step %d after rank 1 restarted" % s)
+        assert_same_result(res, "step %d" % s)
+    # Step 10 wrote the periodic checkpoint of step 9 again, in the resumed run, on both ranks.
+    for r in range(W):
+        assert _checkpoint_steps(cl[r].state_dir, r)[-1] == 9, r
+        path = os.path.join(cl[r].state_dir, "lw-test-job.rank%d.step9.lwck" % r)
+        assert os.stat(path).st_mtime_ns >= resumed_at - 10**9, r
+
+
 # ------------------------------------------------------------------------------------------------
 # h. Hostile checkpoint files
 # ------------------------------------------------------------------------------------------------
