@@ -161,6 +161,11 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                            .Name("lightwire_peer_rtt_seconds")
                            .Help("Last measured round-trip time to the peer sidecar.")
                            .Register(*registry_)),
+      tls_expiry_family_(BuildGauge()
+                             .Name("lightwire_peer_tls_certificate_expiry_timestamp_seconds")
+                             .Help("When this sidecar's peer TLS certificate expires (Unix time; "
+                                   "only with peer.tls on).")
+                             .Register(*registry_)),
       anomalies_family_(counterFamily(*registry_, "lightwire_anomalies_total",
                                       "Anomalies detected in the global statistics, by kind.")),
       full_syncs_family_(counterFamily(*registry_, "lightwire_full_syncs_total",
@@ -219,6 +224,8 @@ prometheus::Gauge& Metrics::peerUp(uint32_t rank) {
 prometheus::Gauge& Metrics::peerRtt(uint32_t rank) {
   return peer_rtt_family_.Add({{"peer", std::to_string(rank)}});
 }
+
+prometheus::Gauge& Metrics::tlsCertificateExpiry() { return tls_expiry_family_.Add({}); }
 
 void Metrics::setInfo(const std::map<std::string, std::string>& labels) {
   BuildGauge()

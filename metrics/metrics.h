@@ -112,6 +112,9 @@ class Metrics {
   prometheus::Gauge& peerUp(uint32_t rank);
   /// lightwire_peer_rtt_seconds{peer}: the last ping round trip to that rank.
   prometheus::Gauge& peerRtt(uint32_t rank);
+  /// lightwire_peer_tls_certificate_expiry_timestamp_seconds: the end of validity of this
+  /// sidecar's peer TLS certificate (exported only once set, i.e. with peer.tls on).
+  prometheus::Gauge& tlsCertificateExpiry();
 
  private:
   explicit Metrics(std::shared_ptr<prometheus::Registry> registry);
@@ -123,6 +126,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& frames_refused_family_;
   prometheus::Family<prometheus::Gauge>& peer_up_family_;
   prometheus::Family<prometheus::Gauge>& peer_rtt_family_;
+  prometheus::Family<prometheus::Gauge>& tls_expiry_family_;
   prometheus::Family<prometheus::Counter>& anomalies_family_;
   prometheus::Family<prometheus::Counter>& full_syncs_family_;
   prometheus::Family<prometheus::Gauge>& cosine_family_;

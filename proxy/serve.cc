@@ -537,6 +537,27 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   };
   reapLater();
 
+  // SIGHUP: read the peer TLS files again (a renewed certificate); the default action would end
+  // the process.
+  boost::asio::signal_set hangups(io, SIGHUP);
+  std::function<void()> onHangup = [&] {
+    hangups.async_wait([&](const boost::system::error_code& ec, int) {
+      if (ec) return;
+      if (!transport || !config.peer.tls.enabled) {
+        spdlog::info("SIGHUP received: nothing to reload (peer.tls is off)");
+      } else if (auto r = transport->reloadTls(); r.isOk()) {
+        spdlog::info("SIGHUP received: peer TLS reloaded: {}; new connections use it", *r);
+      } else {
+        spdlog::error(
+            "SIGHUP received: peer TLS not reloaded, the previous certificate stays in "
+            "use: {}",
+            r.status().message());
+      }
+      onHangup();
+    });
+  };
+  onHangup();
+
   // Graceful shutdown: stop accepting, fail the steps still waiting for trainers (503), let the
   // running step finish, flush the replies, remove the socket files.
   boost::asio::signal_set signals(io, SIGINT, SIGTERM);
@@ -547,6 +568,8 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   signals.async_wait([&](const boost::system::error_code& ec, int sig) {
     if (ec) return;
     spdlog::info("signal {} received: shutting down", sig);
+    boost::system::error_code ignored;
+    hangups.cancel(ignored);
     api.setStopping();
     reaping = false;
     boost::asio::post(reaper.get_executor(), [&] { reaper.cancel(); });

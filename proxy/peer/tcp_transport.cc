@@ -30,6 +30,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -79,8 +80,11 @@ struct WriteOp {
 struct Conn {
   explicit Conn(tcp::socket s) : socket(std::move(s)) {}
   tcp::socket socket;
+  // The TLS context the connection was made with: a reload (TcpTransport::reloadTls) gives new
+  // connections another one, this one lives as long as the connection.
+  std::shared_ptr<ssl::context> tls_ctx;
   // With TLS: set by the TLS handshake, before any other byte; every read and write then goes
-  // through it (streamOf). Declared after `socket`, which it refers to.
+  // through it (streamOf). Declared after `socket` and `tls_ctx`, which it refers to.
   std::unique_ptr<TlsStream> tls;
   uint64_t id = 0;
   uint32_t peer = kNoPeer;  // set once authenticated
@@ -227,6 +231,35 @@ std::string subjectOf(X509* cert) {
   return X509_NAME_oneline(X509_get_subject_name(cert), buf, sizeof buf) ? buf : "?";
 }
 
+/// The end of the certificate's validity, in seconds since the epoch (nullopt: unreadable).
+std::optional<int64_t> notAfterOf(X509* cert) {
+  std::tm tm{};
+  if (!cert || ASN1_TIME_to_tm(X509_get0_notAfter(cert), &tm) != 1) return std::nullopt;
+  return static_cast<int64_t>(timegm(&tm));
+}
+
+/// "certificate /etc/lw/node.pem (/CN=node-3), valid until 2027-03-01T12:00:00Z" for the log.
+std::string describeCertificate(const TcpOptions::Tls& o, ssl::context& ctx) {
+  X509* cert = SSL_CTX_get0_certificate(ctx.native_handle());
+  std::string out = fmt::format("certificate {} ({})", o.cert_file, subjectOf(cert));
+  if (const auto end = notAfterOf(cert)) {
+    const std::time_t t = static_cast<std::time_t>(*end);
+    std::tm tm{};
+    char buf[32];
+    if (gmtime_r(&t, &tm) && std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm) > 0) {
+      out += fmt::format(", valid until {}", buf);
+    }
+  }
+  return out;
+}
+
+/// lightwire_peer_tls_certificate_expiry_timestamp_seconds: when this node's certificate expires.
+void setCertificateExpiry(metrics::Metrics& metrics, ssl::context& ctx) {
+  if (const auto end = notAfterOf(SSL_CTX_get0_certificate(ctx.native_handle()))) {
+    metrics.tlsCertificateExpiry().Set(static_cast<double>(*end));
+  }
+}
+
 /// Whether these bytes (a frame header's place) start a TLS handshake record.
 bool looksLikeTls(std::span<const uint8_t> b) {
   return b.size() >= 3 && b[0] == 0x16 && b[1] == 0x03 && b[2] <= 0x04;
@@ -248,7 +281,13 @@ struct TcpTransport::Impl {
   metrics::Metrics& metrics;
   Membership membership;
   uint64_t job_hash = 0;
-  std::unique_ptr<ssl::context> tls_ctx;  // set by listen() with options.tls.enabled
+  // Set by listen() with options.tls.enabled and replaced by reloadTls(); guarded by tls_mu.
+  std::shared_ptr<ssl::context> tls_ctx;
+  mutable std::mutex tls_mu;
+  std::shared_ptr<ssl::context> tlsContext() const {
+    std::lock_guard lock(tls_mu);
+    return tls_ctx;
+  }
   std::unique_ptr<asio::io_context> io;
   tcp::acceptor acceptor;
   // Accepted connections whose handshake has not ended (TcpOptions::max_pending_handshakes).
@@ -501,9 +540,10 @@ struct TcpTransport::Impl {
 
   /// With TLS, the TLS handshake in `role`; the HMAC handshake then runs inside it.
   awaitable<Status> tlsHandshake(Conn& c, ssl::stream_base::handshake_type role) {
-    if (!tls_ctx) co_return Status::ok();
+    c.tls_ctx = tlsContext();
+    if (!c.tls_ctx) co_return Status::ok();
     try {
-      c.tls = std::make_unique<TlsStream>(c.socket, *tls_ctx);
+      c.tls = std::make_unique<TlsStream>(c.socket, *c.tls_ctx);
     } catch (const std::exception& e) {
       co_return internalError(fmt::format("TLS with {}: {}", c.name, e.what()));
     }
@@ -973,6 +1013,7 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::listen(const std::string& ho
     auto ctx = makeTlsContext(options.tls);
     if (!ctx) return ctx.status();
     impl->tls_ctx = std::move(*ctx);
+    setCertificateExpiry(metrics, *impl->tls_ctx);
   }
   error_code ec;
   auto address = asio::ip::make_address(host, ec);
@@ -989,12 +1030,26 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::listen(const std::string& ho
   }
   if (impl->tls_ctx) {
     const auto& t = options.tls;
-    spdlog::info("peer: TLS on: certificate {} ({}), {}", t.cert_file,
-                 subjectOf(SSL_CTX_get0_certificate(impl->tls_ctx->native_handle())),
+    spdlog::info("peer: TLS on: {}, {}", describeCertificate(t, *impl->tls_ctx),
                  t.verify_peer ? "peers verified against CA " + t.ca_file
                                : "peers' certificates NOT verified (peer.tls.verify false)");
   }
   return std::unique_ptr<TcpTransport>(new TcpTransport(std::move(impl)));
+}
+
+Result<std::string> TcpTransport::reloadTls() {
+  const auto& t = impl_->options.tls;
+  if (!t.enabled) return failedPrecondition("peer.tls is off: no certificate to reload");
+  auto ctx = makeTlsContext(t);
+  if (!ctx) return ctx.status();
+  std::shared_ptr<ssl::context> fresh = std::move(*ctx);
+  setCertificateExpiry(impl_->metrics, *fresh);
+  std::string what = describeCertificate(t, *fresh);
+  {
+    std::lock_guard lock(impl_->tls_mu);
+    impl_->tls_ctx = std::move(fresh);
+  }
+  return what;
 }
 
 TcpTransport::~TcpTransport() {

@@ -92,6 +92,11 @@ class TcpTransport final : public Transport {
                    std::function<void(uint32_t, std::span<const uint8_t>)> take) override;
   bool allConnected() const override;
   std::vector<bool> peersUp() const override;
+  /// Reads the certificate, key and CA files again (a renewed certificate; docs/peer-protocol.md
+  /// "TLS"): connections made from then on use them, those already up keep theirs. On an error
+  /// (named as listen() names it) the previous files stay in use. Returns the new certificate's
+  /// subject and end of validity for the log. Thread-safe.
+  Result<std::string> reloadTls() override;
 
   struct Impl;
 

@@ -135,6 +135,11 @@ class Transport {
   /// Whether every peer is connected and authenticated (readyz), and per peer (peer_up; index =
   /// rank, our own rank reads true).
   virtual bool allConnected() const = 0;
+  /// Reads the TLS certificate, key and CA files again for the connections made from then on;
+  /// the previous ones stay in use on an error. Transports without TLS say so.
+  virtual Result<std::string> reloadTls() {
+    return failedPrecondition("this peer transport has no TLS to reload");
+  }
   virtual std::vector<bool> peersUp() const = 0;
 };
 

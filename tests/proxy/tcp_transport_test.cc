@@ -20,6 +20,9 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <sstream>
 #include <thread>
@@ -36,6 +39,7 @@ namespace {
 using namespace std::chrono_literals;
 using namespace lightwire::proxy::peer::testing;
 using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
 
 std::vector<uint8_t> pattern(size_t n, uint32_t seed) {
   std::vector<uint8_t> v(n);
@@ -745,6 +749,75 @@ TEST_CASE("tcp transport: TLS: a certificate signed by another CA is refused and
   mesh.startAll();
   REQUIRE(mesh.allConnected());
   allToAll(mesh, 1 << 16);
+}
+
+TEST_CASE("tcp transport: TLS: reloadTls takes renewed files for new connections") {
+  Pki old_pki(2), new_pki(2, "renewed");
+  // Rank 1's files live where it was told to find them; renewing overwrites them.
+  TempDir mine;
+  TcpOptions o1 = old_pki.optionsFor(1);
+  auto copy = [](const std::string& from, const std::string& to) {
+    fs::copy_file(from, to, fs::copy_options::overwrite_existing);
+  };
+  o1.tls.cert_file = mine.path() + "/node.pem";
+  o1.tls.key_file = mine.path() + "/node.key";
+  o1.tls.ca_file = mine.path() + "/ca.pem";
+  auto install = [&](const Pki& p) {
+    copy(p.cert_files[1], o1.tls.cert_file);
+    copy(p.key_files[1], o1.tls.key_file);
+    copy(p.ca_file, o1.tls.ca_file);
+  };
+  install(old_pki);
+  Mesh mesh(0);  // rank 0 connects to rank 1
+  listenRank(mesh, old_pki.optionsFor(0));
+  listenRank(mesh, o1);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  const auto now = static_cast<double>(std::time(nullptr));
+  const double expiry =
+      metricValue(*mesh.metrics[1], "lightwire_peer_tls_certificate_expiry_timestamp_seconds");
+  CHECK(expiry > now + 3600);  // Pki's certificates are valid for a day
+  CHECK(expiry < now + 2 * 86400);
+  // A fresh rank 0 in place of the old one, with `p`'s files.
+  auto replaceRank0 = [&](const Pki& p) {
+    mesh.transports[0].reset();
+    mesh.metrics[0] = std::make_unique<metrics::Metrics>();
+    auto t = TcpTransport::listen("127.0.0.1", 0, p.optionsFor(0), *mesh.metrics[0]);
+    REQUIRE(t.isOk());
+    mesh.transports[0] = std::move(*t);
+    mesh.start(0);
+  };
+
+  // Renewed files (another CA, to tell them apart): the connection that is up stays up ...
+  install(new_pki);
+  auto reloaded = mesh.transports[1]->reloadTls();
+  REQUIRE_MESSAGE(reloaded.isOk(), reloaded.status().message());
+  CHECK(reloaded->find("renewed node 1") != std::string::npos);
+  CHECK(reloaded->find("valid until 20") != std::string::npos);
+  CHECK(mesh.transports[1]->peersUp()[0]);
+  // ... and new connections use the new files: a rank 0 of the old CA is refused, ...
+  const double refused = authFailures(*mesh.metrics[1]);
+  replaceRank0(old_pki);
+  CHECK(waitFor([&] { return authFailures(*mesh.metrics[1]) >= refused + 2; }));
+  CHECK(!mesh.transports[1]->peersUp()[0]);
+  // ... one of the new CA connects.
+  replaceRank0(new_pki);
+  REQUIRE(mesh.allConnected());
+  allToAll(mesh, 1 << 16);
+
+  // A broken renewal is an error naming the file; the files loaded before stay in use.
+  { std::ofstream(o1.tls.key_file) << "-----BEGIN PRIVATE KEY-----\nnot a key\n"; }
+  auto broken = mesh.transports[1]->reloadTls();
+  REQUIRE_FALSE(broken.isOk());
+  CHECK(broken.status().message().find("peer.tls.key_file " + o1.tls.key_file) !=
+        std::string::npos);
+  replaceRank0(new_pki);
+  REQUIRE(mesh.allConnected());
+  // Without TLS there is nothing to reload.
+  Mesh plain(2);
+  auto none = plain.transports[0]->reloadTls();
+  REQUIRE_FALSE(none.isOk());
+  CHECK(none.status().message() == "peer.tls is off: no certificate to reload");
 }
 
 TEST_CASE(

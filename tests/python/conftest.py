@@ -449,6 +449,46 @@ class Cluster(object):
         return self.launch(ranks, timeout=timeout).wait_ready(timeout=timeout)
 
 
+# ------------------------------------------------------------------------------------------------
+# A throwaway PKI for peer TLS
+# ------------------------------------------------------------------------------------------------
+NODE_EXT = """basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature
+extendedKeyUsage = serverAuth, clientAuth
+"""
+
+def make_pki(directory, name, nodes, days):
+    """A CA and node certificates made with the commands of docs/peer-protocol.md "TLS";
+    returns {node: (cert, key)} and the CA file."""
+    def run(*args):
+        r = subprocess.run(args, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=60)
+        assert r.returncode == 0, (args, r.stdout.decode())
+    ca, ca_key = name + "-ca.pem", name + "-ca.key"
+    run("openssl", "req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+        "-nodes", "-keyout", ca_key, "-out", ca, "-days", "365", "-subj", "/CN=%s CA" % name,
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    with open(os.path.join(directory, "node.ext"), "w") as f:
+        f.write(NODE_EXT)
+    out = {}
+    for n in nodes:
+        base = "%s-%s" % (name, n)
+        run("openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+            "-keyout", base + ".key", "-out", base + ".csr", "-subj", "/CN=%s %s" % (name, n))
+        run("openssl", "x509", "-req", "-in", base + ".csr", "-CA", ca, "-CAkey", ca_key,
+            "-CAcreateserial", "-days", str(days), "-extfile", "node.ext", "-out", base + ".pem")
+        out[n] = (os.path.join(directory, base + ".pem"), os.path.join(directory, base + ".key"))
+    return out, os.path.join(directory, ca)
+
+
+def tls_flags(directory, world_size, name="job", days=30):
+    """`serve` flags of every rank for mutual TLS with a fresh CA made in `directory`."""
+    nodes, ca = make_pki(str(directory), name, ["node%d" % r for r in range(world_size)], days)
+    return [["--peer-tls", "--peer-tls-cert", nodes["node%d" % r][0], "--peer-tls-key",
+             nodes["node%d" % r][1], "--peer-tls-ca", ca] for r in range(world_size)]
+
+
 @pytest.fixture
 def cluster_factory(tmp_path_factory):
     """make(world_size, codec=..., codec_args=[...], local_trainers=1, chunk_elements=1024,

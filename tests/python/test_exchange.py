@@ -5,7 +5,9 @@ a peer killed mid-step and restarted."""
 
 import http.client
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -13,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, metric_total
+from conftest import REPO, make_pki, metric_total
 
 sys.path.insert(0, os.path.join(REPO, "tests", "reference"))
 xxhash = pytest.importorskip("xxhash")
@@ -415,3 +417,87 @@ def test_rendezvous_then_restart_on_another_port(cluster_factory):
     for r in range(W):
         assert not isinstance(res[(r, 0)][step], Exception), (r, res[(r, 0)][step], cl.stderr())
         assert_bitwise(res[(r, 0)][step], want, "step %d after the restart, rank %d" % (step, r))
+
+
+# ------------------------------------------------------------------------------------------------
+# TLS certificates renewed in place (SIGHUP)
+# ------------------------------------------------------------------------------------------------
+def test_tls_certificates_renewed_with_sighup(cluster_factory, tmp_path):
+    """Two sidecars over mutual TLS. Rank 1's certificate, key and CA files are replaced by renewed
+    ones (another CA here, to tell them apart) and it gets SIGHUP: it logs the new certificate, the
+    expiry gauge follows, the connection that is up stays up and steps go on. A rank 0 that
+    reconnects with the old CA's certificate is refused; once renewed too (SIGHUP) it connects.
+    A broken renewal is logged and changes nothing: the files loaded before stay in use."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command")
+    old, old_ca = make_pki(str(tmp_path), "old", ["node0", "node1"], 30)
+    new, new_ca = make_pki(str(tmp_path), "new", ["node0", "node1"], 90)
+    cl = cluster_factory(2, codec="none", start=False)
+    files = []
+    for r in range(2):
+        d = tmp_path / ("rank%d" % r)
+        d.mkdir()
+        f = (str(d / "node.pem"), str(d / "node.key"), str(d / "ca.pem"))
+        files.append(f)
+        cl[r].extra = ["--peer-tls", "--peer-tls-cert", f[0], "--peer-tls-key", f[1],
+                       "--peer-tls-ca", f[2]]
+
+    def install(r, pki, ca):
+        cert, key = pki["node%d" % r]
+        for src, dst in zip((cert, key, ca), files[r]):
+            shutil.copyfile(src, dst)
+        os.chmod(files[r][1], 0o600)
+
+    def expiry_days(r):
+        v = metric_total(cl[r].metrics_text(), "lightwire_peer_tls_certificate_expiry_timestamp_seconds")
+        return (v - time.time()) / 86400.0
+
+    def wait_log(r, text, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while text not in cl[r].stderr():
+            assert time.monotonic() < deadline, "rank %d never logged %r:\n%s" % (r, text, cl.stderr())
+            time.sleep(0.05)
+
+    def step(s):
+        jobs = {(r, 0): [(s, trainer_input(2, r, 0, s))] for r in range(2)}
+        results, _ = run_trainers(cl, jobs)
+        for key, res in results.items():
+            assert not isinstance(res[s], Exception), (key, res[s], cl.stderr())
+        assert np.array_equal(results[(0, 0)][s], results[(1, 0)][s])
+
+    for r in range(2):
+        install(r, old, old_ca)
+    cl.start()
+    step(0)
+    assert 29 < expiry_days(1) <= 30
+    # Rank 1 renewed: the link stays up, the new certificate is in force.
+    install(1, new, new_ca)
+    cl[1].proc.send_signal(signal.SIGHUP)
+    wait_log(1, "peer TLS reloaded: certificate %s (/CN=new node1)" % files[1][0])
+    assert 89 < expiry_days(1) <= 90
+    step(1)
+    # Rank 0 reconnects with the old CA's certificate: refused both ways.
+    refused = metric_total(cl[1].metrics_text(), "lightwire_auth_failures_total")
+    cl.kill9(0)
+    cl.launch([0])
+    deadline = time.monotonic() + 10
+    while metric_total(cl[1].metrics_text(), "lightwire_auth_failures_total") < refused + 1:
+        assert time.monotonic() < deadline, cl.stderr()
+        time.sleep(0.05)
+    assert cl[0].readyz()[0] == 503
+    # Renewed too: its next attempt connects (no restart needed).
+    install(0, new, new_ca)
+    cl[0].proc.send_signal(signal.SIGHUP)
+    wait_log(0, "peer TLS reloaded")
+    cl.wait_ready()
+    step(2)
+    # A broken renewal of rank 1: logged with the file's name; the loaded files stay in force.
+    with open(files[1][1], "w") as f:
+        f.write("-----BEGIN PRIVATE KEY-----\nnot a key\n")
+    cl[1].proc.send_signal(signal.SIGHUP)
+    wait_log(1, "peer TLS not reloaded, the previous certificate stays in use: "
+                "peer.tls.key_file %s" % files[1][1])
+    cl.kill9(0)
+    cl.launch([0]).wait_ready()
+    step(3)
+    assert 89 < expiry_days(1) <= 90

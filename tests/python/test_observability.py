@@ -25,7 +25,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import REPO, free_tcp_port, metric_total
+from conftest import REPO, free_tcp_port, metric_total, tls_flags
 
 yaml = pytest.importorskip("yaml")
 
@@ -217,7 +217,7 @@ def test_alert_rules_shape_and_runbooks():
     assert {r["alert"] for r in rules} == {
         "LightwirePeerDown", "LightwireBypassStuck", "LightwireRollbackStorm",
         "LightwireLowCosineSimilarity", "LightwireExchangeDominatesStep", "LightwireAuthFailures",
-        "LightwireResultMismatch"}
+        "LightwireResultMismatch", "LightwirePeerCertificateExpiring"}
     _, anchors = doc_anchors()
     for r in rules:
         assert r["labels"]["severity"] in ("critical", "warning", "info"), r["alert"]
@@ -441,10 +441,15 @@ def wait_until(what, cond, timeout, diag=lambda: ""):
         time.sleep(0.2)
 
 
-def test_dashboard_and_alerts_against_prometheus(cluster_factory, prometheus_factory, promtool):
+def test_dashboard_and_alerts_against_prometheus(cluster_factory, prometheus_factory, promtool,
+                                                 tmp_path):
     t_start = time.time()
     cl = cluster_factory(2, codec="dgc", codec_args=["--density", "0.1"],
-                         extra=["--full-sync-every", "5", "--bypass-steps", "3"])
+                         extra=["--full-sync-every", "5", "--bypass-steps", "3"], start=False)
+    # Over mutual TLS, as production links across a network should be: its metrics too.
+    for r, flags in enumerate(tls_flags(tmp_path, len(cl))):
+        cl[r].extra = flags
+    cl.start()
     ports = [cl[r].admin_port() for r in range(len(cl))]
     targets = ["127.0.0.1:%d" % p for p in ports]
     prom = prometheus_factory(targets)

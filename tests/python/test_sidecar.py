@@ -20,6 +20,24 @@ def test_health_and_status(sidecar):
     assert isinstance(c.status(), dict)
 
 
+def test_sighup_without_tls_changes_nothing(sidecar):
+    """SIGHUP reloads the peer TLS files; without TLS it is logged and ignored (its default
+    action would end the process, and with it the job's step)."""
+    import signal
+    import time
+    sidecar.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "SIGHUP received: nothing to reload (peer.tls is off)" not in sidecar.stderr():
+        assert sidecar.proc.poll() is None, sidecar.stderr()
+        assert time.monotonic() < deadline, sidecar.stderr()
+        time.sleep(0.02)
+    c = sidecar.client()
+    assert c.healthz()
+    x = np.arange(8, dtype=np.float32)
+    assert np.array_equal(c.emit_gradient(x, "after-sighup", 0), x)
+    assert sidecar.proc.poll() is None
+
+
 def test_numpy_codec_none_is_identity(sidecar):
     c = sidecar.client()
     rng = np.random.default_rng(3)
