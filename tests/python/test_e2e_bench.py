@@ -69,3 +69,29 @@ def test_e2e_smoke_runs_every_kind_and_writes_the_report(tmp_path):
     assert len(pngs) == 3, pngs
     for png in pngs:
         assert "benchmarks/" + png in md, png
+
+
+def test_memory_bench_smoke():
+    """bench/memory.py at a tiny size: a row per codec and path with its fields; the shared-memory
+    path maps the trainer's segment (RssShmem) and the HTTP path does not. The figures themselves
+    are not asserted."""
+    ok, why = _serve_available()
+    if not ok:
+        pytest.skip(why)
+    r = subprocess.run([PYTHON, os.path.join(REPO, "bench", "memory.py"), "--elements", "200000",
+                        "--bin", LIGHTWIRE_BIN, "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 14 and {x["path"] for x in rows} == {"http", "shm"}
+    for x in rows:
+        assert x["elements"] == 200000 and x["rss_mb"] > 0 and x["peak_rss_mb"] >= x["rss_mb"] - 1
+        assert x["step_s"] > 0
+        if x["path"] == "shm":
+            assert x["shmem_mb"] >= 0.7, x  # the 0.8 MB segment, mapped
+        else:
+            assert x["shmem_mb"] < 0.1, x
+    assert {x["codec"] for x in rows} == {"none", "fp16", "qsgd", "topk", "dgc", "powersgd"}
+    r = subprocess.run([PYTHON, os.path.join(REPO, "bench", "memory.py"), "--elements", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--elements must be >= 1" in r.stderr
