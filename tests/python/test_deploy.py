@@ -141,8 +141,9 @@ def k8s_docs():
 
 
 def k8s_object(kind):
-    """The one object of `kind` outside the overlays' patches (docker/k8s/gpu)."""
-    found = [d for p, d in k8s_docs() if d.get("kind") == kind and not p.startswith("gpu/")]
+    """The one object of `kind` outside the overlays' patches (docker/k8s/gpu, job-gpu)."""
+    found = [d for p, d in k8s_docs()
+             if d.get("kind") == kind and not p.startswith(("gpu/", "job-gpu/"))]
     assert len(found) == 1, "expected one %s, found %d" % (kind, len(found))
     return found[0]
 
@@ -466,8 +467,11 @@ def test_k8s_manifests_hang_together():
     assert tenv["MASTER_ADDR"] == "%s-0.%s" % (sts["metadata"]["name"], svc["metadata"]["name"])
     assert tenv["MASTER_PORT"] == str(ports["rendezvous"])
     assert tenv["LIGHTWIRE_SOCKET"] == conf["control"]["socket"]
-    # The kustomizations list files that exist; the GPU patch names the StatefulSet's containers.
-    for rel in ("common", "base", "gpu", "job"):
+    # The kustomizations list files that exist; the GPU patches name their workload's containers
+    # where that workload has them (the Job's sidecar is an init container).
+    job = k8s_object("Job")
+    workloads = {"StatefulSet": sts, "Job": job}
+    for rel in ("common", "base", "gpu", "job", "job-gpu"):
         with open(os.path.join(K8S, rel, "kustomization.yaml"), encoding="utf-8") as f:
             k = yaml.safe_load(f)
         for res in k.get("resources", []):
@@ -475,10 +479,12 @@ def test_k8s_manifests_hang_together():
         for p in k.get("patches", []):
             with open(os.path.join(K8S, rel, p["path"]), encoding="utf-8") as f:
                 patch = yaml.safe_load(f)
-            assert patch["kind"] == "StatefulSet"
-            assert patch["metadata"]["name"] == sts["metadata"]["name"]
-            names = {c["name"] for c in patch["spec"]["template"]["spec"]["containers"]}
-            assert names <= {c["name"] for c in pod["containers"]}, names
+            target = workloads[patch["kind"]]
+            assert patch["metadata"]["name"] == target["metadata"]["name"]
+            for field in ("containers", "initContainers"):
+                names = {c["name"] for c in patch["spec"]["template"]["spec"].get(field, [])}
+                have = {c["name"] for c in target["spec"]["template"]["spec"].get(field, [])}
+                assert names <= have, (rel, field, names)
 
 
 def test_k8s_configmap_passes_check_config(tmp_path):
@@ -556,12 +562,12 @@ def test_kustomize_renders_both_variants():
     if kubectl is None:
         pytest.skip("kubectl not installed (kustomize rendering is checked where it is)")
     rendered = {}
-    for rel in ("base", "gpu", "job"):
+    for rel in ("base", "gpu", "job", "job-gpu"):
         r = subprocess.run([kubectl, "kustomize", os.path.join(K8S, rel)], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         rendered[rel] = {d["kind"]: d for d in yaml.safe_load_all(r.stdout)}
-        workload = "Job" if rel == "job" else "StatefulSet"
+        workload = "Job" if rel.startswith("job") else "StatefulSet"
         assert set(rendered[rel]) == {"ConfigMap", "Service", workload}
         assert rendered[rel][workload]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "lightwire"
     assert rendered["job"]["ConfigMap"] == rendered["base"]["ConfigMap"]
@@ -572,6 +578,17 @@ def test_kustomize_renders_both_variants():
     assert "LIGHTWIRE_WORLD_SIZE" in env and "LIGHTWIRE_RANK" in env  # merged, not replaced
     base_pod = rendered["base"]["StatefulSet"]["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in container(base_pod, "trainer")["resources"]["limits"]
+    # The Job's GPU variant makes the same changes; its sidecar stays a native sidecar.
+    jpod = rendered["job-gpu"]["Job"]["spec"]["template"]["spec"]
+    assert container(jpod, "trainer")["resources"]["limits"]["nvidia.com/gpu"] == 1
+    (side,) = jpod["initContainers"]
+    jenv = {e["name"]: e for e in side["env"]}
+    assert side["restartPolicy"] == "Always"
+    assert {k: jenv[k] for k in ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")} == \
+        {k: env[k] for k in ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")}
+    assert "LIGHTWIRE_WORLD_SIZE" in jenv and "LIGHTWIRE_RANK" in jenv
+    assert "nvidia.com/gpu" not in container(
+        rendered["job"]["Job"]["spec"]["template"]["spec"], "trainer")["resources"]["limits"]
 
 
 # ---------------------------------------------------------------- the compose job, for real
