@@ -53,6 +53,9 @@ tests=(
   # the image emulation (scripts/check-image.py): a Debian 12 root file system to run the
   # Dockerfile's stages in
   debootstrap
+  # peer TLS tests with real sidecars make their CA and certificates with the openssl command,
+  # as docs/peer-protocol.md shows
+  openssl
 )
 
 case "$what" in
