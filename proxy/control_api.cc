@@ -264,6 +264,11 @@ void ControlApi::setPeers(std::function<std::vector<bool>()> peers_up) {
   peers_up_ = std::move(peers_up);
 }
 
+void ControlApi::setPeerTls(std::function<boost::json::value()> info) {
+  std::lock_guard lock(mu_);
+  peer_tls_ = std::move(info);
+}
+
 void ControlApi::setListeners(BoundListeners l) {
   std::lock_guard lock(mu_);
   listeners_ = std::move(l);
@@ -886,6 +891,14 @@ Response ControlApi::status() {
       for (bool b : peers()) up.push_back(b);
     }
     o["peers_up"] = std::move(up);
+  }
+  {
+    std::function<json::value()> tls;
+    {
+      std::lock_guard lock(mu_);
+      tls = peer_tls_;
+    }
+    o["peer_tls"] = tls ? tls() : json::value(nullptr);
   }
   o["local_trainers"] = config_.local_trainers;
   o["tensors"] = engine_.tensorsJson();

@@ -51,6 +51,8 @@ class ControlApi {
   /// Where the peers stand (world size > 1): one entry per rank, true when connected (this
   /// rank's own entry is true). /readyz is 503 until all are, and /v1/status lists them.
   void setPeers(std::function<std::vector<bool>()> peers_up);
+  /// What /v1/status shows as "peer_tls" (this node's peer TLS certificate; null without TLS).
+  void setPeerTls(std::function<boost::json::value()> info);
   /// The CUDA driver, when loaded (else null and why): /v1/status and `cuda_ipc` buffers.
   void setCuda(std::shared_ptr<ipc::CudaDriver> driver, std::string why_not);
   /// Called after a successful POST /v1/resume (tells the other sidecars).
@@ -86,6 +88,7 @@ class ControlApi {
   mutable std::mutex mu_;
   BoundListeners listeners_;
   std::function<std::vector<bool>()> peers_up_;
+  std::function<boost::json::value()> peer_tls_;
   std::function<void()> after_resume_;
   std::shared_ptr<ipc::CudaDriver> cuda_;
   std::string cuda_why_not_ = "not probed";

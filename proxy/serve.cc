@@ -456,6 +456,14 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     spdlog::info("rank {} of {}: peers on {}:{}", config.peer.rank, config.peer.world_size,
                  config.peer.listen.host, transport->port());
     api.setPeers([t = transport.get()] { return t->peersUp(); });
+    api.setPeerTls([t = transport.get()]() -> boost::json::value {
+      const auto c = t->tlsCertificate();
+      if (!c) return nullptr;
+      return boost::json::object{{"certificate", c->file},
+                                 {"subject", c->subject},
+                                 {"not_after", c->not_after_utc},
+                                 {"not_after_unix", c->not_after}};
+    });
     // A resume at this sidecar is told to the others at once: they resume from their own
     // checkpoint of the same step (takeJobState).
     api.setAfterResume([t = transport.get()] { t->broadcastState(); });

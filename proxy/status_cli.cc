@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <sstream>
 #include <string_view>
 
@@ -174,6 +175,16 @@ std::string formatStatus(const json::object& s, int decisions) {
       list += (r ? " " : "") + std::to_string(r) + (ok ? ":up" : ":DOWN");
     }
     if (!arr.empty()) out << "peers     " << up << "/" << arr.size() << " up  (" << list << ")\n";
+  }
+  if (const auto* tls = at(s, "peer_tls"); tls && tls->is_object()) {
+    const auto& t = tls->as_object();
+    out << "tls       " << str(at(t, "subject")) << " (" << str(at(t, "certificate"))
+        << "), valid until " << str(at(t, "not_after"));
+    if (const auto* end = at(t, "not_after_unix"); end && end->is_int64()) {
+      const double days = static_cast<double>(end->as_int64() - std::time(nullptr)) / 86400.0;
+      out << "  (" << num(days) << " days left)";
+    }
+    out << "\n";
   }
   const auto& listeners = obj(s, "listeners");
   out << "listeners control " << str(at(listeners, "control_socket")) << ", tcp "

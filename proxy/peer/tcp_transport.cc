@@ -238,18 +238,33 @@ std::optional<int64_t> notAfterOf(X509* cert) {
   return static_cast<int64_t>(timegm(&tm));
 }
 
+/// Unix time as "2027-03-01T12:00:00Z" ("" if it cannot be shown).
+std::string utcText(int64_t unix_time) {
+  const std::time_t t = static_cast<std::time_t>(unix_time);
+  std::tm tm{};
+  char buf[32];
+  if (!gmtime_r(&t, &tm) || std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm) == 0) {
+    return "";
+  }
+  return buf;
+}
+
+/// The certificate of `ctx` as Transport::tlsCertificate() describes it.
+Transport::TlsCertificate certificateOf(const TcpOptions::Tls& o, ssl::context& ctx) {
+  X509* cert = SSL_CTX_get0_certificate(ctx.native_handle());
+  Transport::TlsCertificate c{.file = o.cert_file, .subject = subjectOf(cert)};
+  if (const auto end = notAfterOf(cert)) {
+    c.not_after = *end;
+    c.not_after_utc = utcText(*end);
+  }
+  return c;
+}
+
 /// "certificate /etc/lw/node.pem (/CN=node-3), valid until 2027-03-01T12:00:00Z" for the log.
 std::string describeCertificate(const TcpOptions::Tls& o, ssl::context& ctx) {
-  X509* cert = SSL_CTX_get0_certificate(ctx.native_handle());
-  std::string out = fmt::format("certificate {} ({})", o.cert_file, subjectOf(cert));
-  if (const auto end = notAfterOf(cert)) {
-    const std::time_t t = static_cast<std::time_t>(*end);
-    std::tm tm{};
-    char buf[32];
-    if (gmtime_r(&t, &tm) && std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm) > 0) {
-      out += fmt::format(", valid until {}", buf);
-    }
-  }
+  const auto c = certificateOf(o, ctx);
+  std::string out = fmt::format("certificate {} ({})", c.file, c.subject);
+  if (!c.not_after_utc.empty()) out += ", valid until " + c.not_after_utc;
   return out;
 }
 
@@ -1035,6 +1050,12 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::listen(const std::string& ho
                                : "peers' certificates NOT verified (peer.tls.verify false)");
   }
   return std::unique_ptr<TcpTransport>(new TcpTransport(std::move(impl)));
+}
+
+std::optional<Transport::TlsCertificate> TcpTransport::tlsCertificate() const {
+  const auto ctx = impl_->tlsContext();
+  if (!ctx) return std::nullopt;
+  return certificateOf(impl_->options.tls, *ctx);
 }
 
 Result<std::string> TcpTransport::reloadTls() {

@@ -97,6 +97,7 @@ class TcpTransport final : public Transport {
   /// (named as listen() names it) the previous files stay in use. Returns the new certificate's
   /// subject and end of validity for the log. Thread-safe.
   Result<std::string> reloadTls() override;
+  std::optional<TlsCertificate> tlsCertificate() const override;
 
   struct Impl;
 

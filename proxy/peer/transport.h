@@ -140,6 +140,14 @@ class Transport {
   virtual Result<std::string> reloadTls() {
     return failedPrecondition("this peer transport has no TLS to reload");
   }
+  /// This node's peer TLS certificate in force (after the last reload); none without TLS.
+  struct TlsCertificate {
+    std::string file;           // peer.tls.cert_file
+    std::string subject;        // "/CN=node0"
+    int64_t not_after = 0;      // end of validity, Unix time (0: unreadable)
+    std::string not_after_utc;  // the same as "2027-03-01T12:00:00Z" ("" when unreadable)
+  };
+  virtual std::optional<TlsCertificate> tlsCertificate() const { return std::nullopt; }
   virtual std::vector<bool> peersUp() const = 0;
 };
 

@@ -794,6 +794,12 @@ TEST_CASE("tcp transport: TLS: reloadTls takes renewed files for new connections
   REQUIRE_MESSAGE(reloaded.isOk(), reloaded.status().message());
   CHECK(reloaded->find("renewed node 1") != std::string::npos);
   CHECK(reloaded->find("valid until 20") != std::string::npos);
+  const auto in_force = mesh.transports[1]->tlsCertificate();
+  REQUIRE(in_force);
+  CHECK(in_force->subject == "/CN=renewed node 1");
+  CHECK(in_force->file == o1.tls.cert_file);
+  CHECK(in_force->not_after > static_cast<int64_t>(now));
+  CHECK(reloaded->find(in_force->not_after_utc) != std::string::npos);
   CHECK(mesh.transports[1]->peersUp()[0]);
   // ... and new connections use the new files: a rank 0 of the old CA is refused, ...
   const double refused = authFailures(*mesh.metrics[1]);
@@ -818,6 +824,7 @@ TEST_CASE("tcp transport: TLS: reloadTls takes renewed files for new connections
   auto none = plain.transports[0]->reloadTls();
   REQUIRE_FALSE(none.isOk());
   CHECK(none.status().message() == "peer.tls is off: no certificate to reload");
+  CHECK_FALSE(plain.transports[0]->tlsCertificate());
 }
 
 TEST_CASE(

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, make_pki, metric_total
+from conftest import LIGHTWIRE_BIN, REPO, make_pki, metric_total
 
 sys.path.insert(0, os.path.join(REPO, "tests", "reference"))
 xxhash = pytest.importorskip("xxhash")
@@ -475,6 +475,20 @@ def test_tls_certificates_renewed_with_sighup(cluster_factory, tmp_path):
     cl[1].proc.send_signal(signal.SIGHUP)
     wait_log(1, "peer TLS reloaded: certificate %s (/CN=new node1)" % files[1][0])
     assert 89 < expiry_days(1) <= 90
+    # /v1/status and `lightwire status` show the certificate in force.
+    c = cl[1].client()
+    try:
+        tls = c.status()["peer_tls"]
+    finally:
+        c.close()
+    assert tls["subject"] == "/CN=new node1" and tls["certificate"] == files[1][0], tls
+    assert 89 < (tls["not_after_unix"] - time.time()) / 86400 <= 90, tls
+    assert tls["not_after"].endswith("Z") and len(tls["not_after"]) == 20, tls
+    out = subprocess.run([LIGHTWIRE_BIN, "status", "--socket", cl[1].socket], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=30).stdout
+    line = [x for x in out.splitlines() if x.startswith("tls ")]
+    assert line and "/CN=new node1 (%s), valid until %s" % (files[1][0], tls["not_after"]) in line[0] \
+        and "days left" in line[0], out
     step(1)
     # Rank 0 reconnects with the old CA's certificate: refused both ways.
     refused = metric_total(cl[1].metrics_text(), "lightwire_auth_failures_total")

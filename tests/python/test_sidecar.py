@@ -17,7 +17,9 @@ except ImportError:  # pragma: no cover
 def test_health_and_status(sidecar):
     c = sidecar.client()
     assert c.healthz()
-    assert isinstance(c.status(), dict)
+    st = c.status()
+    assert isinstance(st, dict)
+    assert st["peer_tls"] is None  # world size 1: no peer links, no TLS
 
 
 def test_sighup_without_tls_changes_nothing(sidecar):
