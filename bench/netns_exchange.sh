@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The exchange benchmarks of issue 5 on a rate-limited link: a fresh network namespace whose `lo`
-# is shaped with `tc qdisc ... tbf`, so every flow between the ranks shares one link of the given
-# rate. In the same run, inside the namespace:
+# The exchange benchmarks (bench/README.md) on a rate-limited link: a fresh network namespace
+# whose `lo` is shaped with `tc qdisc ... tbf`, so every flow between the ranks shares one link of
+# the given rate. In the same run, inside the namespace:
 #   1. a link check: one TCP bulk transfer, to show the qdisc really limits;
 #   2. bench/exchange_vs_gloo.py, dense: torch.distributed gloo allreduce and
 #      `lightwire bench exchange --codec none`;
@@ -275,7 +275,7 @@ if R:
     x = gloo["seconds_per_step"] / sps
     targets.append(("dgc 0.01 >= 25 x faster per step than gloo's dense allreduce",
                     f"{x:.1f} x", x >= 25))
-    note = "" if R == 125e6 else " (issue 5 states them for 1 Gbit/s)"
+    note = "" if R == 125e6 else " (they are stated for 1 Gbit/s)"
     for t, v, ok in targets:
         print(f"target{note}: {t}: {v}: {'met' if ok else 'NOT met'}")
 if want_json:

@@ -1,9 +1,9 @@
 #pragma once
-// The CUDA driver API, loaded at run time (DESIGN.md §9, docs/cuda.md): dlopen("libcuda.so.1") and
-// only the entry points the sidecar needs, so one binary starts and works on machines with and
-// without a GPU and its driver. The few driver types used are declared here as the driver ABI
-// fixes them (handles are 64 opaque bytes, devices ints, pointers 64-bit), so ipc/ builds without
-// the CUDA toolkit.
+// The CUDA driver API, loaded at run time (docs/cuda.md "The CUDA driver, loaded at run time"):
+// dlopen("libcuda.so.1") and only the entry points the sidecar needs, so one binary starts and
+// works on machines with and without a GPU and its driver. The few driver types used are declared
+// here as the driver ABI fixes them (handles are 64 opaque bytes, devices ints, pointers 64-bit),
+// so ipc/ builds without the CUDA toolkit.
 //
 // Versioned entry points are resolved by their ABI names (cuIpcOpenMemHandle_v2, ...), the ones
 // cuda.h maps the plain names to since CUDA 11.

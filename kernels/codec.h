@@ -1,9 +1,10 @@
 #pragma once
-// The codec interface (DESIGN.md §3). A Codec is a configured algorithm: immutable after creation
-// and safe to share between threads. Everything that changes lives in caller-owned memory:
+// The codec interface (docs/codecs.md "The codec interface"). A Codec is a configured algorithm:
+// immutable after creation and safe to share between threads. Everything that changes lives in
+// caller-owned memory:
 //   - CodecState: persistent per-tensor state (residuals, momentum), double-buffered so a step
 //     *prepares* the next state and the step's owner *commits* it only when the whole step
-//     succeeded (atomicity, DESIGN.md §1);
+//     succeeded (docs/architecture.md "Atomic steps");
 //   - a workspace sized by workspaceBytes() (no allocation on the hot path);
 //   - a CpuStream, the explicit execution context (CUDA codecs take a cudaStream_t instead).
 //
@@ -18,9 +19,10 @@
 //   state.commit() when the step succeeded everywhere, otherwise nothing.
 // Multi-round codecs decode with decodeRounds(...) (every round's reduced payload) instead of
 // decodeChunk(...), and need finishStep(...) after the last round and before state.commit().
-// A full synchronisation (DESIGN.md §5) replaces all of that with flush(...): the dense fp32
-// tensor to exchange, which includes what the state held back, and the state after it (committed
-// like any step's). residualNorm2(...) tells how much the committed state holds back.
+// A full synchronisation (docs/determinism.md "4.6a Full synchronisation (flush)") replaces all of
+// that with flush(...): the dense fp32 tensor to exchange, which includes what the state held back,
+// and the state after it (committed like any step's). residualNorm2(...) tells how much the
+// committed state holds back.
 
 #include <cstddef>
 #include <cstdint>
@@ -51,7 +53,7 @@ struct CodecConfig {
   double sample_fraction = 0.01;       // dgc: threshold sample in [0.001, 0.01]
   DType sparse_values = DType::kF32;   // topk, dgc, threshold: value encoding, kF32 or kF16
   std::optional<double> threshold;     // threshold: send elements with |g| >= threshold
-  std::optional<bool> error_feedback;  // unset = the codec's default (DESIGN.md §3)
+  std::optional<bool> error_feedback;  // unset = the codec's default (docs/codecs.md)
   int approx_rank = 1;                 // powersgd
   /// topk, dgc, threshold: an element whose value to send (after error feedback / momentum, in
   /// fp32, before any fp16 value encoding) has |value| < min_magnitude is never sent; it stays in
@@ -181,14 +183,15 @@ class Codec {
   virtual Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,
                                      std::span<uint8_t> out) const;
 
-  /// Full synchronisation (DESIGN.md §5): writes into out[0..chunking.elements) what a dense
-  /// exchange of this step must send so that nothing this sidecar owes is lost — the input plus
-  /// whatever the codec's state holds back (error-feedback residual; DGC's accumulated velocity
-  /// after this step's momentum update, clipping included; PowerSGD's error) — and prepares
-  /// state.next() as the state after such a flush (residual zero; DGC: velocity and momentum zero;
-  /// PowerSGD: error zero, warm-start factor kept). Commit it as after any step. Reads input and
-  /// state.current(); never touches state.current(). Checks the arguments as analyze() does (no
-  /// workspace is needed) plus a non-null `out` when there are elements, then runs doFlush().
+  /// Full synchronisation (docs/determinism.md "4.6a Full synchronisation (flush)"): writes into
+  /// out[0..chunking.elements) what a dense exchange of this step must send so that nothing this
+  /// sidecar owes is lost — the input plus whatever the codec's state holds back (error-feedback
+  /// residual; DGC's accumulated velocity after this step's momentum update, clipping included;
+  /// PowerSGD's error) — and prepares state.next() as the state after such a flush (residual zero;
+  /// DGC: velocity and momentum zero; PowerSGD: error zero, warm-start factor kept). Commit it as
+  /// after any step. Reads input and state.current(); never touches state.current(). Checks the
+  /// arguments as analyze() does (no workspace is needed) plus a non-null `out` when there are
+  /// elements, then runs doFlush().
   Status flush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                CodecState& state, float* out) const;
 

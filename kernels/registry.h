@@ -1,7 +1,8 @@
 #pragma once
 // Codec registry: codecs register a factory under their name at static-initialisation time
-// (LW_REGISTER_CODEC); createCodec() builds one from a CodecConfig and, where DESIGN.md §3 says
-// so, wraps it in the error-feedback decorator. Registering a name twice is a programming error.
+// (LW_REGISTER_CODEC); createCodec() builds one from a CodecConfig and, where
+// docs/codecs.md "The codec interface" says so, wraps it in the error-feedback decorator.
+// Registering a name twice is a programming error.
 
 #include <functional>
 #include <memory>

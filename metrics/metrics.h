@@ -1,7 +1,7 @@
 #pragma once
 // The sidecar's Prometheus registry (prometheus-cpp) and the stats its components touch on the hot
-// path (DESIGN.md §7). Every family and every fixed-label child is built once in the constructor
-// and held as a reference; the hot path only increments and observes.
+// path (docs/metrics.md "Catalog"). Every family and every fixed-label child is built once in the
+// constructor and held as a reference; the hot path only increments and observes.
 
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
@@ -69,7 +69,7 @@ class Metrics {
   // lightwire_result_mismatches_total: result checksums that differed between ranks.
   prometheus::Counter& result_mismatches;
 
-  // Policies (DESIGN.md §5, docs/policies.md).
+  // Policies (docs/policies.md).
   // lightwire_rollbacks_total: compression settings reverted to the last known-good ones.
   prometheus::Counter& rollbacks;
   // lightwire_bypass_active: 1 while compression is bypassed (dense exchange) after an anomaly.

@@ -1,5 +1,5 @@
 #pragma once
-// Checkpoint files of one sidecar's durable state (DESIGN.md §5, docs/policies.md "Checkpoints"):
+// Checkpoint files of one sidecar's durable state (docs/policies.md "Durable state: checkpoints"):
 // every tensor's codec state (as committed after `step`), its delayed-sync accumulator, its last
 // committed step, and the policy state (JSON, opaque here). One file per (job, rank, step):
 //   <dir>/<job>.rank<R>.step<S>.lwck

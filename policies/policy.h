@@ -1,8 +1,8 @@
 #pragma once
-// The policies (DESIGN.md §5, docs/policies.md): what each step of each tensor does — compressed
-// with which density, bypassed (dense), a full-sync (dense, residuals flushed), or skipped (a
-// delayed-sync group accumulating locally) — and which compression settings are in force. Every
-// decision for step t+1 is a pure function of this state and the *global* statistics of step t
+// The policies (docs/policies.md): what each step of each tensor does — compressed with which
+// density, bypassed (dense), a full-sync (dense, residuals flushed), or skipped (a delayed-sync
+// group accumulating locally) — and which compression settings are in force. Every decision for
+// step t+1 is a pure function of this state and the *global* statistics of step t
 // (policies/stats.h), which every rank receives identically with the step, so every rank decides
 // alike without extra messages. Decisions are counted, logged and kept in a decision log.
 //

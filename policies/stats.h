@@ -1,10 +1,10 @@
 #pragma once
 // The statistics record one sidecar contributes to one step of one tensor, and their aggregate
-// (DESIGN.md §5, docs/policies.md "Statistics"). The exchange carries every rank's record to every
-// rank with the step (ExchangeRound::stats_out / stats_in), so every rank aggregates the same bytes
-// in rank order and takes the same decisions. Records also carry the control requests that must
-// reach every sidecar at an agreed step: compression settings proposed through PUT /v1/config and
-// trainer-driven checkpoints (POST /v1/checkpoint).
+// (docs/policies.md "Statistics: what every rank knows about a step"). The exchange carries every
+// rank's record to every rank with the step (ExchangeRound::stats_out / stats_in), so every rank
+// aggregates the same bytes in rank order and takes the same decisions. Records also carry the
+// control requests that must reach every sidecar at an agreed step: compression settings proposed
+// through PUT /v1/config and trainer-driven checkpoints (POST /v1/checkpoint).
 //
 // Layout (little-endian): "LWS1" | u16 version (1) | u16 flags (bit 0: cosine terms valid, bit 1:
 // loss valid) | f64 grad_norm2 | u64 nonfinite | u64 elements | u64 small | f64 residual_norm2 |

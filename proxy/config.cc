@@ -700,7 +700,7 @@ std::vector<KeyImpl> makeKeyTable() {
           "Check the peers' certificates against peer.tls.ca_file (host names are not checked); "
           "false: any certificate is accepted (encryption only, the job secret still "
           "authenticates)");
-  // --- policies (DESIGN.md §5, docs/policies.md); the defaults are PolicyConfig's own ----------
+  // --- policies (docs/policies.md); the defaults are PolicyConfig's own ------------------------
   const policies::PolicyConfig pd;
   using P = policies::PolicyConfig;
   auto policyBool = [&](std::string path, std::string flag, bool P::*field, std::string what) {

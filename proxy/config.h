@@ -1,6 +1,5 @@
 #pragma once
-// The validated, immutable configuration of `lightwire serve` (DESIGN.md §8,
-// docs/configuration.md).
+// The validated, immutable configuration of `lightwire serve` (docs/configuration.md).
 //
 // Sources, later ones winning: the defaults < one YAML file (--config) < `LIGHTWIRE_<KEY>`
 // environment variables < command-line flags. One table of keys (serveConfigKeys()) drives all of
@@ -94,11 +93,12 @@ struct ServeConfig {
   std::string token_file;  // file holding `token`, read by buildServeConfig ("" = none)
   CompressionConfig compression;
 
-  /// The `policies` and `schedule` sections (DESIGN.md §5, docs/policies.md): anomaly bypass,
-  /// full-sync, rollback, schedules. Its own initialisers are the defaults of these keys.
+  /// The `policies` and `schedule` sections (docs/policies.md): anomaly bypass, full-sync,
+  /// rollback, schedules. Its own initialisers are the defaults of these keys.
   policies::PolicyConfig policies;
 
-  /// Durable state (DESIGN.md §5): the checkpoint files of codec and policy state.
+  /// Durable state (docs/policies.md "Durable state: checkpoints"): the checkpoint files of codec
+  /// and policy state.
   struct State {
     std::string dir = "/var/lib/lightwire";  // "" = no durable state
     uint64_t checkpoint_every = 1000;        // periodic checkpoint every N steps (0 = off)
@@ -107,7 +107,7 @@ struct ServeConfig {
     bool fresh = false;  // start without the checkpoints in `dir` (even unreadable/foreign ones)
   } state;
 
-  /// Membership of the job (DESIGN.md §4): sidecars, i.e. nodes, not trainers.
+  /// Membership of the job (docs/exchange.md "Membership"): sidecars, i.e. nodes, not trainers.
   struct Peer {
     uint32_t rank = 0;
     uint32_t world_size = 1;

@@ -831,7 +831,7 @@ Response ControlApi::putConfig(const Request& req, const RequestInfo& /*info*/) 
   auto shared = std::make_shared<const CompressionConfig>(std::move(*c));
   if (policy_) {
     // The settings travel with this sidecar's next step to every sidecar and take effect, on all
-    // of them alike, at the step after it (DESIGN.md §5).
+    // of them alike, at the step after it (docs/policies.md "Settings versions and rollback").
     const uint64_t id = policy_->proposeSettings(json::serialize(toJson(*shared)));
     {
       std::lock_guard lock(mu_);

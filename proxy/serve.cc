@@ -92,7 +92,7 @@ Result<std::unique_ptr<peer::Transport>> listenForPeers(const ServeConfig& confi
 
 /// A peer's STATE frame: taken while this sidecar has completed nothing (just (re)started): the
 /// job's steps and policy state, and then (a restart mid-job) this sidecar's own codec state from
-/// its newest checkpoint (DESIGN.md §5).
+/// its newest checkpoint (docs/policies.md "Durable state: checkpoints").
 void takeJobState(StepEngine& engine, policies::PolicyEngine& policy, std::atomic<bool>& restored,
                   uint32_t from, std::span<const uint8_t> bytes) {
   auto state = decodeJobState(bytes);
@@ -423,7 +423,8 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
                     metrics, *exchange);
   ControlApi api(config, metrics, buffers, engine, &policy);
   {
-    // The CUDA driver, loaded at run time: absent, the sidecar is CPU-only (DESIGN.md §9).
+    // The CUDA driver, loaded at run time: absent, the sidecar is CPU-only
+    // (docs/cuda.md "The CUDA driver, loaded at run time").
     std::string why_not;
     auto cuda = ipc::CudaDriver::load(&why_not);
     if (cuda) {
@@ -442,8 +443,9 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   }
   std::atomic<bool> restored{false};
   if (transport) {
-    // The job's step and policy state travel to every peer that connects; a sidecar that has
-    // just (re)started takes them (DESIGN.md §5), so its tensors go on from the job's steps.
+    // The job's step and policy state travel to every peer that connects; a sidecar that has just
+    // (re)started takes them (docs/peer-protocol.md "After the handshake", STATE), so its tensors
+    // go on from the job's steps.
     transport->setJobState(
         [&engine, &policy] { return encodeJobState(engine.committedSteps(), &policy); },
         [&engine, &policy, &restored](uint32_t from, std::span<const uint8_t> bytes) {
@@ -611,7 +613,8 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   abandoned = true;
   if (watcher.joinable()) watcher.join();
   engine.shutdown();
-  // The state as it stands, for a restart (DESIGN.md §5): the engine has stopped, nothing runs.
+  // The state as it stands, for a restart (docs/policies.md "Durable state: checkpoints"): the
+  // engine has stopped, nothing runs.
   if (!config.state.dir.empty() && engine.stepsOk() > 0) {
     uint64_t latest = 0;
     for (const auto& [name, step] : engine.committedSteps()) latest = std::max(latest, step);

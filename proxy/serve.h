@@ -1,7 +1,8 @@
 #pragma once
-// `lightwire serve`: the sidecar process (DESIGN.md §1, §6). Builds the config, the metrics, the
-// buffer table, the step engine and the listeners, serves until SIGTERM/SIGINT, then shuts down
-// gracefully (steps in flight finish or fail with 503, socket files removed).
+// `lightwire serve`: the sidecar process (docs/architecture.md "One step of one tensor",
+// docs/api.md). Builds the config, the metrics, the buffer table, the step engine and the
+// listeners, serves until SIGTERM/SIGINT, then shuts down gracefully (steps in flight finish or
+// fail with 503, socket files removed).
 
 #include <optional>
 #include <string>

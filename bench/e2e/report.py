@@ -520,7 +520,7 @@ def _footnotes(notes):
 
 
 def evaluate_targets(runs):
-    """The targets of issue 9 for one group, computed from the data.
+    """The end-to-end targets (docs/BENCHMARKS.md "Targets") for one group, from the data.
 
     Returns a dict: "a" and "b" (None when a configuration they compare is absent; else a dict with
     met (True/False/None = cannot be evaluated), reason and the figures), and "losses" (lines

@@ -1,4 +1,4 @@
-"""The two training tasks of the end-to-end benchmark (issue 9).
+"""The two training tasks of the end-to-end benchmark (bench/e2e/e2e.py, docs/BENCHMARKS.md).
 
 Imported by the trainer processes (Debian's torch, CPU). Each task is deterministic: its data is
 made here from fixed seeds (nothing is downloaded) and is the same in every process; batch(rank,

@@ -1,9 +1,9 @@
 #pragma once
-// The CUDA codecs (DESIGN.md §3, §9): one CudaCodec per CPU codec, on device memory, with payloads
-// byte-identical to the CPU codec's for the same input, parameters, seed and step (PowerSGD too:
-// docs/determinism.md §4.12; NaN bits aside, §1). CUB style: every buffer is caller-owned device
-// memory (sized by the *Bytes() methods), the stream is explicit, the hot path neither allocates
-// nor synchronises the device, and every call returns a Status.
+// The CUDA codecs (docs/cuda.md "The CUDA codecs (`kernels/cuda/`)"): one CudaCodec per CPU codec,
+// on device memory, with payloads byte-identical to the CPU codec's for the same input, parameters,
+// seed and step (PowerSGD too: docs/determinism.md §4.12; NaN bits aside, §1). CUB style: every
+// buffer is caller-owned device memory (sized by the *Bytes() methods), the stream is explicit, the
+// hot path neither allocates nor synchronises the device, and every call returns a Status.
 //
 // One step of one tensor on the GPU, as on the CPU (kernels/codec.h):
 //   analyze(...)                          whole tensor; prepares state.next()

@@ -46,8 +46,8 @@ FrameKey keyOf(uint64_t tensor, const ExchangeRound& r, uint8_t phase, uint32_t 
 /// predecessor, which may be healthy and waiting itself for a silent rank further up the ring (and
 /// whose deadline passes a moment later). Every rank posts its statistics record of a step to every
 /// other rank before any data frame, so the ranks other than the predecessor whose record has not
-/// arrived have not started the step: they are named too (DESIGN.md §4: the error names the silent
-/// peer). The records found are consumed (the step fails anyway).
+/// arrived have not started the step: they are named too (docs/exchange.md "Failure": the error
+/// names the silent peer). The records found are consumed (the step fails anyway).
 Status nameSilentRanks(Transport& t, Status failed, uint64_t tensor, uint64_t step,
                        Clock::time_point deadline) {
   if (Clock::now() < deadline) return failed;  // a lost peer or an abort: its message says why

@@ -1,5 +1,5 @@
 #pragma once
-// The collectives of the `ring` topology (DESIGN.md §4, docs/exchange.md) as the step engine's
+// The collectives of the `ring` topology (docs/exchange.md "One step") as the step engine's
 // Exchange: given this sidecar's payload of every chunk, return for every chunk what to decode.
 //
 //   - summable codecs and multi-round rounds: a ring allreduce at chunk granularity. Chunk c is

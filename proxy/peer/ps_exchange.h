@@ -1,8 +1,8 @@
 #pragma once
-// The `ps` topology (DESIGN.md §4, docs/exchange.md "The ps topology") as the step engine's
-// Exchange: every sidecar pushes its chunk payloads to the parameter-server sidecar (rank
-// PsOptions::server_rank, itself also a worker with trainers of its own), which combines them and
-// broadcasts one payload per chunk back to everyone, so every rank decodes the same bytes.
+// The `ps` topology (docs/exchange.md "The `ps` topology") as the step engine's Exchange: every
+// sidecar pushes its chunk payloads to the parameter-server sidecar (rank PsOptions::server_rank,
+// itself also a worker with trainers of its own), which combines them and broadcasts one payload
+// per chunk back to everyone, so every rank decodes the same bytes.
 //
 //   - summable codecs and every round of multi-round codecs (sync only): the server sums the
 //     payloads in the compressed domain, left fold in rank order ((p0 + p1) + p2) + ...;

@@ -1,5 +1,6 @@
-// Codec::flush (full synchronisation, DESIGN.md §5), Codec::residualNorm2, CodecState::restore and
-// CodecConfig::min_magnitude (docs/determinism.md §4.2) for every codec in the registry.
+// Codec::flush (full synchronisation, docs/determinism.md "4.6a Full synchronisation (flush)"),
+// Codec::residualNorm2, CodecState::restore and CodecConfig::min_magnitude
+// (docs/determinism.md §4.2) for every codec in the registry.
 #include <doctest.h>
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // Codec registry: names, factories, parameter validation and the error-feedback policy of
-// DESIGN.md §3.
+// docs/codecs.md ("The codec interface", and the "error feedback by default" column).
 #include <doctest.h>
 
 #include "kernels/registry.h"
@@ -7,7 +7,7 @@
 
 using namespace lightwire::kernels;
 
-TEST_CASE("registry: every codec of DESIGN.md §3 is registered once") {
+TEST_CASE("registry: every codec of docs/codecs.md is registered once") {
   const auto names = codecNames();
   for (const char* want : {"none", "fp16", "bf16", "topk", "randomk", "threshold", "dgc", "qsgd",
                            "terngrad", "signsgd", "onebit", "powersgd"}) {
@@ -27,7 +27,7 @@ TEST_CASE("registry: unknown codec is an error that lists the known ones") {
   CHECK(r.status().message().find("topk") != std::string::npos);
 }
 
-TEST_CASE("registry: error feedback defaults follow DESIGN.md §3") {
+TEST_CASE("registry: error feedback defaults follow docs/codecs.md") {
   auto state_of = [](CodecConfig c) {
     auto codec = testing::make(c);
     return codec->stateFloats(1000);

@@ -308,7 +308,7 @@ def test_shm_leaked_segment_removed_by_tracker():
 
 
 # ------------------------------------------------------------------------------------------------
-# Durable state and settings (DESIGN.md section 5): checkpoint, resume, put_config, report
+# Durable state and settings (docs/policies.md): checkpoint, resume, put_config, report
 # ------------------------------------------------------------------------------------------------
 def test_checkpoint_and_resume(sidecar_factory):
     sc = sidecar_factory(codec="topk", density=0.1)

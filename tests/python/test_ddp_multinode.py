@@ -165,7 +165,7 @@ def test_dgc_learns(ddp_results):
 
 
 @pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
-    "issue 5 asks dgc 0.01 to end within 2 % of plain DDP's final loss; measured on this task "
+    "the target is dgc 0.01 ending within 2 % of plain DDP's final loss; measured on this task "
     "(lr 0.05): +9..12 % after 600 steps, +14..21 % after 1500; at lr 0.2: +5..94 % (plain itself "
     "unstable); a 256-feature linear regression: dgc does not settle (+73..130 % at lr 0.05, "
     "diverges at lr 0.3). dgc's payloads equal the reference bit for bit (test_exchange.py), so "

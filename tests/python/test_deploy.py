@@ -1,4 +1,4 @@
-"""Deployment files (issue 11): docker/Dockerfile, docker/compose.yml, docker/k8s.
+"""Deployment files (docs/deploy.md): docker/Dockerfile, docker/compose.yml, docker/k8s.
 
 No container engine or cluster here, so the files are checked against what they refer to: the
 repository's files, the built binary's shared libraries and Debian packages, the sidecar's own
@@ -277,8 +277,8 @@ def test_runtime_packages_cover_the_binarys_libraries():
 
 
 def test_compose_config_is_valid():
-    """`docker-compose config -q` (the check the issue names), with and without the GPU file; a
-    missing job secret is refused with a message that names it."""
+    """`docker-compose config -q` (how docs/deploy.md checks the compose files), with and without
+    the GPU file; a missing job secret is refused with a message that names it."""
     for files in (("compose.yml",), ("compose.yml", "compose.gpu.yml")):
         r = compose(*files, args=("config", "-q"))
         assert r.returncode == 0, (files, r.stderr)

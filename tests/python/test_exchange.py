@@ -364,8 +364,9 @@ def test_peer_killed_mid_step_then_rejoins(cluster_factory):
     # Same rank, same port: it rejoins and a later step succeeds with the right result.
     cl[2].kill()  # reaps the killed process's bookkeeping
     cl.launch([2]).wait_ready()
-    # It took the job's step state from its peers (DESIGN.md section 5): step 0 is over for the
-    # job (step 1 failed everywhere), so a trainer resending step 0 there is refused at once.
+    # It took the job's step state from its peers (docs/peer-protocol.md "After the handshake",
+    # STATE): step 0 is over for the job (step 1 failed everywhere), so a trainer resending step 0
+    # there is refused at once.
     c = cl[2].client(timeout=(2.0, 20.0))
     deadline = time.monotonic() + 10
     while True:

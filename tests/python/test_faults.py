@@ -1,7 +1,8 @@
-"""Fault injection with real `lightwire serve` processes on 127.0.0.1 and real sockets (issue 10):
-a sidecar killed (kill -9) or stopped (SIGSTOP) in the middle of a step, a sidecar killed between
-its answers to two local trainers, a peer connection reset or corrupted in the middle of a frame
-(through `fault_relay.FaultRelay`), a trainer killed while it holds a registered buffer.
+"""Fault injection with real `lightwire serve` processes on 127.0.0.1 and real sockets
+(docs/RELIABILITY.md "Fault injection"): a sidecar killed (kill -9) or stopped (SIGSTOP) in the
+middle of a step, a sidecar killed between its answers to two local trainers, a peer connection
+reset or corrupted in the middle of a frame (through `fault_relay.FaultRelay`), a trainer killed
+while it holds a registered buffer.
 
 Every wait is bounded (client timeouts, join timeouts, polling deadlines), so a hang fails the test
 instead of the suite. Short peer deadlines (--peer-timeout 2) keep the file fast. Expected results

@@ -176,7 +176,8 @@ def test_dashboard_shape():
             assert t["datasource"]["uid"] == "prometheus"
     names = {n for n, _ in annotation_queries(dash)}
     assert {"Rollbacks", "Full-syncs", "Anomalies"} <= names, names
-    # What the issue asks the dashboard to show.
+    # The families the dashboard must chart: compression, step stages and results, policies, peers,
+    # and the process.
     exprs = " ".join(e for _, _, e in panel_targets(dash))
     for family in ("lightwire_compression_ratio", "lightwire_raw_bytes_total", "lightwire_wire_bytes_total",
                    "lightwire_cosine_similarity", "lightwire_residual_norm", "lightwire_state_bytes",

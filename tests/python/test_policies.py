@@ -1,4 +1,4 @@
-"""The policies of DESIGN.md section 5 driven through real sidecars of one job (ring topology over
+"""The policies of docs/policies.md driven through real sidecars of one job (ring topology over
 loopback, docs/exchange.md) by a scripted trainer per rank: anomaly bypass, periodic full-sync,
 rollback of PUT /v1/config settings (by cosine and by reported loss), the warm-up and phase
 schedules, delayed sync, and durable state (checkpoint, resume, hostile files, a rank restarted
@@ -276,8 +276,8 @@ NONFINITE_CODECS = {
 
 @pytest.mark.parametrize("key", sorted(NONFINITE_CODECS))
 def test_nonfinite_bypass_and_no_commit(cluster_factory, trainers_for, key):
-    """DESIGN.md section 5: a step whose global statistics show NaN/Inf is flagged in the reply on
-    every rank and commits no codec state; every rank bypasses compression for K steps."""
+    """docs/policies.md "Anomalies": a step whose global statistics show NaN/Inf is flagged in the
+    reply on every rank and commits no codec state; every rank bypasses compression for K steps."""
     W, K, BAD = 3, 5, 50
     codec, codec_args = NONFINITE_CODECS[key]
     flags = ["--bypass-steps", str(K)]
@@ -1004,7 +1004,7 @@ def test_rank_rejoins_with_the_jobs_policy_state(cluster_factory, trainers_for, 
 
 # ------------------------------------------------------------------------------------------------
 # Atomicity around restarts and late trainers: decisions stay identical only if every step
-# succeeds or fails on every rank alike (DESIGN.md section 1)
+# succeeds or fails on every rank alike (docs/architecture.md "Atomic steps")
 # ------------------------------------------------------------------------------------------------
 def test_late_trainer_step_fails_everywhere(cluster_factory, trainers_for):
     """Rank 1's trainer sends step 3 and its sidecar gives up at the exchange deadline (rank 0's

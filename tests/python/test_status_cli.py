@@ -1,4 +1,4 @@
-"""`lightwire status` against a real sidecar, and `--log-format json` (issue 7)."""
+"""`lightwire status` against a real sidecar, and `--log-format json`."""
 import json
 import subprocess
 
@@ -135,7 +135,7 @@ def health(*args, env=None, timeout=20):
 
 
 def test_health_probes_the_admin_listener(tmp_path):
-    """`lightwire health` (the image's HEALTHCHECK, issue 11): 0 when /healthz or /readyz
+    """`lightwire health` (the image's HEALTHCHECK, docs/deploy.md): 0 when /healthz or /readyz
     answers 200, 1 when it answers otherwise or nothing answers, 2 on usage errors."""
     port = free_tcp_port()
     proc, sock = _serve(tmp_path, "127.0.0.1:%d" % port)

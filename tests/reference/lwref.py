@@ -561,7 +561,8 @@ def dgc_select(keys, k, n, f, seed, name, step, rank, info):
 # Codecs
 # ------------------------------------------------------------------------------------------------
 def default_error_feedback(name):
-    # DESIGN.md §3: on for the biased codecs without memory of their own
+    # docs/codecs.md "Codecs" (error feedback by default): on for the biased codecs without memory
+    # of their own
     return name in ("topk", "threshold", "signsgd", "onebit")
 
 

@@ -15,15 +15,15 @@ is recorded after the copy, and the sidecar writes the mean in place before it r
 sidecar has no CUDA driver (409 failed_precondition), CUDA buckets go through host shared memory
 instead, for the rest of the run.
 
-Failures (DESIGN.md §10): with ``on_error="fallback"`` (default) a failed step (an error reply,
-a timeout or an unreachable sidecar) is logged, counted in ``state.fallbacks``, reported to the
-sidecar (``/v1/report``) when it can be reached, and the bucket is averaged by the process
-group's own allreduce instead (as PyTorch's ``allreduce_hook``); the next call tries the sidecar
-again. With ``on_error="raise"`` the future carries the exception.
+Failures (docs/api.md "When the sidecar fails, the trainer goes on"): with ``on_error="fallback"``
+(default) a failed step (an error reply, a timeout or an unreachable sidecar) is logged, counted in
+``state.fallbacks``, reported to the sidecar (``/v1/report``) when it can be reached, and the bucket
+is averaged by the process group's own allreduce instead (as PyTorch's ``allreduce_hook``); the next
+call tries the sidecar again. With ``on_error="raise"`` the future carries the exception.
 
-Durable state (DESIGN.md section 5): the sidecars' codec state (residuals, momentum) and policy
-state belong with the trainer's own checkpoint. ``save_state(step)`` next to ``torch.save`` and
-``load_state(step)`` next to ``torch.load`` keep them together:
+Durable state (docs/policies.md "Durable state: checkpoints"): the sidecars' codec state (residuals,
+momentum) and policy state belong with the trainer's own checkpoint. ``save_state(step)`` next to
+``torch.save`` and ``load_state(step)`` next to ``torch.load`` keep them together:
 
     if rank == 0:
         torch.save({"model": ..., "optim": ..., "step": step}, path)
