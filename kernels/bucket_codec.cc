@@ -369,9 +369,7 @@ class BucketCodec final : public Codec {
  public:
   BucketCodec(BucketCodecKind kind, const CodecConfig& c)
       : kind_(kind), info_(bucketKindInfo(kind)), config_(c), bucket_(c.bucket_size) {
-    traits_.id = info_.id;
-    traits_.name = info_.name;
-    traits_.default_error_feedback = info_.default_error_feedback;
+    traits_ = bucketCodecTraits(kind);
     // Buckets per thread unit: a multiple whose codes end on a byte boundary.
     const uint64_t bucket_bits = uint64_t{bucket_} * info_.bits;
     unit_buckets_ = 8 / std::gcd<uint64_t, uint64_t>(bucket_bits, 8);

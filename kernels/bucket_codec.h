@@ -75,4 +75,11 @@ Result<BucketPayload> parseBucketPayload(BucketCodecKind kind, std::span<const u
 /// Builds the codec of `kind` from `config` (reads bucket_size); invalidArgument when out of range.
 Result<std::unique_ptr<Codec>> makeBucketCodec(BucketCodecKind kind, const CodecConfig& config);
 
+/// The traits of a bucket codec (its registration and every instance).
+constexpr CodecTraits bucketCodecTraits(BucketCodecKind kind) {
+  const BucketKindInfo info = bucketKindInfo(kind);
+  return CodecTraits{
+      .id = info.id, .name = info.name, .default_error_feedback = info.default_error_feedback};
+}
+
 }  // namespace lightwire::kernels

@@ -71,6 +71,14 @@ struct CodecTraits {
   bool default_error_feedback = false;  // biased codecs: EF on unless configured off
   int rounds = 1;                       // exchanges per step (PowerSGD: 2)
   bool single_chunk = false;  // the whole tensor is one payload (PowerSGD's matrix): chunkingFor()
+  // Selects a fraction of the elements given by density (or ratio): the DGC warm-up and the
+  // density schedules of the policies apply (StepContext::density).
+  bool uses_density = false;
+  // Never sends an element below CodecConfig::min_magnitude (the adaptive schedule sets it).
+  bool uses_min_magnitude = false;
+  // A parameter server may re-compress the mean of the contributions that arrived (bounded
+  // staleness): false when payloads are scaled for exactly one decoding.
+  bool staleness_safe = true;
 };
 
 /// How a tensor of `elements` is cut into chunks of `chunk_elements` (last one shorter).

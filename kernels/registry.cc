@@ -13,9 +13,14 @@
 namespace lightwire::kernels {
 namespace {
 
+struct Registered {
+  CodecFactory factory;
+  CodecTraits traits;
+};
+
 struct Registry {
   std::mutex mu;
-  std::map<std::string, CodecFactory> factories;
+  std::map<std::string, Registered, std::less<>> factories;
 };
 
 Registry& registry() {
@@ -25,13 +30,22 @@ Registry& registry() {
 
 }  // namespace
 
-Status registerCodec(const std::string& name, CodecFactory factory) {
+Status registerCodec(const CodecTraits& traits, CodecFactory factory) {
   auto& r = registry();
   std::lock_guard lock(r.mu);
-  if (!r.factories.emplace(name, std::move(factory)).second) {
+  const std::string name = traits.name;
+  if (!r.factories.emplace(name, Registered{std::move(factory), traits}).second) {
     return failedPrecondition("codec '" + name + "' is registered twice");
   }
   return Status::ok();
+}
+
+std::optional<CodecTraits> findCodecTraits(std::string_view name) {
+  auto& r = registry();
+  std::lock_guard lock(r.mu);
+  auto it = r.factories.find(name);
+  if (it == r.factories.end()) return std::nullopt;
+  return it->second.traits;
 }
 
 std::vector<std::string> codecNames() {
@@ -53,7 +67,7 @@ Result<std::unique_ptr<Codec>> createCodec(const CodecConfig& config) {
       for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
       return invalidArgument("unknown codec '" + config.name + "' (known: " + known + ")");
     }
-    factory = it->second;
+    factory = it->second.factory;
   }
   // Shared by every codec (those that do not select ignore it), so checked here once.
   if (!std::isfinite(config.min_magnitude) || !(config.min_magnitude >= 0.0)) {
@@ -78,8 +92,8 @@ Result<std::unique_ptr<Codec>> createCodec(const CodecConfig& config) {
   return codec;
 }
 
-detail::CodecRegistrar::CodecRegistrar(const char* name, CodecFactory factory) {
-  const Status s = registerCodec(name, std::move(factory));
+detail::CodecRegistrar::CodecRegistrar(const CodecTraits& traits, CodecFactory factory) {
+  const Status s = registerCodec(traits, std::move(factory));
   if (!s.isOk()) {
     std::fprintf(stderr, "lightwire: %s\n", s.message().c_str());
     std::abort();  // a build defect, not input: fail at start, loudly

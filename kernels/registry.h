@@ -6,7 +6,9 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/codec.h"
@@ -15,8 +17,13 @@ namespace lightwire::kernels {
 
 using CodecFactory = std::function<Result<std::unique_ptr<Codec>>(const CodecConfig&)>;
 
-/// Adds a factory; fails when the name is already taken.
-Status registerCodec(const std::string& name, CodecFactory factory);
+/// Adds a factory under traits.name, with the codec's traits; fails when the name is already
+/// taken.
+Status registerCodec(const CodecTraits& traits, CodecFactory factory);
+
+/// The traits of the codec registered as `name` (nullopt: none is), without building one: what
+/// callers need to know of a codec before its configuration is complete.
+std::optional<CodecTraits> findCodecTraits(std::string_view name);
 
 /// Names of every registered codec, sorted.
 std::vector<std::string> codecNames();
@@ -38,12 +45,13 @@ std::unique_ptr<Codec> makeErrorFeedback(std::unique_ptr<Codec> inner);
 
 namespace detail {
 struct CodecRegistrar {
-  CodecRegistrar(const char* name, CodecFactory factory);
+  CodecRegistrar(const CodecTraits& traits, CodecFactory factory);
 };
 }  // namespace detail
 
 }  // namespace lightwire::kernels
 
-#define LW_REGISTER_CODEC(ident, name, factory)                                              \
-  static const ::lightwire::kernels::detail::CodecRegistrar lw_codec_registrar_##ident(name, \
+/// Registers `factory` under `traits` (a CodecTraits whose name is the codec's name).
+#define LW_REGISTER_CODEC(ident, traits, factory)                                              \
+  static const ::lightwire::kernels::detail::CodecRegistrar lw_codec_registrar_##ident(traits, \
                                                                                        factory)

@@ -640,12 +640,21 @@ Result<SparseWritten> writeSparsePayloadFromList(CodecId codec, DType source, DT
   return SparseWritten{bytes, nnz, first};
 }
 
-Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, float weight,
-                           float* out, size_t out_elements) {
+Result<SparseLayout> parseSparsePayload(std::span<const uint8_t> payload, CodecId codec,
+                                        size_t out_elements) {
   auto header = readHeader(payload, codec, out_elements, kFlagF16Values);
   if (!header) return header.status();
-  if (header->codec == CodecId::kNone) return decodeDenseF32(payload, *header, weight, out);
-
+  SparseLayout layout;
+  layout.header = *header;
+  if (header->codec == CodecId::kNone) {
+    const uint64_t need = kHeaderBytes + 4 * header->elements;
+    if (header->elements > (payload.size() / 4) || payload.size() != need) {
+      return dataLoss("none payload of " + std::to_string(header->elements) + " elements must be " +
+                      std::to_string(need) + " bytes, got " + std::to_string(payload.size()));
+    }
+    layout.dense = true;
+    return layout;
+  }
   const std::string name = codecIdName(codec);
   if (payload.size() < kSparseHeaderBytes) {
     return dataLoss(name + " payload truncated: " + std::to_string(payload.size()) +
@@ -676,6 +685,23 @@ Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, floa
   if (!paddingIsZero({gaps, static_cast<size_t>(g)}, nnz * w)) {
     return dataLoss(name + " payload has non-zero padding bits after its gaps");
   }
+  layout.nnz = nnz;
+  layout.w = w;
+  layout.value_bytes = value_bytes;
+  layout.gaps = gaps;
+  layout.values = gaps + g;
+  return layout;
+}
+
+Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, float weight,
+                           float* out, size_t out_elements) {
+  auto layout = parseSparsePayload(payload, codec, out_elements);
+  if (!layout) return layout.status();
+  if (layout->dense) return decodeDenseF32(payload, layout->header, weight, out);
+  const std::string name = codecIdName(codec);
+  const uint64_t n = layout->header.elements, nnz = layout->nnz;
+  const unsigned w = layout->w;
+  const uint8_t* gaps = layout->gaps;
 
   // Gap j sits at stream bits [j·w, j·w + w). With nnz >= 8 the value bytes that follow the gaps
   // (>= 16) keep an 8-byte load at any gap's first byte inside the payload, so gaps are read
@@ -721,8 +747,8 @@ Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, floa
   }
 
   // Second pass: validated, so add.
-  const uint8_t* vals = gaps + g;
-  if (value_bytes == 2) {
+  const uint8_t* vals = layout->values;
+  if (layout->value_bytes == 2) {
     forEachIndex([&](uint64_t j, uint64_t i) {
       out[i] = out[i] + weight * halfToFloat(loadU16(vals + 2 * j));
       return true;

@@ -186,6 +186,23 @@ Result<SparseWritten> writeSparsePayloadFromList(CodecId codec, DType source, DT
                                                  size_t begin, size_t len, CpuStream* stream,
                                                  std::span<uint8_t> out);
 
+/// The checked layout of a sparse payload (docs/wire-format.md): everything about it but its
+/// indices, which only a pass over its gaps can check.
+struct SparseLayout {
+  PayloadHeader header;
+  bool dense = false;  // the `none` escape: plain fp32 values follow the header (nothing below)
+  uint64_t nnz = 0;
+  unsigned w = 0;            // gap width in bits
+  uint64_t value_bytes = 4;  // 2: fp16 values
+  const uint8_t* gaps = nullptr;
+  const uint8_t* values = nullptr;
+};
+/// Parses and checks a sparse payload of codec `codec` for a chunk of `out_elements`: header,
+/// reserved bytes, nnz, gap width, exact size, zero padding after the gaps (the dense escape: its
+/// exact size). Shared by the CPU decoder and the CUDA codecs' host-side validation.
+Result<SparseLayout> parseSparsePayload(std::span<const uint8_t> payload, CodecId codec,
+                                        size_t out_elements);
+
 /// Validates a sparse payload of codec `codec` (or the `none` escape) completely, then adds
 /// weight · value_j to out[i_j]. On error `out` is untouched.
 Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, float weight,

@@ -1,5 +1,7 @@
 #include "policies/policy.h"
 
+#include "kernels/registry.h"
+
 #include <spdlog/spdlog.h>
 
 #include <boost/json/array.hpp>
@@ -17,7 +19,8 @@ namespace json = boost::json;
 constexpr size_t kMaxSettingsVersions = 64;
 
 bool selection(const kernels::CodecConfig& c) {
-  return c.name == "topk" || c.name == "dgc" || c.name == "randomk";
+  const auto traits = kernels::findCodecTraits(c.name);
+  return traits && traits->uses_density;
 }
 
 std::string fmt(double v) {
@@ -26,17 +29,15 @@ std::string fmt(double v) {
   return buf;
 }
 
-/// Density the DGC warm-up prescribes for `step` of `warmup_steps`: 25 %, 6.25 %, 1.5625 %,
-/// 0.39 %, 0.098 % in five equal stages (nullopt after it).
-std::optional<double> warmup(uint64_t step, uint64_t warmup_steps) {
+}  // namespace
+
+std::optional<double> warmupDensity(uint64_t step, uint64_t warmup_steps) {
   if (warmup_steps == 0 || step >= warmup_steps) return std::nullopt;
   const uint64_t stage = std::min<uint64_t>(4, step * 5 / warmup_steps);
   double d = 0.25;
   for (uint64_t i = 0; i < stage; ++i) d *= 0.25;
   return d;
 }
-
-}  // namespace
 
 Status validate(const PolicyConfig& c) {
   auto bad = [](const char* key, const std::string& what) {
@@ -149,7 +150,7 @@ StepPlan PolicyEngine::plan(const std::string& tensor, uint64_t step,
     const double f = static_cast<double>(step) / static_cast<double>(config_.total_steps);
     if (f < 0.2 || f >= 0.8) d = std::min(1.0, d * config_.phase_factor);
   }
-  if (const auto w = warmup(step, config_.warmup_steps); w && *w > d) d = *w;
+  if (const auto w = warmupDensity(step, config_.warmup_steps); w && *w > d) d = *w;
   if (d != base) p.density = d;
   return p;
 }

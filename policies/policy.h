@@ -65,6 +65,11 @@ Status validate(const PolicyConfig& c);
 enum class StepMode { kCompressed, kBypass, kFullSync, kSkip };
 const char* stepModeName(StepMode m);
 
+/// The density the DGC warm-up prescribes for `step` of `warmup_steps`: 25 %, 6.25 %, 1.5625 %,
+/// 0.39 %, 0.098 % in five equal stages (stage i = step * 5 / warmup_steps sends 0.25^(i+1));
+/// nullopt after it.
+std::optional<double> warmupDensity(uint64_t step, uint64_t warmup_steps);
+
 /// What one step of one tensor does. Plain value.
 struct StepPlan {
   StepMode mode = StepMode::kCompressed;

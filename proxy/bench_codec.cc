@@ -29,7 +29,10 @@ using kernels::StepContext;
 using Clock = std::chrono::steady_clock;
 
 /// Codecs configured by density or ratio.
-bool usesDensity(const std::string& name) { return isSelection(name) || name == "randomk"; }
+bool usesDensity(const std::string& name) {
+  const auto traits = kernels::findCodecTraits(name);
+  return traits && traits->uses_density;
+}
 
 std::string formatNumber(double v) {
   char buf[32];

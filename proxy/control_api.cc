@@ -15,6 +15,34 @@
 
 namespace lightwire::proxy {
 
+ApiError apiError(StepError error) {
+  switch (error) {
+    case StepError::kNone:
+      return {200, ""};
+    case StepError::kInvalidArgument:
+      return {400, "invalid_argument"};
+    case StepError::kConflict:
+      return {409, "conflict"};
+    case StepError::kResumeMismatch:
+      return {409, "resume_mismatch"};
+    case StepError::kLimitReached:
+      return {429, "limit_reached"};
+    case StepError::kInternal:
+      return {500, "internal"};
+    case StepError::kDeviceError:
+      return {500, "device_error"};
+    case StepError::kExchangeFailed:
+      return {502, "exchange_failed"};
+    case StepError::kShuttingDown:
+      return {503, "shutting_down"};
+    case StepError::kDeadlineExceeded:
+      return {504, "deadline_exceeded"};
+    case StepError::kStateLimit:
+      return {507, "state_limit"};
+  }
+  return {500, "internal"};
+}
+
 struct RequestTarget {
   std::string path;
   std::map<std::string, std::string> query;
@@ -48,7 +76,8 @@ Response badRequest(const std::string& message) {
 }
 
 Response fromOutcome(const StepOutcome& o) {
-  return errorResponse(static_cast<status>(o.http_status), o.error, o.message);
+  const ApiError e = apiError(o.error);
+  return errorResponse(static_cast<status>(e.status), e.code, o.message);
 }
 
 int hexValue(char c) {
@@ -476,7 +505,7 @@ Response ControlApi::emitRaw(Request& req, const RequestTarget& t, Reply& reply,
   const std::string name = spec.name;
   const uint64_t step = spec.step;
   engine_.submit(std::move(c), [reply, body, name, step](StepOutcome o) {
-    if (o.http_status != 200) return reply(fromOutcome(o));
+    if (!o.ok()) return reply(fromOutcome(o));
     Response r{status::ok, 11};
     r.set(http::field::content_type, "application/octet-stream");
     r.set("X-Lightwire-Codec", o.figures.codec);
@@ -590,7 +619,7 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   const std::string name = spec.name;
   const uint64_t step = spec.step;
   engine_.submit(std::move(c), [reply, name, step](StepOutcome out) {
-    if (out.http_status != 200) return reply(fromOutcome(out));
+    if (!out.ok()) return reply(fromOutcome(out));
     reply(jsonResponse(status::ok, figuresJson(name, step, out.figures)));
   });
   return {};

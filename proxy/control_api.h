@@ -18,9 +18,16 @@
 #include "policies/policy.h"
 #include "proxy/config.h"
 #include "proxy/http_server.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
 
 namespace lightwire::proxy {
+
+/// The HTTP status and the error code (docs/api.md "Errors") a step error is answered with.
+struct ApiError {
+  unsigned status;
+  const char* code;
+};
+ApiError apiError(StepError error);
 
 /// Where the listeners ended up (ports chosen by the system are known only after binding).
 struct BoundListeners {

@@ -36,7 +36,8 @@
 #endif
 #include "policies/checkpoint.h"
 #include "policies/policy.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
+#include "proxy/step/job_state.h"
 #include "proxy/version.h"
 
 extern char** environ;

@@ -87,16 +87,16 @@ inline float valueAt(const uint8_t* body, bool dense, size_t i) {
   return dense ? loadF32(body + 4 * i) : F::decode(loadU16(body + 2 * i));
 }
 
+template <typename F>
+constexpr CodecTraits kCastTraits{.id = F::kId, .name = F::kName, .summable = true};
+
 /// The fp16 or bf16 codec. Immutable, thread-safe.
 template <typename F>
 class CastCodec final : public Codec {
  public:
   explicit CastCodec(const CodecConfig& c) : config_(c) {}
 
-  const CodecTraits& traits() const override {
-    static const CodecTraits t{.id = F::kId, .name = F::kName, .summable = true};
-    return t;
-  }
+  const CodecTraits& traits() const override { return kCastTraits<F>; }
   const CodecConfig& config() const override { return config_; }
   size_t workspaceBytes(const Chunking&) const override { return 0; }
   size_t maxPayloadBytes(size_t n) const override { return kHeaderBytes + 2 * n; }
@@ -184,12 +184,14 @@ class CastCodec final : public Codec {
   CodecConfig config_;
 };
 
-LW_REGISTER_CODEC(fp16, "fp16", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
-  return std::unique_ptr<Codec>(new CastCodec<Fp16Format>(c));
-});
-LW_REGISTER_CODEC(bf16, "bf16", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
-  return std::unique_ptr<Codec>(new CastCodec<Bf16Format>(c));
-});
+LW_REGISTER_CODEC(fp16, kCastTraits<Fp16Format>,
+                  [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+                    return std::unique_ptr<Codec>(new CastCodec<Fp16Format>(c));
+                  });
+LW_REGISTER_CODEC(bf16, kCastTraits<Bf16Format>,
+                  [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+                    return std::unique_ptr<Codec>(new CastCodec<Bf16Format>(c));
+                  });
 
 }  // namespace
 }  // namespace lightwire::kernels

@@ -27,20 +27,21 @@ constexpr size_t kExactMaxElements = 32768;
 constexpr size_t kMinSamples = 1024;
 constexpr int kMaxRefinements = 3;
 
+constexpr CodecTraits kDgcTraits{.id = CodecId::kDgc,
+                                 .name = "dgc",
+                                 .summable = false,
+                                 .sparse = true,
+                                 .own_memory = true,
+                                 .default_error_feedback = false,
+                                 .uses_density = true,
+                                 .uses_min_magnitude = true};
+
 class DgcCodec final : public Codec {
  public:
   DgcCodec(const CodecConfig& c, double density)
       : config_(c), density_(density), min_key_(minMagnitudeKey(c.min_magnitude)) {}
 
-  const CodecTraits& traits() const override {
-    static const CodecTraits t{.id = CodecId::kDgc,
-                               .name = "dgc",
-                               .summable = false,
-                               .sparse = true,
-                               .own_memory = true,
-                               .default_error_feedback = false};
-    return t;
-  }
+  const CodecTraits& traits() const override { return kDgcTraits; }
   const CodecConfig& config() const override { return config_; }
   /// u then v with momentum; v alone without (u' would be zero everywhere: not stored, not
   /// written, which saves a quarter of the fused pass's memory traffic).
@@ -449,7 +450,7 @@ Result<std::unique_ptr<Codec>> makeDgc(const CodecConfig& c) {
   return std::unique_ptr<Codec>(new DgcCodec(c, *density));
 }
 
-LW_REGISTER_CODEC(dgc, "dgc", makeDgc);
+LW_REGISTER_CODEC(dgc, kDgcTraits, makeDgc);
 
 }  // namespace
 }  // namespace lightwire::kernels

@@ -7,14 +7,13 @@
 namespace lightwire::kernels {
 namespace {
 
+constexpr CodecTraits kNoneTraits{.id = CodecId::kNone, .name = "none", .summable = true};
+
 class NoneCodec final : public Codec {
  public:
   explicit NoneCodec(const CodecConfig& c) : config_(c) {}
 
-  const CodecTraits& traits() const override {
-    static const CodecTraits t{.id = CodecId::kNone, .name = "none", .summable = true};
-    return t;
-  }
+  const CodecTraits& traits() const override { return kNoneTraits; }
   const CodecConfig& config() const override { return config_; }
   size_t workspaceBytes(const Chunking&) const override { return 0; }
   size_t maxPayloadBytes(size_t n) const override { return kHeaderBytes + 4 * n; }
@@ -62,7 +61,7 @@ class NoneCodec final : public Codec {
   CodecConfig config_;
 };
 
-LW_REGISTER_CODEC(none, "none", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+LW_REGISTER_CODEC(none, kNoneTraits, [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
   return std::unique_ptr<Codec>(new NoneCodec(c));
 });
 

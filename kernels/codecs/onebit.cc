@@ -9,7 +9,7 @@
 namespace lightwire::kernels {
 namespace {
 
-LW_REGISTER_CODEC(onebit, "onebit", [](const CodecConfig& c) {
+LW_REGISTER_CODEC(onebit, bucketCodecTraits(BucketCodecKind::kOnebit), [](const CodecConfig& c) {
   return makeBucketCodec(BucketCodecKind::kOnebit, c);
 });
 

@@ -235,21 +235,20 @@ void orthonormalize(float* a, size_t rows, size_t r) {
   }
 }
 
+constexpr CodecTraits kPowerSgdTraits{.id = CodecId::kPowersgd,
+                                      .name = "powersgd",
+                                      .summable = true,
+                                      .sparse = false,
+                                      .own_memory = true,
+                                      .default_error_feedback = false,
+                                      .rounds = 2,
+                                      .single_chunk = true};
+
 class PowerSgdCodec final : public Codec {
  public:
   explicit PowerSgdCodec(const CodecConfig& c) : config_(c) {}
 
-  const CodecTraits& traits() const override {
-    static const CodecTraits t{.id = CodecId::kPowersgd,
-                               .name = "powersgd",
-                               .summable = true,
-                               .sparse = false,
-                               .own_memory = true,
-                               .default_error_feedback = false,
-                               .rounds = 2,
-                               .single_chunk = true};
-    return t;
-  }
+  const CodecTraits& traits() const override { return kPowerSgdTraits; }
   const CodecConfig& config() const override { return config_; }
 
   /// e (n), the meta block, then room for Q (cols·r values, at most capFactor(n)).
@@ -544,7 +543,7 @@ Result<std::unique_ptr<Codec>> makePowerSgd(const CodecConfig& c) {
   return std::unique_ptr<Codec>(new PowerSgdCodec(c));
 }
 
-LW_REGISTER_CODEC(powersgd, "powersgd", makePowerSgd);
+LW_REGISTER_CODEC(powersgd, kPowerSgdTraits, makePowerSgd);
 
 }  // namespace
 }  // namespace lightwire::kernels

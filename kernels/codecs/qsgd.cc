@@ -76,6 +76,8 @@ void unpackCodes(BitReader& reader, size_t len, unsigned bits, uint8_t* codes) {
   for (; k < len; ++k) codes[k] = static_cast<uint8_t>(reader.get(bits));
 }
 
+constexpr CodecTraits kQsgdTraits{.id = CodecId::kQsgd, .name = "qsgd"};
+
 /// QSGD with fixed bits and bucket size. Immutable, thread-safe.
 class QsgdCodec final : public Codec {
  public:
@@ -90,10 +92,7 @@ class QsgdCodec final : public Codec {
     unit_buckets_ = 8 / std::gcd<uint64_t, uint64_t>(bucket_bits, 8);
   }
 
-  const CodecTraits& traits() const override {
-    static const CodecTraits t{.id = CodecId::kQsgd, .name = "qsgd"};
-    return t;
-  }
+  const CodecTraits& traits() const override { return kQsgdTraits; }
   const CodecConfig& config() const override { return config_; }
   size_t chunkAlignment() const override { return bucket_; }
   size_t workspaceBytes(const Chunking&) const override { return 0; }
@@ -264,7 +263,7 @@ class QsgdCodec final : public Codec {
   uint64_t unit_buckets_ = 1;
 };
 
-LW_REGISTER_CODEC(qsgd, "qsgd", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+LW_REGISTER_CODEC(qsgd, kQsgdTraits, [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
   if (c.bits < 2 || c.bits > 8) {
     return invalidArgument("qsgd: bits must be in 2..8, got " + std::to_string(c.bits));
   }

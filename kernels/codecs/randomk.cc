@@ -223,19 +223,20 @@ Result<RandomkBody> readBody(std::span<const uint8_t> payload, const PayloadHead
   return body;
 }
 
+constexpr CodecTraits kRandomkTraits{.id = CodecId::kRandomk,
+                                     .name = "randomk",
+                                     .summable = true,
+                                     .sparse = false,
+                                     .own_memory = false,
+                                     .default_error_feedback = false,
+                                     .uses_density = true,
+                                     .staleness_safe = false};
+
 class RandomkCodec final : public Codec {
  public:
   RandomkCodec(const CodecConfig& c, double density) : config_(c), density_(density) {}
 
-  const CodecTraits& traits() const override {
-    static const CodecTraits t{.id = CodecId::kRandomk,
-                               .name = "randomk",
-                               .summable = true,
-                               .sparse = false,
-                               .own_memory = false,
-                               .default_error_feedback = false};
-    return t;
-  }
+  const CodecTraits& traits() const override { return kRandomkTraits; }
   const CodecConfig& config() const override { return config_; }
   size_t workspaceBytes(const Chunking&) const override {
     return WorkspaceCarver::bytesFor({sizeof(uint64_t)});
@@ -429,12 +430,13 @@ class RandomkCodec final : public Codec {
   double density_;
 };
 
-LW_REGISTER_CODEC(randomk, "randomk", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
-  auto density = configuredDensity(c, "randomk");
-  if (!density) return density.status();
-  LW_RETURN_IF_ERROR(checkSparseValues(c, "randomk"));
-  return std::unique_ptr<Codec>(new RandomkCodec(c, *density));
-});
+LW_REGISTER_CODEC(randomk, kRandomkTraits,
+                  [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+                    auto density = configuredDensity(c, "randomk");
+                    if (!density) return density.status();
+                    LW_RETURN_IF_ERROR(checkSparseValues(c, "randomk"));
+                    return std::unique_ptr<Codec>(new RandomkCodec(c, *density));
+                  });
 
 }  // namespace
 }  // namespace lightwire::kernels

@@ -9,7 +9,7 @@
 namespace lightwire::kernels {
 namespace {
 
-LW_REGISTER_CODEC(signsgd, "signsgd", [](const CodecConfig& c) {
+LW_REGISTER_CODEC(signsgd, bucketCodecTraits(BucketCodecKind::kSignsgd), [](const CodecConfig& c) {
   return makeBucketCodec(BucketCodecKind::kSignsgd, c);
 });
 

@@ -9,9 +9,10 @@
 namespace lightwire::kernels {
 namespace {
 
-LW_REGISTER_CODEC(terngrad, "terngrad", [](const CodecConfig& c) {
-  return makeBucketCodec(BucketCodecKind::kTerngrad, c);
-});
+LW_REGISTER_CODEC(terngrad, bucketCodecTraits(BucketCodecKind::kTerngrad),
+                  [](const CodecConfig& c) {
+                    return makeBucketCodec(BucketCodecKind::kTerngrad, c);
+                  });
 
 }  // namespace
 }  // namespace lightwire::kernels

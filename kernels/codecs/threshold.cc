@@ -16,6 +16,14 @@
 namespace lightwire::kernels {
 namespace {
 
+constexpr CodecTraits kThresholdTraits{.id = CodecId::kThreshold,
+                                       .name = "threshold",
+                                       .summable = false,
+                                       .sparse = true,
+                                       .own_memory = false,
+                                       .default_error_feedback = true,
+                                       .uses_min_magnitude = true};
+
 class ThresholdCodec final : public Codec {
  public:
   ThresholdCodec(const CodecConfig& c, float tau) : config_(c) {
@@ -25,15 +33,7 @@ class ThresholdCodec final : public Codec {
     plan_.select_none = false;
   }
 
-  const CodecTraits& traits() const override {
-    static const CodecTraits t{.id = CodecId::kThreshold,
-                               .name = "threshold",
-                               .summable = false,
-                               .sparse = true,
-                               .own_memory = false,
-                               .default_error_feedback = true};
-    return t;
-  }
+  const CodecTraits& traits() const override { return kThresholdTraits; }
   const CodecConfig& config() const override { return config_; }
   size_t workspaceBytes(const Chunking& c) const override {
     return WorkspaceCarver::bytesFor({c.elements * sizeof(uint32_t)});
@@ -72,7 +72,7 @@ class ThresholdCodec final : public Codec {
   SelectionPlan plan_;
 };
 
-LW_REGISTER_CODEC(threshold, "threshold",
+LW_REGISTER_CODEC(threshold, kThresholdTraits,
                   [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
                     if (!c.threshold) {
                       return invalidArgument(

@@ -14,20 +14,21 @@
 namespace lightwire::kernels {
 namespace {
 
+constexpr CodecTraits kTopkTraits{.id = CodecId::kTopk,
+                                  .name = "topk",
+                                  .summable = false,
+                                  .sparse = true,
+                                  .own_memory = false,
+                                  .default_error_feedback = true,
+                                  .uses_density = true,
+                                  .uses_min_magnitude = true};
+
 class TopkCodec final : public Codec {
  public:
   TopkCodec(const CodecConfig& c, double density)
       : config_(c), density_(density), min_key_(minMagnitudeKey(c.min_magnitude)) {}
 
-  const CodecTraits& traits() const override {
-    static const CodecTraits t{.id = CodecId::kTopk,
-                               .name = "topk",
-                               .summable = false,
-                               .sparse = true,
-                               .own_memory = false,
-                               .default_error_feedback = true};
-    return t;
-  }
+  const CodecTraits& traits() const override { return kTopkTraits; }
   const CodecConfig& config() const override { return config_; }
   size_t workspaceBytes(const Chunking& c) const override {
     return SelectWorkspace::bytes(c.elements);
@@ -90,7 +91,7 @@ class TopkCodec final : public Codec {
   uint32_t min_key_;  // min_magnitude as a key floor (0 = off)
 };
 
-LW_REGISTER_CODEC(topk, "topk", [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
+LW_REGISTER_CODEC(topk, kTopkTraits, [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
   auto density = configuredDensity(c, "topk");
   if (!density) return density.status();
   LW_RETURN_IF_ERROR(checkSparseValues(c, "topk"));

@@ -1,5 +1,5 @@
 #pragma once
-// Element-wise device operations of a step on the GPU (proxy/step_engine_cuda.cc, docs/cuda.md
+// Element-wise device operations of a step on the GPU (proxy/step/gpu_backend_cuda.cc, docs/cuda.md
 // "Steps on the GPU"), each the exact counterpart of what the CPU engine does on the host: the
 // local trainers' sum, the delayed-sync accumulation, and the value counts of the statistics and
 // the non-finite check. CUB style like kernels/cuda/cast.h: caller-owned device memory, explicit

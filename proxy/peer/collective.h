@@ -28,8 +28,8 @@
 #include <memory>
 #include <vector>
 
+#include "proxy/exchange/exchange.h"
 #include "proxy/peer/transport.h"
-#include "proxy/step_engine.h"
 
 namespace lightwire::proxy::peer {
 

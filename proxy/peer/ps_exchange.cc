@@ -317,11 +317,12 @@ Result<PsExchange::Spans> PsExchange::run(ExchangeRound& r) {
                                    " needs peer.synchrony sync (its rounds cannot be averaged "
                                    "over the contributions that arrived)"));
   }
-  if (options_.bounded_staleness && traits.id == kernels::CodecId::kRandomk) {
+  if (options_.bounded_staleness && !traits.staleness_safe) {
     return fail(tensor, r.step,
-                failedPrecondition("randomk needs peer.synchrony sync (its payloads are scaled "
-                                   "for one decoding: re-compressing the server's sum would scale "
-                                   "it twice)"));
+                failedPrecondition(std::string(traits.name) +
+                                   " needs peer.synchrony sync (its payloads are scaled for one "
+                                   "decoding: re-compressing the server's sum would scale it "
+                                   "twice)"));
   }
   r.stats_in.clear();
   if (carriesStats(r) && r.stats_out.size() > kMaxStatsBytes) {

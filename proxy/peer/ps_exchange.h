@@ -42,8 +42,8 @@
 #include <vector>
 
 #include "kernels/codec.h"
+#include "proxy/exchange/exchange.h"
 #include "proxy/peer/transport.h"
-#include "proxy/step_engine.h"
 
 namespace lightwire::proxy::peer {
 

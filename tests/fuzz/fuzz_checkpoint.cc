@@ -1,10 +1,10 @@
 // Target `checkpoint`: a checkpoint file as a sidecar reads it at start or on POST /v1/resume
-// (policies/checkpoint.h, proxy/step_engine.cc restoreFrom): decodeCheckpoint() of the bytes, and
-// again with the header's body length and the XXH3 trailer put right (so that the fuzzer gets past
-// the checksum); then what the engine does with an accepted file: the policy state restored (and
-// read back), every tensor's dtype checked and its codec state restored, and, for a tensor whose
-// codec key is one of codecConfigs() and whose state has that codec's size, one step and one full
-// synchronisation run from the restored state (fuzz_util.h runStep).
+// (policies/checkpoint.h, proxy/step/checkpoints.cc restoreFrom): decodeCheckpoint() of the bytes,
+// and again with the header's body length and the XXH3 trailer put right (so that the fuzzer gets
+// past the checksum); then what the engine does with an accepted file: the policy state restored
+// (and read back), every tensor's dtype checked and its codec state restored, and, for a tensor
+// whose codec key is one of codecConfigs() and whose state has that codec's size, one step and one
+// full synchronisation run from the restored state (fuzz_util.h runStep).
 //
 // Input: the file.
 #include <xxhash.h>

@@ -14,7 +14,8 @@
 #include "policies/stats.h"
 #include "proxy/peer/frame.h"
 #include "proxy/peer/ps_exchange.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
+#include "proxy/step/job_state.h"
 #include "tests/fuzz/peer_bodies.h"
 #include "tests/fuzz/targets.h"
 

@@ -30,7 +30,7 @@
 #include "proxy/config.h"
 #include "proxy/control_api.h"
 #include "proxy/http_server.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
 #include "tests/fuzz/peer_bodies.h"
 #include "tests/fuzz/targets.h"
 

@@ -6,7 +6,8 @@
 // Input: the STATE payload (JSON).
 #include <boost/json/serialize.hpp>
 
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
+#include "proxy/step/job_state.h"
 #include "tests/fuzz/peer_bodies.h"
 #include "tests/fuzz/targets.h"
 

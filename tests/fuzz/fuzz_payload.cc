@@ -1,6 +1,6 @@
 // Target `payload`: every codec's payload decoder on the path the step engine
-// (proxy/step_engine.cc) and the exchanges (proxy/peer/collective.cc, ps_exchange.cc) apply to
-// payloads from peers:
+// (proxy/step/host_backend.cc) and the exchanges (proxy/peer/collective.cc, ps_exchange.cc) apply
+// to payloads from peers:
 //   - single-round codecs: each chunk's list of payloads (one per contributing sidecar) decoded
 //     into the chunk's range of the result, zeroed first, with weight 1 / contributors, stopping at
 //     the first that does not decode; or as plain fp32 sums (codec `none`) when the exchange

@@ -11,7 +11,8 @@
 #include "proxy/config.h"
 #include "proxy/control_api.h"
 #include "proxy/peer/ps_exchange.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
+#include "proxy/step/job_state.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace lightwire::fuzz {

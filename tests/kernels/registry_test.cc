@@ -13,9 +13,10 @@ TEST_CASE("registry: every codec of docs/codecs.md is registered once") {
                            "terngrad", "signsgd", "onebit", "powersgd"}) {
     CHECK_MESSAGE(std::find(names.begin(), names.end(), want) != names.end(), want);
   }
-  auto dup = registerCodec("topk", [](const CodecConfig&) -> Result<std::unique_ptr<Codec>> {
-    return lightwire::invalidArgument("never built");
-  });
+  auto dup =
+      registerCodec({.name = "topk"}, [](const CodecConfig&) -> Result<std::unique_ptr<Codec>> {
+        return lightwire::invalidArgument("never built");
+      });
   CHECK(!dup.isOk());
   CHECK(dup.message().find("twice") != std::string::npos);
 }

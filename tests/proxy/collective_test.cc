@@ -14,7 +14,7 @@
 #include "kernels/codec.h"
 #include "kernels/registry.h"
 #include "proxy/peer/collective.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
 #include "tests/proxy/peer_mesh.h"
 
 namespace lightwire::proxy::peer {

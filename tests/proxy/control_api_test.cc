@@ -3,6 +3,7 @@
 // over the Unix socket and TCP. Every error reply is checked for its status, its JSON shape and
 // for changing nothing.
 #include <doctest.h>
+
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -26,11 +27,14 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,7 +44,8 @@
 #include "proxy/config.h"
 #include "proxy/control_api.h"
 #include "proxy/http_server.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
+#include "proxy/version.h"
 #include "tests/temp_dir.h"
 
 namespace asio = boost::asio;
@@ -383,6 +388,36 @@ std::string registerShm(Client& c, const std::string& name, size_t size) {
 }
 
 }  // namespace
+
+TEST_CASE("every step error is answered with the status and code of docs/api.md's table") {
+  // The table's rows ("| 409 | `conflict` | ..."), read from the document itself.
+  std::ifstream doc(std::string(LIGHTWIRE_SOURCE_DIR) + "/docs/api.md");
+  REQUIRE(doc);
+  std::map<std::string, unsigned> documented;
+  for (std::string line; std::getline(doc, line);) {
+    unsigned status = 0;
+    char code[64] = {};
+    if (std::sscanf(line.c_str(), "| %u | `%63[a-z_]` |", &status, code) == 2) {
+      documented[code] = status;
+    }
+  }
+  const StepError errors[] = {StepError::kInvalidArgument,  StepError::kConflict,
+                              StepError::kResumeMismatch,   StepError::kLimitReached,
+                              StepError::kInternal,         StepError::kDeviceError,
+                              StepError::kExchangeFailed,   StepError::kShuttingDown,
+                              StepError::kDeadlineExceeded, StepError::kStateLimit};
+  std::set<std::string> codes;
+  for (StepError e : errors) {
+    const ApiError a = apiError(e);
+    CAPTURE(a.code);
+    REQUIRE(documented.count(a.code) == 1);
+    CHECK(documented.at(a.code) == a.status);
+    CHECK(a.status >= 400);
+    codes.insert(a.code);
+  }
+  CHECK(codes.size() == std::size(errors));  // no two errors share a code
+  CHECK(apiError(StepError::kNone).status == 200);
+}
 
 TEST_CASE("raw emit_gradient round trip over the Unix socket and TCP, keep-alive") {
   Stack s;

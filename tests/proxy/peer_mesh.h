@@ -13,7 +13,7 @@
 #include "metrics/metrics.h"
 #include "proxy/peer/tcp_transport.h"
 
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
 
 namespace lightwire::proxy::peer::testing {
 

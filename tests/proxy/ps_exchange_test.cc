@@ -22,7 +22,7 @@
 #include "kernels/registry.h"
 #include "proxy/peer/collective.h"
 #include "proxy/peer/ps_exchange.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
 #include "tests/proxy/peer_mesh.h"
 
 namespace lightwire::proxy::peer {

@@ -594,45 +594,13 @@ cudaError_t accumulateSparse(const uint8_t* d_payload, float weight, float* d_ou
 }
 
 Status validateSparse(std::span<const uint8_t> payload, CodecId codec, size_t out_elements) {
-  auto header = readHeader(payload, codec, out_elements, kFlagF16Values);
-  if (!header) return header.status();
-  if (header->codec == CodecId::kNone) {  // decodeDenseF32's checks
-    const uint64_t need = kHeaderBytes + 4 * header->elements;
-    if (header->elements > (payload.size() / 4) || payload.size() != need) {
-      return dataLoss("none payload of " + std::to_string(header->elements) + " elements must be " +
-                      std::to_string(need) + " bytes, got " + std::to_string(payload.size()));
-    }
-    return Status::ok();
-  }
+  auto layout = parseSparsePayload(payload, codec, out_elements);
+  if (!layout) return layout.status();
+  if (layout->dense) return Status::ok();
   const std::string name = codecIdName(codec);
-  if (payload.size() < kSparseHeaderBytes) {
-    return dataLoss(name + " payload truncated: " + std::to_string(payload.size()) +
-                    " bytes, the sparse header needs " + std::to_string(kSparseHeaderBytes));
-  }
-  const uint8_t* p = payload.data();
-  const uint64_t n = header->elements;
-  const uint64_t nnz = loadU32(p + 16);
-  const unsigned w = p[20];
-  if (p[21] != 0 || p[22] != 0 || p[23] != 0) {
-    return dataLoss(name + " payload has non-zero reserved bytes after w");
-  }
-  if (nnz > n) {
-    return dataLoss(name + " payload claims nnz " + std::to_string(nnz) + " > " +
-                    std::to_string(n) + " elements");
-  }
-  if (w > 32) return dataLoss(name + " payload gap width " + std::to_string(w) + " exceeds 32");
-  const uint64_t g = ((packedBytes(nnz, w) + 3) & ~uint64_t{3});
-  const uint64_t value_bytes = (header->flags & kFlagF16Values) ? 2 : 4;
-  const uint64_t need = kSparseHeaderBytes + g + value_bytes * nnz;
-  if (payload.size() != need) {
-    return dataLoss(name + " payload with nnz " + std::to_string(nnz) + " and w " +
-                    std::to_string(w) + " must be " + std::to_string(need) + " bytes, got " +
-                    std::to_string(payload.size()));
-  }
-  const uint8_t* gaps = p + kSparseHeaderBytes;
-  if (!paddingIsZero({gaps, static_cast<size_t>(g)}, nnz * w)) {
-    return dataLoss(name + " payload has non-zero padding bits after its gaps");
-  }
+  const uint64_t n = layout->header.elements, nnz = layout->nnz;
+  const unsigned w = layout->w;
+  const uint8_t* gaps = layout->gaps;
   // Indices strictly increase: every one is < n iff the last one is. O(nnz), no output touched.
   BitReader reader(gaps);
   uint64_t next = 0;

@@ -1,11 +1,11 @@
-// The step engine's GPU path (proxy/step_engine.h Contribution::device, docs/cuda.md "Steps on the
-// GPU") against its host path, on a real GPU: the same contributions — gradients in cudaMalloc'd
-// memory, with a host staging copy and fetch/store lambdas as a CUDA IPC region has, so that either
-// path can take them — go to an engine with options.gpu = true and to one with options.gpu = false
-// (same seed, same options, LocalExchange behind a recorder), step after step, and everything must
-// agree bit for bit: each trainer's result read back from its device memory, the figures, every
-// exchanged payload, the policies' statistics record and state, and the checkpointed codec state.
-// Skipped without a GPU (tests/kernels/cuda/main.cc).
+// The step pipeline's GPU backend (proxy/step/gpu_backend.h, Contribution::device, docs/cuda.md
+// "Steps on the GPU") against its host backend, on a real GPU: the same contributions — gradients
+// in cudaMalloc'd memory, with a host staging copy and fetch/store lambdas as a CUDA IPC region
+// has, so that either path can take them — go to an engine with options.gpu = true and to one with
+// options.gpu = false (same seed, same options, LocalExchange behind a recorder), step after step,
+// and everything must agree bit for bit: each trainer's result read back from its device memory,
+// the figures, every exchanged payload, the policies' statistics record and state, and the
+// checkpointed codec state. Skipped without a GPU (tests/kernels/cuda/main.cc).
 #include <cuda_runtime_api.h>
 #include <doctest.h>
 
@@ -40,7 +40,8 @@
 #include "policies/checkpoint.h"
 #include "policies/policy.h"
 #include "policies/stats.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
+#include "proxy/step/pipeline.h"
 #include "tests/temp_dir.h"
 
 using namespace lightwire;
@@ -444,9 +445,9 @@ void checkSame(const Run& gpu, const Run& cpu, bool gpu_path = true) {
   const size_t trainers = gpu.outcomes.size();
   REQUIRE(cpu.outcomes.size() == trainers);
   for (size_t k = 0; k < trainers; ++k) {
-    REQUIRE_MESSAGE(gpu.outcomes[k].http_status == 200,
+    REQUIRE_MESSAGE(gpu.outcomes[k].ok(),
                     "GPU engine: " << gpu.outcomes[k].error << ": " << gpu.outcomes[k].message);
-    REQUIRE_MESSAGE(cpu.outcomes[k].http_status == 200,
+    REQUIRE_MESSAGE(cpu.outcomes[k].ok(),
                     "host engine: " << cpu.outcomes[k].error << ": " << cpu.outcomes[k].message);
   }
   const StepFigures& gf = gpu.outcomes[0].figures;
@@ -752,7 +753,7 @@ TEST_CASE(
           if (!flagged) continue;
           CHECK_FALSE(nonfinite);
           Run r = runStep(clean, "nan", step, dtype, inputs);
-          REQUIRE(r.outcomes[0].http_status == 200);
+          REQUIRE(r.outcomes[0].ok());
           CHECK(r.outcomes[0].figures.device == kGpu);
           for (unsigned k = 0; k < trainers; ++k) {
             CHECK_MESSAGE(difference(r.results[k], g.results[k], dtype, false).empty(),
@@ -1080,7 +1081,7 @@ TEST_CASE("an engine with gpu = false never runs a step on the GPU") {
     for (uint64_t step = 1; step <= 3; ++step) {
       Run r = runStep(cpu, "t", step, DType::kF16, gradients(2, 5000, static_cast<uint32_t>(step)));
       for (const auto& o : r.outcomes) {
-        REQUIRE_MESSAGE(o.http_status == 200, o.message);
+        REQUIRE_MESSAGE(o.ok(), o.message);
         CHECK(o.figures.device == "cpu");
       }
       CHECK(r.fetches == 2);
@@ -1198,8 +1199,8 @@ TEST_CASE("a trainer event that cannot be waited on fails the step and commits n
   };
   Run failed = runStep(pair.gpu, "w", 2, DType::kF32, gradients(2, 8000, 2), {}, {}, failing);
   for (const auto& o : failed.outcomes) {
-    CHECK_MESSAGE(o.http_status != 200, "a step whose gradient could not be waited on succeeded ("
-                                            << o.figures.device << ")");
+    !CHECK_MESSAGE(o.ok(), "a step whose gradient could not be waited on succeeded ("
+                               << o.figures.device << ")");
   }
   for (auto& b : pair.gpu.buffers["w"]) b->fail_wait = false;
   // Step 3: as if step 2 had never been (the host engine never saw it).

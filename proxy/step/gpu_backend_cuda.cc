@@ -1,13 +1,14 @@
-// The step engine's GPU path (proxy/step_engine_gpu.h): the data operations of a step on the
-// device, with the CUDA codecs (kernels/cuda/codec.h) and the element-wise kernels of
-// kernels/cuda/engine_ops.h. Each operation is the device counterpart of the CPU engine's, bit for
-// bit. Only payloads cross to the host (and, on the steps that need them, a sampled chunk for the
-// cosine and the result for the divergence checksum).
+// The GPU backend of the step pipeline (proxy/step/gpu_backend.h): the data operations of a step
+// on the device, with the CUDA codecs (kernels/cuda/codec.h) and the element-wise kernels of
+// kernels/cuda/engine_ops.h. Each operation is the device counterpart of the host backend's
+// (proxy/step/host_backend.h), bit for bit. Only payloads cross to the host (and, on the steps that
+// need them, a sampled chunk for the cosine and the result for the divergence checksum).
 
 #include <cuda_runtime_api.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -16,7 +17,7 @@
 #include "kernels/cuda/engine_ops.h"
 #include "kernels/cuda/reduce.h"
 #include "kernels/registry.h"
-#include "proxy/step_engine_gpu.h"
+#include "proxy/step/gpu_backend.h"
 
 namespace lightwire::proxy::gpu {
 namespace {
@@ -267,6 +268,13 @@ Status GpuStep::ingest() {
   return Status::ok();
 }
 
+Status GpuStep::accumulate() {
+  return failedPrecondition("GPU path: delayed sync runs on the host");
+}
+Status GpuStep::addAccumulation() {
+  return failedPrecondition("GPU path: delayed sync runs on the host");
+}
+
 Status GpuStep::flush(const kernels::StepContext& ctx, const kernels::Chunking& chunking) {
   auto l = impl_->lock();
   Impl& s = *impl_;
@@ -387,8 +395,8 @@ Result<std::span<const uint8_t>> GpuStep::encodeChunk(const kernels::StepContext
   return std::span<const uint8_t>(out.data(), size);
 }
 
-Status GpuStep::chunkInput(const kernels::Chunking& chunking, size_t chunk,
-                           std::vector<float>& out) {
+Result<const float*> GpuStep::chunkInput(const kernels::Chunking& chunking, size_t chunk,
+                                         std::vector<float>& out) {
   auto l = impl_->lock();
   Impl& s = *impl_;
   out.resize(chunking.size(chunk));
@@ -396,7 +404,8 @@ Status GpuStep::chunkInput(const kernels::Chunking& chunking, size_t chunk,
       deviceError(cudaMemcpyAsync(out.data(), s.input + chunking.begin(chunk),
                                   out.size() * sizeof(float), cudaMemcpyDeviceToHost, s.t.stream_),
                   "reading a chunk"));
-  return s.sync("reading a chunk");
+  LW_RETURN_IF_ERROR(s.sync("reading a chunk"));
+  return out.data();
 }
 
 Status GpuStep::prepareResult(bool in_place) {

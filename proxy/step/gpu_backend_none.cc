@@ -1,8 +1,8 @@
-// The step engine's GPU path in a build without the CUDA codecs (no CUDA toolkit at build time):
-// no step is ever eligible, so the engine stages device memory through the host. GpuStep cannot be
-// begun; its other methods are unreachable.
+// The GPU backend in a build without the CUDA codecs (no CUDA toolkit at build time): no step is
+// ever eligible, so the pipeline stages device memory through the host. GpuStep cannot be begun;
+// its other methods are unreachable.
 
-#include "proxy/step_engine_gpu.h"
+#include "proxy/step/gpu_backend.h"
 
 namespace lightwire::proxy::gpu {
 
@@ -32,6 +32,8 @@ Status none() { return failedPrecondition("this build has no GPU path"); }
 
 std::string GpuStep::deviceName() const { return "cpu"; }
 Status GpuStep::ingest() { return none(); }
+Status GpuStep::accumulate() { return none(); }
+Status GpuStep::addAccumulation() { return none(); }
 Status GpuStep::flush(const kernels::StepContext&, const kernels::Chunking&) { return none(); }
 Result<policies::StepStats> GpuStep::stats(double, bool) { return none(); }
 Result<double> GpuStep::residualNorm2() { return none(); }
@@ -44,7 +46,9 @@ Result<std::span<const uint8_t>> GpuStep::encodeChunk(const kernels::StepContext
                                                       std::vector<uint8_t>&) {
   return none();
 }
-Status GpuStep::chunkInput(const kernels::Chunking&, size_t, std::vector<float>&) { return none(); }
+Result<const float*> GpuStep::chunkInput(const kernels::Chunking&, size_t, std::vector<float>&) {
+  return none();
+}
 Status GpuStep::prepareResult(bool) { return none(); }
 Status GpuStep::decodeChunk(const kernels::Chunking&, size_t,
                             std::span<const std::span<const uint8_t>>, bool, float) {

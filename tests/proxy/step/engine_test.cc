@@ -1,4 +1,4 @@
-// The step engine (proxy/step_engine.h) with LocalExchange: averaging of local trainers, the
+// The step engine (proxy/step/engine.h) with LocalExchange: averaging of local trainers, the
 // refusals of submit(), step timeouts, codec state across steps, size and codec changes,
 // non-finite steps and shutdown.
 #include <doctest.h>
@@ -19,7 +19,9 @@
 #include "kernels/dtype.h"
 #include "metrics/metrics.h"
 #include "policies/policy.h"
-#include "proxy/step_engine.h"
+#include "proxy/step/engine.h"
+#include "proxy/step/job_state.h"
+#include "proxy/step/pipeline.h"
 
 using namespace lightwire;
 using namespace lightwire::proxy;
@@ -156,7 +158,7 @@ TEST_CASE("codec none with one trainer returns the input bit for bit") {
     Sent s = send(f.engine, name, step, 0, values, dtype);
     const std::vector<std::byte> before = *s.bytes;
     const StepOutcome o = s.get();
-    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    REQUIRE_MESSAGE(o.ok(), o.message);
     CHECK(o.figures.codec == "none");
     CHECK(o.figures.elements == values.size());
     CHECK(o.figures.raw_bytes == values.size() * kernels::dtypeSize(dtype));
@@ -186,7 +188,7 @@ TEST_CASE("three local trainers sending from three threads each get the mean") {
     for (auto& t : threads) t.join();
     for (unsigned k = 0; k < 3; ++k) {
       const StepOutcome o = sent[k].get();
-      REQUIRE_MESSAGE(o.http_status == 200, o.message);
+      REQUIRE_MESSAGE(o.ok(), o.message);
       const auto r = sent[k].values(DType::kF32);
       CHECK(r[0] == 1.0f);
       size_t wrong = 0;
@@ -206,7 +208,7 @@ TEST_CASE("three local trainers in bfloat16 get the mean in bfloat16") {
   }
   for (auto& s : sent) {
     const StepOutcome o = s.get();
-    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    REQUIRE_MESSAGE(o.ok(), o.message);
     for (float v : s.values(DType::kBF16)) CHECK(v == 3.0f);
   }
 }
@@ -220,72 +222,66 @@ TEST_CASE("submit refuses conflicting contributions and changes nothing") {
   SUBCASE("trainer index out of range: 400") {
     Sent s = send(f.engine, "t", 1, 2, v);
     const StepOutcome o = s.get();
-    CHECK(o.http_status == 400);
-    CHECK(o.error == "invalid_argument");
+    CHECK(o.error == StepError::kInvalidArgument);
     CHECK(o.message.find("trainer 2") != std::string::npos);
   }
   SUBCASE("the same trainer twice for one pending step: 409, then the step completes") {
     Sent first = send(f.engine, "t", 1, 0, v);
     Sent again = send(f.engine, "t", 1, 0, v);
     const StepOutcome o = again.get();
-    CHECK(o.http_status == 409);
-    CHECK(o.error == "conflict");
+    CHECK(o.error == StepError::kConflict);
     CHECK(o.message.find("already sent") != std::string::npos);
     Sent other = send(f.engine, "t", 1, 1, std::vector<float>(16, 3.0f));
-    REQUIRE(first.get().http_status == 200);
-    REQUIRE(other.get().http_status == 200);
+    REQUIRE(first.get().ok());
+    REQUIRE(other.get().ok());
     CHECK(first.values(DType::kF32)[0] == 2.0f);
   }
   SUBCASE("different element counts or dtypes among the trainers of one step: 409") {
     Sent first = send(f.engine, "t", 1, 0, v);
     Sent wrong = send(f.engine, "t", 1, 1, std::vector<float>(17, 1.0f));
     StepOutcome o = wrong.get();
-    CHECK(o.http_status == 409);
-    CHECK(o.error == "conflict");
+    CHECK(o.error == StepError::kConflict);
     CHECK(o.message.find("17") != std::string::npos);
     Sent wrong_dtype = send(f.engine, "t", 1, 1, v, DType::kF16);
     o = wrong_dtype.get();
-    CHECK(o.http_status == 409);
-    CHECK(o.error == "conflict");
+    CHECK(o.error == StepError::kConflict);
     // The step still waits for trainer 1 with the right size.
     Sent right = send(f.engine, "t", 1, 1, v);
-    CHECK(first.get().http_status == 200);
-    CHECK(right.get().http_status == 200);
+    CHECK(first.get().ok());
+    CHECK(right.get().ok());
   }
   SUBCASE("a step at or before the last committed one: 409") {
     Sent a = send(f.engine, "t", 5, 0, v), b = send(f.engine, "t", 5, 1, v);
-    REQUIRE(a.get().http_status == 200);
-    REQUIRE(b.get().http_status == 200);
+    REQUIRE(a.get().ok());
+    REQUIRE(b.get().ok());
     for (uint64_t step : {uint64_t{5}, uint64_t{3}, uint64_t{0}}) {
       CAPTURE(step);
       const StepOutcome o = send(f.engine, "t", step, 0, v).get();
-      CHECK(o.http_status == 409);
-      CHECK(o.error == "conflict");
+      CHECK(o.error == StepError::kConflict);
       CHECK(o.message.find("backwards") != std::string::npos);
     }
     // Other tensors are independent; later steps go on.
     Sent c = send(f.engine, "t", 6, 0, v), d = send(f.engine, "t", 6, 1, v);
-    CHECK(c.get().http_status == 200);
-    CHECK(d.get().http_status == 200);
+    CHECK(c.get().ok());
+    CHECK(d.get().ok());
   }
   SUBCASE("max_pending_steps reached: 429, and room again once a step completes") {
     Sent s1 = send(f.engine, "t", 1, 0, v);
     Sent s2 = send(f.engine, "u", 1, 0, v);
     const StepOutcome o = send(f.engine, "t", 2, 0, v).get();
-    CHECK(o.http_status == 429);
-    CHECK(o.error == "limit_reached");
+    CHECK(o.error == StepError::kLimitReached);
     CHECK(o.message.find("max_pending_steps") != std::string::npos);
     // A part of a step already pending is not a new step.
     Sent s1b = send(f.engine, "t", 1, 1, v);
-    CHECK(s1.get().http_status == 200);
-    CHECK(s1b.get().http_status == 200);
+    CHECK(s1.get().ok());
+    CHECK(s1b.get().ok());
     Sent s3 = send(f.engine, "t", 2, 0, v);
     Sent s3b = send(f.engine, "t", 2, 1, v);
     Sent s2b = send(f.engine, "u", 1, 1, v);
-    CHECK(s3.get().http_status == 200);
-    CHECK(s3b.get().http_status == 200);
-    CHECK(s2.get().http_status == 200);
-    CHECK(s2b.get().http_status == 200);
+    CHECK(s3.get().ok());
+    CHECK(s3b.get().ok());
+    CHECK(s2.get().ok());
+    CHECK(s2b.get().ok());
   }
 }
 
@@ -298,8 +294,7 @@ TEST_CASE("a step whose trainers do not all arrive in time fails with 504, then 
   Sent lone = send(f.engine, "late", 7, 0, v);
   const StepOutcome o = lone.get();
   const auto waited = std::chrono::steady_clock::now() - t0;
-  CHECK(o.http_status == 504);
-  CHECK(o.error == "deadline_exceeded");
+  CHECK(o.error == StepError::kDeadlineExceeded);
   CHECK(o.message.find("trainer(s) 1 ") != std::string::npos);
   CHECK(o.message.find("'late'") != std::string::npos);
   CHECK(waited >= std::chrono::milliseconds(190));
@@ -308,8 +303,8 @@ TEST_CASE("a step whose trainers do not all arrive in time fails with 504, then 
   Sent a = send(f.engine, "late", 7, 0, v);
   Sent b = send(f.engine, "late", 7, 1, std::vector<float>(8, 4.0f));
   const StepOutcome oa = a.get(), ob = b.get();
-  REQUIRE_MESSAGE(oa.http_status == 200, oa.message);
-  REQUIRE_MESSAGE(ob.http_status == 200, ob.message);
+  REQUIRE_MESSAGE(oa.ok(), oa.message);
+  REQUIRE_MESSAGE(ob.ok(), ob.message);
   for (float x : a.values(DType::kF32)) CHECK(x == 3.0f);
   CHECK(f.engine.stepsOk() == 1);
 }
@@ -323,26 +318,26 @@ TEST_CASE("a tensor whose size or codec changes starts with fresh codec state") 
   StepOutcome o1;
   std::vector<float> r1;
   std::tie(o1, r1) = step1(f.engine, "w", 1, v8);
-  REQUIRE_MESSAGE(o1.http_status == 200, o1.message);
+  REQUIRE_MESSAGE(o1.ok(), o1.message);
   CHECK(o1.figures.codec == "topk");
   CHECK_FALSE(o1.figures.state_reset);
   StepOutcome o2;
   std::vector<float> r2;
   std::tie(o2, r2) = step1(f.engine, "w", 2, v16);
-  REQUIRE_MESSAGE(o2.http_status == 200, o2.message);
+  REQUIRE_MESSAGE(o2.ok(), o2.message);
   CHECK(o2.figures.state_reset);
   CHECK(o2.figures.elements == 16);
   StepOutcome o3;
   std::vector<float> r3;
   std::tie(o3, r3) = step1(f.engine, "w", 3, v16);
-  REQUIRE_MESSAGE(o3.http_status == 200, o3.message);
+  REQUIRE_MESSAGE(o3.ok(), o3.message);
   CHECK_FALSE(o3.figures.state_reset);
 
   f.engine.setChooser(always(codecNamed("none")));
   StepOutcome o4;
   std::vector<float> r4;
   std::tie(o4, r4) = step1(f.engine, "w", 4, v16);
-  REQUIRE_MESSAGE(o4.http_status == 200, o4.message);
+  REQUIRE_MESSAGE(o4.ok(), o4.message);
   CHECK(o4.figures.codec == "none");
   CHECK(o4.figures.state_reset);
   CHECK(r4 == v16);
@@ -369,13 +364,13 @@ TEST_CASE("topk and dgc keep their state across steps and do not commit it after
     StepOutcome a1;
     std::vector<float> ra1;
     std::tie(a1, ra1) = step1(a.engine, "layer.weight", 1, x1);
-    REQUIRE_MESSAGE(a1.http_status == 200, a1.message);
+    REQUIRE_MESSAGE(a1.ok(), a1.message);
     CHECK(a1.figures.codec == codec);
     CHECK(a1.figures.wire_bytes < a1.figures.raw_bytes);
     auto [a2, ra2] = step1(a.engine, "layer.weight", 2, x2);
     auto [b2, rb2] = step1(b.engine, "layer.weight", 2, x2);
-    REQUIRE(a2.http_status == 200);
-    REQUIRE(b2.http_status == 200);
+    REQUIRE(a2.ok());
+    REQUIRE(b2.ok());
     CHECK(ra2 != rb2);  // the residual of step 1 took part in step 2
 
     // Engine C: x1, NaN step, x3. Engine D: x1, x3. The NaN step leaves the state as it was.
@@ -386,7 +381,7 @@ TEST_CASE("topk and dgc keep their state across steps and do not commit it after
     StepOutcome c2;
     std::vector<float> rc2;
     std::tie(c2, rc2) = step1(c.engine, "layer.weight", 2, with_nan);
-    REQUIRE_MESSAGE(c2.http_status == 200, c2.message);
+    REQUIRE_MESSAGE(c2.ok(), c2.message);
     CHECK(c2.figures.nonfinite);
     CHECK(c.metrics.exposition().find("lightwire_steps_total{result=\"nonfinite\"} 1") !=
           std::string::npos);
@@ -394,8 +389,8 @@ TEST_CASE("topk and dgc keep their state across steps and do not commit it after
     std::vector<float> rc3;
     std::tie(c3, rc3) = step1(c.engine, "layer.weight", 3, x3);
     auto [d3, rd3] = step1(d.engine, "layer.weight", 3, x3);
-    REQUIRE_MESSAGE(c3.http_status == 200, c3.message);
-    REQUIRE(d3.http_status == 200);
+    REQUIRE_MESSAGE(c3.ok(), c3.message);
+    REQUIRE(d3.ok());
     CHECK_FALSE(c3.figures.nonfinite);
     CHECK(rc3 == rd3);
   }
@@ -409,12 +404,10 @@ TEST_CASE("shutdown fails waiting steps with 503 and refuses later submits") {
   f.engine.shutdown();
   for (Sent* s : {&waiting, &other}) {
     const StepOutcome o = s->get();
-    CHECK(o.http_status == 503);
-    CHECK(o.error == "shutting_down");
+    CHECK(o.error == StepError::kShuttingDown);
   }
   const StepOutcome later = send(f.engine, "s", 2, 0, v).get();
-  CHECK(later.http_status == 503);
-  CHECK(later.error == "shutting_down");
+  CHECK(later.error == StepError::kShuttingDown);
   f.engine.shutdown();  // idempotent
 }
 
@@ -423,14 +416,13 @@ TEST_CASE("a pending step overtaken by a committed later step fails at once with
   const std::vector<float> v(8, 1.0f);
   Sent old0 = send(f.engine, "t", 1, 0, v);
   Sent new0 = send(f.engine, "t", 2, 0, v), new1 = send(f.engine, "t", 2, 1, v);
-  REQUIRE(new0.get().http_status == 200);
-  REQUIRE(new1.get().http_status == 200);
+  REQUIRE(new0.get().ok());
+  REQUIRE(new1.get().ok());
   const StepOutcome late = send(f.engine, "t", 1, 1, v).get();
-  CHECK(late.http_status == 409);
+  CHECK(late.error == StepError::kConflict);
   REQUIRE(old0.outcome.wait_for(std::chrono::seconds(2)) == std::future_status::ready);
   const StepOutcome o = old0.get();
-  CHECK(o.http_status == 409);
-  CHECK(o.error == "conflict");
+  CHECK(o.error == StepError::kConflict);
   CHECK(o.message.find("backwards") != std::string::npos);
   const auto tensors = f.engine.tensorsJson();
   REQUIRE(tensors.size() == 1);
@@ -441,10 +433,10 @@ TEST_CASE("a tensor whose dtype changes between steps starts with fresh codec st
   Fixture f(withTrainers(1), always(codecNamed("topk", 0.25)));
   const auto v = randomValues(16, 5);
   Sent a = send(f.engine, "d", 1, 0, v, DType::kF32);
-  REQUIRE(a.get().http_status == 200);
+  REQUIRE(a.get().ok());
   Sent b = send(f.engine, "d", 2, 0, v, DType::kBF16);
   const StepOutcome o = b.get();
-  REQUIRE_MESSAGE(o.http_status == 200, o.message);
+  REQUIRE_MESSAGE(o.ok(), o.message);
   CHECK(o.figures.state_reset);
   CHECK(o.figures.raw_bytes == 32);
 }
@@ -460,8 +452,8 @@ TEST_CASE("a fresh engine takes the job's step state from a peer; a running one 
   CHECK(f.engine.adoptCommittedSteps({{"a", 40}}) == 0);  // older: nothing to take
   CHECK(f.engine.committedSteps() == state->committed);
   // Steps up to the job's last committed one are over; the next one runs.
-  CHECK(step1(f.engine, "a", 41, values).first.http_status == 409);
-  CHECK(step1(f.engine, "a", 42, values).first.http_status == 200);
+  CHECK(step1(f.engine, "a", 41, values).first.error == StepError::kConflict);
+  CHECK(step1(f.engine, "a", 42, values).first.ok());
   // Once it has completed a step, a peer's state no longer applies.
   CHECK(f.engine.adoptCommittedSteps({{"a", 100}, {"c", 5}}) == 0);
   CHECK(f.engine.committedSteps().at("a") == 42);
@@ -485,13 +477,13 @@ TEST_CASE("a malformed job state is refused whole") {
 }
 
 TEST_CASE("DGC warm-up: five stages of decreasing density, then the codec's own") {
-  CHECK(!warmupDensity(0, 0));
-  CHECK(*warmupDensity(0, 10) == 0.25);
-  CHECK(*warmupDensity(1, 10) == 0.25);
-  CHECK(*warmupDensity(2, 10) == 0.0625);
-  CHECK(*warmupDensity(5, 10) == 0.015625);
-  CHECK(*warmupDensity(9, 10) == 0.25 * 0.25 * 0.25 * 0.25 * 0.25);
-  CHECK(!warmupDensity(10, 10));
+  CHECK(!policies::warmupDensity(0, 0));
+  CHECK(*policies::warmupDensity(0, 10) == 0.25);
+  CHECK(*policies::warmupDensity(1, 10) == 0.25);
+  CHECK(*policies::warmupDensity(2, 10) == 0.0625);
+  CHECK(*policies::warmupDensity(5, 10) == 0.015625);
+  CHECK(*policies::warmupDensity(9, 10) == 0.25 * 0.25 * 0.25 * 0.25 * 0.25);
+  CHECK(!policies::warmupDensity(10, 10));
   EngineOptions o = withTrainers(1);
   o.warmup_steps = 10;
   kernels::CodecConfig topk;
@@ -504,7 +496,7 @@ TEST_CASE("DGC warm-up: five stages of decreasing density, then the codec's own"
     StepOutcome outcome;
     std::vector<float> result;
     std::tie(outcome, result) = step1(f.engine, "w", step, values);
-    REQUIRE_MESSAGE(outcome.http_status == 200, outcome.message);
+    REQUIRE_MESSAGE(outcome.ok(), outcome.message);
     wire[step] = outcome.figures.wire_bytes;
   }
   // 25 % -> 6.25 % -> 1.5625 % (payload bytes scale with the pairs sent), then the codec's 1 %
@@ -527,17 +519,16 @@ TEST_CASE("limits.max_state_bytes: a tensor whose codec state would not fit fail
   // topk with error feedback keeps a residual of n floats, double-buffered: 8 n bytes.
   o.max_state_bytes = 8 * 1000 + 8 * 500;
   Fixture f(o, always(codecNamed("topk", 0.1)));
-  CHECK(step1(f.engine, "a", 1, randomValues(1000, 1)).first.http_status == 200);
-  CHECK(step1(f.engine, "b", 1, randomValues(500, 2)).first.http_status == 200);
+  CHECK(step1(f.engine, "a", 1, randomValues(1000, 1)).first.ok());
+  CHECK(step1(f.engine, "b", 1, randomValues(500, 2)).first.ok());
   auto [refused, values] = step1(f.engine, "c", 1, randomValues(10, 3));
-  CHECK(refused.http_status == 507);
-  CHECK(refused.error == "state_limit");
+  CHECK(refused.error == StepError::kStateLimit);
   CHECK(refused.message.find("tensor 'c' needs 80 bytes") != std::string::npos);
   CHECK(refused.message.find("other tensors hold 12000") != std::string::npos);
   // What is held already goes on; a tensor that shrinks fits again.
-  CHECK(step1(f.engine, "a", 2, randomValues(1000, 4)).first.http_status == 200);
-  CHECK(step1(f.engine, "b", 2, randomValues(490, 5)).first.http_status == 200);
-  CHECK(step1(f.engine, "c", 2, randomValues(10, 6)).first.http_status == 200);
+  CHECK(step1(f.engine, "a", 2, randomValues(1000, 4)).first.ok());
+  CHECK(step1(f.engine, "b", 2, randomValues(490, 5)).first.ok());
+  CHECK(step1(f.engine, "c", 2, randomValues(10, 6)).first.ok());
   CHECK(f.metrics.exposition().find("lightwire_state_bytes 12000") != std::string::npos);
 }
 
@@ -589,7 +580,7 @@ TEST_CASE("policies: a full-sync sends everything the residual held back") {
     StepOutcome o;
     std::vector<float> r;
     std::tie(o, r) = step1(f.engine, "g", s, v);
-    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    REQUIRE_MESSAGE(o.ok(), o.message);
     CHECK(o.figures.mode == (s == 6 ? "full_sync" : "compressed"));
     for (size_t i = 0; i < v.size(); ++i) {
       inputs[i] += v[i];
@@ -606,14 +597,12 @@ TEST_CASE("policies: a full-sync sends everything the residual held back") {
 TEST_CASE("policies: NaN -> result returned, state not committed, bypass for K steps") {
   PolicyFixture f(quickPolicies(), always(codecNamed("topk", 0.1)));
   for (uint64_t s = 1; s <= 4; ++s) {
-    REQUIRE(
-        step1(f.engine, "g", s, randomValues(500, static_cast<uint32_t>(s))).first.http_status ==
-        200);
+    REQUIRE(step1(f.engine, "g", s, randomValues(500, static_cast<uint32_t>(s))).first.ok());
   }
   auto bad = randomValues(500, 9);
   bad[17] = std::numeric_limits<float>::quiet_NaN();
   auto [o, r] = step1(f.engine, "g", 5, bad);
-  REQUIRE(o.http_status == 200);
+  REQUIRE(o.ok());
   CHECK(o.figures.nonfinite);
   for (uint64_t s = 6; s <= 8; ++s) {
     const auto v = randomValues(500, 50 + static_cast<uint32_t>(s));
@@ -640,7 +629,7 @@ TEST_CASE("policies: a delayed-sync tensor accumulates locally and sends the sum
     StepOutcome o;
     std::vector<float> r;
     std::tie(o, r) = step1(f.engine, "d", s, v);
-    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    REQUIRE_MESSAGE(o.ok(), o.message);
     if ((s + 1) % 3 == 0) {
       CHECK(o.figures.mode == "compressed");
       CHECK(r == acc);
@@ -658,9 +647,7 @@ TEST_CASE("policies: checkpoint then resume replays the same results bitwise") {
   dgc.momentum = 0.9;
   PolicyFixture f(quickPolicies(), always(dgc), dir);
   for (uint64_t s = 1; s <= 10; ++s) {
-    REQUIRE(
-        step1(f.engine, "w", s, randomValues(3000, static_cast<uint32_t>(s))).first.http_status ==
-        200);
+    REQUIRE(step1(f.engine, "w", s, randomValues(3000, static_cast<uint32_t>(s))).first.ok());
   }
   auto path = f.engine.checkpoint(10);
   REQUIRE_MESSAGE(path, path.status().message());
@@ -675,14 +662,14 @@ TEST_CASE("policies: checkpoint then resume replays the same results bitwise") {
     StepOutcome o;
     std::vector<float> r;
     std::tie(o, r) = step1(f.engine, "w", s, randomValues(3000, static_cast<uint32_t>(s)));
-    REQUIRE_MESSAGE(o.http_status == 200, o.message);
+    REQUIRE_MESSAGE(o.ok(), o.message);
     CHECK(r == first[s - 11]);
   }
   // A fresh engine (a restarted sidecar) resumes the same way.
   PolicyFixture g(quickPolicies(), always(dgc), dir);
   REQUIRE(g.engine.resume(10).isOk());
   CHECK(step1(g.engine, "w", 11, randomValues(3000, 11)).second == first[0]);
-  CHECK(step1(g.engine, "w", 10, randomValues(3000, 11)).first.http_status == 409);
+  CHECK(step1(g.engine, "w", 10, randomValues(3000, 11)).first.error == StepError::kConflict);
   CHECK_FALSE(g.engine.resume(77).isOk());
   std::filesystem::remove_all(dir);
 }

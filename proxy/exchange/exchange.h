@@ -1,0 +1,106 @@
+#pragma once
+// The exchange seam (docs/architecture.md "Seams"): what the step pipeline asks of the other
+// sidecars for one round of one step, declared apart from the pipeline so that the collectives
+// (proxy/peer) depend on this header only. What travels and in which order: docs/exchange.md.
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/status.h"
+
+namespace lightwire::proxy {
+
+/// Largest statistics record a sidecar sends or accepts with a step (ExchangeRound::stats_out).
+inline constexpr size_t kMaxStatsBytes = size_t{64} << 10;
+
+/// One exchange round of one step of one tensor, as this sidecar sees it.
+struct ExchangeRound {
+  const std::string& tensor;
+  uint64_t step;
+  int round;
+  const kernels::Codec& codec;
+  const kernels::Chunking& chunking;
+  std::span<const std::span<const uint8_t>> payloads;  // this sidecar's payload of every chunk
+  // Exchanges that say encodesLazily(): instead of `payloads` (then empty), compresses chunk c on
+  // first call and returns its payload (stable until the step ends), so compressing chunk i+1
+  // overlaps sending chunk i. Use payload(c), which covers both.
+  std::function<Result<std::span<const uint8_t>>(size_t)> encode;
+  // The step's density of selection codecs when a schedule overrides the configured one (the same
+  // on every sidecar: a function of the step).
+  std::optional<double> density;
+  // Optional (set by the pipeline for single-round codecs): the exchange may call it as soon as
+  // chunk c's payloads to decode are final — the same list run() returns for c, which must stay
+  // valid — so decoding overlaps the rest of the exchange. An error fails the exchange. Chunks it
+  // was not called for are decoded after run(). Exchanges that set `contributors` below
+  // worldSize() must not call it.
+  std::function<Status(size_t, std::span<const std::span<const uint8_t>>)> on_chunk;
+  // Set by the exchange: how many sidecars' contributions the returned payloads hold (0 = all of
+  // worldSize(); fewer under bounded staleness, where the result is their mean).
+  uint32_t contributors = 0;
+  // Set by the exchange: the returned payloads are plain fp32 arrays (codec `none`), not the
+  // codec's payloads (a sparse allgather switched to a dense allreduce because it was smaller).
+  bool dense = false;
+  // Policy statistics (docs/policies.md): this sidecar's statistics record of the step (opaque
+  // bytes, at most kMaxStatsBytes; given in round 0 only, empty = none). The exchange delivers
+  // every sidecar's record to every sidecar within the step's own exchange (frames posted with the
+  // step's first data frames, received once its data is in: no extra round trip) and fills
+  // `stats_in`, index = rank; an entry stays empty for a rank whose record is not part of the step
+  // (not a contributor under bounded staleness). Every rank gets the same records.
+  std::span<const uint8_t> stats_out;
+  std::vector<std::vector<uint8_t>> stats_in;
+
+  Result<std::span<const uint8_t>> payload(size_t chunk) const {
+    if (encode) return encode(chunk);
+    return payloads[chunk];
+  }
+};
+
+/// The seam to the other sidecars. For each chunk it returns the payloads to decode: the reduced
+/// (summed) payload for summable and multi-round codecs, or every sidecar's payload otherwise.
+/// The spans stay valid until the step ends (one step runs at a time).
+class Exchange {
+ public:
+  virtual ~Exchange() = default;
+  virtual unsigned worldSize() const = 0;
+  virtual Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) = 0;
+  /// Whether run() takes this sidecar's payloads chunk by chunk through ExchangeRound::encode
+  /// (compression overlapping the exchange) rather than all compressed beforehand.
+  virtual bool encodesLazily() const { return false; }
+  /// Silent-divergence guard (docs/exchange.md "Silent-divergence guard"): compares this
+  /// sidecar's checksum of a step's result with every other sidecar's. Returns the ranks whose
+  /// checksum differs from this one's (empty: all agree), or an error when the comparison itself
+  /// failed (a peer down or silent).
+  virtual Result<std::vector<uint32_t>> compareResults(const std::string& /*tensor*/,
+                                                       uint64_t /*step*/, uint64_t /*checksum*/) {
+    return std::vector<uint32_t>{};
+  }
+  /// The step (tensor, step) failed here (before, during or after its exchange): tell the other
+  /// sidecars, so they fail it at once rather than at their deadline.
+  virtual void abort(const std::string& /*tensor*/, uint64_t /*step*/,
+                     const std::string& /*reason*/) {}
+  /// The step (tensor, step) is over here, successfully or not: what was kept for it can go.
+  virtual void stepDone(const std::string& /*tensor*/, uint64_t /*step*/) {}
+};
+
+/// World size 1: this sidecar's payloads are the reduced ones. Stateless.
+class LocalExchange final : public Exchange {
+ public:
+  unsigned worldSize() const override { return 1; }
+  Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override {
+    std::vector<std::vector<std::span<const uint8_t>>> out(round.payloads.size());
+    for (size_t c = 0; c < round.payloads.size(); ++c) out[c].push_back(round.payloads[c]);
+    round.stats_in.clear();
+    if (!round.stats_out.empty()) {
+      round.stats_in.emplace_back(round.stats_out.begin(), round.stats_out.end());
+    }
+    return out;
+  }
+};
+
+}  // namespace lightwire::proxy

@@ -1,0 +1,98 @@
+#pragma once
+// The backend seam of the step pipeline (docs/architecture.md "Seams"): every data operation of
+// one step of one tensor, from the local sum to the commit, done either on the host
+// (host_backend.h) or on trainer 0's GPU (gpu_backend.h). The pipeline (pipeline.h) owns the
+// control flow — policies, exchange rounds, the silent-divergence guard, checkpoints asked for
+// by peers — and calls these in one order on both. Both backends use codecs that are byte-identical
+// (docs/cuda.md "The CUDA codecs"), so a step gives the same result bits and the same codec state
+// on either, and a tensor may move between them.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/status.h"
+#include "policies/stats.h"
+#include "proxy/step/step.h"
+
+namespace lightwire::proxy {
+
+/// One step's data operations. Created for one step and dropped at its end; the tensor's
+/// persistent buffers and codec state live with the tensor, not here. Methods are called from the
+/// pipeline's thread, except encodeChunk() and decodeChunk(), which the exchange may call from its
+/// own threads (one chunk each) while run() is in progress.
+class StepBackend {
+ public:
+  virtual ~StepBackend() = default;
+
+  /// "cpu", or "cuda:<ordinal>".
+  virtual std::string deviceName() const = 0;
+  /// The error a failed data operation of this backend is reported as (kInternal on the host:
+  /// a codec bug; kDeviceError on the GPU).
+  virtual StepError failure() const = 0;
+
+  /// Ingest: the step's input is the fp32 sum of the trainers' tensors in trainer order (the
+  /// single fp32 trainer's memory itself).
+  virtual Status ingest() = 0;
+  /// Delayed sync, a step that is not exchanged: the input is added to the tensor's accumulation
+  /// and every trainer's result is zeros.
+  virtual Status accumulate() = 0;
+  /// Delayed sync, the exchange step: the input becomes input + the accumulation (cleared by
+  /// commit()).
+  virtual Status addAccumulation() = 0;
+  /// Full sync: the input becomes input + what the codec state holds back; prepares the flushed
+  /// state.
+  virtual Status flush(const kernels::StepContext& ctx, const kernels::Chunking& chunking) = 0;
+
+  /// This step's statistics record fields (elements, grad_norm2, nonfinite, small).
+  virtual Result<policies::StepStats> stats(double min_magnitude, bool count_small) = 0;
+  /// What the committed codec state holds back (the codec's residualNorm2).
+  virtual Result<double> residualNorm2() = 0;
+
+  /// Compression, as Codec::analyze and encodeChunk, with the tensor's codec (`dense`: codec
+  /// `none` and no state, for bypass and full-sync steps). The chunk's payload lies in `out`
+  /// (resized to hold it) and is returned.
+  virtual Status analyze(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
+                         bool dense) = 0;
+  virtual Result<std::span<const uint8_t>> encodeChunk(const kernels::StepContext& ctx,
+                                                       const kernels::Chunking& chunking,
+                                                       size_t chunk, int round,
+                                                       std::span<const uint8_t> previous,
+                                                       std::vector<uint8_t>& out) = 0;
+  /// The input values of chunk `chunk` on the host (cosine sampling); may use `scratch`.
+  virtual Result<const float*> chunkInput(const kernels::Chunking& chunking, size_t chunk,
+                                          std::vector<float>& scratch) = 0;
+
+  /// Where the result goes: the single fp32 trainer's memory when `in_place`, else a buffer.
+  virtual Status prepareResult(bool in_place) = 0;
+  /// Whether decodeChunk() may be called from the exchange's threads while it runs, so decoding
+  /// overlaps the exchange (ExchangeRound::on_chunk).
+  virtual bool decodesDuringExchange() const = 0;
+  /// Result range of chunk `chunk` = sum of weight · decoded payloads, in list order; `dense`:
+  /// the payloads are plain fp32 (codec `none`). An error names what is wrong with a payload.
+  virtual Status decodeChunk(const kernels::Chunking& chunking, size_t chunk,
+                             std::span<const std::span<const uint8_t>> payloads, bool dense,
+                             float weight) = 0;
+  /// decodeChunk() of every chunk c with !done[c]; an error message starts with "chunk c: " of
+  /// the first chunk that failed. Default: one after the other.
+  virtual Status decodeChunks(const kernels::Chunking& chunking,
+                              std::span<const std::vector<std::span<const uint8_t>>> lists,
+                              std::span<const char> done, bool dense, float weight);
+  /// Multi-round codecs: result = decodeRounds(...), then finishStep(...) on the tensor's state.
+  virtual Status decodeRounds(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
+                              std::span<const std::span<const uint8_t>> rounds, float weight) = 0;
+  /// Whether the result holds a NaN or an infinity.
+  virtual Result<bool> resultNonfinite() = 0;
+  /// XXH3-64 of the result's fp32 bytes (the silent-divergence guard).
+  virtual Result<uint64_t> resultChecksum() = 0;
+  /// Every trainer's tensor = the result in its dtype.
+  virtual Status writeBack() = 0;
+  /// The step succeeded: commit the codec state (when `state`) and clear what delayed sync
+  /// accumulated (when it was added).
+  virtual Status commit(bool state) = 0;
+};
+
+}  // namespace lightwire::proxy

@@ -1,0 +1,450 @@
+#include "proxy/step/engine.h"
+
+#include <spdlog/spdlog.h>
+
+#include <boost/json/object.hpp>
+
+#include <algorithm>
+
+#include "proxy/step/gpu_backend.h"
+#include "proxy/step/pipeline.h"
+#include "proxy/step/tensor.h"
+
+namespace lightwire::proxy {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kernels::DType;
+
+// Steps of at most this many elements run on the thread that completes them (see submit()).
+constexpr uint64_t kInlineMaxElements = uint64_t{1} << 16;
+
+}  // namespace
+
+const char* apiDTypeName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+  }
+  return "?";
+}
+
+StepEngine::StepEngine(EngineOptions options, CodecChooser chooser, metrics::Metrics& metrics,
+                       Exchange& exchange)
+    : options_(options),
+      metrics_(metrics),
+      exchange_(exchange),
+      stream_(std::max(1u, options.threads)),
+      chooser_(std::move(chooser)) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+StepEngine::~StepEngine() { shutdown(); }
+
+StepEngine::Tensor& StepEngine::tensorSlot(const std::string& name) {
+  auto& slot = tensors_[name];
+  if (!slot) {
+    slot = std::make_unique<Tensor>();
+    slot->name = name;
+  }
+  return *slot;
+}
+
+void StepEngine::setChooser(CodecChooser chooser) {
+  std::lock_guard lock(mu_);
+  chooser_ = std::move(chooser);
+}
+
+void StepEngine::submit(Contribution c, StepDone done) {
+  auto refuse = [&](StepError error, std::string message) {
+    done(StepOutcome{error, std::move(message), {}});
+  };
+  const TensorSpec& s = c.spec;
+  if (s.trainer >= options_.local_trainers) {
+    return refuse(StepError::kInvalidArgument, "trainer " + std::to_string(s.trainer) +
+                                                   " is out of range: this sidecar serves " +
+                                                   std::to_string(options_.local_trainers) +
+                                                   " local trainer(s), 0.." +
+                                                   std::to_string(options_.local_trainers - 1));
+  }
+  std::unique_lock lock(mu_);
+  if (stopping_) return refuse(StepError::kShuttingDown, "the sidecar is shutting down");
+  Tensor& t = tensorSlot(s.name);
+  const std::string where = "tensor '" + s.name + "' step " + std::to_string(s.step);
+  if (t.last_committed && s.step <= *t.last_committed) {
+    lock.unlock();
+    return refuse(StepError::kConflict, where + " goes backwards: step " +
+                                            std::to_string(*t.last_committed) +
+                                            " already completed");
+  }
+  if (t.running && *t.running == s.step) {
+    lock.unlock();
+    return refuse(StepError::kConflict, where + " is being exchanged already");
+  }
+  auto it = t.pending.find(s.step);
+  if (it == t.pending.end()) {
+    if (pending_count_ >= options_.max_pending_steps) {
+      lock.unlock();
+      metrics_.limitHits("pending_steps").Increment();
+      return refuse(StepError::kLimitReached,
+                    "too many steps in flight (limits.max_pending_steps = " +
+                        std::to_string(options_.max_pending_steps) + ")");
+    }
+    Pending p;
+    p.parts.resize(options_.local_trainers);
+    p.dones.resize(options_.local_trainers);
+    p.elements = s.elements;
+    p.dtype = s.dtype;
+    p.shape = s.shape;
+    p.deadline = Clock::now() + options_.step_timeout;
+    it = t.pending.emplace(s.step, std::move(p)).first;
+    ++pending_count_;
+  }
+  Pending& p = it->second;
+  std::pair<std::string, uint64_t> ready_key;
+  if (p.parts[s.trainer]) {
+    lock.unlock();
+    return refuse(StepError::kConflict,
+                  where + ": trainer " + std::to_string(s.trainer) + " already sent its part");
+  }
+  if (p.elements != s.elements || p.dtype != s.dtype) {
+    lock.unlock();
+    return refuse(StepError::kConflict, where + ": trainer " + std::to_string(s.trainer) +
+                                            " sent " + std::to_string(s.elements) + " " +
+                                            apiDTypeName(s.dtype) + " elements, another trainer " +
+                                            std::to_string(p.elements) + " " +
+                                            apiDTypeName(p.dtype));
+  }
+  const unsigned trainer = s.trainer;
+  ready_key = {s.name, s.step};  // `s` refers into `c`, moved below
+  p.parts[trainer] = std::move(c);
+  p.dones[trainer] = std::move(done);
+  if (++p.arrived == options_.local_trainers) {
+    p.queued = true;
+    ready_.push_back(std::move(ready_key));
+    // A small step with nothing ahead of it runs right here: no hand-off to the engine thread and
+    // back (two thread wake-ups, most of a 4 KiB round trip).
+    // Only without peers: waiting for them must not hold up the caller's (I/O) thread.
+    if (!executing_ && tasks_.empty() && ready_.size() == 1 && p.elements <= kInlineMaxElements &&
+        exchange_.worldSize() == 1) {
+      runNextReady(lock);
+      return;
+    }
+  }
+  cv_.notify_all();
+}
+
+void StepEngine::failPending(Pending& p, StepError error, const std::string& message) {
+  for (auto& d : p.dones) {
+    if (d) d(StepOutcome{error, message, {}});
+  }
+}
+
+void StepEngine::loop() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    // Earliest deadline among steps still waiting for trainers.
+    std::optional<Clock::time_point> next;
+    for (auto& [name, t] : tensors_) {
+      for (auto& [step, p] : t->pending) {
+        if (!p.queued && (!next || p.deadline < *next)) next = p.deadline;
+      }
+    }
+    if (!tasks_.empty() && !executing_) {
+      runTasks(lock);
+      continue;
+    }
+    if (ready_.empty() && !stopping_) {
+      if (next) {
+        cv_.wait_until(lock, *next);
+      } else {
+        cv_.wait(lock);
+      }
+    }
+    // Steps whose trainers did not all arrive in time fail for those that did.
+    const auto now = Clock::now();
+    std::vector<std::pair<std::string, Pending>> expired;
+    for (auto& [name, t] : tensors_) {
+      for (auto it = t->pending.begin(); it != t->pending.end();) {
+        if (!it->second.queued && (stopping_ || it->second.deadline <= now)) {
+          expired.emplace_back(name + "' step " + std::to_string(it->first), std::move(it->second));
+          it = t->pending.erase(it);
+          --pending_count_;
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (!expired.empty()) {
+      const bool stopping = stopping_;
+      steps_failed_ += stopping ? 0 : expired.size();
+      lock.unlock();
+      for (auto& [what, p] : expired) {
+        std::string missing;
+        for (size_t i = 0; i < p.parts.size(); ++i) {
+          if (!p.parts[i]) missing += (missing.empty() ? "" : ", ") + std::to_string(i);
+        }
+        if (stopping) {
+          failPending(p, StepError::kShuttingDown, "the sidecar is shutting down");
+        } else {
+          spdlog::warn("tensor '{}: local trainer(s) {} did not send their part within {} s", what,
+                       missing, options_.step_timeout.count() / 1000.0);
+          metrics_.steps_failed.Increment();
+          failPending(p, StepError::kDeadlineExceeded,
+                      "tensor '" + what + ": local trainer(s) " + missing +
+                          " did not send their part within limits.step_timeout_s");
+        }
+      }
+      lock.lock();
+      continue;
+    }
+    if (ready_.empty()) {
+      if (stopping_) break;
+      continue;
+    }
+    if (executing_) {  // a submitting thread runs a small step inline: wait for it
+      cv_.wait(lock);
+      continue;
+    }
+    runNextReady(lock);
+  }
+}
+
+void StepEngine::runTasks(std::unique_lock<std::mutex>& lock) {
+  while (!tasks_.empty()) {
+    auto task = tasks_.front();
+    tasks_.pop_front();
+    executing_ = true;
+    lock.unlock();
+    Status st = task->fn();
+    task->done.set_value(std::move(st));
+    lock.lock();
+    executing_ = false;
+  }
+}
+
+void StepEngine::postBetweenSteps(std::function<Status()> fn) {
+  auto task = std::make_shared<Task>();
+  task->fn = [fn = std::move(fn)] {
+    if (Status st = fn(); !st.isOk()) spdlog::error("{}", st.message());
+    return Status::ok();
+  };
+  {
+    std::lock_guard lock(mu_);
+    if (!thread_.joinable() || stopping_) return;
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_all();
+}
+
+Status StepEngine::runBetweenSteps(const std::function<Status()>& fn) {
+  auto task = std::make_shared<Task>();
+  task->fn = fn;
+  auto result = task->done.get_future();
+  {
+    std::lock_guard lock(mu_);
+    if (!thread_.joinable() || stopping_) {
+      return failedPrecondition("the sidecar is shutting down");
+    }
+    tasks_.push_back(task);
+  }
+  cv_.notify_all();
+  return result.get();
+}
+
+void StepEngine::runNextReady(std::unique_lock<std::mutex>& lock) {
+  auto [name, step] = ready_.front();
+  ready_.pop_front();
+  auto tit = tensors_.find(name);
+  if (tit == tensors_.end()) return;
+  Tensor& t = *tit->second;
+  auto pit = t.pending.find(step);
+  if (pit == t.pending.end()) return;
+  Pending p = std::move(pit->second);
+  t.pending.erase(pit);
+  --pending_count_;
+  if (stopping_) {
+    lock.unlock();
+    failPending(p, StepError::kShuttingDown, "the sidecar is shutting down");
+    lock.lock();
+    return;
+  }
+  t.running = step;
+  executing_ = true;
+  lock.unlock();
+  runStep(t, step, p);
+  lock.lock();
+  t.running.reset();
+  executing_ = false;
+  // Wake the engine thread only when it has something to do: waking it after every inline step
+  // would cost a context switch per small round trip.
+  if (!ready_.empty() || stopping_) cv_.notify_all();
+}
+
+// Periodic checkpoint: the first step numbered a multiple of checkpoint_every saves the state
+// after the step before it (every tensor's last committed step). Not before this sidecar has
+// completed a step: a restarted sidecar has nothing of its own yet, and an empty file would shadow
+// its real one.
+void StepEngine::periodicCheckpoint(uint64_t step) {
+  if (options_.checkpoint_every == 0 || options_.state_dir.empty() || step == 0 ||
+      step % options_.checkpoint_every != 0 || step - 1 <= last_periodic_ || stepsOk() == 0) {
+    return;
+  }
+  last_periodic_ = step - 1;
+  if (auto saved = saveCheckpoint(step - 1, "periodic"); !saved) {
+    spdlog::error("periodic checkpoint of step {}: {}", step - 1, saved.status().message());
+  }
+}
+
+void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
+  StepOutcome outcome;
+  {
+    std::lock_guard lock(mu_);
+    if (t.last_committed && step <= *t.last_committed) {
+      outcome = {StepError::kConflict,
+                 "tensor '" + t.name + "' step " + std::to_string(step) + " goes backwards: step " +
+                     std::to_string(*t.last_committed) + " already completed"};
+    }
+  }
+  if (outcome.ok()) {
+    periodicCheckpoint(step);
+    outcome = StepPipeline(*this, t, step, p).run();
+  }
+  if (!outcome.ok()) exchange_.abort(t.name, step, outcome.message);
+  exchange_.stepDone(t.name, step);
+  std::vector<std::pair<uint64_t, Pending>> overtaken;  // waiting steps this commit dooms
+  {
+    std::lock_guard lock(mu_);
+    t.last_step = step;
+    if (outcome.ok()) {
+      if (!outcome.figures.nonfinite) {
+        t.last_committed = step;
+        // Earlier steps still waiting for trainers can never complete: fail them now (409)
+        // rather than at limits.step_timeout_s. Queued ones are refused when they run.
+        for (auto it = t.pending.begin(); it != t.pending.end() && it->first <= step;) {
+          if (it->second.queued) {
+            ++it;
+            continue;
+          }
+          overtaken.emplace_back(it->first, std::move(it->second));
+          it = t.pending.erase(it);
+          --pending_count_;
+          ++steps_failed_;
+        }
+      }
+      ++steps_ok_;
+    } else {
+      ++steps_failed_;
+    }
+    t.codec_name = outcome.figures.codec.empty() ? t.codec_name : outcome.figures.codec;
+    t.elements = p.elements;
+    t.dtype = p.dtype;
+    t.state_bytes = t.state_on_gpu ? gpu::stateBytes(t.gpu.get()) : t.state.bytes();
+    uint64_t total = 0;
+    for (const auto& [name, other] : tensors_) total += other->state_bytes;
+    metrics_.state_bytes.Set(static_cast<double>(total));
+  }
+  if (outcome.ok()) {
+    (outcome.figures.nonfinite ? metrics_.steps_nonfinite : metrics_.steps_ok).Increment();
+  } else {
+    metrics_.steps_failed.Increment();
+    spdlog::warn("tensor '{}' step {} failed: {}", t.name, step, outcome.message);
+  }
+  for (size_t k = 0; k < p.dones.size(); ++k) {
+    // Device buffers get their result copied back before the reply says it is there.
+    std::string why;
+    // (The GPU path wrote them in place already.)
+    if (outcome.ok() && outcome.figures.device == "cpu" && p.parts[k] && p.parts[k]->store &&
+        !p.parts[k]->store(&why)) {
+      spdlog::error(
+          "tensor '{}' step {}: trainer {}'s result could not be written to its GPU "
+          "buffer: {}",
+          t.name, step, k, why);
+      StepOutcome failed{StepError::kDeviceError,
+                         "the result could not be written to the GPU buffer: " + why};
+      p.dones[k](failed);
+      continue;
+    }
+    p.dones[k](outcome);
+  }
+  if (pending_resume_) {
+    const uint64_t at = *pending_resume_;
+    pending_resume_.reset();
+    if (auto st = resumeHere(at); !st.isOk()) {
+      spdlog::error("could not resume from step {} as the other sidecars did: {}", at,
+                    st.message());
+    }
+  }
+  for (auto& [old_step, old] : overtaken) {
+    metrics_.steps_failed.Increment();
+    failPending(old, StepError::kConflict,
+                "tensor '" + t.name + "' step " + std::to_string(old_step) +
+                    " goes backwards: step " + std::to_string(step) + " already completed");
+  }
+}
+
+std::map<std::string, uint64_t> StepEngine::committedSteps() const {
+  std::map<std::string, uint64_t> out;
+  std::lock_guard lock(mu_);
+  for (const auto& [name, t] : tensors_) {
+    if (t->last_committed) out[name] = *t->last_committed;
+  }
+  return out;
+}
+
+size_t StepEngine::adoptCommittedSteps(const std::map<std::string, uint64_t>& steps) {
+  std::lock_guard lock(mu_);
+  if (steps_ok_ > 0 || stopping_) return 0;
+  size_t taken = 0;
+  for (const auto& [name, step] : steps) {
+    Tensor& t = tensorSlot(name);
+    if (!t.last_committed || *t.last_committed < step) {
+      t.last_committed = step;
+      ++taken;
+    }
+  }
+  return taken;
+}
+
+boost::json::array StepEngine::tensorsJson() const {
+  boost::json::array out;
+  std::lock_guard lock(mu_);
+  for (const auto& [name, t] : tensors_) {
+    boost::json::object o{{"name", name},
+                          {"elements", t->elements},
+                          {"dtype", apiDTypeName(t->dtype)},
+                          {"codec", t->codec_name},
+                          {"state_bytes", t->state_bytes},
+                          {"pending_steps", t->pending.size()}};
+    o["last_step"] = t->last_step ? boost::json::value(*t->last_step) : boost::json::value(nullptr);
+    o["last_committed_step"] =
+        t->last_committed ? boost::json::value(*t->last_committed) : boost::json::value(nullptr);
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+uint64_t StepEngine::stepsOk() const {
+  std::lock_guard lock(mu_);
+  return steps_ok_;
+}
+
+uint64_t StepEngine::stepsFailed() const {
+  std::lock_guard lock(mu_);
+  return steps_failed_;
+}
+
+void StepEngine::shutdown() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace lightwire::proxy

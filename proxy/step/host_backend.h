@@ -1,0 +1,90 @@
+#pragma once
+// The host backend of the step pipeline (backend.h): every data operation of a step on the CPU,
+// with the SIMD codecs of kernels/ on the engine's thread pool. Device memory of trainers is
+// staged through their host buffers before it gets here (Contribution::fetch).
+
+#include <atomic>
+#include <cstddef>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/parallel.h"
+#include "proxy/step/backend.h"
+
+namespace lightwire::proxy {
+
+/// Host memory a tensor keeps from one step to the next (allocated and faulted in once, not every
+/// step), and what delayed sync accumulated. Owned by the tensor; not thread-safe.
+struct HostBuffers {
+  std::vector<std::byte> workspace;
+  std::vector<float> sum;      // the local sum, when it is not one fp32 trainer's memory
+  std::vector<float> result;   // the result, when it is not decoded in place
+  std::vector<float> flushed;  // full sync: input plus what the codec state held back
+  std::vector<float> accum;    // delayed sync: accumulated since the last exchange step
+  std::vector<double> blocks;  // block sums of the statistics' norm
+};
+
+/// One step on the host. Not copyable; lives for one step.
+class HostBackend final : public StepBackend {
+ public:
+  /// `codec` and `state`: the tensor's codec and its state (prepared in place, committed by
+  /// commit()); `parts`: every local trainer's contribution, in trainer order (host memory).
+  HostBackend(kernels::CpuStream& stream, const kernels::Codec& codec, kernels::CodecState& state,
+              HostBuffers& buffers, std::vector<Contribution*> parts, size_t n,
+              kernels::DType dtype);
+
+  std::string deviceName() const override { return "cpu"; }
+  StepError failure() const override { return StepError::kInternal; }
+  Status ingest() override;
+  Status accumulate() override;
+  Status addAccumulation() override;
+  Status flush(const kernels::StepContext& ctx, const kernels::Chunking& chunking) override;
+  Result<policies::StepStats> stats(double min_magnitude, bool count_small) override;
+  Result<double> residualNorm2() override;
+  Status analyze(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
+                 bool dense) override;
+  Result<std::span<const uint8_t>> encodeChunk(const kernels::StepContext& ctx,
+                                               const kernels::Chunking& chunking, size_t chunk,
+                                               int round, std::span<const uint8_t> previous,
+                                               std::vector<uint8_t>& out) override;
+  Result<const float*> chunkInput(const kernels::Chunking& chunking, size_t chunk,
+                                  std::vector<float>& scratch) override;
+  Status prepareResult(bool in_place) override;
+  bool decodesDuringExchange() const override { return true; }
+  Status decodeChunk(const kernels::Chunking& chunking, size_t chunk,
+                     std::span<const std::span<const uint8_t>> payloads, bool dense,
+                     float weight) override;
+  Status decodeChunks(const kernels::Chunking& chunking,
+                      std::span<const std::vector<std::span<const uint8_t>>> lists,
+                      std::span<const char> done, bool dense, float weight) override;
+  Status decodeRounds(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
+                      std::span<const std::span<const uint8_t>> rounds, float weight) override;
+  Result<bool> resultNonfinite() override { return nonfinite_.load(); }
+  Result<uint64_t> resultChecksum() override;
+  Status writeBack() override;
+  Status commit(bool state) override;
+
+ private:
+  const kernels::Codec& stepCodec() const;
+  kernels::CodecState& stepState();
+  kernels::ConstTensor input() const { return {input_, n_, kernels::DType::kF32}; }
+  /// Records whether result[lo, hi) holds an Inf or a NaN.
+  void scan(size_t lo, size_t hi);
+
+  kernels::CpuStream& stream_;
+  const kernels::Codec& codec_;
+  kernels::CodecState& state_;
+  kernels::CodecState no_state_;  // dense steps: codec `none` keeps nothing
+  HostBuffers& buf_;
+  std::vector<Contribution*> parts_;
+  size_t n_;
+  kernels::DType dtype_;
+  const float* input_ = nullptr;
+  float* result_ = nullptr;
+  bool in_place_ = false;
+  bool dense_ = false;
+  bool accumulated_ = false;  // addAccumulation() ran: commit() clears the accumulation
+  std::atomic<bool> nonfinite_{false};
+};
+
+}  // namespace lightwire::proxy

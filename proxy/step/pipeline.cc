@@ -1,0 +1,556 @@
+#include "proxy/step/pipeline.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/philox.h"
+#include "kernels/registry.h"
+#include "proxy/step/gpu_backend.h"
+#include "proxy/step/host_backend.h"
+#include "proxy/step/tensor.h"
+
+namespace lightwire::proxy {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using policies::StepMode;
+
+double microsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+double& duration(StepFigures& fig, metrics::Stage stage) {
+  return fig.durations_us[static_cast<size_t>(stage)];
+}
+
+}  // namespace
+
+std::optional<CosineTerms> cosineTerms(const kernels::Codec& codec,
+                                       std::span<const uint8_t> payload, const float* original,
+                                       size_t len, std::vector<float>& scratch) {
+  scratch.assign(len, 0.0f);
+  if (!codec.decodeChunk(payload, 1.0f, scratch.data(), len).isOk()) return std::nullopt;
+  CosineTerms c;
+  for (size_t i = 0; i < len; ++i) {
+    const double a = scratch[i], g = original[i];
+    if (!std::isfinite(a) || !std::isfinite(g)) return std::nullopt;
+    c.dot += a * g;
+    c.c2 += a * a;
+    c.g2 += g * g;
+  }
+  return c;
+}
+
+StepPipeline::StepPipeline(StepEngine& engine, StepEngine::Tensor& tensor, uint64_t step,
+                           StepEngine::Pending& pending)
+    : engine_(engine),
+      t_(tensor),
+      step_(step),
+      p_(pending),
+      n_(pending.elements),
+      trainers_(engine.options_.local_trainers),
+      policy_(engine.options_.policy),
+      t0_(Clock::now()) {}
+
+// The backend may still hold work of the step (the GPU's stream): it ends before the reply.
+StepPipeline::~StepPipeline() = default;
+
+StepOutcome StepPipeline::run() {
+  if (auto stop = checkBuffers()) return stopped(std::move(*stop));
+  if (auto stop = plan()) return stopped(std::move(*stop));
+  if (auto stop = begin()) return stopped(std::move(*stop));
+  if (auto stop = ingest()) return stopped(std::move(*stop));
+  if (plan_.mode == StepMode::kSkip) return skipped();
+  if (auto stop = prepare()) return stopped(std::move(*stop));
+  if (auto stop = statistics()) return stopped(std::move(*stop));
+  if (auto stop = exchange()) return stopped(std::move(*stop));
+  if (auto stop = decode()) return stopped(std::move(*stop));
+  if (auto stop = guard()) return stopped(std::move(*stop));
+  if (auto stop = policies()) return stopped(std::move(*stop));
+  if (auto stop = finish()) return stopped(std::move(*stop));
+  record();
+  return std::move(out_);
+}
+
+StepOutcome StepPipeline::stopped(Stop stop) {
+  out_.error = stop.error;
+  out_.message = std::move(stop.message);
+  return std::move(out_);
+}
+
+StepPipeline::Stage StepPipeline::checkBuffers() {
+  for (auto& part : p_.parts) {
+    if (part->still_valid && !part->still_valid()) {
+      return Stop{StepError::kConflict,
+                  "trainer " + std::to_string(part->spec.trainer) +
+                      "'s buffer no longer holds its registered size (was it truncated?)"};
+    }
+  }
+  return std::nullopt;
+}
+
+// The settings of this tensor (the agreed settings version) and what the policies make of this
+// step; then its codec and its state.
+StepPipeline::Stage StepPipeline::plan() {
+  {
+    std::lock_guard lock(engine_.mu_);
+    settings_ = engine_.chooser_(t_.name, n_);
+  }
+  if (policy_) {
+    auto [version, json] = policy_->settingsAt(step_);
+    if (version > 0 && engine_.options_.settings) {
+      if (!engine_.settings_chooser_ || engine_.settings_version_ != version) {
+        engine_.settings_chooser_ = engine_.options_.settings(version, json);
+        engine_.settings_version_ = version;
+      }
+      if (engine_.settings_chooser_) settings_ = engine_.settings_chooser_(t_.name, n_);
+    }
+    plan_ = policy_->plan(t_.name, step_, settings_.codec, settings_.sync_every);
+    plan_.settings = version;
+    if (const auto traits = kernels::findCodecTraits(settings_.codec.name);
+        traits && traits->uses_min_magnitude) {
+      settings_.codec.min_magnitude = plan_.min_magnitude;
+    }
+  }
+  StepFigures& fig = out_.figures;
+  fig.mode = policies::stepModeName(plan_.mode);
+  fig.settings = plan_.settings;
+  // The tensor's per-group gauges, looked up once per group change, not every step.
+  const std::string& group = settings_.group.empty() ? settings_.codec.name : settings_.group;
+  if (t_.gauges.group != group || !t_.gauges.ratio) {
+    metrics::Metrics& m = engine_.metrics_;
+    t_.gauges = {group, &m.compressionRatio(group), &m.cosineSimilarity(group),
+                 &m.residualNorm(group)};
+  }
+  if (auto stop = makeCodec()) return stop;
+  // The GPU backend (docs/cuda.md "Steps on the GPU") when every trainer hands device memory and
+  // the codec runs there; else the host, device memory staged through `data`. Delayed-sync
+  // tensors stay on the host: their accumulation lives there, with checkpoints.
+  if (engine_.options_.gpu && settings_.sync_every <= 1 && plan_.mode != StepMode::kSkip &&
+      !plan_.delayed_sync_step) {
+    std::vector<const Contribution*> parts;
+    for (const auto& part : p_.parts) parts.push_back(&*part);
+    gpu_ordinal_ = gpu::eligibleDevice(parts, settings_.codec.name);
+  }
+  if (auto stop = makeState()) return stop;
+  fig.codec = t_.codec->traits().name;
+  fig.elements = n_;
+  fig.raw_bytes = n_ * kernels::dtypeSize(p_.dtype);
+  return std::nullopt;
+}
+
+// The tensor's codec, with fresh state when the codec or the tensor's size or dtype changed.
+StepPipeline::Stage StepPipeline::makeCodec() {
+  const kernels::CodecConfig& config = settings_.codec;
+  const std::string key = kernels::configKey(config);
+  StepFigures& fig = out_.figures;
+  if (!t_.codec || key != t_.config_key) {
+    auto codec = kernels::createCodec(config);
+    if (!codec) return Stop{StepError::kInternal, "codec settings: " + codec.status().message()};
+    // Codec state restored from a checkpoint is kept when it is of these very settings.
+    const bool restored = !t_.codec && t_.has_state && key == t_.config_key;
+    if (t_.codec) {
+      spdlog::info("tensor '{}': codec changed to {}, its codec state starts fresh", t_.name,
+                   config.name);
+      fig.state_reset = true;
+    } else if (t_.has_state && !restored) {
+      spdlog::warn(
+          "tensor '{}': the restored codec state is of other settings ({}), not {}: it "
+          "starts fresh",
+          t_.name, t_.config_key, key);
+      fig.state_reset = true;
+    }
+    t_.codec = std::move(*codec);
+    t_.config_key = key;
+    if (!restored) t_.has_state = false;
+  }
+  if (t_.has_state && (t_.state_elements != n_ || t_.state_dtype != p_.dtype)) {
+    spdlog::info("tensor '{}' changed from {} to {} elements ({}): its codec state starts fresh",
+                 t_.name, t_.state_elements, n_, apiDTypeName(p_.dtype));
+    fig.state_reset = true;
+    t_.has_state = false;
+  }
+  return std::nullopt;
+}
+
+// Fresh codec state, within limits.max_state_bytes (on the GPU backend it is made on the device).
+StepPipeline::Stage StepPipeline::makeState() {
+  if (t_.has_state) return std::nullopt;
+  const kernels::Codec& codec = *t_.codec;
+  const uint64_t need = 2 * uint64_t{codec.stateFloats(n_)} * sizeof(float);  // double-buffered
+  const uint64_t cap = engine_.options_.max_state_bytes;
+  if (cap > 0 && need > 0) {
+    uint64_t held = 0;
+    {
+      std::lock_guard lock(engine_.mu_);
+      for (const auto& [name, other] : engine_.tensors_) {
+        if (other.get() != &t_) held += other->state_bytes;
+      }
+    }
+    if (held + need > cap) {
+      t_.state = kernels::CodecState();  // nothing held for it
+      engine_.metrics_.limitHits("state_bytes").Increment();
+      return Stop{StepError::kStateLimit,
+                  "tensor '" + t_.name + "' needs " + std::to_string(need) +
+                      " bytes of codec state, other tensors hold " + std::to_string(held) +
+                      ": more than limits.max_state_bytes (" + std::to_string(cap) + ")"};
+    }
+  }
+  t_.state = gpu_ordinal_ ? kernels::CodecState() : kernels::CodecState(codec.stateFloats(n_));
+  t_.state_on_gpu = false;
+  t_.state_elements = n_;
+  t_.state_dtype = p_.dtype;
+  t_.has_state = true;
+  if (out_.figures.state_reset) engine_.metrics_.state_resets.Increment();
+  return std::nullopt;
+}
+
+// The backend of this step. The codec state moves to where the step runs when it is elsewhere.
+StepPipeline::Stage StepPipeline::begin() {
+  std::vector<Contribution*> parts;
+  for (auto& part : p_.parts) parts.push_back(&*part);
+  if (gpu_ordinal_) {
+    auto begun = gpu::GpuStep::begin(t_.gpu, *gpu_ordinal_, settings_.codec, parts, n_, p_.dtype,
+                                     t_.state_on_gpu ? nullptr : &t_.state);
+    if (!begun) {
+      // A fresh state was never made on the host: make it afresh on the next step.
+      if (!t_.state_on_gpu && t_.state.floats() != t_.codec->stateFloats(n_)) {
+        t_.has_state = false;
+      }
+      return Stop{StepError::kDeviceError, begun.status().message()};
+    }
+    backend_ = std::move(*begun);
+    if (!t_.state_on_gpu) {
+      t_.state = kernels::CodecState();
+      t_.state_on_gpu = true;
+    }
+    out_.figures.device = backend_->deviceName();
+    return std::nullopt;
+  }
+  if (t_.state_on_gpu) {
+    // The tensor's state moves to the host (its trainers no longer all hand device memory).
+    auto host = gpu::downloadState(*t_.gpu);
+    if (!host) return Stop{StepError::kDeviceError, host.status().message()};
+    t_.state = std::move(*host);
+    t_.state_on_gpu = false;
+  }
+  for (auto* part : parts) {
+    if (std::string why; part->fetch && !part->fetch(&why)) {
+      return Stop{StepError::kDeviceError, "trainer " + std::to_string(part->spec.trainer) +
+                                               "'s GPU buffer could not be read: " + why};
+    }
+  }
+  backend_ = std::make_unique<HostBackend>(engine_.stream_, *t_.codec, t_.state, t_.host,
+                                           std::move(parts), n_, p_.dtype);
+  return std::nullopt;
+}
+
+// The sum of the local trainers' tensors, in trainer order (deterministic). Delayed sync (a
+// rule's sync_every): between its exchange steps a tensor is accumulated locally and the trainers
+// get zeros; the exchange step sends the accumulation too.
+StepPipeline::Stage StepPipeline::ingest() {
+  if (auto st = backend_->ingest(); !st.isOk()) return backendFailed(st);
+  if (plan_.mode == StepMode::kSkip) {
+    if (auto st = backend_->accumulate(); !st.isOk()) return backendFailed(st);
+    return std::nullopt;
+  }
+  if (plan_.delayed_sync_step) {
+    if (auto st = backend_->addAccumulation(); !st.isOk()) return backendFailed(st);
+  }
+  duration(out_.figures, metrics::Stage::kIngest) = microsSince(t0_);
+  return std::nullopt;
+}
+
+StepOutcome StepPipeline::skipped() {
+  engine_.metrics_.skipped_steps.Increment();
+  duration(out_.figures, metrics::Stage::kTotal) = microsSince(t0_);
+  return std::move(out_);
+}
+
+// The step's context and schedules; bypass and full-sync steps exchange dense fp32 (codec
+// `none`), and a full sync first flushes what the codec state holds back into what it sends.
+StepPipeline::Stage StepPipeline::prepare() {
+  const kernels::Codec& codec = *t_.codec;
+  const EngineOptions& options = engine_.options_;
+  ctx_.seed = options.seed;
+  ctx_.name_key = kernels::tensorNameKey(t_.name);
+  ctx_.step = step_;
+  ctx_.rank = options.rank;
+  ctx_.stream = &engine_.stream_;
+  ctx_.shape = p_.shape;
+  // Schedules: the policies' density, or (without policies) the warm-up density where it asks
+  // for more than the codec's own.
+  if (policy_) {
+    ctx_.density = plan_.density;
+  } else if (codec.traits().uses_density) {
+    const auto& cc = codec.config();
+    const double target = cc.density ? *cc.density : (cc.ratio ? 1.0 / *cc.ratio : 1.0);
+    if (const auto d = policies::warmupDensity(step_, options.warmup_steps); d && *d > target) {
+      ctx_.density = *d;
+    }
+  }
+  chunking_ = kernels::chunkingFor(codec, n_, options.chunk_elements);
+  dense_step_ = plan_.mode == StepMode::kBypass || plan_.mode == StepMode::kFullSync;
+  if (plan_.mode == StepMode::kFullSync) {
+    if (auto st = backend_->flush(ctx_, chunking_); !st.isOk()) return backendFailed(st);
+  }
+  step_codec_ = dense_step_ ? &kernels::noneCodec() : &codec;
+  if (dense_step_) ctx_.density.reset();
+  return std::nullopt;
+}
+
+// This sidecar's statistics record, carried by the exchange to every rank (policies).
+StepPipeline::Stage StepPipeline::statistics() {
+  if (!policy_) return std::nullopt;
+  auto got = backend_->stats(plan_.min_magnitude, policy_->config().adaptive);
+  if (!got) return backendFailed(got.status());
+  policies::StepStats st = std::move(*got);
+  // The residual's norm feeds a gauge only: a tensor of more than 256 Ki elements has it
+  // measured every 8th step (a pass over the state), smaller ones every step.
+  if (n_ <= (size_t{1} << 18) || step_ % 8 == 0 || !t_.residual_norm2) {
+    auto r2 = backend_->residualNorm2();
+    if (!r2) return backendFailed(r2.status());
+    t_.residual_norm2 = *r2;
+  }
+  st.residual_norm2 = *t_.residual_norm2;
+  if (t_.cos) {
+    st.cos_dot = t_.cos->dot;
+    st.cos_c2 = t_.cos->c2;
+    st.cos_g2 = t_.cos->g2;
+  }
+  record_ = policy_->record(std::move(st));
+  return std::nullopt;
+}
+
+// Compress (the whole-tensor phase — error feedback, momentum, thresholds — is part of it) and
+// exchange, round by round for multi-round codecs.
+StepPipeline::Stage StepPipeline::exchange() {
+  const auto ta = Clock::now();
+  if (auto st = backend_->analyze(ctx_, chunking_, dense_step_); !st.isOk()) {
+    return backendFailed(st);
+  }
+  compress_us_ = microsSince(ta);
+  rounds_ = step_codec_->traits().rounds;
+  // Payload buffers live with the tensor: allocated (and faulted in) once, not every step.
+  t_.payloads.resize(static_cast<size_t>(rounds_));
+  // One fp32 trainer whose step has one round: decode straight into its buffer (its values were
+  // read by the encoder already), which saves a pass over the result.
+  const bool in_place = trainers_ == 1 && p_.dtype == kernels::DType::kF32 && rounds_ == 1;
+  if (auto st = backend_->prepareResult(in_place); !st.isOk()) return backendFailed(st);
+  decoded_.assign(chunking_.count(), 0);
+  contributors_ = engine_.exchange_.worldSize();
+  for (int r = 0; r < rounds_; ++r) {
+    if (auto stop = exchangeRound(r)) return stop;
+  }
+  duration(out_.figures, metrics::Stage::kCompress) = compress_us_;
+  duration(out_.figures, metrics::Stage::kExchange) = exchange_us_;
+  return std::nullopt;
+}
+
+// Compresses chunk `chunk` of round `round` once (each chunk is encoded at most once per
+// analyze()); the exchange may call it from its own thread (ExchangeRound::encode).
+Result<std::span<const uint8_t>> StepPipeline::encode(int round, size_t chunk) {
+  const size_t chunks = chunking_.count();
+  if (chunk >= chunks) return internalError("chunk " + std::to_string(chunk) + " out of range");
+  if (encoded_[chunk]) return mine_[chunk];
+  const auto tc = Clock::now();
+  auto& bufs = t_.payloads[static_cast<size_t>(round)];
+  const std::span<const uint8_t> previous =
+      round > 0 ? round_payloads_.back() : std::span<const uint8_t>();
+  auto payload = backend_->encodeChunk(ctx_, chunking_, chunk, round, previous, bufs[chunk]);
+  if (!payload) return payload.status();
+  mine_[chunk] = *payload;
+  encoded_[chunk] = 1;
+  out_.figures.wire_bytes += mine_[chunk].size();
+  // The sampled cosine of this step: one chunk (which one turns with the step), decoded back
+  // right after it is encoded, against what it was encoded from. A health signal, not worth a
+  // decode of a large chunk every step: tensors of more than 256 Ki elements are sampled every
+  // 4th step.
+  const uint64_t every = n_ > (size_t{1} << 18) ? 4 : 1;
+  if (policy_ && round == 0 && rounds_ == 1 && plan_.mode == StepMode::kCompressed &&
+      step_ % every == 0 && chunk == (step_ / every) % chunks) {
+    auto original = backend_->chunkInput(chunking_, chunk, t_.original);
+    if (!original) return original.status();
+    cos_ = cosineTerms(*step_codec_, mine_[chunk], *original, chunking_.size(chunk), t_.scratch);
+  }
+  round_compress_us_ += microsSince(tc);
+  return mine_[chunk];
+}
+
+StepPipeline::Stage StepPipeline::exchangeRound(int r) {
+  Exchange& exchange = engine_.exchange_;
+  const size_t chunks = chunking_.count();
+  t_.payloads[static_cast<size_t>(r)].resize(chunks);
+  mine_.assign(chunks, {});
+  encoded_.assign(chunks, 0);
+  round_compress_us_ = 0.0;
+  const bool lazy = exchange.encodesLazily();
+  if (!lazy) {
+    for (size_t c = 0; c < chunks; ++c) {
+      if (auto p = encode(r, c); !p) return Stop{backend_->failure(), p.status().message()};
+    }
+  }
+  const auto te = Clock::now();
+  ExchangeRound er{
+      t_.name,   step_,
+      r,         *step_codec_,
+      chunking_, lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine_)};
+  er.density = ctx_.density;
+  if (rounds_ == 1 && backend_->decodesDuringExchange()) {
+    // A chunk whose payloads are final is decoded at once, while later chunks still travel.
+    er.on_chunk = [&](size_t c, std::span<const std::span<const uint8_t>> list) -> Status {
+      if (c >= chunks || decoded_[c]) return internalError("chunk decoded twice or unknown");
+      const auto td = Clock::now();
+      const float w = 1.0f / static_cast<float>(exchange.worldSize() * trainers_);
+      const Status st = backend_->decodeChunk(chunking_, c, list, er.dense, w);
+      early_decode_us_ += microsSince(td);
+      if (!st.isOk()) {
+        return dataLoss("decompressing: chunk " + std::to_string(c) + ": " + st.message());
+      }
+      decoded_[c] = 1;
+      return Status::ok();
+    };
+  }
+  if (lazy) er.encode = [this, r](size_t c) { return encode(r, c); };
+  if (r == 0) er.stats_out = record_;
+  auto got = exchange.run(er);
+  if (r == 0) stats_in_ = std::move(er.stats_in);
+  const double round_us = microsSince(te);
+  if (!got) return Stop{StepError::kExchangeFailed, got.status().message()};
+  // Every chunk's state update happens in its encode: none may be left out.
+  for (size_t c = 0; c < chunks; ++c) {
+    if (auto p = encode(r, c); !p) return Stop{backend_->failure(), p.status().message()};
+  }
+  compress_us_ += round_compress_us_;
+  exchange_us_ += std::max(0.0, round_us - (lazy ? round_compress_us_ : 0.0) - early_decode_us_);
+  if (er.contributors > 0) contributors_ = er.contributors;
+  if (er.dense && rounds_ > 1) {
+    return Stop{StepError::kInternal, "a multi-round codec's exchange returned dense payloads"};
+  }
+  dense_result_ = er.dense;
+  if (rounds_ > 1) {
+    if (got->size() != 1 || (*got)[0].size() != 1) {
+      return Stop{StepError::kInternal,
+                  "multi-round codec exchange returned more than one payload"};
+    }
+    round_payloads_.push_back((*got)[0][0]);
+  } else {
+    reduced_ = std::move(*got);
+  }
+  return std::nullopt;
+}
+
+// Decompress and average over every trainer of every sidecar, each chunk checked for non-finite
+// values as soon as it is decoded. A sparse allgather the exchange switched to a dense allreduce
+// returns plain fp32 sums.
+StepPipeline::Stage StepPipeline::decode() {
+  const auto t2 = Clock::now();
+  const float weight = 1.0f / static_cast<float>(contributors_ * trainers_);
+  if (rounds_ > 1) {
+    if (auto st = backend_->decodeRounds(ctx_, chunking_, round_payloads_, weight); !st.isOk()) {
+      return backendFailed(st);
+    }
+  } else if (auto st = backend_->decodeChunks(chunking_, reduced_, decoded_, dense_result_, weight);
+             !st.isOk()) {
+    return Stop{StepError::kExchangeFailed, "decompressing: " + st.message()};
+  }
+  auto bad = backend_->resultNonfinite();
+  if (!bad) return backendFailed(bad.status());
+  nonfinite_ = *bad;
+  duration(out_.figures, metrics::Stage::kDecompress) = microsSince(t2) + early_decode_us_;
+  return std::nullopt;
+}
+
+// Silent-divergence guard: every checksum_every steps the ranks compare their results.
+StepPipeline::Stage StepPipeline::guard() {
+  Exchange& exchange = engine_.exchange_;
+  const uint64_t every = engine_.options_.checksum_every;
+  if (exchange.worldSize() <= 1 || every == 0 || step_ % every != 0) return std::nullopt;
+  auto checksum = backend_->resultChecksum();
+  if (!checksum) return backendFailed(checksum.status());
+  auto differ = exchange.compareResults(t_.name, step_, *checksum);
+  if (!differ) {
+    return Stop{StepError::kExchangeFailed, "comparing results: " + differ.status().message()};
+  }
+  if (!differ->empty()) {
+    std::string ranks;
+    for (uint32_t r : *differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    engine_.metrics_.result_mismatches.Increment();
+    if (policy_) policy_->forceFullSync(t_.name, step_);
+    spdlog::error(
+        "tensor '{}' step {}: the result differs from rank(s) {} (checksum {:016x}): "
+        "the sidecars have diverged",
+        t_.name, step_, ranks, *checksum);
+  }
+  return std::nullopt;
+}
+
+// The policies: every rank aggregates the same records and decides alike. Checkpoints asked for
+// are saved first, with the state as it stood before this step.
+StepPipeline::Stage StepPipeline::policies() {
+  if (!policy_) return std::nullopt;
+  auto g = policies::aggregate(stats_in_);
+  if (!g) return Stop{StepError::kExchangeFailed, "statistics: " + g.status().message()};
+  if (auto m = policies::resumeMismatch(*g)) {
+    // POST /v1/resume reached some sidecars only: the others resume from the same step now
+    // (from their own checkpoint of it), so the step after this failed one agrees again.
+    std::optional<uint64_t> newest;
+    for (const auto& r : g->resumed_from) {
+      if (r && (!newest || *r > *newest)) newest = *r;
+    }
+    auto& pending_resume = engine_.pending_resume_;
+    if (newest && policy_->resumedFrom() != newest) pending_resume = *newest;
+    return Stop{StepError::kResumeMismatch,
+                *m + (pending_resume ? "; this sidecar resumes from step " +
+                                           std::to_string(*pending_resume) + " now"
+                                     : std::string())};
+  }
+  for (const auto& q : g->requests) {
+    if (q.kind != policies::Request::Kind::kCheckpoint) continue;
+    if (q.origin == engine_.options_.rank) continue;  // saved when it was asked for
+    if (auto saved = engine_.saveCheckpoint(q.step, "trainer"); !saved) {
+      spdlog::error("checkpoint of step {} asked for by rank {}: {}", q.step, q.origin,
+                    saved.status().message());
+    }
+  }
+  // Non-finite values in some rank's gradient that did not make it into the result (a codec
+  // that did not select them) count too: the global statistics say so on every rank alike.
+  nonfinite_ = nonfinite_ || g->nonfinite > 0;
+  policy_->update(t_.name, step_, plan_, *g);
+  if (const auto c = g->cosine()) t_.gauges.cosine->Set(*c);
+  t_.gauges.residual->Set(std::sqrt(g->residual_norm2));
+  return std::nullopt;
+}
+
+// Non-finite results are returned as plain averaging would, and the state is not committed.
+// Compressed steps commit what the codec prepared; full-syncs the flushed state (prepared by the
+// flush in the tensor's own state); bypasses leave the state as it was.
+StepPipeline::Stage StepPipeline::finish() {
+  out_.figures.nonfinite = nonfinite_;
+  if (auto st = backend_->writeBack(); !st.isOk()) return backendFailed(st);
+  if (!nonfinite_) {
+    if (auto st = backend_->commit(plan_.mode != StepMode::kBypass); !st.isOk()) {
+      return backendFailed(st);
+    }
+    // A measured cosine goes out with the tensor's next record, once.
+    if (plan_.mode == StepMode::kCompressed) t_.cos = cos_;
+  }
+  return std::nullopt;
+}
+
+void StepPipeline::record() {
+  StepFigures& fig = out_.figures;
+  duration(fig, metrics::Stage::kTotal) = microsSince(t0_);
+  metrics::Metrics& m = engine_.metrics_;
+  m.raw_bytes.Increment(static_cast<double>(fig.raw_bytes));
+  for (size_t s = 0; s < metrics::kStageCount; ++s) {
+    m.stage(static_cast<metrics::Stage>(s)).Observe(fig.durations_us[s] * 1e-6);
+  }
+  if (fig.wire_bytes > 0) {
+    t_.gauges.ratio->Set(static_cast<double>(fig.raw_bytes) / static_cast<double>(fig.wire_bytes));
+  }
+}
+
+}  // namespace lightwire::proxy

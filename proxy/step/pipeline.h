@@ -1,0 +1,111 @@
+#pragma once
+// The step pipeline (docs/architecture.md "The step pipeline"): one step of one tensor, top to
+// bottom, as a handful of stages — plan (settings, policies, codec and state), begin (the host or
+// the GPU backend), ingest (local sum, delayed sync), prepare (schedules, full-sync flush),
+// statistics, exchange (compress and exchange, round by round), decode, guard (result
+// checksums), policies, finish (write-back and commit). Every data operation goes through the
+// StepBackend (backend.h), so the stages read the same for the host and the GPU.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "policies/policy.h"
+#include "proxy/step/backend.h"
+#include "proxy/step/engine.h"
+
+namespace lightwire::proxy {
+
+/// Sums of a sampled chunk for the cosine similarity of a compressed gradient (policies).
+struct CosineTerms {
+  double dot = 0, c2 = 0, g2 = 0;
+};
+/// Decodes `payload` (one chunk) and returns its sums against `original` (nullopt: not finite or
+/// not decodable). `scratch` is reused.
+std::optional<CosineTerms> cosineTerms(const kernels::Codec& codec,
+                                       std::span<const uint8_t> payload, const float* original,
+                                       size_t len, std::vector<float>& scratch);
+
+/// One step of one tensor through its stages. Lives for one step on the thread that runs it (the
+/// engine's, or a submitting one for small steps); the tensor is the engine thread's meanwhile.
+class StepPipeline {
+ public:
+  StepPipeline(StepEngine& engine, StepEngine::Tensor& tensor, uint64_t step,
+               StepEngine::Pending& pending);
+  ~StepPipeline();
+  StepPipeline(const StepPipeline&) = delete;
+  StepPipeline& operator=(const StepPipeline&) = delete;
+
+  /// Runs every stage; the outcome carries the figures (also of a failed step, as far as it got).
+  StepOutcome run();
+
+ private:
+  /// Why a stage stops the step; nullopt: the next stage runs.
+  struct Stop {
+    StepError error;
+    std::string message;
+  };
+  using Stage = std::optional<Stop>;
+
+  Stage checkBuffers();
+  Stage plan();
+  Stage makeCodec();
+  Stage makeState();
+  Stage begin();
+  Stage ingest();
+  Stage prepare();
+  Stage statistics();
+  Stage exchange();
+  Stage exchangeRound(int round);
+  Result<std::span<const uint8_t>> encode(int round, size_t chunk);
+  Stage decode();
+  Stage guard();
+  Stage policies();
+  Stage finish();
+  void record();
+  StepOutcome skipped();
+  StepOutcome stopped(Stop stop);
+  /// A backend operation's failure as a Stop (its error kind: the backend's).
+  Stop backendFailed(const Status& st) const { return {backend_->failure(), st.message()}; }
+
+  StepEngine& engine_;
+  StepEngine::Tensor& t_;
+  const uint64_t step_;
+  StepEngine::Pending& p_;
+  const size_t n_;
+  const unsigned trainers_;
+  policies::PolicyEngine* const policy_;
+  std::chrono::steady_clock::time_point t0_;
+  StepOutcome out_;
+
+  TensorSettings settings_;
+  policies::StepPlan plan_;
+  std::optional<int> gpu_ordinal_;  // where the GPU backend runs the step (nullopt: the host)
+  std::unique_ptr<StepBackend> backend_;
+  kernels::StepContext ctx_;
+  kernels::Chunking chunking_;
+  bool dense_step_ = false;                     // bypass and full sync: codec `none`
+  const kernels::Codec* step_codec_ = nullptr;  // the codec this step encodes with
+  std::vector<uint8_t> record_;                 // this sidecar's statistics record
+  std::vector<std::vector<uint8_t>> stats_in_;
+  std::optional<CosineTerms> cos_;  // of this step, measured on one chunk while it is encoded
+  // The exchange rounds.
+  int rounds_ = 1;
+  std::vector<std::vector<std::span<const uint8_t>>> reduced_;  // per chunk: payloads to decode
+  std::vector<std::span<const uint8_t>> round_payloads_;        // multi-round: reduced per round
+  std::vector<std::span<const uint8_t>> mine_;                  // this round's own payloads
+  std::vector<char> encoded_;                                   // ... encoded yet
+  std::vector<char> decoded_;  // decoded during the exchange (ExchangeRound::on_chunk)
+  double round_compress_us_ = 0.0, early_decode_us_ = 0.0;
+  double exchange_us_ = 0.0, compress_us_ = 0.0;
+  uint32_t contributors_ = 0;
+  bool dense_result_ = false;
+  bool nonfinite_ = false;
+};
+
+}  // namespace lightwire::proxy
