@@ -183,12 +183,12 @@ void PeerSession::linkClosed(const std::shared_ptr<Link>& link, const std::strin
   }
   if (was_current) {
     metrics_.peerUp(link->peer).Set(0);
-    if (!stopping) spdlog::warn("peer: connection to rank {} lost: {}", link->peer, reason);
+    if (!stopping_) spdlog::warn("peer: connection to rank {} lost: {}", link->peer, reason);
   }
 }
 
 void PeerSession::noteRefused(const std::string& address, const Status& why) {
-  if (stopping) return;
+  if (stopping_) return;
   metrics_.auth_failures.Increment();
   spdlog::warn("peer: refused connection with {}: {}", address, why.message());
 }

@@ -9,6 +9,7 @@
 // `post` function and never blocks it.
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -33,7 +34,7 @@ namespace lightwire::proxy::peer {
 
 inline constexpr uint32_t kNoPeer = UINT32_MAX;
 
-class Link;
+struct Link;
 
 /// One frame handed to a Link, and the outcome the sender waits for. Its outcome fields are
 /// guarded by the session's mutex (PeerSession::mutex()).
@@ -51,8 +52,7 @@ struct SendOp {
 
 /// One connection to a peer (bytes in, bytes out), before and after its handshake, as the
 /// session sees it. Its fields and methods belong to the link thread unless said otherwise.
-class Link : public std::enable_shared_from_this<Link> {
- public:
+struct Link : std::enable_shared_from_this<Link> {
   virtual ~Link() = default;
   /// Any thread: hands `op` to the link thread, which queues it; the link completes it with
   /// PeerSession::complete() once written or failed.
@@ -141,15 +141,16 @@ class PeerSession {
   /// The header of a frame of ours.
   std::array<uint8_t, kHeaderBytes> header(FrameType type, const FrameKey& key, uint8_t codec,
                                            std::span<const uint8_t> payload) const;
-  /// An internal frame that owns its payload, for `link`.
+  /// An internal frame (ping, pong, abort, state, handshake) that owns its payload.
   std::shared_ptr<SendOp> ownedOp(FrameType type, const FrameKey& key,
                                   std::vector<uint8_t> payload) const;
   PeerMailboxes& mail() { return mail_; }
   std::mutex& mutex() const { return mail_.mutex(); }
   metrics::Metrics& metrics() { return metrics_; }
   const SessionOptions& options() const { return options_; }
-  /// Set by the transport while it shuts down: losses are no longer logged, refusals not counted.
-  std::atomic<bool> stopping{false};
+  /// The transport shuts down: losses are no longer logged, refusals not counted. Any thread.
+  void setStopping() { stopping_ = true; }
+  bool stopping() const { return stopping_; }
 
   // --- handshake (docs/peer-protocol.md "Handshake") ---------------------------------------------
 
@@ -229,6 +230,7 @@ class PeerSession {
   Membership membership_;
   uint64_t job_hash_ = 0;
   std::atomic<bool> started_{false};
+  std::atomic<bool> stopping_{false};
   Post post_;
   std::function<std::string(const std::string&, uint32_t)> wrong_direction_;
   std::function<void(const std::shared_ptr<Link>&, const FrameHeader&, const std::vector<uint8_t>&)>

@@ -143,8 +143,7 @@ struct TcpTransport::Impl {
         io(std::make_unique<asio::io_context>(1)),
         acceptor(*io),
         session(sessionOptions(o), m),
-        mail(session.mail()),
-        stopping(session.stopping) {
+        mail(session.mail()) {
     session.setPost([this](std::function<void()> f) { asio::post(*io, std::move(f)); });
     session.setWrongDirection([this](const std::string& name, uint32_t client) {
       return fmt::format(
@@ -193,7 +192,7 @@ struct TcpTransport::Impl {
   // The protocol (docs/peer-protocol.md): its mutex also guards `addresses`.
   PeerSession session;
   PeerMailboxes& mail;
-  std::atomic<bool>& stopping;
+  bool stopping() const { return session.stopping(); }
   // Every rank's peer address (index = rank; guarded by the session's mutex): membership.peers,
   // or what the rendezvous taught (rank 0 learns them from REGISTER frames, the others from PEERS).
   std::vector<std::string> addresses;
@@ -256,7 +255,7 @@ struct TcpTransport::Impl {
   }
 
   void refuse(const std::shared_ptr<Conn>& c, const Status& why) {
-    if (stopping) return;
+    if (stopping()) return;
     session.noteRefused(c->address, why);
     closeConn(c, why.message());
   }
@@ -491,7 +490,7 @@ struct TcpTransport::Impl {
       timer.expires_after(options.ping_interval);
       error_code ec;
       co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
-      if (c->closed || stopping) break;
+      if (c->closed || stopping()) break;
       if (!session.keepAlive(c, Clock::now())) break;
     }
   }
@@ -609,7 +608,7 @@ struct TcpTransport::Impl {
       tcp::socket s(*io);
       error_code ec;
       co_await acceptor.async_accept(s, asio::redirect_error(use_awaitable, ec));
-      if (stopping || ec == asio::error::operation_aborted) co_return;
+      if (stopping() || ec == asio::error::operation_aborted) co_return;
       if (ec) {
         spdlog::warn("peer: accept failed: {}", ec.message());
         asio::steady_timer pause(*io, std::chrono::milliseconds(50));  // e.g. out of descriptors
@@ -657,7 +656,7 @@ struct TcpTransport::Impl {
     asio::steady_timer timer(*io);
     auto backoff = options.backoff_initial;
     bool logged = false;
-    while (!stopping) {
+    while (!stopping()) {
       bool served = false;
       error_code ec;
       // Read at every attempt: a rendezvous may teach a new address (a restarted rank).
@@ -675,7 +674,7 @@ struct TcpTransport::Impl {
         watchdog.arm(c, options.connect_timeout);
         co_await asio::async_connect(c->socket, endpoints, asio::redirect_error(use_awaitable, ec));
         Status st;
-        if (ec || stopping) {
+        if (ec || stopping()) {
           st = Status(StatusCode::kUnavailable,
                       c->timed_out ? "connect timed out" : "connect: " + ec.message());
         } else {
@@ -689,7 +688,7 @@ struct TcpTransport::Impl {
           served = true;
           if (session.rendezvousMode() && server == 0) sendRegister(c);
           co_await serve(c);
-        } else if (!stopping) {
+        } else if (!stopping()) {
           if (st.code() != StatusCode::kUnavailable) {
             refuse(c, st);
           } else if (!logged) {
@@ -705,7 +704,7 @@ struct TcpTransport::Impl {
                      ec.message());
         logged = true;
       }
-      if (stopping) break;
+      if (stopping()) break;
       if (served) backoff = options.backoff_initial;
       timer.expires_after(backoff);
       co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
@@ -714,7 +713,7 @@ struct TcpTransport::Impl {
   }
 
   void closeAll() {
-    stopping = true;
+    session.setStopping();
     error_code ignored;
     acceptor.close(ignored);
     for (auto& [id, c] : conns) closeConn(c, "transport shutting down");
@@ -791,7 +790,7 @@ TcpTransport::~TcpTransport() {
     });
     s.thread.join();
   }
-  s.stopping = true;
+  s.session.setStopping();
   // The I/O thread is gone: close what is left here, then destroy the suspended coroutines
   // (io_context's destructor) while everything they refer to still exists.
   error_code ignored;

@@ -80,8 +80,7 @@ struct UcxTransport::Impl : UcxWorker {
         session(SessionOptions{o.ping_interval, o.peer_timeout, o.max_frame_bytes,
                                o.max_kept_bytes_per_peer, o.max_kept_frames_per_peer},
                 m),
-        mail(session.mail()),
-        stopping(session.stopping) {
+        mail(session.mail()) {
     session.setPost([this](std::function<void()> f) { post(std::move(f)); });
     session.setWrongDirection([this](const std::string& name, uint32_t client) {
       return fmt::format(
@@ -123,7 +122,7 @@ struct UcxTransport::Impl : UcxWorker {
   // The protocol (docs/peer-protocol.md).
   PeerSession session;
   PeerMailboxes& mail;
-  std::atomic<bool>& stopping;
+  bool stopping() const { return session.stopping(); }
   const Membership& membership() const { return session.membership(); }
 
   std::thread thread;
@@ -244,7 +243,7 @@ struct UcxTransport::Impl : UcxWorker {
   void shutdown() {
     if (shut_down) return;
     shut_down = true;
-    stopping = true;
+    session.setStopping();
     drain();  // rejects connection requests that arrived (stopping)
     if (listener) {
       ucp_listener_destroy(listener);
@@ -337,7 +336,7 @@ struct UcxTransport::Impl : UcxWorker {
   /// every handshake that does not complete; the connecting side counts wrong answers, not
   /// network errors (kUnavailable), and retries.
   void handshakeFailed(const std::shared_ptr<Conn>& c, const Status& st) {
-    if (stopping || c->phase == Phase::kClosed) {
+    if (stopping() || c->phase == Phase::kClosed) {
       closeConn(c, st.message());
       return;
     }
@@ -642,7 +641,7 @@ struct UcxTransport::Impl : UcxWorker {
   }
 
   void accept(ucp_conn_request_h request) {
-    if (stopping || !listener) {
+    if (stopping() || !listener) {
       if (listener) ucp_listener_reject(listener, request);
       return;
     }
@@ -740,7 +739,7 @@ struct UcxTransport::Impl : UcxWorker {
 
   /// Connection attempts, connect and handshake deadlines, pings and silence.
   void timers(Clock::time_point now) {
-    if (stopping) return;
+    if (stopping()) return;
     for (Dial& d : dials) {
       if (!d.conn && now >= d.next) dialOut(d);
     }

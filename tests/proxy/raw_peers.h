@@ -379,7 +379,8 @@ struct RawOf<UcxLink> {
 template <typename L>
 using RawPeer = typename RawOf<L>::type;
 
-/// One transport over link L (rank 1 of `world`) whose rank 0 is played by a RawPeer<L>.
+/// One transport over link L (rank 1 of `world`) whose rank 0 is played by a RawPeer<L>. Owns it
+/// and its metrics; used from the test thread only.
 template <typename L>
 struct Lone {
   explicit Lone(typename L::Options o = L::options(1), uint32_t world = 2) {
