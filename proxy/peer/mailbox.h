@@ -1,8 +1,8 @@
 #pragma once
 // The transport-independent half of a peer transport (proxy/peer/transport.h): per peer rank,
 // the received frames not yet asked for (the mailbox), the aborts received, the budget of what is
-// kept, and whether the peer is up; and receive() waiting on all of that. TcpTransport and
-// UcxTransport own one each and feed it from their I/O threads.
+// kept, and whether the peer is up; and receive() waiting on all of that. The PeerSession of each
+// transport (proxy/peer/session.h) owns one and feeds it from the transport's thread.
 
 #include <chrono>
 #include <condition_variable>

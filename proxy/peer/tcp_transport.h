@@ -1,7 +1,8 @@
 #pragma once
-// The `tcp` transport (DESIGN.md §4): a full mesh of TCP connections on Boost.Asio, one per pair
-// of ranks (the lower rank connects), authenticated with the HMAC handshake of
-// docs/peer-protocol.md, reconnected with backoff; optionally over mutual TLS (TcpOptions::tls).
+// The `tcp` transport (docs/peer-protocol.md "Connections"): a full mesh of TCP connections on
+// Boost.Asio, one per pair of ranks (the lower rank connects), authenticated with the HMAC
+// handshake of docs/peer-protocol.md, reconnected with backoff; optionally over mutual TLS
+// (TcpOptions::tls).
 
 #include <chrono>
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "kernels/status.h"
 #include "proxy/peer/frame.h"
+#include "proxy/peer/session.h"
 #include "proxy/peer/transport.h"
 
 namespace lightwire::metrics {
@@ -49,10 +51,11 @@ struct TcpOptions {
   } tls;
 };
 
-/// Transport over TCP with its own I/O thread. Thread-safe (Transport's methods may be called from
-/// any thread after start()); destroying it closes every connection and joins the thread, and must
-/// not race with calls in progress.
-class TcpTransport final : public Transport {
+/// Transport over TCP with its own I/O thread: the tcp links (TLS optional) of a PeerSession, set
+/// up by listening, connecting and reconnecting with backoff. Thread-safe (Transport's methods may
+/// be called from any thread after start()); destroying it closes every connection and joins the
+/// thread, and must not race with calls in progress.
+class TcpTransport final : public SessionTransport {
  public:
   /// Binds and listens on host:port (0: chosen by the OS; see port()). Connections that arrive
   /// before start() wait in the backlog. With options.tls.enabled, loads and checks the
@@ -72,26 +75,6 @@ class TcpTransport final : public Transport {
   /// Returns at once; see allConnected(). Once only.
   Status start(Membership membership) override;
 
-  uint32_t rank() const override;
-  uint32_t worldSize() const override;
-  Status send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-              std::span<const uint8_t> payload,
-              std::chrono::steady_clock::time_point deadline) override;
-  Status post(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-              std::span<const uint8_t> payload,
-              std::chrono::steady_clock::time_point deadline) override;
-  Status flush(std::chrono::steady_clock::time_point deadline) override;
-  void recycle(std::vector<uint8_t> buffer) override;
-  Result<Frame> receive(uint32_t src, const FrameKey& key,
-                        std::chrono::steady_clock::time_point deadline) override;
-  void abortStep(uint64_t tensor, uint64_t step, const std::string& reason) override;
-  void discard(uint64_t tensor, uint64_t step) override;
-  void beginStep(uint64_t tensor, uint64_t step) override;
-  void broadcastState() override;
-  void setJobState(std::function<std::vector<uint8_t>()> provide,
-                   std::function<void(uint32_t, std::span<const uint8_t>)> take) override;
-  bool allConnected() const override;
-  std::vector<bool> peersUp() const override;
   /// Reads the certificate, key and CA files again (a renewed certificate; docs/peer-protocol.md
   /// "TLS"): connections made from then on use them, those already up keep theirs. On an error
   /// (named as listen() names it) the previous files stay in use. Returns the new certificate's

@@ -1,9 +1,10 @@
 #pragma once
-// The seam between the collectives and the wire (DESIGN.md §4): a Transport connects this
-// sidecar to every other sidecar of the job, authenticates them, and moves frames. Collectives
-// (proxy/peer/collective.h) only send frames to a rank and wait for the frame with a given key
-// from a rank, with a deadline. Implementations: `tcp` (Boost.Asio, proxy/peer/tcp_transport.h)
-// and `ucx` (UCX ucp active messages, proxy/peer/ucx_transport.h).
+// The seam between the collectives and the wire (docs/peer-protocol.md "Connections"): a
+// Transport connects this sidecar to every other sidecar of the job, authenticates them, and moves
+// frames. Collectives (proxy/peer/collective.h) only send frames to a rank and wait for the frame
+// with a given key from a rank, with a deadline. The session protocol is written once
+// (proxy/peer/session.h) over the links of the `tcp` (Boost.Asio, proxy/peer/tcp_transport.h) and
+// `ucx` (UCX ucp active messages, proxy/peer/ucx_transport.h) transports.
 
 #include <chrono>
 #include <cstdint>
@@ -52,7 +53,7 @@ struct Frame {
   std::vector<uint8_t> payload;
 };
 
-/// Membership of one job, as configured (DESIGN.md §4).
+/// Membership of one job, as configured (docs/exchange.md "Membership").
 struct Membership {
   std::string job_id;
   uint32_t rank = 0;
@@ -122,8 +123,8 @@ class Transport {
   /// of it is stale and ignored (until beginStep()).
   virtual void discard(uint64_t tensor, uint64_t step) = 0;
 
-  /// The job state (DESIGN.md §5) this sidecar tells every peer once connected (`provide`), and
-  /// what to do with a peer's (`take`, called on the transport's thread with the sender's rank).
+  /// The job state (docs/peer-protocol.md "After the handshake") this sidecar tells every peer
+  /// once connected (`provide`), and what to do with a peer's (`take`, called on the transport's thread with the sender's rank).
   /// Set before start(); transports without it neither send nor take state.
   virtual void setJobState(std::function<std::vector<uint8_t>()> /*provide*/,
                            std::function<void(uint32_t, std::span<const uint8_t>)> /*take*/) {}

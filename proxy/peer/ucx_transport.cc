@@ -26,6 +26,9 @@
 
 #include "metrics/metrics.h"
 #include "proxy/peer/mailbox.h"
+#include "proxy/peer/session.h"
+#include "proxy/peer/sockaddr.h"
+#include "proxy/peer/ucx_worker.h"
 
 namespace lightwire::proxy::peer {
 namespace {
@@ -33,73 +36,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-constexpr uint32_t kNoPeer = UINT32_MAX;
-constexpr unsigned kAmId = 1;  // every lightwire frame is an active message with this id
 // The progress thread never sleeps longer than this (timers are checked at least this often).
 constexpr milliseconds kMaxSleep{100};
 // At shutdown, how long closing endpoints may take before the worker is destroyed anyway.
 constexpr milliseconds kCloseGrace{2000};
-
-std::string ucsText(ucs_status_t s) { return ucs_status_string(s); }
-
-bool parseHostPort(const std::string& s, std::string& host, uint16_t& port) {
-  auto colon = s.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size()) return false;
-  host = s.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  const char* b = s.data() + colon + 1;
-  const char* e = s.data() + s.size();
-  auto [p, err] = std::from_chars(b, e, port);
-  return err == std::errc() && p == e && port != 0;
-}
-
-struct SockAddr {
-  sockaddr_storage storage{};
-  socklen_t length = 0;
-  const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&storage); }
-};
-
-/// host:port to a socket address (getaddrinfo; `numeric`: no name lookup).
-Result<SockAddr> resolve(const std::string& host, uint16_t port, bool numeric) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV | (numeric ? AI_NUMERICHOST | AI_PASSIVE : 0);
-  addrinfo* res = nullptr;
-  const std::string service = std::to_string(port);
-  if (int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res); rc != 0 || !res) {
-    return Status(StatusCode::kUnavailable,
-                  fmt::format("cannot resolve '{}': {}", host, ::gai_strerror(rc)));
-  }
-  SockAddr a;
-  std::memcpy(&a.storage, res->ai_addr, res->ai_addrlen);
-  a.length = res->ai_addrlen;
-  ::freeaddrinfo(res);
-  return a;
-}
-
-std::string sockaddrName(const sockaddr_storage& ss) {
-  char buf[INET6_ADDRSTRLEN] = {};
-  if (ss.ss_family == AF_INET) {
-    const auto& in = reinterpret_cast<const sockaddr_in&>(ss);
-    ::inet_ntop(AF_INET, &in.sin_addr, buf, sizeof(buf));
-    return fmt::format("{}:{}", buf, ntohs(in.sin_port));
-  }
-  if (ss.ss_family == AF_INET6) {
-    const auto& in6 = reinterpret_cast<const sockaddr_in6&>(ss);
-    ::inet_ntop(AF_INET6, &in6.sin6_addr, buf, sizeof(buf));
-    return fmt::format("[{}]:{}", buf, ntohs(in6.sin6_port));
-  }
-  return "unknown address";
-}
-
-uint16_t sockaddrPort(const sockaddr_storage& ss) {
-  if (ss.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(ss).sin_port);
-  if (ss.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(ss).sin6_port);
-  return 0;
-}
 
 enum class Phase {
   kConnecting,  // client: endpoint created, HELLO not yet out (connect_timeout)
@@ -108,48 +48,48 @@ enum class Phase {
   kClosed,
 };
 
-/// One ucp endpoint, before and after its handshake. Touched on the progress thread only.
-struct Conn {
+/// One ucp endpoint, before and after its handshake: the `ucx` link. Touched on the progress
+/// thread only, but for post().
+struct Conn final : Link {
+  explicit Conn(UcxTransport::Impl& i) : impl(i) {}
+  void post(std::shared_ptr<SendOp> op) override;
+  void sendOwned(FrameType type, const FrameKey& key, std::vector<uint8_t> payload) override;
+  void abandon(const std::shared_ptr<SendOp>& op) override;
+  void close(const std::string& reason) override;
+  std::shared_ptr<Conn> self() { return std::static_pointer_cast<Conn>(shared_from_this()); }
+
+  UcxTransport::Impl& impl;
   uint64_t id = 0;
   ucp_ep_h ep = nullptr;
   bool client = false;             // we connected (to `target`)
   uint32_t target = kNoPeer;       // client: the rank dialled
-  uint32_t peer = kNoPeer;         // set once authenticated
   uint32_t client_rank = kNoPeer;  // server: the rank HELLO claimed (CHALLENGE sent)
   Phase phase = Phase::kConnecting;
-  std::string name;  // "rank N (address)" or the remote address, for messages
-  std::string address;
   Clock::time_point deadline{};  // of the current phase, until up
-  Clock::time_point last_rx = Clock::now();
   Clock::time_point next_ping{};
-  Nonce client_nonce{};
-  Nonce server_nonce{};
+  ClientHandshake client_hs;
+  ServerHandshake server_hs;
 };
 
 }  // namespace
 
-struct UcxTransport::Impl {
+struct UcxTransport::Impl : UcxWorker {
   Impl(const UcxOptions& o, metrics::Metrics& m)
       : options(o),
         metrics(m),
-        mail(o.max_kept_bytes_per_peer, o.max_kept_frames_per_peer),
-        mu(mail.mutex()),
-        cv(mail.cv()) {}
+        session(SessionOptions{o.ping_interval, o.peer_timeout, o.max_frame_bytes,
+                               o.max_kept_bytes_per_peer, o.max_kept_frames_per_peer},
+                m),
+        mail(session.mail()) {
+    session.setPost([this](std::function<void()> f) { post(std::move(f)); });
+    session.setWrongDirection([this](const std::string& name, uint32_t client) {
+      return fmt::format(
+          "{} claims rank {}, higher than ours ({}): lower ranks connect to higher "
+          "ones",
+          name, client, session.membership().rank);
+    });
+  }
   ~Impl() { teardown(); }
-
-  /// One frame handed to ucp_am_send_nbx, and the outcome the sender waits for.
-  struct SendOp {
-    Impl* impl = nullptr;
-    std::shared_ptr<Conn> conn;
-    std::array<uint8_t, kHeaderBytes> header{};
-    std::vector<uint8_t> owned;                 // internal frames own their payload ...
-    std::span<const uint8_t> payload;           // ... send() lends it until done
-    std::function<void(ucs_status_t)> on_sent;  // progress thread, before completion
-    uint32_t dst = kNoPeer;
-    bool done = false;       // guarded by mu
-    bool timed_out = false;  // guarded by mu: its deadline closed the endpoint
-    std::string error;       // guarded by mu; empty: sent
-  };
 
   /// A rendezvous payload being fetched with ucp_am_recv_data_nbx.
   struct RecvOp {
@@ -179,21 +119,13 @@ struct UcxTransport::Impl {
 
   UcxOptions options;
   metrics::Metrics& metrics;
-  Clock::time_point last_handshake_warning{};  // the cap's warning, at most every 10 s
-  Membership membership;
-  uint64_t job_hash = 0;
-
-  ucp_context_h context = nullptr;
-  ucp_worker_h worker = nullptr;
-  ucp_listener_h listener = nullptr;
-  uint16_t listen_port = 0;
-  int worker_fd = -1;
-  int event_fd = -1;  // other threads wake the progress thread with it
-  int epoll_fd = -1;
+  // The protocol (docs/peer-protocol.md).
+  PeerSession session;
+  PeerMailboxes& mail;
+  bool stopping() const { return session.stopping(); }
+  const Membership& membership() const { return session.membership(); }
 
   std::thread thread;
-  std::atomic<bool> started{false};
-  std::atomic<bool> stopping{false};
   bool shut_down = false;
 
   // Work handed to the progress thread.
@@ -212,28 +144,6 @@ struct UcxTransport::Impl {
   std::vector<PendingRndv> pending_rndv;
   std::unordered_map<RecvOp*, std::unique_ptr<RecvOp>> recvs_in_flight;
   std::vector<Dial> dials;
-
-  // Per peer: received frames, aborts, up or down (DESIGN.md §4). Its mutex (mu) also guards
-  // `links` and the outcome of every SendOp, and its cv wakes their waiters.
-  PeerMailboxes mail;
-  std::mutex& mu;
-  std::condition_variable& cv;
-  std::vector<std::shared_ptr<Conn>> links;  // index = rank: the authenticated connection, if up
-
-  // Set before start() (setJobState), used on the progress thread.
-  std::function<std::vector<uint8_t>()> provide_state;
-  std::function<void(uint32_t, std::span<const uint8_t>)> take_state;
-
-  std::mutex posted_mu;
-  std::vector<std::shared_ptr<SendOp>> posted;  // post()ed, not yet flushed
-
-  Result<std::shared_ptr<SendOp>> queueFrame(uint32_t dst, FrameType type, const FrameKey& key,
-                                             uint8_t codec, std::span<const uint8_t> payload);
-  Status awaitFrames(std::vector<std::shared_ptr<SendOp>>& ops, Clock::time_point deadline);
-
-  HeaderChecks checks(std::optional<uint32_t> src, uint64_t max) const {
-    return HeaderChecks{job_hash, membership.world_size, membership.rank, src, max};
-  }
 
   // --- the progress thread -------------------------------------------------------------------
 
@@ -333,7 +243,7 @@ struct UcxTransport::Impl {
   void shutdown() {
     if (shut_down) return;
     shut_down = true;
-    stopping = true;
+    session.setStopping();
     drain();  // rejects connection requests that arrived (stopping)
     if (listener) {
       ucp_listener_destroy(listener);
@@ -363,7 +273,7 @@ struct UcxTransport::Impl {
       ucp_cleanup(context);
       context = nullptr;
     }
-    for (auto& [raw, op] : sends_in_flight) complete(op, "transport destroyed");
+    for (auto& [raw, op] : sends_in_flight) session.complete(op, "transport destroyed");
     sends_in_flight.clear();
     recvs_in_flight.clear();
     if (epoll_fd >= 0) ::close(epoll_fd);
@@ -374,19 +284,12 @@ struct UcxTransport::Impl {
   // --- connection state ----------------------------------------------------------------------
 
   std::shared_ptr<Conn> newConn(ucp_ep_h ep) {
-    auto c = std::make_shared<Conn>();
+    auto c = std::make_shared<Conn>(*this);
     c->id = next_conn_id++;
     c->ep = ep;
     conns.emplace(c->id, c);
     by_ep.emplace(ep, c);
     return c;
-  }
-
-  void complete(const std::shared_ptr<SendOp>& op, std::string error) {
-    std::lock_guard lock(mu);
-    op->done = true;
-    op->error = std::move(error);
-    cv.notify_all();
   }
 
   /// Closes `c`: its endpoint is closed (force) after the current UCX call returns, which fails its
@@ -412,48 +315,20 @@ struct UcxTransport::Impl {
         }
       }
     }
-    if (c->peer == kNoPeer) return;
-    bool was_current = false;
-    {
-      std::lock_guard lock(mu);
-      if (links[c->peer] == c) {
-        was_current = true;
-        links[c->peer].reset();
-        mail.markDownLocked(c->peer, reason);
-      }
-    }
-    if (was_current) {
-      metrics.peerUp(c->peer).Set(0);
-      if (!stopping) spdlog::warn("peer: connection to rank {} lost: {}", c->peer, reason);
-    }
+    session.linkClosed(c, reason);
   }
 
   /// Makes `c` the connection of rank `peer`; refused when that rank is already connected.
   Status install(const std::shared_ptr<Conn>& c, uint32_t peer) {
-    {
-      std::lock_guard lock(mu);
-      if (mail.upLocked(peer)) {
-        return failedPrecondition(fmt::format("duplicate rank {}: already connected", peer));
-      }
-      c->peer = peer;
-      c->name = fmt::format("rank {}", peer);
-      c->phase = Phase::kUp;
-      c->last_rx = Clock::now();
-      c->next_ping = c->last_rx + options.ping_interval;
-      links[peer] = c;
-      mail.markUpLocked(peer);
-    }
-    metrics.peerUp(peer).Set(1);
-    spdlog::info("peer: connected to rank {} ({}, ucx)", peer, c->address);
-    if (provide_state) sendInternal(c, FrameType::kState, {}, provide_state());
+    LW_RETURN_IF_ERROR(session.install(c, peer, c->address + ", ucx"));
+    c->phase = Phase::kUp;
+    c->next_ping = c->last_rx + options.ping_interval;
+    session.greet(c);
     return Status::ok();
   }
 
   void refuse(const std::shared_ptr<Conn>& c, const Status& why) {
-    if (!stopping) {
-      metrics.auth_failures.Increment();
-      spdlog::warn("peer: refused connection with {}: {}", c->address, why.message());
-    }
+    session.noteRefused(c->address, why);
     closeConn(c, why.message());
   }
 
@@ -461,7 +336,7 @@ struct UcxTransport::Impl {
   /// every handshake that does not complete; the connecting side counts wrong answers, not
   /// network errors (kUnavailable), and retries.
   void handshakeFailed(const std::shared_ptr<Conn>& c, const Status& st) {
-    if (stopping || c->phase == Phase::kClosed) {
+    if (stopping() || c->phase == Phase::kClosed) {
       closeConn(c, st.message());
       return;
     }
@@ -493,7 +368,7 @@ struct UcxTransport::Impl {
   static void onSendDone(void* request, ucs_status_t status, void* user_data) {
     auto* op = static_cast<SendOp*>(user_data);
     ucp_request_free(request);
-    op->impl->sendFinished(op, status);
+    static_cast<Conn&>(*op->link).impl.sendFinished(op, status);
   }
 
   void sendFinished(SendOp* raw, ucs_status_t status) {
@@ -501,24 +376,26 @@ struct UcxTransport::Impl {
     if (it == sends_in_flight.end()) return;
     std::shared_ptr<SendOp> op = std::move(it->second);
     sends_in_flight.erase(it);
-    if (op->on_sent) op->on_sent(status);
+    if (op->on_sent) op->on_sent(status == UCS_OK);
     if (status == UCS_OK) {
       metrics.wire_bytes_sent.Increment(static_cast<double>(kHeaderBytes + op->payload.size()));
-      complete(op, {});
+      session.complete(op, {});
       return;
     }
-    Conn& c = *op->conn;
-    complete(op, fmt::format("send to {} failed: {}", c.name,
-                             c.phase == Phase::kClosed ? "connection closed" : ucsText(status)));
-    fail(op->conn, Status(StatusCode::kUnavailable,
-                          fmt::format("send to {} failed: {}", c.name, ucsText(status))));
+    auto conn = std::static_pointer_cast<Conn>(op->link);
+    Conn& c = *conn;
+    session.complete(
+        op, fmt::format("send to {} failed: {}", c.name,
+                        c.phase == Phase::kClosed ? "connection closed" : ucsText(status)));
+    fail(conn, Status(StatusCode::kUnavailable,
+                      fmt::format("send to {} failed: {}", c.name, ucsText(status))));
   }
 
   /// Hands `op` to UCX (progress thread).
   void postSend(const std::shared_ptr<SendOp>& op) {
-    Conn& c = *op->conn;
+    Conn& c = static_cast<Conn&>(*op->link);
     if (c.phase == Phase::kClosed) {
-      complete(op, fmt::format("connection to {} is closed", c.name));
+      session.complete(op, fmt::format("connection to {} is closed", c.name));
       return;
     }
     ucp_request_param_t p{};
@@ -539,14 +416,9 @@ struct UcxTransport::Impl {
 
   /// Sends a frame that owns its payload (handshake, ping, pong, abort); nobody waits for it.
   void sendInternal(const std::shared_ptr<Conn>& c, FrameType type, const FrameKey& key,
-                    std::vector<uint8_t> payload,
-                    std::function<void(ucs_status_t)> on_sent = nullptr) {
-    auto op = std::make_shared<SendOp>();
-    op->impl = this;
-    op->conn = c;
-    op->header = encodeHeader(makeHeader(type, key, 0, job_hash, membership.rank, payload));
-    op->owned = std::move(payload);
-    op->payload = op->owned;
+                    std::vector<uint8_t> payload, std::function<void(bool)> on_sent = nullptr) {
+    auto op = session.ownedOp(type, key, std::move(payload));
+    op->link = c;
     op->on_sent = std::move(on_sent);
     postSend(op);
   }
@@ -573,7 +445,7 @@ struct UcxTransport::Impl {
       src = c.client_rank;
     }
     auto h = decodeHeader(std::span(static_cast<const uint8_t*>(header), header_length),
-                          checks(src, max), c.name);
+                          session.checks(src, max), c.name);
     if (!h) return h.status();
     if (h->length != length) {
       return dataLoss(fmt::format(
@@ -581,23 +453,14 @@ struct UcxTransport::Impl {
           c.name, h->length, length));
     }
     const FrameType type = h->type;
-    const bool handshake =
-        type == FrameType::kHello || type == FrameType::kChallenge || type == FrameType::kAuth;
     if (c.phase == Phase::kUp) {
-      if (handshake) {
-        return dataLoss(
-            fmt::format("malformed frame from {}: unexpected {} frame after the handshake", c.name,
-                        frameTypeName(type)));
-      }
+      LW_RETURN_IF_ERROR(PeerSession::checkNotHandshake(type, c.name));
       return h;
     }
     const FrameType want = c.client                   ? FrameType::kChallenge
                            : c.client_rank == kNoPeer ? FrameType::kHello
                                                       : FrameType::kAuth;
-    if (type != want) {
-      return failedPrecondition(fmt::format("{} sent a {} frame, expected {}", c.name,
-                                            frameTypeName(type), frameTypeName(want)));
-    }
+    if (type != want) return PeerSession::unexpectedFrame(c.name, type, want);
     return h;
   }
 
@@ -700,46 +563,11 @@ struct UcxTransport::Impl {
       return;
     }
     if (c->phase == Phase::kUp) {
-      dispatch(c, h, std::move(payload));
+      session.dispatch(c, h, std::move(payload));
       return;
     }
     st = c->client ? onChallenge(c, payload) : onServerHandshake(c, h, payload);
     if (!st) handshakeFailed(c, st);
-  }
-
-  void dispatch(const std::shared_ptr<Conn>& c, const FrameHeader& h,
-                std::vector<uint8_t> payload) {
-    switch (h.type) {
-      case FrameType::kData:
-        mail.deliver(Frame{h.type, h.key, h.src, h.codec, std::move(payload)});
-        break;
-      case FrameType::kAbort:
-        mail.deliverAbort(h.src, h.key.tensor, h.key.step,
-                          std::string(payload.begin(), payload.end()));
-        break;
-      case FrameType::kPing:
-        sendInternal(c, FrameType::kPong, {}, std::move(payload));
-        break;
-      case FrameType::kState:
-        if (take_state) take_state(h.src, payload);
-        break;
-      case FrameType::kRegister:
-      case FrameType::kPeers:
-        // The rendezvous is served by the tcp transport only.
-        closeConn(c, fmt::format("malformed frame from {}: unexpected {} frame (this job has no "
-                                 "rendezvous)",
-                                 c->name, frameTypeName(h.type)));
-        break;
-      case FrameType::kPong: {
-        uint64_t sent = 0;
-        for (size_t i = 0; i < kPingBytes; ++i) sent |= uint64_t{payload[i]} << (8 * i);
-        const uint64_t now = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-        if (now >= sent) metrics.peerRtt(h.src).Set(static_cast<double>(now - sent) * 1e-9);
-        break;
-      }
-      default:
-        break;
-    }
   }
 
   // --- handshake -----------------------------------------------------------------------------
@@ -747,22 +575,13 @@ struct UcxTransport::Impl {
   /// The connecting side: verify CHALLENGE, send AUTH; the peer is up once AUTH is handed to UCX
   /// (anything we send after it follows it on the endpoint).
   Status onChallenge(const std::shared_ptr<Conn>& c, const std::vector<uint8_t>& challenge) {
-    const Membership& m = membership;
-    const uint32_t server = c->target;
-    std::copy_n(challenge.begin(), kNonceBytes, c->server_nonce.begin());
-    const Mac expected = handshakeMac(MacRole::kServer, m.secret, m.job_id, c->client_nonce,
-                                      c->server_nonce, m.rank, server, m.world_size);
-    if (!macEqual(expected, std::span(challenge).subspan(kNonceBytes))) {
-      return failedPrecondition(fmt::format(
-          "rank {} failed to prove knowledge of the job secret (wrong secret?)", server));
-    }
-    const Mac auth = handshakeMac(MacRole::kClient, m.secret, m.job_id, c->client_nonce,
-                                  c->server_nonce, m.rank, server, m.world_size);
-    sendInternal(c, FrameType::kAuth, {}, std::vector<uint8_t>(auth.begin(), auth.end()));
+    auto auth = session.answerChallenge(c->client_hs, challenge);
+    if (!auth) return auth.status();
+    sendInternal(c, FrameType::kAuth, {}, std::vector<uint8_t>(auth->begin(), auth->end()));
     if (c->phase == Phase::kClosed) {
       return Status(StatusCode::kUnavailable, fmt::format("handshake with {} failed", c->name));
     }
-    Status st = install(c, server);
+    Status st = install(c, c->target);
     if (st) {
       for (Dial& d : dials) {
         if (d.conn == c) d.logged = false;
@@ -774,53 +593,17 @@ struct UcxTransport::Impl {
   /// The accepting side: check HELLO and answer CHALLENGE; then verify AUTH.
   Status onServerHandshake(const std::shared_ptr<Conn>& c, const FrameHeader& h,
                            const std::vector<uint8_t>& payload) {
-    const Membership& m = membership;
     if (h.type == FrameType::kHello) {
-      const uint32_t client = h.src;
-      const Hello hello = decodeHello(payload);
-      if (hello.world_size != m.world_size) {
-        return failedPrecondition(fmt::format("{} claims rank {} of world size {}, ours is {}",
-                                              c->name, client, hello.world_size, m.world_size));
-      }
-      if (hello.dst != m.rank) {
-        return failedPrecondition(fmt::format("{} (rank {}) meant to reach rank {}, we are {}",
-                                              c->name, client, hello.dst, m.rank));
-      }
-      if (client > m.rank) {
-        return failedPrecondition(fmt::format(
-            "{} claims rank {}, higher than ours ({}): lower ranks connect to higher ones", c->name,
-            client, m.rank));
-      }
-      {
-        std::lock_guard lock(mu);
-        if (mail.upLocked(client)) {
-          return failedPrecondition(fmt::format(
-              "{} claims rank {}, which is already connected (duplicate rank)", c->name, client));
-        }
-      }
-      auto nonce = randomNonce();
-      if (!nonce) return nonce.status();
-      c->client_rank = client;
-      c->client_nonce = hello.nonce;
-      c->server_nonce = *nonce;
-      const Mac proof = handshakeMac(MacRole::kServer, m.secret, m.job_id, hello.nonce, *nonce,
-                                     client, m.rank, m.world_size);
-      std::vector<uint8_t> challenge(kChallengeBytes);
-      std::copy(nonce->begin(), nonce->end(), challenge.begin());
-      std::copy(proof.begin(), proof.end(), challenge.begin() + kNonceBytes);
-      sendInternal(c, FrameType::kChallenge, {}, std::move(challenge));
+      auto challenge = session.answerHello(c->server_hs, c->name, h.src, payload);
+      if (!challenge) return challenge.status();
+      c->client_rank = c->server_hs.client;
+      sendInternal(c, FrameType::kChallenge, {},
+                   std::vector<uint8_t>(challenge->begin(), challenge->end()));
       return Status::ok();
     }
     // AUTH (checkHeader let nothing else through).
-    const uint32_t client = c->client_rank;
-    const Mac expected = handshakeMac(MacRole::kClient, m.secret, m.job_id, c->client_nonce,
-                                      c->server_nonce, client, m.rank, m.world_size);
-    if (!macEqual(expected, payload)) {
-      return failedPrecondition(
-          fmt::format("{} (rank {}) failed to prove knowledge of the job secret (wrong secret?)",
-                      c->name, client));
-    }
-    return install(c, client);
+    LW_RETURN_IF_ERROR(session.checkAuth(c->server_hs, c->name, payload));
+    return install(c, c->client_rank);
   }
 
   // --- accepting and connecting --------------------------------------------------------------
@@ -858,7 +641,7 @@ struct UcxTransport::Impl {
   }
 
   void accept(ucp_conn_request_h request) {
-    if (stopping || !listener) {
+    if (stopping() || !listener) {
       if (listener) ucp_listener_reject(listener, request);
       return;
     }
@@ -870,10 +653,7 @@ struct UcxTransport::Impl {
     }
     if (const size_t pending = pendingHandshakes(); pending >= options.max_pending_handshakes) {
       ucp_listener_reject(listener, request);
-      metrics.limitHits("peer_handshakes").Increment();
-      const auto now = Clock::now();
-      if (now - last_handshake_warning > std::chrono::seconds(10)) {
-        last_handshake_warning = now;
+      if (session.noteHandshakeCap()) {
         spdlog::warn(
             "peer: {} connections are in their handshake already (at most {}); rejecting new "
             "ones, such as {}'s, until they finish (limit hits counted in "
@@ -907,7 +687,7 @@ struct UcxTransport::Impl {
     auto retry = [&](const std::string& why) {
       if (!d.logged) {
         spdlog::info("peer: cannot reach rank {} at {} yet ({}); retrying", d.rank,
-                     membership.peers[d.rank], why);
+                     membership().peers[d.rank], why);
         d.logged = true;
       }
       d.next = now + d.backoff;
@@ -915,7 +695,7 @@ struct UcxTransport::Impl {
     };
     std::string host;
     uint16_t port = 0;
-    parseHostPort(membership.peers[d.rank], host, port);  // validated by start()
+    parseHostPort(membership().peers[d.rank], host, port);  // validated by start()
     auto addr = resolve(host, port, /*numeric=*/false);
     if (!addr) {
       retry(addr.status().message());
@@ -938,21 +718,19 @@ struct UcxTransport::Impl {
     auto c = newConn(ep);
     c->client = true;
     c->target = d.rank;
-    c->address = membership.peers[d.rank];
+    c->address = membership().peers[d.rank];
     c->name = fmt::format("rank {} ({})", d.rank, c->address);
     c->phase = Phase::kConnecting;
     c->deadline = now + options.connect_timeout;
     d.conn = c;
-    auto nonce = randomNonce();
-    if (!nonce) {
-      handshakeFailed(c, nonce.status());
+    auto hello = session.hello(c->client_hs, d.rank);
+    if (!hello) {
+      handshakeFailed(c, hello.status());
       return;
     }
-    c->client_nonce = *nonce;
-    auto hello = encodeHello(Hello{membership.world_size, d.rank, *nonce});
-    sendInternal(c, FrameType::kHello, {}, std::vector<uint8_t>(hello.begin(), hello.end()),
-                 [this, c](ucs_status_t st) {
-                   if (st == UCS_OK && c->phase == Phase::kConnecting) {
+    sendInternal(c, FrameType::kHello, {}, std::vector<uint8_t>(hello->begin(), hello->end()),
+                 [this, c](bool sent) {
+                   if (sent && c->phase == Phase::kConnecting) {
                      c->phase = Phase::kHandshake;
                      c->deadline = Clock::now() + options.handshake_timeout;
                    }
@@ -961,7 +739,7 @@ struct UcxTransport::Impl {
 
   /// Connection attempts, connect and handshake deadlines, pings and silence.
   void timers(Clock::time_point now) {
-    if (stopping) return;
+    if (stopping()) return;
     for (Dial& d : dials) {
       if (!d.conn && now >= d.next) dialOut(d);
     }
@@ -981,17 +759,7 @@ struct UcxTransport::Impl {
         continue;
       }
       if (now < c->next_ping) continue;
-      const auto silent = now - c->last_rx;
-      if (silent > options.peer_timeout) {
-        closeConn(c, fmt::format("{} silent for {} ms", c->name,
-                                 std::chrono::duration_cast<milliseconds>(silent).count()));
-        continue;
-      }
-      c->next_ping = now + options.ping_interval;
-      std::vector<uint8_t> ts(kPingBytes);
-      const uint64_t t = static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-      for (size_t i = 0; i < kPingBytes; ++i) ts[i] = static_cast<uint8_t>(t >> (8 * i));
-      sendInternal(c, FrameType::kPing, {}, std::move(ts));
+      if (session.keepAlive(c, now)) c->next_ping = now + options.ping_interval;
     }
   }
 
@@ -1009,7 +777,8 @@ struct UcxTransport::Impl {
 
 // --- UcxTransport --------------------------------------------------------------------------------
 
-UcxTransport::UcxTransport(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+UcxTransport::UcxTransport(std::unique_ptr<Impl> impl)
+    : SessionTransport(impl->session), impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<UcxTransport>> UcxTransport::listen(const std::string& host, uint16_t port,
                                                            const UcxOptions& options,
@@ -1023,79 +792,8 @@ Result<std::unique_ptr<UcxTransport>> UcxTransport::listen(const std::string& ho
         fmt::format("peer: bad listen address '{}': {}", host, addr.status().message()));
   }
   auto impl = std::make_unique<Impl>(options, metrics);
-  Impl& s = *impl;
-  auto failed = [&](const char* what, ucs_status_t st) {
-    return Status(
-        StatusCode::kUnavailable,
-        fmt::format("peer: cannot listen on {}:{} (ucx): {}: {}", host, port, what, ucsText(st)));
-  };
-
-  ucp_config_t* config = nullptr;
-  if (ucs_status_t st = ucp_config_read(nullptr, nullptr, &config); st != UCS_OK) {
-    return failed("ucp_config_read", st);
-  }
-  // A restarted sidecar must be able to listen on its port again while connections of its
-  // previous life linger in TIME_WAIT (as SO_REUSEADDR does for the tcp transport).
-  ucp_config_modify(config, "CM_REUSEADDR", "y");
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-  params.name = "lightwire";
-  ucs_status_t st = ucp_init(&params, config, &s.context);
-  ucp_config_release(config);
-  if (st != UCS_OK) return failed("ucp_init", st);
-
-  ucp_worker_params_t wp{};
-  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // the progress thread owns the worker
-  if (st = ucp_worker_create(s.context, &wp, &s.worker); st != UCS_OK) {
-    return failed("ucp_worker_create", st);
-  }
-  if (st = ucp_worker_get_efd(s.worker, &s.worker_fd); st != UCS_OK) {
-    return failed("ucp_worker_get_efd", st);
-  }
-  ucp_am_handler_param_t ap{};
-  ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                  UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  ap.id = kAmId;
-  ap.flags = UCP_AM_FLAG_WHOLE_MSG;
-  ap.cb = &Impl::onAm;
-  ap.arg = &s;
-  if (st = ucp_worker_set_am_recv_handler(s.worker, &ap); st != UCS_OK) {
-    return failed("ucp_worker_set_am_recv_handler", st);
-  }
-
-  ucp_listener_params_t lp{};
-  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  lp.sockaddr.addr = addr->get();
-  lp.sockaddr.addrlen = addr->length;
-  lp.conn_handler.cb = &Impl::onConnRequest;
-  lp.conn_handler.arg = &s;
-  if (st = ucp_listener_create(s.worker, &lp, &s.listener); st != UCS_OK) {
-    return failed("ucp_listener_create", st);
-  }
-  ucp_listener_attr_t la{};
-  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  if (st = ucp_listener_query(s.listener, &la); st != UCS_OK) {
-    return failed("ucp_listener_query", st);
-  }
-  s.listen_port = sockaddrPort(la.sockaddr);
-
-  s.event_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  s.epoll_fd = ::epoll_create1(EPOLL_CLOEXEC);
-  if (s.event_fd < 0 || s.epoll_fd < 0) {
-    return Status(StatusCode::kUnavailable,
-                  fmt::format("peer: eventfd/epoll: {}", std::strerror(errno)));
-  }
-  for (int fd : {s.worker_fd, s.event_fd}) {
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.fd = fd;
-    if (::epoll_ctl(s.epoll_fd, EPOLL_CTL_ADD, fd, &ev) != 0) {
-      return Status(StatusCode::kUnavailable,
-                    fmt::format("peer: epoll_ctl: {}", std::strerror(errno)));
-    }
-  }
+  LW_RETURN_IF_ERROR(
+      openUcxWorker(host, port, *addr, &Impl::onAm, &Impl::onConnRequest, impl.get(), *impl));
   return std::unique_ptr<UcxTransport>(new UcxTransport(std::move(impl)));
 }
 
@@ -1110,47 +808,22 @@ UcxTransport::~UcxTransport() {
     s.thread.join();  // the thread closes every endpoint on its way out
   }
   s.teardown();
-  for (uint32_t r = 0; r < s.mail.size(); ++r) {
-    if (r != s.membership.rank) s.metrics.peerUp(r).Set(0);
-  }
+  s.session.markAllDown();
 }
 
 uint16_t UcxTransport::port() const { return impl_->listen_port; }
 
 Status UcxTransport::start(Membership m) {
   Impl& s = *impl_;
-  if (s.started.exchange(true)) return failedPrecondition("peer: transport already started");
-  if (m.world_size == 0 || m.rank >= m.world_size) {
-    return invalidArgument(
-        fmt::format("peer: rank {} outside world size {}", m.rank, m.world_size));
-  }
-  if (!m.rendezvous.empty()) {
+  if (s.session.markStarted()) return failedPrecondition("peer: transport already started");
+  LW_RETURN_IF_ERROR(PeerSession::checkMembership(m, [](Membership&) {
     return invalidArgument(
         "peer: the ucx transport needs every rank's address (peer.peers); a rendezvous is served "
         "by the tcp transport only");
-  }
-  if (m.peers.size() != m.world_size) {
-    return invalidArgument(
-        fmt::format("peer: {} peer addresses for world size {}", m.peers.size(), m.world_size));
-  }
-  if (m.job_id.empty()) return invalidArgument("peer: empty job id");
-  if (m.secret.empty()) return invalidArgument("peer: empty job secret");
-  for (uint32_t r = 0; r < m.world_size; ++r) {
-    std::string host;
-    uint16_t port = 0;
-    if (!parseHostPort(m.peers[r], host, port)) {
-      return invalidArgument(fmt::format("peer: bad address '{}' of rank {}", m.peers[r], r));
-    }
-  }
-  s.job_hash = jobHash(m.job_id);
-  s.membership = std::move(m);
-  s.mail.reset(s.membership.world_size, s.membership.rank);
-  s.links.assign(s.membership.world_size, nullptr);
-  for (uint32_t r = 0; r < s.membership.world_size; ++r) {
-    if (r != s.membership.rank) s.metrics.peerUp(r).Set(0);
-  }
+  }));
+  s.session.begin(std::move(m));
   const auto now = Clock::now();
-  for (uint32_t r = s.membership.rank + 1; r < s.membership.world_size; ++r) {
+  for (uint32_t r = s.membership().rank + 1; r < s.membership().world_size; ++r) {
     Impl::Dial d;
     d.rank = r;
     d.next = now;
@@ -1161,153 +834,26 @@ Status UcxTransport::start(Membership m) {
   return Status::ok();
 }
 
-uint32_t UcxTransport::rank() const { return impl_->membership.rank; }
-uint32_t UcxTransport::worldSize() const { return impl_->membership.world_size; }
+// --- Conn: the ucx link --------------------------------------------------------------------------
 
-Result<std::shared_ptr<UcxTransport::Impl::SendOp>> UcxTransport::Impl::queueFrame(
-    uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-    std::span<const uint8_t> payload) {
-  if (!started) return failedPrecondition("peer: send before start()");
-  LW_RETURN_IF_ERROR(mail.checkSend(dst, type, payload.size(), options.max_frame_bytes));
-  auto op = std::make_shared<SendOp>();
-  op->impl = this;
-  op->header = encodeHeader(makeHeader(type, key, codec, job_hash, membership.rank, payload));
-  op->payload = payload;
-  op->dst = dst;
+void Conn::post(std::shared_ptr<SendOp> op) {
+  impl.post([c = self(), op = std::move(op)] { c->impl.postSend(op); });
+}
+
+void Conn::sendOwned(FrameType type, const FrameKey& key, std::vector<uint8_t> payload) {
+  impl.sendInternal(self(), type, key, std::move(payload));
+}
+
+void Conn::abandon(const std::shared_ptr<SendOp>& op) {
+  // A frame handed to UCX cannot be withdrawn: closing the endpoint completes it (with an error).
   {
-    std::lock_guard lock(mu);
-    op->conn = links[dst];
-    if (!op->conn) return mail.notConnectedLocked(dst);
+    std::lock_guard lock(impl.session.mutex());
+    if (op->done) return;
+    op->timed_out = true;
   }
-  post([this, op] { postSend(op); });
-  return op;
+  impl.closeConn(self(), fmt::format("a send to rank {} did not finish before its deadline", peer));
 }
 
-Status UcxTransport::Impl::awaitFrames(std::vector<std::shared_ptr<SendOp>>& ops,
-                                       Clock::time_point deadline) {
-  auto all_done = [&] {
-    return std::all_of(ops.begin(), ops.end(), [](const auto& op) { return op->done; });
-  };
-  std::unique_lock lock(mu);
-  if (!cv.wait_until(lock, deadline, all_done)) {
-    // Payloads are lent and a frame handed to UCX cannot be withdrawn: close the endpoints of the
-    // frames still in flight, which completes them (with an error) before we return.
-    lock.unlock();
-    post([this, ops] {
-      std::vector<std::shared_ptr<Conn>> to_close;
-      {
-        std::lock_guard l(mu);
-        for (const auto& op : ops) {
-          if (op->done) continue;
-          op->timed_out = true;
-          to_close.push_back(op->conn);
-        }
-      }
-      for (auto& c : to_close) {
-        closeConn(c, fmt::format("a send to rank {} did not finish before its deadline", c->peer));
-      }
-    });
-    lock.lock();
-    cv.wait(lock, all_done);
-  }
-  Status first = Status::ok();
-  for (const auto& op : ops) {
-    if (op->error.empty()) continue;
-    first = op->timed_out
-                ? Status(StatusCode::kUnavailable,
-                         fmt::format("peer: send of {} bytes to rank {} did not finish before "
-                                     "its deadline",
-                                     op->payload.size(), op->dst))
-                : Status(StatusCode::kUnavailable, "peer: " + op->error);
-    break;
-  }
-  ops.clear();
-  return first;
-}
-
-Status UcxTransport::send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-                          std::span<const uint8_t> payload, Clock::time_point deadline) {
-  auto op = impl_->queueFrame(dst, type, key, codec, payload);
-  if (!op) return op.status();
-  std::vector<std::shared_ptr<Impl::SendOp>> one{std::move(*op)};
-  return impl_->awaitFrames(one, deadline);
-}
-
-Status UcxTransport::post(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-                          std::span<const uint8_t> payload, Clock::time_point /*deadline*/) {
-  auto op = impl_->queueFrame(dst, type, key, codec, payload);
-  if (!op) return op.status();
-  std::lock_guard lock(impl_->posted_mu);
-  impl_->posted.push_back(std::move(*op));
-  return Status::ok();
-}
-
-Status UcxTransport::flush(Clock::time_point deadline) {
-  std::vector<std::shared_ptr<Impl::SendOp>> ops;
-  {
-    std::lock_guard lock(impl_->posted_mu);
-    ops.swap(impl_->posted);
-  }
-  if (ops.empty()) return Status::ok();
-  return impl_->awaitFrames(ops, deadline);
-}
-
-void UcxTransport::recycle(std::vector<uint8_t> buffer) { impl_->mail.recycle(std::move(buffer)); }
-
-void UcxTransport::setJobState(std::function<std::vector<uint8_t>()> provide,
-                               std::function<void(uint32_t, std::span<const uint8_t>)> take) {
-  impl_->provide_state = std::move(provide);
-  impl_->take_state = std::move(take);
-}
-
-Result<Frame> UcxTransport::receive(uint32_t src, const FrameKey& key, Clock::time_point deadline) {
-  if (!impl_->started) return failedPrecondition("peer: receive before start()");
-  return impl_->mail.receive(src, key, deadline);
-}
-
-void UcxTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& reason) {
-  Impl& s = *impl_;
-  if (!s.started) return;
-  std::vector<uint8_t> payload(reason.begin(), reason.end());
-  if (payload.size() > 4096) payload.resize(4096);  // a reason, not a payload
-  s.post([&s, tensor, step, payload = std::move(payload)] {
-    std::vector<std::shared_ptr<Conn>> up;
-    {
-      std::lock_guard lock(s.mu);
-      for (auto& link : s.links) {
-        if (link) up.push_back(link);
-      }
-    }
-    FrameKey key;
-    key.tensor = tensor;
-    key.step = step;
-    for (auto& c : up) s.sendInternal(c, FrameType::kAbort, key, payload);
-  });
-}
-
-void UcxTransport::broadcastState() {
-  Impl& s = *impl_;
-  if (!s.started || !s.provide_state) return;
-  s.post([&s, state = s.provide_state()] {
-    std::vector<std::shared_ptr<Conn>> up;
-    {
-      std::lock_guard lock(s.mu);
-      for (auto& link : s.links) {
-        if (link) up.push_back(link);
-      }
-    }
-    for (auto& c : up) s.sendInternal(c, FrameType::kState, {}, state);
-  });
-}
-
-void UcxTransport::discard(uint64_t tensor, uint64_t step) { impl_->mail.discard(tensor, step); }
-
-void UcxTransport::beginStep(uint64_t tensor, uint64_t step) {
-  impl_->mail.beginStep(tensor, step);
-}
-
-bool UcxTransport::allConnected() const { return impl_->mail.allUp() && impl_->started; }
-
-std::vector<bool> UcxTransport::peersUp() const { return impl_->mail.peersUp(); }
+void Conn::close(const std::string& reason) { impl.closeConn(self(), reason); }
 
 }  // namespace lightwire::proxy::peer

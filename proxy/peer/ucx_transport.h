@@ -1,5 +1,5 @@
 #pragma once
-// The `ucx` transport (DESIGN.md §4, docs/peer-protocol.md "The `ucx` transport"): a full mesh of
+// The `ucx` transport (docs/peer-protocol.md "The `ucx` transport"): a full mesh of
 // UCX ucp endpoints, one per pair of ranks (the lower rank connects), created through UCX's
 // connection manager (ucp_listener_create / ucp_ep_create with a socket address), authenticated
 // with the same HELLO / CHALLENGE / AUTH handshake as the `tcp` transport, reconnected with
@@ -29,6 +29,7 @@
 
 #include "kernels/status.h"
 #include "proxy/peer/frame.h"
+#include "proxy/peer/session.h"
 #include "proxy/peer/transport.h"
 
 namespace lightwire::metrics {
@@ -55,10 +56,11 @@ struct UcxOptions {
   size_t max_pending_handshakes = 64;
 };
 
-/// Transport over UCX with its own progress thread. Thread-safe (Transport's methods may be called
-/// from any thread after start()); destroying it closes every endpoint, joins the thread and
-/// releases UCX, and must not race with calls in progress.
-class UcxTransport final : public Transport {
+/// Transport over UCX with its own progress thread: the ucx links (endpoints) of a PeerSession,
+/// set up by UCX's connection manager and reconnected with backoff. Thread-safe (Transport's
+/// methods may be called from any thread after start()); destroying it closes every endpoint,
+/// joins the thread and releases UCX, and must not race with calls in progress.
+class UcxTransport final : public SessionTransport {
  public:
   /// Creates the UCX context and worker and listens on host:port (a numeric address; port 0:
   /// chosen by the OS, see port()). Connection requests that arrive before start() wait.
@@ -77,27 +79,6 @@ class UcxTransport final : public Transport {
   /// loss). Returns at once; see allConnected(). Once only. Needs every rank's address
   /// (`peers`): a rendezvous (`Membership::rendezvous`) is served by TcpTransport only.
   Status start(Membership membership) override;
-
-  uint32_t rank() const override;
-  uint32_t worldSize() const override;
-  Status send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-              std::span<const uint8_t> payload,
-              std::chrono::steady_clock::time_point deadline) override;
-  Status post(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-              std::span<const uint8_t> payload,
-              std::chrono::steady_clock::time_point deadline) override;
-  Status flush(std::chrono::steady_clock::time_point deadline) override;
-  void recycle(std::vector<uint8_t> buffer) override;
-  Result<Frame> receive(uint32_t src, const FrameKey& key,
-                        std::chrono::steady_clock::time_point deadline) override;
-  void abortStep(uint64_t tensor, uint64_t step, const std::string& reason) override;
-  void discard(uint64_t tensor, uint64_t step) override;
-  void beginStep(uint64_t tensor, uint64_t step) override;
-  void broadcastState() override;
-  void setJobState(std::function<std::vector<uint8_t>()> provide,
-                   std::function<void(uint32_t, std::span<const uint8_t>)> take) override;
-  bool allConnected() const override;
-  std::vector<bool> peersUp() const override;
 
   struct Impl;
 

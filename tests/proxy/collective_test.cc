@@ -1,6 +1,7 @@
 // The ring collectives (proxy/peer/collective.h) over real TcpTransports on loopback: results
 // against a plain computation of docs/exchange.md, bitwise identical on every rank; the
-// result-checksum guard; the policy statistics records carried by round 0 of every path.
+// result-checksum guard; the policy statistics records carried by round 0 of every path; and, with
+// UCX, the ring over UcxTransports, bit for bit equal to the tcp one.
 
 #include <doctest.h>
 
@@ -31,9 +32,10 @@ std::vector<float> tensorOf(uint32_t rank, size_t n) {
   return v;
 }
 
-/// Runs one exchange round of `codec` on every rank (threads) and returns each rank's decoded
-/// result with weight 1/W.
-std::vector<std::vector<float>> exchangeAll(Mesh& mesh, const kernels::Codec& codec, size_t n,
+/// Runs one exchange round of `codec` on every rank of `mesh` (threads, any link) and returns
+/// each rank's decoded result with weight 1/W.
+template <typename M>
+std::vector<std::vector<float>> exchangeAll(M& mesh, const kernels::Codec& codec, size_t n,
                                             size_t chunk) {
   const uint32_t w = static_cast<uint32_t>(mesh.transports.size());
   const kernels::Chunking chunking = kernels::chunkingFor(codec, n, chunk);
@@ -471,6 +473,40 @@ TEST_CASE("ring statistics records: a rank that sends none fails the others at t
                   runs[r].error);
   }
 }
+
+#ifdef LIGHTWIRE_HAVE_UCX
+// --- the ring over the ucx link ------------------------------------------------------------------
+
+/// The ring over ucx and over tcp: every rank's result is bitwise the same, on both transports.
+void ringMatchesTcp(const kernels::CodecConfig& config, size_t n, size_t chunk) {
+  auto codec = kernels::createCodec(config);
+  REQUIRE(codec.isOk());
+  UcxMesh ucx(3);
+  ucx.startAll();
+  REQUIRE(ucx.allConnected());
+  const auto over_ucx = exchangeAll(ucx, **codec, n, chunk);
+
+  Mesh tcp(3);
+  tcp.startAll();
+  REQUIRE(tcp.allConnected());
+  const auto over_tcp = exchangeAll(tcp, **codec, n, chunk);
+
+  for (uint32_t r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    REQUIRE(over_ucx[r].size() == n);
+    CHECK(std::memcmp(over_ucx[r].data(), over_ucx[0].data(), n * sizeof(float)) == 0);
+    CHECK(std::memcmp(over_ucx[r].data(), over_tcp[r].data(), n * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("ucx ring: allreduce of codec none at W=3 is identical on every rank and equals tcp") {
+  ringMatchesTcp({.name = "none"}, 100000, 8192);
+}
+
+TEST_CASE("ucx ring: allgather of topk at W=3 is identical on every rank and equals tcp") {
+  ringMatchesTcp({.name = "topk", .density = 0.1, .error_feedback = false}, 50000, 4096);
+}
+#endif
 
 }  // namespace
 }  // namespace lightwire::proxy::peer

@@ -1,5 +1,8 @@
 #pragma once
-// N TcpTransports of one job on loopback, for the transport and collective tests.
+// N transports of one job on loopback over one link (tcp, tcp with TLS, ucx), for the transport
+// conformance suite (tests/proxy/peer_conformance_test.cc) and the collective tests. UCX's own
+// transports are whatever UCX_TLS in the environment allows (tests/meson.build runs the ucx cases
+// with UCX_TLS=tcp and with shared memory).
 
 #include <doctest.h>
 
@@ -12,8 +15,11 @@
 
 #include "metrics/metrics.h"
 #include "proxy/peer/tcp_transport.h"
-
-#include "proxy/step/engine.h"
+#include "proxy/exchange/exchange.h"
+#include "tests/proxy/tls_pki.h"
+#ifdef LIGHTWIRE_HAVE_UCX
+#include "proxy/peer/ucx_transport.h"
+#endif
 
 namespace lightwire::proxy::peer::testing {
 
@@ -23,14 +29,25 @@ using Clock = std::chrono::steady_clock;
 inline constexpr const char* kJob = "job-test";
 inline constexpr const char* kSecret = "correct horse battery staple";
 
-inline TcpOptions fastOptions() {
-  TcpOptions o;
+/// Short timeouts for tests, on the options of either transport.
+template <typename Options>
+Options fastOptionsOf() {
+  Options o;
   o.connect_timeout = 1000ms;
   o.handshake_timeout = 2000ms;
   o.backoff_initial = 10ms;
   o.backoff_max = 200ms;
   o.ping_interval = 100ms;
   o.peer_timeout = 3000ms;
+  return o;
+}
+
+inline TcpOptions fastOptions() { return fastOptionsOf<TcpOptions>(); }
+
+inline TcpOptions Pki::optionsFor(uint32_t r) const {
+  TcpOptions o = fastOptions();
+  o.tls = {
+      .enabled = true, .cert_file = cert_files[r], .key_file = key_files[r], .ca_file = ca_file};
   return o;
 }
 
@@ -67,16 +84,74 @@ inline double authFailures(const metrics::Metrics& m) {
   return metricValue(m, "lightwire_auth_failures_total");
 }
 
-/// N transports of one job, listening before any starts.
-struct Mesh {
-  explicit Mesh(uint32_t n, TcpOptions o = fastOptions()) : options(o) {
+/// The plain `tcp` link. Stateless.
+struct TcpLink {
+  using TransportType = TcpTransport;
+  using Options = TcpOptions;
+  static constexpr bool kCountsRefusedFrames = true;  // lightwire_peer_frames_refused_total
+  static Options options(uint32_t /*rank*/) { return fastOptions(); }
+  static Result<std::unique_ptr<TcpTransport>> listen(uint16_t port, const Options& o,
+                                                      metrics::Metrics& m) {
+    return TcpTransport::listen("127.0.0.1", port, o, m);
+  }
+};
+
+/// The `tcp` link with mutual TLS: every rank's certificate from one PKI made for the process.
+struct TlsLink : TcpLink {
+  static const Pki& pki() {
+    static const Pki* const kPki = new Pki(5);  // outlives every test; its files go at exit
+    return *kPki;
+  }
+  static Options options(uint32_t rank) { return pki().optionsFor(rank); }
+};
+
+#ifdef LIGHTWIRE_HAVE_UCX
+inline UcxOptions fastUcxOptions() { return fastOptionsOf<UcxOptions>(); }
+
+/// The `ucx` link. Stateless.
+struct UcxLink {
+  using TransportType = UcxTransport;
+  using Options = UcxOptions;
+  static constexpr bool kCountsRefusedFrames = false;
+  static Options options(uint32_t /*rank*/) { return fastUcxOptions(); }
+  static Result<std::unique_ptr<UcxTransport>> listen(uint16_t port, const Options& o,
+                                                      metrics::Metrics& m) {
+    return UcxTransport::listen("127.0.0.1", port, o, m);
+  }
+};
+#endif
+
+/// N transports of one job over link L, listening before any starts. Not thread-safe.
+template <typename L>
+struct LinkMesh {
+  using Options = typename L::Options;
+  explicit LinkMesh(uint32_t n) {
+    for (uint32_t r = 0; r < n; ++r) listenRank(L::options(r));
+  }
+  /// Every rank with L's options for it, changed by `change`.
+  template <typename Change>
+  LinkMesh(uint32_t n, Change change) {
     for (uint32_t r = 0; r < n; ++r) {
-      metrics.push_back(std::make_unique<metrics::Metrics>());
-      auto t = TcpTransport::listen("127.0.0.1", 0, options, *metrics.back());
-      REQUIRE(t.isOk());
-      ports.push_back((*t)->port());
-      transports.push_back(std::move(*t));
+      Options o = L::options(r);
+      change(o);
+      listenRank(o);
     }
+  }
+  /// Adds a rank listening with `o`.
+  void listenRank(const Options& o) {
+    options.push_back(o);
+    metrics.push_back(std::make_unique<metrics::Metrics>());
+    auto t = L::listen(0, o, *metrics.back());
+    REQUIRE_MESSAGE(t.isOk(), t.status().message());
+    ports.push_back((*t)->port());
+    REQUIRE(ports.back() != 0);
+    transports.push_back(std::move(*t));
+  }
+  /// Rank r again, on its port (after its transport was destroyed).
+  void relisten(uint32_t r) {
+    auto t = L::listen(ports[r], options[r], *metrics[r]);
+    REQUIRE_MESSAGE(t.isOk(), t.status().message());
+    transports[r] = std::move(*t);
   }
   void startAll() {
     for (uint32_t r = 0; r < transports.size(); ++r) start(r);
@@ -92,11 +167,16 @@ struct Mesh {
         },
         timeout);
   }
-  TcpOptions options;
+  std::vector<Options> options;  // index = rank
   std::vector<std::unique_ptr<metrics::Metrics>> metrics;
-  std::vector<std::unique_ptr<TcpTransport>> transports;
+  std::vector<std::unique_ptr<typename L::TransportType>> transports;
   std::vector<uint16_t> ports;
 };
+
+using Mesh = LinkMesh<TcpLink>;
+#ifdef LIGHTWIRE_HAVE_UCX
+using UcxMesh = LinkMesh<UcxLink>;
+#endif
 
 /// Rank r's policy statistics record of `step` for exchange tests: a different size on every
 /// rank and step, rank 1's the largest allowed (kMaxStatsBytes).
