@@ -124,8 +124,9 @@ class Transport {
   virtual void discard(uint64_t tensor, uint64_t step) = 0;
 
   /// The job state (docs/peer-protocol.md "After the handshake") this sidecar tells every peer
-  /// once connected (`provide`), and what to do with a peer's (`take`, called on the transport's thread with the sender's rank).
-  /// Set before start(); transports without it neither send nor take state.
+  /// once connected (`provide`), and what to do with a peer's (`take`, called on the transport's
+  /// thread with the sender's rank). Set before start(); transports without it neither send nor
+  /// take state.
   virtual void setJobState(std::function<std::vector<uint8_t>()> /*provide*/,
                            std::function<void(uint32_t, std::span<const uint8_t>)> /*take*/) {}
 

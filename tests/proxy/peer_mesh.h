@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "metrics/metrics.h"
-#include "proxy/peer/tcp_transport.h"
 #include "proxy/exchange/exchange.h"
+#include "proxy/peer/tcp_transport.h"
 #include "tests/proxy/tls_pki.h"
 #ifdef LIGHTWIRE_HAVE_UCX
 #include "proxy/peer/ucx_transport.h"
