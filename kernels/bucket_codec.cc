@@ -5,6 +5,7 @@
 // Encoding runs over units of whole buckets whose codes end on a byte boundary, so threads never
 // share a byte of the code stream; each unit is one pass over its buckets' scales (canonical fp64
 // sums, or an exact maximum) and one over its elements (codes), both on data still in cache.
+// That skeleton, shared with qsgd, is BucketFamilyCodec (kernels/bucket_family.h, defined here).
 // The inner loops are Highway kernels compiled for every target (foreach_target) and dispatched
 // at run time; each gives the bytes of its scalar definition on every target.
 
@@ -18,9 +19,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/simd/block_sum-inl.h"
+
 HWY_BEFORE_NAMESPACE();
 namespace lightwire::kernels::bucket_simd::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
+using simd::HWY_NAMESPACE::BlockSumTag;
+using simd::HWY_NAMESPACE::BlockSumVec;
+using simd::HWY_NAMESPACE::CanonicalBlockSums;
+using simd::HWY_NAMESPACE::LoadPromoted;
 
 /// Largest |x| over x[0..n) as a bit pattern with the sign cleared (u32 maximum: exact, and NaN
 /// and Inf compare above every finite value).
@@ -48,50 +55,31 @@ uint32_t MaxMagnitudeBits(const float* HWY_RESTRICT x, size_t n) {
 
 /// One §2 block (n <= 4096) of onebit's two sums, terms P_i = (x_i < 0 ? +0 : x_i) and
 /// N_i = (x_i < 0 ? x_i : +0), element i into accumulator i mod 8, and the count of x_i < 0 (kept
-/// in fp64 lanes, exact). Adds the block sums to *pos, *neg and the count to *negatives. Vector j
-/// lane l holds accumulator j * lanes + l, so every lane adds the scalar terms in scalar order.
+/// in fp64 lanes, exact), all three in one pass (kernels/simd/block_sum-inl.h). Adds the block sums
+/// to *pos, *neg and the count to *negatives.
 void SplitBlockSums(const float* HWY_RESTRICT x, size_t n, double* pos, double* neg,
                     uint64_t* negatives) {
-  double p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  double q[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  double c[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  size_t i = 0;
-#if HWY_TARGET != HWY_SCALAR
-  const hn::CappedTag<double, 8> dd;
-  const hn::Rebind<float, decltype(dd)> df;
-  const size_t lanes = hn::Lanes(dd);
-  const size_t vecs = 8 / lanes;
-  using V = decltype(hn::Zero(dd));
-  const V zero = hn::Zero(dd), one = hn::Set(dd, 1.0);
-  V pa[8], qa[8], ca[8];
-  for (size_t j = 0; j < vecs; ++j) pa[j] = qa[j] = ca[j] = zero;
-  for (; i + 8 <= n; i += 8) {
-    for (size_t j = 0; j < vecs; ++j) {
-      const V v = hn::PromoteTo(dd, hn::LoadU(df, x + i + j * lanes));
-      const auto negative = hn::Lt(v, zero);
-      pa[j] = hn::Add(pa[j], hn::IfThenZeroElse(negative, v));
-      qa[j] = hn::Add(qa[j], hn::IfThenElseZero(negative, v));
-      ca[j] = hn::Add(ca[j], hn::IfThenElseZero(negative, one));
-    }
-  }
-  for (size_t j = 0; j < vecs; ++j) {
-    hn::StoreU(pa[j], dd, p + j * lanes);
-    hn::StoreU(qa[j], dd, q + j * lanes);
-    hn::StoreU(ca[j], dd, c + j * lanes);
-  }
-#endif
-  for (; i < n; ++i) {
-    const size_t j = i & 7;
-    const double d = static_cast<double>(x[i]);
-    const bool negative = d < 0.0;
-    p[j] = p[j] + (negative ? 0.0 : d);
-    q[j] = q[j] + (negative ? d : 0.0);
-    c[j] = c[j] + (negative ? 1.0 : 0.0);
-  }
-  *pos = *pos + (((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])));
-  *neg = *neg + (((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7])));
-  *negatives +=
-      static_cast<uint64_t>(((c[0] + c[1]) + (c[2] + c[3])) + ((c[4] + c[5]) + (c[6] + c[7])));
+  double sums[3];
+  CanonicalBlockSums<3>(
+      n,
+      [x](BlockSumTag dd, size_t i, BlockSumVec* t) HWY_ATTR {
+        const auto v = LoadPromoted(dd, x + i);
+        const auto negative = hn::Lt(v, hn::Zero(dd));
+        t[0] = hn::IfThenZeroElse(negative, v);
+        t[1] = hn::IfThenElseZero(negative, v);
+        t[2] = hn::IfThenElseZero(negative, hn::Set(dd, 1.0));
+      },
+      [x](size_t i, double* t) HWY_ATTR {
+        const double d = static_cast<double>(x[i]);
+        const bool negative = d < 0.0;
+        t[0] = negative ? 0.0 : d;
+        t[1] = negative ? d : 0.0;
+        t[2] = negative ? 1.0 : 0.0;
+      },
+      sums);
+  *pos = *pos + sums[0];
+  *neg = *neg + sums[1];
+  *negatives += static_cast<uint64_t>(sums[2]);
 }
 
 /// TernGrad code of one element (§4.9 step 3) for a scaler s > 0 and rounding word w.
@@ -250,6 +238,7 @@ HWY_AFTER_NAMESPACE();
 #include <optional>
 #include <string>
 
+#include "kernels/bucket_family.h"
 #include "kernels/parallel.h"
 #include "kernels/philox.h"
 #include "kernels/reduce.h"
@@ -365,68 +354,15 @@ void unpackCodes(const uint8_t* src, size_t len, unsigned bits, uint8_t* codes) 
 }
 
 /// One of the three codecs with a fixed bucket size. Immutable, thread-safe.
-class BucketCodec final : public Codec {
+class BucketCodec final : public BucketFamilyCodec {
  public:
   BucketCodec(BucketCodecKind kind, const CodecConfig& c)
-      : kind_(kind), info_(bucketKindInfo(kind)), config_(c), bucket_(c.bucket_size) {
-    traits_ = bucketCodecTraits(kind);
-    // Buckets per thread unit: a multiple whose codes end on a byte boundary.
-    const uint64_t bucket_bits = uint64_t{bucket_} * info_.bits;
-    unit_buckets_ = 8 / std::gcd<uint64_t, uint64_t>(bucket_bits, 8);
-  }
+      : BucketFamilyCodec(c, bucketKindInfo(kind).bits, RandomPurpose::kTerngradRounding),
+        kind_(kind),
+        info_(bucketKindInfo(kind)),
+        traits_(bucketCodecTraits(kind)) {}
 
   const CodecTraits& traits() const override { return traits_; }
-  const CodecConfig& config() const override { return config_; }
-  size_t chunkAlignment() const override { return bucket_; }
-  size_t workspaceBytes(const Chunking&) const override { return 0; }
-  size_t maxPayloadBytes(size_t n) const override {
-    const auto l = bucketLayout(n, bucket_, info_);
-    return std::max<size_t>(l ? l->total : 0, kHeaderBytes + 4 * n);
-  }
-  std::optional<size_t> nominalPayloadBytes(size_t n, std::optional<double>) const override {
-    const auto l = bucketLayout(n, bucket_, info_);  // the packed size every step has
-    if (!l) return std::nullopt;
-    return l->total;
-  }
-
-  Status doAnalyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
-                   std::span<std::byte>) const override {
-    return Status::ok();
-  }
-
-  Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
-                               int /*round*/, std::span<const uint8_t>, ConstTensor input,
-                               CodecState&, std::span<std::byte>,
-                               std::span<uint8_t> out) const override {
-    const size_t begin = chunking.begin(chunk), n = chunking.size(chunk);
-    const auto layout = bucketLayout(n, bucket_, info_);
-    if (!layout) {
-      return outOfRange(std::string(info_.name) + " chunk of " + std::to_string(n) +
-                        " elements is too large");
-    }
-    uint8_t* p = out.data();
-    writeHeader(p, {info_.id, input.dtype, 0, 0, n});
-    storeU32(p + kHeaderBytes, bucket_);
-    uint8_t* scales = p + kBucketHeaderBytes;
-    uint8_t* codes = scales + layout->scale_bytes;
-
-    const PhiloxStream rng(ctx.seed, ctx.name_key, ctx.step, ctx.rank,
-                           RandomPurpose::kTerngradRounding);
-    const ConstTensor x = input.slice(begin, n);
-    std::atomic<bool> non_finite{false};
-    const size_t buckets = layout->buckets;
-    const size_t units = (buckets + unit_buckets_ - 1) / unit_buckets_;
-    auto work = [&](size_t lo, size_t hi) {
-      encodeBuckets(x, begin, lo * unit_buckets_, std::min(hi * unit_buckets_, buckets), rng,
-                    scales, codes, non_finite);
-    };
-    const size_t grain = std::max<size_t>(1, kParallelGrain / (unit_buckets_ * bucket_));
-    parallelFor(ctx.stream, units, grain, work);
-    if (!non_finite.load(std::memory_order_relaxed)) return static_cast<size_t>(layout->total);
-
-    // Escape: the whole chunk as plain fp32 values.
-    return writeDensePayload(x, p, ctx.stream);
-  }
 
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
                      size_t out_elements) const override {
@@ -468,6 +404,19 @@ class BucketCodec final : public Codec {
   }
 
  private:
+  std::optional<uint64_t> payloadBytes(uint64_t n) const override {
+    const auto l = bucketLayout(n, bucket_, info_);
+    if (!l) return std::nullopt;
+    return l->total;
+  }
+
+  Regions writeHeaders(ConstTensor x, uint64_t buckets, uint8_t* p) const override {
+    writeHeader(p, {info_.id, x.dtype, 0, 0, x.elements});
+    storeU32(p + kHeaderBytes, bucket_);
+    uint8_t* scales = p + kBucketHeaderBytes;
+    return {scales, scales + 4 * info_.scales * buckets};
+  }
+
   // Stores bucket j's scales (x: its fp32-widenable elements) at `dst`; false when not finite.
   bool bucketScales(ConstTensor bucket, float* scratch, uint8_t* dst, float* first) const {
     uint32_t max_bits = 0;
@@ -520,11 +469,11 @@ class BucketCodec final : public Codec {
     return std::isfinite(ps) && std::isfinite(ns);
   }
 
-  // Scales and codes of buckets [first, last) of the chunk starting at tensor index `begin`;
-  // `first` is a multiple of unit_buckets_.
   void encodeBuckets(ConstTensor x, size_t begin, size_t first, size_t last,
-                     const PhiloxStream& rng, uint8_t* scales, uint8_t* codes,
-                     std::atomic<bool>& non_finite) const {
+                     const PhiloxStream& rng, const Regions& regions,
+                     std::atomic<bool>& non_finite) const override {
+    uint8_t* scales = regions.scales;
+    uint8_t* codes = regions.codes;
     alignas(64) float scratch[kReduceBlock];
     alignas(64) float values[kSubBlock];
     alignas(64) uint32_t words[kSubBlock];
@@ -579,12 +528,68 @@ class BucketCodec final : public Codec {
   BucketCodecKind kind_;
   BucketKindInfo info_;
   CodecTraits traits_;
-  CodecConfig config_;
-  uint32_t bucket_;
-  uint64_t unit_buckets_ = 1;
 };
 
 }  // namespace
+
+Status checkBucketSize(const char* name, const CodecConfig& config) {
+  if (config.bucket_size < 1 || config.bucket_size > kMaxScaleBucket) {
+    return invalidArgument(std::string(name) + ": bucket_size must be in 1.." +
+                           std::to_string(kMaxScaleBucket) + ", got " +
+                           std::to_string(config.bucket_size));
+  }
+  return Status::ok();
+}
+
+BucketFamilyCodec::BucketFamilyCodec(const CodecConfig& config, unsigned code_bits,
+                                     RandomPurpose purpose)
+    : config_(config), bucket_(config.bucket_size), purpose_(purpose) {
+  const uint64_t bucket_bits = uint64_t{bucket_} * code_bits;
+  unit_buckets_ = 8 / std::gcd<uint64_t, uint64_t>(bucket_bits, 8);
+}
+
+size_t BucketFamilyCodec::maxPayloadBytes(size_t n) const {
+  const auto total = payloadBytes(n);
+  return std::max<size_t>(total ? *total : 0, kHeaderBytes + 4 * n);
+}
+
+std::optional<size_t> BucketFamilyCodec::nominalPayloadBytes(size_t n,
+                                                             std::optional<double>) const {
+  const auto total = payloadBytes(n);
+  if (!total) return std::nullopt;
+  return static_cast<size_t>(*total);
+}
+
+Result<size_t> BucketFamilyCodec::doEncodeChunk(const StepContext& ctx, const Chunking& chunking,
+                                                size_t chunk, int /*round*/,
+                                                std::span<const uint8_t>, ConstTensor input,
+                                                CodecState&, std::span<std::byte>,
+                                                std::span<uint8_t> out) const {
+  const size_t begin = chunking.begin(chunk), n = chunking.size(chunk);
+  const auto total = payloadBytes(n);
+  if (!total) {
+    return outOfRange(std::string(traits().name) + " chunk of " + std::to_string(n) +
+                      " elements is too large");
+  }
+  uint8_t* p = out.data();
+  const ConstTensor x = input.slice(begin, n);
+  const size_t buckets = n / bucket_ + (n % bucket_ != 0 ? 1 : 0);
+  const Regions regions = writeHeaders(x, buckets, p);
+
+  const PhiloxStream rng(ctx.seed, ctx.name_key, ctx.step, ctx.rank, purpose_);
+  std::atomic<bool> non_finite{false};
+  const size_t units = (buckets + unit_buckets_ - 1) / unit_buckets_;
+  auto work = [&](size_t lo, size_t hi) {
+    encodeBuckets(x, begin, lo * unit_buckets_, std::min(hi * unit_buckets_, buckets), rng, regions,
+                  non_finite);
+  };
+  const size_t grain = std::max<size_t>(1, kParallelGrain / (unit_buckets_ * bucket_));
+  parallelFor(ctx.stream, units, grain, work);
+  if (!non_finite.load(std::memory_order_relaxed)) return static_cast<size_t>(*total);
+
+  // Escape (docs/determinism.md §4.5 step 2, §4.9–4.11): the whole chunk as plain fp32 values.
+  return writeDensePayload(x, p, ctx.stream);
+}
 
 std::optional<BucketLayout> bucketLayout(uint64_t n, uint64_t d, const BucketKindInfo& info) {
   if (d == 0 || n > (uint64_t{1} << 60)) return std::nullopt;
@@ -651,11 +656,7 @@ Result<BucketPayload> parseBucketPayload(BucketCodecKind kind, std::span<const u
 }
 
 Result<std::unique_ptr<Codec>> makeBucketCodec(BucketCodecKind kind, const CodecConfig& config) {
-  if (config.bucket_size < 1 || config.bucket_size > kMaxScaleBucket) {
-    return invalidArgument(std::string(bucketKindInfo(kind).name) + ": bucket_size must be in 1.." +
-                           std::to_string(kMaxScaleBucket) + ", got " +
-                           std::to_string(config.bucket_size));
-  }
+  if (Status s = checkBucketSize(bucketKindInfo(kind).name, config); !s.isOk()) return s;
   return std::unique_ptr<Codec>(new BucketCodec(kind, config));
 }
 

@@ -22,48 +22,34 @@
 #include <functional>
 #include <string>
 
+#include "kernels/simd/block_sum-inl.h"
+
 HWY_BEFORE_NAMESPACE();
 namespace lightwire::kernels::powersgd_simd::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
+using simd::HWY_NAMESPACE::BlockSumTag;
+using simd::HWY_NAMESPACE::CanonicalBlockSum;
+using simd::HWY_NAMESPACE::CombineAccumulators;
+using simd::HWY_NAMESPACE::LoadPromoted;
 
 constexpr size_t kBlock = 4096;   // canonical reduction block (docs/determinism.md §2)
 constexpr size_t kTile = 64;      // columns per tile of Mᵀ·P̂
 constexpr size_t kTileRanks = 4;  // factor columns per tile of Mᵀ·P̂
 
-inline double combine8(const double* a) {
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-
 /// Canonical fp64 dot product Σ_t (double)a[t]·(double)b[t] over t < len (§2).
 double Dot(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, size_t len) {
   double total = 0.0;
   for (size_t base = 0; base < len; base += kBlock) {
-    const size_t block = std::min(kBlock, len - base);
     const float* pa = a + base;
     const float* pb = b + base;
-    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    size_t t = 0;
-#if HWY_TARGET != HWY_SCALAR
-    const hn::CappedTag<double, 8> dd;
-    const hn::Rebind<float, decltype(dd)> df;
-    const size_t lanes = hn::Lanes(dd);
-    const size_t vecs = 8 / lanes;
-    using V = decltype(hn::Zero(dd));
-    V va[8];
-    for (size_t q = 0; q < vecs; ++q) va[q] = hn::Zero(dd);
-    for (; t + 8 <= block; t += 8) {
-      for (size_t q = 0; q < vecs; ++q) {
-        const V x = hn::PromoteTo(dd, hn::LoadU(df, pa + t + q * lanes));
-        const V y = hn::PromoteTo(dd, hn::LoadU(df, pb + t + q * lanes));
-        va[q] = hn::Add(va[q], hn::Mul(x, y));
-      }
-    }
-    for (size_t q = 0; q < vecs; ++q) hn::StoreU(va[q], dd, acc + q * lanes);
-#endif
-    for (; t < block; ++t) {
-      acc[t & 7] = acc[t & 7] + static_cast<double>(pa[t]) * static_cast<double>(pb[t]);
-    }
-    total = total + combine8(acc);
+    total = total + CanonicalBlockSum(
+                        std::min(kBlock, len - base),
+                        [pa, pb](BlockSumTag dd, size_t t) HWY_ATTR {
+                          return hn::Mul(LoadPromoted(dd, pa + t), LoadPromoted(dd, pb + t));
+                        },
+                        [pa, pb](size_t t) HWY_ATTR {
+                          return static_cast<double>(pa[t]) * static_cast<double>(pb[t]);
+                        });
   }
   return total;
 }
@@ -146,7 +132,7 @@ void RowApply(const float* HWY_RESTRICT prow, const float* HWY_RESTRICT tt, size
     for (size_t j = 0; j < r; ++j) {
       a[j & 7] = a[j & 7] + static_cast<double>(prow[j]) * static_cast<double>(tt[j * cols + k]);
     }
-    const float v = static_cast<float>(0.0 + combine8(a));
+    const float v = static_cast<float>(0.0 + CombineAccumulators(a));
     const float s = w * v;
     dst[k] = subtract ? dst[k] - s : dst[k] + s;
   }

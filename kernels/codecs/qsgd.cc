@@ -10,12 +10,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <optional>
 #include <string>
 
+#include "kernels/bucket_codec.h"
+#include "kernels/bucket_family.h"
 #include "kernels/codecs/qsgd_layout.h"
-#include "kernels/parallel.h"
 #include "kernels/philox.h"
 #include "kernels/reduce.h"
 #include "kernels/registry.h"
@@ -24,9 +24,7 @@
 namespace lightwire::kernels {
 namespace {
 
-constexpr uint32_t kMaxBucketSize = 1u << 24;
-constexpr size_t kSubBlock = 1024;          // elements quantised per batch
-constexpr size_t kParallelGrain = 1 << 15;  // elements per thread at least
+constexpr size_t kSubBlock = 1024;  // elements quantised per batch
 
 // Element i rounds with half i mod 2 (0 = low 16 bits) of stream word i / 2 (§4.5 step 3); the
 // encoder copies a run of words into a uint16_t array, which is that order only here.
@@ -79,71 +77,14 @@ void unpackCodes(BitReader& reader, size_t len, unsigned bits, uint8_t* codes) {
 constexpr CodecTraits kQsgdTraits{.id = CodecId::kQsgd, .name = "qsgd"};
 
 /// QSGD with fixed bits and bucket size. Immutable, thread-safe.
-class QsgdCodec final : public Codec {
+class QsgdCodec final : public BucketFamilyCodec {
  public:
   explicit QsgdCodec(const CodecConfig& c)
-      : config_(c),
+      : BucketFamilyCodec(c, static_cast<unsigned>(c.bits), RandomPurpose::kQsgdRounding),
         bits_(static_cast<unsigned>(c.bits)),
-        levels_((1u << (c.bits - 1)) - 1),
-        bucket_(c.bucket_size) {
-    // Buckets per thread unit: a multiple whose codes end on a byte boundary, so threads never
-    // share a byte of the code stream.
-    const uint64_t bucket_bits = uint64_t{bucket_} * bits_;
-    unit_buckets_ = 8 / std::gcd<uint64_t, uint64_t>(bucket_bits, 8);
-  }
+        levels_((1u << (c.bits - 1)) - 1) {}
 
   const CodecTraits& traits() const override { return kQsgdTraits; }
-  const CodecConfig& config() const override { return config_; }
-  size_t chunkAlignment() const override { return bucket_; }
-  size_t workspaceBytes(const Chunking&) const override { return 0; }
-  size_t maxPayloadBytes(size_t n) const override {
-    const auto l = qsgdLayout(n, bucket_, bits_);
-    return std::max<size_t>(l ? l->total : 0, kHeaderBytes + 4 * n);
-  }
-  std::optional<size_t> nominalPayloadBytes(size_t n, std::optional<double>) const override {
-    const auto l = qsgdLayout(n, bucket_, bits_);  // the packed size every step has
-    if (!l) return std::nullopt;
-    return l->total;
-  }
-
-  Status doAnalyze(const StepContext&, const Chunking&, ConstTensor, CodecState&,
-                   std::span<std::byte>) const override {
-    return Status::ok();
-  }
-
-  Result<size_t> doEncodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
-                               int /*round*/, std::span<const uint8_t>, ConstTensor input,
-                               CodecState&, std::span<std::byte>,
-                               std::span<uint8_t> out) const override {
-    const size_t begin = chunking.begin(chunk), n = chunking.size(chunk);
-    const auto layout = qsgdLayout(n, bucket_, bits_);
-    if (!layout) return outOfRange("qsgd chunk of " + std::to_string(n) + " elements is too large");
-
-    uint8_t* p = out.data();
-    writeHeader(p, {CodecId::kQsgd, input.dtype, 0, 0, n});
-    p[16] = static_cast<uint8_t>(bits_);
-    p[17] = p[18] = p[19] = 0;
-    storeU32(p + 20, bucket_);
-    uint8_t* norms = p + kQsgdHeaderBytes;
-    uint8_t* codes = norms + 4 * layout->buckets;
-
-    const PhiloxStream rng(ctx.seed, ctx.name_key, ctx.step, ctx.rank,
-                           RandomPurpose::kQsgdRounding);
-    const ConstTensor x = input.slice(begin, n);
-    std::atomic<bool> non_finite{false};
-    const size_t buckets = layout->buckets;
-    const size_t units = (buckets + unit_buckets_ - 1) / unit_buckets_;
-    auto work = [&](size_t lo, size_t hi) {
-      encodeBuckets(x, begin, lo * unit_buckets_, std::min(hi * unit_buckets_, buckets), rng, norms,
-                    codes, non_finite);
-    };
-    const size_t grain = std::max<size_t>(1, kParallelGrain / (unit_buckets_ * bucket_));
-    parallelFor(ctx.stream, units, grain, work);
-    if (!non_finite.load(std::memory_order_relaxed)) return static_cast<size_t>(layout->total);
-
-    // Escape (§4.5 step 2): the whole chunk as plain fp32 values.
-    return writeDensePayload(x, p, ctx.stream);
-  }
 
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
                      size_t out_elements) const override {
@@ -185,11 +126,27 @@ class QsgdCodec final : public Codec {
   }
 
  private:
-  // Norms and codes of buckets [first, last) of the chunk starting at tensor index `begin`.
-  // Codes of bucket `first` start on a byte boundary (unit_buckets_).
+  std::optional<uint64_t> payloadBytes(uint64_t n) const override {
+    const auto l = qsgdLayout(n, bucket_, bits_);
+    if (!l) return std::nullopt;
+    return l->total;
+  }
+
+  Regions writeHeaders(ConstTensor x, uint64_t buckets, uint8_t* p) const override {
+    writeHeader(p, {CodecId::kQsgd, x.dtype, 0, 0, x.elements});
+    p[16] = static_cast<uint8_t>(bits_);
+    p[17] = p[18] = p[19] = 0;
+    storeU32(p + 20, bucket_);
+    uint8_t* norms = p + kQsgdHeaderBytes;
+    return {norms, norms + 4 * buckets};
+  }
+
+  // Norms (the scales) and codes of buckets [first, last).
   void encodeBuckets(ConstTensor x, size_t begin, size_t first, size_t last,
-                     const PhiloxStream& rng, uint8_t* norms, uint8_t* codes,
-                     std::atomic<bool>& non_finite) const {
+                     const PhiloxStream& rng, const Regions& regions,
+                     std::atomic<bool>& non_finite) const override {
+    uint8_t* norms = regions.scales;
+    uint8_t* codes = regions.codes;
     alignas(64) float scratch[kReduceBlock];
     alignas(64) float values[kSubBlock];
     alignas(64) uint32_t words[kSubBlock / 2 + 1];  // halves of a run of up to kSubBlock elements
@@ -256,21 +213,15 @@ class QsgdCodec final : public Codec {
     writer.flush();
   }
 
-  CodecConfig config_;
   unsigned bits_;
   uint32_t levels_;  // s = 2^(b-1) - 1
-  uint32_t bucket_;
-  uint64_t unit_buckets_ = 1;
 };
 
 LW_REGISTER_CODEC(qsgd, kQsgdTraits, [](const CodecConfig& c) -> Result<std::unique_ptr<Codec>> {
   if (c.bits < 2 || c.bits > 8) {
     return invalidArgument("qsgd: bits must be in 2..8, got " + std::to_string(c.bits));
   }
-  if (c.bucket_size < 1 || c.bucket_size > kMaxBucketSize) {
-    return invalidArgument("qsgd: bucket_size must be in 1.." + std::to_string(kMaxBucketSize) +
-                           ", got " + std::to_string(c.bucket_size));
-  }
+  if (Status s = checkBucketSize("qsgd", c); !s.isOk()) return s;
   return std::unique_ptr<Codec>(new QsgdCodec(c));
 });
 

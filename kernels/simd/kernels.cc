@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "kernels/half_bits.h"
+#include "kernels/simd/block_sum-inl.h"
 #include "kernels/simd/kernels.h"
 #include "kernels/simd/philox_simd-inl.h"
 
@@ -26,53 +27,34 @@ void PhiloxGroups(const uint32_t* ctr, const uint32_t* key, uint64_t g0, size_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Canonical block sums. K = 8 / lanes vectors of fp64 accumulators hold the eight canonical
-// accumulators in order (accumulator j * lanes + l is lane l of vector j), so each lane adds the
-// same terms in the same order as the scalar loop.
+// Canonical block sums (kernels/simd/block_sum-inl.h).
 
 enum class Term { kSquare, kAbs, kValue };
 
 template <Term kTerm>
 HWY_INLINE double blockSum(const float* HWY_RESTRICT x, size_t n) {
-  double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  size_t i = 0;
-#if HWY_TARGET != HWY_SCALAR
-  const hn::CappedTag<double, 8> dd;
-  const hn::Rebind<float, decltype(dd)> df;
-  const size_t lanes = hn::Lanes(dd);
-  const size_t vecs = 8 / lanes;
-  using V = decltype(hn::Zero(dd));
-  V acc[8];
-  for (size_t j = 0; j < vecs; ++j) acc[j] = hn::Zero(dd);
-  for (; i + 8 <= n; i += 8) {
-    for (size_t j = 0; j < vecs; ++j) {
-      const V v = hn::PromoteTo(dd, hn::LoadU(df, x + i + j * lanes));
-      V t;
-      if constexpr (kTerm == Term::kSquare) {
-        t = hn::Mul(v, v);
-      } else if constexpr (kTerm == Term::kAbs) {
-        t = hn::Abs(v);
-      } else {
-        t = v;
-      }
-      acc[j] = hn::Add(acc[j], t);
-    }
-  }
-  for (size_t j = 0; j < vecs; ++j) hn::StoreU(acc[j], dd, a + j * lanes);
-#endif
-  for (; i < n; ++i) {
-    const double v = static_cast<double>(x[i]);
-    double t;
-    if constexpr (kTerm == Term::kSquare) {
-      t = v * v;
-    } else if constexpr (kTerm == Term::kAbs) {
-      t = std::fabs(v);
-    } else {
-      t = v;
-    }
-    a[i & 7] = a[i & 7] + t;
-  }
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  return CanonicalBlockSum(
+      n,
+      [x](BlockSumTag dd, size_t i) HWY_ATTR {
+        const BlockSumVec v = LoadPromoted(dd, x + i);
+        if constexpr (kTerm == Term::kSquare) {
+          return hn::Mul(v, v);
+        } else if constexpr (kTerm == Term::kAbs) {
+          return hn::Abs(v);
+        } else {
+          return v;
+        }
+      },
+      [x](size_t i) HWY_ATTR {
+        const double v = static_cast<double>(x[i]);
+        if constexpr (kTerm == Term::kSquare) {
+          return v * v;
+        } else if constexpr (kTerm == Term::kAbs) {
+          return std::fabs(v);
+        } else {
+          return v;
+        }
+      });
 }
 
 double BlockSumSquares(const float* x, size_t n) { return blockSum<Term::kSquare>(x, n); }
