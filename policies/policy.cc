@@ -193,14 +193,9 @@ void PolicyEngine::anomaly(uint64_t step, const std::string& tensor, const char*
   bypass_until_ = std::max(bypass_until_, until);
 }
 
-UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, const StepPlan& plan,
-                                  const GlobalStats& g) {
-  std::lock_guard lock(mu_);
-  UpdateResult out;
-  TensorState& ts = tensors_[tensor];
-  const double alpha = config_.ewma_alpha;
-
-  // Requests first: they are the same on every rank, in rank order.
+// Requests first: they are the same on every rank, in rank order. mu_ held.
+void PolicyEngine::takeRequests(const std::string& tensor, uint64_t step, const GlobalStats& g,
+                                UpdateResult& out) {
   for (const Request& q : g.requests) {
     if (q.kind == Request::Kind::kCheckpoint) {
       out.checkpoints.push_back(q);
@@ -225,6 +220,12 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
       return q.kind == mine.kind && q.id == mine.id && q.body == mine.body && q.step == mine.step;
     });
   });
+}
+
+// Anomalies of this step's gradient, and the adaptive ratio from a normal one. mu_ held.
+void PolicyEngine::judgeGradient(const std::string& tensor, uint64_t step, const StepPlan& plan,
+                                 const GlobalStats& g, TensorState& ts) {
+  const double alpha = config_.ewma_alpha;
   // Anomalies of this step's gradient. A full-sync step's input also holds everything the codec
   // state held back (residuals, momentum), so its norm is no gradient norm: it is neither judged
   // against the baseline nor folded into it (NaN/Inf still are anomalies).
@@ -263,11 +264,12 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
       ts.norm.add(norm, alpha);
     }
   }
-  if (metrics_) {
-    const bool next = step + 1 >= bypass_from_ && step + 1 < bypass_until_;
-    metrics_->bypass_active.Set(next ? 1.0 : 0.0);
-  }
+}
 
+// Health (the cosine of compressed steps, the reported loss) and rollback. mu_ held.
+void PolicyEngine::judgeHealth(const std::string& tensor, uint64_t step, const StepPlan& plan,
+                               const GlobalStats& g, TensorState& ts, UpdateResult& out) {
+  const double alpha = config_.ewma_alpha;
   // A schedule changed the density (warm-up stages, phases, adaptive): the cosine moves with it
   // by design, so its baseline starts again rather than reading that as degradation. (A settings
   // change is judged against the baseline of the settings before: that is what rollback is for.)
@@ -345,6 +347,21 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
       log(step, tensor, "known_good", "settings version " + std::to_string(cur) + " is known-good");
     }
   }
+}
+
+UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, const StepPlan& plan,
+                                  const GlobalStats& g) {
+  std::lock_guard lock(mu_);
+  UpdateResult out;
+  TensorState& ts = tensors_[tensor];
+  takeRequests(tensor, step, g, out);
+  judgeGradient(tensor, step, plan, g, ts);
+  if (metrics_) {
+    const bool next = step + 1 >= bypass_from_ && step + 1 < bypass_until_;
+    metrics_->bypass_active.Set(next ? 1.0 : 0.0);
+  }
+
+  judgeHealth(tensor, step, plan, g, ts, out);
   if (plan.mode == StepMode::kFullSync) {
     const bool forced = ts.force_full_sync == step;
     if (metrics_) metrics_->fullSyncs(forced ? "divergence" : "periodic").Increment();

@@ -171,6 +171,13 @@ class PolicyEngine {
   };
   void log(uint64_t step, const std::string& tensor, std::string kind, std::string detail);
   void anomaly(uint64_t step, const std::string& tensor, const char* kind, std::string detail);
+  // The parts of update(), in order (mu_ held).
+  void takeRequests(const std::string& tensor, uint64_t step, const GlobalStats& g,
+                    UpdateResult& out);
+  void judgeGradient(const std::string& tensor, uint64_t step, const StepPlan& plan,
+                     const GlobalStats& g, TensorState& ts);
+  void judgeHealth(const std::string& tensor, uint64_t step, const StepPlan& plan,
+                   const GlobalStats& g, TensorState& ts, UpdateResult& out);
   size_t currentSettingsIndex(uint64_t step) const;
 
   const PolicyConfig config_;

@@ -24,7 +24,7 @@
 #include <utility>
 
 #include "kernels/registry.h"
-#include "proxy/utf8.h"
+#include "proxy/server/utf8.h"
 
 namespace lightwire::proxy {
 namespace {

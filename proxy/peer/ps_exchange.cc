@@ -606,12 +606,174 @@ Status PsExchange::gatherBounded(ExchangeRound& r, uint64_t tensor, ServerTensor
   }
 }
 
+// Synchronous steps: every other rank's push of every chunk, in rank order.
+Status PsExchange::gatherSync(const ExchangeRound& r, uint64_t tensor, Clock::time_point deadline,
+                              OnTime& ontime, std::vector<bool>& present) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  const size_t chunks = r.payloads.size();
+  const uint8_t codec = static_cast<uint8_t>(r.codec.traits().id);
+  for (uint32_t k = 0; k < w; ++k) {
+    if (k == me) continue;
+    for (size_t c = 0; c < chunks; ++c) {
+      auto f = transport_.receive(
+          k, keyOf(tensor, r.step, r.round, kPhasePush, static_cast<uint32_t>(c), k), deadline);
+      if (!f) {
+        return withContext("waiting for rank " + std::to_string(k) + "'s contribution", f.status());
+      }
+      if (f->codec != codec) {
+        return dataLoss("rank " + std::to_string(k) + " pushed codec id " +
+                        std::to_string(f->codec) + "; this sidecar uses " + std::to_string(codec) +
+                        " (do the sidecars' codec settings differ?)");
+      }
+      ontime[k].push_back(std::move(f->payload));
+    }
+    present[k] = true;
+  }
+  return Status::ok();
+}
+
+// The statistics records of this step's contributors (sent right before their pushes).
+Status PsExchange::receiveRecords(const ExchangeRound& r, uint64_t tensor,
+                                  const std::vector<bool>& present, Clock::time_point deadline,
+                                  std::vector<std::vector<uint8_t>>& records) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  records.resize(w);
+  records[me].assign(r.stats_out.begin(), r.stats_out.end());
+  for (uint32_t k = 0; k < w; ++k) {
+    if (k == me || !present[k]) continue;
+    auto f = transport_.receive(k, statsKey(tensor, r.step, kPhaseStats, k), deadline);
+    if (!f) {
+      return withContext("waiting for rank " + std::to_string(k) + "'s statistics record",
+                         f.status());
+    }
+    const Status size = checkStatsSize(k, f->payload.size());
+    // A copy: the received buffer may be a recycled one much larger than the record.
+    if (size.isOk()) records[k].assign(f->payload.begin(), f->payload.end());
+    transport_.recycle(std::move(f->payload));
+    LW_RETURN_IF_ERROR(size);
+  }
+  return Status::ok();
+}
+
+std::span<const uint8_t> PsExchange::payloadOf(const ExchangeRound& r, const OnTime& ontime,
+                                               uint32_t k, size_t c) const {
+  return k == transport_.rank() ? r.payloads[c] : std::span<const uint8_t>(ontime[k][c]);
+}
+
+// Summable and multi-round codecs: ((p0 + p1) + p2) + ... in the compressed domain.
+Status PsExchange::sumCompressed(const ExchangeRound& r, const OnTime& ontime,
+                                 std::vector<std::span<const uint8_t>>& combined) {
+  const uint32_t w = transport_.worldSize();
+  const size_t chunks = r.payloads.size();
+  for (size_t c = 0; c < chunks; ++c) {
+    std::span<const uint8_t> acc = payloadOf(r, ontime, 0, c);
+    for (uint32_t k = 1; k < w; ++k) {
+      std::vector<uint8_t> sum(r.codec.maxPayloadBytes(r.chunking.size(c)));
+      auto size = r.codec.addPayloads(acc, payloadOf(r, ontime, k, c), sum);
+      if (!size) {
+        return dataLoss("chunk " + std::to_string(c) + " from rank " + std::to_string(k) +
+                        " does not add up: " + size.status().message());
+      }
+      sum.resize(*size);
+      held_.push_back(std::move(sum));
+      acc = held_.back();
+    }
+    combined[c] = acc;
+  }
+  return Status::ok();
+}
+
+// Other codecs: the dense fp32 sum (late contributions in (step, rank) order, then this step's in
+// rank order; each chunk decoded with weight 1), re-compressed with the server's codec and state.
+Status PsExchange::sumDense(const ExchangeRound& r, ServerTensor& st, const OnTime& ontime,
+                            const std::vector<bool>& present, Pending& pending,
+                            std::vector<std::span<const uint8_t>>& combined) {
+  const uint32_t w = transport_.worldSize();
+  const size_t chunks = r.payloads.size();
+  // The dense fp32 sum: late contributions in (step, rank) order, then this step's in rank
+  // order; each chunk decoded with weight 1.
+  const size_t n = r.chunking.elements;
+  float* sum = nullptr;
+  for (;;) {  // again without a late contribution that does not decode
+    st.sum.assign(n, 0.0f);
+    sum = st.sum.data();
+    size_t bad = st.late.size();
+    for (size_t i = 0; i < st.late.size() && bad == st.late.size(); ++i) {
+      const auto& l = st.late[i];
+      if (l.chunking.elements != n || l.chunks.size() != l.chunking.count()) {
+        bad = i;
+        break;
+      }
+      for (size_t c = 0; c < l.chunks.size(); ++c) {
+        if (!l.decoder
+                 ->decodeChunk(l.chunks[c], 1.0f, sum + l.chunking.begin(c), l.chunking.size(c))
+                 .isOk()) {
+          bad = i;
+          break;
+        }
+      }
+    }
+    if (bad == st.late.size()) break;
+    spdlog::error(
+        "tensor '{}': the late contribution of rank {} to step {} does not decode; "
+        "dropped",
+        r.tensor, st.late[bad].rank, st.late[bad].step);
+    st.late.erase(st.late.begin() + static_cast<std::ptrdiff_t>(bad));
+  }
+  for (const auto& l : st.late) pending.folded.emplace_back(l.rank, l.step);
+  for (uint32_t k = 0; k < w; ++k) {
+    if (!present[k]) {
+      pending.missing.push_back(k);
+      continue;
+    }
+    pending.ontime.push_back(k);
+    for (size_t c = 0; c < chunks; ++c) {
+      auto s = st.codec->decodeChunk(payloadOf(r, ontime, k, c), 1.0f, sum + r.chunking.begin(c),
+                                     r.chunking.size(c));
+      if (!s.isOk()) {
+        return dataLoss("chunk " + std::to_string(c) + " from rank " + std::to_string(k) +
+                        " does not decode: " + s.message());
+      }
+    }
+  }
+  bool finite = true;
+  for (size_t i = 0; i < n; ++i) finite &= std::isfinite(sum[i]);
+  // Re-compression with the server's codec and state (Philox stream `w`: no worker uses it).
+  kernels::StepContext ctx;
+  ctx.seed = options_.seed;
+  ctx.name_key = kernels::tensorNameKey(r.tensor);
+  ctx.step = r.step;
+  ctx.rank = w;
+  const kernels::ConstTensor input{sum, n, kernels::DType::kF32};
+  if (auto s = st.codec->analyze(ctx, r.chunking, input, st.state, st.workspace); !s.isOk()) {
+    return internalError("re-compressing the sum: " + s.message());
+  }
+  for (size_t c = 0; c < chunks; ++c) {
+    std::vector<uint8_t> buf(st.codec->maxPayloadBytes(r.chunking.size(c)));
+    auto size =
+        st.codec->encodeChunk(ctx, r.chunking, c, 0, {}, input, st.state, st.workspace, buf);
+    if (!size) return internalError("re-compressing the sum: " + size.status().message());
+    buf.resize(*size);
+    held_.push_back(std::move(buf));
+    combined[c] = held_.back();
+  }
+  if (!finite) {
+    spdlog::warn(
+        "tensor '{}' step {}: the sum is not finite; the parameter server's codec "
+        "state is not committed",
+        r.tensor, r.step);
+  }
+  pending.commit_state = finite;
+  pending.decoder = st.codec;
+  pending.chunking = r.chunking;
+  return Status::ok();
+}
+
 Result<PsExchange::Spans> PsExchange::server(ExchangeRound& r, uint64_t tensor) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
   const size_t chunks = r.payloads.size();
   const auto deadline = Clock::now() + timeout_;
   const auto& traits = r.codec.traits();
-  const uint8_t codec = static_cast<uint8_t>(traits.id);
   const bool bounded = options_.bounded_staleness;
   const bool compressed_sum = !bounded && (traits.summable || traits.rounds > 1);
 
@@ -621,54 +783,17 @@ Result<PsExchange::Spans> PsExchange::server(ExchangeRound& r, uint64_t tensor) 
   if (!compressed_sum) LW_RETURN_IF_ERROR(prepareServerCodec(r, st));
 
   // ontime[k]: rank k's payload of every chunk (empty for this rank and for missing ranks).
-  std::vector<std::vector<std::vector<uint8_t>>> ontime(w);
+  OnTime ontime(w);
   std::vector<bool> present(w, false);
   present[me] = true;
   if (bounded) {
     LW_RETURN_IF_ERROR(gatherBounded(r, tensor, st, deadline, ontime, present));
   } else {
-    for (uint32_t k = 0; k < w; ++k) {
-      if (k == me) continue;
-      for (size_t c = 0; c < chunks; ++c) {
-        auto f = transport_.receive(
-            k, keyOf(tensor, r.step, r.round, kPhasePush, static_cast<uint32_t>(c), k), deadline);
-        if (!f) {
-          return withContext("waiting for rank " + std::to_string(k) + "'s contribution",
-                             f.status());
-        }
-        if (f->codec != codec) {
-          return dataLoss("rank " + std::to_string(k) + " pushed codec id " +
-                          std::to_string(f->codec) + "; this sidecar uses " +
-                          std::to_string(codec) + " (do the sidecars' codec settings differ?)");
-        }
-        ontime[k].push_back(std::move(f->payload));
-      }
-      present[k] = true;
-    }
+    LW_RETURN_IF_ERROR(gatherSync(r, tensor, deadline, ontime, present));
   }
-  // The statistics records of this step's contributors (sent right before their pushes).
   const bool stats = carriesStats(r);
   std::vector<std::vector<uint8_t>> records;
-  if (stats) {
-    records.resize(w);
-    records[me].assign(r.stats_out.begin(), r.stats_out.end());
-    for (uint32_t k = 0; k < w; ++k) {
-      if (k == me || !present[k]) continue;
-      auto f = transport_.receive(k, statsKey(tensor, r.step, kPhaseStats, k), deadline);
-      if (!f) {
-        return withContext("waiting for rank " + std::to_string(k) + "'s statistics record",
-                           f.status());
-      }
-      const Status size = checkStatsSize(k, f->payload.size());
-      // A copy: the received buffer may be a recycled one much larger than the record.
-      if (size.isOk()) records[k].assign(f->payload.begin(), f->payload.end());
-      transport_.recycle(std::move(f->payload));
-      LW_RETURN_IF_ERROR(size);
-    }
-  }
-  auto payloadOf = [&](uint32_t k, size_t c) -> std::span<const uint8_t> {
-    return k == me ? r.payloads[c] : std::span<const uint8_t>(ontime[k][c]);
-  };
+  if (stats) LW_RETURN_IF_ERROR(receiveRecords(r, tensor, present, deadline, records));
 
   PsHeader header;
   header.ranks = present;
@@ -678,101 +803,11 @@ Result<PsExchange::Spans> PsExchange::server(ExchangeRound& r, uint64_t tensor) 
   pending->step = r.step;
   pending->bounded = bounded;
   if (compressed_sum) {
-    // ((p0 + p1) + p2) + ... in the compressed domain.
-    for (size_t c = 0; c < chunks; ++c) {
-      std::span<const uint8_t> acc = payloadOf(0, c);
-      for (uint32_t k = 1; k < w; ++k) {
-        std::vector<uint8_t> sum(r.codec.maxPayloadBytes(r.chunking.size(c)));
-        auto size = r.codec.addPayloads(acc, payloadOf(k, c), sum);
-        if (!size) {
-          return dataLoss("chunk " + std::to_string(c) + " from rank " + std::to_string(k) +
-                          " does not add up: " + size.status().message());
-        }
-        sum.resize(*size);
-        held_.push_back(std::move(sum));
-        acc = held_.back();
-      }
-      combined[c] = acc;
-    }
+    LW_RETURN_IF_ERROR(sumCompressed(r, ontime, combined));
     header.count = w;
   } else {
-    // The dense fp32 sum: late contributions in (step, rank) order, then this step's in rank
-    // order; each chunk decoded with weight 1.
-    const size_t n = r.chunking.elements;
-    float* sum = nullptr;
-    for (;;) {  // again without a late contribution that does not decode
-      st.sum.assign(n, 0.0f);
-      sum = st.sum.data();
-      size_t bad = st.late.size();
-      for (size_t i = 0; i < st.late.size() && bad == st.late.size(); ++i) {
-        const auto& l = st.late[i];
-        if (l.chunking.elements != n || l.chunks.size() != l.chunking.count()) {
-          bad = i;
-          break;
-        }
-        for (size_t c = 0; c < l.chunks.size(); ++c) {
-          if (!l.decoder
-                   ->decodeChunk(l.chunks[c], 1.0f, sum + l.chunking.begin(c), l.chunking.size(c))
-                   .isOk()) {
-            bad = i;
-            break;
-          }
-        }
-      }
-      if (bad == st.late.size()) break;
-      spdlog::error(
-          "tensor '{}': the late contribution of rank {} to step {} does not decode; "
-          "dropped",
-          r.tensor, st.late[bad].rank, st.late[bad].step);
-      st.late.erase(st.late.begin() + static_cast<std::ptrdiff_t>(bad));
-    }
-    for (const auto& l : st.late) pending->folded.emplace_back(l.rank, l.step);
-    for (uint32_t k = 0; k < w; ++k) {
-      if (!present[k]) {
-        pending->missing.push_back(k);
-        continue;
-      }
-      pending->ontime.push_back(k);
-      for (size_t c = 0; c < chunks; ++c) {
-        auto s = st.codec->decodeChunk(payloadOf(k, c), 1.0f, sum + r.chunking.begin(c),
-                                       r.chunking.size(c));
-        if (!s.isOk()) {
-          return dataLoss("chunk " + std::to_string(c) + " from rank " + std::to_string(k) +
-                          " does not decode: " + s.message());
-        }
-      }
-    }
+    LW_RETURN_IF_ERROR(sumDense(r, st, ontime, present, *pending, combined));
     header.count = static_cast<uint32_t>(pending->folded.size() + pending->ontime.size());
-    bool finite = true;
-    for (size_t i = 0; i < n; ++i) finite &= std::isfinite(sum[i]);
-    // Re-compression with the server's codec and state (Philox stream `w`: no worker uses it).
-    kernels::StepContext ctx;
-    ctx.seed = options_.seed;
-    ctx.name_key = kernels::tensorNameKey(r.tensor);
-    ctx.step = r.step;
-    ctx.rank = w;
-    const kernels::ConstTensor input{sum, n, kernels::DType::kF32};
-    if (auto s = st.codec->analyze(ctx, r.chunking, input, st.state, st.workspace); !s.isOk()) {
-      return internalError("re-compressing the sum: " + s.message());
-    }
-    for (size_t c = 0; c < chunks; ++c) {
-      std::vector<uint8_t> buf(st.codec->maxPayloadBytes(r.chunking.size(c)));
-      auto size =
-          st.codec->encodeChunk(ctx, r.chunking, c, 0, {}, input, st.state, st.workspace, buf);
-      if (!size) return internalError("re-compressing the sum: " + size.status().message());
-      buf.resize(*size);
-      held_.push_back(std::move(buf));
-      combined[c] = held_.back();
-    }
-    if (!finite) {
-      spdlog::warn(
-          "tensor '{}' step {}: the sum is not finite; the parameter server's codec "
-          "state is not committed",
-          r.tensor, r.step);
-    }
-    pending->commit_state = finite;
-    pending->decoder = st.codec;
-    pending->chunking = r.chunking;
   }
 
   Spans out(chunks);

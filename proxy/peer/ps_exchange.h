@@ -110,6 +110,21 @@ class PsExchange final : public Exchange {
                        std::chrono::steady_clock::time_point deadline,
                        std::vector<std::vector<std::vector<uint8_t>>>& ontime,
                        std::vector<bool>& present);
+  using OnTime = std::vector<std::vector<std::vector<uint8_t>>>;  // [rank][chunk] payload
+  Status gatherSync(const ExchangeRound& r, uint64_t tensor,
+                    std::chrono::steady_clock::time_point deadline, OnTime& ontime,
+                    std::vector<bool>& present);
+  Status receiveRecords(const ExchangeRound& r, uint64_t tensor, const std::vector<bool>& present,
+                        std::chrono::steady_clock::time_point deadline,
+                        std::vector<std::vector<uint8_t>>& records);
+  /// Rank k's payload of chunk c (this rank's own, or what it pushed).
+  std::span<const uint8_t> payloadOf(const ExchangeRound& r, const OnTime& ontime, uint32_t k,
+                                     size_t c) const;
+  Status sumCompressed(const ExchangeRound& r, const OnTime& ontime,
+                       std::vector<std::span<const uint8_t>>& combined);
+  Status sumDense(const ExchangeRound& r, ServerTensor& st, const OnTime& ontime,
+                  const std::vector<bool>& present, Pending& pending,
+                  std::vector<std::span<const uint8_t>>& combined);
   /// The server's codec for the tensor of `r` (created or refreshed), or an error.
   Status prepareServerCodec(const ExchangeRound& r, ServerTensor& st);
   /// Sends `stats` (a statistics broadcast, empty = none) and then every chunk of `combined` (with

@@ -15,7 +15,7 @@ namespace lightwire::fuzz::config_json {
 int run(const uint8_t* data, size_t size) {
   boost::system::error_code ec;
   boost::json::parse_options opts;
-  opts.max_depth = 16;  // proxy/control_api.cc putConfig
+  opts.max_depth = 16;  // proxy/server/control_api.cc putConfig
   const boost::json::value v = boost::json::parse(textOf({data, size}), ec, {}, opts);
   if (ec) return 0;
   auto c = proxy::compressionFromJson(v);

@@ -1,9 +1,9 @@
 // Target `http`: the control API (docs/api.md), every route, in process, through the handler the
 // server uses: a keep-alive stream of requests parsed with Beast's request_parser<string_body>
-// under the server's header and body limits (proxy/http_server.cc: a parse error ends the
+// under the server's header and body limits (proxy/server/http_server.cc: a parse error ends the
 // connection and is counted through ControlApi::countRefused), each complete request handed to
-// ControlApi::handle of a sidecar set up as `serve` sets one up (proxy/serve.cc): world size 1,
-// one or two local trainers (so steps complete in process), a policy engine, durable state in a
+// ControlApi::handle of a sidecar set up as `serve` sets one up (proxy/server/serve.cc): world size
+// 1, one or two local trainers (so steps complete in process), a policy engine, durable state in a
 // scratch directory, a registered-buffer table, and a shared-memory segment
 // "/lightwire-fuzz-http" (64 KiB) that requests may register. Every input gets a fresh sidecar.
 //
@@ -28,8 +28,8 @@
 #include "ipc/shm_region.h"
 #include "metrics/metrics.h"
 #include "proxy/config.h"
-#include "proxy/control_api.h"
-#include "proxy/http_server.h"
+#include "proxy/server/control_api.h"
+#include "proxy/server/http_server.h"
 #include "proxy/step/engine.h"
 #include "tests/fuzz/peer_bodies.h"
 #include "tests/fuzz/targets.h"
@@ -102,7 +102,7 @@ void replaceAll(std::string& s, std::string_view what, const std::string& with) 
   }
 }
 
-/// A sidecar in process, as proxy/serve.cc builds one (world size 1).
+/// A sidecar in process, as proxy/server/serve.cc builds one (world size 1).
 struct Sidecar {
   explicit Sidecar(uint8_t setup)
       : config(configFor(setup)),

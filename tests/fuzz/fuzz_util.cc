@@ -16,7 +16,7 @@
 
 #include "kernels/registry.h"
 #include "proxy/config.h"
-#include "proxy/control_api.h"
+#include "proxy/server/control_api.h"
 
 namespace lightwire::fuzz {
 

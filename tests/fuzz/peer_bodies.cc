@@ -9,8 +9,8 @@
 #include "kernels/registry.h"
 #include "policies/stats.h"
 #include "proxy/config.h"
-#include "proxy/control_api.h"
 #include "proxy/peer/ps_exchange.h"
+#include "proxy/server/control_api.h"
 #include "proxy/step/engine.h"
 #include "proxy/step/job_state.h"
 #include "tests/fuzz/fuzz_util.h"
@@ -68,7 +68,8 @@ void stepRecords(const std::vector<std::vector<uint8_t>>& records, uint64_t step
   const policies::StepPlan plan = policy.plan("fuzz.tensor", step, topk, 1);
   const policies::UpdateResult r = policy.update("fuzz.tensor", step, plan, *g);
   if (r.settings) {
-    // The engine's SettingsChooser (proxy/serve.cc): the agreed JSON as a compression section.
+    // The engine's SettingsChooser (proxy/server/serve.cc): the agreed JSON as a compression
+    // section.
     const auto [version, json] = policy.settingsAt(step + 1);
     boost::system::error_code ec;
     const boost::json::value v = boost::json::parse(json, ec);

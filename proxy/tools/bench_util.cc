@@ -1,4 +1,4 @@
-#include "proxy/bench_util.h"
+#include "proxy/tools/bench_util.h"
 
 #include <fcntl.h>
 #include <sched.h>

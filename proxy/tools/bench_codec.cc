@@ -1,4 +1,4 @@
-#include "proxy/bench_codec.h"
+#include "proxy/tools/bench_codec.h"
 
 #include <boost/json/array.hpp>
 #include <boost/json/value.hpp>

@@ -1,7 +1,8 @@
 #pragma once
 // Pieces shared by the benchmarks that run real `lightwire serve` child processes
-// (proxy/bench_ingest.h, proxy/bench_exchange.h): a keep-alive Beast client on a sidecar's Unix
-// socket, the sidecar child process itself, a POSIX shared-memory segment, and the statistics.
+// (proxy/tools/bench_ingest.h, proxy/tools/bench_exchange.h): a keep-alive Beast client on a
+// sidecar's Unix socket, the sidecar child process itself, a POSIX shared-memory segment, and the
+// statistics.
 
 #include <sys/mman.h>
 #include <sys/types.h>

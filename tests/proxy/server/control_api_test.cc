@@ -1,7 +1,7 @@
-// The control API over real sockets (proxy/control_api.h on proxy/http_server.h): the whole stack
-// runs in process on an io_context with two threads; a small blocking Beast client talks to it
-// over the Unix socket and TCP. Every error reply is checked for its status, its JSON shape and
-// for changing nothing.
+// The control API over real sockets (proxy/server/control_api.h on proxy/server/http_server.h): the
+// whole stack runs in process on an io_context with two threads; a small blocking Beast client
+// talks to it over the Unix socket and TCP. Every error reply is checked for its status, its JSON
+// shape and for changing nothing.
 #include <doctest.h>
 
 #include <fcntl.h>
@@ -42,8 +42,8 @@
 #include "ipc/shm_region.h"
 #include "metrics/metrics.h"
 #include "proxy/config.h"
-#include "proxy/control_api.h"
-#include "proxy/http_server.h"
+#include "proxy/server/control_api.h"
+#include "proxy/server/http_server.h"
 #include "proxy/step/engine.h"
 #include "proxy/version.h"
 #include "tests/temp_dir.h"

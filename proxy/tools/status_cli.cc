@@ -1,4 +1,4 @@
-#include "proxy/status_cli.h"
+#include "proxy/tools/status_cli.h"
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>

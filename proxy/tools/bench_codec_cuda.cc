@@ -1,8 +1,8 @@
-// `lightwire bench codec --device cuda` (proxy/bench_codec.h): the CUDA codecs (kernels/cuda) on
-// GPU 0. Times are CUDA event times around the kernels of one run (analyze + every chunk's encode;
-// every chunk's device decode), medians of `runs` runs after one warm-up run; the baselines are a
-// device-to-device cudaMemcpy of the same bytes and, for the selection codecs, torch.topk on the
-// same GPU in a child Python process (PyTorch with CUDA; skipped with a note when it cannot be
+// `lightwire bench codec --device cuda` (proxy/tools/bench_codec.h): the CUDA codecs (kernels/cuda)
+// on GPU 0. Times are CUDA event times around the kernels of one run (analyze + every chunk's
+// encode; every chunk's device decode), medians of `runs` runs after one warm-up run; the baselines
+// are a device-to-device cudaMemcpy of the same bytes and, for the selection codecs, torch.topk on
+// the same GPU in a child Python process (PyTorch with CUDA; skipped with a note when it cannot be
 // imported). Builds without the CUDA kernels say so.
 
 #include <boost/json/object.hpp>
@@ -15,7 +15,7 @@
 #include "kernels/philox.h"
 #include "kernels/registry.h"
 #include "kernels/select.h"
-#include "proxy/bench_codec.h"
+#include "proxy/tools/bench_codec.h"
 
 #if defined(LIGHTWIRE_HAVE_CUDA_KERNELS)
 #include <cuda_runtime_api.h>

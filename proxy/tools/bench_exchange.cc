@@ -1,4 +1,4 @@
-#include "proxy/bench_exchange.h"
+#include "proxy/tools/bench_exchange.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "proxy/bench_util.h"
+#include "proxy/tools/bench_util.h"
 
 namespace lightwire::proxy {
 namespace {

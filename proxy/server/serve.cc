@@ -1,4 +1,4 @@
-#include "proxy/serve.h"
+#include "proxy/server/serve.h"
 
 #include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -25,12 +25,12 @@
 
 #include "ipc/shm_region.h"
 #include "metrics/metrics.h"
-#include "proxy/control_api.h"
-#include "proxy/http_server.h"
 #include "proxy/peer/collective.h"
 #include "proxy/peer/ps_exchange.h"
 #include "proxy/peer/tcp_transport.h"
-#include "proxy/resources.h"
+#include "proxy/server/control_api.h"
+#include "proxy/server/http_server.h"
+#include "proxy/server/resources.h"
 #if LIGHTWIRE_HAVE_UCX
 #include "proxy/peer/ucx_transport.h"
 #endif
@@ -246,29 +246,28 @@ void runPolling(boost::asio::io_context& io) {
   }
 }
 
-}  // namespace
-
-int runServe(const FlagValues& flags, const std::optional<std::string>& check_config) {
-  auto logger = spdlog::stderr_color_mt("lightwire");
-  spdlog::set_default_logger(logger);
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
-
+/// `serve --check-config FILE`: the file alone (no flags, the environment), checked.
+int checkConfigFile(const std::string& path) {
   std::vector<std::string> warnings;
-  if (check_config) {
-    FlagValues only_file;
-    auto c = buildServeConfig(check_config, environment(), only_file, &warnings);
-    for (const auto& w : warnings) spdlog::warn("{}", w);
-    if (!c) {
-      spdlog::error("{}", c.status().message());
-      return kExitUsage;
-    }
-    if (auto st = checkMembership(*c); !st.isOk()) {
-      spdlog::error("{}", st.message());
-      return kExitUsage;
-    }
-    std::printf("%s: ok\n", check_config->c_str());
-    return 0;
+  FlagValues only_file;
+  auto c = buildServeConfig(path, environment(), only_file, &warnings);
+  for (const auto& w : warnings) spdlog::warn("{}", w);
+  if (!c) {
+    spdlog::error("{}", c.status().message());
+    return kExitUsage;
   }
+  if (auto st = checkMembership(*c); !st.isOk()) {
+    spdlog::error("{}", st.message());
+    return kExitUsage;
+  }
+  std::printf("%s: ok\n", path.c_str());
+  return 0;
+}
+
+/// The configuration from every source (docs/configuration.md "Sources and precedence"), its
+/// warnings logged; nullopt (logged) when it is not usable.
+std::optional<ServeConfig> loadConfig(const FlagValues& flags) {
+  std::vector<std::string> warnings;
   auto built = buildServeConfig(flags.config_file, environment(), flags, &warnings);
   // The log format first, so that even the configuration's warnings come in it (a configuration
   // that fails to build is reported as text: its format is unknown).
@@ -279,14 +278,17 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   for (const auto& w : warnings) spdlog::warn("{}", w);
   if (!built) {
     spdlog::error("{}", built.status().message());
-    return kExitUsage;
+    return std::nullopt;
   }
   if (auto st = checkMembership(*built); !st.isOk()) {
     spdlog::error("{}", st.message());
-    return kExitUsage;
+    return std::nullopt;
   }
-  const ServeConfig config = std::move(*built);
+  return std::move(*built);
+}
 
+/// The process settings a long-running sidecar wants: the heap and the open-file limit.
+void tuneProcess(const ServeConfig& config) {
   // Large request bodies and step buffers come and go at every step: keep freed memory in the
   // heap instead of unmapping it, so the next 100 MB body does not page-fault its way in again
   // (the resident size stays at its peak, which the largest tensors set anyway).
@@ -296,82 +298,103 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   // Every registered shared-memory buffer and every connection holds a descriptor: lift the soft
   // limit on open files to the hard one (often 1024 and 524288), and say so when even that cannot
   // hold the configured limits.
-  if (struct rlimit nofile{}; ::getrlimit(RLIMIT_NOFILE, &nofile) == 0) {
-    if (nofile.rlim_cur < nofile.rlim_max) {
-      nofile.rlim_cur = nofile.rlim_max;
-      ::setrlimit(RLIMIT_NOFILE, &nofile);
-      ::getrlimit(RLIMIT_NOFILE, &nofile);
-    }
-    const rlim_t needed = static_cast<rlim_t>(config.limits.max_buffers) +
-                          static_cast<rlim_t>(config.limits.max_connections) +
-                          static_cast<rlim_t>(2 * config.peer.world_size) + 64;
-    if (nofile.rlim_cur != RLIM_INFINITY && nofile.rlim_cur < needed) {
-      spdlog::warn(
-          "open files are limited to {} (ulimit -n), fewer than limits.max_buffers + "
-          "limits.max_connections + peers need ({}): registrations or connections may fail with "
-          "'too many open files'",
-          static_cast<unsigned long long>(nofile.rlim_cur),
-          static_cast<unsigned long long>(needed));
-    }
+  struct rlimit nofile {};
+  if (::getrlimit(RLIMIT_NOFILE, &nofile) != 0) return;
+  if (nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &nofile);
+    ::getrlimit(RLIMIT_NOFILE, &nofile);
   }
+  const rlim_t needed = static_cast<rlim_t>(config.limits.max_buffers) +
+                        static_cast<rlim_t>(config.limits.max_connections) +
+                        static_cast<rlim_t>(2 * config.peer.world_size) + 64;
+  if (nofile.rlim_cur != RLIM_INFINITY && nofile.rlim_cur < needed) {
+    spdlog::warn(
+        "open files are limited to {} (ulimit -n), fewer than limits.max_buffers + "
+        "limits.max_connections + peers need ({}): registrations or connections may fail with "
+        "'too many open files'",
+        static_cast<unsigned long long>(nofile.rlim_cur), static_cast<unsigned long long>(needed));
+  }
+}
 
-  // threads 0: the CPUs this process may use (affinity mask and cgroup CPU quota), not the node's.
-  unsigned threads = config.threads;
-  if (threads == 0) {
-    const CpuBudget cpus = cpuBudget();
-    threads = cpus.usable();
-    spdlog::info("codec threads: {} (threads 0: the CPUs this process may use: {})", threads,
-                 cpus.describe());
-  }
-  metrics::Metrics metrics;
-  metrics.setInfo({{"job_id", config.job_id},
-                   {"rank", std::to_string(config.peer.rank)},
-                   {"world_size", std::to_string(config.peer.world_size)},
-                   {"version", LIGHTWIRE_VERSION},
-                   {"transport", config.peer.transport},
-                   {"topology", config.peer.topology}});
-  ipc::BufferTable buffers(static_cast<size_t>(config.limits.max_buffers),
-                           static_cast<size_t>(config.limits.max_buffers_per_client));
-  // The exchange with the other sidecars: none at world size 1, else the configured topology over
-  // the configured transport.
-  LocalExchange local_exchange;
+/// threads 0: the CPUs this process may use (affinity mask and cgroup CPU quota), not the node's.
+unsigned codecThreads(const ServeConfig& config) {
+  if (config.threads != 0) return config.threads;
+  const CpuBudget cpus = cpuBudget();
+  const unsigned threads = cpus.usable();
+  spdlog::info("codec threads: {} (threads 0: the CPUs this process may use: {})", threads,
+               cpus.describe());
+  return threads;
+}
+
+/// The job seed of the codecs' random streams: the same on every sidecar of the job.
+uint32_t jobSeed(const ServeConfig& config) {
+  return static_cast<uint32_t>(XXH3_64bits(config.job_id.data(), config.job_id.size()));
+}
+
+/// The exchange with the other sidecars: none at world size 1 (LocalExchange), else the
+/// configured topology over the configured transport, listening but not yet started.
+struct PeerExchange {
+  LocalExchange local;
   std::unique_ptr<peer::Transport> transport;
-  std::unique_ptr<Exchange> ring;  // peer::RingExchange or peer::PsExchange
-  Exchange* exchange = &local_exchange;
-  peer::Membership membership;  // started once the engine exists (it provides the job state)
-  if (config.peer.world_size > 1) {
-    auto t = listenForPeers(config, metrics);
-    if (!t) {
-      spdlog::error("peer listener {} ({}): {}", config.peer.listen.toString(),
-                    config.peer.transport, t.status().message());
-      return kExitFailure;
-    }
-    transport = std::move(*t);
-    membership.job_id = config.job_id;
-    membership.rank = config.peer.rank;
-    membership.world_size = config.peer.world_size;
-    membership.peers = config.peer.peers;
-    membership.secret = config.peer.secret;
-    if (config.peer.rendezvous) membership.rendezvous = config.peer.rendezvous->toString();
-    if (config.peer.advertise) membership.advertise = config.peer.advertise->toString();
-    const std::chrono::milliseconds peer_timeout(
-        static_cast<int64_t>(config.peer.timeout_s * 1000.0));
-    if (config.peer.topology == "ps") {
-      peer::PsOptions po;
-      po.server_rank = config.peer.ps_rank;
-      po.bounded_staleness = config.peer.synchrony == "bounded-staleness";
-      po.staleness = config.peer.staleness;
-      po.straggler_wait =
-          std::chrono::milliseconds(static_cast<int64_t>(config.peer.straggler_wait_s * 1000.0));
-      po.seed = static_cast<uint32_t>(XXH3_64bits(config.job_id.data(), config.job_id.size()));
-      spdlog::info("topology ps: parameter server rank {}, {}", po.server_rank,
-                   config.peer.synchrony);
-      ring = std::make_unique<peer::PsExchange>(*transport, peer_timeout, po);
-    } else {
-      ring = std::make_unique<peer::RingExchange>(*transport, peer_timeout);
-    }
-    exchange = ring.get();
+  std::unique_ptr<Exchange> collective;  // peer::RingExchange or peer::PsExchange
+  peer::Membership membership;           // started once the engine exists (it gives job state)
+  Exchange& exchange() { return collective ? *collective : local; }
+};
+
+Status makePeerExchange(const ServeConfig& config, metrics::Metrics& metrics, PeerExchange& out) {
+  if (config.peer.world_size <= 1) return Status::ok();
+  auto t = listenForPeers(config, metrics);
+  if (!t) {
+    return failedPrecondition("peer listener " + config.peer.listen.toString() + " (" +
+                              config.peer.transport + "): " + t.status().message());
   }
+  out.transport = std::move(*t);
+  peer::Membership& m = out.membership;
+  m.job_id = config.job_id;
+  m.rank = config.peer.rank;
+  m.world_size = config.peer.world_size;
+  m.peers = config.peer.peers;
+  m.secret = config.peer.secret;
+  if (config.peer.rendezvous) m.rendezvous = config.peer.rendezvous->toString();
+  if (config.peer.advertise) m.advertise = config.peer.advertise->toString();
+  const std::chrono::milliseconds peer_timeout(
+      static_cast<int64_t>(config.peer.timeout_s * 1000.0));
+  if (config.peer.topology == "ps") {
+    peer::PsOptions po;
+    po.server_rank = config.peer.ps_rank;
+    po.bounded_staleness = config.peer.synchrony == "bounded-staleness";
+    po.staleness = config.peer.staleness;
+    po.straggler_wait =
+        std::chrono::milliseconds(static_cast<int64_t>(config.peer.straggler_wait_s * 1000.0));
+    po.seed = jobSeed(config);
+    spdlog::info("topology ps: parameter server rank {}, {}", po.server_rank,
+                 config.peer.synchrony);
+    out.collective = std::make_unique<peer::PsExchange>(*out.transport, peer_timeout, po);
+  } else {
+    out.collective = std::make_unique<peer::RingExchange>(*out.transport, peer_timeout);
+  }
+  return Status::ok();
+}
+
+/// The policies as configured; under bounded staleness the statistics reach the ranks at
+/// different steps, so the policies that decide from them are off.
+policies::PolicyConfig policyConfig(const ServeConfig& config) {
+  policies::PolicyConfig pc = config.policies;
+  if (config.peer.synchrony != "bounded-staleness") return pc;
+  if (pc.anomaly || pc.rollback || pc.adaptive) {
+    spdlog::warn(
+        "bounded staleness: the statistics reach the ranks at different steps, so anomaly "
+        "bypass, rollback and the adaptive schedule are off (policies need synchrony sync)");
+  }
+  pc.anomaly = false;
+  pc.rollback = false;
+  pc.adaptive = false;
+  return pc;
+}
+
+EngineOptions engineOptions(const ServeConfig& config, unsigned threads,
+                            policies::PolicyEngine* policy) {
   EngineOptions eo;
   eo.local_trainers = static_cast<unsigned>(config.local_trainers);
   eo.threads = threads;
@@ -380,29 +403,12 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   eo.step_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(config.limits.step_timeout_s * 1000.0));
   eo.max_pending_steps = static_cast<size_t>(config.limits.max_pending_steps);
-  eo.seed = static_cast<uint32_t>(XXH3_64bits(config.job_id.data(), config.job_id.size()));
+  eo.seed = jobSeed(config);
   eo.rank = config.peer.rank;
   eo.checksum_every = config.peer.checksum_every;
   eo.warmup_steps = config.policies.warmup_steps;
   eo.max_state_bytes = config.limits.max_state_bytes;
-  if (auto st = checkLatestCheckpoint(config); !st.isOk()) {
-    spdlog::error("{}", st.message());
-    return kExitFailure;
-  }
-  if (config.peer.synchrony == "bounded-staleness" &&
-      (config.policies.anomaly || config.policies.rollback || config.policies.adaptive)) {
-    spdlog::warn(
-        "bounded staleness: the statistics reach the ranks at different steps, so anomaly "
-        "bypass, rollback and the adaptive schedule are off (policies need synchrony sync)");
-  }
-  policies::PolicyConfig pc = config.policies;
-  if (config.peer.synchrony == "bounded-staleness") {
-    pc.anomaly = false;
-    pc.rollback = false;
-    pc.adaptive = false;
-  }
-  policies::PolicyEngine policy(pc, boost::json::serialize(toJson(config.compression)), &metrics);
-  eo.policy = &policy;
+  eo.policy = policy;
   eo.settings = [](uint64_t version, const std::string& json) -> CodecChooser {
     boost::system::error_code ec;
     const auto v = boost::json::parse(json, ec);
@@ -420,59 +426,61 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   eo.checkpoint_every = config.state.checkpoint_every;
   eo.checkpoint_keep = config.state.keep;
   eo.trainer_checkpoint_keep = config.state.keep_trainer;
-  StepEngine engine(eo, chooserFor(std::make_shared<const CompressionConfig>(config.compression)),
-                    metrics, *exchange);
-  ControlApi api(config, metrics, buffers, engine, &policy);
-  {
-    // The CUDA driver, loaded at run time: absent, the sidecar is CPU-only
-    // (docs/cuda.md "The CUDA driver, loaded at run time").
-    std::string why_not;
-    auto cuda = ipc::CudaDriver::load(&why_not);
-    if (cuda) {
-      std::string gpus;
-      for (const auto& d : cuda->devices()) {
-        gpus += (gpus.empty() ? "" : "; ") + std::to_string(d.ordinal) + ": " + d.name + " (" +
-                d.pci_bus_id + ")";
-      }
-      spdlog::info("CUDA driver {}.{}: {} GPU(s){}{}", cuda->version() / 1000,
-                   cuda->version() % 1000 / 10, cuda->devices().size(), gpus.empty() ? "" : ": ",
-                   gpus);
-    } else {
-      spdlog::info("CUDA: {}; CPU only", why_not);
-    }
-    api.setCuda(std::move(cuda), why_not);
-  }
-  std::atomic<bool> restored{false};
-  if (transport) {
-    // The job's step and policy state travel to every peer that connects; a sidecar that has just
-    // (re)started takes them (docs/peer-protocol.md "After the handshake", STATE), so its tensors
-    // go on from the job's steps.
-    transport->setJobState(
-        [&engine, &policy] { return encodeJobState(engine.committedSteps(), &policy); },
-        [&engine, &policy, &restored](uint32_t from, std::span<const uint8_t> bytes) {
-          takeJobState(engine, policy, restored, from, bytes);
-        });
-    if (auto st = transport->start(std::move(membership)); !st.isOk()) {
-      spdlog::error("peer transport: {}", st.message());
-      return kExitFailure;
-    }
-    spdlog::info("rank {} of {}: peers on {}:{}", config.peer.rank, config.peer.world_size,
-                 config.peer.listen.host, transport->port());
-    api.setPeers([t = transport.get()] { return t->peersUp(); });
-    api.setPeerTls([t = transport.get()]() -> boost::json::value {
-      const auto c = t->tlsCertificate();
-      if (!c) return nullptr;
-      return boost::json::object{{"certificate", c->file},
-                                 {"subject", c->subject},
-                                 {"not_after", c->not_after_utc},
-                                 {"not_after_unix", c->not_after}};
-    });
-    // A resume at this sidecar is told to the others at once: they resume from their own
-    // checkpoint of the same step (takeJobState).
-    api.setAfterResume([t = transport.get()] { t->broadcastState(); });
-  }
+  return eo;
+}
 
-  boost::asio::io_context io;
+/// The CUDA driver, loaded at run time: absent, the sidecar is CPU-only (docs/cuda.md "The CUDA
+/// driver, loaded at run time").
+void attachCuda(ControlApi& api) {
+  std::string why_not;
+  auto cuda = ipc::CudaDriver::load(&why_not);
+  if (cuda) {
+    std::string gpus;
+    for (const auto& d : cuda->devices()) {
+      gpus += (gpus.empty() ? "" : "; ") + std::to_string(d.ordinal) + ": " + d.name + " (" +
+              d.pci_bus_id + ")";
+    }
+    spdlog::info("CUDA driver {}.{}: {} GPU(s){}{}", cuda->version() / 1000,
+                 cuda->version() % 1000 / 10, cuda->devices().size(), gpus.empty() ? "" : ": ",
+                 gpus);
+  } else {
+    spdlog::info("CUDA: {}; CPU only", why_not);
+  }
+  api.setCuda(std::move(cuda), why_not);
+}
+
+/// Connects to the peers. The job's step and policy state travel to every peer that connects; a
+/// sidecar that has just (re)started takes them (docs/peer-protocol.md "After the handshake",
+/// STATE), so its tensors go on from the job's steps.
+Status startPeers(const ServeConfig& config, PeerExchange& peers, StepEngine& engine,
+                  policies::PolicyEngine& policy, ControlApi& api, std::atomic<bool>& restored) {
+  peer::Transport* t = peers.transport.get();
+  if (t == nullptr) return Status::ok();
+  t->setJobState([&engine, &policy] { return encodeJobState(engine.committedSteps(), &policy); },
+                 [&engine, &policy, &restored](uint32_t from, std::span<const uint8_t> bytes) {
+                   takeJobState(engine, policy, restored, from, bytes);
+                 });
+  if (auto st = t->start(std::move(peers.membership)); !st.isOk()) {
+    return failedPrecondition("peer transport: " + st.message());
+  }
+  spdlog::info("rank {} of {}: peers on {}:{}", config.peer.rank, config.peer.world_size,
+               config.peer.listen.host, t->port());
+  api.setPeers([t] { return t->peersUp(); });
+  api.setPeerTls([t]() -> boost::json::value {
+    const auto c = t->tlsCertificate();
+    if (!c) return nullptr;
+    return boost::json::object{{"certificate", c->file},
+                               {"subject", c->subject},
+                               {"not_after", c->not_after_utc},
+                               {"not_after_unix", c->not_after}};
+  });
+  // A resume at this sidecar is told to the others at once: they resume from their own
+  // checkpoint of the same step (takeJobState).
+  api.setAfterResume([t] { t->broadcastState(); });
+  return Status::ok();
+}
+
+HttpLimits httpLimits(const ServeConfig& config) {
   HttpLimits limits;
   limits.max_body_bytes = config.limits.max_body_bytes;
   limits.max_inflight_body_bytes = config.limits.max_inflight_body_bytes;
@@ -495,45 +503,57 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   limits.idle_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(config.limits.idle_timeout_s * 1000.0));
   limits.max_connections = static_cast<size_t>(config.limits.max_connections);
-  HttpServer server(io, limits, [&api](Request&& req, const RequestInfo& info, Reply reply) {
-    api.handle(std::move(req), info, std::move(reply));
-  });
+  return limits;
+}
 
-  server.onRefused(
-      [&api](std::string_view target, unsigned status) { api.countRefused(target, status); });
-  server.onLimit([&metrics](std::string_view limit) { metrics.limitHits(limit).Increment(); });
+/// Opens the control socket, the control TCP listener and the admin listener as configured.
+Status openListeners(const ServeConfig& config, HttpServer& server, ControlApi& api) {
   BoundListeners bound;
   if (!config.control_socket.empty()) {
     if (std::string e = server.listenUnix(config.control_socket, ListenerKind::kControl,
                                           config.control_socket_mode);
         !e.empty()) {
-      spdlog::error("control socket: {}", e);
-      return kExitFailure;
+      return failedPrecondition("control socket: " + e);
     }
     bound.control_socket = config.control_socket;
     spdlog::info("control API on unix:{}", config.control_socket);
   }
-  auto listenTcp = [&](const ListenAddress& a, ListenerKind kind, const char* what,
-                       std::optional<uint16_t>* bound_port) {
+  auto listenTcp = [&](const std::optional<ListenAddress>& a, ListenerKind kind, const char* what,
+                       std::optional<uint16_t>* bound_port) -> Status {
+    if (!a) return Status::ok();
     uint16_t port = 0;
-    if (std::string e = server.listenTcp(a.host, a.port, kind, &port); !e.empty()) {
-      spdlog::error("{} listener: {}", what, e);
-      return false;
+    if (std::string e = server.listenTcp(a->host, a->port, kind, &port); !e.empty()) {
+      return failedPrecondition(std::string(what) + " listener: " + e);
     }
     *bound_port = port;
-    spdlog::info("{} on {}:{}", what, a.host, port);
-    return true;
+    spdlog::info("{} on {}:{}", what, a->host, port);
+    return Status::ok();
   };
-  if (config.control_tcp && !listenTcp(*config.control_tcp, ListenerKind::kControl, "control API",
-                                       &bound.control_tcp_port)) {
-    return kExitFailure;
-  }
-  if (config.admin_listen && !listenTcp(*config.admin_listen, ListenerKind::kAdmin,
-                                        "admin (metrics, health)", &bound.admin_port)) {
-    return kExitFailure;
-  }
+  LW_RETURN_IF_ERROR(listenTcp(config.control_tcp, ListenerKind::kControl, "control API",
+                               &bound.control_tcp_port));
+  LW_RETURN_IF_ERROR(listenTcp(config.admin_listen, ListenerKind::kAdmin, "admin (metrics, health)",
+                               &bound.admin_port));
   api.setListeners(bound);
+  return Status::ok();
+}
 
+/// The state as it stands, for a restart (docs/policies.md "Durable state: checkpoints"): the
+/// engine has stopped, nothing runs.
+void checkpointOnShutdown(const ServeConfig& config, StepEngine& engine) {
+  if (config.state.dir.empty() || engine.stepsOk() == 0) return;
+  uint64_t latest = 0;
+  for (const auto& [name, step] : engine.committedSteps()) latest = std::max(latest, step);
+  if (auto saved = engine.saveCheckpoint(latest, "sigterm"); !saved) {
+    spdlog::error("checkpoint on shutdown: {}", saved.status().message());
+  }
+}
+
+/// Serves until SIGINT/SIGTERM, then shuts down gracefully: stop accepting, fail the steps still
+/// waiting for trainers (503), let the running step finish, flush the replies, remove the socket
+/// files, checkpoint. Meanwhile buffers of trainers that exited are released, and SIGHUP reloads
+/// the peer TLS files.
+void serveUntilSignalled(const ServeConfig& config, boost::asio::io_context& io, HttpServer& server,
+                         ControlApi& api, StepEngine& engine, peer::Transport* transport) {
   // Buffers of trainers that exited while holding them (a crash, kill -9) are released within a
   // second, so a dead trainer never pins memory or the buffer limits.
   boost::asio::steady_timer reaper(boost::asio::make_strand(io));  // its handlers, serialised
@@ -569,8 +589,6 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   };
   onHangup();
 
-  // Graceful shutdown: stop accepting, fail the steps still waiting for trainers (503), let the
-  // running step finish, flush the replies, remove the socket files.
   boost::asio::signal_set signals(io, SIGINT, SIGTERM);
   std::thread watcher;
   std::atomic<bool> abandoned{false};
@@ -602,11 +620,6 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     });
   });
 
-  spdlog::info(
-      "lightwire {} serving: job '{}', {} local trainer(s), default codec {}, {} compute "
-      "thread(s)",
-      LIGHTWIRE_VERSION, config.job_id, config.local_trainers,
-      config.compression.default_codec.name, threads);
   std::vector<std::thread> io_threads;
   for (unsigned i = 1; i < kIoThreads; ++i) io_threads.emplace_back([&] { io.run(); });
   runPolling(io);
@@ -614,15 +627,71 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   abandoned = true;
   if (watcher.joinable()) watcher.join();
   engine.shutdown();
-  // The state as it stands, for a restart (docs/policies.md "Durable state: checkpoints"): the
-  // engine has stopped, nothing runs.
-  if (!config.state.dir.empty() && engine.stepsOk() > 0) {
-    uint64_t latest = 0;
-    for (const auto& [name, step] : engine.committedSteps()) latest = std::max(latest, step);
-    if (auto saved = engine.saveCheckpoint(latest, "sigterm"); !saved) {
-      spdlog::error("checkpoint on shutdown: {}", saved.status().message());
-    }
+  checkpointOnShutdown(config, engine);  // still under the signal sets: a second SIGTERM waits
+}
+
+}  // namespace
+
+int runServe(const FlagValues& flags, const std::optional<std::string>& check_config) {
+  auto logger = spdlog::stderr_color_mt("lightwire");
+  spdlog::set_default_logger(logger);
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+  if (check_config) return checkConfigFile(*check_config);
+  const std::optional<ServeConfig> loaded = loadConfig(flags);
+  if (!loaded) return kExitUsage;
+  const ServeConfig& config = *loaded;
+  tuneProcess(config);
+  const unsigned threads = codecThreads(config);
+
+  metrics::Metrics metrics;
+  metrics.setInfo({{"job_id", config.job_id},
+                   {"rank", std::to_string(config.peer.rank)},
+                   {"world_size", std::to_string(config.peer.world_size)},
+                   {"version", LIGHTWIRE_VERSION},
+                   {"transport", config.peer.transport},
+                   {"topology", config.peer.topology}});
+  ipc::BufferTable buffers(static_cast<size_t>(config.limits.max_buffers),
+                           static_cast<size_t>(config.limits.max_buffers_per_client));
+  PeerExchange peers;
+  if (auto st = makePeerExchange(config, metrics, peers); !st.isOk()) {
+    spdlog::error("{}", st.message());
+    return kExitFailure;
   }
+  if (auto st = checkLatestCheckpoint(config); !st.isOk()) {
+    spdlog::error("{}", st.message());
+    return kExitFailure;
+  }
+  policies::PolicyEngine policy(policyConfig(config),
+                                boost::json::serialize(toJson(config.compression)), &metrics);
+  StepEngine engine(engineOptions(config, threads, &policy),
+                    chooserFor(std::make_shared<const CompressionConfig>(config.compression)),
+                    metrics, peers.exchange());
+  ControlApi api(config, metrics, buffers, engine, &policy);
+  attachCuda(api);
+  std::atomic<bool> restored{false};
+  if (auto st = startPeers(config, peers, engine, policy, api, restored); !st.isOk()) {
+    spdlog::error("{}", st.message());
+    return kExitFailure;
+  }
+
+  boost::asio::io_context io;
+  HttpServer server(io, httpLimits(config),
+                    [&api](Request&& req, const RequestInfo& info, Reply reply) {
+                      api.handle(std::move(req), info, std::move(reply));
+                    });
+  server.onRefused(
+      [&api](std::string_view target, unsigned status) { api.countRefused(target, status); });
+  server.onLimit([&metrics](std::string_view limit) { metrics.limitHits(limit).Increment(); });
+  if (auto st = openListeners(config, server, api); !st.isOk()) {
+    spdlog::error("{}", st.message());
+    return kExitFailure;
+  }
+  spdlog::info(
+      "lightwire {} serving: job '{}', {} local trainer(s), default codec {}, {} compute "
+      "thread(s)",
+      LIGHTWIRE_VERSION, config.job_id, config.local_trainers,
+      config.compression.default_codec.name, threads);
+  serveUntilSignalled(config, io, server, api, engine, peers.transport.get());
   spdlog::info("stopped");
   return 0;
 }

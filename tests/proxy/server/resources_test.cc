@@ -1,4 +1,4 @@
-#include "proxy/resources.h"
+#include "proxy/server/resources.h"
 
 #include <doctest/doctest.h>
 #include <unistd.h>

@@ -2,7 +2,7 @@
 // HTTP/1.1 listeners (Boost.Beast) on Unix sockets and TCP: keep-alive, header and body limits
 // checked before anything is read into memory, idle timeouts, and handlers that may answer later
 // (a step waits for the node's other trainers). The server knows nothing of routes: a Handler
-// maps a request to a response (proxy/control_api.h).
+// maps a request to a response (proxy/server/control_api.h).
 
 #include <boost/asio/io_context.hpp>
 #include <boost/beast/http.hpp>

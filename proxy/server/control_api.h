@@ -17,7 +17,7 @@
 #include "metrics/metrics.h"
 #include "policies/policy.h"
 #include "proxy/config.h"
-#include "proxy/http_server.h"
+#include "proxy/server/http_server.h"
 #include "proxy/step/engine.h"
 
 namespace lightwire::proxy {

@@ -1,4 +1,4 @@
-#include "proxy/bench_ingest.h"
+#include "proxy/tools/bench_ingest.h"
 
 #include <sched.h>
 #include <unistd.h>
@@ -16,7 +16,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "proxy/bench_util.h"
+#include "proxy/tools/bench_util.h"
 
 namespace lightwire::proxy {
 namespace {

@@ -1,4 +1,4 @@
-#include "proxy/http_server.h"
+#include "proxy/server/http_server.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -20,7 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "proxy/utf8.h"
+#include "proxy/server/utf8.h"
 
 namespace lightwire::proxy {
 namespace {

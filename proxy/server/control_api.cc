@@ -1,0 +1,427 @@
+#include "proxy/server/control_api.h"
+
+#include <openssl/crypto.h>
+#include <spdlog/spdlog.h>
+
+#include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
+
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "proxy/server/api_util.h"
+#include "proxy/version.h"
+
+namespace lightwire::proxy {
+
+ApiError apiError(StepError error) {
+  switch (error) {
+    case StepError::kNone:
+      return {200, ""};
+    case StepError::kInvalidArgument:
+      return {400, "invalid_argument"};
+    case StepError::kConflict:
+      return {409, "conflict"};
+    case StepError::kResumeMismatch:
+      return {409, "resume_mismatch"};
+    case StepError::kLimitReached:
+      return {429, "limit_reached"};
+    case StepError::kInternal:
+      return {500, "internal"};
+    case StepError::kDeviceError:
+      return {500, "device_error"};
+    case StepError::kExchangeFailed:
+      return {502, "exchange_failed"};
+    case StepError::kShuttingDown:
+      return {503, "shutting_down"};
+    case StepError::kDeadlineExceeded:
+      return {504, "deadline_exceeded"};
+    case StepError::kStateLimit:
+      return {507, "state_limit"};
+  }
+  return {500, "internal"};
+}
+
+namespace {
+
+namespace json = boost::json;
+using http::status;
+using namespace api;  // NOLINT(google-build-using-namespace): the routes' shared helpers
+
+/// The route template of a path, for metric labels (bounded set).
+std::string routeTemplate(const std::string& path) {
+  static const char* known[] = {"/healthz",          "/readyz",     "/metrics",   "/v1/status",
+                                "/v1/emit_gradient", "/v1/buffers", "/v1/report", "/v1/config",
+                                "/v1/checkpoint",    "/v1/resume"};
+  for (const char* k : known) {
+    if (path == k) return k;
+  }
+  if (path.rfind("/v1/buffers/", 0) == 0) return "/v1/buffers/{id}";
+  return "other";
+}
+
+}  // namespace
+
+CodecChooser chooserFor(std::shared_ptr<const CompressionConfig> c) {
+  return [c = std::move(c)](std::string_view name, uint64_t elements) {
+    const CodecRule* rule = c->ruleFor(name, elements);
+    TensorSettings s(rule ? rule->codec : c->default_codec);
+    if (rule) {
+      s.sync_every = rule->sync_every;
+      s.group = rule->group;
+    }
+    return s;
+  };
+}
+
+ControlApi::ControlApi(ServeConfig config, metrics::Metrics& metrics, ipc::BufferTable& buffers,
+                       StepEngine& engine, policies::PolicyEngine* policy)
+    : config_(std::move(config)),
+      metrics_(metrics),
+      buffers_(buffers),
+      engine_(engine),
+      policy_(policy),
+      compression_(std::make_shared<const CompressionConfig>(config_.compression)) {}
+
+void ControlApi::setCuda(std::shared_ptr<ipc::CudaDriver> driver, std::string why_not) {
+  std::lock_guard lock(mu_);
+  cuda_ = std::move(driver);
+  cuda_why_not_ = std::move(why_not);
+}
+
+void ControlApi::setAfterResume(std::function<void()> after) {
+  std::lock_guard lock(mu_);
+  after_resume_ = std::move(after);
+}
+
+void ControlApi::setPeers(std::function<std::vector<bool>()> peers_up) {
+  std::lock_guard lock(mu_);
+  peers_up_ = std::move(peers_up);
+}
+
+void ControlApi::setPeerTls(std::function<boost::json::value()> info) {
+  std::lock_guard lock(mu_);
+  peer_tls_ = std::move(info);
+}
+
+void ControlApi::setListeners(BoundListeners l) {
+  std::lock_guard lock(mu_);
+  listeners_ = std::move(l);
+}
+
+bool ControlApi::tokenOk(const Request& req) const {
+  if (config_.token.empty()) return true;
+  const std::string expected = "Bearer " + config_.token;
+  const auto got = req[http::field::authorization];
+  return got.size() == expected.size() &&
+         CRYPTO_memcmp(got.data(), expected.data(), expected.size()) == 0;
+}
+
+void ControlApi::countRefused(std::string_view target, unsigned status) {
+  RequestTarget t;
+  parseTarget(target, &t);
+  metrics_.httpRequests(routeTemplate(t.path), status).Increment();
+}
+
+void ControlApi::handle(Request&& request, const RequestInfo& info, Reply reply) {
+  RequestTarget t;
+  t.error = parseTarget(request.target(), &t);
+  const std::string route = routeTemplate(t.path);
+  // Count every reply by route template and status.
+  Reply counted = [this, route, reply = std::move(reply)](Response r) {
+    metrics_.httpRequests(route, static_cast<unsigned>(r.result_int())).Increment();
+    reply(std::move(r));
+  };
+  bool replied = false;
+  Response r;
+  try {
+    r = this->route(request, t, info, counted, replied);
+  } catch (const std::exception& e) {  // a bug, never the client's fault: keep serving
+    spdlog::error("request {} {} failed: {}", std::string(request.method_string()),
+                  std::string(request.target().substr(0, 200)), e.what());
+    r = errorResponse(status::internal_server_error, "internal", "internal error");
+  }
+  if (!replied) counted(std::move(r));
+}
+
+Response ControlApi::route(Request& req, const RequestTarget& t, const RequestInfo& info,
+                           Reply& reply, bool& replied) {
+  if (!t.error.empty()) return badRequest(t.error);
+  const auto method = req.method();
+  auto methodNotAllowed = [](const char* allow) {
+    Response r = errorResponse(status::method_not_allowed, "method_not_allowed",
+                               std::string("allowed: ") + allow);
+    r.set(http::field::allow, allow);
+    return r;
+  };
+  const bool admin = info.listener == ListenerKind::kAdmin;
+  const bool admin_route =
+      t.path == "/healthz" || t.path == "/readyz" || t.path == "/metrics" || t.path == "/v1/status";
+  if (admin && !admin_route) {
+    return errorResponse(status::not_found, "not_found",
+                         "the admin listener serves /healthz, /readyz, /metrics and /v1/status");
+  }
+  if (!admin && info.tcp && !tokenOk(req)) {
+    Response r = errorResponse(status::unauthorized, "unauthenticated",
+                               "the TCP control listener needs 'Authorization: Bearer <token>'");
+    r.set(http::field::www_authenticate, "Bearer");
+    return r;
+  }
+  if (admin_route) {
+    if (method != http::verb::get && method != http::verb::head) return methodNotAllowed("GET");
+    if (t.path == "/healthz") return textResponse(status::ok, "ok\n");
+    if (t.path == "/readyz") {
+      if (stopping_) return textResponse(status::service_unavailable, "stopping\n");
+      std::function<std::vector<bool>()> peers;
+      {
+        std::lock_guard lock(mu_);
+        peers = peers_up_;
+      }
+      if (peers) {
+        std::string down;
+        const auto up = peers();
+        for (size_t r = 0; r < up.size(); ++r) {
+          if (!up[r]) down += (down.empty() ? "" : ", ") + std::to_string(r);
+        }
+        if (!down.empty()) {
+          return textResponse(status::service_unavailable,
+                              "waiting for peer rank(s) " + down + "\n");
+        }
+      }
+      return textResponse(status::ok, "ready\n");
+    }
+    if (t.path == "/metrics") {
+      metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
+      return textResponse(status::ok, metrics_.exposition(), "text/plain; version=0.0.4");
+    }
+    return this->status();
+  }
+  if (t.path == "/v1/emit_gradient") {
+    if (method != http::verb::post) return methodNotAllowed("POST");
+    if (stopping_) {
+      return errorResponse(status::service_unavailable, "shutting_down",
+                           "the sidecar is shutting down");
+    }
+    const auto type = req[http::field::content_type];
+    if (type.rfind("application/json", 0) == 0) return emitShm(req, reply, replied);
+    return emitRaw(req, t, reply, replied);
+  }
+  if (t.path == "/v1/buffers") {
+    if (method != http::verb::post) return methodNotAllowed("POST");
+    return registerBuffer(req, info);
+  }
+  if (t.path.rfind("/v1/buffers/", 0) == 0) {
+    if (method != http::verb::delete_) return methodNotAllowed("DELETE");
+    return releaseBuffer(t.path.substr(std::string_view("/v1/buffers/").size()));
+  }
+  if (t.path == "/v1/report") {
+    if (method != http::verb::post) return methodNotAllowed("POST");
+    return report(req);
+  }
+  if (t.path == "/v1/config") {
+    if (method != http::verb::put) return methodNotAllowed("PUT");
+    return putConfig(req, info);
+  }
+  if (t.path == "/v1/checkpoint" || t.path == "/v1/resume") {
+    if (method != http::verb::post) return methodNotAllowed("POST");
+    return durableState(req, t.path == "/v1/resume");
+  }
+  return errorResponse(status::not_found, "not_found", "no route " + quoted(t.path));
+}
+
+Response ControlApi::report(const Request& req) {
+  json::object o;
+  if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
+  uint64_t step = 0, trainer = 0, fallbacks = 0;
+  bool has_trainer = false, has_fallbacks = false;
+  for (std::string e :
+       {jsonU64(o, "step", true, &step), jsonU64(o, "trainer", false, &trainer, &has_trainer),
+        jsonU64(o, "fallbacks", false, &fallbacks, &has_fallbacks)}) {
+    if (!e.empty()) return badRequest(e);
+  }
+  json::object kept{{"step", step}};
+  if (has_trainer) kept["trainer"] = trainer;
+  for (const auto& kv : o) {
+    const std::string_view k = kv.key();
+    if (k == "step" || k == "trainer" || k == "fallbacks") continue;
+    if (k.size() > 64 || !kv.value().is_number()) {
+      return badRequest("report field " + quoted(k) + " must be a number (name up to 64 bytes)");
+    }
+    const double v = kv.value().to_number<double>();
+    if (!std::isfinite(v)) return badRequest("report field " + quoted(k) + " must be finite");
+    if (kept.size() >= 16) return badRequest("at most 16 report fields");
+    kept[k] = v;
+  }
+  if (fallbacks > 1000000) return badRequest("field 'fallbacks' is out of range");
+  if (has_fallbacks && fallbacks > 0) {
+    metrics_.fallbacks.Increment(static_cast<double>(fallbacks));
+    spdlog::warn("a trainer reports {} step(s) fallen back to its process group (step {})",
+                 fallbacks, step);
+  }
+  if (policy_) {
+    if (const auto* loss = kept.if_contains("loss")) policy_->reportLoss(step, loss->as_double());
+  }
+  std::lock_guard lock(mu_);
+  last_report_ = std::move(kept);
+  return jsonResponse(status::ok, json::object{});
+}
+
+Response ControlApi::durableState(const Request& req, bool resume) {
+  json::object o;
+  if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
+  uint64_t step = 0;
+  if (std::string e = jsonU64(o, "step", true, &step); !e.empty()) return badRequest(e);
+  for (const auto& kv : o) {
+    if (kv.key() != "step")
+      return badRequest("unknown field " + quoted(kv.key()) + " (known: step)");
+  }
+  if (config_.state.dir.empty()) {
+    return errorResponse(status::conflict, "failed_precondition",
+                         "this sidecar keeps no durable state (state.dir is \"\")");
+  }
+  if (resume) {
+    if (auto st = engine_.resume(step); !st.isOk()) {
+      const bool missing = st.message().find("No such file") != std::string::npos;
+      return errorResponse(missing ? status::not_found : status::conflict,
+                           missing ? "not_found" : "failed_precondition",
+                           "resume from step " + std::to_string(step) + ": " + st.message());
+    }
+    std::function<void()> after;
+    {
+      std::lock_guard lock(mu_);
+      after = after_resume_;
+    }
+    if (after) after();  // the other sidecars resume too (docs/policies.md)
+    return jsonResponse(status::ok, json::object{{"step", step}, {"next_step", step + 1}});
+  }
+  auto path = engine_.checkpoint(step);
+  if (!path) {
+    const bool late = path.status().code() == StatusCode::kFailedPrecondition;
+    return errorResponse(
+        late ? status::conflict : status::internal_server_error, late ? "conflict" : "internal",
+        "checkpoint of step " + std::to_string(step) + ": " + path.status().message());
+  }
+  json::object r{{"step", step}, {"path", *path}};
+  r["peers"] =
+      config_.peer.world_size > 1 ? "asked: they save with the next step" : "none (world size 1)";
+  return jsonResponse(status::ok, r);
+}
+
+Response ControlApi::putConfig(const Request& req, const RequestInfo& /*info*/) {
+  if (!tokenOk(req)) {
+    Response r = errorResponse(status::unauthorized, "unauthenticated",
+                               "PUT /v1/config needs 'Authorization: Bearer <token>'");
+    r.set(http::field::www_authenticate, "Bearer");
+    return r;
+  }
+  boost::system::error_code ec;
+  json::parse_options opts;
+  opts.max_depth = 16;
+  const json::value v = json::parse(req.body(), ec, {}, opts);
+  if (ec) return badRequest("malformed JSON body: " + ec.message());
+  auto c = compressionFromJson(v);
+  if (!c) return badRequest(c.status().message());
+  auto shared = std::make_shared<const CompressionConfig>(std::move(*c));
+  if (policy_) {
+    // The settings travel with this sidecar's next step to every sidecar and take effect, on all
+    // of them alike, at the step after it (docs/policies.md "Settings versions and rollback").
+    const uint64_t id = policy_->proposeSettings(json::serialize(toJson(*shared)));
+    {
+      std::lock_guard lock(mu_);
+      compression_ = shared;
+    }
+    spdlog::info(
+        "compression settings proposed through PUT /v1/config (default codec {}): they "
+        "take effect on every sidecar after this sidecar's next step",
+        shared->default_codec.name);
+    return jsonResponse(status::accepted,
+                        json::object{{"applied", false},
+                                     {"proposal", id},
+                                     {"takes_effect",
+                                      "at the step after this sidecar's next exchanged step, on "
+                                      "every sidecar (see policies.settings in /v1/status)"}});
+  }
+  engine_.setChooser(chooserFor(shared));
+  {
+    std::lock_guard lock(mu_);
+    compression_ = shared;
+  }
+  spdlog::info("compression settings replaced through PUT /v1/config (default codec {})",
+               shared->default_codec.name);
+  return jsonResponse(status::ok, json::object{{"applied", true}});
+}
+
+Response ControlApi::status() {
+  json::object o;
+  o["version"] = LIGHTWIRE_VERSION;
+  o["uptime_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  json::object cfg;
+  {
+    std::lock_guard lock(mu_);
+    ServeConfig current = config_;
+    current.compression = *compression_;
+    cfg = toJson(current);
+    json::object l;
+    l["control_socket"] = listeners_.control_socket;
+    l["control_tcp_port"] = listeners_.control_tcp_port ? json::value(*listeners_.control_tcp_port)
+                                                        : json::value(nullptr);
+    l["admin_port"] =
+        listeners_.admin_port ? json::value(*listeners_.admin_port) : json::value(nullptr);
+    o["listeners"] = std::move(l);
+    o["last_report"] = last_report_;
+  }
+  o["config"] = std::move(cfg);
+  o["world_size"] = config_.peer.world_size;
+  o["rank"] = config_.peer.rank;
+  {
+    std::function<std::vector<bool>()> peers;
+    {
+      std::lock_guard lock(mu_);
+      peers = peers_up_;
+    }
+    json::array up;
+    if (peers) {
+      for (bool b : peers()) up.push_back(b);
+    }
+    o["peers_up"] = std::move(up);
+  }
+  {
+    std::function<json::value()> tls;
+    {
+      std::lock_guard lock(mu_);
+      tls = peer_tls_;
+    }
+    o["peer_tls"] = tls ? tls() : json::value(nullptr);
+  }
+  o["local_trainers"] = config_.local_trainers;
+  o["tensors"] = engine_.tensorsJson();
+  json::array bufs;
+  for (const auto& b : buffers_.list()) {
+    json::object entry{{"id", b.id}, {"name", b.name}, {"size", b.size}, {"kind", b.kind}};
+    if (b.pid > 0) entry["pid"] = b.pid;
+    bufs.push_back(std::move(entry));
+  }
+  o["buffers"] = std::move(bufs);
+  o["steps"] = json::object{{"ok", engine_.stepsOk()}, {"failed", engine_.stepsFailed()}};
+  if (policy_) o["policies"] = policy_->statusJson();
+  {
+    std::lock_guard lock(mu_);
+    json::object cuda{{"available", cuda_ != nullptr}};
+    if (cuda_) {
+      cuda["driver_version"] = cuda_->version();
+      json::array devices;
+      for (const auto& d : cuda_->devices()) {
+        devices.push_back(
+            json::object{{"ordinal", d.ordinal}, {"name", d.name}, {"pci_bus_id", d.pci_bus_id}});
+      }
+      cuda["devices"] = std::move(devices);
+    } else {
+      cuda["why_not"] = cuda_why_not_;
+    }
+    o["cuda"] = std::move(cuda);
+  }
+  return jsonResponse(status::ok, o);
+}
+
+}  // namespace lightwire::proxy
