@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "proxy/server/serve.h"
 #include "proxy/tools/bench_cli.h"
 #include "proxy/version.h"

@@ -16,7 +16,7 @@
 #include "ipc/shm_region.h"
 #include "metrics/metrics.h"
 #include "policies/policy.h"
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "proxy/server/http_server.h"
 #include "proxy/step/engine.h"
 

@@ -7,7 +7,7 @@
 #include <optional>
 #include <string>
 
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 
 namespace lightwire::proxy {
 

@@ -17,7 +17,7 @@
 #include <set>
 #include <string>
 
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "tests/fuzz/targets.h"
 
 namespace fs = std::filesystem;
@@ -83,7 +83,8 @@ int dict(const fs::path& dir) {
   }
   std::ofstream out(dir / "config_yaml.dict", std::ios::trunc);
   out << "# libFuzzer dictionary of the `config_yaml` target, written by `fuzz_corpus dict` from\n"
-         "# proxy/config.h serveConfigKeys(): YAML keys, environment variables, flags, defaults.\n";
+         "# proxy/config/config.h serveConfigKeys(): YAML keys, environment variables, flags, "
+         "defaults.\n";
   for (const auto& w : words) {
     out << '"';
     for (unsigned char c : w) {

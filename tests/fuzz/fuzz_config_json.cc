@@ -7,7 +7,7 @@
 #include <boost/json/parse.hpp>
 #include <boost/json/serialize.hpp>
 
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "tests/fuzz/targets.h"
 
 namespace lightwire::fuzz::config_json {

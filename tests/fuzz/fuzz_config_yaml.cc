@@ -12,7 +12,7 @@
 #include <iterator>
 #include <sstream>
 
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "tests/fuzz/targets.h"
 
 #ifndef LW_SOURCE_DIR

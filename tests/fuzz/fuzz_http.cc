@@ -27,7 +27,7 @@
 
 #include "ipc/shm_region.h"
 #include "metrics/metrics.h"
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "proxy/server/control_api.h"
 #include "proxy/server/http_server.h"
 #include "proxy/step/engine.h"

@@ -9,7 +9,7 @@
 #include <boost/json/serialize.hpp>
 
 #include "policies/stats.h"
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "proxy/peer/ps_exchange.h"
 #include "tests/fuzz/peer_bodies.h"
 #include "tests/fuzz/targets.h"

@@ -15,7 +15,7 @@
 #include <spdlog/spdlog.h>
 
 #include "kernels/registry.h"
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "proxy/server/control_api.h"
 
 namespace lightwire::fuzz {

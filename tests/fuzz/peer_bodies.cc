@@ -8,7 +8,7 @@
 
 #include "kernels/registry.h"
 #include "policies/stats.h"
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "proxy/peer/ps_exchange.h"
 #include "proxy/server/control_api.h"
 #include "proxy/step/engine.h"

@@ -1199,7 +1199,7 @@ TEST_CASE("a trainer event that cannot be waited on fails the step and commits n
   };
   Run failed = runStep(pair.gpu, "w", 2, DType::kF32, gradients(2, 8000, 2), {}, {}, failing);
   for (const auto& o : failed.outcomes) {
-    !CHECK_MESSAGE(o.ok(), "a step whose gradient could not be waited on succeeded ("
+    CHECK_MESSAGE(!o.ok(), "a step whose gradient could not be waited on succeeded ("
                                << o.figures.device << ")");
   }
   for (auto& b : pair.gpu.buffers["w"]) b->fail_wait = false;

@@ -1,5 +1,5 @@
-// The serve configuration (proxy/config.h): defaults, precedence of file < environment < flags,
-// errors naming key and source, codec rules, the JSON forms and the generated --help.
+// The serve configuration (proxy/config/config.h): defaults, precedence of file < environment <
+// flags, errors naming key and source, codec rules, the JSON forms and the generated --help.
 #include <doctest.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "proxy/config.h"
+#include "proxy/config/config.h"
 #include "tests/temp_dir.h"
 
 namespace json = boost::json;

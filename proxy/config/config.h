@@ -66,7 +66,7 @@ struct ServeConfig {
   std::string job_id = "default";
   int local_trainers = 1;
   unsigned threads =
-      0;            // 0 = the CPUs this process may use (proxy/resources.h; resolved by the caller)
+      0;  // 0 = the CPUs this process may use (proxy/server/resources.h; resolved by the caller)
   bool gpu = true;  // the step engine's GPU path for CUDA IPC buffers (EngineOptions::gpu)
   std::string log_level = "info";
   std::string log_format = "text";  // text | json (one object per line)
