@@ -1,6 +1,6 @@
-// Checkpoint and resume orchestration of the step engine (docs/policies.md "Checkpoints"): what a
-// checkpoint holds of every tensor, where files go and how many are kept, and how a sidecar
-// resumes from one (POST /v1/resume, a peer's resume, a restart). Files themselves:
+// Checkpoint and resume orchestration of the step engine (docs/policies.md "Durable state:
+// checkpoints"): what a checkpoint holds of every tensor, where files go and how many are kept, and
+// how a sidecar resumes from one (POST /v1/resume, a peer's resume, a restart). Files themselves:
 // policies/checkpoint.h. Everything here runs between steps (StepEngine::runBetweenSteps) or
 // after shutdown, never during a step.
 

@@ -65,7 +65,8 @@ struct EngineOptions {
   // `settings` (when set) maps agreed settings versions to choosers (else the chooser is used).
   policies::PolicyEngine* policy = nullptr;
   SettingsChooser settings;
-  // Durable state (docs/policies.md "Checkpoints"): where files go ("" = nowhere), whose they are.
+  // Durable state (docs/policies.md "Durable state: checkpoints"): where files go ("" = nowhere),
+  // whose they are.
   std::string state_dir;
   std::string job_id = "default";
   uint32_t world_size = 1;
