@@ -12,7 +12,7 @@
 #            tests/fuzz (-Dfuzz=true; scripts/fuzz.sh runs them). UBSan reports and carries on
 #            (scripts/test.sh counts them). -fno-sanitize=function: clang 14's function sanitizer
 #            cannot compile C++20 coroutines ("Cannot represent a difference across sections",
-#            LLVM issue 49689; proxy/peer/tcp_transport.cc). A directory configured otherwise
+#            LLVM bug 49689; proxy/peer/tcp_transport.cc). A directory configured otherwise
 #            (another compiler, no fuzz targets) is configured afresh. Default dir: build-asan.
 #   tsan     ThreadSanitizer with clang-14 (LW_ASAN_CC/LW_ASAN_CXX as above), -O1, line tables,
 #            no CUDA, no UCX; builds only tests/exchange_tests (the peer transports, collectives
