@@ -67,7 +67,10 @@ class CudaIpcRegion final : public Region {
   /// Makes `stream` (a stream of this region's GPU, as the CUDA runtime's cudaStream_t) wait on
   /// the device for the trainer's IPC event; nothing when the trainer registered none. The GPU
   /// path of the step engine calls it before it reads the region in place.
-  bool waitOn(void* stream, std::string* error);
+  bool waitOn(void* stream, std::string* error) override;
+  std::optional<DeviceView> deviceAt(uint64_t offset) const override {
+    return DeviceView{ordinal_, devicePointer() + offset};
+  }
 
   int deviceOrdinal() const { return ordinal_; }
   const std::string& pciBusId() const { return spec_.pci_bus_id; }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -39,6 +40,17 @@ class Region {
   virtual bool store(uint64_t /*offset*/, uint64_t /*bytes*/, std::string* /*error*/) {
     return true;
   }
+  /// Where byte `offset` of device memory lies for a step that reads and writes it in place on
+  /// the GPU (docs/cuda.md "Steps on the GPU"): the CUDA device ordinal and the address in this
+  /// process. nullopt for host memory.
+  struct DeviceView {
+    int ordinal = -1;
+    uint64_t address = 0;
+  };
+  virtual std::optional<DeviceView> deviceAt(uint64_t /*offset*/) const { return std::nullopt; }
+  /// Device memory: makes `stream` (a cudaStream_t of the region's GPU) wait, on the device, for
+  /// the trainer's work that produced the bytes (its IPC event, if any). Host memory: nothing.
+  virtual bool waitOn(void* /*stream*/, std::string* /*error*/) { return true; }
 };
 
 /// One mapped segment (read-write, MAP_SHARED). Immutable after open; the mapping lives as long

@@ -20,9 +20,10 @@ Response ControlApi::bufferLimit(ipc::BufferTable::AddError why, const std::stri
   return errorResponse(status::too_many_requests, "limit_reached", error);
 }
 
-Response ControlApi::registerBuffer(const Request& req, const RequestInfo& info) {
+Response ControlApi::registerBuffer(RouteCall& call) {
+  const RequestInfo& info = call.info;
   json::object o;
-  if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
+  if (std::string e = parseObject(call.req.body(), &o); !e.empty()) return badRequest(e);
   std::string kind = "shm";
   if (std::string e = jsonString(o, "kind", false, &kind); !e.empty()) return badRequest(e);
   ipc::BufferOwner owner = ipc::BufferOwner::of(info.pid);
@@ -132,7 +133,8 @@ Response ControlApi::registerCudaBuffer(const json::object& o, const ipc::Buffer
                                                     {"name", label}});
 }
 
-Response ControlApi::releaseBuffer(const std::string& id) {
+Response ControlApi::releaseBuffer(RouteCall& call) {
+  const std::string id = call.target.path.substr(std::string_view("/v1/buffers/").size());
   if (!buffers_.remove(id)) {
     return errorResponse(status::not_found, "not_found", "unknown buffer " + quoted(id));
   }

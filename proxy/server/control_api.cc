@@ -49,16 +49,14 @@ namespace json = boost::json;
 using http::status;
 using namespace api;  // NOLINT(google-build-using-namespace): the routes' shared helpers
 
-/// The route template of a path, for metric labels (bounded set).
-std::string routeTemplate(const std::string& path) {
-  static const char* known[] = {"/healthz",          "/readyz",     "/metrics",   "/v1/status",
-                                "/v1/emit_gradient", "/v1/buffers", "/v1/report", "/v1/config",
-                                "/v1/checkpoint",    "/v1/resume"};
-  for (const char* k : known) {
-    if (path == k) return k;
-  }
-  if (path.rfind("/v1/buffers/", 0) == 0) return "/v1/buffers/{id}";
-  return "other";
+/// A template's fixed part: all of it, or what comes before its "{id}".
+std::string_view fixedPart(std::string_view path_template) {
+  return path_template.substr(0, path_template.find('{'));
+}
+
+bool matches(std::string_view path_template, std::string_view path) {
+  const std::string_view fixed = fixedPart(path_template);
+  return fixed.size() == path_template.size() ? path == fixed : path.rfind(fixed, 0) == 0;
 }
 
 }  // namespace
@@ -118,6 +116,38 @@ bool ControlApi::tokenOk(const Request& req) const {
          CRYPTO_memcmp(got.data(), expected.data(), expected.size()) == 0;
 }
 
+/// The routes of docs/api.md: a path template ("{id}" matches the rest of the path), the method
+/// (GET routes answer HEAD too), whether the admin listener serves it, and its handler.
+const std::vector<ControlApi::Route>& ControlApi::routes() {
+  using V = http::verb;
+  static const std::vector<Route> table = {
+      {"/healthz", V::get, true, &ControlApi::healthz},
+      {"/readyz", V::get, true, &ControlApi::readyz},
+      {"/metrics", V::get, true, &ControlApi::metricsText},
+      {"/v1/status", V::get, true, &ControlApi::statusRoute},
+      {"/v1/emit_gradient", V::post, false, &ControlApi::emitGradient},
+      {"/v1/buffers", V::post, false, &ControlApi::registerBuffer},
+      {"/v1/buffers/{id}", V::delete_, false, &ControlApi::releaseBuffer},
+      {"/v1/report", V::post, false, &ControlApi::report},
+      {"/v1/config", V::put, false, &ControlApi::putConfig},
+      {"/v1/checkpoint", V::post, false, &ControlApi::checkpointRoute},
+      {"/v1/resume", V::post, false, &ControlApi::resumeRoute},
+  };
+  return table;
+}
+
+const ControlApi::Route* ControlApi::findRoute(std::string_view path) {
+  for (const Route& r : routes()) {
+    if (matches(r.path, path)) return &r;
+  }
+  return nullptr;
+}
+
+std::string ControlApi::routeTemplate(std::string_view path) {
+  const Route* r = findRoute(path);
+  return r ? std::string(r->path) : "other";
+}
+
 void ControlApi::countRefused(std::string_view target, unsigned status) {
   RequestTarget t;
   parseTarget(target, &t);
@@ -148,91 +178,79 @@ void ControlApi::handle(Request&& request, const RequestInfo& info, Reply reply)
 Response ControlApi::route(Request& req, const RequestTarget& t, const RequestInfo& info,
                            Reply& reply, bool& replied) {
   if (!t.error.empty()) return badRequest(t.error);
-  const auto method = req.method();
-  auto methodNotAllowed = [](const char* allow) {
-    Response r = errorResponse(status::method_not_allowed, "method_not_allowed",
-                               std::string("allowed: ") + allow);
-    r.set(http::field::allow, allow);
-    return r;
-  };
-  const bool admin = info.listener == ListenerKind::kAdmin;
-  const bool admin_route =
-      t.path == "/healthz" || t.path == "/readyz" || t.path == "/metrics" || t.path == "/v1/status";
-  if (admin && !admin_route) {
+  const Route* route = findRoute(t.path);
+  if (info.listener == ListenerKind::kAdmin && (route == nullptr || !route->admin)) {
     return errorResponse(status::not_found, "not_found",
                          "the admin listener serves /healthz, /readyz, /metrics and /v1/status");
   }
-  if (!admin && info.tcp && !tokenOk(req)) {
+  if (info.listener != ListenerKind::kAdmin && info.tcp && !tokenOk(req)) {
     Response r = errorResponse(status::unauthorized, "unauthenticated",
                                "the TCP control listener needs 'Authorization: Bearer <token>'");
     r.set(http::field::www_authenticate, "Bearer");
     return r;
   }
-  if (admin_route) {
-    if (method != http::verb::get && method != http::verb::head) return methodNotAllowed("GET");
-    if (t.path == "/healthz") return textResponse(status::ok, "ok\n");
-    if (t.path == "/readyz") {
-      if (stopping_) return textResponse(status::service_unavailable, "stopping\n");
-      std::function<std::vector<bool>()> peers;
-      {
-        std::lock_guard lock(mu_);
-        peers = peers_up_;
-      }
-      if (peers) {
-        std::string down;
-        const auto up = peers();
-        for (size_t r = 0; r < up.size(); ++r) {
-          if (!up[r]) down += (down.empty() ? "" : ", ") + std::to_string(r);
-        }
-        if (!down.empty()) {
-          return textResponse(status::service_unavailable,
-                              "waiting for peer rank(s) " + down + "\n");
-        }
-      }
-      return textResponse(status::ok, "ready\n");
-    }
-    if (t.path == "/metrics") {
-      metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
-      return textResponse(status::ok, metrics_.exposition(), "text/plain; version=0.0.4");
-    }
-    return this->status();
+  if (route == nullptr) {
+    return errorResponse(status::not_found, "not_found", "no route " + quoted(t.path));
   }
-  if (t.path == "/v1/emit_gradient") {
-    if (method != http::verb::post) return methodNotAllowed("POST");
-    if (stopping_) {
-      return errorResponse(status::service_unavailable, "shutting_down",
-                           "the sidecar is shutting down");
-    }
-    const auto type = req[http::field::content_type];
-    if (type.rfind("application/json", 0) == 0) return emitShm(req, reply, replied);
-    return emitRaw(req, t, reply, replied);
+  const auto method = req.method();
+  if (method != route->method &&
+      !(route->method == http::verb::get && method == http::verb::head)) {
+    const std::string allow(http::to_string(route->method));
+    Response r =
+        errorResponse(status::method_not_allowed, "method_not_allowed", "allowed: " + allow);
+    r.set(http::field::allow, allow);
+    return r;
   }
-  if (t.path == "/v1/buffers") {
-    if (method != http::verb::post) return methodNotAllowed("POST");
-    return registerBuffer(req, info);
-  }
-  if (t.path.rfind("/v1/buffers/", 0) == 0) {
-    if (method != http::verb::delete_) return methodNotAllowed("DELETE");
-    return releaseBuffer(t.path.substr(std::string_view("/v1/buffers/").size()));
-  }
-  if (t.path == "/v1/report") {
-    if (method != http::verb::post) return methodNotAllowed("POST");
-    return report(req);
-  }
-  if (t.path == "/v1/config") {
-    if (method != http::verb::put) return methodNotAllowed("PUT");
-    return putConfig(req, info);
-  }
-  if (t.path == "/v1/checkpoint" || t.path == "/v1/resume") {
-    if (method != http::verb::post) return methodNotAllowed("POST");
-    return durableState(req, t.path == "/v1/resume");
-  }
-  return errorResponse(status::not_found, "not_found", "no route " + quoted(t.path));
+  RouteCall call{req, t, info, reply, replied};
+  return (this->*(route->handler))(call);
 }
 
-Response ControlApi::report(const Request& req) {
+Response ControlApi::healthz(RouteCall& /*call*/) { return textResponse(status::ok, "ok\n"); }
+
+Response ControlApi::readyz(RouteCall& /*call*/) {
+  if (stopping_) return textResponse(status::service_unavailable, "stopping\n");
+  std::function<std::vector<bool>()> peers;
+  {
+    std::lock_guard lock(mu_);
+    peers = peers_up_;
+  }
+  if (peers) {
+    std::string down;
+    const auto up = peers();
+    for (size_t r = 0; r < up.size(); ++r) {
+      if (!up[r]) down += (down.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (!down.empty()) {
+      return textResponse(status::service_unavailable, "waiting for peer rank(s) " + down + "\n");
+    }
+  }
+  return textResponse(status::ok, "ready\n");
+}
+
+Response ControlApi::metricsText(RouteCall& /*call*/) {
+  metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
+  return textResponse(status::ok, metrics_.exposition(), "text/plain; version=0.0.4");
+}
+
+Response ControlApi::statusRoute(RouteCall& /*call*/) { return status(); }
+
+Response ControlApi::emitGradient(RouteCall& call) {
+  if (stopping_) {
+    return errorResponse(status::service_unavailable, "shutting_down",
+                         "the sidecar is shutting down");
+  }
+  const auto type = call.req[http::field::content_type];
+  if (type.rfind("application/json", 0) == 0) return emitShm(call.req, call.reply, call.replied);
+  return emitRaw(call.req, call.target, call.reply, call.replied);
+}
+
+Response ControlApi::checkpointRoute(RouteCall& call) { return durableState(call.req, false); }
+
+Response ControlApi::resumeRoute(RouteCall& call) { return durableState(call.req, true); }
+
+Response ControlApi::report(RouteCall& call) {
   json::object o;
-  if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
+  if (std::string e = parseObject(call.req.body(), &o); !e.empty()) return badRequest(e);
   uint64_t step = 0, trainer = 0, fallbacks = 0;
   bool has_trainer = false, has_fallbacks = false;
   for (std::string e :
@@ -308,7 +326,8 @@ Response ControlApi::durableState(const Request& req, bool resume) {
   return jsonResponse(status::ok, r);
 }
 
-Response ControlApi::putConfig(const Request& req, const RequestInfo& /*info*/) {
+Response ControlApi::putConfig(RouteCall& call) {
+  const Request& req = call.req;
   if (!tokenOk(req)) {
     Response r = errorResponse(status::unauthorized, "unauthenticated",
                                "PUT /v1/config needs 'Authorization: Bearer <token>'");

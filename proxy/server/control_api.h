@@ -11,6 +11,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "ipc/cuda_driver.h"
 #include "ipc/shm_region.h"
@@ -70,17 +72,44 @@ class ControlApi {
   size_t releaseExitedOwners();
 
  private:
+  /// What a route's handler is given.
+  struct RouteCall {
+    Request& req;
+    const RequestTarget& target;
+    const RequestInfo& info;
+    Reply& reply;  // for a reply after the step (set `replied`, return an empty Response)
+    bool& replied;
+  };
+  struct Route {
+    std::string_view path;  // a template: "{id}" matches the rest of the path
+    http::verb method;      // GET routes answer HEAD too
+    bool admin;             // the admin listener serves it too
+    Response (ControlApi::*handler)(RouteCall&);
+  };
+  /// The route table (control_api.cc) and the route of a path (null: none).
+  static const std::vector<Route>& routes();
+  static const Route* findRoute(std::string_view path);
+  /// The route template of a path, for metric labels (a bounded set: the templates, "other").
+  static std::string routeTemplate(std::string_view path);
+
   Response route(Request& req, const RequestTarget& t, const RequestInfo& info, Reply& reply,
                  bool& replied);
+  Response healthz(RouteCall& call);
+  Response readyz(RouteCall& call);
+  Response metricsText(RouteCall& call);
+  Response statusRoute(RouteCall& call);
+  Response emitGradient(RouteCall& call);
   Response emitRaw(Request& req, const RequestTarget& t, Reply& reply, bool& replied);
   Response emitShm(Request& req, Reply& reply, bool& replied);
-  Response registerBuffer(const Request& req, const RequestInfo& info);
+  Response registerBuffer(RouteCall& call);
   Response registerCudaBuffer(const boost::json::object& o, const ipc::BufferOwner& owner);
   /// The 429 reply to a registration refused for room, counted as a limit hit.
   Response bufferLimit(ipc::BufferTable::AddError why, const std::string& error);
-  Response releaseBuffer(const std::string& id);
-  Response report(const Request& req);
-  Response putConfig(const Request& req, const RequestInfo& info);
+  Response releaseBuffer(RouteCall& call);
+  Response report(RouteCall& call);
+  Response putConfig(RouteCall& call);
+  Response checkpointRoute(RouteCall& call);
+  Response resumeRoute(RouteCall& call);
   Response durableState(const Request& req, bool resume);
   Response status();
   bool tokenOk(const Request& req) const;

@@ -6,76 +6,30 @@
 
 #include <boost/json/serialize.hpp>
 
-#include "ipc/cuda_ipc.h"
 #include "proxy/server/api_util.h"
+#include "proxy/server/tensor_description.h"
 
 namespace lightwire::proxy {
 
 using namespace api;  // NOLINT(google-build-using-namespace): the routes' shared helpers
 
 Response ControlApi::emitRaw(Request& req, const RequestTarget& t, Reply& reply, bool& replied) {
-  for (const auto& [k, v] : t.query) {
-    if (k != "name" && k != "step" && k != "dtype" && k != "shape" && k != "trainer") {
-      return badRequest("unknown query parameter " + quoted(k) +
-                        " (known: name, step, dtype, shape, trainer)");
-    }
-  }
   TensorSpec spec;
-  auto q = [&](const char* k) -> const std::string* {
-    auto it = t.query.find(k);
-    return it == t.query.end() ? nullptr : &it->second;
-  };
-  if (!q("name")) return badRequest("missing query parameter 'name'");
-  spec.name = *q("name");
-  if (std::string e = checkName(spec.name); !e.empty()) return badRequest(e);
-  if (!q("step")) return badRequest("missing query parameter 'step'");
-  if (!parseU64(*q("step"), &spec.step)) {
-    return badRequest("query parameter 'step' must be an unsigned integer, got " +
-                      quoted(*q("step")));
-  }
-  if (const std::string* d = q("dtype")) {
-    auto dt = kernels::parseDType(*d);
-    if (!dt) {
-      return badRequest("unknown dtype " + quoted(*d) + " (float32, float16 or bfloat16)");
-    }
-    spec.dtype = *dt;
-  }
-  if (const std::string* tr = q("trainer")) {
-    uint64_t v = 0;
-    if (!parseU64(*tr, &v) || v > 1u << 20) {
-      return badRequest("query parameter 'trainer' must be a small unsigned integer, got " +
-                        quoted(*tr));
-    }
-    spec.trainer = static_cast<unsigned>(v);
-  } else if (config_.local_trainers > 1) {
-    return badRequest("missing query parameter 'trainer': this sidecar serves " +
-                      std::to_string(config_.local_trainers) + " local trainers");
+  bool has_shape = false;
+  if (std::string e = parseTensorDescription(QueryFields(t.query), {}, config_.local_trainers,
+                                             &spec, &has_shape);
+      !e.empty()) {
+    return badRequest(e);
   }
   const size_t width = kernels::dtypeSize(spec.dtype);
   const uint64_t body_bytes = req.body().size();
-  if (const std::string* sh = q("shape"); sh && !sh->empty()) {
-    std::string_view rest = *sh;
-    while (true) {
-      const size_t comma = rest.find(',');
-      uint64_t d = 0;
-      if (!parseU64(rest.substr(0, comma), &d)) {
-        return badRequest(
-            "query parameter 'shape' must be unsigned integers separated by "
-            "commas, got " +
-            quoted(*sh));
-      }
-      spec.shape.push_back(d);
-      if (spec.shape.size() > kMaxDims) break;
-      if (comma == std::string_view::npos) break;
-      rest = rest.substr(comma + 1);
-    }
-    if (std::string e = elementsOf(spec.shape, &spec.elements); !e.empty()) return badRequest(e);
+  if (has_shape) {
     if (spec.elements > body_bytes / width || spec.elements * width != body_bytes) {
-      return badRequest("shape " + quoted(*sh) + " of " + apiDTypeName(spec.dtype) + " needs " +
-                        (spec.elements > body_bytes / width
-                             ? std::string("more")
-                             : std::to_string(spec.elements * width)) +
-                        " bytes, the body has " + std::to_string(body_bytes));
+      return badRequest(
+          "shape " + quoted(t.query.at("shape")) + " of " + apiDTypeName(spec.dtype) + " needs " +
+          (spec.elements > body_bytes / width ? std::string("more")
+                                              : std::to_string(spec.elements * width)) +
+          " bytes, the body has " + std::to_string(body_bytes));
     }
   } else {
     if (body_bytes % width != 0) {
@@ -113,53 +67,26 @@ Response ControlApi::emitRaw(Request& req, const RequestTarget& t, Reply& reply,
 Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   json::object o;
   if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
-  for (const auto& kv : o) {
-    const std::string_view k = kv.key();
-    if (k != "name" && k != "step" && k != "trainer" && k != "buffer" && k != "offset" &&
-        k != "dtype" && k != "shape" && k != "elements") {
-      return badRequest("unknown field " + quoted(k));
-    }
-  }
   TensorSpec spec;
-  std::string buffer, dtype = "float32";
-  uint64_t offset = 0, trainer = 0, elements = 0;
-  bool has_trainer = false, has_elements = false;
+  bool has_shape = false;
+  const JsonFields fields(o);
+  if (std::string e = parseTensorDescription(fields, {"buffer", "offset", "elements"},
+                                             config_.local_trainers, &spec, &has_shape);
+      !e.empty()) {
+    return badRequest(e);
+  }
+  std::string buffer;
+  uint64_t offset = 0, elements = 0;
   for (std::string e :
-       {jsonString(o, "name", true, &spec.name), jsonU64(o, "step", true, &spec.step),
-        jsonU64(o, "trainer", false, &trainer, &has_trainer),
-        jsonString(o, "buffer", true, &buffer), jsonU64(o, "offset", false, &offset),
-        jsonString(o, "dtype", false, &dtype),
-        jsonU64(o, "elements", false, &elements, &has_elements)}) {
+       {jsonString(o, "buffer", true, &buffer), jsonU64(o, "offset", false, &offset),
+        fields.unsignedValue("elements", &elements)}) {
     if (!e.empty()) return badRequest(e);
   }
-  if (std::string e = checkName(spec.name); !e.empty()) return badRequest(e);
-  auto dt = kernels::parseDType(dtype);
-  if (!dt) return badRequest("unknown dtype " + quoted(dtype) + " (float32, float16 or bfloat16)");
-  spec.dtype = *dt;
-  if (has_trainer) {
-    if (trainer > 1u << 20) return badRequest("field 'trainer' is out of range");
-    spec.trainer = static_cast<unsigned>(trainer);
-  } else if (config_.local_trainers > 1) {
-    return badRequest("missing field 'trainer': this sidecar serves " +
-                      std::to_string(config_.local_trainers) + " local trainers");
-  }
-  if (const json::value* sh = o.if_contains("shape")) {
-    if (!sh->is_array()) return badRequest("field 'shape' must be an array of integers");
-    for (const auto& d : sh->get_array()) {
-      if (d.is_uint64()) {
-        spec.shape.push_back(d.get_uint64());
-      } else if (d.is_int64() && d.get_int64() >= 0) {
-        spec.shape.push_back(static_cast<uint64_t>(d.get_int64()));
-      } else {
-        return badRequest("field 'shape' must be an array of non-negative integers");
-      }
-      if (spec.shape.size() > kMaxDims) break;
-    }
-    if (std::string e = elementsOf(spec.shape, &spec.elements); !e.empty()) return badRequest(e);
-    if (has_elements && elements != spec.elements) {
+  if (has_shape) {
+    if (fields.present("elements") && elements != spec.elements) {
       return badRequest("fields 'shape' and 'elements' disagree");
     }
-  } else if (has_elements) {
+  } else if (fields.present("elements")) {
     spec.elements = elements;
   } else {
     return badRequest("missing field 'shape' (or 'elements')");
@@ -196,12 +123,12 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
       return region->store(offset, bytes, why);
     };
   }
-  if (auto cuda = std::dynamic_pointer_cast<ipc::CudaIpcRegion>(region)) {
+  if (auto view = region->deviceAt(offset)) {
     // The engine's GPU path reads and writes the trainer's memory in place.
     Contribution::Device d;
-    d.ordinal = cuda->deviceOrdinal();
-    d.ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(cuda->devicePointer() + offset));
-    d.wait = [cuda](void* stream, std::string* why) { return cuda->waitOn(stream, why); };
+    d.ordinal = view->ordinal;
+    d.ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(view->address));
+    d.wait = [region](void* stream, std::string* why) { return region->waitOn(stream, why); };
     c.device = std::move(d);
   }
   c.keep_alive = region;

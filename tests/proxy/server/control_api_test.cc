@@ -732,6 +732,19 @@ TEST_CASE("unknown routes get 404, wrong methods 405 with Allow") {
     CHECK(res[http::field::allow] == k.allow);
   }
   CHECK(c.get("/healthz").result_int() == 200);
+  // Replies are counted by route template, and any other path as "other" (a bounded label set).
+  expectError(c.request(http::verb::delete_, "/v1/buffers/no-such-id", "", kJson), 404,
+              "not_found");
+  const std::string metrics = c.get("/metrics").body();
+  for (const char* line :
+       {R"(lightwire_http_requests_total{code="404",route="other"} 3)",
+        R"(lightwire_http_requests_total{code="404",route="/v1/buffers/{id}"} 1)",
+        R"(lightwire_http_requests_total{code="405",route="/v1/buffers/{id}"} 1)",
+        R"(lightwire_http_requests_total{code="405",route="/metrics"} 1)",
+        R"(lightwire_http_requests_total{code="200",route="/healthz"} 1)"}) {
+    CAPTURE(line);
+    CHECK(metrics.find(line) != std::string::npos);
+  }
 }
 
 TEST_CASE("a body over max_body_bytes is refused from its Content-Length, before it is sent") {
