@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every libFuzzer target of tests/fuzz (tests/fuzz/README.md) for a while, one after another.
+# Runs every libFuzzer target of tests/fuzz (tests/fuzz/README.md) for a while, side by side.
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET (10)] [BUILD_DIR (build-asan)]
 #
@@ -12,7 +12,8 @@
 # when any target crashed, leaked, timed out or ran out of memory; its input (crash-*, leak-*,
 # timeout-*, oom-*) and log stay in BUILD_DIR/fuzz/<target>/, and the line says where.
 # Reproduce one: BUILD_DIR/tests/fuzz/fuzz_<target> BUILD_DIR/fuzz/<target>/crash-<sha1>.
-# LW_FUZZ_TARGETS="payload http" runs only those; LW_FUZZ_ARGS adds libFuzzer flags.
+# LW_FUZZ_TARGETS="payload http" runs only those; LW_FUZZ_ARGS adds libFuzzer flags; LW_FUZZ_JOBS
+# how many run at once (default: the processors, nproc).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
@@ -49,13 +50,14 @@ failed=0
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}
 
-printf '%-12s %10s %8s %6s %7s %9s %5s %7s  %s\n' target runs exec/s cov ft corpus new rss result
-for t in $targets; do
-  out=$results/$t
+# One target: its line (and, when it failed, the first lines of its report) into $out/line.
+run_target() {
+  local t=$1 out=$results/$1
   rm -rf "$out" && mkdir -p "$out/corpus"
   cp tests/fuzz/corpus/"$t"/* "$out/corpus/" 2>/dev/null
+  local before after rc last artifacts result
   before=$(find "$out/corpus" -type f | wc -l)
-  dict=()
+  local dict=()
   [[ -f tests/fuzz/$t.dict ]] && dict=(-dict=tests/fuzz/"$t".dict)
   # shellcheck disable=SC2086  # LW_FUZZ_ARGS: flags, split on purpose
   "$dir/tests/fuzz/fuzz_$t" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 \
@@ -69,16 +71,43 @@ for t in $targets; do
   artifacts=$(find "$out" -maxdepth 1 -type f \( -name 'crash-*' -o -name 'leak-*' -o \
     -name 'timeout-*' -o -name 'oom-*' \) | sort | tr '\n' ' ')
   if ((rc != 0)) || [[ -n "$artifacts" ]]; then
-    failed=$((failed + 1))
     result="FAILED (exit $rc): ${artifacts:-no input saved} log $out/log"
   else
     result=ok
   fi
-  printf '%-12s %10s %8s %6s %7s %9s %5s %6sM  %s\n' "$t" "$(stat number_of_executed_units)" \
-    "$(stat average_exec_per_sec)" "$(field cov)" "$(field ft)" "$before->$after" \
-    "$(stat new_units_added)" "$(stat peak_rss_mb)" "$result"
-  if [[ "$result" != ok ]]; then
-    grep -E 'ERROR: |runtime error|fuzz invariant broken|SUMMARY' "$out/log" | head -n 5 | sed 's/^/    /'
+  {
+    printf '%-12s %10s %8s %6s %7s %9s %5s %6sM  %s\n' "$t" "$(stat number_of_executed_units)" \
+      "$(stat average_exec_per_sec)" "$(field cov)" "$(field ft)" "$before->$after" \
+      "$(stat new_units_added)" "$(stat peak_rss_mb)" "$result"
+    if [[ "$result" != ok ]]; then
+      grep -E 'ERROR: |runtime error|fuzz invariant broken|SUMMARY' "$out/log" | head -n 5 |
+        sed 's/^/    /'
+    fi
+  } >"$out/line"
+}
+
+# Targets run side by side, as many at once as there are processors (LW_FUZZ_JOBS): each still
+# gets its SECONDS of run time on a processor of its own; the lines come out in target order.
+jobs=${LW_FUZZ_JOBS:-$(nproc)}
+running=0
+for t in $targets; do
+  run_target "$t" &
+  running=$((running + 1))
+  if ((running >= jobs)); then
+    wait -n
+    running=$((running - 1))
+  fi
+done
+wait
+
+printf '%-12s %10s %8s %6s %7s %9s %5s %7s  %s\n' target runs exec/s cov ft corpus new rss result
+for t in $targets; do
+  if [[ -f $results/$t/line ]]; then
+    cat "$results/$t/line"
+    grep -q ' ok$' "$results/$t/line" || failed=$((failed + 1))
+  else
+    echo "$t (no result) FAILED: the target's run left no line"
+    failed=$((failed + 1))
   fi
 done
 ((failed == 0)) || echo "fuzz.sh: $failed target(s) failed; inputs and logs under $results/" >&2

@@ -44,8 +44,9 @@ tests=(
   # the observability test scrapes the sidecars with
   prometheus
   # benchmarks: network namespaces and the rate limit (ip, tc) of bench/netns_exchange.sh and
-  # bench/e2e; the plots of docs/BENCHMARKS.md
-  iproute2 python3-matplotlib
+  # bench/e2e; the plots of docs/BENCHMARKS.md; instruction counts (callgrind) of
+  # bench/compare_builds.py
+  iproute2 python3-matplotlib valgrind
   # deployment: `docker-compose config` checks docker/compose.yml (no engine needed); PyYAML
   # reads the Kubernetes manifests and the compose file (tests/python/test_deploy.py,
   # scripts/check-image.py)
