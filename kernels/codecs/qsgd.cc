@@ -13,8 +13,8 @@
 #include <optional>
 #include <string>
 
-#include "kernels/bucket_codec.h"
-#include "kernels/bucket_family.h"
+#include "kernels/codecs/bucket.h"
+#include "kernels/codecs/bucket_family.h"
 #include "kernels/codecs/qsgd_layout.h"
 #include "kernels/philox.h"
 #include "kernels/reduce.h"

@@ -1,6 +1,6 @@
 #pragma once
 // The generic tests of the "per-bucket scale + bit-packed codes" codecs `terngrad`, `signsgd` and
-// `onebit` (kernels/bucket_codec.h, docs/determinism.md §4.9–4.11, docs/wire-format.md): bytes
+// `onebit` (kernels/codecs/bucket.h, docs/determinism.md §4.9–4.11, docs/wire-format.md): bytes
 // against a plain per-element reference written from the spec, packing round trips, chunk, thread
 // and SIMD-target independence, narrow inputs, error feedback, the non-finite escape and hostile
 // payloads. Each codec's test file describes the codec (a `Desc`: its name, id, bits per code,

@@ -1,5 +1,5 @@
 // CUDA `terngrad`, `signsgd` and `onebit` (docs/determinism.md §4.9–4.11, docs/wire-format.md),
-// byte-identical to kernels/bucket_codec.cc.
+// byte-identical to kernels/codecs/bucket.cc.
 //
 // Encoding one chunk of n elements in buckets of d:
 //   1. bucketReduceKernel: per bucket, per canonical block of 4096 elements (§2), eight threads;
@@ -31,7 +31,7 @@
 #include <optional>
 #include <string>
 
-#include "kernels/bucket_codec.h"
+#include "kernels/codecs/bucket.h"
 #include "kernels/cuda/codec.h"
 #include "kernels/cuda/codecs/dense_payload.cuh"
 #include "kernels/cuda/device.cuh"
@@ -63,7 +63,7 @@ constexpr const char* nameOf() {
   return bucketKindInfo(K).name;
 }
 
-/// kernels/bucket_codec.h's bucketLayout for kind K.
+/// kernels/codecs/bucket.h's bucketLayout for kind K.
 template <Kind K>
 std::optional<BucketLayout> bucketLayout(uint64_t n, uint64_t d) {
   return kernels::bucketLayout(n, d, bucketKindInfo(K));

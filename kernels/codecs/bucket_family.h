@@ -1,8 +1,8 @@
 #pragma once
 // The skeleton of the "per-bucket scales + bit-packed codes" family: `qsgd`
-// (kernels/codecs/qsgd.cc) and `terngrad`, `signsgd`, `onebit` (kernels/bucket_codec.cc);
+// (kernels/codecs/qsgd.cc) and `terngrad`, `signsgd`, `onebit` (kernels/codecs/bucket.cc);
 // docs/determinism.md §4.5, §4.9–4.11, docs/wire-format.md. Host only: the layouts the CUDA codecs
-// share are in kernels/bucket_codec.h and kernels/codecs/qsgd_layout.h.
+// share are in kernels/codecs/bucket.h and kernels/codecs/qsgd_layout.h.
 //
 // Every member of the family has a fixed bucket size d, chunks aligned to buckets, no analysis and
 // no workspace, a payload size fixed by (n, d), and encodes a chunk in parallel units of whole
@@ -21,7 +21,7 @@
 
 namespace lightwire::kernels {
 
-/// invalidArgument unless 1 <= bucket_size <= kMaxScaleBucket (kernels/bucket_codec.h), the
+/// invalidArgument unless 1 <= bucket_size <= kMaxScaleBucket (kernels/codecs/bucket.h), the
 /// message naming the codec.
 Status checkBucketSize(const char* name, const CodecConfig& config);
 

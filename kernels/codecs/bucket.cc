@@ -5,12 +5,13 @@
 // Encoding runs over units of whole buckets whose codes end on a byte boundary, so threads never
 // share a byte of the code stream; each unit is one pass over its buckets' scales (canonical fp64
 // sums, or an exact maximum) and one over its elements (codes), both on data still in cache.
-// That skeleton, shared with qsgd, is BucketFamilyCodec (kernels/bucket_family.h, defined here).
+// That skeleton, shared with qsgd, is BucketFamilyCodec (kernels/codecs/bucket_family.h, defined
+// here). The three codecs register here; their CUDA twins are kernels/cuda/codecs/bucket.cu.
 // The inner loops are Highway kernels compiled for every target (foreach_target) and dispatched
 // at run time; each gives the bytes of its scalar definition on every target.
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "kernels/bucket_codec.cc"
+#define HWY_TARGET_INCLUDE "kernels/codecs/bucket.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 
 #include <hwy/highway.h>
@@ -228,7 +229,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 
-#include "kernels/bucket_codec.h"
+#include "kernels/codecs/bucket.h"
 
 #include <algorithm>
 #include <atomic>
@@ -238,10 +239,11 @@ HWY_AFTER_NAMESPACE();
 #include <optional>
 #include <string>
 
-#include "kernels/bucket_family.h"
+#include "kernels/codecs/bucket_family.h"
 #include "kernels/parallel.h"
 #include "kernels/philox.h"
 #include "kernels/reduce.h"
+#include "kernels/registry.h"
 
 namespace lightwire::kernels {
 namespace bucket_simd {
@@ -659,6 +661,29 @@ Result<std::unique_ptr<Codec>> makeBucketCodec(BucketCodecKind kind, const Codec
   if (Status s = checkBucketSize(bucketKindInfo(kind).name, config); !s.isOk()) return s;
   return std::unique_ptr<Codec>(new BucketCodec(kind, config));
 }
+
+namespace {
+
+// `terngrad`: TernGrad: per-bucket max |g| scaler and stochastic ternary 2-bit codes (Philox
+// purpose 4); unbiased, error feedback off by default.
+LW_REGISTER_CODEC(terngrad, bucketCodecTraits(BucketCodecKind::kTerngrad),
+                  [](const CodecConfig& c) {
+                    return makeBucketCodec(BucketCodecKind::kTerngrad, c);
+                  });
+
+// `signsgd`: signSGD with a per-bucket mean-|g| scale and one sign bit per element; biased, error
+// feedback on by default.
+LW_REGISTER_CODEC(signsgd, bucketCodecTraits(BucketCodecKind::kSignsgd), [](const CodecConfig& c) {
+  return makeBucketCodec(BucketCodecKind::kSignsgd, c);
+});
+
+// `onebit`: 1-bit SGD: per bucket the means of the non-negative and of the negative elements, one
+// bit per element picks one; biased, error feedback on by default.
+LW_REGISTER_CODEC(onebit, bucketCodecTraits(BucketCodecKind::kOnebit), [](const CodecConfig& c) {
+  return makeBucketCodec(BucketCodecKind::kOnebit, c);
+});
+
+}  // namespace
 
 }  // namespace lightwire::kernels
 #endif  // HWY_ONCE
