@@ -109,10 +109,15 @@ quiet "build $release_dir" "$logs/build-release.log" bash scripts/build.sh relea
 # disk (debootstrap, apt-get in the stages' trees): it runs beside the other builds and is reported
 # in its place below.
 image_pid=""
-image_t0=$SECONDS
 if ((release_ok)) && [[ $(id -u) -eq 0 ]]; then
-  "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
-    --cache "$prefix-image-cache" >"$logs/image.log" 2>&1 &
+  (
+    t0=$SECONDS
+    "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
+      --cache "$prefix-image-cache" >"$logs/image.log" 2>&1
+    rc=$?
+    echo $((SECONDS - t0)) >"$logs/image.seconds"
+    exit $rc
+  ) &
   image_pid=$!
   note "      (image emulation started beside the builds, pid $image_pid)"
 fi
@@ -242,7 +247,7 @@ if [[ $(id -u) -ne 0 ]]; then
 elif [[ -z "$image_pid" ]]; then
   fail "image emulation" "no $release_dir/proxy/lightwire"
 elif wait "$image_pid"; then
-  pass "image emulation: sidecar and trainer stages, health check, a compose node's training ($((SECONDS - image_t0)) s since its start)"
+  pass "image emulation: sidecar and trainer stages, health check, a compose node's training ($(cat "$logs/image.seconds") s, beside the builds)"
 else
   grep '^check-image' "$logs/image.log" | tail -n 20
   fail "image emulation" "see $logs/image.log"
