@@ -157,16 +157,17 @@ void ControlApi::countRefused(std::string_view target, unsigned status) {
 void ControlApi::handle(Request&& request, const RequestInfo& info, Reply reply) {
   RequestTarget t;
   t.error = parseTarget(request.target(), &t);
-  const std::string route = routeTemplate(t.path);
+  const Route* found = findRoute(t.path);  // looked up once: the dispatch and the metric label
   // Count every reply by route template and status.
-  Reply counted = [this, route, reply = std::move(reply)](Response r) {
-    metrics_.httpRequests(route, static_cast<unsigned>(r.result_int())).Increment();
+  Reply counted = [this, label = std::string(found ? found->path : "other"),
+                   reply = std::move(reply)](Response r) {
+    metrics_.httpRequests(label, static_cast<unsigned>(r.result_int())).Increment();
     reply(std::move(r));
   };
   bool replied = false;
   Response r;
   try {
-    r = this->route(request, t, info, counted, replied);
+    r = this->route(request, t, found, info, counted, replied);
   } catch (const std::exception& e) {  // a bug, never the client's fault: keep serving
     spdlog::error("request {} {} failed: {}", std::string(request.method_string()),
                   std::string(request.target().substr(0, 200)), e.what());
@@ -175,10 +176,9 @@ void ControlApi::handle(Request&& request, const RequestInfo& info, Reply reply)
   if (!replied) counted(std::move(r));
 }
 
-Response ControlApi::route(Request& req, const RequestTarget& t, const RequestInfo& info,
-                           Reply& reply, bool& replied) {
+Response ControlApi::route(Request& req, const RequestTarget& t, const Route* route,
+                           const RequestInfo& info, Reply& reply, bool& replied) {
   if (!t.error.empty()) return badRequest(t.error);
-  const Route* route = findRoute(t.path);
   if (info.listener == ListenerKind::kAdmin && (route == nullptr || !route->admin)) {
     return errorResponse(status::not_found, "not_found",
                          "the admin listener serves /healthz, /readyz, /metrics and /v1/status");

@@ -92,8 +92,9 @@ class ControlApi {
   /// The route template of a path, for metric labels (a bounded set: the templates, "other").
   static std::string routeTemplate(std::string_view path);
 
-  Response route(Request& req, const RequestTarget& t, const RequestInfo& info, Reply& reply,
-                 bool& replied);
+  /// `route`: the table's row for t.path (null: none).
+  Response route(Request& req, const RequestTarget& t, const Route* route, const RequestInfo& info,
+                 Reply& reply, bool& replied);
   Response healthz(RouteCall& call);
   Response readyz(RouteCall& call);
   Response metricsText(RouteCall& call);

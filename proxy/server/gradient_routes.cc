@@ -69,24 +69,24 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
   TensorSpec spec;
   bool has_shape = false;
-  const JsonFields fields(o);
-  if (std::string e = parseTensorDescription(fields, {"buffer", "offset", "elements"},
+  if (std::string e = parseTensorDescription(JsonFields(o), {"buffer", "offset", "elements"},
                                              config_.local_trainers, &spec, &has_shape);
       !e.empty()) {
     return badRequest(e);
   }
   std::string buffer;
   uint64_t offset = 0, elements = 0;
+  bool has_elements = false;
   for (std::string e :
        {jsonString(o, "buffer", true, &buffer), jsonU64(o, "offset", false, &offset),
-        fields.unsignedValue("elements", &elements)}) {
+        jsonU64(o, "elements", false, &elements, &has_elements)}) {
     if (!e.empty()) return badRequest(e);
   }
   if (has_shape) {
-    if (fields.present("elements") && elements != spec.elements) {
+    if (has_elements && elements != spec.elements) {
       return badRequest("fields 'shape' and 'elements' disagree");
     }
-  } else if (fields.present("elements")) {
+  } else if (has_elements) {
     spec.elements = elements;
   } else {
     return badRequest("missing field 'shape' (or 'elements')");
