@@ -5,8 +5,6 @@
 namespace lightwire::ipc {
 namespace {
 
-constexpr int kSuccess = 0;
-
 /// Resolves `name` into `fn`; false (and `missing` set) when the library lacks it.
 template <typename F>
 bool resolve(void* lib, const char* name, F& fn, std::string& missing) {

@@ -33,6 +33,7 @@ struct CudaDevice {
 class CudaDriver {
  public:
   using CUresult = int;
+  static constexpr CUresult kSuccess = 0;  // CUDA_SUCCESS
   using CUdevice = int;
   using CUdeviceptr = unsigned long long;
   using CUcontext = struct CUctx_st*;

@@ -7,7 +7,6 @@
 namespace lightwire::ipc {
 namespace {
 
-constexpr int kSuccess = 0;
 constexpr unsigned kLazyEnablePeerAccess = 0x1;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 constexpr unsigned kStreamNonBlocking = 0x1;     // CU_STREAM_NON_BLOCKING
 
@@ -72,7 +71,7 @@ std::string handleHex(const CudaIpcHandle& h) {
 }
 
 bool CudaIpcRegion::check(CudaDriver::CUresult r, const char* what, std::string* error) const {
-  if (r == kSuccess) return true;
+  if (r == CudaDriver::kSuccess) return true;
   *error = std::string(what) + " failed on GPU " + spec_.pci_bus_id + ": " + driver_->errorText(r);
   return false;
 }
@@ -112,7 +111,7 @@ std::unique_ptr<CudaIpcRegion> CudaIpcRegion::open(std::shared_ptr<CudaDriver> d
   if (!r->check(driver->cuCtxSetCurrent(r->context_), "cuCtxSetCurrent", error)) return nullptr;
   CudaDriver::CUdeviceptr base = 0;
   if (const auto res = driver->cuIpcOpenMemHandle(&base, spec.memory, kLazyEnablePeerAccess);
-      res != kSuccess) {
+      res != CudaDriver::kSuccess) {
     *error = "cannot open the CUDA IPC memory handle on GPU " + r->spec_.pci_bus_id + " (" +
              driver->errorText(res) +
              "): it is not a live handle of another process's allocation on that GPU (closed, "
@@ -134,7 +133,8 @@ std::unique_ptr<CudaIpcRegion> CudaIpcRegion::open(std::shared_ptr<CudaDriver> d
     return nullptr;
   }
   if (spec.event) {
-    if (const auto res = driver->cuIpcOpenEventHandle(&r->event_, *spec.event); res != kSuccess) {
+    if (const auto res = driver->cuIpcOpenEventHandle(&r->event_, *spec.event);
+        res != CudaDriver::kSuccess) {
       r->event_ = nullptr;
       *error = "cannot open the CUDA IPC event handle (" + driver->errorText(res) +
                "): create it with torch.cuda.Event(interprocess=True)";

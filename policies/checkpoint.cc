@@ -30,7 +30,7 @@
 namespace lightwire::policies {
 namespace {
 
-constexpr std::array<uint8_t, 4> kMagic = {'L', 'W', 'C', 'K'};
+constexpr std::array<uint8_t, 4> kCheckpointMagic = {'L', 'W', 'C', 'K'};
 constexpr size_t kHeaderBytes = 4 + 4 + 8;  // magic | version | body length
 constexpr size_t kTrailerBytes = 8;         // XXH3-64 of the body
 
@@ -171,7 +171,7 @@ uint64_t bodyBytes(const Checkpoint& c) {
 
 template <typename Sink>
 void putHeader(Sink& s, uint64_t body_bytes) {
-  s.put(kMagic.data(), kMagic.size());
+  s.put(kCheckpointMagic.data(), kCheckpointMagic.size());
   putU32(s, kCheckpointVersion);
   putU64(s, body_bytes);
 }
@@ -510,7 +510,8 @@ Result<Checkpoint> decodeCheckpoint(std::span<const uint8_t> bytes,
     return v;
   };
   // Magic first: a file that begins like a checkpoint but is shorter than the magic is truncated.
-  if (size == 0 || std::memcmp(p, kMagic.data(), std::min(size, kMagic.size())) != 0) {
+  if (size == 0 ||
+      std::memcmp(p, kCheckpointMagic.data(), std::min(size, kCheckpointMagic.size())) != 0) {
     if (size == 0) return dataLoss("truncated: the file is empty");
     return dataLoss("not a lightwire checkpoint (bad magic)");
   }

@@ -10,7 +10,7 @@
 namespace lightwire::policies {
 namespace {
 
-constexpr uint8_t kMagic[4] = {'L', 'W', 'S', '1'};
+constexpr uint8_t kStatsMagic[4] = {'L', 'W', 'S', '1'};
 constexpr uint16_t kVersion = 1;
 constexpr size_t kMaxRecordBytes = size_t{64} << 10;  // = proxy's kMaxStatsBytes
 constexpr uint32_t kMaxRequests = 16;
@@ -89,7 +89,7 @@ std::optional<double> GlobalStats::loss() const {
 
 std::vector<uint8_t> encodeStats(const StepStats& s) {
   Writer w;
-  w.bytes(kMagic, 4);
+  w.bytes(kStatsMagic, 4);
   w.le<uint16_t>(kVersion);
   const bool cos = s.cos_dot && s.cos_c2 && s.cos_g2;
   w.le<uint16_t>(static_cast<uint16_t>((cos ? 1 : 0) | (s.loss ? 2 : 0)));
@@ -122,7 +122,7 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
   }
   Reader r(bytes);
   const auto truncated = [] { return invalidArgument("statistics record is truncated"); };
-  if (bytes.size() < 4 || std::memcmp(bytes.data(), kMagic, 4) != 0) {
+  if (bytes.size() < 4 || std::memcmp(bytes.data(), kStatsMagic, 4) != 0) {
     return invalidArgument("not a statistics record (bad magic)");
   }
   std::string skip;

@@ -3,7 +3,8 @@
 # ASan+UBSan (clang, with the libFuzzer targets) and the ThreadSanitizer (exchange tests only)
 # variants, and runs
 #   - the doctest unit tests in the release and ASan builds, the exchange tests under TSan as well
-#     (each test case counts; every sanitizer report is a failure);
+#     (each test case counts; every sanitizer report is a failure); the codec tests under ASan run
+#     beside the others;
 #   - every libFuzzer target briefly (scripts/fuzz.sh; each target counts);
 #   - the CUDA tests when the CUDA kernels were built: their host-side part, and the GPU part,
 #     which counts as skipped on a machine without a GPU (exit 77), never as passed;
@@ -57,11 +58,40 @@ quiet() {
 # Runs a doctest binary and adds its test-case counts.
 # doctest_run NAME BINARY [ENV=VALUE...]
 doctest_run() {
+  local name=$1 binary=$2 t0=$SECONDS
+  shift 2
+  env "$@" "$binary" -r=console --no-version >"$logs/$name.log" 2>&1
+  doctest_report "$name" $? $((SECONDS - t0))
+}
+
+# Starts a doctest binary in the background (beside the other tests); doctest_wait reports it.
+# doctest_start NAME BINARY [ENV=VALUE...]
+declare -A doctest_pids
+doctest_start() {
   local name=$1 binary=$2
   shift 2
-  local log=$logs/$name.log rc t0=$SECONDS
-  env "$@" "$binary" -r=console --no-version >"$log" 2>&1
+  (
+    t0=$SECONDS
+    env "$@" "$binary" -r=console --no-version >"$logs/$name.log" 2>&1
+    rc=$?
+    echo $((SECONDS - t0)) >"$logs/$name.seconds"
+    exit $rc
+  ) &
+  doctest_pids[$name]=$!
+}
+# doctest_wait NAME
+doctest_wait() {
+  local name=$1 rc
+  wait "${doctest_pids[$name]}"
   rc=$?
+  doctest_report "$name" $rc "$(cat "$logs/$name.seconds" 2>/dev/null || echo '?')" "beside the others"
+}
+
+# Adds the test-case counts of a finished doctest run (its log: $logs/NAME.log).
+# doctest_report NAME EXIT_CODE SECONDS [HOW]
+doctest_report() {
+  local name=$1 rc=$2 seconds=$3 how=${4:+, $4}
+  local log=$logs/$name.log
   local summary
   summary=$(grep -E '^\[doctest\] test cases:' "$log" | tail -n 1)
   if [[ -z "$summary" ]]; then
@@ -77,7 +107,7 @@ doctest_run() {
   passed=$((passed + p))
   failed=$((failed + f))
   skipped=$((skipped + s))
-  note "      $name: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s)"
+  note "      $name: $p passed, $f failed, $s skipped ($seconds s$how)"
   if ((f > 0)); then
     grep -E 'ERROR|FATAL' "$log" | head -n 20
     failures+=("$name: $f test case(s)")
@@ -128,6 +158,14 @@ quiet "build $tsan_dir (exchange tests)" "$logs/build-tsan.log" bash scripts/bui
   && tsan_ok=1 || fail "build tsan" "see $logs/build-tsan.log"
 
 note "== unit tests"
+# The codec tests under ASan keep one processor busy for about 80 s; the others mostly wait on
+# sockets and timers (the exchange tests use a quarter to three quarters of one), so they run
+# beside it.
+if ((asan_ok)); then
+  doctest_start kernels-asan "$asan_dir/tests/kernels_tests" \
+    ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1 \
+    UBSAN_OPTIONS=print_stacktrace=1
+fi
 if ((release_ok)); then
   doctest_run kernels-release "$release_dir/tests/kernels_tests"
   if [[ -x "$release_dir/tests/kernels_cuda_tests" ]]; then
@@ -157,9 +195,6 @@ if ((release_ok)); then
   doctest_run exchange-release "$release_dir/tests/exchange_tests"
 fi
 if ((asan_ok)); then
-  doctest_run kernels-asan "$asan_dir/tests/kernels_tests" \
-    ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1 \
-    UBSAN_OPTIONS=print_stacktrace=1
   doctest_run proxy-asan "$asan_dir/tests/proxy_tests" \
     ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1 UBSAN_OPTIONS=print_stacktrace=1
   doctest_run exchange-asan "$asan_dir/tests/exchange_tests" \
@@ -169,6 +204,9 @@ if ((tsan_ok)); then
   # The peer transports, collectives and mailboxes (several threads per rank, real sockets).
   doctest_run exchange-tsan "$tsan_dir/tests/exchange_tests" \
     TSAN_OPTIONS=halt_on_error=0:second_deadlock_stack=1:history_size=4
+fi
+if ((asan_ok)); then
+  doctest_wait kernels-asan
 fi
 
 note "== fuzzing (libFuzzer, ASan+UBSan, every target ${LW_FUZZ_SECONDS:-10} s)"

@@ -20,12 +20,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Frame phases of the `ps` topology (the ring uses 0, 1 and 2).
-constexpr uint8_t kPhasePush = 3;       // a rank's payload of one chunk, to the server
-constexpr uint8_t kPhaseBroadcast = 4;  // the server's combined payload of one chunk, to everyone
-constexpr uint8_t kPhaseChecksum = 5;   // a rank's result checksum, to the server
-constexpr uint8_t kPhaseChecksums = 6;  // every rank's checksum, from the server to everyone
-constexpr uint8_t kPhaseStats = 7;      // a rank's policy statistics record, to the server
-constexpr uint8_t kPhaseStatsAll = 8;   // the step's statistics records, from the server to all
+constexpr uint8_t kPsPhasePush = 3;       // a rank's payload of one chunk, to the server
+constexpr uint8_t kPsPhaseBroadcast = 4;  // the server's combined payload of one chunk, to everyone
+constexpr uint8_t kPsPhaseChecksum = 5;   // a rank's result checksum, to the server
+constexpr uint8_t kPsPhaseChecksums = 6;  // every rank's checksum, from the server to everyone
+constexpr uint8_t kPsPhaseStats = 7;      // a rank's policy statistics record, to the server
+constexpr uint8_t kPsPhaseStatsAll = 8;   // the step's statistics records, from the server to all
 constexpr uint8_t kRoundChecksum = 0xFF;
 
 // Bounded staleness: how long the server blocks on one missing rank before looking at the others.
@@ -216,7 +216,7 @@ Result<PsExchange::Spans> PsExchange::worker(ExchangeRound& r, uint64_t tensor) 
   const std::string server_name = "the parameter server (rank " + std::to_string(srv) + ")";
   const bool stats = carriesStats(r);
   if (stats) {  // a frame of its own, right before the push (the same TCP connection)
-    if (auto s = transport_.send(srv, FrameType::kData, statsKey(tensor, r.step, kPhaseStats, me),
+    if (auto s = transport_.send(srv, FrameType::kData, statsKey(tensor, r.step, kPsPhaseStats, me),
                                  0, r.stats_out, deadline);
         !s.isOk()) {
       return withContext("sending the statistics record to " + server_name, s);
@@ -225,7 +225,7 @@ Result<PsExchange::Spans> PsExchange::worker(ExchangeRound& r, uint64_t tensor) 
   for (size_t c = 0; c < chunks; ++c) {
     if (auto s = transport_.send(
             srv, FrameType::kData,
-            keyOf(tensor, r.step, r.round, kPhasePush, static_cast<uint32_t>(c), me), codec,
+            keyOf(tensor, r.step, r.round, kPsPhasePush, static_cast<uint32_t>(c), me), codec,
             r.payloads[c], deadline);
         !s.isOk()) {
       return withContext("pushing to " + server_name, s);
@@ -235,7 +235,7 @@ Result<PsExchange::Spans> PsExchange::worker(ExchangeRound& r, uint64_t tensor) 
   std::optional<PsHeader> first;
   for (size_t c = 0; c < chunks; ++c) {
     auto got = transport_.receive(
-        srv, keyOf(tensor, r.step, r.round, kPhaseBroadcast, static_cast<uint32_t>(c), srv),
+        srv, keyOf(tensor, r.step, r.round, kPsPhaseBroadcast, static_cast<uint32_t>(c), srv),
         deadline);
     if (!got) return withContext("waiting for " + server_name, got.status());
     if (got->codec != codec) {
@@ -262,7 +262,7 @@ Result<PsExchange::Spans> PsExchange::worker(ExchangeRound& r, uint64_t tensor) 
   if (stats) {
     // The records of the step's contributors (rank ascending), sent by the server right before
     // its broadcast: already in once the data is.
-    auto got = transport_.receive(srv, statsKey(tensor, r.step, kPhaseStatsAll, srv), deadline);
+    auto got = transport_.receive(srv, statsKey(tensor, r.step, kPsPhaseStatsAll, srv), deadline);
     if (!got) {
       return withContext("waiting for the statistics records from " + server_name, got.status());
     }
@@ -345,7 +345,7 @@ Status PsExchange::gatherBounded(ExchangeRound& r, uint64_t tensor, ServerTensor
     dst.push_back(std::move(first));
     for (size_t c = 1; c < count; ++c) {
       auto f = transport_.receive(
-          rank, keyOf(tensor, step, 0, kPhasePush, static_cast<uint32_t>(c), rank), deadline);
+          rank, keyOf(tensor, step, 0, kPsPhasePush, static_cast<uint32_t>(c), rank), deadline);
       if (!f) {
         return withContext("waiting for rank " + std::to_string(rank) + "'s contribution to step " +
                                std::to_string(step),
@@ -363,7 +363,7 @@ Status PsExchange::gatherBounded(ExchangeRound& r, uint64_t tensor, ServerTensor
     for (auto& o : st.owed) {
       auto pos = std::find(o.ranks.begin(), o.ranks.end(), rank);
       if (pos == o.ranks.end()) continue;
-      auto f = transport_.receive(rank, keyOf(tensor, o.step, 0, kPhasePush, 0, rank), kNow);
+      auto f = transport_.receive(rank, keyOf(tensor, o.step, 0, kPsPhasePush, 0, rank), kNow);
       if (!f) {
         absent.push_back(o.step);
         continue;
@@ -422,7 +422,7 @@ Status PsExchange::gatherBounded(ExchangeRound& r, uint64_t tensor, ServerTensor
     }
     for (uint32_t k = 0; k < w; ++k) {
       if (k == me || present[k]) continue;
-      auto f = transport_.receive(k, keyOf(tensor, t, r.round, kPhasePush, 0, k), kNow);
+      auto f = transport_.receive(k, keyOf(tensor, t, r.round, kPsPhasePush, 0, k), kNow);
       if (f) LW_RETURN_IF_ERROR(takeOntime(k, std::move(*f)));
     }
     std::vector<uint32_t> missing, beyond;
@@ -466,7 +466,7 @@ Status PsExchange::gatherBounded(ExchangeRound& r, uint64_t tensor, ServerTensor
     auto wake = std::min(deadline, now + kSlice);
     if (beyond.empty()) wake = std::min(wake, last_arrival + options_.straggler_wait);
     const uint32_t k = beyond.empty() ? missing.front() : beyond.front();
-    auto f = transport_.receive(k, keyOf(tensor, t, r.round, kPhasePush, 0, k), wake);
+    auto f = transport_.receive(k, keyOf(tensor, t, r.round, kPsPhasePush, 0, k), wake);
     if (f) {
       LW_RETURN_IF_ERROR(takeOntime(k, std::move(*f)));
     } else if (Clock::now() < wake) {  // not the deadline of this wait: an abort, a peer lost
@@ -485,7 +485,7 @@ Status PsExchange::gatherSync(const ExchangeRound& r, uint64_t tensor, Clock::ti
     if (k == me) continue;
     for (size_t c = 0; c < chunks; ++c) {
       auto f = transport_.receive(
-          k, keyOf(tensor, r.step, r.round, kPhasePush, static_cast<uint32_t>(c), k), deadline);
+          k, keyOf(tensor, r.step, r.round, kPsPhasePush, static_cast<uint32_t>(c), k), deadline);
       if (!f) {
         return withContext("waiting for rank " + std::to_string(k) + "'s contribution", f.status());
       }
@@ -510,7 +510,7 @@ Status PsExchange::receiveRecords(const ExchangeRound& r, uint64_t tensor,
   records[me].assign(r.stats_out.begin(), r.stats_out.end());
   for (uint32_t k = 0; k < w; ++k) {
     if (k == me || !present[k]) continue;
-    auto f = transport_.receive(k, statsKey(tensor, r.step, kPhaseStats, k), deadline);
+    auto f = transport_.receive(k, statsKey(tensor, r.step, kPsPhaseStats, k), deadline);
     if (!f) {
       return withContext("waiting for rank " + std::to_string(k) + "'s statistics record",
                          f.status());
@@ -698,8 +698,8 @@ Status PsExchange::broadcast(const ExchangeRound& r, uint64_t tensor, const PsHe
     for (uint32_t k = 0; k < w; ++k) {
       if (k == me) continue;
       if (auto s =
-              transport_.send(k, FrameType::kData, statsKey(tensor, r.step, kPhaseStatsAll, me), 0,
-                              stats, deadline);
+              transport_.send(k, FrameType::kData, statsKey(tensor, r.step, kPsPhaseStatsAll, me),
+                              0, stats, deadline);
           !s.isOk()) {
         return withContext("sending the statistics records to rank " + std::to_string(k), s);
       }
@@ -717,8 +717,8 @@ Status PsExchange::broadcast(const ExchangeRound& r, uint64_t tensor, const PsHe
       if (k == me) continue;
       if (auto s = transport_.send(
               k, FrameType::kData,
-              keyOf(tensor, r.step, r.round, kPhaseBroadcast, static_cast<uint32_t>(c), me), codec,
-              full, deadline);
+              keyOf(tensor, r.step, r.round, kPsPhaseBroadcast, static_cast<uint32_t>(c), me),
+              codec, full, deadline);
           !s.isOk()) {
         return withContext("broadcasting to rank " + std::to_string(k), s);
       }
@@ -746,7 +746,7 @@ Result<std::vector<uint32_t>> PsExchange::compareResults(const std::string& name
     std::memcpy(all.data() + size_t{8} * me, mine, 8);
     for (uint32_t k = 0; k < w; ++k) {
       if (k == me) continue;
-      auto got = transport_.receive(k, keyOf(tensor, step, kRoundChecksum, kPhaseChecksum, 0, k),
+      auto got = transport_.receive(k, keyOf(tensor, step, kRoundChecksum, kPsPhaseChecksum, 0, k),
                                     deadline);
       if (!got) return fail(withContext("waiting for rank " + std::to_string(k), got.status()));
       if (got->payload.size() != 8) {
@@ -758,7 +758,7 @@ Result<std::vector<uint32_t>> PsExchange::compareResults(const std::string& name
     for (uint32_t k = 0; k < w; ++k) {
       if (k == me) continue;
       if (auto s = transport_.send(k, FrameType::kData,
-                                   keyOf(tensor, step, kRoundChecksum, kPhaseChecksums, 0, me), 0,
+                                   keyOf(tensor, step, kRoundChecksum, kPsPhaseChecksums, 0, me), 0,
                                    all, deadline);
           !s.isOk()) {
         return fail(withContext("sending the checksums to rank " + std::to_string(k), s));
@@ -767,13 +767,13 @@ Result<std::vector<uint32_t>> PsExchange::compareResults(const std::string& name
   } else {
     const std::string server_name = "the parameter server (rank " + std::to_string(srv) + ")";
     if (auto s = transport_.send(srv, FrameType::kData,
-                                 keyOf(tensor, step, kRoundChecksum, kPhaseChecksum, 0, me), 0,
+                                 keyOf(tensor, step, kRoundChecksum, kPsPhaseChecksum, 0, me), 0,
                                  std::span<const uint8_t>(mine, 8), deadline);
         !s.isOk()) {
       return fail(withContext("sending the result checksum to " + server_name, s));
     }
-    auto got = transport_.receive(srv, keyOf(tensor, step, kRoundChecksum, kPhaseChecksums, 0, srv),
-                                  deadline);
+    auto got = transport_.receive(
+        srv, keyOf(tensor, step, kRoundChecksum, kPsPhaseChecksums, 0, srv), deadline);
     if (!got) return fail(withContext("waiting for " + server_name, got.status()));
     if (got->payload.size() != all.size()) {
       return fail(dataLoss("result checksums from " + server_name + " have " +

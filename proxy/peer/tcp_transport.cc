@@ -48,7 +48,7 @@ namespace {
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
 namespace ssl = asio::ssl;
-// TLS over a connection's socket (TcpOptions::tls); the socket stays the Conn's own, so closing,
+// TLS over a connection's socket (TcpOptions::tls); the socket stays the TcpConn's own, so closing,
 // socket options and addresses work the same with and without TLS.
 using TlsStream = ssl::stream<tcp::socket&>;
 using Clock = std::chrono::steady_clock;
@@ -69,13 +69,13 @@ constexpr size_t kLowWater = size_t{256} << 10;
 
 /// One TCP connection, before and after its handshake: the `tcp` link (with TLS, the TLS stream
 /// over its socket). Touched on the I/O thread only, but for post().
-struct Conn final : Link {
-  Conn(TcpTransport::Impl& i, tcp::socket s) : impl(i), socket(std::move(s)) {}
+struct TcpConn final : Link {
+  TcpConn(TcpTransport::Impl& i, tcp::socket s) : impl(i), socket(std::move(s)) {}
   void post(std::shared_ptr<SendOp> op) override;
   void sendOwned(FrameType type, const FrameKey& key, std::vector<uint8_t> payload) override;
   void abandon(const std::shared_ptr<SendOp>& op) override;
   void close(const std::string& reason) override;
-  std::shared_ptr<Conn> self() { return std::static_pointer_cast<Conn>(shared_from_this()); }
+  std::shared_ptr<TcpConn> self() { return std::static_pointer_cast<TcpConn>(shared_from_this()); }
 
   TcpTransport::Impl& impl;
   tcp::socket socket;
@@ -96,7 +96,7 @@ struct Conn final : Link {
 /// Calls op(stream) with the connection's byte stream: its TLS stream, or else its socket. Both
 /// calls must return the same type (an awaitable, or void).
 template <typename Op>
-auto streamOf(Conn& c, Op&& op) {
+auto streamOf(TcpConn& c, Op&& op) {
   return c.tls ? op(*c.tls) : op(c.socket);
 }
 
@@ -105,7 +105,7 @@ class Watchdog {
  public:
   explicit Watchdog(const asio::any_io_executor& ex) : timer_(ex) {}
   ~Watchdog() { disarm(); }
-  void arm(std::shared_ptr<Conn> c, std::chrono::milliseconds after) {
+  void arm(std::shared_ptr<TcpConn> c, std::chrono::milliseconds after) {
     disarm();
     armed_ = std::make_shared<bool>(true);
     timer_.expires_after(after);
@@ -154,7 +154,7 @@ struct TcpTransport::Impl {
     });
     session.setRendezvous([this](const std::shared_ptr<Link>& link, const FrameHeader& h,
                                  const std::vector<uint8_t>& payload) {
-      auto c = std::static_pointer_cast<Conn>(link);
+      auto c = std::static_pointer_cast<TcpConn>(link);
       const std::string text(payload.begin(), payload.end());
       if (h.type == FrameType::kRegister) {
         onRegister(c, h.src, text);
@@ -186,7 +186,7 @@ struct TcpTransport::Impl {
   std::thread thread;
 
   // I/O thread only.
-  std::map<uint64_t, std::shared_ptr<Conn>> conns;
+  std::map<uint64_t, std::shared_ptr<TcpConn>> conns;
   uint64_t next_conn_id = 1;
 
   // The protocol (docs/peer-protocol.md): its mutex also guards `addresses`.
@@ -204,8 +204,8 @@ struct TcpTransport::Impl {
     return addresses[r];
   }
 
-  std::shared_ptr<Conn> newConn(tcp::socket s) {
-    auto c = std::make_shared<Conn>(*this, std::move(s));
+  std::shared_ptr<TcpConn> newConn(tcp::socket s) {
+    auto c = std::make_shared<TcpConn>(*this, std::move(s));
     c->id = next_conn_id++;
     conns.emplace(c->id, c);
     return c;
@@ -224,7 +224,7 @@ struct TcpTransport::Impl {
 
   /// Closes `c` (I/O thread): fails its queued writes and, if it is a peer's connection, marks the
   /// peer down so that pending receives from it fail with `reason`.
-  void closeConn(const std::shared_ptr<Conn>& c, const std::string& reason) {
+  void closeConn(const std::shared_ptr<TcpConn>& c, const std::string& reason) {
     if (c->closed) return;
     c->closed = true;
     error_code ignored;
@@ -242,7 +242,7 @@ struct TcpTransport::Impl {
   }
 
   /// Makes `c` the connection of rank `peer`; refused when that rank is already connected.
-  Status install(const std::shared_ptr<Conn>& c, uint32_t peer) {
+  Status install(const std::shared_ptr<TcpConn>& c, uint32_t peer) {
     std::string detail = c->address;
     if (c->tls) {
       SSL* s = c->tls->native_handle();
@@ -254,7 +254,7 @@ struct TcpTransport::Impl {
     return Status::ok();
   }
 
-  void refuse(const std::shared_ptr<Conn>& c, const Status& why) {
+  void refuse(const std::shared_ptr<TcpConn>& c, const Status& why) {
     if (stopping()) return;
     session.noteRefused(c->address, why);
     closeConn(c, why.message());
@@ -262,7 +262,7 @@ struct TcpTransport::Impl {
 
   // --- writing ---------------------------------------------------------------------------------
 
-  void enqueue(const std::shared_ptr<Conn>& c, std::shared_ptr<SendOp> op) {
+  void enqueue(const std::shared_ptr<TcpConn>& c, std::shared_ptr<SendOp> op) {
     if (c->closed) {
       session.complete(op, fmt::format("connection to {} is closed", c->name));
       return;
@@ -271,7 +271,7 @@ struct TcpTransport::Impl {
     if (!c->writing) writeNext(c);
   }
 
-  void writeNext(const std::shared_ptr<Conn>& c) {
+  void writeNext(const std::shared_ptr<TcpConn>& c) {
     if (c->queue.empty() || c->closed) {
       c->writing = false;
       return;
@@ -298,7 +298,7 @@ struct TcpTransport::Impl {
 
   // --- reading ---------------------------------------------------------------------------------
 
-  awaitable<error_code> readExact(Conn& c, uint8_t* data, size_t n) {
+  awaitable<error_code> readExact(TcpConn& c, uint8_t* data, size_t n) {
     error_code ec;
     size_t off = 0;
     while (off < n && !ec) {
@@ -327,7 +327,7 @@ struct TcpTransport::Impl {
     co_return ec;
   }
 
-  std::string lostReason(const Conn& c, const error_code& ec, std::string_view during) {
+  std::string lostReason(const TcpConn& c, const error_code& ec, std::string_view during) {
     if (c.timed_out) return fmt::format("{} did not finish before its deadline", during);
     // A TLS peer that closes its socket without a TLS close_notify, as this transport does.
     if (ec == asio::error::eof || ec == ssl::error::stream_truncated) {
@@ -338,7 +338,8 @@ struct TcpTransport::Impl {
 
   /// A read or write of the handshake failed. A TLS error (the peer's certificate, a TLS alert,
   /// bytes that are not TLS) refuses the peer as a bad MAC does; anything else is the network.
-  Status handshakeError(const Conn& c, const error_code& ec, std::string_view what = "handshake") {
+  Status handshakeError(const TcpConn& c, const error_code& ec,
+                        std::string_view what = "handshake") {
     std::string why = lostReason(c, ec, fmt::format("{} with {}", what, c.name));
     if (c.timed_out || ec.category() != asio::error::get_ssl_category()) {
       return Status(StatusCode::kUnavailable, std::move(why));
@@ -354,7 +355,7 @@ struct TcpTransport::Impl {
   }
 
   /// With TLS, the TLS handshake in `role`; the HMAC handshake then runs inside it.
-  awaitable<Status> tlsHandshake(Conn& c, ssl::stream_base::handshake_type role) {
+  awaitable<Status> tlsHandshake(TcpConn& c, ssl::stream_base::handshake_type role) {
     c.tls_ctx = tlsContext();
     if (!c.tls_ctx) co_return Status::ok();
     try {
@@ -368,7 +369,7 @@ struct TcpTransport::Impl {
   }
 
   /// Reads one handshake frame of type `want`; checks its header and payload.
-  awaitable<Status> readHandshakeFrame(Conn& c, FrameType want, std::optional<uint32_t> src,
+  awaitable<Status> readHandshakeFrame(TcpConn& c, FrameType want, std::optional<uint32_t> src,
                                        FrameHeader& header, std::vector<uint8_t>& payload) {
     std::array<uint8_t, kHeaderBytes> hb{};
     if (error_code ec = co_await readExact(c, hb.data(), hb.size())) {
@@ -390,7 +391,7 @@ struct TcpTransport::Impl {
     co_return Status::ok();
   }
 
-  awaitable<Status> writeFrame(Conn& c, FrameType type, std::span<const uint8_t> payload) {
+  awaitable<Status> writeFrame(TcpConn& c, FrameType type, std::span<const uint8_t> payload) {
     auto hb = session.header(type, {}, 0, payload);
     std::array<asio::const_buffer, 2> bufs = {asio::buffer(hb),
                                               asio::buffer(payload.data(), payload.size())};
@@ -405,7 +406,7 @@ struct TcpTransport::Impl {
 
   /// The connecting side: HELLO, verify CHALLENGE, AUTH. Network failures are kUnavailable;
   /// anything else means the other side is not a peer of this job.
-  awaitable<Status> clientHandshake(std::shared_ptr<Conn> c, uint32_t server) {
+  awaitable<Status> clientHandshake(std::shared_ptr<TcpConn> c, uint32_t server) {
     LW_CO_RETURN_IF_ERROR(co_await tlsHandshake(*c, ssl::stream_base::client));
     ClientHandshake hs;
     auto hello = session.hello(hs, server);
@@ -422,7 +423,7 @@ struct TcpTransport::Impl {
   }
 
   /// The accepting side: check HELLO, answer CHALLENGE, verify AUTH.
-  awaitable<Status> serverHandshake(std::shared_ptr<Conn> c) {
+  awaitable<Status> serverHandshake(std::shared_ptr<TcpConn> c) {
     LW_CO_RETURN_IF_ERROR(co_await tlsHandshake(*c, ssl::stream_base::server));
     FrameHeader h;
     std::vector<uint8_t> payload;
@@ -439,7 +440,7 @@ struct TcpTransport::Impl {
   }
 
   /// Reads frames from an authenticated connection until it fails or is closed.
-  awaitable<void> serve(std::shared_ptr<Conn> c) {
+  awaitable<void> serve(std::shared_ptr<TcpConn> c) {
     const uint32_t src = c->peer;
     const HeaderChecks hc = session.checks(src, options.max_frame_bytes);
     asio::co_spawn(*io, pinger(c), asio::detached);
@@ -484,7 +485,7 @@ struct TcpTransport::Impl {
   }
 
   /// Pings the peer every ping_interval; closes the connection when it has been silent too long.
-  awaitable<void> pinger(std::shared_ptr<Conn> c) {
+  awaitable<void> pinger(std::shared_ptr<TcpConn> c) {
     asio::steady_timer timer(co_await asio::this_coro::executor);
     while (!c->closed) {
       timer.expires_after(options.ping_interval);
@@ -498,7 +499,7 @@ struct TcpTransport::Impl {
   // --- rendezvous (docs/peer-protocol.md) ------------------------------------------------------
 
   /// Rank > 0, right after authenticating with rank 0: tells it where this rank listens.
-  void sendRegister(const std::shared_ptr<Conn>& c) {
+  void sendRegister(const std::shared_ptr<TcpConn>& c) {
     std::string mine = membership().advertise;
     if (mine.empty()) {
       error_code ec;
@@ -508,14 +509,14 @@ struct TcpTransport::Impl {
   }
 
   /// A frame that is not for this rank closes the connection (as any malformed frame does).
-  void misplaced(const std::shared_ptr<Conn>& c, const char* what) {
+  void misplaced(const std::shared_ptr<TcpConn>& c, const char* what) {
     closeConn(c, fmt::format("malformed frame from {}: unexpected {} frame", c->name, what));
   }
 
   /// Rank 0: rank `src` listens at `text` (":port" = on the address its connection comes from).
   /// Once every rank is known, every rank gets PEERS; later, a rank that registers again (a
   /// restarted one) gets them at once, and everyone again if its address changed.
-  void onRegister(const std::shared_ptr<Conn>& c, uint32_t src, const std::string& text) {
+  void onRegister(const std::shared_ptr<TcpConn>& c, uint32_t src, const std::string& text) {
     if (!session.rendezvousMode() || membership().rank != 0) return misplaced(c, "REGISTER");
     std::string address = text;
     if (!address.empty() && address.front() == ':') {
@@ -565,7 +566,7 @@ struct TcpTransport::Impl {
   }
 
   /// Rank > 0: every rank's address from rank 0; the first time, connect to the higher ranks.
-  void onPeers(const std::shared_ptr<Conn>& c, uint32_t src, const std::string& text) {
+  void onPeers(const std::shared_ptr<TcpConn>& c, uint32_t src, const std::string& text) {
     if (!session.rendezvousMode() || membership().rank == 0 || src != 0)
       return misplaced(c, "PEERS");
     std::vector<std::string> lines;
@@ -635,7 +636,7 @@ struct TcpTransport::Impl {
     }
   }
 
-  awaitable<void> serverSession(std::shared_ptr<Conn> c) {
+  awaitable<void> serverSession(std::shared_ptr<TcpConn> c) {
     Watchdog watchdog(io->get_executor());
     watchdog.arm(c, options.handshake_timeout);
     Status st = co_await serverHandshake(c);
@@ -846,17 +847,18 @@ Status TcpTransport::start(Membership m) {
   return Status::ok();
 }
 
-// --- Conn: the tcp link --------------------------------------------------------------------------
+// --- TcpConn: the tcp link
+// --------------------------------------------------------------------------
 
-void Conn::post(std::shared_ptr<SendOp> op) {
+void TcpConn::post(std::shared_ptr<SendOp> op) {
   asio::post(*impl.io, [c = self(), op = std::move(op)] { c->impl.enqueue(c, op); });
 }
 
-void Conn::sendOwned(FrameType type, const FrameKey& key, std::vector<uint8_t> payload) {
+void TcpConn::sendOwned(FrameType type, const FrameKey& key, std::vector<uint8_t> payload) {
   impl.enqueue(self(), impl.session.ownedOp(type, key, std::move(payload)));
 }
 
-void Conn::abandon(const std::shared_ptr<SendOp>& op) {
+void TcpConn::abandon(const std::shared_ptr<SendOp>& op) {
   if (op->done) return;
   const bool in_flight = writing && !queue.empty() && queue.front() == op;
   if (in_flight) {
@@ -868,6 +870,6 @@ void Conn::abandon(const std::shared_ptr<SendOp>& op) {
   }
 }
 
-void Conn::close(const std::string& reason) { impl.closeConn(self(), reason); }
+void TcpConn::close(const std::string& reason) { impl.closeConn(self(), reason); }
 
 }  // namespace lightwire::proxy::peer

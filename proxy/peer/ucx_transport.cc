@@ -50,13 +50,13 @@ enum class Phase {
 
 /// One ucp endpoint, before and after its handshake: the `ucx` link. Touched on the progress
 /// thread only, but for post().
-struct Conn final : Link {
-  explicit Conn(UcxTransport::Impl& i) : impl(i) {}
+struct UcxConn final : Link {
+  explicit UcxConn(UcxTransport::Impl& i) : impl(i) {}
   void post(std::shared_ptr<SendOp> op) override;
   void sendOwned(FrameType type, const FrameKey& key, std::vector<uint8_t> payload) override;
   void abandon(const std::shared_ptr<SendOp>& op) override;
   void close(const std::string& reason) override;
-  std::shared_ptr<Conn> self() { return std::static_pointer_cast<Conn>(shared_from_this()); }
+  std::shared_ptr<UcxConn> self() { return std::static_pointer_cast<UcxConn>(shared_from_this()); }
 
   UcxTransport::Impl& impl;
   uint64_t id = 0;
@@ -94,7 +94,7 @@ struct UcxTransport::Impl : UcxWorker {
   /// A rendezvous payload being fetched with ucp_am_recv_data_nbx.
   struct RecvOp {
     Impl* impl = nullptr;
-    std::shared_ptr<Conn> conn;
+    std::shared_ptr<UcxConn> conn;
     FrameHeader header;
     std::vector<uint8_t> payload;
     bool kept = false;  // its budget is reserved in the peer's slot
@@ -102,7 +102,7 @@ struct UcxTransport::Impl : UcxWorker {
 
   /// A rendezvous announcement, accepted in the AM callback and fetched after progress returns.
   struct PendingRndv {
-    std::shared_ptr<Conn> conn;
+    std::shared_ptr<UcxConn> conn;
     FrameHeader header;
     void* desc = nullptr;
     bool kept = false;
@@ -111,7 +111,7 @@ struct UcxTransport::Impl : UcxWorker {
   /// Connecting to one higher rank. Progress thread only.
   struct Dial {
     uint32_t rank = 0;
-    std::shared_ptr<Conn> conn;  // the attempt in progress, or the connection
+    std::shared_ptr<UcxConn> conn;  // the attempt in progress, or the connection
     Clock::time_point next{};
     milliseconds backoff{0};
     bool logged = false;
@@ -134,8 +134,8 @@ struct UcxTransport::Impl : UcxWorker {
   bool stop_requested = false;
 
   // Progress thread only.
-  std::map<uint64_t, std::shared_ptr<Conn>> conns;  // open connections
-  std::unordered_map<ucp_ep_h, std::shared_ptr<Conn>> by_ep;
+  std::map<uint64_t, std::shared_ptr<UcxConn>> conns;  // open connections
+  std::unordered_map<ucp_ep_h, std::shared_ptr<UcxConn>> by_ep;
   uint64_t next_conn_id = 1;
   std::vector<ucp_conn_request_h> conn_requests;
   std::vector<ucp_ep_h> eps_to_close;
@@ -249,7 +249,7 @@ struct UcxTransport::Impl : UcxWorker {
       ucp_listener_destroy(listener);
       listener = nullptr;
     }
-    std::vector<std::shared_ptr<Conn>> all;
+    std::vector<std::shared_ptr<UcxConn>> all;
     for (auto& [id, c] : conns) all.push_back(c);
     for (auto& c : all) closeConn(c, "transport shutting down");
     drain();
@@ -283,8 +283,8 @@ struct UcxTransport::Impl : UcxWorker {
 
   // --- connection state ----------------------------------------------------------------------
 
-  std::shared_ptr<Conn> newConn(ucp_ep_h ep) {
-    auto c = std::make_shared<Conn>(*this);
+  std::shared_ptr<UcxConn> newConn(ucp_ep_h ep) {
+    auto c = std::make_shared<UcxConn>(*this);
     c->id = next_conn_id++;
     c->ep = ep;
     conns.emplace(c->id, c);
@@ -295,7 +295,7 @@ struct UcxTransport::Impl : UcxWorker {
   /// Closes `c`: its endpoint is closed (force) after the current UCX call returns, which fails its
   /// sends in flight; if it is a peer's connection, marks the peer down so that pending receives
   /// from it fail with `reason`. Never calls into UCX (safe inside callbacks).
-  void closeConn(const std::shared_ptr<Conn>& c, const std::string& reason) {
+  void closeConn(const std::shared_ptr<UcxConn>& c, const std::string& reason) {
     if (c->phase == Phase::kClosed) return;
     c->phase = Phase::kClosed;
     by_ep.erase(c->ep);
@@ -319,7 +319,7 @@ struct UcxTransport::Impl : UcxWorker {
   }
 
   /// Makes `c` the connection of rank `peer`; refused when that rank is already connected.
-  Status install(const std::shared_ptr<Conn>& c, uint32_t peer) {
+  Status install(const std::shared_ptr<UcxConn>& c, uint32_t peer) {
     LW_RETURN_IF_ERROR(session.install(c, peer, c->address + ", ucx"));
     c->phase = Phase::kUp;
     c->next_ping = c->last_rx + options.ping_interval;
@@ -327,7 +327,7 @@ struct UcxTransport::Impl : UcxWorker {
     return Status::ok();
   }
 
-  void refuse(const std::shared_ptr<Conn>& c, const Status& why) {
+  void refuse(const std::shared_ptr<UcxConn>& c, const Status& why) {
     session.noteRefused(c->address, why);
     closeConn(c, why.message());
   }
@@ -335,7 +335,7 @@ struct UcxTransport::Impl : UcxWorker {
   /// A connection failed before its handshake completed. As with tcp: the accepting side counts
   /// every handshake that does not complete; the connecting side counts wrong answers, not
   /// network errors (kUnavailable), and retries.
-  void handshakeFailed(const std::shared_ptr<Conn>& c, const Status& st) {
+  void handshakeFailed(const std::shared_ptr<UcxConn>& c, const Status& st) {
     if (stopping() || c->phase == Phase::kClosed) {
       closeConn(c, st.message());
       return;
@@ -355,7 +355,7 @@ struct UcxTransport::Impl : UcxWorker {
   }
 
   /// Fails `c` with `st`: a refusal before the handshake completed, a lost peer after.
-  void fail(const std::shared_ptr<Conn>& c, const Status& st) {
+  void fail(const std::shared_ptr<UcxConn>& c, const Status& st) {
     if (c->phase == Phase::kUp) {
       closeConn(c, st.message());
     } else {
@@ -368,7 +368,7 @@ struct UcxTransport::Impl : UcxWorker {
   static void onSendDone(void* request, ucs_status_t status, void* user_data) {
     auto* op = static_cast<SendOp*>(user_data);
     ucp_request_free(request);
-    static_cast<Conn&>(*op->link).impl.sendFinished(op, status);
+    static_cast<UcxConn&>(*op->link).impl.sendFinished(op, status);
   }
 
   void sendFinished(SendOp* raw, ucs_status_t status) {
@@ -382,8 +382,8 @@ struct UcxTransport::Impl : UcxWorker {
       session.complete(op, {});
       return;
     }
-    auto conn = std::static_pointer_cast<Conn>(op->link);
-    Conn& c = *conn;
+    auto conn = std::static_pointer_cast<UcxConn>(op->link);
+    UcxConn& c = *conn;
     session.complete(
         op, fmt::format("send to {} failed: {}", c.name,
                         c.phase == Phase::kClosed ? "connection closed" : ucsText(status)));
@@ -393,7 +393,7 @@ struct UcxTransport::Impl : UcxWorker {
 
   /// Hands `op` to UCX (progress thread).
   void postSend(const std::shared_ptr<SendOp>& op) {
-    Conn& c = static_cast<Conn&>(*op->link);
+    UcxConn& c = static_cast<UcxConn&>(*op->link);
     if (c.phase == Phase::kClosed) {
       session.complete(op, fmt::format("connection to {} is closed", c.name));
       return;
@@ -415,7 +415,7 @@ struct UcxTransport::Impl : UcxWorker {
   }
 
   /// Sends a frame that owns its payload (handshake, ping, pong, abort); nobody waits for it.
-  void sendInternal(const std::shared_ptr<Conn>& c, FrameType type, const FrameKey& key,
+  void sendInternal(const std::shared_ptr<UcxConn>& c, FrameType type, const FrameKey& key,
                     std::vector<uint8_t> payload, std::function<void(bool)> on_sent = nullptr) {
     auto op = session.ownedOp(type, key, std::move(payload));
     op->link = c;
@@ -432,7 +432,7 @@ struct UcxTransport::Impl : UcxWorker {
 
   /// Checks a received header against the connection's state, before anything is allocated for
   /// the payload (`length`: the payload bytes the message carries).
-  Result<FrameHeader> checkHeader(const Conn& c, const void* header, size_t header_length,
+  Result<FrameHeader> checkHeader(const UcxConn& c, const void* header, size_t header_length,
                                   size_t length) {
     std::optional<uint32_t> src;
     uint64_t max = kChallengeBytes;  // the largest handshake frame
@@ -469,7 +469,7 @@ struct UcxTransport::Impl : UcxWorker {
     const bool rndv = (param.recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
     // A rendezvous payload not taken is dropped; the sender's send then fails.
     const ucs_status_t drop = rndv ? UCS_ERR_CANCELED : UCS_OK;
-    std::shared_ptr<Conn> c;
+    std::shared_ptr<UcxConn> c;
     if (param.recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) {
       if (auto it = by_ep.find(param.reply_ep); it != by_ep.end()) c = it->second;
     }
@@ -553,7 +553,7 @@ struct UcxTransport::Impl : UcxWorker {
   }
 
   /// A whole frame arrived on `c` (header already checked).
-  void frameArrived(const std::shared_ptr<Conn>& c, const FrameHeader& h,
+  void frameArrived(const std::shared_ptr<UcxConn>& c, const FrameHeader& h,
                     std::vector<uint8_t> payload, bool kept) {
     Status st = c->phase == Phase::kClosed ? Status(StatusCode::kUnavailable, "closed")
                                            : verifyPayload(h, payload, c->name);
@@ -574,7 +574,7 @@ struct UcxTransport::Impl : UcxWorker {
 
   /// The connecting side: verify CHALLENGE, send AUTH; the peer is up once AUTH is handed to UCX
   /// (anything we send after it follows it on the endpoint).
-  Status onChallenge(const std::shared_ptr<Conn>& c, const std::vector<uint8_t>& challenge) {
+  Status onChallenge(const std::shared_ptr<UcxConn>& c, const std::vector<uint8_t>& challenge) {
     auto auth = session.answerChallenge(c->client_hs, challenge);
     if (!auth) return auth.status();
     sendInternal(c, FrameType::kAuth, {}, std::vector<uint8_t>(auth->begin(), auth->end()));
@@ -591,7 +591,7 @@ struct UcxTransport::Impl : UcxWorker {
   }
 
   /// The accepting side: check HELLO and answer CHALLENGE; then verify AUTH.
-  Status onServerHandshake(const std::shared_ptr<Conn>& c, const FrameHeader& h,
+  Status onServerHandshake(const std::shared_ptr<UcxConn>& c, const FrameHeader& h,
                            const std::vector<uint8_t>& payload) {
     if (h.type == FrameType::kHello) {
       auto challenge = session.answerHello(c->server_hs, c->name, h.src, payload);
@@ -619,7 +619,7 @@ struct UcxTransport::Impl : UcxWorker {
   void epFailed(ucp_ep_h ep, ucs_status_t status) {
     auto it = by_ep.find(ep);
     if (it == by_ep.end()) return;  // already being closed
-    std::shared_ptr<Conn> c = it->second;
+    std::shared_ptr<UcxConn> c = it->second;
     std::string why;
     if (c->phase == Phase::kConnecting) {
       why = fmt::format("connect: {}", ucsText(status));
@@ -743,7 +743,7 @@ struct UcxTransport::Impl : UcxWorker {
     for (Dial& d : dials) {
       if (!d.conn && now >= d.next) dialOut(d);
     }
-    std::vector<std::shared_ptr<Conn>> all;
+    std::vector<std::shared_ptr<UcxConn>> all;
     all.reserve(conns.size());
     for (auto& [id, c] : conns) all.push_back(c);
     for (auto& c : all) {
@@ -834,17 +834,18 @@ Status UcxTransport::start(Membership m) {
   return Status::ok();
 }
 
-// --- Conn: the ucx link --------------------------------------------------------------------------
+// --- UcxConn: the ucx link
+// --------------------------------------------------------------------------
 
-void Conn::post(std::shared_ptr<SendOp> op) {
+void UcxConn::post(std::shared_ptr<SendOp> op) {
   impl.post([c = self(), op = std::move(op)] { c->impl.postSend(op); });
 }
 
-void Conn::sendOwned(FrameType type, const FrameKey& key, std::vector<uint8_t> payload) {
+void UcxConn::sendOwned(FrameType type, const FrameKey& key, std::vector<uint8_t> payload) {
   impl.sendInternal(self(), type, key, std::move(payload));
 }
 
-void Conn::abandon(const std::shared_ptr<SendOp>& op) {
+void UcxConn::abandon(const std::shared_ptr<SendOp>& op) {
   // A frame handed to UCX cannot be withdrawn: closing the endpoint completes it (with an error).
   {
     std::lock_guard lock(impl.session.mutex());
@@ -854,6 +855,6 @@ void Conn::abandon(const std::shared_ptr<SendOp>& op) {
   impl.closeConn(self(), fmt::format("a send to rank {} did not finish before its deadline", peer));
 }
 
-void Conn::close(const std::string& reason) { impl.closeConn(self(), reason); }
+void UcxConn::close(const std::string& reason) { impl.closeConn(self(), reason); }
 
 }  // namespace lightwire::proxy::peer

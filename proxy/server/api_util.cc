@@ -101,7 +101,7 @@ bool parseU64(std::string_view s, uint64_t* v) {
   return true;
 }
 
-std::string quoted(std::string_view s) {
+std::string quote(std::string_view s) {
   std::string out = "'";
   for (char c : s.substr(0, 64)) {
     out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) ? '?' : c;
@@ -118,7 +118,7 @@ std::string checkName(std::string_view name) {
   for (char c : name) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
                     c == '_' || c == '.' || c == ':' || c == '/' || c == '-';
-    if (!ok) return "tensor name " + quoted(name) + " may only use A-Z a-z 0-9 _ . : / -";
+    if (!ok) return "tensor name " + quote(name) + " may only use A-Z a-z 0-9 _ . : / -";
   }
   return "";
 }

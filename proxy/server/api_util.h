@@ -44,7 +44,7 @@ Response fromOutcome(const StepOutcome& o);
 std::string parseTarget(std::string_view target, RequestTarget* t);
 bool parseU64(std::string_view s, uint64_t* v);
 /// `s` in single quotes, cut short and with control characters escaped (for messages).
-std::string quoted(std::string_view s);
+std::string quote(std::string_view s);
 /// Why a tensor name cannot be used ("" = it can).
 std::string checkName(std::string_view name);
 /// The element count of `shape` (an error message on overflow or too many dimensions).

@@ -30,11 +30,11 @@ Response ControlApi::registerBuffer(RouteCall& call) {
   owner.uid = info.uid;
   if (kind == "cuda_ipc") return registerCudaBuffer(o, owner);
   if (kind != "shm") {
-    return badRequest("unknown buffer kind " + quoted(kind) + " (known: 'shm', 'cuda_ipc')");
+    return badRequest("unknown buffer kind " + quote(kind) + " (known: 'shm', 'cuda_ipc')");
   }
   for (const auto& kv : o) {
     if (kv.key() != "kind" && kv.key() != "name" && kv.key() != "size") {
-      return badRequest("unknown field " + quoted(kv.key()) + " for kind 'shm'");
+      return badRequest("unknown field " + quote(kv.key()) + " for kind 'shm'");
     }
   }
   std::string name;
@@ -62,7 +62,7 @@ Response ControlApi::registerCudaBuffer(const json::object& o, const ipc::Buffer
     const std::string_view k = kv.key();
     if (k != "kind" && k != "name" && k != "size" && k != "handle" && k != "device" &&
         k != "offset" && k != "event") {
-      return badRequest("unknown field " + quoted(kv.key()) + " for kind 'cuda_ipc'");
+      return badRequest("unknown field " + quote(kv.key()) + " for kind 'cuda_ipc'");
     }
   }
   ipc::CudaIpcSpec spec;
@@ -136,7 +136,7 @@ Response ControlApi::registerCudaBuffer(const json::object& o, const ipc::Buffer
 Response ControlApi::releaseBuffer(RouteCall& call) {
   const std::string id = call.target.path.substr(std::string_view("/v1/buffers/").size());
   if (!buffers_.remove(id)) {
-    return errorResponse(status::not_found, "not_found", "unknown buffer " + quoted(id));
+    return errorResponse(status::not_found, "not_found", "unknown buffer " + quote(id));
   }
   metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
   metrics_.buffersReleased("client").Increment();

@@ -190,7 +190,7 @@ Response ControlApi::route(Request& req, const RequestTarget& t, const Route* ro
     return r;
   }
   if (route == nullptr) {
-    return errorResponse(status::not_found, "not_found", "no route " + quoted(t.path));
+    return errorResponse(status::not_found, "not_found", "no route " + quote(t.path));
   }
   const auto method = req.method();
   if (method != route->method &&
@@ -264,10 +264,10 @@ Response ControlApi::report(RouteCall& call) {
     const std::string_view k = kv.key();
     if (k == "step" || k == "trainer" || k == "fallbacks") continue;
     if (k.size() > 64 || !kv.value().is_number()) {
-      return badRequest("report field " + quoted(k) + " must be a number (name up to 64 bytes)");
+      return badRequest("report field " + quote(k) + " must be a number (name up to 64 bytes)");
     }
     const double v = kv.value().to_number<double>();
-    if (!std::isfinite(v)) return badRequest("report field " + quoted(k) + " must be finite");
+    if (!std::isfinite(v)) return badRequest("report field " + quote(k) + " must be finite");
     if (kept.size() >= 16) return badRequest("at most 16 report fields");
     kept[k] = v;
   }
@@ -292,7 +292,7 @@ Response ControlApi::durableState(const Request& req, bool resume) {
   if (std::string e = jsonU64(o, "step", true, &step); !e.empty()) return badRequest(e);
   for (const auto& kv : o) {
     if (kv.key() != "step")
-      return badRequest("unknown field " + quoted(kv.key()) + " (known: step)");
+      return badRequest("unknown field " + quote(kv.key()) + " (known: step)");
   }
   if (config_.state.dir.empty()) {
     return errorResponse(status::conflict, "failed_precondition",

@@ -26,7 +26,7 @@ Response ControlApi::emitRaw(Request& req, const RequestTarget& t, Reply& reply,
   if (has_shape) {
     if (spec.elements > body_bytes / width || spec.elements * width != body_bytes) {
       return badRequest(
-          "shape " + quoted(t.query.at("shape")) + " of " + apiDTypeName(spec.dtype) + " needs " +
+          "shape " + quote(t.query.at("shape")) + " of " + apiDTypeName(spec.dtype) + " needs " +
           (spec.elements > body_bytes / width ? std::string("more")
                                               : std::to_string(spec.elements * width)) +
           " bytes, the body has " + std::to_string(body_bytes));
@@ -94,7 +94,7 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   if (spec.elements == 0) return badRequest("empty tensor: 0 elements");
   auto region = buffers_.find(buffer);
   if (!region) {
-    return errorResponse(status::not_found, "not_found", "unknown buffer " + quoted(buffer));
+    return errorResponse(status::not_found, "not_found", "unknown buffer " + quote(buffer));
   }
   const uint64_t width = kernels::dtypeSize(spec.dtype);
   if (offset % width != 0) {

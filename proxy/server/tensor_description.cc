@@ -34,8 +34,7 @@ std::string QueryFields::unknownKey(std::span<const std::string_view> names) con
 std::string QueryFields::unsignedValue(std::string_view key, uint64_t* v) const {
   const std::string* s = find(key);
   if (s == nullptr || parseU64(*s, v)) return "";
-  return "query parameter '" + std::string(key) + "' must be an unsigned integer, got " +
-         quoted(*s);
+  return "query parameter '" + std::string(key) + "' must be an unsigned integer, got " + quote(*s);
 }
 
 std::string QueryFields::text(std::string_view key, std::string* v) const {
@@ -53,7 +52,7 @@ std::string QueryFields::dims(std::string_view key, std::vector<uint64_t>* v, bo
     uint64_t d = 0;
     if (!parseU64(rest.substr(0, comma), &d)) {
       return "query parameter '" + std::string(key) +
-             "' must be unsigned integers separated by commas, got " + quoted(*s);
+             "' must be unsigned integers separated by commas, got " + quote(*s);
     }
     v->push_back(d);
     if (v->size() > kMaxDims || comma == std::string_view::npos) return "";
@@ -103,7 +102,7 @@ std::string parseTensorDescription(const DescriptionFields& f,
   if (std::string k = f.unknownKey(names); !k.empty()) {
     std::string list;
     for (std::string_view n : names) list += (list.empty() ? "" : ", ") + std::string(n);
-    return "unknown " + std::string(f.noun()) + " " + quoted(k) + " (known: " + list + ")";
+    return "unknown " + std::string(f.noun()) + " " + quote(k) + " (known: " + list + ")";
   }
   const auto missing = [&f](const char* key) {
     return "missing " + std::string(f.noun()) + " '" + key + "'";
@@ -130,7 +129,7 @@ std::string parseTensorDescription(const DescriptionFields& f,
   std::string dtype = "float32";
   if (std::string e = f.text("dtype", &dtype); !e.empty()) return e;
   auto dt = kernels::parseDType(dtype);
-  if (!dt) return "unknown dtype " + quoted(dtype) + " (float32, float16 or bfloat16)";
+  if (!dt) return "unknown dtype " + quote(dtype) + " (float32, float16 or bfloat16)";
   spec->dtype = *dt;
 
   spec->shape.clear();

@@ -21,16 +21,16 @@ namespace {
 const BufferOwner kTcp{};  // an owner that is not known (a client over TCP)
 
 /// A segment created with shm_open + ftruncate, unlinked at the end of the test.
-class Segment {
+class TestSegment {
  public:
-  explicit Segment(size_t size) {
+  explicit TestSegment(size_t size) {
     static std::atomic<int> counter{0};
     name_ = "/lw-shm-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
     fd_ = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     REQUIRE(fd_ >= 0);
     REQUIRE(::ftruncate(fd_, static_cast<off_t>(size)) == 0);
   }
-  ~Segment() {
+  ~TestSegment() {
     ::close(fd_);
     ::shm_unlink(name_.c_str());
   }
@@ -45,7 +45,7 @@ class Segment {
 }  // namespace
 
 TEST_CASE("ShmRegion opens an existing segment and shares its bytes both ways") {
-  Segment seg(4096);
+  TestSegment seg(4096);
   std::string error;
   auto region = ShmRegion::open(seg.name(), 4096, &error);
   REQUIRE_MESSAGE(region != nullptr, error);
@@ -66,7 +66,7 @@ TEST_CASE("ShmRegion opens an existing segment and shares its bytes both ways") 
 }
 
 TEST_CASE("ShmRegion maps a prefix of a larger segment") {
-  Segment seg(8192);
+  TestSegment seg(8192);
   std::string error;
   auto region = ShmRegion::open(seg.name(), 100, &error);
   REQUIRE_MESSAGE(region != nullptr, error);
@@ -75,7 +75,7 @@ TEST_CASE("ShmRegion maps a prefix of a larger segment") {
 }
 
 TEST_CASE("ShmRegion refuses a segment smaller than the registered size, naming both sizes") {
-  Segment seg(1000);
+  TestSegment seg(1000);
   std::string error;
   CHECK(ShmRegion::open(seg.name(), 1001, &error) == nullptr);
   CHECK(error.find("1000") != std::string::npos);
@@ -83,7 +83,7 @@ TEST_CASE("ShmRegion refuses a segment smaller than the registered size, naming 
 }
 
 TEST_CASE("ShmRegion refuses size 0 and a segment that does not exist") {
-  Segment seg(64);
+  TestSegment seg(64);
   std::string error;
   CHECK(ShmRegion::open(seg.name(), 0, &error) == nullptr);
   CHECK(!error.empty());
@@ -109,7 +109,7 @@ TEST_CASE("ShmRegion refuses bad names without touching the system") {
 }
 
 TEST_CASE("ShmRegion::stillBacked turns false when the creator shrinks the segment") {
-  Segment seg(8192);
+  TestSegment seg(8192);
   std::string error;
   auto region = ShmRegion::open(seg.name(), 8192, &error);
   REQUIRE_MESSAGE(region != nullptr, error);
@@ -121,7 +121,7 @@ TEST_CASE("ShmRegion::stillBacked turns false when the creator shrinks the segme
 }
 
 TEST_CASE("BufferTable registers, finds, lists and releases buffers") {
-  Segment a(4096), b(8192);
+  TestSegment a(4096), b(8192);
   BufferTable table(8);
   BufferTable::AddError why = BufferTable::AddError::kInvalid;
   std::string error;
@@ -157,7 +157,7 @@ TEST_CASE("BufferTable registers, finds, lists and releases buffers") {
 }
 
 TEST_CASE("BufferTable reports invalid segments and never reuses ids") {
-  Segment a(64);
+  TestSegment a(64);
   BufferTable table(4);
   BufferTable::AddError why = BufferTable::AddError::kNone;
   std::string error;
@@ -178,7 +178,7 @@ TEST_CASE("BufferTable reports invalid segments and never reuses ids") {
 }
 
 TEST_CASE("BufferTable refuses registrations past max_buffers with kLimit") {
-  Segment a(64);
+  TestSegment a(64);
   BufferTable table(3);
   BufferTable::AddError why{};
   std::string error;
@@ -213,7 +213,7 @@ TEST_CASE("BufferTable refuses registrations past max_buffers with kLimit") {
 }
 
 TEST_CASE("BufferTable limits the buffers one owner holds; unknown owners count as one") {
-  Segment a(64);
+  TestSegment a(64);
   BufferTable table(10, 2);
   BufferTable::AddError why{};
   std::string error;
@@ -242,7 +242,7 @@ TEST_CASE("BufferTable limits the buffers one owner holds; unknown owners count 
 }
 
 TEST_CASE("BufferTable releases the buffers of an owner that exited, and only those") {
-  Segment a(64);
+  TestSegment a(64);
   BufferTable table(10);
   BufferTable::AddError why{};
   std::string error;

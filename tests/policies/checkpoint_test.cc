@@ -24,6 +24,7 @@
 
 #include "policies/checkpoint.h"
 #include "tests/temp_dir.h"
+#include "tests/text.h"
 
 namespace lightwire::policies {
 namespace {
@@ -31,7 +32,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::TempDir;
 
-Checkpoint sample() {
+Checkpoint sampleCheckpoint() {
   Checkpoint c;
   c.job_id = "job-1";
   c.world_size = 4;
@@ -182,9 +183,7 @@ std::string decodeError(const std::vector<uint8_t>& file) {
   return r.status().message();
 }
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using lightwire::testing::contains;
 
 std::vector<std::string> filesIn(const std::string& dir) {
   std::vector<std::string> names;
@@ -278,7 +277,7 @@ TEST_SUITE("checkpoint") {
   }
 
   TEST_CASE("a multi-tensor checkpoint round-trips bit-exactly") {
-    const Checkpoint c = sample();
+    const Checkpoint c = sampleCheckpoint();
     SUBCASE("in memory") {
       Result<Checkpoint> r = decodeCheckpoint(encodeCheckpoint(c), expectFor(c));
       REQUIRE(r.isOk());
@@ -336,7 +335,7 @@ TEST_SUITE("checkpoint") {
 
   TEST_CASE("writeCheckpoint is atomic and leaves no temporary file") {
     TempDir tmp;
-    Checkpoint c = sample();
+    Checkpoint c = sampleCheckpoint();
     Result<std::string> path = writeCheckpoint(tmp.path(), c);
     REQUIRE(path.isOk());
     CHECK(filesIn(tmp.path()) == std::vector<std::string>{"job-1.rank2.step9.lwck"});
@@ -499,7 +498,7 @@ TEST_SUITE("checkpoint") {
 
   TEST_CASE("a reader refuses a checkpoint of another job, world, rank or step") {
     TempDir tmp;
-    const Checkpoint c = sample();  // job-1, world 4, rank 2, step 9
+    const Checkpoint c = sampleCheckpoint();  // job-1, world 4, rank 2, step 9
     Result<std::string> path = writeCheckpoint(tmp.path(), c);
     REQUIRE(path.isOk());
     CheckpointExpect e = expectFor(c);

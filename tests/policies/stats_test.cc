@@ -8,7 +8,7 @@
 namespace lightwire::policies {
 namespace {
 
-StepStats sample() {
+StepStats sampleStats() {
   StepStats s;
   s.grad_norm2 = 12.5;
   s.nonfinite = 1;
@@ -28,7 +28,7 @@ StepStats sample() {
 
 TEST_SUITE("stats") {
   TEST_CASE("a record round-trips exactly") {
-    const StepStats s = sample();
+    const StepStats s = sampleStats();
     auto back = decodeStats(encodeStats(s));
     REQUIRE(back);
     CHECK(back->grad_norm2 == 12.5);
@@ -48,7 +48,7 @@ TEST_SUITE("stats") {
   }
 
   TEST_CASE("every truncation and a trailing byte are refused") {
-    const auto bytes = encodeStats(sample());
+    const auto bytes = encodeStats(sampleStats());
     for (size_t n = 0; n < bytes.size(); ++n) {
       CHECK_FALSE(decodeStats(std::span(bytes.data(), n)));
     }
@@ -60,7 +60,7 @@ TEST_SUITE("stats") {
   }
 
   TEST_CASE("hostile fields are refused") {
-    auto bytes = encodeStats(sample());
+    auto bytes = encodeStats(sampleStats());
     SUBCASE("magic") {
       bytes[0] = 'X';
       CHECK_FALSE(decodeStats(bytes));

@@ -18,6 +18,7 @@
 
 #include "proxy/config/config.h"
 #include "tests/temp_dir.h"
+#include "tests/text.h"
 
 namespace json = boost::json;
 using namespace lightwire::proxy;
@@ -66,9 +67,7 @@ const ConfigKey& keyOf(const std::string& path) {
   throw 0;
 }
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using lightwire::testing::contains;
 
 }  // namespace
 

@@ -226,9 +226,9 @@ class Client {
 using lightwire::testing::TempDir;
 
 /// A POSIX shared-memory segment the "client" owns.
-class Segment {
+class ClientSegment {
  public:
-  explicit Segment(size_t size) : size_(size) {
+  explicit ClientSegment(size_t size) : size_(size) {
     static std::atomic<int> counter{0};
     name_ = "/lw-api-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
     fd_ = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -238,7 +238,7 @@ class Segment {
     REQUIRE(p != MAP_FAILED);
     data_ = static_cast<std::byte*>(p);
   }
-  ~Segment() {
+  ~ClientSegment() {
     ::munmap(data_, size_);
     ::close(fd_);
     ::shm_unlink(name_.c_str());
@@ -558,7 +558,7 @@ TEST_CASE("malformed JSON bodies get 400 on every JSON route") {
 TEST_CASE("buffers: register, bad registrations, Form 2 regions, release twice") {
   Stack s;
   Client c = s.unixClient();
-  Segment seg(4096), small(1024);
+  ClientSegment seg(4096), small(1024);
   const std::string before = snapshot(c);
 
   // Registrations that fail change nothing.
@@ -848,7 +848,7 @@ TEST_CASE("two local trainers: a second request for the same part is 409; steps 
   ServeConfig config;
   config.local_trainers = 2;
   Stack s(config);
-  Segment seg(1024);
+  ClientSegment seg(1024);
   Client a = s.unixClient(), b = s.unixClient(), t1 = s.tcpClient();
   const std::string id = registerShm(a, seg.name(), 1024);
   for (int i = 0; i < 8; ++i) seg.floats()[i] = 1.0f;
@@ -1212,7 +1212,7 @@ TEST_CASE("a buffer released while its step waits is unmapped only after the ste
   ServeConfig config;
   config.local_trainers = 2;
   Stack s(config);
-  Segment seg(256);
+  ClientSegment seg(256);
   Client a = s.unixClient(), b = s.unixClient();
   const std::string id = registerShm(a, seg.name(), 256);
   for (int i = 0; i < 4; ++i) seg.floats()[i] = 2.0f;
@@ -1356,7 +1356,7 @@ TEST_CASE("buffers belong to the registering process: per-client limit, pid, rel
   REQUIRE(::stat(s.socket_path.c_str(), &st) == 0);
   CHECK((st.st_mode & 0777) == 0600);
 
-  Segment seg(4096);
+  ClientSegment seg(4096);
   Client mine = s.unixClient();
   registerShm(mine, seg.name(), 4096);
   registerShm(mine, seg.name(), 1024);
@@ -1396,7 +1396,7 @@ TEST_CASE("a client may register only shared-memory segments of its own user") {
     return;
   }
   Stack s;
-  Segment seg(4096);  // owned by root
+  ClientSegment seg(4096);  // owned by root
   // Let user 65534 (nobody) reach the socket: this test only, the sidecar refuses such modes.
   for (std::filesystem::path p = s.socket_path; p != s.dir.path(); p = p.parent_path()) {
     ::chmod(p.c_str(), p == std::filesystem::path(s.socket_path) ? 0666 : 0755);

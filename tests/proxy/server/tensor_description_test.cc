@@ -3,6 +3,7 @@
 // the same description, the same rules and messages (only the noun differs).
 
 #include "proxy/server/tensor_description.h"
+#include "tests/text.h"
 
 #include <doctest/doctest.h>
 
@@ -39,9 +40,7 @@ Parsed fromJson(const std::string& body, unsigned local_trainers = 1) {
   return p;
 }
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using lightwire::testing::contains;
 
 }  // namespace
 
