@@ -7,7 +7,11 @@
 #            loudly if nvcc exists but CUDA cannot be enabled). The test executables that only
 #            drive the code under test (proxy_tests, exchange_tests, proxy_cuda_tests) are compiled
 #            at -O0 (-Dtest_optimization=0): the code they test stays optimised, and they compile
-#            in a quarter to a third of the time. Default dir: build-release.
+#            in a quarter to a third of the time; they are unity builds in every variant
+#            (tests/meson.build). The codec tests (kernels_tests, kernels_cuda_tests) are compiled
+#            at -O1 (-Dcodec_test_optimization=1): the codecs stay at -O3, the tests' own
+#            reference computations compile in 60 % of the time and run 10 % longer.
+#            Default dir: build-release.
 #   asan     AddressSanitizer + UndefinedBehaviorSanitizer with clang-14 (CC/CXX: LW_ASAN_CC,
 #            LW_ASAN_CXX), -O1 (what ASan recommends), with line tables only (-gline-tables-only:
 #            reports keep file:line, the build is much faster than with full debug info), no CUDA,
@@ -49,12 +53,15 @@ fi
 targets=()  # all
 case "$variant" in
   release)
-    options=(--buildtype=release -Dtest_optimization=0 -Dcuda=auto)
-    # A build-release configured before -Dtest_optimization existed gets it (a reconfigure, not a
-    # fresh setup: nothing else changes).
+    options=(--buildtype=release -Dtest_optimization=0 -Dcodec_test_optimization=1 -Dcuda=auto)
+    # A build-release configured before these options existed gets them (a reconfigure, not a
+    # fresh setup: nothing else changes; ninja first loads the current meson_options.txt).
     if [[ -f "$dir/build.ninja" ]] &&
-      ! grep -qx 'test_optimization = 0' "$dir/meson-private/cmd_line.txt" 2>/dev/null; then
-      meson configure "$dir" -Dtest_optimization=0 >/dev/null
+      ! { grep -qx 'test_optimization = 0' "$dir/meson-private/cmd_line.txt" &&
+          grep -qx 'codec_test_optimization = 1' "$dir/meson-private/cmd_line.txt"; } 2>/dev/null
+    then
+      ninja -C "$dir" build.ninja >/dev/null
+      meson configure "$dir" -Dtest_optimization=0 -Dcodec_test_optimization=1 >/dev/null
     fi
     ;;
   asan)

@@ -16,9 +16,11 @@
 #   - promtool checks of docker/prometheus (config, rules, rule unit tests);
 #   - docker/Dockerfile's sidecar and trainer stages run on a debootstrapped Debian 12 (as root;
 #     scripts/check-image.py): health check, a gradient, one compose node's trainer; it runs in
-#     the background beside the asan and tsan builds (it mostly waits on the mirror and the disk);
+#     the background (at nice 10) from the end of the release build on: it mostly waits on the
+#     mirror and the disk;
 #   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan);
-#   - a 2-minute soak (bench/soak/soak.py): fails on any error, RSS growth or fd growth.
+#   - a 2-minute soak (bench/soak/soak.py): fails on any error, RSS growth or fd growth; it runs
+#     beside the fuzzing and the short checks, which, like it, take a fixed time.
 # Ends with exactly one line `N passed, M failed[, K skipped]` and exits non-zero when anything
 # failed, including a build. Logs: <prefix>-test-logs/ (prefix: LW_BUILD_PREFIX, default "build").
 set -uo pipefail
@@ -64,27 +66,38 @@ doctest_run() {
   doctest_report "$name" $? $((SECONDS - t0))
 }
 
-# Starts a doctest binary in the background (beside the other tests); doctest_wait reports it.
-# doctest_start NAME BINARY [ENV=VALUE...]
-declare -A doctest_pids
-doctest_start() {
-  local name=$1 binary=$2
-  shift 2
+# Runs a command in the background, beside the steps that follow: output to $logs/NAME.log, its
+# duration in seconds to $logs/NAME.seconds. beside_wait NAME waits for it and returns its status.
+# beside NAME CMD...
+declare -A beside_pids
+beside() {
+  local name=$1
+  shift
   (
     t0=$SECONDS
-    env "$@" "$binary" -r=console --no-version >"$logs/$name.log" 2>&1
+    "$@" >"$logs/$name.log" 2>&1
     rc=$?
     echo $((SECONDS - t0)) >"$logs/$name.seconds"
     exit $rc
   ) &
-  doctest_pids[$name]=$!
+  beside_pids[$name]=$!
+}
+beside_wait() { wait "${beside_pids[$1]}"; }
+beside_seconds() { cat "$logs/$1.seconds" 2>/dev/null || echo '?'; }
+
+# A doctest binary beside the other tests; doctest_wait reports it.
+# doctest_start NAME BINARY [ENV=VALUE...]
+doctest_start() {
+  local name=$1 binary=$2
+  shift 2
+  beside "$name" env "$@" "$binary" -r=console --no-version
 }
 # doctest_wait NAME
 doctest_wait() {
   local name=$1 rc
-  wait "${doctest_pids[$name]}"
+  beside_wait "$name"
   rc=$?
-  doctest_report "$name" $rc "$(cat "$logs/$name.seconds" 2>/dev/null || echo '?')" "beside the others"
+  doctest_report "$name" $rc "$(beside_seconds "$name")" "beside the others"
 }
 
 # Adds the test-case counts of a finished doctest run (its log: $logs/NAME.log).
@@ -136,20 +149,15 @@ release_ok=0 asan_ok=0
 quiet "build $release_dir" "$logs/build-release.log" bash scripts/build.sh release "$release_dir" \
   && release_ok=1 || fail "build release" "see $logs/build-release.log"
 # The image emulation needs only the release binary and mostly waits on the Debian mirror and the
-# disk (debootstrap, apt-get in the stages' trees): it runs beside the other builds and is reported
-# in its place below.
-image_pid=""
+# disk (debootstrap, apt-get in the stages' trees): it runs in the background from here on and is
+# reported in its place below. At nice 10 it takes little from the builds beside it (they keep
+# both processors busy) and uses what the tests leave idle.
+image_started=0
 if ((release_ok)) && [[ $(id -u) -eq 0 ]]; then
-  (
-    t0=$SECONDS
-    "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
-      --cache "$prefix-image-cache" >"$logs/image.log" 2>&1
-    rc=$?
-    echo $((SECONDS - t0)) >"$logs/image.seconds"
-    exit $rc
-  ) &
-  image_pid=$!
-  note "      (image emulation started beside the builds, pid $image_pid)"
+  beside image nice -n 10 "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
+    --cache "$prefix-image-cache"
+  image_started=1
+  note "      (image emulation started in the background, pid ${beside_pids[image]})"
 fi
 quiet "build $asan_dir" "$logs/build-asan.log" bash scripts/build.sh asan "$asan_dir" \
   && asan_ok=1 || fail "build asan" "see $logs/build-asan.log"
@@ -209,6 +217,20 @@ if ((asan_ok)); then
   doctest_wait kernels-asan
 fi
 
+# The soak runs for a fixed time, as does the fuzzing: it runs beside the fuzzing and the short
+# checks after it (golden payloads, promtool, formatting, smoke runs), before the Python tests.
+# Under the shared processors each does fewer steps or executions in its time; the soak's verdict
+# (errors, RSS and descriptor growth, progress) does not depend on its rate.
+soak_started=0
+if ((release_ok)); then
+  # A 60 s warm-up: the first checkpoint and full-sync leave their memory for good early on
+  # (docs/RELIABILITY.md "Soak"); judged after it, the RSS noise stays well under the 2 % limit.
+  beside soak "$python" bench/soak/soak.py --duration 120 --warmup 60 \
+    --bin "$release_dir/proxy/lightwire" --json "$logs/soak.json"
+  soak_started=1
+  note "      (soak started in the background, pid ${beside_pids[soak]})"
+fi
+
 note "== fuzzing (libFuzzer, ASan+UBSan, every target ${LW_FUZZ_SECONDS:-10} s)"
 if ((asan_ok)); then
   t0=$SECONDS
@@ -237,29 +259,6 @@ if ((asan_ok)); then
   note "      ($((SECONDS - t0)) s)"
 fi
 
-note "== Python client and DDP hook (pytest, real sidecar, real PyTorch)"
-if ((release_ok)); then
-  t0=$SECONDS
-  LIGHTWIRE_BIN=$PWD/$release_dir/proxy/lightwire PYTHON=$python bash tests/python/run.sh \
-    --durations=20 >"$logs/python.log" 2>&1
-  rc=$?
-  # pytest's last line: "N passed, M failed, K skipped in T s" (any subset, any order).
-  line=$(grep -E '^[=]* *[0-9]+ (passed|failed|skipped|error)' "$logs/python.log" | tail -n 1)
-  count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' || echo 0; }
-  # An expected failure (xfail: a known gap, named in its reason) counts as skipped, not passed.
-  p=$(( $(count passed) + $(count xpassed) )) f=$(( $(count failed) + $(count error) ))
-  s=$(( $(count skipped) + $(count xfailed) ))
-  passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
-  note "      pytest: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s)"
-  if ((f > 0)); then
-    grep -E '^(FAILED|ERROR)' "$logs/python.log" | head -n 20
-    failures+=("pytest: $f test(s), see $logs/python.log")
-  elif ((rc != 0)) || [[ -z "$line" ]]; then
-    tail -n 30 "$logs/python.log"
-    fail "pytest" "exit code $rc, see $logs/python.log"
-  fi
-fi
-
 note "== golden payloads (independent reference implementation)"
 golden=tests/reference/make_golden.py
 if [[ ! -f "$golden" ]]; then
@@ -277,18 +276,6 @@ if bash scripts/check-prometheus.sh >"$logs/promtool.log" 2>&1; then
 else
   tail -n 40 "$logs/promtool.log"
   fail "promtool" "see $logs/promtool.log"
-fi
-
-note "== the sidecar and trainer images, emulated (docker/Dockerfile on a debootstrapped Debian 12)"
-if [[ $(id -u) -ne 0 ]]; then
-  skip "image emulation" "needs root (debootstrap, chroot): sudo $python scripts/check-image.py"
-elif [[ -z "$image_pid" ]]; then
-  fail "image emulation" "no $release_dir/proxy/lightwire"
-elif wait "$image_pid"; then
-  pass "image emulation: sidecar and trainer stages, health check, a compose node's training ($(cat "$logs/image.seconds") s, beside the builds)"
-else
-  grep '^check-image' "$logs/image.log" | tail -n 20
-  fail "image emulation" "see $logs/image.log"
 fi
 
 note "== formatting (.clang-format)"
@@ -364,18 +351,49 @@ sys.exit(0 if names == want else f"codecs measured {sorted(names)}, want {sorted
   fi
 fi
 
-note "== soak (2 minutes, 3 sidecars x 2 trainers at full rate)"
-if ((release_ok)); then
-  t0=$SECONDS
-  # A 60 s warm-up: the first checkpoint and full-sync leave their memory for good early on
-  # (docs/RELIABILITY.md "Soak"); judged after it, the RSS noise stays well under the 2 % limit.
-  if "$python" bench/soak/soak.py --duration 120 --warmup 60 --bin "$release_dir/proxy/lightwire" \
-    --json "$logs/soak.json" >"$logs/soak.log" 2>&1; then
-    pass "soak 120 s: $(grep -E '^VERDICT:' "$logs/soak.log" | tail -n 1) ($((SECONDS - t0)) s)"
+note "== soak (2 minutes, 3 sidecars x 2 trainers at full rate, beside the checks above)"
+if ((soak_started)); then
+  if beside_wait soak; then
+    pass "soak 120 s: $(grep -E '^VERDICT:' "$logs/soak.log" | tail -n 1) ($(beside_seconds soak) s)"
   else
     tail -n 25 "$logs/soak.log"
     fail "soak 120 s" "see $logs/soak.log"
   fi
+fi
+
+note "== Python client and DDP hook (pytest, real sidecar, real PyTorch)"
+if ((release_ok)); then
+  t0=$SECONDS
+  LIGHTWIRE_BIN=$PWD/$release_dir/proxy/lightwire PYTHON=$python bash tests/python/run.sh \
+    --durations=20 >"$logs/python.log" 2>&1
+  rc=$?
+  # pytest's last line: "N passed, M failed, K skipped in T s" (any subset, any order).
+  line=$(grep -E '^[=]* *[0-9]+ (passed|failed|skipped|error)' "$logs/python.log" | tail -n 1)
+  count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' || echo 0; }
+  # An expected failure (xfail: a known gap, named in its reason) counts as skipped, not passed.
+  p=$(( $(count passed) + $(count xpassed) )) f=$(( $(count failed) + $(count error) ))
+  s=$(( $(count skipped) + $(count xfailed) ))
+  passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
+  note "      pytest: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s)"
+  if ((f > 0)); then
+    grep -E '^(FAILED|ERROR)' "$logs/python.log" | head -n 20
+    failures+=("pytest: $f test(s), see $logs/python.log")
+  elif ((rc != 0)) || [[ -z "$line" ]]; then
+    tail -n 30 "$logs/python.log"
+    fail "pytest" "exit code $rc, see $logs/python.log"
+  fi
+fi
+
+note "== the sidecar and trainer images, emulated (docker/Dockerfile on a debootstrapped Debian 12)"
+if [[ $(id -u) -ne 0 ]]; then
+  skip "image emulation" "needs root (debootstrap, chroot): sudo $python scripts/check-image.py"
+elif ((!image_started)); then
+  fail "image emulation" "no $release_dir/proxy/lightwire"
+elif beside_wait image; then
+  pass "image emulation: sidecar and trainer stages, health check, a compose node's training ($(beside_seconds image) s, in the background)"
+else
+  grep '^check-image' "$logs/image.log" | tail -n 20
+  fail "image emulation" "see $logs/image.log"
 fi
 
 note "== $((SECONDS - start)) s"

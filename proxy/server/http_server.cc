@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <boost/asio/generic/stream_protocol.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/post.hpp>
@@ -17,7 +18,6 @@
 #include <list>
 #include <mutex>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 #include "proxy/server/utf8.h"
@@ -29,7 +29,9 @@ namespace asio = boost::asio;
 namespace beast = boost::beast;
 using tcp = asio::ip::tcp;
 using unix_socket = asio::local::stream_protocol;
-using UnixStream = beast::basic_stream<unix_socket>;
+// Every connection, TCP or Unix socket, is one stream type: Beast's parser and serializer are
+// instantiated once, not once per protocol (they are most of this file's compile time).
+using Stream = beast::basic_stream<asio::generic::stream_protocol>;
 
 }  // namespace
 
@@ -70,8 +72,7 @@ constexpr int kSocketBuffer = 4 << 20;            // SO_RCVBUF / SO_SNDBUF of a 
 
 /// One connection: read a request, hand it to the handler, write the reply, repeat while kept
 /// alive.
-template <typename Stream>
-class Session : public std::enable_shared_from_this<Session<Stream>> {
+class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(Stream stream, std::shared_ptr<Shared> shared, RequestInfo info)
       : stream_(std::move(stream)), shared_(std::move(shared)), info_(info) {
@@ -83,7 +84,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
   }
 
   void start() {
-    if constexpr (std::is_same_v<Stream, UnixStream>) {
+    if (!info_.tcp) {
       struct ucred cred {};
       socklen_t len = sizeof cred;
       if (::getsockopt(stream_.socket().native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) ==
@@ -93,7 +94,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
       }
     }
     buffer_.reserve(kSmallBuffer);
-    std::weak_ptr<Session> weak = this->shared_from_this();
+    std::weak_ptr<Session> weak = shared_from_this();
     {
       std::lock_guard lock(shared_->mu);
       auto& list = shared_->closers;
@@ -120,7 +121,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
     stream_.expires_after(shared_->limits.idle_timeout);
     http::async_read_header(
         stream_, buffer_, *parser_,
-        [self = this->shared_from_this()](beast::error_code ec, size_t) { self->onHeader(ec); });
+        [self = shared_from_this()](beast::error_code ec, size_t) { self->onHeader(ec); });
   }
 
   void limitHit(std::string_view limit) {
@@ -213,7 +214,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
       auto cont = std::make_shared<http::response<http::empty_body>>(http::status::continue_,
                                                                      req.version());
       http::async_write(stream_, *cont,
-                        [self = this->shared_from_this(), cont](beast::error_code ec2, size_t) {
+                        [self = shared_from_this(), cont](beast::error_code ec2, size_t) {
                           if (ec2) return self->close();
                           self->readBody();
                         });
@@ -225,7 +226,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
   void readBody() {
     http::async_read(
         stream_, buffer_, *parser_,
-        [self = this->shared_from_this()](beast::error_code ec, size_t) { self->onRead(ec); });
+        [self = shared_from_this()](beast::error_code ec, size_t) { self->onRead(ec); });
   }
 
   void onRead(beast::error_code ec) {
@@ -240,7 +241,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
     version_ = req.version();
     head_ = req.method() == http::verb::head;
     busy_ = true;
-    auto self = this->shared_from_this();
+    auto self = shared_from_this();
     shared_->handler(std::move(req), info_, [self](Response r) {
       asio::post(self->stream_.get_executor(),
                  [self, r = std::move(r)]() mutable { self->write(std::move(r)); });
@@ -260,7 +261,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
     response_ = std::make_shared<Response>(std::move(r));
     stream_.expires_after(shared_->limits.idle_timeout);  // a client that never reads is dropped
     http::async_write(
-        stream_, *response_, [self = this->shared_from_this()](beast::error_code ec, size_t) {
+        stream_, *response_, [self = shared_from_this()](beast::error_code ec, size_t) {
           self->busy_ = false;
           if (ec == beast::error::timeout) self->limitHit("request_timeout");  // never read it
           const bool again = !ec && self->response_->keep_alive();
@@ -312,8 +313,8 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
 };
 
 /// Accepts connections of one protocol and starts a Session for each.
-template <typename Protocol, typename Stream>
-class Listener : public std::enable_shared_from_this<Listener<Protocol, Stream>> {
+template <typename Protocol>
+class Listener : public std::enable_shared_from_this<Listener<Protocol>> {
  public:
   Listener(asio::io_context& io, std::shared_ptr<Shared> shared, RequestInfo info)
       : io_(io), acceptor_(asio::make_strand(io)), shared_(std::move(shared)), info_(info) {}
@@ -321,31 +322,30 @@ class Listener : public std::enable_shared_from_this<Listener<Protocol, Stream>>
   typename Protocol::acceptor& acceptor() { return acceptor_; }
 
   void accept() {
-    acceptor_.async_accept(
-        asio::make_strand(io_),
-        [self = this->shared_from_this()](beast::error_code ec, typename Protocol::socket socket) {
-          if (ec) {
-            if (ec == asio::error::operation_aborted || !self->acceptor_.is_open()) return;
-            self->accept();  // e.g. EMFILE: keep serving the connections we have
-            return;
-          }
-          if (self->shared_->stopping.load() ||
-              self->shared_->connections->load() >= self->shared_->limits.max_connections) {
-            beast::error_code ignored;
-            socket.close(ignored);  // over limits.max_connections: refused at once
-            if (!self->shared_->stopping.load() && self->shared_->on_limit) {
-              self->shared_->on_limit("connections");
-            }
-          } else {
-            // Large socket buffers: a 100 MB body moves in hundreds of wake-ups, not thousands.
-            beast::error_code ignored;
-            socket.set_option(asio::socket_base::receive_buffer_size(kSocketBuffer), ignored);
-            socket.set_option(asio::socket_base::send_buffer_size(kSocketBuffer), ignored);
-            std::make_shared<Session<Stream>>(Stream(std::move(socket)), self->shared_, self->info_)
-                ->start();
-          }
-          self->accept();
-        });
+    acceptor_.async_accept(asio::make_strand(io_), [self = this->shared_from_this()](
+                                                       beast::error_code ec,
+                                                       typename Protocol::socket socket) {
+      if (ec) {
+        if (ec == asio::error::operation_aborted || !self->acceptor_.is_open()) return;
+        self->accept();  // e.g. EMFILE: keep serving the connections we have
+        return;
+      }
+      if (self->shared_->stopping.load() ||
+          self->shared_->connections->load() >= self->shared_->limits.max_connections) {
+        beast::error_code ignored;
+        socket.close(ignored);  // over limits.max_connections: refused at once
+        if (!self->shared_->stopping.load() && self->shared_->on_limit) {
+          self->shared_->on_limit("connections");
+        }
+      } else {
+        // Large socket buffers: a 100 MB body moves in hundreds of wake-ups, not thousands.
+        beast::error_code ignored;
+        socket.set_option(asio::socket_base::receive_buffer_size(kSocketBuffer), ignored);
+        socket.set_option(asio::socket_base::send_buffer_size(kSocketBuffer), ignored);
+        std::make_shared<Session>(Stream(std::move(socket)), self->shared_, self->info_)->start();
+      }
+      self->accept();
+    });
   }
 
   void stop() {
@@ -367,8 +367,8 @@ class Listener : public std::enable_shared_from_this<Listener<Protocol, Stream>>
 struct HttpServer::Impl {
   asio::io_context& io;
   std::shared_ptr<Shared> shared;
-  std::vector<std::shared_ptr<Listener<tcp, beast::tcp_stream>>> tcp_listeners;
-  std::vector<std::shared_ptr<Listener<unix_socket, UnixStream>>> unix_listeners;
+  std::vector<std::shared_ptr<Listener<tcp>>> tcp_listeners;
+  std::vector<std::shared_ptr<Listener<unix_socket>>> unix_listeners;
   std::vector<std::string> socket_files;
 };
 
@@ -404,8 +404,8 @@ std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind, u
     }
     fs::remove(p, fec);
   }
-  auto listener = std::make_shared<Listener<unix_socket, UnixStream>>(impl_->io, impl_->shared,
-                                                                      RequestInfo{kind, false});
+  auto listener =
+      std::make_shared<Listener<unix_socket>>(impl_->io, impl_->shared, RequestInfo{kind, false});
   beast::error_code ec;
   auto& acc = listener->acceptor();
   acc.open(unix_socket(), ec);
@@ -434,8 +434,8 @@ std::string HttpServer::listenTcp(const std::string& host, uint16_t port, Listen
   beast::error_code ec;
   const auto address = asio::ip::make_address(host, ec);
   if (ec) return "invalid listen address '" + host + "': " + ec.message();
-  auto listener = std::make_shared<Listener<tcp, beast::tcp_stream>>(impl_->io, impl_->shared,
-                                                                     RequestInfo{kind, true});
+  auto listener =
+      std::make_shared<Listener<tcp>>(impl_->io, impl_->shared, RequestInfo{kind, true});
   auto& acc = listener->acceptor();
   const tcp::endpoint endpoint(address, port);
   acc.open(endpoint.protocol(), ec);
