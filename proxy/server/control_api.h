@@ -20,6 +20,7 @@
 #include "policies/policy.h"
 #include "proxy/config/config.h"
 #include "proxy/server/http_server.h"
+#include "proxy/server/layout.h"
 #include "proxy/step/engine.h"
 
 namespace lightwire::proxy {
@@ -130,6 +131,7 @@ class ControlApi {
   std::shared_ptr<ipc::CudaDriver> cuda_;
   std::string cuda_why_not_ = "not probed";
   std::shared_ptr<const CompressionConfig> compression_;
+  LayoutRegistry layouts_;  // the layout each bucket name was first sent with
   boost::json::object last_report_;
 };
 

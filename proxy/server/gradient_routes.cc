@@ -6,7 +6,12 @@
 
 #include <boost/json/serialize.hpp>
 
+#include <algorithm>
+#include <mutex>
+#include <optional>
+
 #include "proxy/server/api_util.h"
+#include "proxy/server/layout.h"
 #include "proxy/server/tensor_description.h"
 
 namespace lightwire::proxy {
@@ -64,13 +69,86 @@ Response ControlApi::emitRaw(Request& req, const RequestTarget& t, Reply& reply,
   return {};
 }
 
+namespace {
+
+/// The contribution of the tensor `spec` at byte `offset` of `region` (checked to lie inside it).
+Contribution regionContribution(const std::shared_ptr<ipc::Region>& region, uint64_t offset,
+                                const TensorSpec& spec) {
+  Contribution c;
+  c.spec = spec;
+  c.data = region->data() + offset;
+  c.still_valid = [region] { return region->stillBacked(); };
+  if (std::string_view(region->kind()) != "shm") {
+    const uint64_t bytes = spec.elements * kernels::dtypeSize(spec.dtype);
+    c.fetch = [region, offset, bytes](std::string* why) {
+      return region->fetch(offset, bytes, why);
+    };
+    c.store = [region, offset, bytes](std::string* why) {
+      return region->store(offset, bytes, why);
+    };
+  }
+  if (auto view = region->deviceAt(offset)) {
+    // The engine's GPU path reads and writes the trainer's memory in place.
+    Contribution::Device d;
+    d.ordinal = view->ordinal;
+    d.ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(view->address));
+    d.wait = [region](void* stream, std::string* why) { return region->waitOn(stream, why); };
+    c.device = std::move(d);
+  }
+  c.keep_alive = region;
+  return c;
+}
+
+/// The outcomes of a bucket's layers as they end; the reply once the last one has.
+struct LayerSteps {
+  std::mutex mu;
+  std::vector<StepOutcome> outcomes;
+  size_t remaining = 0;
+};
+
+/// One reply for a bucket whose layers all ended: the first failed layer's error (in layout
+/// order), else the bucket's figures (sums over its layers) with each layer's own under "layers".
+Response bucketReply(const std::string& bucket, uint64_t step, const Layout& layout,
+                     std::vector<StepOutcome>& outcomes) {
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    if (!outcomes[i].ok()) {
+      outcomes[i].message = "layer " + quote(layout.entries[i].name) + ": " + outcomes[i].message;
+      return fromOutcome(outcomes[i]);
+    }
+  }
+  StepFigures total = outcomes.front().figures;
+  json::array layers;
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    const StepFigures& f = outcomes[i].figures;
+    layers.push_back(figuresJson(layout.entries[i].name, step, f));
+    if (i == 0) continue;
+    if (f.codec != total.codec) total.codec = "mixed";
+    if (f.mode != total.mode) total.mode = "mixed";
+    if (f.device != total.device) total.device = "mixed";
+    total.elements += f.elements;
+    total.raw_bytes += f.raw_bytes;
+    total.wire_bytes += f.wire_bytes;
+    total.nonfinite = total.nonfinite || f.nonfinite;
+    total.state_reset = total.state_reset || f.state_reset;
+    total.settings = std::max(total.settings, f.settings);
+    for (size_t s = 0; s < metrics::kStageCount; ++s) total.durations_us[s] += f.durations_us[s];
+  }
+  json::object o = figuresJson(bucket, step, total);
+  o["layout_hash"] = layoutHashText(layout.hash);
+  o["layers"] = std::move(layers);
+  return jsonResponse(status::ok, o);
+}
+
+}  // namespace
+
 Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   json::object o;
   if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
   TensorSpec spec;
   bool has_shape = false;
-  if (std::string e = parseTensorDescription(JsonFields(o), {"buffer", "offset", "elements"},
-                                             config_.local_trainers, &spec, &has_shape);
+  if (std::string e =
+          parseTensorDescription(JsonFields(o), {"buffer", "offset", "elements", "layout"},
+                                 config_.local_trainers, &spec, &has_shape);
       !e.empty()) {
     return badRequest(e);
   }
@@ -92,6 +170,13 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
     return badRequest("missing field 'shape' (or 'elements')");
   }
   if (spec.elements == 0) return badRequest("empty tensor: 0 elements");
+  std::optional<Layout> layout;
+  if (const json::value* lv = o.if_contains("layout")) {
+    layout.emplace();
+    if (std::string e = parseLayout(*lv, spec.elements, spec.name, &*layout); !e.empty()) {
+      return badRequest(e);
+    }
+  }
   auto region = buffers_.find(buffer);
   if (!region) {
     return errorResponse(status::not_found, "not_found", "unknown buffer " + quote(buffer));
@@ -110,35 +195,39 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   if (!region->stillBacked()) {
     return badRequest("buffer " + buffer + " no longer holds its registered size");
   }
-  Contribution c;
-  c.spec = spec;
-  c.data = region->data() + offset;
-  c.still_valid = [region] { return region->stillBacked(); };
-  if (std::string_view(region->kind()) != "shm") {
-    const uint64_t bytes = spec.elements * width;
-    c.fetch = [region, offset, bytes](std::string* why) {
-      return region->fetch(offset, bytes, why);
-    };
-    c.store = [region, offset, bytes](std::string* why) {
-      return region->store(offset, bytes, why);
-    };
-  }
-  if (auto view = region->deviceAt(offset)) {
-    // The engine's GPU path reads and writes the trainer's memory in place.
-    Contribution::Device d;
-    d.ordinal = view->ordinal;
-    d.ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(view->address));
-    d.wait = [region](void* stream, std::string* why) { return region->waitOn(stream, why); };
-    c.device = std::move(d);
-  }
-  c.keep_alive = region;
-  replied = true;
   const std::string name = spec.name;
   const uint64_t step = spec.step;
-  engine_.submit(std::move(c), [reply, name, step](StepOutcome out) {
-    if (!out.ok()) return reply(fromOutcome(out));
-    reply(jsonResponse(status::ok, figuresJson(name, step, out.figures)));
-  });
+  if (!layout) {
+    replied = true;
+    engine_.submit(regionContribution(region, offset, spec), [reply, name, step](StepOutcome out) {
+      if (!out.ok()) return reply(fromOutcome(out));
+      reply(jsonResponse(status::ok, figuresJson(name, step, out.figures)));
+    });
+    return {};
+  }
+  // One tensor per layer (docs/api.md "Layouts: one tensor per layer"), submitted in layout
+  // order — the same order on every sidecar, as the buckets themselves are.
+  if (std::string e = layouts_.check(name, *layout); !e.empty()) return badRequest(e);
+  auto shared_layout = std::make_shared<const Layout>(std::move(*layout));
+  auto steps = std::make_shared<LayerSteps>();
+  steps->outcomes.resize(shared_layout->entries.size());
+  steps->remaining = shared_layout->entries.size();
+  replied = true;
+  for (size_t i = 0; i < shared_layout->entries.size(); ++i) {
+    const LayoutEntry& entry = shared_layout->entries[i];
+    TensorSpec layer = spec;
+    layer.name = entry.name;
+    layer.shape = entry.shape;
+    layer.elements = entry.elements;
+    engine_.submit(regionContribution(region, offset + entry.offset * width, layer),
+                   [reply, name, step, shared_layout, steps, i](StepOutcome out) {
+                     std::unique_lock lock(steps->mu);
+                     steps->outcomes[i] = std::move(out);
+                     if (--steps->remaining > 0) return;
+                     lock.unlock();
+                     reply(bucketReply(name, step, *shared_layout, steps->outcomes));
+                   });
+  }
   return {};
 }
 

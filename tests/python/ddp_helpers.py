@@ -40,11 +40,14 @@ def model(seed=SEED):
 
 def train(state=None, steps=STEPS, rank=0, world_size=1, on_step=None, bucket_cap_mb=25):
     """Full-batch SGD (no momentum) on this rank's shard; returns (losses, final parameters).
-    ``on_step(i)`` runs before step i."""
+    ``on_step(i)`` runs before step i. ``state``: a hook state, or a function of the DDP model
+    returning one (a per-layer state needs the model)."""
     import lightwire.torch as lwt
     torch.manual_seed(SEED)
     X, y = task(rank, world_size)
     net = DDP(model(), bucket_cap_mb=bucket_cap_mb)
+    if callable(state):
+        state = state(net)
     if state is not None:
         net.register_comm_hook(state, lwt.ddp_comm_hook)
     opt = torch.optim.SGD(net.parameters(), lr=LR)

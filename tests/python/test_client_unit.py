@@ -440,3 +440,13 @@ def test_wait_ready(tmp_path, sidecar):
     # A sidecar of world size 1 is ready at once.
     with sidecar.client() as c:
         c.wait_ready(timeout=10)
+
+
+def test_tensor_name_escapes_only_what_the_api_refuses():
+    lwt = pytest.importorskip("lightwire.torch")
+    assert lwt.tensor_name("layers.0.attn.in_proj_weight") == "layers.0.attn.in_proj_weight"
+    assert lwt.tensor_name("a b") == "a:20b"
+    assert lwt.tensor_name("a:b") == "a:3ab"
+    assert lwt.tensor_name("\u00e9") == ":c3:a9"
+    names = ["a b", "a:20b", "a:3a20b", "a_b", "a.b", "a/b", "a-b", "ab"]
+    assert len({lwt.tensor_name(n) for n in names}) == len(names)

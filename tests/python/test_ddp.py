@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 
 import pytest
 
@@ -69,6 +70,66 @@ def test_codec_none_equals_plain_sgd(sidecar, pg, plain_losses):
     assert not _shm_segments()
     for i, (a, b) in enumerate(zip(plain_losses[0], losses)):
         assert abs(a - b) <= 1e-5, "step %d: plain %r, hook %r" % (i, a, b)
+
+
+def _layer_state(sc, made, **kw):
+    """A function of the DDP model making a per-layer hook state (kept in `made`)."""
+    def make(net):
+        made.append(lwt.LightwireHookState(client=sc.client(timeout=(2.0, 10.0)), module=net, **kw))
+        return made[-1]
+    return make
+
+
+def _close(made):
+    for state in made:
+        state.close()
+
+
+def test_per_layer_codec_none_equals_plain_sgd(sidecar, pg, plain_losses):
+    made = []
+    try:
+        losses, _ = H.train(_layer_state(sidecar, made))
+    finally:
+        _close(made)
+    state = made[0]
+    assert state.per_layer and state.fallbacks == 0 and state.sidecar_steps == H.STEPS
+    assert state.last_step == H.STEPS - 1
+    reply = state.last_reply
+    assert re.fullmatch(r"bucket\.[0-9a-f]{16}", reply["name"]), reply["name"]
+    assert sorted(l["name"] for l in reply["layers"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert all(l["step"] == H.STEPS - 1 for l in reply["layers"])
+    # Every parameter is a tensor of the sidecar's, of its own size; the bucket is not.
+    tensors = {t["name"]: t["elements"] for t in sidecar.client().status()["tensors"]}
+    assert tensors == {"0.weight": 16 * 64, "0.bias": 64, "2.weight": 64, "2.bias": 1}
+    for i, (a, b) in enumerate(zip(plain_losses[0], losses)):
+        assert abs(a - b) <= 1e-5, "step %d: plain %r, hook %r" % (i, a, b)
+
+
+def test_per_layer_rules_choose_each_parameters_codec(sidecar_factory, pg, plain_losses, tmp_path):
+    config = tmp_path / "rules.yaml"
+    config.write_text('compression:\n  rules:\n    - pattern: "*.bias"\n      codec: none\n')
+    sc = sidecar_factory(codec="fp16", config=str(config))
+    made = []
+    try:
+        losses, _ = H.train(_layer_state(sc, made))
+    finally:
+        _close(made)
+    reply = made[0].last_reply
+    assert reply["codec"] == "mixed"
+    codecs = {l["name"]: l["codec"] for l in reply["layers"]}
+    assert codecs == {"0.weight": "fp16", "0.bias": "none", "2.weight": "fp16", "2.bias": "none"}
+    # fp16 rounding of the weights' gradients: plain SGD's losses early on (the rounding
+    # compounds over the steps, so later ones wander), and as low a loss at the end.
+    plain = plain_losses[0]
+    assert losses != plain
+    for i in range(20):
+        assert abs(plain[i] - losses[i]) <= 1e-3 * plain[i], (i, plain[i], losses[i])
+    assert losses[-1] <= 1.05 * plain[-1], (plain[-1], losses[-1])
+
+
+def test_per_layer_needs_the_module():
+    with pytest.raises(ValueError, match="module="):
+        lwt.LightwireHookState(client=lightwire.Client(socket_path="/nonexistent"), per_layer=True)
 
 
 def test_dgc_density_001_learns(sidecar_factory, pg, plain_losses):

@@ -60,7 +60,7 @@ def train(rank, args, init_method, sockets, results, world_size=None):
         # The sidecar may still be starting or waiting for its peers (containers start together).
         client.wait_ready(timeout=args.ready_timeout,
                           progress=lambda line: print("trainer %d: %s" % (rank, line), flush=True))
-        state = LightwireHookState(client=client, process_group=dist.group.WORLD)
+        state = LightwireHookState(client=client, process_group=dist.group.WORLD, module=ddp)
         ddp.register_comm_hook(state, ddp_comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     x, y = make_data(seed=rank)

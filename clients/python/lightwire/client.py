@@ -323,10 +323,15 @@ class Client(object):
         if seg is not None:
             seg.buffer_id = None
 
-    def emit_gradient_shm(self, buffer, name, step, dtype="float32", shape=None, offset=0, trainer=None):
+    def emit_gradient_shm(self, buffer, name, step, dtype="float32", shape=None, offset=0, trainer=None,
+                          layout=None):
         """Form 2: the tensor lies in registered buffer ``buffer`` (an id or a registered
         ``ShmSegment``) at ``offset``; the averaged result is written there in place. Returns
-        the reply's JSON (the step's figures). ``shape`` defaults to the whole buffer, 1-D."""
+        the reply's JSON (the step's figures). ``shape`` defaults to the whole buffer, 1-D.
+
+        ``layout`` (optional): the bucket's parameters, a list of ``{"name", "offset", "shape"}``
+        (offsets in elements from ``offset``), each exchanged as a tensor of its own
+        (docs/api.md "Layouts: one tensor per layer"); the reply then lists them in ``layers``."""
         if hasattr(buffer, "buffer_id"):
             if buffer.buffer_id is None:
                 raise ValueError("lightwire: %r is not registered" % (buffer,))
@@ -342,6 +347,8 @@ class Client(object):
         trainer = self._trainer(trainer)
         if trainer is not None:
             doc["trainer"] = int(trainer)
+        if layout is not None:
+            doc["layout"] = layout
         return self._json("POST", "/v1/emit_gradient", doc).json()
 
     def report(self, step, loss=None, fallbacks=None, trainer=None):

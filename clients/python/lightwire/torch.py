@@ -1,8 +1,17 @@
 """PyTorch DDP communication hook that averages gradient buckets through the sidecar.
 
     import lightwire.torch as lwt
-    state = lwt.LightwireHookState()
+    state = lwt.LightwireHookState(module=ddp_model)
     ddp_model.register_comm_hook(state, lwt.ddp_comm_hook)
+
+Per layer (``module`` given; docs/api.md "Layouts: one tensor per layer"): each bucket goes with
+its layout -- every parameter's name (from the module's named parameters), element offset and
+shape -- so the sidecar compresses every parameter as a tensor of its own: its own codec (rules
+match parameter names and sizes), its own codec state and selection. The bucket is named by a
+hash of its parameters' names (``{name_prefix}.{16 hex digits}``): DDP rebuilds its buckets after
+the first iteration, so a bucket's index does not name the same parameters throughout. Every
+tensor's step number is the training iteration. ``per_layer=False`` sends each bucket as one flat
+tensor named ``{name_prefix}.{bucket index}``.
 
 Each CPU bucket goes over the shared-memory path (docs/api.md, Form 2): the flattened gradient is
 copied once into a segment registered with the sidecar, the sidecar writes the mean over all
@@ -42,6 +51,7 @@ two local trainers of the same step.
 """
 
 import concurrent.futures
+import hashlib
 import logging
 import os
 import threading
@@ -56,6 +66,29 @@ from .client import Client
 log = logging.getLogger("lightwire.torch")
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+# Characters a tensor name may hold as they are (docs/api.md); ':' is the escape character.
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./-")
+
+
+def tensor_name(parameter_name):
+    """The tensor name of a parameter: its name with every byte outside ``A-Z a-z 0-9 _ . / -``
+    (':' included) written as ``:`` and two lower-case hex digits. Deterministic and one-to-one,
+    and the identity for the names PyTorch modules give (``layers.0.weight``)."""
+    out = []
+    for b in parameter_name.encode("utf-8"):
+        c = chr(b)
+        out.append(c if c in _NAME_CHARS else ":%02x" % b)
+    return "".join(out)
+
+
+def _parameter_names(module):
+    """id(parameter) -> tensor name, from the module's named parameters (a DDP wrapper's inner
+    module: no ``module.`` prefix). Tied parameters appear once, under their first name."""
+    inner = getattr(module, "module", None)
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel) and inner is not None:
+        module = inner
+    return {id(p): tensor_name(n) for n, p in module.named_parameters()}
 
 
 class _Slot(object):
@@ -92,8 +125,10 @@ class LightwireHookState(object):
 
     ``client``: a ``lightwire.Client`` (default: one from ``LIGHTWIRE_SOCKET``).
     ``on_error``: ``"fallback"`` or ``"raise"``. ``process_group``: the group of the fallback
-    allreduce (default: the default group). ``name_prefix``: tensor names are
-    ``f"{name_prefix}.{bucket_index}"``. ``trainer``: the local trainer index when env
+    allreduce (default: the default group). ``module``: the model (or its DDP wrapper); given,
+    buckets go per layer (``per_layer``, default: whether ``module`` is given; see the module's
+    documentation). ``name_prefix``: bucket names are ``f"{name_prefix}.{hash of the parameter
+    names}"`` per layer, ``f"{name_prefix}.{bucket_index}"`` flat. ``trainer``: the local trainer index when env
     ``LOCAL_RANK`` is unset (default 0). ``max_workers``: threads making HTTP calls (default 1:
     the sidecar runs steps in the order their requests arrive, and every sidecar of the job must
     run them in the same order; one thread sends the buckets in DDP's launch order, which is the
@@ -114,9 +149,19 @@ class LightwireHookState(object):
     """
 
     def __init__(self, client=None, on_error="fallback", process_group=None, name_prefix="bucket",
-                 trainer=None, max_workers=1, agree=True):
+                 trainer=None, max_workers=1, agree=True, module=None, per_layer=None):
         if on_error not in ("fallback", "raise"):
             raise ValueError("on_error must be 'fallback' or 'raise', got %r" % (on_error,))
+        if per_layer is None:
+            per_layer = module is not None
+        if per_layer and module is None:
+            raise ValueError("lightwire: per_layer=True needs module= (the model, or its DDP "
+                             "wrapper): the layers are named by its named parameters")
+        self.per_layer = bool(per_layer)
+        self._names = _parameter_names(module) if self.per_layer else {}
+        self._layouts = {}         # tuple of parameter ids -> (bucket name, layout)
+        self.iteration = None      # per layer: the training iteration of the buckets being sent
+        self._seen = set()         # ... and the bucket indices sent in it
         self.client = client if client is not None else Client()
         self.on_error = on_error
         self.agree = bool(agree)
@@ -147,9 +192,50 @@ class LightwireHookState(object):
     def last_step(self):
         """The sidecar step number of the last iteration the hook sent (None before the first):
         what ``save_state`` takes after that iteration's optimizer step."""
+        if self.per_layer:
+            return self.iteration
         if not self.steps:
             return None
         return max(self.steps.values()) - 1
+
+    def _next_step(self, index):
+        """The step number of bucket ``index``'s call. Flat buckets: one counter per bucket index.
+        Per layer: the training iteration, which moves on when an index comes again (DDP sends
+        each bucket once per iteration; after its rebuild the buckets and their count change)."""
+        if not self.per_layer:
+            step = self.steps.get(index, self.first_step)
+            self.steps[index] = step + 1
+            return step
+        if self.iteration is None or index in self._seen:
+            self.iteration = self.first_step if self.iteration is None else self.iteration + 1
+            self._seen = set()
+        self._seen.add(index)
+        self.steps[index] = self.iteration + 1
+        return self.iteration
+
+    def _bucket_layout(self, bucket, numel):
+        """(bucket name, layout) of a bucket's parameters, computed once per parameter set."""
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        got = self._layouts.get(key)
+        if got is not None:
+            return got
+        layout, offset = [], 0
+        for p in params:
+            name = self._names.get(id(p))
+            if name is None:
+                raise TypeError("lightwire: a parameter of bucket %d (shape %s) is not among the "
+                                "named parameters of the module given to LightwireHookState"
+                                % (bucket.index(), list(p.shape)))
+            layout.append({"name": name, "offset": offset, "shape": [int(d) for d in p.shape]})
+            offset += p.numel()
+        if offset != numel:
+            raise ValueError("lightwire: bucket %d's parameters hold %d elements, its buffer %d"
+                             % (bucket.index(), offset, numel))
+        digest = hashlib.sha1("\n".join(e["name"] for e in layout).encode()).hexdigest()[:16]
+        got = ("%s.%s" % (self.name_prefix, digest), layout)
+        self._layouts[key] = got
+        return got
 
     # ------------------------------------------------------------------ segments
 
@@ -204,7 +290,7 @@ class LightwireHookState(object):
 
     # ------------------------------------------------------------------ one bucket
 
-    def _emit(self, slot, name, step, shape):
+    def _emit(self, slot, name, step, shape, layout=None):
         """Runs in an HTTP thread: register if needed, then Form 2. Returns the reply."""
         seg = slot.segment
         for attempt in (0, 1):
@@ -213,7 +299,7 @@ class LightwireHookState(object):
             try:
                 return self.client.emit_gradient_shm(seg.buffer_id, name=name, step=step,
                                                      dtype=_DTYPES[slot.dtype], shape=shape,
-                                                     trainer=self.trainer)
+                                                     trainer=self.trainer, layout=layout)
             except SidecarUnavailable:
                 # The sidecar went away; a restarted one knows none of our ids (nor can they be
                 # released): register again on the next call.
@@ -227,7 +313,7 @@ class LightwireHookState(object):
                     continue
                 raise
 
-    def _emit_cuda(self, slot, name, step, shape):
+    def _emit_cuda(self, slot, name, step, shape, layout=None):
         """As _emit, for a CUDA slot (its event was recorded by the caller's stream)."""
         from .client import cuda_ipc_spec
         for attempt in (0, 1):
@@ -237,7 +323,7 @@ class LightwireHookState(object):
             try:
                 return self.client.emit_gradient_shm(slot.buffer_id, name=name, step=step,
                                                      dtype=_DTYPES[slot.dtype], shape=shape,
-                                                     trainer=self.trainer)
+                                                     trainer=self.trainer, layout=layout)
             except SidecarUnavailable:
                 slot.buffer_id = None
                 raise
@@ -332,21 +418,22 @@ def ddp_comm_hook(state, bucket):
     gradient (the sidecar divides by the number of trainers, as DDP expects)."""
     buf = bucket.buffer()
     index = bucket.index()
-    step = state.steps.get(index, state.first_step)
-    state.steps[index] = step + 1
+    step = state._next_step(index)
     fut = torch.futures.Future()
-    name = "%s.%d" % (state.name_prefix, index)
+    name, layout = "%s.%d" % (state.name_prefix, index), None
     try:
         if buf.dtype not in _DTYPES or buf.device.type not in ("cpu", "cuda"):
             raise TypeError("lightwire: bucket %d has dtype %s on %s; the sidecar takes CPU or "
                             "CUDA float32, float16 or bfloat16" % (index, buf.dtype, buf.device))
         flat = buf.view(-1) if buf.is_contiguous() else buf.reshape(-1)
+        if state.per_layer:
+            name, layout = state._bucket_layout(bucket, flat.numel())
         if buf.device.type == "cuda" and state.cuda_ipc:
             slot = state._cuda_slot(index, flat.numel(), buf.dtype, buf.device)
             slot.view.copy_(flat)  # device to device, on the current stream
             slot.event.record()    # the sidecar's copy waits for it
             http_future = state._http.submit(_emit_cuda_or_degrade, state, slot, index, flat,
-                                             name, step)
+                                             name, step, layout)
             state._ordered.submit(_complete_cuda, state, http_future, fut, buf, step)
             return fut
         slot = state._slot(index, flat.numel(), buf.dtype)
@@ -356,17 +443,17 @@ def ddp_comm_hook(state, bucket):
         done.set_exception(e)
         state._ordered.submit(state._complete, done, fut, None, buf, step)
         return fut
-    http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()])
+    http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()], layout)
     state._ordered.submit(state._complete, http_future, fut, slot, buf, step)
     return fut
 
 
-def _emit_cuda_or_degrade(state, slot, index, flat, name, step):
+def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None):
     """HTTP thread: the CUDA IPC path; if the sidecar cannot open CUDA IPC handles (409
     failed_precondition: no CUDA driver there), every later CUDA bucket goes through shared
     memory, and this one does now. Returns (slot used, reply)."""
     try:
-        return slot, state._emit_cuda(slot, name, step, [flat.numel()])
+        return slot, state._emit_cuda(slot, name, step, [flat.numel()], layout)
     except LightwireError as e:
         if not (e.status == 409 and e.error == "failed_precondition" and slot.buffer_id is None):
             raise
@@ -376,7 +463,7 @@ def _emit_cuda_or_degrade(state, slot, index, flat, name, step):
     host = state._slot(index, flat.numel(), slot.dtype)
     torch.cuda.current_stream(slot.device).synchronize()
     host.view.copy_(slot.view)
-    return host, state._emit(host, name, step, [flat.numel()])
+    return host, state._emit(host, name, step, [flat.numel()], layout)
 
 
 def _complete_cuda(state, http_future, fut, bucket_buffer, step):
@@ -438,4 +525,6 @@ def load_state(step, client=None, hook_state=None):
     if hook_state is not None:
         hook_state.steps = {}
         hook_state.first_step = int(step) + 1
+        hook_state.iteration = None
+        hook_state._seen = set()
     return reply

@@ -44,6 +44,7 @@
 #include "proxy/config/config.h"
 #include "proxy/server/control_api.h"
 #include "proxy/server/http_server.h"
+#include "proxy/server/layout.h"
 #include "proxy/step/engine.h"
 #include "proxy/version.h"
 #include "tests/temp_dir.h"
@@ -256,11 +257,14 @@ class ClientSegment {
 /// The sidecar's stack, in process: control listener on a Unix socket and TCP, admin on TCP.
 struct Stack {
   explicit Stack(ServeConfig config = {}, HttpLimits limits = {},
-                 std::chrono::milliseconds step_timeout = std::chrono::seconds(10))
+                 std::chrono::milliseconds step_timeout = std::chrono::seconds(10),
+                 CodecChooser chooser = nullptr)
       : buffers(16, static_cast<size_t>(config.limits.max_buffers_per_client)),
-        engine(
-            engineOptions(config, step_timeout),
-            [](std::string_view, uint64_t) { return kernels::CodecConfig{}; }, metrics, exchange),
+        engine(engineOptions(config, step_timeout),
+               chooser ? std::move(chooser) : CodecChooser([](std::string_view, uint64_t) {
+                 return kernels::CodecConfig{};
+               }),
+               metrics, exchange),
         api(config, metrics, buffers, engine),
         work(asio::make_work_guard(io)),
         server(io, limits, [this](Request&& req, const RequestInfo& info, Reply reply) {
@@ -687,6 +691,123 @@ TEST_CASE("buffers: register, bad registrations, Form 2 regions, release twice")
   expectError(c.request(http::verb::delete_, "/v1/buffers/"), 404, "not_found");
   CHECK(s.buffers.count() == 0);
   expectError(form2(buf + R"("name": "w", "step": 2, "shape": [4])"), 404, "not_found");
+}
+
+TEST_CASE(
+    "a bucket with a layout: one tensor per layer, its own codec; bad layouts change nothing") {
+  // Biases exchanged as they are, every other layer as fp16: the result shows which codec each
+  // layer's elements went through.
+  Stack s({}, {}, std::chrono::seconds(10), [](std::string_view name, uint64_t) {
+    kernels::CodecConfig cc;
+    const bool bias = name.size() >= 5 && name.substr(name.size() - 5) == ".bias";
+    cc.name = bias ? "none" : "fp16";
+    return cc;
+  });
+  Client c = s.unixClient();
+  ClientSegment seg(4096);
+  const std::string id = registerShm(c, seg.name(), 4096);
+  auto form2 = [&](const std::string& fields) {
+    return c.request(http::verb::post, "/v1/emit_gradient",
+                     R"({"buffer": ")" + id + R"(", "offset": 128, )" + fields + "}", kJson);
+  };
+  const std::string layout = R"("layout": [{"name": "fc.weight", "offset": 0, "shape": [2, 3]},
+      {"name": "fc.bias", "offset": 6, "shape": [2]}, {"name": "out.weight", "offset": 8,
+      "shape": [4]}])";
+  const std::string before = snapshot(c);
+
+  // Bad layouts: 400 naming the entry, nothing registered, no step run.
+  const std::string head = R"("name": "bucket.a", "step": 0, "shape": [12], )";
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"("layout": {})", "must be an array"},
+      {R"("layout": [])", "no entries"},
+      {R"("layout": [5])", "layout entry 0 must be an object"},
+      {R"("layout": [{"name": "a", "offset": 0, "shape": [12], "dtype": "x"}])", "unknown field"},
+      {R"("layout": [{"offset": 0, "shape": [12]}])", "'name'"},
+      {R"("layout": [{"name": "a b", "offset": 0, "shape": [12]}])", "may only use"},
+      {R"("layout": [{"name": "a", "shape": [12]}])", "'offset'"},
+      {R"("layout": [{"name": "a", "offset": 0}])", "'shape'"},
+      {R"("layout": [{"name": "a", "offset": 0, "shape": [0]}])", "at least 1"},
+      {R"("layout": [{"name": "a", "offset": 0, "shape": [13]}])", "outside the bucket"},
+      {R"("layout": [{"name": "a", "offset": 10, "shape": [4]}])", "outside the bucket"},
+      {R"("layout": [{"name": "a", "offset": 0, "shape": [8]}, {"name": "b", "offset": 6,
+         "shape": [6]}])",
+       "overlaps"},
+      {R"("layout": [{"name": "a", "offset": 0, "shape": [6]}, {"name": "a", "offset": 6,
+         "shape": [6]}])",
+       "earlier entry"},
+      {R"("layout": [{"name": "a", "offset": 0, "shape": [6]}, {"name": "b", "offset": 7,
+         "shape": [4]}])",
+       "hold 10 elements"},
+      {R"("layout": [{"name": "bucket.a", "offset": 0, "shape": [12]}])", "bucket's own name"},
+  };
+  for (const auto& [fields, what] : bad) {
+    CAPTURE(fields);
+    const std::string m = expectError(form2(head + fields), 400, "invalid_argument");
+    CHECK_MESSAGE(m.find(what) != std::string::npos, m);
+  }
+  // Too many entries.
+  std::string many = R"("name": "bucket.m", "step": 0, "shape": [4097], "layout": [)";
+  for (size_t i = 0; i <= kMaxLayoutEntries; ++i) {
+    many += (i ? ", " : "") + std::string(R"({"name": "p)") + std::to_string(i) +
+            R"(", "offset": )" + std::to_string(i) + R"(, "shape": [1]})";
+  }
+  const Res too_many = c.request(http::verb::post, "/v1/emit_gradient",
+                                 R"({"buffer": ")" + id + R"(", )" + many + "]}", kJson);
+  CHECK(expectError(too_many, 400, "invalid_argument").find("more than 4096") != std::string::npos);
+  CHECK(snapshot(c) == before);
+
+  // The bucket: three tensors, each with its own codec.
+  float* x = seg.floats(128);
+  for (int i = 0; i < 12; ++i) x[i] = 0.1f * static_cast<float>(i) + 0.01f;
+  std::vector<float> sent(x, x + 12);
+  const Res ok = form2(R"("name": "bucket.a", "step": 0, "shape": [12], )" + layout);
+  REQUIRE_MESSAGE(ok.result_int() == 200, ok.body());
+  const auto fig = parseObject(ok.body());
+  CHECK(fig.at("name").get_string() == "bucket.a");
+  CHECK(fig.at("codec").get_string() == "mixed");
+  CHECK(fig.at("elements").to_number<uint64_t>() == 12);
+  CHECK(fig.at("raw_bytes").to_number<uint64_t>() == 48);
+  CHECK(fig.at("layout_hash").get_string().size() == 16);
+  const auto& layers = fig.at("layers").as_array();
+  REQUIRE(layers.size() == 3);
+  const std::vector<std::pair<std::string, std::string>> want = {
+      {"fc.weight", "fp16"}, {"fc.bias", "none"}, {"out.weight", "fp16"}};
+  for (size_t i = 0; i < 3; ++i) {
+    CHECK(layers[i].at("name").as_string() == want[i].first);
+    CHECK(layers[i].at("codec").as_string() == want[i].second);
+  }
+  CHECK(layers[0].at("elements").to_number<uint64_t>() == 6);
+  for (int i = 0; i < 12; ++i) {
+    CAPTURE(i);
+    if (i == 6 || i == 7) {
+      CHECK(x[i] == sent[static_cast<size_t>(i)]);  // the bias: exact
+    } else {
+      CHECK(x[i] != sent[static_cast<size_t>(i)]);  // fp16's rounding
+      CHECK(x[i] == doctest::Approx(sent[static_cast<size_t>(i)]).epsilon(1e-3));
+    }
+  }
+  // /v1/status lists the layers as tensors, each with its shape's element count; not the bucket.
+  const json::value status = json::parse(c.get("/v1/status").body());
+  std::map<std::string, uint64_t> tensors;
+  for (const auto& t : status.at("tensors").as_array()) {
+    tensors[std::string(t.at("name").as_string())] = t.at("elements").to_number<uint64_t>();
+  }
+  CHECK(tensors ==
+        std::map<std::string, uint64_t>{{"fc.weight", 6}, {"fc.bias", 2}, {"out.weight", 4}});
+
+  // The next step with the same layout runs; a different layout under the same bucket name is
+  // refused, naming the entry that differs, and runs nothing.
+  const Res again = form2(R"("name": "bucket.a", "step": 1, "shape": [12], )" + layout);
+  CHECK_MESSAGE(again.result_int() == 200, again.body());
+  const std::string after = snapshot(c);
+  const std::string m = expectError(
+      form2(R"("name": "bucket.a", "step": 2, "shape": [12], "layout": [{"name": "fc.weight",
+            "offset": 0, "shape": [6]}, {"name": "fc.bias", "offset": 6, "shape": [2]},
+            {"name": "out.weight", "offset": 8, "shape": [4]}])"),
+      400, "invalid_argument");
+  CHECK(m.find("another layout") != std::string::npos);
+  CHECK(m.find("'fc.weight'") != std::string::npos);
+  CHECK(snapshot(c) == after);
 }
 
 TEST_CASE("a segment shrunk after registration is refused, not touched") {
