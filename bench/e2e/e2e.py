@@ -8,16 +8,26 @@ fails on time. Method: bench/README.md, docs/BENCHMARKS.md.
 
     /usr/bin/python3 bench/e2e/e2e.py --quick     # MLP at 1 Gbit/s, every configuration (~10 min)
     /usr/bin/python3 bench/e2e/e2e.py             # full: MLP and transformer LM, 1 and 10 Gbit/s
+    /usr/bin/python3 bench/e2e/e2e.py --tta       # time to accuracy, MLP at 1 Gbit/s, seeds 0,1,2
+    /usr/bin/python3 bench/e2e/e2e.py --tta --tasks lm
 
 Options: --tasks mlp,lm  --rates 1gbit,10gbit  --configs NAME,...  --steps N  --world-size W
---out-dir DIR (default docs)  --results FILE  --smoke (tiny models, 2 ranks, 3 steps: checks that
-everything runs)  --list (the configurations). $LIGHTWIRE_BIN: the executable (default
-build-release/proxy/lightwire); $PYTHON: the trainers' interpreter (default /usr/bin/python3).
+--seeds 0,1,2  --out-dir DIR (default docs)  --results FILE  --smoke (tiny models, 2 ranks, 3
+steps: checks that everything runs; with --tta: the tta profile at that size)  --list (the
+configurations). $LIGHTWIRE_BIN: the executable (default build-release/proxy/lightwire); $PYTHON:
+the trainers' interpreter (default /usr/bin/python3).
+
+--tta (time to accuracy, bench/README.md "Time to accuracy"): per task, rate and seed the `ddp`
+baseline trains the fixed horizon; every other row of that seed trains until its running-mean
+evaluation loss reaches the baseline's final loss, then a few evaluation periods more, never
+longer than the baseline's training time nor more steps. It prints its time estimate first.
 """
 
 import argparse
 import datetime
+import itertools
 import json
+import math
 import os
 import platform
 import re
@@ -34,6 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+
+import tta  # noqa: E402  (bench/e2e/tta.py: the stop rule and the time-to-accuracy figures)
 
 # Policies off for every lightwire row but the one that is about them, so each codec is measured
 # alone (the sidecar's defaults turn the anomaly, rollback and full-sync policies on).
@@ -64,6 +76,32 @@ CONFIGS = [
       "--rollback", "true"]),
 ]
 
+# Configurations outside the default list of the fixed-step profiles (whose rows stay as they
+# were), for the profiles that name them and for --configs. PowerSGD at rank 4: rank 1's loss
+# trails far behind at every horizon measured (bench/README.md), so time to accuracy tries a rank
+# that may reach the target.
+EXTRA_CONFIGS = [
+    ("lightwire_powersgd4", "lightwire powersgd (rank 4)", "lightwire", None,
+     ["--codec", "powersgd", "--approx-rank", "4"] + POLICIES_OFF),
+    # Every other lightwire row goes per layer (the hook's default); this one sends DDP's flat
+    # buckets, one tensor each, for the comparison.
+    ("lightwire_dgc_flat", "lightwire dgc 1 % (flat buckets)", "lightwire", "flat",
+     ["--codec", "dgc", "--density", "0.01"] + POLICIES_OFF),
+]
+ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
+
+# The tta profile's rows, in run order: the baseline first, PowerSGD rank 4 next to rank 1.
+TTA_CONFIGS = [n for c in CONFIGS for n in ([c[0], "lightwire_powersgd4"]
+                                            if c[0] == "lightwire_powersgd" else [c[0]])]
+TTA_CONFIGS.append("lightwire_dgc_flat")
+
+# Which of --seeds each configuration of the tta profile trains: "all" of them, or the "first"
+# only ("*": every configuration not named). The baseline must train every seed (each seed's
+# rows stop against its own baseline); the spread over seeds is measured for the baseline and the
+# compressed codecs whose time to accuracy is in question, one seed each for the others.
+TTA_SEEDS = {"ddp": "all", "lightwire_dgc": "all", "lightwire_topk": "all",
+             "lightwire_qsgd4": "all", "lightwire_powersgd4": "all", "*": "first"}
+
 PROFILES = {
     # tasks, rates, steps and evaluation period per task, world size, model size, seconds a run
     # may take. The steps: the MLP's loss falls clearly from step 20 on and still falls at 100;
@@ -74,7 +112,66 @@ PROFILES = {
              "eval_every": {"mlp": 5, "lm": 10}, "world_size": 4, "size": "full", "timeout": 900},
     "smoke": {"tasks": ["mlp"], "rates": ["1gbit"], "steps": {"mlp": 3, "lm": 3},
               "eval_every": {"mlp": 1, "lm": 1}, "world_size": 2, "size": "smoke", "timeout": 240},
+    # Time to accuracy. "steps": the baseline's horizon (every other row may train up to
+    # TTA_STEP_CAP_FACTOR times as many steps: the baseline's time is the cap that binds);
+    # "extra_evals": evaluation periods a row trains on once it reached the target (the loss just
+    # after it, not only the crossing); "config_seeds": which seeds each row trains; "budget":
+    # the seconds one invocation should take (the estimate warns above it). One task per
+    # invocation: the MLP's and the LM's baselines alone take about 23 and 21 minutes for three
+    # seeds. The evaluation cadence is the same for every row of a task, so that the rows'
+    # evaluation steps are the baseline's (loss at equal steps compares the same steps):
+    #   MLP every 10 steps: 40 evaluations over 400 steps; the stop rule's resolution is 10 steps
+    #   (about 2 s of a compressed row at 0.21 s/step, under 0.5 % of the baseline's 456 s) and
+    #   its running mean of 3 spans 30 steps (7.5 % of the horizon). One evaluation (512 samples,
+    #   forward only) takes 0.16 s, outside the timed steps: 6 s a row.
+    #   LM every 15 steps: 20 evaluations over 300 steps. One evaluation (64 windows of 64 bytes,
+    #   8 times a step's tokens, forward only) takes 0.95 s, more than two steps' computation:
+    #   every 10 steps would add 30 s a row, where 15 add 19. Its loss moves less per step once
+    #   off its first plateau (about step 100), so the mean of 3 over 45 steps (15 % of the
+    #   horizon) still places the crossing within one 15-step period.
+    "tta": {"tasks": ["mlp"], "rates": ["1gbit"], "steps": {"mlp": 400, "lm": 300},
+            "eval_every": {"mlp": 10, "lm": 15}, "world_size": 4, "size": "full", "timeout": 1200,
+            "tta": True, "extra_evals": 3, "seeds": [0, 1, 2], "configs": TTA_CONFIGS,
+            "config_seeds": TTA_SEEDS, "budget": 3600},
+    # The same at smoke size: the test suite's check that the rule stops every rank together.
+    "tta-smoke": {"tasks": ["mlp"], "rates": ["1gbit"], "steps": {"mlp": 16, "lm": 16},
+                  "eval_every": {"mlp": 2, "lm": 2}, "world_size": 2, "size": "smoke",
+                  "timeout": 240, "tta": True, "extra_evals": 1, "seeds": [0, 1],
+                  "configs": TTA_CONFIGS, "config_seeds": TTA_SEEDS, "budget": 600},
 }
+
+# Seconds per training step for the tta profile's time estimate: docs/BENCHMARKS.md's median
+# steps (W = 4, 2 cores, 100-step runs), per task and rate; None where it has no figure (the row
+# is then assumed to run to its cap: the baseline's time). Rates without figures use the 1 Gbit/s
+# ones (an overestimate on a faster link, an underestimate on a slower one: the estimate says so).
+STEP_SECONDS = {
+    ("mlp", "1gbit"): {"ddp": 1.14, "ddp_fp16": 0.678, "ddp_powersgd": None, "lightwire_none": 1.05,
+                       "lightwire_fp16": 0.63, "lightwire_topk": 0.229, "lightwire_dgc": 0.21,
+                       "lightwire_qsgd4": 0.393, "lightwire_qsgd8": 0.621,
+                       "lightwire_powersgd": 0.251, "lightwire_powersgd4": None,
+                       "lightwire_dgc_policies": 0.213},
+    ("mlp", "10gbit"): {"ddp": 0.265, "ddp_fp16": 0.504, "ddp_powersgd": None,
+                        "lightwire_none": 0.291, "lightwire_fp16": 0.313, "lightwire_topk": 0.213,
+                        "lightwire_dgc": 0.203, "lightwire_qsgd4": 0.264,
+                        "lightwire_qsgd8": 0.243, "lightwire_powersgd": 0.25,
+                        "lightwire_powersgd4": None, "lightwire_dgc_policies": 0.215},
+    ("lm", "1gbit"): {"ddp": 1.32, "ddp_fp16": 1.11, "ddp_powersgd": None, "lightwire_none": 1.27,
+                      "lightwire_fp16": 1.02, "lightwire_topk": 0.805, "lightwire_dgc": 0.816,
+                      "lightwire_qsgd4": 0.907, "lightwire_qsgd8": 0.981,
+                      "lightwire_powersgd": 0.793, "lightwire_powersgd4": None,
+                      "lightwire_dgc_policies": 0.804},
+    ("lm", "10gbit"): {"ddp": 0.81, "ddp_fp16": 0.992, "ddp_powersgd": None, "lightwire_none": 0.825,
+                       "lightwire_fp16": 0.917, "lightwire_topk": 0.789, "lightwire_dgc": 0.788,
+                       "lightwire_qsgd4": 0.831, "lightwire_qsgd8": 0.825,
+                       "lightwire_powersgd": 0.828, "lightwire_powersgd4": None,
+                       "lightwire_dgc_policies": 0.788},
+}
+# Seconds a row takes besides its timed steps: one evaluation on rank 0 (measured alone, one
+# thread: the MLP's 512 samples 0.16 s, the LM's 64 windows 0.95 s), and the start (4 trainers and
+# their sidecars): the full profile's 3160 s elapsed against about 2640 s of timed steps and 280 s
+# of evaluations over its 44 rows (docs/BENCHMARKS.md) leaves about 6 s a row.
+EVAL_SECONDS = {"mlp": 0.16, "lm": 0.95}
+ROW_START_SECONDS = 6.0
 
 
 def log(msg):
@@ -184,18 +281,33 @@ class Sidecars(object):
                 p.wait()
 
 
-def run_config(ns, binary, python, profile, task, rate, config, work):
-    """One configuration: returns its row of the results."""
+TTA_STEP_CAP_FACTOR = tta.STEP_CAP_FACTOR  # rows may train this many times the baseline's steps
+
+
+def tta_stop_spec(base, extra_steps):
+    """The stop rule's part of a worker spec (bench/e2e/tta.py) for the rows of one (task, rate,
+    seed) against its finished baseline row: the target (its final loss), the extra steps, the
+    caps (its training time, and TTA_STEP_CAP_FACTOR times its steps)."""
+    return {"target": base["final_loss"], "extra_steps": extra_steps,
+            "cap_seconds": tta.training_seconds(base),
+            "steps": TTA_STEP_CAP_FACTOR * base["eval"][-1]["step"]}
+
+
+def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, stop=None):
+    """One configuration: returns its row of the results. stop: the stop rule's spec fields
+    (tta_stop_spec), None for a fixed number of steps."""
     name, label, kind, hook, sidecar_args = config
     trainer_momentum = None  # the task's optimizer as it is
     row = {"task": task, "rate": rate, "rate_bits_per_second": rate_bits(rate), "config": name,
            "label": label, "kind": kind, "baseline": name == "ddp", "status": "ok", "error": None,
-           "steps": profile["steps"][task]}
-    d = tempfile.mkdtemp(prefix="%s-%s-" % (task, name), dir=work)
-    spec = {"task": task, "size": profile["size"], "seed": 0, "world_size": profile["world_size"],
+           "steps": profile["steps"][task], "seed": seed}
+    d = tempfile.mkdtemp(prefix="%s-%s-%d-" % (task, name, seed), dir=work)
+    spec = {"task": task, "size": profile["size"], "seed": seed, "world_size": profile["world_size"],
             "steps": profile["steps"][task], "eval_every": profile["eval_every"][task], "kind": kind,
             "hook": hook, "powersgd_rank": 1, "sockets": [], "store_dir": d, "config": name,
             "trainer_momentum": trainer_momentum}
+    if stop is not None:
+        spec.update(stop)
     sidecars = None
     t0 = time.monotonic()
     try:
@@ -236,6 +348,7 @@ def run_config(ns, binary, python, profile, task, rate, config, work):
         else:
             with open(out_path) as f:
                 row.update(json.load(f))
+            row["steps"] = row.get("steps_run", row["steps"])
             summarize(row)
             if row.get("fallbacks"):
                 row["notes"] = "%d bucket(s) fell back to gloo's allreduce" % row["fallbacks"]
@@ -246,10 +359,12 @@ def run_config(ns, binary, python, profile, task, rate, config, work):
             if row["status"] != "ok":
                 row["error"] = (row["error"] or "") + " | sidecar 0: " + sidecars.tail(0)
             sidecars.close()
-    log("%s %s %s: %s in %.0f s%s" % (task, rate, name, row["status"], time.monotonic() - t0,
-                                      (", %.3f s/step, final loss %.4f" % (
-                                          row["median_step_seconds"], row["final_loss"]))
-                                      if row["status"] == "ok" else ": " + str(row["error"])))
+    log("%s %s %s%s: %s in %.0f s%s%s" % (
+        task, rate, name, " seed %d" % seed if profile.get("tta") else "", row["status"],
+        time.monotonic() - t0, (", %.3f s/step, final loss %.4f" % (
+            row["median_step_seconds"], row["final_loss"])) if row["status"] == "ok" else
+        ": " + str(row["error"]), (", stopped after step %d (%s)" % (
+            row["stop"]["step"], row["stop"]["reason"])) if row.get("stop") else ""))
     return row
 
 
@@ -318,6 +433,86 @@ def add_time_to_baseline(rows):
                 break
 
 
+def add_tta_figures(rows):
+    """The time-to-accuracy figures (tta.row_figures) of every finished row of one (task, rate,
+    seed) group, against its baseline; rows without a finished baseline get none."""
+    base = next((r for r in rows if r["baseline"] and r["status"] == "ok"), None)
+    for r in rows:
+        r["tta"] = tta.row_figures(r, base) if base is not None and r["status"] == "ok" else None
+
+
+def seeds_for(profile, config_name, seeds):
+    """The seeds one configuration trains: all of `seeds` or the first only, as the profile's
+    config_seeds says (its "*" entry for a configuration it does not name; every seed without
+    config_seeds)."""
+    rules = profile.get("config_seeds")
+    if rules is None:
+        return list(seeds)
+    which = rules.get(config_name, rules.get("*", "first"))
+    if which not in ("all", "first"):
+        raise ValueError("config_seeds[%r]: 'all' or 'first', not %r" % (config_name, which))
+    return list(seeds) if which == "all" else list(seeds[:1])
+
+
+def plan_runs(profile, configs, seeds):
+    """The rows of an invocation in run order: [(task, rate, seed, config)]. Fixed-step profiles:
+    per task and rate every configuration (at the one seed). tta: per task, rate and seed the
+    baseline first (the others of that seed need its target), then every configuration that
+    trains that seed."""
+    plan = []
+    for task in profile["tasks"]:
+        for rate in profile["rates"]:
+            if not profile.get("tta"):
+                plan += [(task, rate, seeds[0], c) for c in configs]
+                continue
+            for seed in seeds:
+                plan += [(task, rate, seed, c) for c in configs
+                         if seed in seeds_for(profile, c[0], seeds)]
+    return plan
+
+
+def estimate_seconds(profile, plan, step_seconds=None):
+    """How long a tta invocation takes at most, from the profile's steps and the per-step figures:
+    {"at_most": every row up to its cap (the baseline: its horizon at its step time; any other row:
+    the baseline's time or TTA_STEP_CAP_FACTOR times its steps at its own step time, whichever is
+    shorter; a row
+    without a figure: the baseline's time), "worst": every row the baseline's time (the time cap
+    alone), "baseline": the baselines alone, "rows", "notes": what the figures leave out}; each
+    row plus its start and its evaluations (ROW_START_SECONDS, EVAL_SECONDS)."""
+    table = STEP_SECONDS if step_seconds is None else step_seconds
+
+    def overhead(task, steps):
+        return ROW_START_SECONDS + EVAL_SECONDS.get(task, 1.0) * math.ceil(
+            steps / profile["eval_every"][task])
+    at_most = worst = baselines = 0.0
+    notes = []
+    for task, rate, seed, config in plan:
+        figures = table.get((task, rate))
+        if figures is None:
+            figures = table.get((task, "1gbit"), {})
+            note = "no step figures for %s at %s: the 1 Gbit/s ones used" % (task, rate)
+            if note not in notes:
+                notes.append(note)
+        n = profile["steps"][task]
+        base_s = figures.get("ddp")
+        if base_s is None:
+            raise ValueError("no baseline step figure for %s" % task)
+        t_base = n * base_s
+        own = figures.get(config[0])
+        if config[0] == "ddp":
+            row, row_steps = t_base, n
+            baselines += t_base + overhead(task, n)
+        elif own is None:
+            row, row_steps = t_base, n
+        else:
+            row = min(t_base, TTA_STEP_CAP_FACTOR * n * own)
+            row_steps = min(TTA_STEP_CAP_FACTOR * n, int(t_base / own))
+        at_most += row + overhead(task, row_steps)
+        worst += t_base + overhead(task, n)  # the baseline's row, once per row
+    return {"at_most": at_most, "worst": worst, "baseline": baselines, "rows": len(plan),
+            "notes": notes}
+
+
 def machine_info(binary, python):
     info = {"cpus": os.cpu_count(), "kernel": platform.release(), "lightwire_bin": binary}
     try:
@@ -351,17 +546,24 @@ def git_commit():
 
 
 def rereport(path, out_dir):
-    """--rereport: the derived figures (final loss and accuracy, time to the baseline's loss)
-    recomputed from the evaluations a results file holds, the file and the report rewritten."""
+    """--rereport: the derived figures (final loss and accuracy, time to the baseline's loss; for
+    tta results the time-to-accuracy figures and their seed summary) recomputed from the
+    evaluations a results file holds, the file and the report rewritten."""
     with open(path) as f:
         results = json.load(f)
+    by_seed = bool(results.get("tta"))
     groups = {}
     for row in results["runs"]:
         if row["status"] == "ok":
             summarize(row)
-        groups.setdefault((row["task"], row["rate"]), []).append(row)
+        key = (row["task"], row["rate"]) + ((row.get("seed", 0),) if by_seed else ())
+        groups.setdefault(key, []).append(row)
     for rows in groups.values():
         add_time_to_baseline(rows)
+        if by_seed:
+            add_tta_figures(rows)
+    if by_seed:
+        results["tta"]["summary"] = tta.seed_summary(results["runs"])
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     import report
@@ -370,15 +572,59 @@ def rereport(path, out_dir):
     return 0
 
 
+def parse_seeds(text):
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        die("--seeds: comma-separated integers, e.g. 0,1,2 (got %r)" % text)
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        die("--seeds: distinct integers >= 0 (got %r)" % text)
+    return seeds
+
+
+def skipped_row(task, rate, seed, config, steps, why):
+    name, label, kind = config[:3]
+    return {"task": task, "rate": rate, "rate_bits_per_second": rate_bits(rate), "config": name,
+            "label": label, "kind": kind, "baseline": False, "status": "skipped", "error": why,
+            "steps": steps, "seed": seed}
+
+
+def log_estimate(profile, plan):
+    """Prints the tta invocation's time estimate (estimate_seconds) before anything runs; returns
+    it for the results."""
+    est = estimate_seconds(profile, plan)
+    budget = profile.get("budget")
+    log("estimate: at most %.0f min for %d row(s) (each row to its cap: the baseline its horizon, "
+        "the others the baseline's time or steps at their own step time, docs/BENCHMARKS.md's "
+        "figures; starts and evaluations included; the baselines alone %.0f min); %.0f min if "
+        "every row ran for the baseline's time" % (est["at_most"] / 60, est["rows"],
+                                                     est["baseline"] / 60, est["worst"] / 60))
+    if profile["size"] != "full":
+        est["notes"].append("the step figures are the full-size models': far above the %s size's"
+                            % profile["size"])
+    for note in est["notes"]:
+        log("estimate: " + note)
+    if budget is not None and est["at_most"] > budget:
+        log("estimate: over the profile's budget of %.0f min: fewer --configs or --seeds "
+            "(bench/README.md \"Time to accuracy\")" % (budget / 60))
+    est["budget"] = budget
+    return est
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="MLP at 1 Gbit/s, every configuration")
     g.add_argument("--smoke", action="store_true", help="tiny models, 2 ranks, 3 steps")
+    p.add_argument("--tta", action="store_true",
+                   help="time to accuracy: the baseline's final loss is every other row's target "
+                        "(with --smoke: at smoke size)")
+    p.add_argument("--seeds", help="comma-separated seeds (default 0; --tta: 0,1,2, which the "
+                   "baseline and the compressed codecs take, the other rows the first)")
     p.add_argument("--tasks", help="comma-separated: mlp, lm")
     p.add_argument("--rates", help="comma-separated tc rates, e.g. 1gbit,10gbit")
     p.add_argument("--configs", help="comma-separated configuration names (--list)")
-    p.add_argument("--steps", type=int, help="training steps of every run")
+    p.add_argument("--steps", type=int, help="training steps of every run (--tta: the baseline's)")
     p.add_argument("--world-size", type=int)
     p.add_argument("--timeout", type=int, help="seconds a run may take (default: the profile's)")
     p.add_argument("--out-dir", help="where BENCHMARKS.md and benchmarks/ go (default docs; "
@@ -392,10 +638,15 @@ def main():
     if args.rereport:
         return rereport(args.rereport, args.out_dir or os.path.join(ROOT, "docs"))
     if args.list:
-        for c in CONFIGS:
+        for c in ALL_CONFIGS:
             print("%-24s %-40s %s" % (c[0], c[1], " ".join(c[4] or []) or (c[3] or "")))
         return 0
-    name = "quick" if args.quick else "smoke" if args.smoke else "full"
+    if args.tta and args.quick:
+        die("--tta and --quick: one profile (--tta --smoke for the tta profile at smoke size)")
+    if args.tta:
+        name = "tta-smoke" if args.smoke else "tta"
+    else:
+        name = "quick" if args.quick else "smoke" if args.smoke else "full"
     profile = dict(PROFILES[name])
     profile["steps"] = dict(profile["steps"])
     if args.tasks:
@@ -408,8 +659,9 @@ def main():
         profile["steps"].setdefault(t, 100)
     if args.steps:
         profile["steps"] = {t: args.steps for t in ("mlp", "lm")}
-        profile["eval_every"] = {t: max(1, min(e, args.steps // 10)) for t, e in
-                                 profile["eval_every"].items()}
+        if not profile.get("tta"):  # tta keeps its cadence: every row of a task evaluates alike
+            profile["eval_every"] = {t: max(1, min(e, args.steps // 10)) for t, e in
+                                     profile["eval_every"].items()}
     if args.world_size:
         profile["world_size"] = args.world_size
     if args.timeout:
@@ -419,13 +671,21 @@ def main():
             die("--tasks: mlp, lm (got %r)" % t)
     for r in profile["rates"]:
         rate_bits(r)
-    configs = CONFIGS
+    seeds = parse_seeds(args.seeds) if args.seeds else list(profile.get("seeds", [0]))
+    if len(seeds) > 1 and not profile.get("tta"):
+        die("--seeds: the %s profile trains one seed (several: --tta)" % name)
+    by_name = {c[0]: c for c in ALL_CONFIGS}
+    order = profile.get("configs") or [c[0] for c in CONFIGS]
     if args.configs:
         wanted = args.configs.split(",")
-        unknown = [c for c in wanted if c not in [x[0] for x in CONFIGS]]
+        unknown = [c for c in wanted if c not in by_name]
         if unknown:
             die("--configs: unknown %s (--list)" % ", ".join(unknown))
-        configs = [c for c in CONFIGS if c[0] in wanted]
+        order = [n for n in order if n in wanted] + [n for n in by_name
+                                                     if n in wanted and n not in order]
+    configs = [by_name[n] for n in order]
+    if profile.get("tta") and (not configs or configs[0][0] != "ddp"):
+        die("--tta: the ddp baseline must be one of the configurations (it sets the target)")
     if os.geteuid() != 0:
         die("needs root (ip netns, tc)")
     for tool in ("ip", "tc"):
@@ -450,27 +710,55 @@ def main():
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "commit": git_commit(), "machine": machine_info(binary, python),
                "world_size": profile["world_size"], "runs": []}
-    total = len(profile["tasks"]) * len(profile["rates"]) * len(configs)
+    plan = plan_runs(profile, configs, seeds)
+    total = len(plan)
     log("profile %s: %d run(s): tasks %s, rates %s, %d configuration(s), world size %d; load "
         "average %s" % (name, total, ",".join(profile["tasks"]), ",".join(profile["rates"]),
                          len(configs), profile["world_size"], open("/proc/loadavg").read().split()[0]))
+    if profile.get("tta"):
+        results["tta"] = {
+            "horizon": {t: profile["steps"][t] for t in profile["tasks"]},
+            "eval_every": {t: profile["eval_every"][t] for t in profile["tasks"]},
+            "extra_evals": profile["extra_evals"], "window": tta.WINDOW, "seeds": seeds,
+            "config_seeds": {c[0]: seeds_for(profile, c[0], seeds) for c in configs},
+            "estimate": log_estimate(profile, plan), "summary": None}
     ns = Namespace()
     work = tempfile.mkdtemp(prefix="lightwire-e2e-")
     done = 0
+    limited = None
     try:
-        for task in profile["tasks"]:
-            for rate in profile["rates"]:
+        # One group per (task, rate), and per seed in the tta profile: its rows are compared
+        # with its baseline.
+        for (task, rate, seed), items in itertools.groupby(plan, key=lambda x: x[:3]):
+            if rate != limited:
                 ns.limit(rate)
-                rows = []
-                for config in configs:
-                    done += 1
-                    log("[%d/%d] %s at %s: %s" % (done, total, task, rate, config[1]))
-                    rows.append(run_config(ns, binary, python, profile, task, rate, config, work))
-                add_time_to_baseline(rows)
-                results["runs"].extend(rows)
+                limited = rate
+            rows = []
+            for _, _, _, config in items:
+                done += 1
+                log("[%d/%d] %s at %s%s: %s" % (done, total, task, rate, ", seed %d" % seed
+                                                if profile.get("tta") else "", config[1]))
+                stop = None
+                if profile.get("tta") and config[0] != "ddp":
+                    base = rows[0] if rows and rows[0]["baseline"] else None
+                    if base is None or base["status"] != "ok":
+                        why = "no target: the ddp baseline of seed %d did not finish" % seed
+                        log("%s: skipped (%s)" % (config[0], why))
+                        rows.append(skipped_row(task, rate, seed, config,
+                                                profile["steps"][task], why))
+                        continue
+                    stop = tta_stop_spec(base, profile["extra_evals"] * profile["eval_every"][task])
+                rows.append(run_config(ns, binary, python, profile, task, rate, config, work,
+                                       seed=seed, stop=stop))
+            add_time_to_baseline(rows)
+            if profile.get("tta"):
+                add_tta_figures(rows)
+            results["runs"].extend(rows)
     finally:
         ns.close()
         shutil.rmtree(work, ignore_errors=True)
+    if profile.get("tta"):
+        results["tta"]["summary"] = tta.seed_summary(results["runs"])
     results["elapsed_seconds"] = round(time.monotonic() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
     with open(results_path, "w") as f:

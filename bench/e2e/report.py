@@ -9,6 +9,11 @@ OUT/BENCHMARKS.md and, per (task, rate) group, OUT/benchmarks/<task>-<rate>-loss
 -loss-time.png and -step-time.png. Progress goes to stderr. A malformed results file exits with
 status 2 and a message naming the offending field.
 
+Results of the time-to-accuracy profile (`e2e.py --tta`: a top-level "tta" object, rows per
+seed) make OUT/BENCHMARKS-tta.md and OUT/benchmarks/tta-<task>-<rate>-*.png instead, so that they
+never replace the fixed-step page: per configuration the time-to-accuracy figures over the seeds
+(mean ± standard deviation), every seed's row, and the loss against time with the target.
+
 Importable: write_report(results, out_dir) -> [paths written]; it raises ReportError (a
 ValueError) on malformed results. Needs only the standard library and matplotlib (Agg backend;
 Debian's python3-matplotlib, so run it with /usr/bin/python3).
@@ -21,6 +26,9 @@ import os
 import re
 import sys
 import textwrap
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tta  # noqa: E402  (bench/e2e/tta.py: the time-to-accuracy figures, standard library only)
 
 SCHEMA_VERSION = 1
 BASELINE_CONFIG = "ddp"
@@ -104,6 +112,9 @@ def validate(results):
     runs = _need(results, "runs", "top level", "list")
     if not runs:
         raise ReportError("field 'runs' is empty: nothing to report")
+    by_seed = results.get("tta") is not None
+    if by_seed:
+        _need(results, "tta", "top level", "dict")
     seen = set()
     for i, run in enumerate(runs):
         where = "runs[%d]" % i
@@ -113,9 +124,12 @@ def validate(results):
             _need(run, key, where, "str")
         where = "runs[%d] (%s, %s, %s)" % (i, run["task"], run["rate"], run["config"])
         ident = (run["task"], run["rate"], run["config"])
+        if by_seed:
+            ident += (_need(run, "seed", where, "int"),)
         if ident in seen:
-            raise ReportError("%s: configuration %r appears twice for task %r at rate %r"
-                              % (where, run["config"], run["task"], run["rate"]))
+            raise ReportError("%s: configuration %r appears twice for task %r at rate %r%s"
+                              % (where, run["config"], run["task"], run["rate"],
+                                 " with seed %d" % run["seed"] if by_seed else ""))
         seen.add(ident)
         _opt(run, "error", "str", where)
         _opt(run, "notes", "str", where)
@@ -152,6 +166,13 @@ def validate(results):
             _need(ev, "loss", w, "number")
             if ev.get("accuracy") is not None:
                 _need(ev, "accuracy", w, "number")
+        if by_seed and run.get("tta") is not None:
+            fig = _need(run, "tta", where, "dict")
+            for key in ("target", "cap_seconds"):
+                _need(fig, key, where + ": tta", "number")
+            for key in ("steps_to_target", "time_to_target", "loss_at_equal_steps",
+                        "delta_loss_at_equal_steps", "loss_at_equal_time", "dense_share"):
+                _need(fig, key, where + ": tta", "number", allow_none=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -781,14 +802,357 @@ def render_markdown(results, source, group_info):
 
 
 # ------------------------------------------------------------------------------------------------
+# Time to accuracy (results of e2e.py --tta)
+# ------------------------------------------------------------------------------------------------
+TTA_PAGE = "BENCHMARKS-tta.md"
+TTA_PREFIX = "tta-"
+PLUS_MINUS = "\u00b1"
+SIGMA = "\u03c3"
+
+
+def fmt_spread(agg, fmt=None, fmt_sd=None):
+    """A seed summary figure (tta.mean_sd) as "mean ± σ" (σ to 2 significant digits unless
+    fmt_sd says otherwise), the mean alone from one seed, a dash without any."""
+    fmt = fmt or (lambda x: fmt_sig(x, 4))
+    fmt_sd = fmt_sd or (lambda x: fmt_sig(x, 2))
+    if agg is None or agg["mean"] is None:
+        return DASH
+    text = fmt(agg["mean"])
+    if agg["sd"] is not None:
+        text += " %s %s" % (PLUS_MINUS, fmt_sd(agg["sd"]))
+    return text
+
+
+def seed_groups(runs):
+    """{seed: runs of that seed} in order of first appearance."""
+    out = {}
+    for r in runs:
+        out.setdefault(r.get("seed", 0), []).append(r)
+    return out
+
+
+def first_seed_runs(runs):
+    """The rows of the first seed (one per configuration, for the per-step plots)."""
+    groups = seed_groups(runs)
+    return groups[next(iter(groups))] if groups else []
+
+
+def baselines_by_seed(runs):
+    return {seed: find_baseline(rs) for seed, rs in seed_groups(runs).items()}
+
+
+def plot_tta_loss_time(plt, runs, title, colors, path):
+    """The running-mean evaluation loss (the stop rule's) against training time, every seed: the
+    first seed's rows drawn and labelled, the other seeds' thin and unlabelled; the first seed's
+    target (its baseline's final loss) and time cap, and the mean target over the seeds."""
+    fig, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
+    groups = seed_groups(runs)
+    first = next(iter(groups)) if groups else None
+    last_times = []
+    for seed, rs in groups.items():
+        for run in rs:
+            if not ok(run) or not run["eval"]:
+                continue
+            st = _style(run, colors)
+            ev = run["eval"]
+            xs = [e["seconds"] for e in ev]
+            ys = [tta.running_mean(ev, i) for i in range(len(ev))]
+            if seed == first:
+                ax.plot(xs, ys, marker="o", markersize=3, label=run["label"], **st)
+            else:
+                st["linewidth"] = 0.8
+                ax.plot(xs, ys, alpha=0.35, **st)
+            last_times.append(xs[-1])
+    bases = {s: b for s, b in baselines_by_seed(runs).items() if ok(b)}
+    if first in bases:
+        b = bases[first]
+        ax.axhline(b["final_loss"], color="#333333", linewidth=1.0, linestyle=":",
+                   label="target, seed %d: DDP's final loss (%s)" % (first, fmt_sig(b["final_loss"], 4)))
+        ax.axvline(tta.training_seconds(b), color="#333333", linewidth=0.8, linestyle="-.",
+                   label="time cap, seed %d: DDP's training time (%s s)"
+                   % (first, fmt_sig(tta.training_seconds(b), 3)))
+    if len(bases) > 1:
+        m = tta.mean_sd([b["final_loss"] for b in bases.values()])
+        ax.axhline(m["mean"], color="#999999", linewidth=1.0, linestyle="--",
+                   label="mean target over %d seeds (%s %s %s)"
+                   % (m["n"], fmt_sig(m["mean"], 4), PLUS_MINUS, fmt_sig(m["sd"], 2)))
+    if len(groups) > 1:
+        ax.plot([], [], color="#555555", linewidth=0.8, alpha=0.35,
+                label="other seeds (thin, same colours)")
+    if not last_times:
+        _empty(ax)
+    elif min(last_times) > 0 and max(last_times) / min(last_times) > 20:
+        ax.set_xscale("log")
+    ax.set_xlabel("cumulative training time, rank 0 (s)")
+    ax.set_ylabel("evaluation loss, running mean of %d evaluations" % tta.WINDOW)
+    _title(ax, title, "time to accuracy: running-mean evaluation loss against training time")
+    _finish(plt, fig, ax, path, [r for r in runs if r.get("seed", 0) == first])
+
+
+def _tta_stopped(run):
+    stop = run.get("stop")
+    if stop:
+        return "%d (%s)" % (stop["step"], stop["reason"] or "?")
+    if run.get("baseline"):
+        return "%s (horizon)" % run.get("steps")
+    return str(run.get("steps")) if run.get("steps") is not None else DASH
+
+
+def _tta_summary_table(summary):
+    head = ["configuration", "seeds", "reached target", "steps to target", "time to target (s)",
+            "loss at equal steps", "%s vs DDP at equal steps" % "\u0394", "loss at equal time",
+            "at DDP's time", "wire per step per rank", "dense share", "median step (s)"]
+    lines = ["| " + " | ".join(head) + " |",
+             "| " + " | ".join([":--", ":--"] + ["--:"] * (len(head) - 2)) + " |"]
+    for e in summary:
+        n = e["finished"]
+        label = md_cell(e["label"])
+        if e["config"] == BASELINE_CONFIG:
+            label = "**%s** (baseline)" % label
+        seeds = "%s (n = %d)" % (", ".join(str(x) for x in e["seeds"]), n)
+        if n == 0:
+            lines.append("| " + " | ".join([label, seeds] + [DASH] * (len(head) - 2)) + " |")
+            continue
+        steps = e["equal_steps"]
+        at = ("" if not steps else " at step %d" % steps[0] if len(steps) == 1
+              else " at steps %d%s%d" % (steps[0], "\u2013", steps[-1]))
+        cells = [label, seeds, "%d of %d" % (e["reached"], n),
+                 fmt_spread(e["steps_to_target"], lambda x: fmt_sig(x, 3)),
+                 fmt_spread(e["time_to_target"], lambda x: fmt_sig(x, 3)),
+                 fmt_spread(e["loss_at_equal_steps"]) + at,
+                 fmt_spread(e["delta_loss_at_equal_steps"], lambda x: "%+.4f" % x,
+                            lambda x: "%.4f" % x),
+                 fmt_spread(e["loss_at_equal_time"]),
+                 "%d of %d" % (e["at_baseline_time"], n),
+                 fmt_spread(e["wire_bytes_per_step_per_rank"], fmt_bytes, fmt_bytes),
+                 fmt_spread(e["dense_share"], lambda x: "%.1f %%" % (100 * x)),
+                 fmt_spread(e["median_step_seconds"], lambda x: fmt_sig(x, 3))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _tta_runs_table(runs, notes):
+    head = ["configuration", "seed", "status", "stopped after step", "steps to target",
+            "time to target (s)", "loss at equal steps", "loss at equal time", "training time (s)",
+            "wire per step per rank", "median step (s)", "final loss"]
+    lines = ["| " + " | ".join(head) + " |",
+             "| " + " | ".join([":--", "--:", ":--"] + ["--:"] * (len(head) - 3)) + " |"]
+    for run in runs:
+        marks = []
+        if run.get("error") and not ok(run):
+            notes.append((len(notes) + 1, run, "error"))
+            marks.append("[%d]" % len(notes))
+        if run.get("notes"):
+            notes.append((len(notes) + 1, run, "notes"))
+            marks.append("[%d]" % len(notes))
+        status = run["status"] + (" " + " ".join(marks) if marks else "")
+        label = md_cell(run["label"]) if not run.get("baseline") else \
+            "**%s** (baseline)" % md_cell(run["label"])
+        fig = run.get("tta") if ok(run) else None
+        if not ok(run) or fig is None:
+            cells = [label, str(run.get("seed", 0)), md_cell(status)] + [DASH] * (len(head) - 3)
+        else:
+            eq_steps = DASH if fig["loss_at_equal_steps"] is None else "%s (step %d)" % (
+                fmt_sig(fig["loss_at_equal_steps"], 4), fig["equal_steps"])
+            eq_time = DASH if fig["loss_at_equal_time"] is None else "%s (%s)" % (
+                fmt_sig(fig["loss_at_equal_time"], 4),
+                "at DDP's time" if fig["at_baseline_time"] else
+                "last evaluation, %s s" % fmt_sig(fig["equal_time_seconds"], 3))
+            cells = [label, str(run.get("seed", 0)), md_cell(status), _tta_stopped(run),
+                     DASH if fig["steps_to_target"] is None else str(fig["steps_to_target"]),
+                     "not reached" if fig["time_to_target"] is None
+                     else fmt_sig(fig["time_to_target"], 3),
+                     eq_steps, eq_time, fmt_sig(tta.training_seconds(run), 3),
+                     fmt_bytes(run["wire_bytes_per_step_per_rank"]),
+                     fmt_sig(run["median_step_seconds"], 3), fmt_sig(run["final_loss"], 4)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _tta_baseline_lines(runs):
+    """The DDP baseline's spread over seeds (the accuracy tolerance) and each seed's target."""
+    bases = [(s, b) for s, b in baselines_by_seed(runs).items() if b is not None]
+    done = [(s, b) for s, b in bases if ok(b)]
+    if not done:
+        return ["No finished DDP baseline in this group: no target, so the other rows did not "
+                "run (or have no time-to-accuracy figures)."]
+    m = tta.mean_sd([b["final_loss"] for s, b in done])
+    if m["sd"] is not None:
+        head = ("**DDP's final loss over %d seeds: %s %s %s** (%s: the sample standard deviation "
+                "over seeds). It sets the accuracy tolerance: a row's loss within about %s of "
+                "DDP's is within the seed-to-seed spread of DDP itself."
+                % (m["n"], fmt_sig(m["mean"], 4), PLUS_MINUS, fmt_sig(m["sd"], 2), SIGMA, SIGMA))
+    else:
+        head = ("**DDP's final loss: %s, from one seed**: no standard deviation, so no accuracy "
+                "tolerance from this run (--seeds with several seeds gives one)."
+                % fmt_sig(m["mean"], 4))
+    per = "; ".join("seed %d: target %s, cap %s s / %s steps" % (
+        s, fmt_sig(b["final_loss"], 4), fmt_sig(tta.training_seconds(b), 3), b["steps"])
+        for s, b in done)
+    missing = [s for s, b in bases if not ok(b)]
+    out = [head, "", "Targets and caps per seed: %s." % per]
+    if missing:
+        out.append("The baseline of seed%s %s did not finish: that seed's other rows have no target."
+                   % ("s" if len(missing) > 1 else "", ", ".join(str(s) for s in missing)))
+    return out
+
+
+def render_tta_markdown(results, source, group_info):
+    """The text of BENCHMARKS-tta.md. group_info: [(title, runs, {kind: relative png path})]."""
+    w = results["world_size"]
+    t = results["tta"]
+    L = ["# End-to-end training benchmark: time to accuracy", "",
+         "<!-- generated by bench/e2e/report.py from %s; do not edit by hand -->" % source, ""]
+    horizon = ", ".join("%s %s steps, evaluated every %s" % (k, v, (t.get("eval_every") or {}).get(k))
+                        for k, v in sorted((t.get("horizon") or {}).items()))
+    L.append(
+        "Real PyTorch data-parallel training as on the fixed-step page (BENCHMARKS.md): %d ranks on "
+        "the CPU in a network namespace whose loopback is rate-limited with `tc`. Here each row "
+        "trains until it reaches the DDP baseline's accuracy rather than for a fixed number of "
+        "steps. Per task, rate and seed the DDP baseline trains the fixed horizon (%s); its final "
+        "loss is the target of every other row of that seed and its training time the cap. A row "
+        "stops once the running mean of %s consecutive evaluations is at most the target and %s "
+        "more evaluation periods have run, or at the baseline's training time or step count, "
+        "whichever comes first. Seeds: %s." % (
+            w, horizon or "unknown", t.get("window", tta.WINDOW), t.get("extra_evals", "?"),
+            ", ".join(str(x) for x in t.get("seeds") or []) or "unknown"))
+    L.append("")
+    L.append("Generated by `bench/e2e/report.py` from `%s`. The results were produced by this "
+             "command (authoritative for these figures):" % source)
+    L.append("")
+    L.append(md_code_block(results["command"]))
+    L.append("")
+    est = t.get("estimate") or {}
+    if est.get("at_most") is not None:
+        L.append("Estimated beforehand: at most %s min for %s rows (every row to its cap); "
+                 "measured: below." % (fmt_sig(est["at_most"] / 60.0, 3), est.get("rows")))
+        L.append("")
+    L.append("## Machine and run")
+    L.append("")
+    L += _machine_lines(results)
+    L.append("")
+    L.append("## Results")
+    L.append("")
+    for title, runs, pngs in group_info:
+        L.append("### %s" % title)
+        L.append("")
+        facts = []
+        params = fmt_params(first_of(runs, "parameters"))
+        if params:
+            facts.append(params)
+        batch = first_of(runs, "batch")
+        if batch is not None:
+            facts.append("batch %s per rank" % batch)
+        facts.append("%d ranks" % w)
+        L.append(", ".join(facts) + ".")
+        L.append("")
+        L += _tta_baseline_lines(runs)
+        L.append("")
+        L.append("Per configuration, over its seeds (mean %s %s; the mean alone from one seed; "
+                 "time and steps to the target over the seeds that reached it):" % (PLUS_MINUS, SIGMA))
+        L.append("")
+        L += _tta_summary_table(tta.seed_summary(runs))
+        L.append("")
+        L.append("Every row:")
+        L.append("")
+        notes = []
+        L += _tta_runs_table(runs, notes)
+        L.append("")
+        if notes:
+            L += _footnotes(notes)
+        for kind, caption in (("loss-time", "running-mean evaluation loss against training time, "
+                               "every seed, with the target"),
+                              ("loss-step", "training loss per step, first seed"),
+                              ("step-time", "median step time, first seed")):
+            L.append("![%s: %s](%s)" % (md_cell(title), caption, pngs[kind]))
+            L.append("")
+    L.append("## Method")
+    L.append("")
+    L.append("- **Target and caps**: per (task, rate, seed), the DDP baseline's final loss (the "
+             "mean of its last %d evaluations on the fixed evaluation set), its training time "
+             "(rank 0's timed steps, evaluation excluded) and %d times its steps. Each seed draws its own "
+             "task (the MLP's teacher network, evaluation set and batches) and initial weights, "
+             "so each row is compared with the baseline of its own seed." % (tta.WINDOW,
+                                                                        tta.STEP_CAP_FACTOR))
+    L.append("- **Stop rule**: every rank of a row stops after the same step: rank 0 evaluates and "
+             "decides at the evaluation steps only, and broadcasts its decision to the others "
+             "over gloo. It stops once the mean of %d consecutive evaluations came to or below "
+             "the target and the extra evaluation periods have run (*target*), at the step cap "
+             "(*steps*), or when the next evaluation period, at the step time of the "
+             "one before, would end after the baseline's training time (*time*). The "
+             "evaluation cadence is the same for every row of a task." % tta.WINDOW)
+    L.append("- **Steps and time to target**: the step and the cumulative training time of the "
+             "first evaluation whose running mean of %d is at most the target; over the seeds, "
+             "the mean of those that reached it (\"reached target\" counts them)." % tta.WINDOW)
+    L.append("- **Loss at equal steps**: the row's evaluation loss at the largest evaluation step "
+             "it shares with its baseline (the baseline's last step if it ran that far); "
+             "**\u0394 vs DDP** is that loss minus the baseline's at the same step, same seed.")
+    L.append("- **Loss at equal time**: the row's running-mean evaluation loss at the baseline's "
+             "training time when it trained that long or the time cap stopped it (\"at DDP's "
+             "time\"), else at its last evaluation (the row stopped earlier: on the target or at "
+             "the step cap).")
+    L.append("- **Wire per step per rank**: bytes counted on the namespace's loopback during the "
+             "timed steps / the steps the row ran / the world size, as on the fixed-step page.")
+    L.append("- **Dense share**: the share of gradient elements sent dense. Neither the sidecar's "
+             "reply nor its metrics give such a figure (the reply's `mode` says whether a whole "
+             "step was dense, per bucket, not how many elements), so it is shown as %s until "
+             "one does; nothing is estimated in its place." % DASH)
+    L.append("- **Spread**: mean %s %s over the seeds a configuration trained, %s the sample "
+             "standard deviation (n %s 1 in the denominator); n counts the seeds with a finished "
+             "row." % (PLUS_MINUS, SIGMA, SIGMA, "\u2212"))
+    return "\n".join(L) + "\n"
+
+
+def write_tta_report(results, out_dir, source):
+    """write_report for time-to-accuracy results: OUT/BENCHMARKS-tta.md and
+    OUT/benchmarks/tta-*.png; returns the paths written."""
+    plt = _pyplot()
+    img_dir = os.path.join(out_dir, "benchmarks")
+    os.makedirs(img_dir, exist_ok=True)
+    colors = color_map(results["runs"])
+    written, group_info = [], []
+    for (task, rate), runs in group_runs(results["runs"]):
+        title, short = _group_title(task, rate, runs)
+        first = first_seed_runs(runs)
+        base = find_baseline(first)
+        stem = "%s%s-%s" % (TTA_PREFIX, safe_name(task), safe_name(rate))
+        pngs = {}
+        for kind in ("loss-time", "loss-step", "step-time"):
+            name = "%s-%s.png" % (stem, kind)
+            path = os.path.join(img_dir, name)
+            if kind == "loss-time":
+                plot_tta_loss_time(plt, runs, title, colors, path)
+            elif kind == "loss-step":
+                plot_loss_step(plt, first, title, colors, path)
+            else:
+                plot_step_time(plt, first, base, title, colors, path)
+            log("wrote %s" % path)
+            written.append(path)
+            pngs[kind] = "benchmarks/" + name
+        group_info.append((title, runs, pngs))
+    md = render_tta_markdown(results, source, group_info)
+    md_path = os.path.join(out_dir, TTA_PAGE)
+    tmp = md_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(md)
+    os.replace(tmp, md_path)
+    log("wrote %s" % md_path)
+    written.append(md_path)
+    return written
+
+
+# ------------------------------------------------------------------------------------------------
 # Entry points
 # ------------------------------------------------------------------------------------------------
 def write_report(results, out_dir, source="the results JSON"):
-    """Writes OUT/BENCHMARKS.md and OUT/benchmarks/*.png; returns the paths written.
+    """Writes OUT/BENCHMARKS.md and OUT/benchmarks/*.png (time-to-accuracy results:
+    OUT/BENCHMARKS-tta.md and OUT/benchmarks/tta-*.png); returns the paths written.
 
     `source`: the results file's name for the generated-by line. Raises ReportError when
     `results` is malformed (nothing is written then)."""
     validate(results)
+    if results.get("tta") is not None:
+        return write_tta_report(results, out_dir, source)
     plt = _pyplot()
     img_dir = os.path.join(out_dir, "benchmarks")
     os.makedirs(img_dir, exist_ok=True)

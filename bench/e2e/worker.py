@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """One configuration of the end-to-end benchmark (bench/e2e/e2e.py runs it inside the network
 namespace): W PyTorch DDP trainer processes (gloo, CPU, one thread each) train one task of
-bench/e2e/tasks.py for a fixed number of steps, gradients averaged by plain DDP, by one of
-PyTorch's communication hooks, or by lightwire sidecars (one per rank, through
+bench/e2e/tasks.py for a fixed number of steps (or, given a target, until the time-to-accuracy
+stop rule of bench/e2e/tta.py says so), gradients averaged by plain DDP, by one of PyTorch's
+communication hooks, or by lightwire sidecars (one per rank, through
 lightwire.torch.ddp_comm_hook). Rank 0 times every step, evaluates the model every few steps
 (outside the timed steps), counts the bytes that crossed the namespace's loopback during the timed
 steps, and writes one JSON object.
@@ -10,8 +11,10 @@ steps, and writes one JSON object.
     $PYTHON bench/e2e/worker.py SPEC_JSON OUT_JSON
 
 SPEC_JSON: {"task", "size", "seed", "world_size", "steps", "eval_every", "kind" ("ddp" |
-"torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" | null), "powersgd_rank", "sockets"
-(lightwire: one Unix socket per rank), "store_dir"}. Progress goes to stderr.
+"torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" for torch_hook; "flat" or null for lightwire), "powersgd_rank", "sockets"
+(lightwire: one Unix socket per rank), "store_dir"}; for the time-to-accuracy stop rule also
+"target" (the loss), "extra_steps" and "cap_seconds" ("steps" is then the cap on steps): without
+"target" every step up to "steps" runs. Progress goes to stderr.
 """
 
 import faulthandler
@@ -27,6 +30,10 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
 
 LO_TX = "/sys/class/net/lo/statistics/tx_bytes"
+
+# The rank that evaluates the model and decides the time-to-accuracy stop; the others learn its
+# decision from a broadcast.
+EVAL_RANK = 0
 
 
 def log(msg):
@@ -61,8 +68,12 @@ def attach_hook(spec, ddp, dist):
         import lightwire
         from lightwire.torch import LightwireHookState, ddp_comm_hook
         sock = spec["sockets"][dist.get_rank()]
+        # Per layer (the hook's default with a module: every parameter its own tensor), unless
+        # the row is about DDP's flat buckets (hook "flat": one tensor per bucket).
+        flat = spec.get("hook") == "flat"
         state = LightwireHookState(client=lightwire.Client(socket_path=sock, timeout=300.0),
-                                   process_group=dist.group.WORLD)
+                                   process_group=dist.group.WORLD,
+                                   module=None if flat else ddp, per_layer=not flat)
         ddp.register_comm_hook(state, ddp_comm_hook)
         return state
     return None
@@ -73,6 +84,7 @@ def train(rank, spec, out_path):
     import torch.distributed as dist
     import torch.nn as nn
     import tasks
+    import tta as stop_rule
 
     os.environ["LOCAL_RANK"] = "0"  # each rank has a sidecar of its own: trainer 0 there
     torch.set_num_threads(1)
@@ -90,10 +102,14 @@ def train(rank, spec, out_path):
     hook_state = attach_hook(spec, ddp, dist)
     opt = task.optimizer(ddp.parameters())
     steps, every = spec["steps"], spec["eval_every"]
+    # The time-to-accuracy stop rule (bench/e2e/tta.py) when the spec has a target; without one,
+    # every step up to `steps` runs, as before.
+    tta = spec.get("target") is not None
+    stop_reason, last_step = None, 0
     step_seconds, losses, evals = [], [], []
     elapsed = 0.0
     dist.barrier()
-    tx0 = lo_tx_bytes() if rank == 0 else 0
+    tx0 = lo_tx_bytes() if rank == EVAL_RANK else 0
     for step in range(1, steps + 1):
         x, y = task.batch(rank, step)
         t0 = time.perf_counter()
@@ -103,31 +119,61 @@ def train(rank, spec, out_path):
         opt.step()
         dt = time.perf_counter() - t0
         value = loss.item()
+        last_step = step
         if hook_state is not None:
             # The loss feeds the sidecars' rollback policy (docs/policies.md).
             hook_state.client.report(step, loss=value, trainer=0)
-        if rank == 0:
+        evaluating = stop_rule.is_eval_step(step, every, steps)
+        if rank == EVAL_RANK:
             elapsed += dt
             step_seconds.append(dt)
             losses.append(value)
-            if step % every == 0 or step == steps:
+            if evaluating:
                 e = task.evaluate(model)  # outside the timed step
                 evals.append({"step": step, "seconds": elapsed, "loss": e["loss"],
                               "accuracy": e.get("accuracy")})
                 log("%s step %d/%d: loss %.4f, eval loss %.4f, %.3f s/step" % (
                     spec["config"], step, steps, value, e["loss"], dt))
+        if tta and evaluating:
+            # Decided by the evaluating rank and broadcast, at evaluation steps only (the same steps
+            # on every rank): every rank stops after the same step. After backward() returns, DDP
+            # (and the lightwire hook's completions) have no collective left in flight on the
+            # group, so this one cannot interleave with theirs.
+            flag = torch.zeros(1, dtype=torch.int32)
+            if rank == EVAL_RANK:
+                flag[0] = stop_rule.reason_code(stop_rule.stop_decision(
+                    evals, spec["target"], spec.get("extra_steps", 0), spec.get("cap_seconds"),
+                    steps, every))
+            dist.broadcast(flag, src=EVAL_RANK)
+            stop_reason = stop_rule.reason_of(int(flag.item()))
+            if stop_reason is not None:
+                if rank == EVAL_RANK:
+                    log("%s: stopped after step %d (%s)" % (spec["config"], step, stop_reason))
+                break
+    # Every rank's last step, for the results: the check that they all stopped after the same one.
+    mine = torch.tensor([last_step], dtype=torch.int64)
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(gathered, mine)
     dist.barrier()
-    if rank == 0:
+    if rank == EVAL_RANK:
         tx = lo_tx_bytes() - tx0
         sorted_s = sorted(step_seconds)
         result = {
             "step_seconds": step_seconds, "loss": losses, "eval": evals,
             "final_loss": evals[-1]["loss"], "final_accuracy": evals[-1]["accuracy"],
             "median_step_seconds": sorted_s[len(sorted_s) // 2],
-            "wire_bytes_per_step_per_rank": tx / steps / world,
+            "wire_bytes_per_step_per_rank": tx / last_step / world,
             "parameters": task.parameters(), "batch": task.batch_size,
-            "task_title": task.title,
+            "task_title": task.title, "steps_run": last_step,
+            "rank_steps": [int(t.item()) for t in gathered],
         }
+        if tta:
+            i = stop_rule.first_reached(evals, spec["target"])
+            result["stop"] = {"reason": stop_reason, "step": last_step,
+                              "target": spec["target"], "extra_steps": spec.get("extra_steps", 0),
+                              "cap_seconds": spec.get("cap_seconds"), "max_steps": steps,
+                              "reached_step": None if i is None else evals[i]["step"],
+                              "reached_seconds": None if i is None else evals[i]["seconds"]}
         if hook_state is not None:
             result["fallbacks"] = hook_state.fallbacks
             reply = hook_state.last_reply or {}
