@@ -270,6 +270,19 @@ def ok(run):
     return run is not None and run.get("status") == "ok"
 
 
+def status_cell(run, notes):
+    """A row's status with a footnote mark for its error (a failed row) and for its notes; the
+    footnotes are appended to `notes` as (number, row, "error" | "notes")."""
+    marks = []
+    if run.get("error") and not ok(run):
+        notes.append((len(notes) + 1, run, "error"))
+        marks.append("[%d]" % len(notes))
+    if run.get("notes"):
+        notes.append((len(notes) + 1, run, "notes"))
+        marks.append("[%d]" % len(notes))
+    return run["status"] + (" " + " ".join(marks) if marks else "")
+
+
 def group_runs(runs):
     """[((task, rate), [runs in order])] in order of first appearance."""
     groups = {}
@@ -495,14 +508,7 @@ def _table(runs, base, notes):
     align.append("--:")
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
     for run in runs:
-        marks = []
-        if run.get("error") and not ok(run):
-            notes.append((len(notes) + 1, run, "error"))
-            marks.append("[%d]" % len(notes))
-        if run.get("notes"):
-            notes.append((len(notes) + 1, run, "notes"))
-            marks.append("[%d]" % len(notes))
-        status = run["status"] + (" " + " ".join(marks) if marks else "")
+        status = status_cell(run, notes)
         label = run["label"]
         if run is base:
             label = "**%s** (baseline)" % md_cell(label)
@@ -938,14 +944,7 @@ def _tta_runs_table(runs, notes):
     lines = ["| " + " | ".join(head) + " |",
              "| " + " | ".join([":--", "--:", ":--"] + ["--:"] * (len(head) - 3)) + " |"]
     for run in runs:
-        marks = []
-        if run.get("error") and not ok(run):
-            notes.append((len(notes) + 1, run, "error"))
-            marks.append("[%d]" % len(notes))
-        if run.get("notes"):
-            notes.append((len(notes) + 1, run, "notes"))
-            marks.append("[%d]" % len(notes))
-        status = run["status"] + (" " + " ".join(marks) if marks else "")
+        status = status_cell(run, notes)
         label = md_cell(run["label"]) if not run.get("baseline") else \
             "**%s** (baseline)" % md_cell(run["label"])
         fig = run.get("tta") if ok(run) else None

@@ -31,13 +31,16 @@ def _netns_available():
     return True, ""
 
 
+def skip_unless_e2e_runs():
+    """Skips the calling test when the sidecar cannot serve or no network namespace can be made."""
+    for check in (_serve_available, _netns_available):
+        ok, why = check()
+        if not ok:
+            pytest.skip(why)
+
+
 def test_e2e_smoke_runs_every_kind_and_writes_the_report(tmp_path):
-    ok, why = _serve_available()
-    if not ok:
-        pytest.skip(why)
-    ok, why = _netns_available()
-    if not ok:
-        pytest.skip(why)
+    skip_unless_e2e_runs()
     results = tmp_path / "results.json"
     env = dict(os.environ, LIGHTWIRE_BIN=LIGHTWIRE_BIN, PYTHON=PYTHON)
     r = subprocess.run([PYTHON, os.path.join(REPO, "bench", "e2e", "e2e.py"), "--smoke",

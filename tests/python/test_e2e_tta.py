@@ -393,14 +393,9 @@ SMOKE_CONFIGS = ["ddp", "ddp_fp16", "lightwire_dgc"]
 
 
 def test_tta_smoke_every_rank_stops_after_the_same_step(tmp_path):
-    from conftest import LIGHTWIRE_BIN, _serve_available
-    from test_e2e_bench import _netns_available
-    ok, why = _serve_available()
-    if not ok:
-        pytest.skip(why)
-    ok, why = _netns_available()
-    if not ok:
-        pytest.skip(why)
+    from conftest import LIGHTWIRE_BIN
+    from test_e2e_bench import skip_unless_e2e_runs
+    skip_unless_e2e_runs()
     results = tmp_path / "results.json"
     env = dict(os.environ, LIGHTWIRE_BIN=LIGHTWIRE_BIN, PYTHON=PYTHON)
     r = subprocess.run([PYTHON, os.path.join(E2E_DIR, "e2e.py"), "--tta", "--smoke", "--seeds",
