@@ -740,10 +740,11 @@ TEST_CASE(
        "hold 10 elements"},
       {R"("layout": [{"name": "bucket.a", "offset": 0, "shape": [12]}])", "bucket's own name"},
   };
-  for (const auto& [fields, what] : bad) {
+  for (const auto& c : bad) {
+    const std::string& fields = c.first;  // (not a structured binding: CAPTURE takes a lambda)
     CAPTURE(fields);
     const std::string m = expectError(form2(head + fields), 400, "invalid_argument");
-    CHECK_MESSAGE(m.find(what) != std::string::npos, m);
+    CHECK_MESSAGE(m.find(c.second) != std::string::npos, m);
   }
   // Too many entries.
   std::string many = R"("name": "bucket.m", "step": 0, "shape": [4097], "layout": [)";
