@@ -270,6 +270,18 @@ def ok(run):
     return run is not None and run.get("status") == "ok"
 
 
+def model_facts(runs):
+    """What a group's rows share about the model: its parameter count and batch per rank."""
+    facts = []
+    params = fmt_params(first_of(runs, "parameters"))
+    if params:
+        facts.append(params)
+    batch = first_of(runs, "batch")
+    if batch is not None:
+        facts.append("batch %s per rank" % batch)
+    return facts
+
+
 def status_cell(run, notes):
     """A row's status with a footnote mark for its error (a failed row) and for its notes; the
     footnotes are appended to `notes` as (number, row, "error" | "notes")."""
@@ -746,13 +758,7 @@ def render_markdown(results, source, group_info):
     for title, runs, base, pngs in group_info:
         L.append("### %s" % title)
         L.append("")
-        facts = []
-        params = fmt_params(first_of(runs, "parameters"))
-        if params:
-            facts.append(params)
-        batch = first_of(runs, "batch")
-        if batch is not None:
-            facts.append("batch %s per rank" % batch)
+        facts = model_facts(runs)
         steps = first_of(runs, "steps")
         if steps is not None:
             facts.append("%s training steps" % steps)
@@ -1035,13 +1041,7 @@ def render_tta_markdown(results, source, group_info):
     for title, runs, pngs in group_info:
         L.append("### %s" % title)
         L.append("")
-        facts = []
-        params = fmt_params(first_of(runs, "parameters"))
-        if params:
-            facts.append(params)
-        batch = first_of(runs, "batch")
-        if batch is not None:
-            facts.append("batch %s per rank" % batch)
+        facts = model_facts(runs)
         facts.append("%d ranks" % w)
         L.append(", ".join(facts) + ".")
         L.append("")
