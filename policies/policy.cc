@@ -635,6 +635,7 @@ json::object PolicyEngine::statusJson() const {
                              {"full_sync_every", config_.full_sync_every},
                              {"rollback", config_.rollback},
                              {"warmup_steps", config_.warmup_steps},
+                             {"powersgd_start_step", config_.powersgd_start_step},
                              {"total_steps", config_.total_steps},
                              {"adaptive", config_.adaptive},
                              {"min_magnitude", config_.min_magnitude}};

@@ -47,12 +47,13 @@ struct PolicyConfig {
   uint32_t cooldown_steps = 100;   // no further rollback for this many steps
   uint32_t known_good_steps = 50;  // settings in force this long without degradation are good
   // Schedules.
-  uint64_t warmup_steps = 0;     // DGC warm-up over a tensor's first N steps (0 = off)
-  uint64_t total_steps = 0;      // phase schedule: gentler in the first and last 20 % (0 = off)
-  double phase_factor = 4.0;     // ... density times this there (at most 1)
-  bool adaptive = false;         // adaptive ratio from the gradient statistics
-  double adaptive_tiny = 0.01;   // norm < tiny * baseline -> compress harder (ratio x2)
-  double adaptive_sparse = 0.9;  // fraction of |g| < min_magnitude above this -> softer (/2)
+  uint64_t warmup_steps = 0;         // DGC warm-up over a tensor's first N steps (0 = off)
+  uint64_t powersgd_start_step = 0;  // powersgd tensors dense before this step (0 = off)
+  uint64_t total_steps = 0;          // phase schedule: gentler in the first and last 20 % (0 = off)
+  double phase_factor = 4.0;         // ... density times this there (at most 1)
+  bool adaptive = false;             // adaptive ratio from the gradient statistics
+  double adaptive_tiny = 0.01;       // norm < tiny * baseline -> compress harder (ratio x2)
+  double adaptive_sparse = 0.9;      // fraction of |g| < min_magnitude above this -> softer (/2)
   double adaptive_max_ratio = 10000;  // harder up to this ratio
   double adaptive_min_ratio = 10;     // softer down to this ratio
   double min_magnitude = 1e-6;        // selection codecs never send |value| below this

@@ -4,9 +4,9 @@
 # 0.01 by default) and 4 real PyTorch DDP trainer processes, each talking to its own sidecar
 # (clients/python/examples/train_ddp.py). Rank 0 prints a live table (step, loss, accuracy,
 # compression ratio, bytes sent per step, step time); then the same training runs as plain DDP
-# and the two are compared. Knobs: LW_DEMO_CODEC (dgc), LW_DEMO_DENSITY (0.01), LW_DEMO_STEPS
-# (300), LW_DEMO_NODES (4). The codec benchmark table: `build-release/proxy/lightwire bench codec
-# --all ...` (bench/README.md).
+# and the two are compared. Knobs: LW_DEMO_CODEC (dgc), LW_DEMO_DENSITY (0.01), LW_DEMO_MOMENTUM
+# (0.9, for dgc), LW_DEMO_STEPS (300), LW_DEMO_NODES (4). The codec benchmark table:
+# `build-release/proxy/lightwire bench codec --all ...` (bench/README.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -34,6 +34,9 @@ read -r -a policy_args <<<"${LW_DEMO_POLICY_ARGS:---warmup-steps 50 --full-sync-
 codec_args+=("${policy_args[@]}")
 [[ "$codec" == dgc || "$codec" == topk || "$codec" == randomk ]] &&
   codec_args+=(--density "${LW_DEMO_DENSITY:-0.01}")
+# DGC's momentum correction; the trainers' lightwire.torch.SGD leaves momentum to the sidecars for
+# the tensors they compress with it (docs/codecs.md "Momentum with dgc").
+[[ "$codec" == dgc ]] && codec_args+=(--momentum "${LW_DEMO_MOMENTUM:-0.9}")
 # Free loopback ports for the peer listeners (chosen by the OS, then handed to the sidecars).
 mapfile -t ports < <("$python" - "$nodes" <<'PY'
 import socket, sys

@@ -48,9 +48,16 @@ sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 import tta  # noqa: E402  (bench/e2e/tta.py: the stop rule and the time-to-accuracy figures)
 
 # Policies off for every lightwire row but the one that is about them, so each codec is measured
-# alone (the sidecar's defaults turn the anomaly, rollback and full-sync policies on).
-POLICIES_OFF = ["--anomaly", "false", "--rollback", "false", "--full-sync-every", "0",
-                "--warmup-steps", "0"]
+# alone (the sidecar's defaults turn the anomaly, rollback and full-sync policies on). The
+# schedules (the DGC warm-up, the PowerSGD start step) stay at the sidecar's defaults.
+POLICIES_OFF = ["--anomaly", "false", "--rollback", "false", "--full-sync-every", "0"]
+# The PowerSGD start step of both PowerSGD implementations: `lightwire serve`'s default
+# (schedule.powersgd_start_step), so that PyTorch's hook starts compressing at the same step.
+POWERSGD_START = 100
+# DGC's momentum correction: the sidecar applies momentum 0.9 (the tasks' SGD momentum) to the
+# tensors it compresses with dgc, the trainer steps with lightwire.torch.SGD (docs/codecs.md
+# "Momentum with dgc"). Every row whose sidecar arguments give dgc a momentum uses that optimizer.
+DGC_MOMENTUM = ["--momentum", "0.9"]
 
 # name: (label, kind, torch hook, sidecar arguments). The first is the baseline.
 CONFIGS = [
@@ -61,7 +68,9 @@ CONFIGS = [
     ("lightwire_fp16", "lightwire fp16", "lightwire", None, ["--codec", "fp16"] + POLICIES_OFF),
     ("lightwire_topk", "lightwire topk 1 %", "lightwire", None,
      ["--codec", "topk", "--density", "0.01"] + POLICIES_OFF),
-    ("lightwire_dgc", "lightwire dgc 1 %", "lightwire", None,
+    ("lightwire_dgc", "lightwire dgc 1 % (momentum correction)", "lightwire", None,
+     ["--codec", "dgc", "--density", "0.01"] + DGC_MOMENTUM + POLICIES_OFF),
+    ("lightwire_dgc_ef", "lightwire dgc 1 % (error feedback)", "lightwire", None,
      ["--codec", "dgc", "--density", "0.01"] + POLICIES_OFF),
     ("lightwire_qsgd4", "lightwire qsgd 4 bits", "lightwire", None,
      ["--codec", "qsgd", "--bits", "4"] + POLICIES_OFF),
@@ -69,11 +78,11 @@ CONFIGS = [
      ["--codec", "qsgd", "--bits", "8"] + POLICIES_OFF),
     ("lightwire_powersgd", "lightwire powersgd (rank 1)", "lightwire", None,
      ["--codec", "powersgd", "--approx-rank", "1"] + POLICIES_OFF),
-    # The policies (docs/policies.md): the DGC warm-up over the first 20 steps, anomaly bypass,
-    # rollback on the reported loss, periodic full-sync at its default period.
+    # The policies (docs/policies.md): anomaly bypass, rollback on the reported loss, periodic
+    # full-sync at its default period (and the schedules at their defaults, as every row).
     ("lightwire_dgc_policies", "lightwire dgc 1 % + policies", "lightwire", None,
-     ["--codec", "dgc", "--density", "0.01", "--warmup-steps", "20", "--anomaly", "true",
-      "--rollback", "true"]),
+     ["--codec", "dgc", "--density", "0.01"] + DGC_MOMENTUM + ["--anomaly", "true",
+                                                               "--rollback", "true"]),
 ]
 
 # Configurations outside the default list of the fixed-step profiles (whose rows stay as they
@@ -86,7 +95,14 @@ EXTRA_CONFIGS = [
     # Every other lightwire row goes per layer (the hook's default); this one sends DDP's flat
     # buckets, one tensor each, for the comparison.
     ("lightwire_dgc_flat", "lightwire dgc 1 % (flat buckets)", "lightwire", "flat",
-     ["--codec", "dgc", "--density", "0.01"] + POLICIES_OFF),
+     ["--codec", "dgc", "--density", "0.01"] + DGC_MOMENTUM + POLICIES_OFF),
+    # The schedules' defaults against none (what the defaults of docs/policies.md "Schedules"
+    # were chosen from).
+    ("lightwire_dgc_nowarmup", "lightwire dgc 1 % (momentum correction, no warm-up)", "lightwire",
+     None, ["--codec", "dgc", "--density", "0.01", "--warmup-steps", "0"] + DGC_MOMENTUM
+     + POLICIES_OFF),
+    ("lightwire_powersgd4_start0", "lightwire powersgd (rank 4, from step 0)", "lightwire", None,
+     ["--codec", "powersgd", "--approx-rank", "4", "--powersgd-start-step", "0"] + POLICIES_OFF),
 ]
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 
@@ -297,7 +313,9 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
     """One configuration: returns its row of the results. stop: the stop rule's spec fields
     (tta_stop_spec), None for a fixed number of steps."""
     name, label, kind, hook, sidecar_args = config
-    trainer_momentum = None  # the task's optimizer as it is
+    args = list(sidecar_args or [])
+    momentum = float(args[args.index("--momentum") + 1]) if "--momentum" in args else 0.0
+    optimizer = "lightwire_sgd" if momentum > 0 else "task"
     row = {"task": task, "rate": rate, "rate_bits_per_second": rate_bits(rate), "config": name,
            "label": label, "kind": kind, "baseline": name == "ddp", "status": "ok", "error": None,
            "steps": profile["steps"][task], "seed": seed}
@@ -305,7 +323,7 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
     spec = {"task": task, "size": profile["size"], "seed": seed, "world_size": profile["world_size"],
             "steps": profile["steps"][task], "eval_every": profile["eval_every"][task], "kind": kind,
             "hook": hook, "powersgd_rank": 1, "sockets": [], "store_dir": d, "config": name,
-            "trainer_momentum": trainer_momentum}
+            "optimizer": optimizer, "powersgd_start": POWERSGD_START}
     if stop is not None:
         spec.update(stop)
     sidecars = None

@@ -11,8 +11,9 @@ steps, and writes one JSON object.
     $PYTHON bench/e2e/worker.py SPEC_JSON OUT_JSON
 
 SPEC_JSON: {"task", "size", "seed", "world_size", "steps", "eval_every", "kind" ("ddp" |
-"torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" for torch_hook; "flat" or null for lightwire), "powersgd_rank", "sockets"
-(lightwire: one Unix socket per rank), "store_dir"}; for the time-to-accuracy stop rule also
+"torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" for torch_hook; "flat" or null for lightwire), "powersgd_rank",
+"powersgd_start", "optimizer" ("task": the task's own; "lightwire_sgd": lightwire.torch.SGD with
+the task's SGD settings), "sockets" (lightwire: one Unix socket per rank), "store_dir"}; for the time-to-accuracy stop rule also
 "target" (the loss), "extra_steps" and "cap_seconds" ("steps" is then the cap on steps): without
 "target" every step up to "steps" runs. Progress goes to stderr.
 """
@@ -55,11 +56,12 @@ def attach_hook(spec, ddp, dist):
         if spec["hook"] == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif spec["hook"] == "powersgd":
-            # PowerSGD from step 10 (start_powerSGD_iter must be > 1 with error feedback and warm
-            # start: DDP rebuilds its buckets after the first step); vanilla allreduce before.
+            # PowerSGD from the spec's start step, the sidecar's (start_powerSGD_iter must be > 1
+            # with error feedback and warm start: DDP rebuilds its buckets after the first step);
+            # vanilla allreduce before.
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=spec.get("powersgd_rank", 1),
-                start_powerSGD_iter=spec.get("powersgd_start", 10), use_error_feedback=True, warm_start=True, random_seed=0)
+                start_powerSGD_iter=max(2, spec.get("powersgd_start", 10)), use_error_feedback=True, warm_start=True, random_seed=0)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         else:
             raise ValueError("unknown hook %r" % spec["hook"])
@@ -92,15 +94,24 @@ def train(rank, spec, out_path):
     dist.init_process_group("gloo", init_method="file://" + os.path.join(spec["store_dir"], "store"),
                             rank=rank, world_size=world)
     task = tasks.make_task(spec["task"], spec["size"], spec["seed"])
-    if spec.get("trainer_momentum") is not None:
-        # DGC's momentum correction runs in the sidecar: the optimizer's momentum goes to 0
-        # (docs/codecs.md).
-        task.momentum = spec["trainer_momentum"]
     torch.manual_seed(spec["seed"])
     model = task.model()
     ddp = nn.parallel.DistributedDataParallel(model)
     hook_state = attach_hook(spec, ddp, dist)
     opt = task.optimizer(ddp.parameters())
+    if hook_state is not None:
+        if spec.get("optimizer") == "lightwire_sgd":
+            # The sidecar applies DGC's momentum to the tensors it compresses: momentum stays in
+            # the optimizer everywhere else (docs/codecs.md "Momentum with dgc").
+            if not isinstance(opt, torch.optim.SGD):
+                raise ValueError("task %s trains with %s: dgc's momentum correction needs momentum "
+                                 "SGD (docs/codecs.md)" % (spec["task"], type(opt).__name__))
+            from lightwire.torch import SGD
+            group = opt.param_groups[0]
+            opt = SGD(ddp.parameters(), lr=group["lr"], momentum=group["momentum"],
+                      weight_decay=group["weight_decay"], hook_state=hook_state)
+        else:
+            hook_state.optimizer = opt  # the hook refuses a setup applying momentum twice
     steps, every = spec["steps"], spec["eval_every"]
     # The time-to-accuracy stop rule (bench/e2e/tta.py) when the spec has a target; without one,
     # every step up to `steps` runs, as before.

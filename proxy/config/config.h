@@ -19,6 +19,7 @@
 #include "kernels/codec.h"
 #include "kernels/status.h"
 #include "policies/policy.h"
+#include "proxy/step/tensor_facts.h"
 
 namespace CLI {
 class App;
@@ -26,30 +27,60 @@ class App;
 
 namespace lightwire::proxy {
 
-/// One codec rule of `compression.rules`: matches a tensor by name glob and size. Immutable.
+/// One codec rule of `compression.rules`: matches a tensor by name glob, size and dimensions.
+/// Immutable.
 struct CodecRule {
   std::optional<std::string> pattern;  // fnmatch(3) glob on the tensor name, no flags
   std::optional<uint64_t> min_elements, max_elements;  // inclusive bounds
-  kernels::CodecConfig codec;  // validated by createCodec; unset parameters = codec's defaults
+  std::optional<uint32_t> ndim;  // dimensions of the shape (a tensor without one: 1), 1..64
+  kernels::CodecConfig codec;    // validated by createCodec; unset parameters = codec's defaults
   uint32_t sync_every = 1;  // delayed sync: exchanged every k steps, accumulated between (1..1e6)
   std::string group;        // metrics label, 1..64 of [A-Za-z0-9_.-]; "" = the codec name
 
-  /// Whether this rule applies to the tensor `name` of `elements` elements.
-  bool matches(std::string_view name, uint64_t elements) const;
+  /// Whether this rule applies to the tensor.
+  bool matches(const TensorFacts& t) const;
 };
 
-/// The `compression` section: the default codec, the rules, the chunk size. Immutable once built.
+/// What the layers of a layout get when no rule names them (docs/configuration.md "Layers").
+/// The serve defaults of schedule.warmup_steps and schedule.powersgd_start_step
+/// (docs/policies.md "Schedules": how they were chosen).
+inline constexpr uint64_t kDefaultWarmupSteps = 100;
+inline constexpr uint64_t kDefaultPowersgdStartStep = 100;
+
+struct LayerDefaults {
+  uint32_t dense_max_ndim = 1;         // layers of at most this many dimensions: dense (0 = off)
+  uint64_t dense_max_elements = 8192;  // layers of at most this many elements: dense (0 = off)
+  double powersgd_min_ratio = 2.0;     // powersgd only where n·m > this·(n + m)·r (0 = always)
+};
+
+/// The `compression` section: the default codec, the rules, the layer defaults, the chunk size.
+/// Immutable once built.
 struct CompressionConfig {
   kernels::CodecConfig default_codec;
   std::vector<CodecRule> rules;
+  LayerDefaults layers;
   uint64_t chunk_elements = 1048576;
 
-  /// The first rule matching a tensor, or nullptr when none does (the default applies).
-  const CodecRule* ruleFor(std::string_view name, uint64_t elements) const;
-
-  /// The codec settings for a tensor (first matching rule, else the default).
-  const kernels::CodecConfig& codecFor(std::string_view name, uint64_t elements) const;
+  /// The first rule matching a tensor, or nullptr when none does.
+  const CodecRule* ruleFor(const TensorFacts& t) const;
+  /// The same for a 1-D tensor that is not a layer.
+  const CodecRule* ruleFor(std::string_view name, uint64_t elements) const {
+    return ruleFor(TensorFacts{name, elements});
+  }
+  /// The codec settings of a 1-D tensor that is not a layer (first matching rule, else the
+  /// default).
+  const kernels::CodecConfig& codecFor(std::string_view name, uint64_t elements) const {
+    const CodecRule* r = ruleFor(name, elements);
+    return r ? r->codec : default_codec;
+  }
 };
+
+/// Why a layer of a layout goes dense (codec `none`) rather than with `codec` (nullptr: it does
+/// not): without a rule of its own (`by_rule` false), at most dense_max_ndim dimensions or at
+/// most dense_max_elements elements; with or without one, powersgd that would not compress its
+/// (shape[0], -1) matrix by more than powersgd_min_ratio. Never for a tensor that is not a layer.
+const char* denseLayerReason(const LayerDefaults& d, const TensorFacts& t,
+                             const kernels::CodecConfig& codec, bool by_rule);
 
 /// A parsed "host:port" (IPv6 as "[::1]:4780"; host stored without brackets; port 0 = OS-chosen).
 struct ListenAddress {
@@ -59,6 +90,16 @@ struct ListenAddress {
   /// Back to "host:port", bracketing an IPv6 host.
   std::string toString() const;
 };
+
+/// The policies' and schedules' defaults of `lightwire serve` (docs/configuration.md): those of
+/// PolicyConfig, with the DGC warm-up and the PowerSGD start step on (PolicyConfig's own
+/// defaults, every schedule off, are what the step engine assumes without a configuration).
+inline policies::PolicyConfig servePolicyDefaults() {
+  policies::PolicyConfig p;
+  p.warmup_steps = kDefaultWarmupSteps;
+  p.powersgd_start_step = kDefaultPowersgdStartStep;
+  return p;
+}
 
 /// Everything `lightwire serve` is configured with. Built once by buildServeConfig(), then shared
 /// read-only (thread-safe as long as nobody mutates it).
@@ -95,7 +136,7 @@ struct ServeConfig {
 
   /// The `policies` and `schedule` sections (docs/policies.md): anomaly bypass, full-sync,
   /// rollback, schedules. Its own initialisers are the defaults of these keys.
-  policies::PolicyConfig policies;
+  policies::PolicyConfig policies = servePolicyDefaults();
 
   /// Durable state (docs/policies.md "Durable state: checkpoints"): the checkpoint files of codec
   /// and policy state.

@@ -526,7 +526,7 @@ using P = policies::PolicyConfig;
 void policyBool(KeyAdder& add, std::string path, std::string flag, bool P::*field,
                 std::string what) {
   using C = ServeConfig;
-  const P pd;
+  const P pd = servePolicyDefaults();
   add(
       std::move(path), std::move(flag), kBoolType, std::string(pd.*field ? "true" : "false"),
       std::move(what), [field](C& c, std::string_view s) { return setBool(s, c.policies.*field); },
@@ -537,7 +537,7 @@ void policyBool(KeyAdder& add, std::string path, std::string flag, bool P::*fiel
 void policyNumber(KeyAdder& add, std::string path, std::string flag, double P::*field,
                   bool (*ok)(double), std::string type, std::string what) {
   using C = ServeConfig;
-  const P pd;
+  const P pd = servePolicyDefaults();
   std::string must = "must be a number " + type.substr(type.find(' ') + 1);
   add(
       std::move(path), std::move(flag), std::move(type), numberText(pd.*field), std::move(what),
@@ -552,7 +552,7 @@ template <typename Field>
 void policyUnsigned(KeyAdder& add, std::string path, std::string flag, Field P::*field, uint64_t lo,
                     uint64_t hi, std::string what) {
   using C = ServeConfig;
-  const P pd;
+  const P pd = servePolicyDefaults();
   using T = std::remove_cvref_t<decltype(pd.*field)>;
   hi = std::min<uint64_t>(hi, std::numeric_limits<T>::max());
   std::string type = hi == std::numeric_limits<uint64_t>::max()
@@ -622,6 +622,10 @@ void addScheduleKeys(KeyAdder& add) {
                  "DGC warm-up: over each tensor's first N steps, topk/dgc/randomk send at least "
                  "25 %, 6.25 %, 1.5625 %, 0.39 %, 0.098 % of the elements (five equal stages), "
                  "then their own density (0 = off)");
+  policyUnsigned(add, "schedule.powersgd_start_step", "--powersgd-start-step",
+                 &P::powersgd_start_step, 0, kNoMax,
+                 "PowerSGD start: a powersgd tensor's steps before this one are exchanged dense "
+                 "(its state untouched); compression starts at it (0 = from the first step)");
   policyUnsigned(add, "schedule.total_steps", "--total-steps", &P::total_steps, 0, kNoMax,
                  "Training-phase schedule: the job's length in steps; in its first and last 20 % "
                  "the density is schedule.phase_factor times higher (0 = off)");
@@ -686,6 +690,34 @@ void addCompressionKeys(KeyAdder& add) {
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.compression.chunk_elements; }, 1,
                         std::numeric_limits<uint64_t>::max()),
       [](const C& c) { return json::value(c.compression.chunk_elements); });
+  // compression.layers.*: the layers of a layout that no rule names (docs/configuration.md
+  // "Layers").
+  const LayerDefaults ld;
+  add("compression.layers.dense_max_ndim", "--dense-max-ndim", "integer 0..64",
+      std::to_string(ld.dense_max_ndim),
+      "Layers of a layout with at most this many dimensions (biases, norm weights) are exchanged "
+      "dense unless a rule names them (0 = off)",
+      unsignedSetter<C>([](C& c) -> uint32_t& { return c.compression.layers.dense_max_ndim; }, 0,
+                        64),
+      [](const C& c) { return json::value(c.compression.layers.dense_max_ndim); });
+  add("compression.layers.dense_max_elements", "--dense-max-elements", "integer >= 0",
+      std::to_string(ld.dense_max_elements),
+      "Layers of a layout with at most this many elements are exchanged dense unless a rule "
+      "names them (0 = off)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.compression.layers.dense_max_elements; },
+                        0, std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.compression.layers.dense_max_elements); });
+  add(
+      "compression.layers.powersgd_min_ratio", "--powersgd-min-ratio", "number >= 0",
+      numberText(ld.powersgd_min_ratio),
+      "powersgd compresses a layer (its shape[0] x rest matrix n x m, rank r) only where "
+      "n*m > this * (n + m) * r; other layers are exchanged dense (0 = always compress)",
+      [](C& c, std::string_view s) {
+        return setNumber(
+            s, c.compression.layers.powersgd_min_ratio, [](double v) { return v >= 0; },
+            "must be a number >= 0");
+      },
+      [](const C& c) { return json::value(c.compression.layers.powersgd_min_ratio); });
   for (const CodecKey& k : codecKeys()) {
     auto def = k.default_text ? std::optional<std::string>(*k.default_text) : std::nullopt;
     auto set = k.set;

@@ -6,6 +6,7 @@
 
 #include <boost/json/serialize.hpp>
 
+#include <algorithm>
 #include <cctype>
 #include <limits>
 #include <utility>
@@ -23,6 +24,7 @@ namespace {
 
 constexpr uint64_t kMaxSyncEvery = 1000000;  // a rule's sync_every
 constexpr size_t kMaxGroupChars = 64;        // a rule's group
+constexpr uint64_t kMaxNdim = 64;            // a rule's ndim (the API's shapes have at most 8)
 
 Status validateCodec(const CodecConfig& c, const std::string& where) {
   auto codec = kernels::createCodec(c);
@@ -65,6 +67,11 @@ Result<CodecRule> parseRule(const Tree& t, const std::string& where, const std::
       const std::string e = setUnsigned(raw, 0, std::numeric_limits<uint64_t>::max(), v);
       if (!e.empty()) return invalidArgument(valueError(source, name, e, raw, false));
       (key == "min_elements" ? rule.min_elements : rule.max_elements) = v;
+    } else if (key == "ndim") {
+      uint64_t v = 0;
+      const std::string e = setUnsigned(raw, 1, kMaxNdim, v);
+      if (!e.empty()) return invalidArgument(valueError(source, name, e, raw, false));
+      rule.ndim = static_cast<uint32_t>(v);
     } else if (key == "sync_every") {
       uint64_t v = 0;
       const std::string e = setUnsigned(raw, 1, kMaxSyncEvery, v);
@@ -167,24 +174,40 @@ Status validatePolicies(const ServeConfig& cfg, const Origins& origins) {
 
 }  // namespace config_detail
 
-bool CodecRule::matches(std::string_view name, uint64_t elements) const {
-  if (min_elements && elements < *min_elements) return false;
-  if (max_elements && elements > *max_elements) return false;
-  if (pattern && fnmatch(pattern->c_str(), std::string(name).c_str(), 0) != 0) return false;
+bool CodecRule::matches(const TensorFacts& t) const {
+  if (min_elements && t.elements < *min_elements) return false;
+  if (max_elements && t.elements > *max_elements) return false;
+  if (ndim && t.ndim() != *ndim) return false;
+  if (pattern && fnmatch(pattern->c_str(), std::string(t.name).c_str(), 0) != 0) return false;
   return true;
 }
 
-const CodecRule* CompressionConfig::ruleFor(std::string_view name, uint64_t elements) const {
+const CodecRule* CompressionConfig::ruleFor(const TensorFacts& t) const {
   for (const auto& r : rules) {
-    if (r.matches(name, elements)) return &r;
+    if (r.matches(t)) return &r;
   }
   return nullptr;
 }
 
-const kernels::CodecConfig& CompressionConfig::codecFor(std::string_view name,
-                                                        uint64_t elements) const {
-  const CodecRule* r = ruleFor(name, elements);
-  return r ? r->codec : default_codec;
+const char* denseLayerReason(const LayerDefaults& d, const TensorFacts& t,
+                             const kernels::CodecConfig& codec, bool by_rule) {
+  if (!t.layer || codec.name == "none") return nullptr;
+  if (by_rule) {
+    // A rule that names the layer decides its codec; only a powersgd that cannot compress it
+    // is overruled.
+  } else if (d.dense_max_ndim > 0 && t.ndim() <= d.dense_max_ndim) {
+    return "dense_max_ndim";
+  } else if (d.dense_max_elements > 0 && t.elements <= d.dense_max_elements) {
+    return "dense_max_elements";
+  }
+  if (codec.name == "powersgd" && d.powersgd_min_ratio > 0 && !t.shape.empty() && t.elements > 0) {
+    // The (shape[0], -1) view of the codec (docs/determinism.md §4.12) and its rank.
+    const double n = static_cast<double>(t.shape[0]);
+    const double m = static_cast<double>(t.elements) / n;
+    const double r = std::min<double>({static_cast<double>(codec.approx_rank), n, m});
+    if (!(n * m > d.powersgd_min_ratio * (n + m) * r)) return "powersgd_min_ratio";
+  }
+  return nullptr;
 }
 
 namespace {

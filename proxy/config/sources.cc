@@ -437,6 +437,7 @@ boost::json::object toJson(const ServeConfig& c) {
     if (r.pattern) o["pattern"] = *r.pattern;
     if (r.min_elements) o["min_elements"] = *r.min_elements;
     if (r.max_elements) o["max_elements"] = *r.max_elements;
+    if (r.ndim) o["ndim"] = *r.ndim;
     for (auto& kv : codecJson(r.codec)) o[kv.key()] = kv.value();
     o["sync_every"] = r.sync_every;
     if (!r.group.empty()) o["group"] = r.group;

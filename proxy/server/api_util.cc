@@ -191,6 +191,7 @@ json::object figuresJson(const std::string& name, uint64_t step, const StepFigur
                  {"mode", f.mode},
                  {"settings", f.settings},
                  {"device", f.device},
+                 {"momentum", f.momentum},
                  {"durations_us", std::move(d)}};
   o["ratio"] =
       f.wire_bytes ? static_cast<double>(f.raw_bytes) / static_cast<double>(f.wire_bytes) : 0.0;

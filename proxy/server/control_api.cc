@@ -62,13 +62,16 @@ bool matches(std::string_view path_template, std::string_view path) {
 }  // namespace
 
 CodecChooser chooserFor(std::shared_ptr<const CompressionConfig> c) {
-  return [c = std::move(c)](std::string_view name, uint64_t elements) {
-    const CodecRule* rule = c->ruleFor(name, elements);
+  return [c = std::move(c)](const TensorFacts& t) {
+    const CodecRule* rule = c->ruleFor(t);
     TensorSettings s(rule ? rule->codec : c->default_codec);
     if (rule) {
       s.sync_every = rule->sync_every;
       s.group = rule->group;
     }
+    // A layer goes dense where compressing it costs accuracy for little traffic (a rule's
+    // sync_every and group stay).
+    if (denseLayerReason(c->layers, t, s.codec, rule != nullptr)) s.codec = kernels::CodecConfig{};
     return s;
   };
 }

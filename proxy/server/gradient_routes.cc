@@ -117,6 +117,7 @@ Response bucketReply(const std::string& bucket, uint64_t step, const Layout& lay
     }
   }
   StepFigures total = outcomes.front().figures;
+  bool one_momentum = true;
   json::array layers;
   for (size_t i = 0; i < outcomes.size(); ++i) {
     const StepFigures& f = outcomes[i].figures;
@@ -125,6 +126,7 @@ Response bucketReply(const std::string& bucket, uint64_t step, const Layout& lay
     if (f.codec != total.codec) total.codec = "mixed";
     if (f.mode != total.mode) total.mode = "mixed";
     if (f.device != total.device) total.device = "mixed";
+    one_momentum = one_momentum && f.momentum == total.momentum;
     total.elements += f.elements;
     total.raw_bytes += f.raw_bytes;
     total.wire_bytes += f.wire_bytes;
@@ -134,6 +136,7 @@ Response bucketReply(const std::string& bucket, uint64_t step, const Layout& lay
     for (size_t s = 0; s < metrics::kStageCount; ++s) total.durations_us[s] += f.durations_us[s];
   }
   json::object o = figuresJson(bucket, step, total);
+  if (!one_momentum) o.erase("momentum");  // each layer says its own
   o["layout_hash"] = layoutHashText(layout.hash);
   o["layers"] = std::move(layers);
   return jsonResponse(status::ok, o);
@@ -219,6 +222,7 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
     layer.name = entry.name;
     layer.shape = entry.shape;
     layer.elements = entry.elements;
+    layer.layer = true;
     engine_.submit(regionContribution(region, offset + entry.offset * width, layer),
                    [reply, name, step, shared_layout, steps, i](StepOutcome out) {
                      std::unique_lock lock(steps->mu);

@@ -407,6 +407,7 @@ EngineOptions engineOptions(const ServeConfig& config, unsigned threads,
   eo.rank = config.peer.rank;
   eo.checksum_every = config.peer.checksum_every;
   eo.warmup_steps = config.policies.warmup_steps;
+  eo.powersgd_start_step = config.policies.powersgd_start_step;
   eo.max_state_bytes = config.limits.max_state_bytes;
   eo.policy = policy;
   eo.settings = [](uint64_t version, const std::string& json) -> CodecChooser {

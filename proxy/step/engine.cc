@@ -100,6 +100,7 @@ void StepEngine::submit(Contribution c, StepDone done) {
     p.elements = s.elements;
     p.dtype = s.dtype;
     p.shape = s.shape;
+    p.layer = s.layer;
     p.deadline = Clock::now() + options_.step_timeout;
     it = t.pending.emplace(s.step, std::move(p)).first;
     ++pending_count_;

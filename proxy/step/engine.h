@@ -29,6 +29,7 @@
 #include "policies/policy.h"
 #include "proxy/exchange/exchange.h"
 #include "proxy/step/step.h"
+#include "proxy/step/tensor_facts.h"
 
 namespace lightwire::proxy {
 
@@ -40,8 +41,8 @@ struct TensorSettings {
   uint32_t sync_every = 1;  // delayed sync: exchanged every k steps, accumulated locally between
   std::string group;        // metrics label ("" = the codec's name)
 };
-/// Picks the settings of a tensor (name, elements).
-using CodecChooser = std::function<TensorSettings(std::string_view, uint64_t)>;
+/// Picks the settings of a tensor.
+using CodecChooser = std::function<TensorSettings(const TensorFacts&)>;
 /// The chooser of a compression settings version (PUT /v1/config versions agreed through the
 /// policies: version, its JSON). Called on the engine thread; may cache.
 using SettingsChooser = std::function<CodecChooser(uint64_t, const std::string&)>;
@@ -59,6 +60,9 @@ struct EngineOptions {
   // send at least 25 %, 6.25 %, 1.5625 %, 0.39 %, 0.098 % (five equal stages), then their own
   // density.
   uint64_t warmup_steps = 0;
+  // PowerSGD start (docs/policies.md "Schedules"): a powersgd tensor's steps before this one are
+  // exchanged dense (codec `none`) and leave its state as it is; compression starts here.
+  uint64_t powersgd_start_step = 0;
   uint64_t max_state_bytes = 0;  // codec state of all tensors together (0 = no cap)
   // Policies (docs/policies.md): null = none (every step compressed, warm-up from warmup_steps,
   // no statistics in the exchange). With them, warm-up comes from their configuration, and

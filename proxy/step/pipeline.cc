@@ -94,9 +94,10 @@ StepPipeline::Stage StepPipeline::checkBuffers() {
 // The settings of this tensor (the agreed settings version) and what the policies make of this
 // step; then its codec and its state.
 StepPipeline::Stage StepPipeline::plan() {
+  const TensorFacts facts{t_.name, n_, p_.shape, p_.layer};
   {
     std::lock_guard lock(engine_.mu_);
-    settings_ = engine_.chooser_(t_.name, n_);
+    settings_ = engine_.chooser_(facts);
   }
   if (policy_) {
     auto [version, json] = policy_->settingsAt(step_);
@@ -105,7 +106,7 @@ StepPipeline::Stage StepPipeline::plan() {
         engine_.settings_chooser_ = engine_.options_.settings(version, json);
         engine_.settings_version_ = version;
       }
-      if (engine_.settings_chooser_) settings_ = engine_.settings_chooser_(t_.name, n_);
+      if (engine_.settings_chooser_) settings_ = engine_.settings_chooser_(facts);
     }
     plan_ = policy_->plan(t_.name, step_, settings_.codec, settings_.sync_every);
     plan_.settings = version;
@@ -136,6 +137,7 @@ StepPipeline::Stage StepPipeline::plan() {
   }
   if (auto stop = makeState()) return stop;
   fig.codec = t_.codec->traits().name;
+  if (t_.codec->traits().id == kernels::CodecId::kDgc) fig.momentum = settings_.codec.momentum;
   fig.elements = n_;
   fig.raw_bytes = n_ * kernels::dtypeSize(p_.dtype);
   return std::nullopt;
@@ -293,6 +295,13 @@ StepPipeline::Stage StepPipeline::prepare() {
   }
   chunking_ = kernels::chunkingFor(codec, n_, options.chunk_elements);
   dense_step_ = plan_.mode == StepMode::kBypass || plan_.mode == StepMode::kFullSync;
+  // PowerSGD's start step (docs/policies.md "Schedules"): dense until then, the state untouched,
+  // so that the factorisation starts from a gradient past the first, fastest-changing steps.
+  if (codec.traits().id == kernels::CodecId::kPowersgd && step_ < options.powersgd_start_step &&
+      plan_.mode == StepMode::kCompressed) {
+    dense_step_ = true;
+    out_.figures.mode = "dense";
+  }
   if (plan_.mode == StepMode::kFullSync) {
     if (auto st = backend_->flush(ctx_, chunking_); !st.isOk()) return backendFailed(st);
   }

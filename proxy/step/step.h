@@ -23,6 +23,7 @@ struct TensorSpec {
   kernels::DType dtype = kernels::DType::kF32;
   std::vector<uint64_t> shape;  // empty = 1-D
   uint64_t elements = 0;
+  bool layer = false;  // one parameter of a bucket's layout (TensorFacts::layer)
 };
 
 /// One trainer's part of a step: where its tensor is, and where its result goes (the same bytes).
@@ -59,6 +60,9 @@ struct StepFigures {
   std::string mode = "compressed";  // policies::stepModeName() of the step
   uint64_t settings = 0;            // the compression settings version it ran with
   std::string device = "cpu";       // where it ran: "cpu", or "cuda:<ordinal>" (the GPU backend)
+  // The momentum the sidecar applies to this tensor (dgc's momentum correction; 0: none, the
+  // trainer's optimizer owns momentum). A property of the tensor's codec, also on its dense steps.
+  double momentum = 0.0;
   double durations_us[metrics::kStageCount] = {};
 };
 

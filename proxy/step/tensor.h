@@ -29,6 +29,7 @@ struct StepEngine::Pending {
   uint64_t elements = 0;
   kernels::DType dtype = kernels::DType::kF32;
   std::vector<uint64_t> shape;
+  bool layer = false;
   std::chrono::steady_clock::time_point deadline;
   bool queued = false;
 };

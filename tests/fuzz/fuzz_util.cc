@@ -266,7 +266,7 @@ void checkCompression(const proxy::CompressionConfig& c) {
   auto chooser = proxy::chooserFor(std::make_shared<const proxy::CompressionConfig>(*back));
   std::vector<kernels::CodecConfig> chosen = {c.default_codec};
   for (const auto& r : c.rules) chosen.push_back(r.codec);
-  chosen.push_back(chooser("fuzz.tensor", 4096).codec);
+  chosen.push_back(chooser(proxy::TensorFacts{"fuzz.tensor", 4096}).codec);
   for (const auto& codec : chosen) {
     auto built = kernels::createCodec(codec);
     check(built.isOk(), "an accepted codec setting does not build (" +

@@ -77,7 +77,7 @@ void stepRecords(const std::vector<std::vector<uint8_t>>& records, uint64_t step
       if (auto c = proxy::compressionFromJson(v)) {
         auto chooser = proxy::chooserFor(std::make_shared<const proxy::CompressionConfig>(*c));
         for (uint64_t n : {uint64_t{1}, uint64_t{4096}, uint64_t{1} << 20}) {
-          (void)kernels::createCodec(chooser("fuzz.tensor", n).codec);
+          (void)kernels::createCodec(chooser(proxy::TensorFacts{"fuzz.tensor", n}).codec);
         }
       }
     }

@@ -1,6 +1,7 @@
 """Fixtures: the real sidecar (skipped when its binary is missing) and the import path."""
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,6 +38,22 @@ def _serve_available():
             except (OSError, subprocess.TimeoutExpired) as e:
                 _serve_ok = (False, "%s serve --help failed: %s" % (LIGHTWIRE_BIN, e))
     return _serve_ok
+
+
+# The sidecars of these tests run without the schedules that `lightwire serve` turns on by
+# default (the DGC warm-up, the PowerSGD start step: docs/policies.md "Schedules"): their results
+# are compared with the reference codecs at the configured density and rank from the first step.
+# The schedules' own tests pass their flags, which win over the environment.
+PINNED_SCHEDULES = {"LIGHTWIRE_SCHEDULE__WARMUP_STEPS": "0",
+                    "LIGHTWIRE_SCHEDULE__POWERSGD_START_STEP": "0"}
+
+
+def pinned_schedules(environ):
+    """A copy of `environ` with PINNED_SCHEDULES where it does not set them itself."""
+    env = dict(environ)
+    for k, v in PINNED_SCHEDULES.items():
+        env.setdefault(k, v)
+    return env
 
 
 def serve_has_flag(flag):
@@ -87,7 +104,7 @@ class Sidecar(object):
         self.stderr_path = os.path.join(self.dir, "sidecar-%d.stderr" % self.starts)
         self._stderr = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(self.args(), stdin=subprocess.DEVNULL, stdout=self._stderr,
-                                     stderr=self._stderr)
+                                     stderr=self._stderr, env=pinned_schedules(os.environ))
         return self
 
     def start(self, timeout=20.0):
@@ -212,14 +229,40 @@ def free_unix_path(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Several sidecars of one job exchanging over loopback TCP (docs/exchange.md)
 # ------------------------------------------------------------------------------------------------
-def free_tcp_port():
-    """A loopback TCP port that was free a moment ago (bind port 0, read it, close)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def _ephemeral_range():
     try:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-    finally:
-        s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_port_rng = random.Random()
+_ports_given = set()  # never the same port twice in one test session
+
+
+def free_tcp_port():
+    """A loopback TCP port that was free a moment ago, below the kernel's ephemeral range: a
+    listener on port 0 elsewhere (the sidecars' admin listeners, a client's connection) is never
+    given it meanwhile. (A port found by binding port 0 is an ephemeral one, which the next
+    process to bind port 0 may be handed before the sidecar it was meant for listens on it.)"""
+    lo = _ephemeral_range()[0]
+    first = max(1024, lo - 12000)
+    for _ in range(200):
+        port = _port_rng.randrange(first, lo)
+        if port in _ports_given:
+            continue
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("127.0.0.1", port))
+            _ports_given.add(port)
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
+    raise RuntimeError("no free loopback port in [%d, %d)" % (first, lo))
 
 
 def readyz(client):
@@ -280,7 +323,7 @@ class PeerSidecar(Sidecar):
         self.starts += 1
         self.stderr_path = os.path.join(self.dir, "sidecar-%d.stderr" % self.starts)
         self._stderr = open(self.stderr_path, "wb")
-        env = dict(os.environ)
+        env = pinned_schedules(os.environ)
         env.pop("LIGHTWIRE_SOCKET", None)
         if self.cluster.secret_file:
             # As a mounted secret: a file of the sidecar's user only, with a trailing newline.

@@ -18,6 +18,22 @@ def init_pg(store_dir, rank=0, world_size=1):
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world_size)
 
 
+def run_ranks(fn, args, nprocs, timeout_s):
+    """Runs fn(rank, *args) in `nprocs` spawned processes and waits for them; returns None when
+    they all ended within `timeout_s`, else kills the ones left and returns what to fail with."""
+    import time
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            return "%d trainer processes still running after %d s" % (nprocs, timeout_s)
+    return None
+
+
 def destroy_pg():
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -396,6 +396,9 @@ class _FakeBucket(object):
     def buffer(self):
         return self._buf
 
+    def parameters(self):
+        return []
+
 
 @needs_torch
 def test_torch_save_state_and_load_state(sidecar):

@@ -107,7 +107,9 @@ def test_per_layer_codec_none_equals_plain_sgd(sidecar, pg, plain_losses):
 
 def test_per_layer_rules_choose_each_parameters_codec(sidecar_factory, pg, plain_losses, tmp_path):
     config = tmp_path / "rules.yaml"
-    config.write_text('compression:\n  rules:\n    - pattern: "*.bias"\n      codec: none\n')
+    # (dense_max_elements 0: this model's weights, 1024 and 64 elements, are compressed too.)
+    config.write_text('compression:\n  layers:\n    dense_max_elements: 0\n  rules:\n'
+                      '    - pattern: "*.bias"\n      codec: none\n')
     sc = sidecar_factory(codec="fp16", config=str(config))
     made = []
     try:
@@ -261,6 +263,9 @@ class _Bucket(object):
 
     def buffer(self):
         return self._t
+
+    def parameters(self):
+        return []
 
 
 def test_segment_recreated_when_bucket_size_changes(sidecar):

@@ -90,7 +90,6 @@ def _trainer(rank, store_dir, none_sockets, dgc_sockets, out_dir):
 def ddp_results(tmp_path_factory):
     """Runs the 4 trainers once (plain, codec none, dgc 0.01) against two 4-sidecar clusters;
     returns the per-rank results. The clusters are stopped with SIGTERM (exit 0) at the end."""
-    import torch.multiprocessing as mp
     from conftest import Cluster, _serve_available
     ok, reason = _serve_available()
     if not ok:
@@ -106,17 +105,11 @@ def ddp_results(tmp_path_factory):
         none_cl, dgc_cl = clusters
         store = tmp_path / "store"
         store.mkdir()
-        ctx = mp.start_processes(_trainer, args=(str(store), [sc.socket for sc in none_cl.sidecars],
-                                                 [sc.socket for sc in dgc_cl.sidecars], str(tmp_path)),
-                                 nprocs=WORLD, join=False, start_method="spawn")
-        deadline = time.monotonic() + 150
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                pytest.fail("DDP trainers still running after 150 s; sidecars:\n%s\n%s"
-                            % (none_cl.stderr(), dgc_cl.stderr()))
+        failed = H.run_ranks(_trainer, (str(store), [sc.socket for sc in none_cl.sidecars],
+                                        [sc.socket for sc in dgc_cl.sidecars], str(tmp_path)),
+                             WORLD, 150)
+        if failed:
+            pytest.fail("DDP %s; sidecars:\n%s\n%s" % (failed, none_cl.stderr(), dgc_cl.stderr()))
         r = [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(WORLD)]
         for i in range(WORLD):
             d = [abs(a - b) for a, b in zip(r[i]["plain"], r[i]["none"])]

@@ -658,7 +658,8 @@ def test_compose_job_runs_on_loopback(tmp_path):
         assert m, out[-3000:]
         assert int(m.group(3)) == 0, out[-3000:]
         assert float(m.group(4)) > 5, out[-3000:]  # dgc at density 0.01 (after its warm-up)
-        assert "codec dgc" in out
+        # Per layer: the weights with dgc, the biases dense ("codec dgc 3 + none 3").
+        assert re.search(r"codec dgc \d+ \+ none \d+", out), out[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -244,7 +244,7 @@ def test_profile_seeds_and_plan():
         assert e2e.seeds_for(prof, name, [0, 1, 2]) == want, name
     configs = [by_name[n] for n in prof["configs"]]
     plan = e2e.plan_runs(prof, configs, [0, 1, 2])
-    assert len(plan) == 3 * len(multi) + (len(configs) - len(multi)) == 23
+    assert len(plan) == 3 * len(multi) + (len(configs) - len(multi)) == 24
     for seed in (0, 1, 2):
         rows = [p for p in plan if p[2] == seed]
         assert rows[0][3][0] == "ddp", "each seed's baseline runs first"

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import lightwire
-from lightwire.torch import LightwireHookState, ddp_comm_hook, save_state
+from lightwire.torch import SGD, LightwireHookState, ddp_comm_hook, save_state
 
 
 def make_data(seed, n=4096, dim=64, classes=8):
@@ -39,6 +39,18 @@ def make_data(seed, n=4096, dim=64, classes=8):
     labels = torch.randint(0, classes, (n,), generator=g)
     x = centers[labels] + torch.randn(n, dim, generator=g)
     return x, labels
+
+
+def codec_summary(reply):
+    """The codecs of a bucket's reply: "dgc" for a flat bucket, "dgc 3 + none 3" (layers per
+    codec) for one sent per layer."""
+    layers = reply.get("layers")
+    if not layers:
+        return reply.get("codec", "-")
+    count = {}
+    for layer in layers:
+        count[layer["codec"]] = count.get(layer["codec"], 0) + 1
+    return " + ".join("%s %d" % (c, n) for c, n in sorted(count.items()))
 
 
 def train(rank, args, init_method, sockets, results, world_size=None):
@@ -62,7 +74,12 @@ def train(rank, args, init_method, sockets, results, world_size=None):
                           progress=lambda line: print("trainer %d: %s" % (rank, line), flush=True))
         state = LightwireHookState(client=client, process_group=dist.group.WORLD, module=ddp)
         ddp.register_comm_hook(state, ddp_comm_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    if state is not None:
+        # Momentum SGD that leaves momentum to the sidecar where it applies it (dgc's momentum
+        # correction) and keeps it everywhere else (docs/codecs.md "Momentum with dgc").
+        opt = SGD(ddp.parameters(), lr=args.lr, momentum=0.9, hook_state=state)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     x, y = make_data(seed=rank)
     loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(100 + rank)
@@ -91,7 +108,7 @@ def train(rank, args, init_method, sockets, results, world_size=None):
             dense = sum(q.numel() * q.element_size() for q in model.parameters())
             r = (state.last_reply or {}) if state else {"codec": "dense", "wire_bytes": dense}
             print(f"{label:9s}  step {step:4d}  loss {loss.item():.4f}  acc {acc:.3f}  "
-                  f"codec {r.get('codec', '-'):6s}  mode {r.get('mode', '-'):10s}  "
+                  f"codec {codec_summary(r):14s}  mode {r.get('mode', '-'):10s}  "
                   f"ratio {r.get('ratio', 1.0):6.1f}  "
                   f"payload/step {r.get('wire_bytes', 0):8d} B  step {ms:6.1f} ms", flush=True)
     if rank == 0 and state is not None:

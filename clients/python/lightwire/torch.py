@@ -91,6 +91,137 @@ def _parameter_names(module):
     return {id(p): tensor_name(n) for n, p in module.named_parameters()}
 
 
+class MomentumConflict(LightwireError):
+    """The optimizer would apply momentum to a gradient the sidecar already applied it to (dgc's
+    momentum correction), or combine it with the sidecar's momentum in a way nothing defines.
+    Raised by the hook's future (never turned into a fallback) and by ``SGD.step``."""
+
+    def __init__(self, message):
+        super().__init__(None, "momentum_conflict", message)
+
+
+def _group_of(optimizer, parameter):
+    for group in optimizer.param_groups:
+        if any(q is parameter for q in group["params"]):
+            return group
+    return None
+
+
+_warned_zero_momentum = set()
+
+
+def _check_optimizer(optimizer, parameter, momentum, name):
+    """Refuses (MomentumConflict) an optimizer that would apply momentum again to ``parameter``,
+    whose gradient the sidecar returns with momentum ``momentum`` already applied."""
+    what = "the sidecar applies momentum %g to %s (dgc momentum correction)" % (
+        momentum, "layer %r" % name if name else "this bucket")
+    if isinstance(optimizer, SGD):
+        return  # its step() reads the sidecar's momentum per parameter
+    if optimizer is None:
+        raise MomentumConflict(
+            "%s, so the optimizer must not apply momentum to it again: build it with "
+            "lightwire.torch.SGD(params, lr, momentum=%g, hook_state=state), or declare yours with "
+            "LightwireHookState(optimizer=...) so that the hook can check it" % (what, momentum))
+    group = _group_of(optimizer, parameter)
+    if group is None:
+        return  # not this optimizer's parameter
+    if isinstance(optimizer, torch.optim.SGD):
+        if group.get("momentum", 0) != 0:
+            raise MomentumConflict(
+                "%s and the optimizer (torch.optim.SGD, momentum %g) applies momentum again: "
+                "momentum twice. Use lightwire.torch.SGD(params, lr, momentum=%g, "
+                "hook_state=state): momentum stays with the optimizer exactly where the sidecar "
+                "does not apply it" % (what, group["momentum"], momentum))
+        key = id(optimizer)
+        if key not in _warned_zero_momentum:
+            _warned_zero_momentum.add(key)
+            log.warning("lightwire: %s; the optimizer (torch.optim.SGD, momentum 0) then gives "
+                        "weight decay and the densely exchanged layers no momentum at all: "
+                        "lightwire.torch.SGD keeps it there", what)
+        return
+    raise MomentumConflict(
+        "%s; %s with it is not defined (it would apply its own moment estimates to gradients the "
+        "sidecar applied momentum to). Use lightwire.torch.SGD, or dgc with momentum 0 (plain "
+        "error feedback) and keep %s's own momentum" % (
+            what, type(optimizer).__name__, type(optimizer).__name__))
+
+
+class SGD(torch.optim.SGD):
+    """Momentum SGD that shares momentum with the sidecar the way Deep Gradient Compression does
+    (docs/codecs.md "Momentum with dgc"):
+
+    - a parameter whose gradient the sidecar returns with momentum applied (dgc with momentum
+      correction; ``hook_state.sidecar_momentum(p) > 0``) gets that gradient as it is, plus the
+      weight-decay term ``weight_decay * p`` with momentum of its own (buffer
+      ``weight_decay_buffer``);
+    - every other parameter (densely exchanged layers, other codecs) gets plain momentum SGD,
+      exactly as ``torch.optim.SGD`` computes it (buffer ``momentum_buffer``).
+
+    ``hook_state``: the ``LightwireHookState`` of the model's hook; the optimizer declares itself
+    there. ``momentum`` must equal the sidecar's dgc momentum for the parameters it applies it to,
+    and those take neither ``nesterov`` nor ``dampening`` (the sidecar's momentum correction is
+    heavy-ball momentum): ``step`` raises MomentumConflict otherwise. A step the hook fell back for
+    (the process group's allreduce averaged the bucket) or a dense step of the sidecar (bypass,
+    full sync, PowerSGD before its start step) is applied by the same rule: the parameter's
+    gradient as averaged, no momentum of the optimizer's on it.
+    """
+
+    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                 *, hook_state):
+        if hook_state is None or not hasattr(hook_state, "sidecar_momentum"):
+            raise TypeError("lightwire.torch.SGD needs hook_state= (the model's LightwireHookState)")
+        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
+                         weight_decay=weight_decay, nesterov=nesterov)
+        self.hook_state = hook_state
+        hook_state.optimizer = self
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, m = group["lr"], group["momentum"]
+            damp, wd, nesterov = group["dampening"], group["weight_decay"], group["nesterov"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                owned = self.hook_state.sidecar_momentum(p)
+                state = self.state[p]
+                d_p = p.grad
+                if owned > 0:
+                    if owned != m or nesterov or damp != 0:
+                        raise MomentumConflict(
+                            "the sidecar applies momentum %g to a parameter of shape %s; "
+                            "lightwire.torch.SGD then needs momentum=%g (got %g), no nesterov and "
+                            "dampening 0 (got %s, %g)" % (owned, list(p.shape), owned, m,
+                                                         nesterov, damp))
+                    if wd != 0:
+                        term = p.mul(wd)
+                        buf = state.get("weight_decay_buffer")
+                        if buf is None:
+                            buf = state["weight_decay_buffer"] = torch.clone(term).detach()
+                        else:
+                            buf.mul_(m).add_(term)
+                        d_p = d_p.add(buf)
+                    p.add_(d_p, alpha=-lr)
+                    continue
+                # torch.optim.SGD's own arithmetic (single-tensor), so that a model without
+                # sidecar momentum trains exactly as with it.
+                if wd != 0:
+                    d_p = d_p.add(p, alpha=wd)
+                if m != 0:
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = torch.clone(d_p).detach()
+                    else:
+                        buf.mul_(m).add_(d_p, alpha=1 - damp)
+                    d_p = d_p.add(buf, alpha=m) if nesterov else buf
+                p.add_(d_p, alpha=-lr)
+        return loss
+
+
 class _Slot(object):
     """One bucket index's shared-memory segment and the tensor viewing it."""
 
@@ -143,13 +274,18 @@ class LightwireHookState(object):
     process group's timeout. The cost is one small collective per bucket (the figures:
     clients/python/README.md).
 
+    ``optimizer``: the trainer's optimizer, so that the hook can refuse one that would apply
+    momentum a second time to a gradient the sidecar already applied it to (dgc with momentum
+    correction); ``SGD`` of this module declares itself. See ``SGD``.
+
     Counters: ``fallbacks`` (buckets averaged by the process group instead), ``sidecar_steps``
     (buckets averaged by the sidecar), ``fallbacks_reported``; ``last_reply`` is the last
     Form 2 reply (codec, ratio, durations), ``last_error`` the last failure.
     """
 
     def __init__(self, client=None, on_error="fallback", process_group=None, name_prefix="bucket",
-                 trainer=None, max_workers=1, agree=True, module=None, per_layer=None):
+                 trainer=None, max_workers=1, agree=True, module=None, per_layer=None,
+                 optimizer=None):
         if on_error not in ("fallback", "raise"):
             raise ValueError("on_error must be 'fallback' or 'raise', got %r" % (on_error,))
         if per_layer is None:
@@ -160,6 +296,11 @@ class LightwireHookState(object):
         self.per_layer = bool(per_layer)
         self._names = _parameter_names(module) if self.per_layer else {}
         self._layouts = {}         # tuple of parameter ids -> (bucket name, layout)
+        # Momentum (see SGD): the optimizer the trainer declared (SGD declares itself), and the
+        # momentum the sidecar applies to each parameter's gradient, from the last reply naming it.
+        self.optimizer = optimizer
+        self._momentum = {}        # id(parameter) -> the sidecar's momentum (0: none)
+        self._momentum_checked = set()
         self.iteration = None      # per layer: the training iteration of the buckets being sent
         self._seen = set()         # ... and the bucket indices sent in it
         self.client = client if client is not None else Client()
@@ -236,6 +377,31 @@ class LightwireHookState(object):
         got = ("%s.%s" % (self.name_prefix, digest), layout)
         self._layouts[key] = got
         return got
+
+    # ------------------------------------------------------------------ momentum
+
+    def sidecar_momentum(self, parameter):
+        """The momentum the sidecar applies to ``parameter``'s gradient before it averages it (dgc's
+        momentum correction; the reply's ``momentum``), from the last reply that named it; 0.0 when
+        it applies none (the optimizer owns momentum) or no reply named it yet."""
+        return self._momentum.get(id(parameter), 0.0)
+
+    def _note_momentum(self, params, reply):
+        """Records what a bucket's reply says of each parameter's momentum and checks the
+        optimizer against it (raises MomentumConflict)."""
+        layers = reply.get("layers") if isinstance(reply, dict) else None
+        if layers is not None and len(layers) == len(params):
+            named = [(p, float(e.get("momentum", 0.0)), e.get("name")) for p, e in
+                     zip(params, layers)]
+        else:
+            m = float(reply.get("momentum", 0.0)) if isinstance(reply, dict) else 0.0
+            named = [(p, m, reply.get("name") if isinstance(reply, dict) else None)
+                     for p in params]
+        for p, m, name in named:
+            self._momentum[id(p)] = m
+            if m > 0 and (id(p), m) not in self._momentum_checked:
+                _check_optimizer(self.optimizer, p, m, name)
+                self._momentum_checked.add((id(p), m))
 
     # ------------------------------------------------------------------ segments
 
@@ -351,7 +517,7 @@ class LightwireHookState(object):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True).wait()
         return bool(flag.item())
 
-    def _complete(self, http_future, fut, slot, bucket_buffer, step):
+    def _complete(self, http_future, fut, slot, bucket_buffer, step, params=()):
         """Runs in the ordered thread: resolve the hook's future."""
         try:
             reply, error = http_future.result(), None
@@ -369,6 +535,12 @@ class LightwireHookState(object):
                                        "%d; every rank falls back together" % step)
         if error is not None:
             self._failed(error, fut, bucket_buffer, step)
+            return
+        try:
+            self._note_momentum(params, reply)
+        except MomentumConflict as e:  # a setup error: never hidden by a fallback
+            self.last_error = e
+            fut.set_exception(e)
             return
         with self._lock:
             self.sidecar_steps += 1
@@ -418,6 +590,7 @@ def ddp_comm_hook(state, bucket):
     gradient (the sidecar divides by the number of trainers, as DDP expects)."""
     buf = bucket.buffer()
     index = bucket.index()
+    params = bucket.parameters()
     step = state._next_step(index)
     fut = torch.futures.Future()
     name, layout = "%s.%d" % (state.name_prefix, index), None
@@ -434,7 +607,7 @@ def ddp_comm_hook(state, bucket):
             slot.event.record()    # the sidecar's copy waits for it
             http_future = state._http.submit(_emit_cuda_or_degrade, state, slot, index, flat,
                                              name, step, layout)
-            state._ordered.submit(_complete_cuda, state, http_future, fut, buf, step)
+            state._ordered.submit(_complete_cuda, state, http_future, fut, buf, step, params)
             return fut
         slot = state._slot(index, flat.numel(), buf.dtype)
         slot.view.copy_(flat)  # the only copy (CUDA buckets: to the host)
@@ -444,7 +617,7 @@ def ddp_comm_hook(state, bucket):
         state._ordered.submit(state._complete, done, fut, None, buf, step)
         return fut
     http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()], layout)
-    state._ordered.submit(state._complete, http_future, fut, slot, buf, step)
+    state._ordered.submit(state._complete, http_future, fut, slot, buf, step, params)
     return fut
 
 
@@ -466,7 +639,7 @@ def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None):
     return host, state._emit(host, name, step, [flat.numel()], layout)
 
 
-def _complete_cuda(state, http_future, fut, bucket_buffer, step):
+def _complete_cuda(state, http_future, fut, bucket_buffer, step, params=()):
     """Ordered thread: unwrap (slot, reply) and resolve as _complete does."""
     done = concurrent.futures.Future()
     slot = None
@@ -475,7 +648,7 @@ def _complete_cuda(state, http_future, fut, bucket_buffer, step):
         done.set_result(reply)
     except Exception as e:
         done.set_exception(e)  # _complete agrees with the other ranks, then falls back
-    state._complete(done, fut, slot, bucket_buffer, step)
+    state._complete(done, fut, slot, bucket_buffer, step, params)
 
 
 def _client_of(client, hook_state):

@@ -111,7 +111,16 @@ TEST_CASE("config: defaults") {
   CHECK(c->policies.rollback == pd.rollback);
   CHECK(c->policies.min_magnitude == pd.min_magnitude);
   CHECK(c->policies.decision_log == pd.decision_log);
-  CHECK(c->policies.warmup_steps == 0);
+  // The schedules are on by default (PolicyConfig's own defaults have them off).
+  CHECK(pd.warmup_steps == 0);
+  CHECK(pd.powersgd_start_step == 0);
+  CHECK(c->policies.warmup_steps == lightwire::proxy::kDefaultWarmupSteps);
+  CHECK(c->policies.powersgd_start_step == lightwire::proxy::kDefaultPowersgdStartStep);
+  CHECK(c->policies.warmup_steps > 0);
+  CHECK(c->policies.powersgd_start_step > 0);
+  CHECK(c->compression.layers.dense_max_ndim == 1u);
+  CHECK(c->compression.layers.dense_max_elements == 8192u);
+  CHECK(c->compression.layers.powersgd_min_ratio == 2.0);
   CHECK(c->policies.adaptive == pd.adaptive);
   CHECK(c->policies.adaptive_min_ratio == pd.adaptive_min_ratio);
   CHECK(lightwire::policies::validate(c->policies).isOk());
@@ -158,6 +167,9 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"limits.max_state_bytes", {"1000", "2000", "3000"}},
       {"security.token", {"tok-file", "tok-env", "tok-flag"}},
       {"compression.chunk_elements", {"2", "3", "4"}},
+      {"compression.layers.dense_max_ndim", {"0", "2", "3"}},
+      {"compression.layers.dense_max_elements", {"0", "100", "65536"}},
+      {"compression.layers.powersgd_min_ratio", {"0", "1.5", "4"}},
       {"rank", {"1", "2", "3"}},
       {"world_size", {"2", "3", "4"}},
       {"peer.listen", {"0.0.0.0:1", "127.0.0.1:0", "[::]:4781"}},
@@ -167,6 +179,7 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"peer.checksum_every", {"0", "10", "1000"}},
       {"peer.transport", {"ucx", "tcp", "ucx"}},
       {"schedule.warmup_steps", {"50", "100", "5000"}},
+      {"schedule.powersgd_start_step", {"0", "10", "1000"}},
       {"schedule.total_steps", {"100", "1000", "0"}},
       {"schedule.phase_factor", {"1", "2", "8"}},
       {"schedule.adaptive", {"true", "no", "On"}},
@@ -1162,6 +1175,81 @@ TEST_CASE("config: policies::validate() runs once every source is merged") {
   auto eq = buildServeConfig(std::nullopt, {"LIGHTWIRE_SCHEDULE__ADAPTIVE_MAX_RATIO=5"},
                              flagsOf({{"schedule.adaptive_min_ratio", "5"}}), nullptr);
   CHECK_MESSAGE(eq.isOk(), eq.status().message());
+}
+
+TEST_CASE("config: rules match ndim; layers of a layout get the layer defaults") {
+  TempDir dir;
+  const std::string file = dir.write("nd.yaml", R"(
+compression:
+  default:
+    codec: powersgd
+    approx_rank: 2
+  layers:
+    dense_max_elements: 100
+  rules:
+    - ndim: 4
+      codec: fp16
+    - pattern: "*.bias"
+      ndim: 1
+      codec: topk
+      density: 0.1
+)");
+  auto c = buildServeConfig(file, {}, {}, nullptr);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  const CompressionConfig& cc = c->compression;
+  REQUIRE(cc.rules.size() == 2);
+  CHECK(cc.rules[0].ndim == 4u);
+  CHECK(cc.layers.dense_max_elements == 100u);
+  CHECK(cc.layers.dense_max_ndim == 1u);  // the default
+  const std::vector<uint64_t> conv = {8, 4, 3, 3}, mat = {64, 32}, vec = {64}, thin = {3, 1000};
+  CHECK(cc.ruleFor(TensorFacts{"c.weight", 288, conv}) == &cc.rules[0]);
+  CHECK(cc.ruleFor(TensorFacts{"fc.bias", 64, vec}) == &cc.rules[1]);
+  CHECK(cc.ruleFor(TensorFacts{"fc.bias", 64}) == &cc.rules[1]);  // no shape: 1-D
+  CHECK(cc.ruleFor(TensorFacts{"fc.bias", 2048, mat}) == nullptr);
+  CHECK(cc.ruleFor(TensorFacts{"fc.weight", 2048, mat}) == nullptr);
+
+  const auto reason = [&](const TensorFacts& t) {
+    const CodecRule* r = cc.ruleFor(t);
+    const char* why = denseLayerReason(cc.layers, t, r ? r->codec : cc.default_codec, r);
+    return std::string(why ? why : "");
+  };
+  // Not a layer: nothing changes.
+  CHECK(reason(TensorFacts{"fc.norm", 64, vec}).empty());
+  CHECK(reason(TensorFacts{"fc.norm", 50, {}}).empty());
+  // Layers without a rule of their own.
+  CHECK(reason(TensorFacts{"fc.norm", 64, vec, true}) == "dense_max_ndim");
+  CHECK(reason(TensorFacts{"fc.small", 100, std::vector<uint64_t>{10, 10}, true}) ==
+        "dense_max_elements");
+  CHECK(reason(TensorFacts{"fc.weight", 2048, mat, true}).empty());  // 64·32 > 2·96·2
+  CHECK(reason(TensorFacts{"fc.thin", 3000, thin, true}) == "powersgd_min_ratio");  // 3·1000 <
+  // A rule decides, even for a 1-D layer; a conv kernel's rule is fp16.
+  CHECK(reason(TensorFacts{"fc.bias", 64, vec, true}).empty());
+  CHECK(reason(TensorFacts{"c.weight", 288, conv, true}).empty());
+  // Off.
+  LayerDefaults off{0, 0, 0};
+  CHECK(denseLayerReason(off, TensorFacts{"fc.norm", 64, vec, true}, cc.default_codec, false) ==
+        nullptr);
+  CHECK(denseLayerReason(off, TensorFacts{"fc.thin", 3000, thin, true}, cc.default_codec, false) ==
+        nullptr);
+
+  // toJson shows ndim and the layer keys; compressionFromJson reads them back.
+  auto back = compressionFromJson(toJson(cc));
+  REQUIRE_MESSAGE(back.isOk(), back.status().message());
+  CHECK(back->rules[0].ndim == 4u);
+  CHECK(!back->rules[0].pattern);
+  CHECK(back->layers.dense_max_elements == 100u);
+
+  // Bad ndim values name the rule.
+  for (const char* bad : {"0", "65", "two", "-1"}) {
+    CAPTURE(bad);
+    const std::string f =
+        dir.write("bad.yaml", std::string("compression:\n  rules:\n    - ndim: ") + bad +
+                                  "\n      codec: none\n");
+    auto b = buildServeConfig(f, {}, {}, nullptr);
+    REQUIRE(!b.isOk());
+    CHECK_MESSAGE(b.status().message().find("compression.rules[0].ndim") != std::string::npos,
+                  b.status().message());
+  }
 }
 
 TEST_CASE("config: rules: sync_every, group and ruleFor") {

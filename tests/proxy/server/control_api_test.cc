@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -37,6 +38,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "ipc/shm_region.h"
@@ -261,9 +263,8 @@ struct Stack {
                  CodecChooser chooser = nullptr)
       : buffers(16, static_cast<size_t>(config.limits.max_buffers_per_client)),
         engine(engineOptions(config, step_timeout),
-               chooser ? std::move(chooser) : CodecChooser([](std::string_view, uint64_t) {
-                 return kernels::CodecConfig{};
-               }),
+               chooser ? std::move(chooser)
+                       : CodecChooser([](const TensorFacts&) { return kernels::CodecConfig{}; }),
                metrics, exchange),
         api(config, metrics, buffers, engine),
         work(asio::make_work_guard(io)),
@@ -697,7 +698,8 @@ TEST_CASE(
     "a bucket with a layout: one tensor per layer, its own codec; bad layouts change nothing") {
   // Biases exchanged as they are, every other layer as fp16: the result shows which codec each
   // layer's elements went through.
-  Stack s({}, {}, std::chrono::seconds(10), [](std::string_view name, uint64_t) {
+  Stack s({}, {}, std::chrono::seconds(10), [](const TensorFacts& t) {
+    const std::string_view name = t.name;
     kernels::CodecConfig cc;
     const bool bias = name.size() >= 5 && name.substr(name.size() - 5) == ".bias";
     cc.name = bias ? "none" : "fp16";
@@ -809,6 +811,71 @@ TEST_CASE(
   CHECK(m.find("another layout") != std::string::npos);
   CHECK(m.find("'fc.weight'") != std::string::npos);
   CHECK(snapshot(c) == after);
+}
+
+TEST_CASE(
+    "layers of a layout: 1-D and small layers dense, rules by name, ndim and size, powersgd only "
+    "where it compresses") {
+  auto cc = compressionFromJson(json::parse(R"({"default": {"codec": "topk", "density": 0.01},
+      "rules": [{"pattern": "emb.*", "ndim": 1, "codec": "fp16"},
+                {"pattern": "mom.*", "codec": "dgc", "density": 0.01, "momentum": 0.9},
+                {"pattern": "*.proj", "ndim": 2, "min_elements": 10000, "codec": "powersgd",
+                 "approx_rank": 4}]})"));
+  REQUIRE_MESSAGE(cc, cc.status().message());
+  Stack s({}, {}, std::chrono::seconds(10),
+          chooserFor(std::make_shared<const CompressionConfig>(std::move(*cc))));
+  Client c = s.unixClient();
+  const std::vector<std::tuple<std::string, std::vector<uint64_t>, std::string>> layers = {
+      {"emb.weight", {64, 200}, "topk"},       // the default codec
+      {"emb.bias", {200}, "fp16"},             // 1-D, but a rule names it (ndim 1)
+      {"fc.bias", {200}, "none"},              // 1-D: dense
+      {"small.weight", {10, 10}, "none"},      // at most 8192 elements: dense
+      {"conv.weight", {16, 4, 3, 3}, "none"},  // 576 elements: dense
+      {"attn.proj", {128, 128}, "powersgd"},   // 128·128 > 2·(128 + 128)·4
+      {"wide.proj", {2, 9000}, "none"},        // rank 2: 2·9000 < 2·(2 + 9000)·2
+      {"big.weight", {96, 100}, "topk"},       // 9600 elements, 2-D
+      {"mom.weight", {100, 100}, "dgc"},       // with momentum correction: the sidecar's
+      {"mom.bias", {100}, "dgc"},              // a rule names it: not dense
+  };
+  std::string layout;
+  uint64_t total = 0;
+  for (const auto& [name, shape, codec] : layers) {
+    std::string dims;
+    uint64_t n = 1;
+    for (uint64_t d : shape) {
+      dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+      n *= d;
+    }
+    layout += (layout.empty() ? "" : ", ") + std::string(R"({"name": ")") + name +
+              R"(", "offset": )" + std::to_string(total) + R"(, "shape": [)" + dims + "]}";
+    total += n;
+  }
+  ClientSegment seg(total * sizeof(float));
+  const std::string id = registerShm(c, seg.name(), total * sizeof(float));
+  for (uint64_t i = 0; i < total; ++i) seg.floats()[i] = std::sin(0.37f * static_cast<float>(i));
+  const Res ok =
+      c.request(http::verb::post, "/v1/emit_gradient",
+                R"({"buffer": ")" + id + R"(", "name": "bucket.l", "step": 0, "shape": [)" +
+                    std::to_string(total) + R"(], "layout": [)" + layout + "]}",
+                kJson);
+  REQUIRE_MESSAGE(ok.result_int() == 200, ok.body());
+  const auto fig = parseObject(ok.body());
+  const auto& got = fig.at("layers").as_array();
+  REQUIRE(got.size() == layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].at("name").as_string() == std::get<0>(layers[i]));
+    CHECK(got[i].at("codec").as_string() == std::get<2>(layers[i]));
+    const bool dgc = std::get<2>(layers[i]) == "dgc";
+    CHECK(got[i].at("momentum").to_number<double>() == (dgc ? 0.9 : 0.0));
+  }
+  CHECK(!fig.contains("momentum"));  // the layers differ: each says its own
+  // The same names as flat tensors (no layout): the layer defaults do not apply, only the rules.
+  const Res flat = c.request(
+      http::verb::post, "/v1/emit_gradient",
+      R"({"buffer": ")" + id + R"(", "name": "fc.bias.flat", "step": 0, "shape": [200]})", kJson);
+  REQUIRE_MESSAGE(flat.result_int() == 200, flat.body());
+  CHECK(parseObject(flat.body()).at("codec").as_string() == "topk");
 }
 
 TEST_CASE("a segment shrunk after registration is refused, not touched") {

@@ -39,7 +39,7 @@ kernels::CodecConfig codecNamed(const std::string& name, std::optional<double> d
 }
 
 CodecChooser always(kernels::CodecConfig c) {
-  return [c](std::string_view, uint64_t) { return c; };
+  return [c](const TensorFacts&) { return c; };
 }
 
 /// One trainer's part in flight: its bytes (overwritten by the result) and its outcome.
@@ -616,7 +616,7 @@ TEST_CASE("policies: NaN -> result returned, state not committed, bypass for K s
 }
 
 TEST_CASE("policies: a delayed-sync tensor accumulates locally and sends the sum on its steps") {
-  CodecChooser chooser = [](std::string_view, uint64_t) {
+  CodecChooser chooser = [](const TensorFacts&) {
     TensorSettings s(codecNamed("none"));
     s.sync_every = 3;
     return s;
@@ -672,4 +672,32 @@ TEST_CASE("policies: checkpoint then resume replays the same results bitwise") {
   CHECK(step1(g.engine, "w", 10, randomValues(3000, 11)).first.error == StepError::kConflict);
   CHECK_FALSE(g.engine.resume(77).isOk());
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("powersgd's start step: dense steps before it leave the state untouched") {
+  kernels::CodecConfig psgd = codecNamed("powersgd");
+  psgd.approx_rank = 1;
+  EngineOptions late = withTrainers(1);
+  late.powersgd_start_step = 3;
+  Fixture f(late, always(psgd));
+  Fixture fresh(withTrainers(1), always(psgd));  // compresses from its first step
+  const auto v = randomValues(4096, 77);
+  for (uint64_t step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    auto [o, r] = step1(f.engine, "m", step, v);
+    REQUIRE_MESSAGE(o.ok(), o.message);
+    CHECK(o.figures.mode == "dense");
+    CHECK(o.figures.codec == "powersgd");
+    CHECK(o.figures.wire_bytes >= 4096 * sizeof(float));  // fp32, uncompressed
+    CHECK(r == v);                                        // one trainer, one sidecar: exact
+  }
+  auto [o3, r3] = step1(f.engine, "m", 3, v);
+  REQUIRE_MESSAGE(o3.ok(), o3.message);
+  CHECK(o3.figures.mode == "compressed");
+  CHECK(o3.figures.wire_bytes < 4096);
+  CHECK(r3 != v);  // a rank-1 approximation of a random matrix
+  // The same as a first compressed step from fresh state: the dense steps changed nothing.
+  auto [of, rf] = step1(fresh.engine, "m", 3, v);
+  REQUIRE_MESSAGE(of.ok(), of.message);
+  CHECK(rf == r3);
 }

@@ -213,7 +213,7 @@ EngineOptions baseOptions(unsigned trainers) {
 }
 
 CodecChooser always(const kernels::CodecConfig& c) {
-  return [c](std::string_view, uint64_t) { return TensorSettings(c); };
+  return [c](const TensorFacts&) { return TensorSettings(c); };
 }
 
 /// One engine with its metrics, recording exchange, optional policies and the trainers' buffers.
@@ -835,7 +835,7 @@ TEST_CASE("policies on both paths: a delayed-sync tensor stages through the host
   kernels::CodecConfig qsgd = named("qsgd");
   qsgd.bits = 6;
   for (const auto& codec : {named("none"), topk, qsgd}) {
-    CodecChooser chooser = [codec](std::string_view, uint64_t) {
+    CodecChooser chooser = [codec](const TensorFacts&) {
       TensorSettings s(codec);
       s.sync_every = 3;
       return s;
@@ -914,7 +914,8 @@ TEST_CASE("checkpoint on the GPU engine, resume on either: the same state, the s
                                            {"w.psgd", DType::kBF16, 9999, {99, 101}},
                                            {"w.delay", DType::kF16, 12345, {}},
                                            {"w.qsgd", DType::kF32, 4097, {}}};
-  CodecChooser chooser = [](std::string_view name, uint64_t) {
+  CodecChooser chooser = [](const TensorFacts& t) {
+    const std::string_view name = t.name;
     kernels::CodecConfig c;
     TensorSettings s;
     if (name == "w.dgc") {
@@ -1111,7 +1112,7 @@ TEST_CASE("codecs without a CUDA implementation stage through the host") {
 TEST_CASE("a size, dtype or codec change resets the state on the GPU as on the host") {
   auto config = std::make_shared<kernels::CodecConfig>(named("topk"));
   config->density = 0.1;
-  CodecChooser chooser = [config](std::string_view, uint64_t) { return TensorSettings(*config); };
+  CodecChooser chooser = [config](const TensorFacts&) { return TensorSettings(*config); };
   Pair pair(baseOptions(3), chooser);
   struct Step {
     size_t n;
