@@ -128,8 +128,8 @@ def row_figures(row, base, window=WINDOW):
       time cap stopped it, i.e. its next period would have passed that time), else at its last
       evaluation (at_baseline_time False); equal_time_seconds: that evaluation's time.
     wire_bytes_per_step_per_rank: as measured (the link's bytes / steps run / ranks).
-    dense_share: the share of elements sent dense, when the row has such a figure (the sidecar
-      gives none today: None).
+    dense_share: the share of elements sent dense over the row's timed steps (lightwire rows:
+      the hook's counters, from every reply's layers; None for the other rows).
     stop_reason, stop_step: why and after which step the row stopped (None for a fixed-step row).
     """
     target = base["final_loss"]

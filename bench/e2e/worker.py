@@ -121,6 +121,7 @@ def train(rank, spec, out_path):
     elapsed = 0.0
     dist.barrier()
     tx0 = lo_tx_bytes() if rank == EVAL_RANK else 0
+    elements0 = (hook_state.sidecar_elements, hook_state.dense_elements) if hook_state else None
     for step in range(1, steps + 1):
         x, y = task.batch(rank, step)
         t0 = time.perf_counter()
@@ -187,6 +188,10 @@ def train(rank, spec, out_path):
                               "reached_seconds": None if i is None else evals[i]["seconds"]}
         if hook_state is not None:
             result["fallbacks"] = hook_state.fallbacks
+            # The share of elements sent dense over the timed steps (the hook's counters).
+            total = hook_state.sidecar_elements - elements0[0]
+            result["dense_share"] = ((hook_state.dense_elements - elements0[1]) / total
+                                     if total else None)
             reply = hook_state.last_reply or {}
             result["sidecar"] = {k: reply.get(k) for k in ("codec", "ratio", "mode", "device")}
         with open(out_path + ".tmp", "w") as f:

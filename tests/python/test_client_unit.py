@@ -453,3 +453,21 @@ def test_tensor_name_escapes_only_what_the_api_refuses():
     assert lwt.tensor_name("\u00e9") == ":c3:a9"
     names = ["a b", "a:20b", "a:3a20b", "a_b", "a.b", "a/b", "a-b", "ab"]
     assert len({lwt.tensor_name(n) for n in names}) == len(names)
+
+
+@needs_torch
+def test_hook_counts_the_elements_exchanged_dense():
+    import lightwire.torch as lwt
+    state = lwt.LightwireHookState(client=lightwire.Client(socket_path="/nonexistent"))
+    try:
+        assert state.dense_share() is None
+        per_layer = {"name": "bucket.x", "layers": [
+            {"name": "w", "codec": "dgc", "mode": "compressed", "elements": 300},
+            {"name": "b", "codec": "none", "mode": "compressed", "elements": 20},
+            {"name": "v", "codec": "dgc", "mode": "bypass", "elements": 80}]}
+        assert lwt._dense_elements(per_layer) == (400, 100)
+        assert lwt._dense_elements({"codec": "powersgd", "mode": "dense", "elements": 50}) == (50, 50)
+        assert lwt._dense_elements({"codec": "topk", "mode": "compressed", "elements": 50}) == (50, 0)
+        assert lwt._dense_elements(None) == (0, 0)
+    finally:
+        state.close()

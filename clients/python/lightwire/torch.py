@@ -100,6 +100,24 @@ class MomentumConflict(LightwireError):
         super().__init__(None, "momentum_conflict", message)
 
 
+_DENSE_MODES = ("bypass", "full_sync", "dense")
+
+
+def _dense_elements(reply):
+    """(elements, elements exchanged dense) of a bucket's reply: a layer (or a flat bucket) is
+    dense when its codec is `none` or its step's mode is a dense one."""
+    if not isinstance(reply, dict):
+        return 0, 0
+    parts = reply.get("layers") or [reply]
+    total = dense = 0
+    for p in parts:
+        n = int(p.get("elements", 0) or 0)
+        total += n
+        if p.get("codec") == "none" or p.get("mode") in _DENSE_MODES:
+            dense += n
+    return total, dense
+
+
 def _group_of(optimizer, parameter):
     for group in optimizer.param_groups:
         if any(q is parameter for q in group["params"]):
@@ -279,7 +297,9 @@ class LightwireHookState(object):
     correction); ``SGD`` of this module declares itself. See ``SGD``.
 
     Counters: ``fallbacks`` (buckets averaged by the process group instead), ``sidecar_steps``
-    (buckets averaged by the sidecar), ``fallbacks_reported``; ``last_reply`` is the last
+    (buckets averaged by the sidecar), ``fallbacks_reported``, ``sidecar_elements`` and
+    ``dense_elements`` (the elements of those buckets, and of them the ones exchanged dense:
+    codec ``none`` or a dense step; ``dense_share()`` is their ratio); ``last_reply`` is the last
     Form 2 reply (codec, ratio, durations), ``last_error`` the last failure.
     """
 
@@ -315,6 +335,10 @@ class LightwireHookState(object):
         self.fallbacks = 0
         self.fallbacks_reported = 0
         self.sidecar_steps = 0
+        # Elements the sidecar averaged, and of those the ones it exchanged dense (codec `none`,
+        # or a dense step: bypass, full sync, before PowerSGD's start), from every reply.
+        self.sidecar_elements = 0
+        self.dense_elements = 0
         self.last_reply = None
         self.last_error = None
         self._slots = {}           # bucket index -> _Slot
@@ -377,6 +401,13 @@ class LightwireHookState(object):
         got = ("%s.%s" % (self.name_prefix, digest), layout)
         self._layouts[key] = got
         return got
+
+    def dense_share(self):
+        """The share of the elements the sidecar averaged that it exchanged dense (None before
+        the first reply)."""
+        if self.sidecar_elements == 0:
+            return None
+        return self.dense_elements / self.sidecar_elements
 
     # ------------------------------------------------------------------ momentum
 
@@ -542,8 +573,11 @@ class LightwireHookState(object):
             self.last_error = e
             fut.set_exception(e)
             return
+        total, dense = _dense_elements(reply)
         with self._lock:
             self.sidecar_steps += 1
+            self.sidecar_elements += total
+            self.dense_elements += dense
             self.last_reply = reply
         pending = self.fallbacks - self.fallbacks_reported
         if pending > 0:
