@@ -53,7 +53,7 @@ import tta  # noqa: E402  (bench/e2e/tta.py: the stop rule and the time-to-accur
 POLICIES_OFF = ["--anomaly", "false", "--rollback", "false", "--full-sync-every", "0"]
 # The PowerSGD start step of both PowerSGD implementations: `lightwire serve`'s default
 # (schedule.powersgd_start_step), so that PyTorch's hook starts compressing at the same step.
-POWERSGD_START = 100
+POWERSGD_START = 20
 # DGC's momentum correction: the sidecar applies momentum 0.9 (the tasks' SGD momentum) to the
 # tensors it compresses with dgc, the trainer steps with lightwire.torch.SGD (docs/codecs.md
 # "Momentum with dgc"). Every row whose sidecar arguments give dgc a momentum uses that optimizer.

@@ -44,8 +44,8 @@ struct CodecRule {
 /// What the layers of a layout get when no rule names them (docs/configuration.md "Layers").
 /// The serve defaults of schedule.warmup_steps and schedule.powersgd_start_step
 /// (docs/policies.md "Schedules": how they were chosen).
-inline constexpr uint64_t kDefaultWarmupSteps = 100;
-inline constexpr uint64_t kDefaultPowersgdStartStep = 100;
+inline constexpr uint64_t kDefaultWarmupSteps = 20;
+inline constexpr uint64_t kDefaultPowersgdStartStep = 20;
 
 struct LayerDefaults {
   uint32_t dense_max_ndim = 1;         // layers of at most this many dimensions: dense (0 = off)

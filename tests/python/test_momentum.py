@@ -24,9 +24,16 @@ LR = 0.1
 WD = 1e-3
 # Policies off (no anomaly bypass, rollback or full sync; no min_magnitude floor) and every layer
 # of at least two dimensions compressed, however small: the run is the algorithm alone.
-SIDECAR_ARGS = ["--density", str(DENSITY), "--momentum", str(MOMENTUM), "--anomaly", "false",
-                "--rollback", "false", "--full-sync-every", "0", "--min-magnitude", "0",
-                "--dense-max-elements", "0"]
+DGC_ARGS = ["--momentum", str(MOMENTUM), "--anomaly", "false", "--rollback", "false",
+            "--full-sync-every", "0", "--min-magnitude", "0", "--dense-max-elements", "0"]
+SIDECAR_ARGS = ["--density", str(DENSITY)] + DGC_ARGS
+
+
+@pytest.fixture
+def pg(tmp_path):
+    H.init_pg(tmp_path)
+    yield
+    H.destroy_pg()
 
 
 def _model():
@@ -318,3 +325,58 @@ def test_a_flat_bucket_reply_covers_every_parameter_of_the_bucket():
     lwt.SGD([w, b], lr=0.1, momentum=0.9, hook_state=s)
     s._note_momentum([w, b], {"name": "bucket.0", "codec": "dgc", "momentum": 0.9})
     assert s.sidecar_momentum(w) == 0.9 and s.sidecar_momentum(b) == 0.9
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-layer state across DDP's bucket rebuild and a sidecar restart from a checkpoint
+# ------------------------------------------------------------------------------------------------
+def _single_rank_run(sc, steps, first=0, saved=None, save_at=None):
+    """Trains _model() with DDP (one rank), per layer through `sc`, dgc with momentum correction
+    and lightwire.torch.SGD, for steps first..steps-1. `saved`: (model, optimizer state) to
+    continue from (after lwt.load_state). Returns (parameters after each step, what was saved at
+    step `save_at`)."""
+    import copy
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    net = _model()
+    if saved is not None:
+        net.load_state_dict(saved[0])
+    ddp = DDP(net)
+    state = lwt.LightwireHookState(client=sc.client(), module=ddp, on_error="raise")
+    ddp.register_comm_hook(state, lwt.ddp_comm_hook)
+    opt = lwt.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD, hook_state=state)
+    if saved is not None:
+        opt.load_state_dict(saved[1])
+        lwt.load_state(first - 1, hook_state=state)
+    params, snapshot = [], None
+    try:
+        for step in range(first, steps):
+            x, y = _batch(0, step)
+            opt.zero_grad()
+            _loss(ddp, x, y).backward()
+            opt.step()
+            params.append([p.detach().clone() for p in ddp.parameters()])
+            if step == save_at:
+                lwt.save_state(step, hook_state=state)
+                snapshot = (copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()))
+    finally:
+        state.close()
+    return params, snapshot
+
+
+def test_per_layer_state_survives_a_restart_bit_for_bit(sidecar_factory, pg):
+    sc = sidecar_factory(codec="dgc", density=DENSITY, extra=DGC_ARGS)
+    first, saved = _single_rank_run(sc, STEPS, save_at=4)
+    assert saved is not None
+    # Per layer, each parameter's state is its own tensor's: named by the parameter, not by the
+    # bucket DDP put it in (DDP rebuilds its buckets after the first iteration).
+    tensors = {t["name"] for t in sc.client().status()["tensors"]}
+    assert tensors == {"0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"}, tensors
+    # A new sidecar process on the same state directory, a new DDP model and optimizer from the
+    # trainer's checkpoint: the run continues exactly as the first one did.
+    sc.kill()
+    sc.start()
+    again, _ = _single_rank_run(sc, STEPS, first=5, saved=saved)
+    assert len(again) == STEPS - 5
+    for k, (a, b) in enumerate(zip(first[5:], again)):
+        for i, (pa, pb) in enumerate(zip(a, b)):
+            assert torch.equal(pa, pb), "step %d, parameter %d: the continuation differs" % (5 + k, i)

@@ -878,6 +878,55 @@ TEST_CASE(
   CHECK(parseObject(flat.body()).at("codec").as_string() == "topk");
 }
 
+TEST_CASE("powersgd per layer: a rank-r weight matrix comes back exact, its bias dense") {
+  auto cc = compressionFromJson(
+      json::parse(R"({"default": {"codec": "powersgd", "approx_rank": 2}})"));
+  REQUIRE_MESSAGE(cc, cc.status().message());
+  Stack s({}, {}, std::chrono::seconds(10),
+          chooserFor(std::make_shared<const CompressionConfig>(std::move(*cc))));
+  Client c = s.unixClient();
+  constexpr uint64_t kRows = 96, kCols = 128, kTotal = kRows * kCols + kCols;
+  ClientSegment seg(kTotal * sizeof(float));
+  const std::string id = registerShm(c, seg.name(), kTotal * sizeof(float));
+  // W = a·bᵀ + c·dᵀ (rank 2), then the bias.
+  float* x = seg.floats();
+  for (uint64_t i = 0; i < kRows; ++i) {
+    for (uint64_t j = 0; j < kCols; ++j) {
+      const float a = std::sin(0.1f * static_cast<float>(i) + 0.3f);
+      const float b = std::cos(0.07f * static_cast<float>(j));
+      const float cc2 = 0.5f + 0.01f * static_cast<float>(i % 7);
+      const float d = std::sin(0.05f * static_cast<float>(j) + 1.0f);
+      x[i * kCols + j] = a * b + cc2 * d;
+    }
+  }
+  for (uint64_t j = 0; j < kCols; ++j) x[kRows * kCols + j] = 0.001f * static_cast<float>(j) - 0.05f;
+  const std::vector<float> sent(x, x + kTotal);
+  const std::string layout = R"("layout": [{"name": "proj.weight", "offset": 0, "shape": [96, 128]},
+      {"name": "proj.bias", "offset": 12288, "shape": [128]}])";
+  // The first step starts the warm-started factors; the second shows the approximation.
+  for (uint64_t step = 0; step < 2; ++step) {
+    std::copy(sent.begin(), sent.end(), x);
+    const Res ok = c.request(http::verb::post, "/v1/emit_gradient",
+                             R"({"buffer": ")" + id + R"(", "name": "bucket.p", "step": )" +
+                                 std::to_string(step) + R"(, "shape": [12416], )" + layout + "}",
+                             kJson);
+    REQUIRE_MESSAGE(ok.result_int() == 200, ok.body());
+    const auto reply = parseObject(ok.body());
+    const auto& got = reply.at("layers").as_array();
+    REQUIRE(got.size() == 2);
+    CHECK(got[0].at("codec").as_string() == "powersgd");
+    CHECK(got[1].at("codec").as_string() == "none");
+    CHECK(got[0].at("wire_bytes").to_number<uint64_t>() < kRows * kCols);  // (96 + 128)·2 floats
+  }
+  double err = 0, norm = 0;
+  for (uint64_t i = 0; i < kRows * kCols; ++i) {
+    err += (double(x[i]) - sent[i]) * (double(x[i]) - sent[i]);
+    norm += double(sent[i]) * sent[i];
+  }
+  CHECK(std::sqrt(err / norm) < 1e-5);  // rank 2 of a rank-2 matrix: exact up to rounding
+  for (uint64_t j = 0; j < kCols; ++j) CHECK(x[kRows * kCols + j] == sent[kRows * kCols + j]);
+}
+
 TEST_CASE("a segment shrunk after registration is refused, not touched") {
   Stack s;
   Client c = s.unixClient();
