@@ -879,8 +879,8 @@ TEST_CASE(
 }
 
 TEST_CASE("powersgd per layer: a rank-r weight matrix comes back exact, its bias dense") {
-  auto cc = compressionFromJson(
-      json::parse(R"({"default": {"codec": "powersgd", "approx_rank": 2}})"));
+  auto cc =
+      compressionFromJson(json::parse(R"({"default": {"codec": "powersgd", "approx_rank": 2}})"));
   REQUIRE_MESSAGE(cc, cc.status().message());
   Stack s({}, {}, std::chrono::seconds(10),
           chooserFor(std::make_shared<const CompressionConfig>(std::move(*cc))));
@@ -899,7 +899,8 @@ TEST_CASE("powersgd per layer: a rank-r weight matrix comes back exact, its bias
       x[i * kCols + j] = a * b + cc2 * d;
     }
   }
-  for (uint64_t j = 0; j < kCols; ++j) x[kRows * kCols + j] = 0.001f * static_cast<float>(j) - 0.05f;
+  for (uint64_t j = 0; j < kCols; ++j)
+    x[kRows * kCols + j] = 0.001f * static_cast<float>(j) - 0.05f;
   const std::vector<float> sent(x, x + kTotal);
   const std::string layout = R"("layout": [{"name": "proj.weight", "offset": 0, "shape": [96, 128]},
       {"name": "proj.bias", "offset": 12288, "shape": [128]}])";
