@@ -249,7 +249,9 @@ void destroyedPeerRejoins() {
   CHECK(waitFor(
       [&] { return !mesh.transports[0]->peersUp()[1] && !mesh.transports[2]->peersUp()[1]; }));
   CHECK(!mesh.transports[0]->allConnected());
-  CHECK(metricValue(*mesh.metrics[2], "lightwire_peer_up{peer=\"1\"}") == 0);
+  // The gauge follows the session's state from the thread that noticed the loss: wait for it too.
+  CHECK(
+      waitFor([&] { return metricValue(*mesh.metrics[2], "lightwire_peer_up{peer=\"1\"}") == 0; }));
   // Sending to it fails promptly too.
   std::vector<uint8_t> p = pattern(10, 3);
   CHECK(!mesh.transports[2]->send(1, FrameType::kData, keyFor(9), 0, p, Clock::now() + 5s).isOk());
