@@ -6,11 +6,11 @@
 
 #include <boost/json/serialize.hpp>
 
-#include <algorithm>
 #include <cctype>
 #include <limits>
 #include <utility>
 
+#include "kernels/codecs/powersgd_layout.h"
 #include "kernels/registry.h"
 #include "proxy/config/config_impl.h"
 
@@ -24,7 +24,7 @@ namespace {
 
 constexpr uint64_t kMaxSyncEvery = 1000000;  // a rule's sync_every
 constexpr size_t kMaxGroupChars = 64;        // a rule's group
-constexpr uint64_t kMaxNdim = 64;            // a rule's ndim (the API's shapes have at most 8)
+constexpr uint64_t kMaxNdim = 64;            // a rule's ndim
 
 Status validateCodec(const CodecConfig& c, const std::string& where) {
   auto codec = kernels::createCodec(c);
@@ -202,9 +202,9 @@ const char* denseLayerReason(const LayerDefaults& d, const TensorFacts& t,
   }
   if (codec.name == "powersgd" && d.powersgd_min_ratio > 0 && !t.shape.empty() && t.elements > 0) {
     // The (shape[0], -1) view of the codec (docs/determinism.md §4.12) and its rank.
-    const double n = static_cast<double>(t.shape[0]);
-    const double m = static_cast<double>(t.elements) / n;
-    const double r = std::min<double>({static_cast<double>(codec.approx_rank), n, m});
+    const uint64_t rows = t.shape[0], cols = t.elements / rows;
+    const auto r = static_cast<double>(kernels::powersgd::rankFor(codec.approx_rank, rows, cols));
+    const double n = static_cast<double>(rows), m = static_cast<double>(cols);
     if (!(n * m > d.powersgd_min_ratio * (n + m) * r)) return "powersgd_min_ratio";
   }
   return nullptr;
