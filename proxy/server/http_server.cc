@@ -332,11 +332,13 @@ class Listener : public std::enable_shared_from_this<Listener<Protocol>> {
       }
       if (self->shared_->stopping.load() ||
           self->shared_->connections->load() >= self->shared_->limits.max_connections) {
-        beast::error_code ignored;
-        socket.close(ignored);  // over limits.max_connections: refused at once
+        // Counted before the close: a client that sees its connection refused finds the hit
+        // already in /metrics.
         if (!self->shared_->stopping.load() && self->shared_->on_limit) {
           self->shared_->on_limit("connections");
         }
+        beast::error_code ignored;
+        socket.close(ignored);  // over limits.max_connections: refused at once
       } else {
         // Large socket buffers: a 100 MB body moves in hundreds of wake-ups, not thousands.
         beast::error_code ignored;
