@@ -706,6 +706,9 @@ def main():
         die("--tta: the ddp baseline must be one of the configurations (it sets the target)")
     if os.geteuid() != 0:
         die("needs root (ip netns, tc)")
+    # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C: the finally blocks stop the trainers and
+    # remove the namespace instead of leaving them behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             die("needs %s (iproute2: scripts/install-deps.sh)" % tool)
