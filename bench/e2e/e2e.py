@@ -117,6 +117,10 @@ TTA_CONFIGS.append("lightwire_dgc_flat")
 # compressed codecs whose time to accuracy is in question, one seed each for the others.
 TTA_SEEDS = {"ddp": "all", "lightwire_dgc": "all", "lightwire_topk": "all",
              "lightwire_qsgd4": "all", "lightwire_powersgd4": "all", "*": "first"}
+# Per task, where it differs: the LM trains with AdamW, for which dgc's momentum correction is
+# refused (docs/codecs.md "Momentum with dgc"; its lightwire_dgc row fails with that message), so
+# its dgc with error feedback is the dgc row that trains every seed.
+TTA_TASK_SEEDS = {"lm": {"lightwire_dgc_ef": "all"}}
 
 PROFILES = {
     # tasks, rates, steps and evaluation period per task, world size, model size, seconds a run
@@ -148,7 +152,7 @@ PROFILES = {
     "tta": {"tasks": ["mlp"], "rates": ["1gbit"], "steps": {"mlp": 400, "lm": 300},
             "eval_every": {"mlp": 10, "lm": 15}, "world_size": 4, "size": "full", "timeout": 1200,
             "tta": True, "extra_evals": 3, "seeds": [0, 1, 2], "configs": TTA_CONFIGS,
-            "config_seeds": TTA_SEEDS, "budget": 3600},
+            "config_seeds": TTA_SEEDS, "task_config_seeds": TTA_TASK_SEEDS, "budget": 3600},
     # The same at smoke size: the test suite's check that the rule stops every rank together.
     "tta-smoke": {"tasks": ["mlp"], "rates": ["1gbit"], "steps": {"mlp": 16, "lm": 16},
                   "eval_every": {"mlp": 2, "lm": 2}, "world_size": 2, "size": "smoke",
@@ -187,6 +191,8 @@ STEP_SECONDS = {
 # their sidecars): the full profile's 3160 s elapsed against about 2640 s of timed steps and 280 s
 # of evaluations over its 44 rows (docs/BENCHMARKS.md) leaves about 6 s a row.
 EVAL_SECONDS = {"mlp": 0.16, "lm": 0.95}
+# The tta results the estimate's "expected" figure takes each row's last duration from.
+LAST_TTA_RESULTS = os.path.join(ROOT, "docs", "benchmarks", "results-tta.json")
 ROW_START_SECONDS = 6.0
 
 
@@ -459,14 +465,15 @@ def add_tta_figures(rows):
         r["tta"] = tta.row_figures(r, base) if base is not None and r["status"] == "ok" else None
 
 
-def seeds_for(profile, config_name, seeds):
-    """The seeds one configuration trains: all of `seeds` or the first only, as the profile's
-    config_seeds says (its "*" entry for a configuration it does not name; every seed without
-    config_seeds)."""
+def seeds_for(profile, config_name, seeds, task=None):
+    """The seeds one configuration trains (on `task`): all of `seeds` or the first only, as the
+    profile's task_config_seeds of that task says, else its config_seeds (their "*" entry for a
+    configuration they do not name; every seed without config_seeds)."""
     rules = profile.get("config_seeds")
     if rules is None:
         return list(seeds)
-    which = rules.get(config_name, rules.get("*", "first"))
+    task_rules = profile.get("task_config_seeds", {}).get(task, {})
+    which = task_rules.get(config_name, rules.get(config_name, rules.get("*", "first")))
     if which not in ("all", "first"):
         raise ValueError("config_seeds[%r]: 'all' or 'first', not %r" % (config_name, which))
     return list(seeds) if which == "all" else list(seeds[:1])
@@ -485,24 +492,41 @@ def plan_runs(profile, configs, seeds):
                 continue
             for seed in seeds:
                 plan += [(task, rate, seed, c) for c in configs
-                         if seed in seeds_for(profile, c[0], seeds)]
+                         if seed in seeds_for(profile, c[0], seeds, task)]
     return plan
 
 
-def estimate_seconds(profile, plan, step_seconds=None):
+def measured_row_seconds(results):
+    """{(task, rate, config): (training seconds, steps)} of the finished rows of an earlier tta
+    results file, the mean over their seeds: what a row of that configuration took last time (its
+    timed steps; estimate_seconds adds its start and evaluations)."""
+    rows = {}
+    for r in (results or {}).get("runs", []):
+        if r.get("status") != "ok" or not r.get("step_seconds"):
+            continue
+        rows.setdefault((r["task"], r["rate"], r["config"]), []).append(
+            (sum(r["step_seconds"]), len(r["step_seconds"])))
+    return {k: (sum(t for t, _ in v) / len(v), round(sum(n for _, n in v) / len(v)))
+            for k, v in rows.items()}
+
+
+def estimate_seconds(profile, plan, step_seconds=None, measured=None):
     """How long a tta invocation takes at most, from the profile's steps and the per-step figures:
     {"at_most": every row up to its cap (the baseline: its horizon at its step time; any other row:
     the baseline's time or TTA_STEP_CAP_FACTOR times its steps at its own step time, whichever is
     shorter; a row
     without a figure: the baseline's time), "worst": every row the baseline's time (the time cap
-    alone), "baseline": the baselines alone, "rows", "notes": what the figures leave out}; each
-    row plus its start and its evaluations (ROW_START_SECONDS, EVAL_SECONDS)."""
+    alone), "baseline": the baselines alone, "rows", "notes": what the figures leave out,
+    "expected": each row as long as it took in `measured` (measured_row_seconds of an earlier run;
+    at most its cap) and the others at most, "measured_rows": how many rows had a measurement};
+    each row plus its start and its evaluations (ROW_START_SECONDS, EVAL_SECONDS)."""
     table = STEP_SECONDS if step_seconds is None else step_seconds
 
     def overhead(task, steps):
         return ROW_START_SECONDS + EVAL_SECONDS.get(task, 1.0) * math.ceil(
             steps / profile["eval_every"][task])
-    at_most = worst = baselines = 0.0
+    at_most = worst = baselines = expected = 0.0
+    measured_rows = 0
     notes = []
     for task, rate, seed, config in plan:
         figures = table.get((task, rate))
@@ -527,8 +551,14 @@ def estimate_seconds(profile, plan, step_seconds=None):
             row_steps = min(TTA_STEP_CAP_FACTOR * n, int(t_base / own))
         at_most += row + overhead(task, row_steps)
         worst += t_base + overhead(task, n)  # the baseline's row, once per row
+        last = (measured or {}).get((task, rate, config[0]))
+        if last is not None:
+            measured_rows += 1
+            expected += min(last[0], row) + overhead(task, min(last[1], row_steps))
+        else:
+            expected += row + overhead(task, row_steps)
     return {"at_most": at_most, "worst": worst, "baseline": baselines, "rows": len(plan),
-            "notes": notes}
+            "notes": notes, "expected": expected, "measured_rows": measured_rows}
 
 
 def machine_info(binary, python):
@@ -607,10 +637,16 @@ def skipped_row(task, rate, seed, config, steps, why):
             "steps": steps, "seed": seed}
 
 
-def log_estimate(profile, plan):
-    """Prints the tta invocation's time estimate (estimate_seconds) before anything runs; returns
-    it for the results."""
-    est = estimate_seconds(profile, plan)
+def log_estimate(profile, plan, last_results=LAST_TTA_RESULTS):
+    """Prints the tta invocation's time estimate (estimate_seconds) before anything runs, with what
+    the rows took in the results at `last_results` (when there); returns it for the results."""
+    measured = None
+    try:
+        with open(last_results) as f:
+            measured = measured_row_seconds(json.load(f))
+    except (OSError, ValueError):
+        pass
+    est = estimate_seconds(profile, plan, measured=measured)
     budget = profile.get("budget")
     log("estimate: at most %.0f min for %d row(s) (each row to its cap: the baseline its horizon, "
         "the others the baseline's time or steps at their own step time, docs/BENCHMARKS.md's "
@@ -620,6 +656,10 @@ def log_estimate(profile, plan):
     if profile["size"] != "full":
         est["notes"].append("the step figures are the full-size models': far above the %s size's"
                             % profile["size"])
+    if est["measured_rows"]:
+        log("estimate: about %.0f min expected: %d of the %d row(s) as long as they took in %s, "
+            "the others at most" % (est["expected"] / 60, est["measured_rows"], est["rows"],
+                                    os.path.relpath(last_results, ROOT)))
     for note in est["notes"]:
         log("estimate: " + note)
     if budget is not None and est["at_most"] > budget:
@@ -741,7 +781,8 @@ def main():
             "horizon": {t: profile["steps"][t] for t in profile["tasks"]},
             "eval_every": {t: profile["eval_every"][t] for t in profile["tasks"]},
             "extra_evals": profile["extra_evals"], "window": tta.WINDOW, "seeds": seeds,
-            "config_seeds": {c[0]: seeds_for(profile, c[0], seeds) for c in configs},
+            "config_seeds": {t: {c[0]: seeds_for(profile, c[0], seeds, t) for c in configs}
+                             for t in profile["tasks"]},
             "estimate": log_estimate(profile, plan), "summary": None}
     ns = Namespace()
     work = tempfile.mkdtemp(prefix="lightwire-e2e-")

@@ -818,6 +818,16 @@ def render_markdown(results, source, group_info):
 # ------------------------------------------------------------------------------------------------
 TTA_PAGE = "BENCHMARKS-tta.md"
 TTA_PREFIX = "tta-"
+
+
+def tta_names(source):
+    """(page, image prefix) of a time-to-accuracy results file: results-tta.json gives
+    BENCHMARKS-tta.md and tta-*.png; results-tta-NAME.json (another invocation of the profile, kept
+    beside it: e2e.py --results) BENCHMARKS-tta-NAME.md and tta-NAME-*.png."""
+    m = re.fullmatch(r"results-tta-([A-Za-z0-9_.-]+)\.json", os.path.basename(source or ""))
+    if m is None:
+        return TTA_PAGE, TTA_PREFIX
+    return "BENCHMARKS-tta-%s.md" % m.group(1), "%s%s-" % (TTA_PREFIX, m.group(1))
 PLUS_MINUS = "\u00b1"
 SIGMA = "\u03c3"
 
@@ -1104,7 +1114,8 @@ def render_tta_markdown(results, source, group_info):
 
 def write_tta_report(results, out_dir, source):
     """write_report for time-to-accuracy results: OUT/BENCHMARKS-tta.md and
-    OUT/benchmarks/tta-*.png; returns the paths written."""
+    OUT/benchmarks/tta-*.png (names from `source`: tta_names); returns the paths written."""
+    page, prefix = tta_names(source)
     plt = _pyplot()
     img_dir = os.path.join(out_dir, "benchmarks")
     os.makedirs(img_dir, exist_ok=True)
@@ -1114,7 +1125,7 @@ def write_tta_report(results, out_dir, source):
         title, short = _group_title(task, rate, runs)
         first = first_seed_runs(runs)
         base = find_baseline(first)
-        stem = "%s%s-%s" % (TTA_PREFIX, safe_name(task), safe_name(rate))
+        stem = "%s%s-%s" % (prefix, safe_name(task), safe_name(rate))
         pngs = {}
         for kind in ("loss-time", "loss-step", "step-time"):
             name = "%s-%s.png" % (stem, kind)
@@ -1130,7 +1141,7 @@ def write_tta_report(results, out_dir, source):
             pngs[kind] = "benchmarks/" + name
         group_info.append((title, runs, pngs))
     md = render_tta_markdown(results, source, group_info)
-    md_path = os.path.join(out_dir, TTA_PAGE)
+    md_path = os.path.join(out_dir, page)
     tmp = md_path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(md)

@@ -255,6 +255,11 @@ def test_profile_seeds_and_plan():
     assert e2e.seeds_for({"config_seeds": {"*": "all"}}, "x", [4, 5]) == [4, 5]
     with pytest.raises(ValueError):
         e2e.seeds_for({"config_seeds": {"x": "some"}}, "x", [0])
+    # The LM (AdamW) refuses dgc's momentum correction: its error-feedback dgc row trains every
+    # seed there, one seed on the MLP.
+    lm = e2e.plan_runs(dict(prof, tasks=["lm"]), configs, [0, 1, 2])
+    assert [p[2] for p in lm if p[3][0] == "lightwire_dgc_ef"] == [0, 1, 2]
+    assert [p[2] for p in plan if p[3][0] == "lightwire_dgc_ef"] == [0]
 
 
 def test_estimate():
@@ -279,6 +284,23 @@ def test_estimate():
     # A rate without figures uses the 1 Gbit/s ones, and says so.
     est = e2e.estimate_seconds(prof, [("mlp", "500mbit", 0, cfg("ddp"))], table)
     assert est["at_most"] == pytest.approx(base) and "500mbit" in est["notes"][0]
+    # "Expected": a row measured before takes what it took then (its mean over seeds, at most its
+    # cap); the others their at-most figure.
+    results = {"runs": [
+        {"task": "mlp", "rate": "1gbit", "config": "fast", "status": "ok",
+         "step_seconds": [0.1] * 300},
+        {"task": "mlp", "rate": "1gbit", "config": "fast", "status": "ok",
+         "step_seconds": [0.1] * 500},
+        {"task": "mlp", "rate": "1gbit", "config": "slow", "status": "ok",
+         "step_seconds": [2.0] * 400},  # longer than its cap now: the cap
+        {"task": "mlp", "rate": "1gbit", "config": "faster", "status": "failed",
+         "step_seconds": [0.05] * 3}]}
+    measured = e2e.measured_row_seconds(results)
+    assert measured[("mlp", "1gbit", "fast")] == (pytest.approx(40.0), 400)
+    assert ("mlp", "1gbit", "faster") not in measured
+    est = e2e.estimate_seconds(prof, plan, table, measured=measured)
+    assert est["measured_rows"] == 2
+    assert est["expected"] == pytest.approx(base + (40 + start + 40 * ev) + faster + slow + base)
 
 
 def test_tta_stop_spec_from_the_baseline():
@@ -331,6 +353,12 @@ def test_tta_report_tables(report, tmp_path):
     assert names == ["BENCHMARKS-tta.md"] + ["benchmarks/tta-mlp-1gbit-%s.png" % k
                                              for k in ("loss-step", "loss-time", "step-time")]
     assert not (tmp_path / "BENCHMARKS.md").exists(), "the fixed-step page is left alone"
+    # Another invocation's results, kept beside them, get a page and plots of their own.
+    other = sorted(os.path.relpath(p, str(tmp_path))
+                   for p in report.write_report(res, str(tmp_path), "results-tta-seed0.json"))
+    assert other == ["BENCHMARKS-tta-seed0.md"] + [
+        "benchmarks/tta-seed0-mlp-1gbit-%s.png" % k for k in ("loss-step", "loss-time", "step-time")]
+    assert "results-tta-seed0.json" in (tmp_path / "BENCHMARKS-tta-seed0.md").read_text("utf-8")
     md = (tmp_path / "BENCHMARKS-tta.md").read_text(encoding="utf-8")
     # DDP's spread over seeds, prominently: final losses 1.15 + (0, 0.02, -0.02): sigma 0.02.
     assert "**DDP's final loss over 3 seeds: 1.150 \u00b1 0.020**" in md
