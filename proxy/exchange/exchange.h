@@ -69,6 +69,22 @@ class Exchange {
   virtual ~Exchange() = default;
   virtual unsigned worldSize() const = 0;
   virtual Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) = 0;
+  /// The rounds of several tensors of one step together — a bucket's layers, each its own tensor
+  /// with its own codec (docs/exchange.md "A bucket's layers in one exchange") — each as run()
+  /// returns it, in the order given. It fails as a whole: one error, and the caller fails every
+  /// tensor of it. This default runs them one after the other (one round trip each); an exchange
+  /// may run them in one pass.
+  virtual Result<std::vector<std::vector<std::vector<std::span<const uint8_t>>>>> runAll(
+      std::span<ExchangeRound* const> rounds) {
+    std::vector<std::vector<std::vector<std::span<const uint8_t>>>> out;
+    out.reserve(rounds.size());
+    for (ExchangeRound* r : rounds) {
+      auto got = run(*r);
+      if (!got) return got.status();
+      out.push_back(std::move(*got));
+    }
+    return out;
+  }
   /// Whether run() takes this sidecar's payloads chunk by chunk through ExchangeRound::encode
   /// (compression overlapping the exchange) rather than all compressed beforehand.
   virtual bool encodesLazily() const { return false; }

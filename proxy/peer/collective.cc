@@ -141,6 +141,10 @@ void RingExchange::stepDone(const std::string& tensor, uint64_t step) {
   held_.clear();
   for (auto& b : sums_) spare_sums_.push_back(std::move(b));
   sums_.clear();
+  dense_rounds_.clear();
+  dense_spans_.clear();
+  dense_payloads_.clear();
+  dense_inputs_.clear();
 }
 
 Status RingExchange::postStats(const ExchangeRound& r, uint64_t tensor) {
@@ -182,42 +186,101 @@ Status RingExchange::receiveStats(ExchangeRound& r, uint64_t tensor) {
 }
 
 Result<Spans> RingExchange::run(ExchangeRound& r) {
-  const uint64_t tensor = tensorKey(r.tensor);
-  const auto& traits = r.codec.traits();
+  ExchangeRound* one[] = {&r};
+  auto got = runAll(one);
+  if (!got) return got.status();
+  return std::move(got->front());
+}
+
+Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> rounds) {
   deadline_ = Clock::now() + timeout_;
-  if (r.round == 0) transport_.beginStep(tensor, r.step);
-  r.stats_in.clear();
+  const size_t n = rounds.size();
+  std::vector<Item> items(n);
+  for (size_t i = 0; i < n; ++i) {
+    ExchangeRound& r = *rounds[i];
+    items[i] = {&r, tensorKey(r.tensor)};
+    if (r.round == 0) transport_.beginStep(items[i].tensor, r.step);
+    r.stats_in.clear();
+  }
+  // Every tensor of the pass fails with the first error, and is aborted on every peer.
+  auto failAll = [&](Status s) {
+    for (const Item& it : items) transport_.abortStep(it.tensor, it.r->step, s.message());
+    return s;
+  };
   // Statistics records (round 0): expected from every rank iff this rank has one (the engine
   // gives every rank of a job one, or none). Posted before any data frame, received after the data.
-  const bool stats = r.round == 0 && !r.stats_out.empty();
-  if (stats && r.stats_out.size() > kMaxStatsBytes) {
-    return fail(tensor, r.step,
-                invalidArgument("this sidecar's statistics record has " +
-                                std::to_string(r.stats_out.size()) + " bytes, more than " +
-                                std::to_string(kMaxStatsBytes)));
+  auto hasStats = [](const ExchangeRound& r) { return r.round == 0 && !r.stats_out.empty(); };
+  const Item* first_stats = nullptr;
+  for (const Item& it : items) {
+    if (!hasStats(*it.r)) continue;
+    if (it.r->stats_out.size() > kMaxStatsBytes) {
+      return failAll(invalidArgument("this sidecar's statistics record has " +
+                                     std::to_string(it.r->stats_out.size()) + " bytes, more than " +
+                                     std::to_string(kMaxStatsBytes) + " (tensor '" +
+                                     it.r->tensor + "')"));
+    }
+    if (!first_stats) first_stats = &it;
   }
-  Result<Spans> out = Spans{};
-  if (Status posted = stats ? postStats(r, tensor) : Status::ok(); !posted.isOk()) {
-    out = posted;  // nothing of the data exchange runs
-  } else if (traits.summable || traits.rounds > 1) {
-    out = allreduce(r, tensor);
-  } else if (denseIsSmaller(r)) {
-    out = denseAllreduce(r, tensor);
-  } else {
-    out = allgather(r, tensor);
+  Status st = Status::ok();
+  for (const Item& it : items) {
+    if (st.isOk() && hasStats(*it.r)) st = postStats(*it.r, it.tensor);
   }
-  // Frames were post()ed: they reference this step's payloads (and r.stats_out) until flushed,
+  // Which collective each tensor takes; the sparse ones that would move more bytes gathered than
+  // a dense allreduce go dense (their own payloads decoded, summed as codec `none`).
+  std::vector<Item> reduce, gather;
+  for (Item& it : items) {
+    const auto& traits = it.r->codec.traits();
+    if (traits.summable || traits.rounds > 1) {
+      reduce.push_back(it);
+    } else if (denseIsSmaller(*it.r)) {
+      auto dense = denseRound(*it.r);
+      if (!dense) {
+        if (st.isOk()) st = dense.status();
+        continue;
+      }
+      reduce.push_back({*dense, it.tensor});
+    } else {
+      gather.push_back(it);
+    }
+  }
+  // by_origin[k][c][o]: rank o's payload of chunk c of gather[k]; reduced[k]: reduce[k]'s sums.
+  std::vector<Spans> by_origin, reduced;
+  // The gathers' own payloads go out first, then the allreduces run, then the gathers' hops.
+  if (st.isOk()) st = gatherPost(gather, by_origin);
+  if (st.isOk()) {
+    auto sums = allreduce(reduce);
+    if (sums) {
+      reduced = std::move(*sums);
+    } else {
+      st = sums.status();
+    }
+  }
+  if (st.isOk()) st = gatherReceive(gather, by_origin);
+  // Frames were post()ed: they reference this step's payloads (and the records) until flushed,
   // success or not.
   const Status flushed = transport_.flush(deadline_);
-  if (!out || !flushed.isOk()) {
-    const Status failed = !out ? out.status() : flushed;
-    return fail(tensor, r.step,
-                stats ? nameSilentRanks(transport_, failed, tensor, r.step, deadline_) : failed);
+  if (!st.isOk() || !flushed.isOk()) {
+    const Status failed = !st.isOk() ? st : flushed;
+    return failAll(first_stats ? nameSilentRanks(transport_, failed, first_stats->tensor,
+                                                 first_stats->r->step, deadline_)
+                               : failed);
   }
-  if (stats) {
-    if (auto s = receiveStats(r, tensor); !s.isOk()) {
-      r.stats_in.clear();
-      return fail(tensor, r.step, s);
+  for (const Item& it : items) {
+    if (!hasStats(*it.r)) continue;
+    if (auto s = receiveStats(*it.r, it.tensor); !s.isOk()) {
+      for (const Item& other : items) other.r->stats_in.clear();
+      return failAll(s);
+    }
+  }
+  // In the order given: each tensor's sums, or every rank's payloads (decoded in rank order: the
+  // same arithmetic on every rank).
+  std::vector<Spans> out(n);
+  size_t next_reduce = 0, next_gather = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (next_gather < gather.size() && gather[next_gather].r == rounds[i]) {
+      out[i] = std::move(by_origin[next_gather++]);
+    } else {
+      out[i] = std::move(reduced[next_reduce++]);
     }
   }
   return out;
@@ -240,31 +303,33 @@ bool RingExchange::denseIsSmaller(const ExchangeRound& r) const {
   return w * gathered > 2 * dense;
 }
 
-Result<Spans> RingExchange::denseAllreduce(ExchangeRound& r, uint64_t tensor) {
+Result<ExchangeRound*> RingExchange::denseRound(ExchangeRound& r) {
   // Every rank decodes its own payloads into fp32 and the ring sums those (codec `none`); the
-  // engine decodes the sums with the same codec (r.dense).
+  // engine decodes the sums with the same codec (r.dense). Kept until the step ends.
   const size_t n = r.chunking.elements;
-  dense_input_.assign(n, 0.0f);
+  std::vector<float>& input = dense_inputs_.emplace_back(n, 0.0f);
   for (size_t c = 0; c < r.chunking.count(); ++c) {
     auto own = r.payload(c);
     if (!own) return own.status();
-    if (auto s = r.codec.decodeChunk(*own, 1.0f, dense_input_.data() + r.chunking.begin(c),
+    if (auto s = r.codec.decodeChunk(*own, 1.0f, input.data() + r.chunking.begin(c),
                                      r.chunking.size(c));
         !s.isOk()) {
-      return internalError("decoding our own chunk " + std::to_string(c) + ": " + s.message());
+      return internalError("decoding our own chunk " + std::to_string(c) + " of '" + r.tensor +
+                           "': " + s.message());
     }
   }
   kernels::StepContext ctx;
   kernels::CodecState none_state;
   auto payloads = kernels::encodeTensor(kernels::noneCodec(), ctx, r.chunking,
-                                        kernels::ConstTensor{dense_input_.data(), n}, none_state);
+                                        kernels::ConstTensor{input.data(), n}, none_state);
   if (!payloads) return internalError("dense payloads: " + payloads.status().message());
-  dense_payloads_ = std::move(*payloads);
-  std::vector<std::span<const uint8_t>> mine(dense_payloads_.begin(), dense_payloads_.end());
-  r.dense = true;  // before allreduce: r.on_chunk decodes these sums as codec `none`
-  ExchangeRound dense{r.tensor, r.step, r.round, kernels::noneCodec(), r.chunking, mine};
+  auto& bytes = dense_payloads_.emplace_back(std::move(*payloads));
+  auto& mine = dense_spans_.emplace_back(bytes.begin(), bytes.end());
+  r.dense = true;  // before the allreduce: r.on_chunk decodes these sums as codec `none`
+  ExchangeRound& dense = dense_rounds_.emplace_back(
+      ExchangeRound{r.tensor, r.step, r.round, kernels::noneCodec(), r.chunking, mine});
   dense.on_chunk = r.on_chunk;
-  return allreduce(dense, tensor);
+  return &dense;
 }
 
 std::span<const uint8_t> RingExchange::keep(std::vector<uint8_t> received) {
@@ -283,148 +348,149 @@ std::vector<uint8_t>& RingExchange::sumBuffer(size_t bytes) {
   return sums_.back();
 }
 
-/// This rank's place in the ring for one exchange, and that exchange's deadline and codec.
-struct RingExchange::Ring {
-  uint32_t w, me, next, prev;
-  size_t chunks;
-  Clock::time_point deadline;
-  uint8_t codec;
-};
-
-RingExchange::Ring RingExchange::ringFor(const ExchangeRound& r) const {
+Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
-  return {w,
-          me,
-          (me + 1) % w,
-          (me + w - 1) % w,
-          r.chunking.count(),
-          deadline_,
-          static_cast<uint8_t>(r.codec.traits().id)};
-}
-
-Result<Spans> RingExchange::allreduce(ExchangeRound& r, uint64_t tensor) {
-  // Plain variables, not a structured binding: the lambdas below capture them, which clang
-  // before 16 refuses for structured bindings.
-  const Ring ring = ringFor(r);
-  const uint32_t w = ring.w, me = ring.me, next = ring.next, prev = ring.prev;
-  const size_t chunks = ring.chunks;
-  const Clock::time_point deadline = ring.deadline;
-  const uint8_t codec = ring.codec;
-  // Position of this rank in chunk c's reduction chain owner+1, owner+2, ..., owner.
+  const uint32_t next = (me + 1) % w, prev = (me + w - 1) % w;
+  const Clock::time_point deadline = deadline_;
+  // Chunk c of a tensor is owned by rank c mod W. Position of this rank in chunk c's reduction
+  // chain owner+1, owner+2, ..., owner.
   auto position = [&](size_t c) { return (me + w - (static_cast<uint32_t>(c % w) + 1) % w) % w; };
-  Spans out(chunks);
-  auto send = [&](uint8_t phase, size_t c, std::span<const uint8_t> payload) {
-    return transport_.post(
-        next, FrameType::kData,
-        keyOf(tensor, r, phase, static_cast<uint32_t>(c), static_cast<uint32_t>(c % w)), codec,
-        payload, deadline);
+  std::vector<Spans> out(items.size());
+  for (size_t i = 0; i < items.size(); ++i) out[i].resize(items[i].r->chunking.count());
+  auto key = [&](const Item& it, uint8_t phase, size_t c, uint32_t origin) {
+    return keyOf(it.tensor, *it.r, phase, static_cast<uint32_t>(c), origin);
   };
-  // Chains that start here go out first, so every rank has work in flight at once.
-  for (size_t c = 0; c < chunks; ++c) {
-    if (position(c) != 0) continue;
-    auto own = r.payload(c);  // compressed now: the previous chunk is on its way meanwhile
-    if (!own) return own.status();
-    LW_RETURN_IF_ERROR(send(kPhaseReduce, c, *own));
-  }
-  // Reduce-scatter: add our payload to the partial sum from prev; forward it, or keep it (owner).
-  // Chunks are taken in the order of this rank's position in their chains (the ring schedule):
-  // position p needs what prev did at position p-1, so every rank works at once; in chunk order,
-  // every rank would wait on the same chunk's chain and the ranks would take turns.
-  std::vector<std::span<const uint8_t>> sums(chunks);
-  std::vector<size_t> order;
-  order.reserve(chunks);
-  for (uint32_t p = 1; p < w; ++p) {
-    for (size_t c = 0; c < chunks; ++c) {
-      if (position(c) == p) order.push_back(c);
+  auto send = [&](const Item& it, uint8_t phase, size_t c, std::span<const uint8_t> payload) {
+    return transport_.post(next, FrameType::kData, key(it, phase, c, static_cast<uint32_t>(c % w)),
+                           static_cast<uint8_t>(it.r->codec.traits().id), payload, deadline);
+  };
+  // Chains that start here go out first, every tensor's, so every rank has work in flight at once.
+  for (const Item& it : items) {
+    for (size_t c = 0; c < it.r->chunking.count(); ++c) {
+      if (position(c) != 0) continue;
+      auto own = it.r->payload(c);  // compressed now: the previous chunk is on its way meanwhile
+      if (!own) return own.status();
+      LW_RETURN_IF_ERROR(send(it, kPhaseReduce, c, *own));
     }
   }
-  for (const size_t c : order) {
+  // Reduce-scatter: add our payload to the partial sum from prev; forward it, or keep it (owner).
+  // Chunks are taken in the order of this rank's position in their chains (the ring schedule),
+  // over every tensor at each position: position p needs what prev did at position p-1, so every
+  // rank works at once; in chunk order, every rank would wait on the same chunk's chain and the
+  // ranks would take turns.
+  std::vector<std::pair<size_t, size_t>> order;  // (item, chunk)
+  for (uint32_t p = 1; p < w; ++p) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      for (size_t c = 0; c < items[i].r->chunking.count(); ++c) {
+        if (position(c) == p) order.emplace_back(i, c);
+      }
+    }
+  }
+  for (const auto& [i, c] : order) {
+    const Item& it = items[i];
+    const ExchangeRound& r = *it.r;
     const uint32_t pos = position(c);
     auto own = r.payload(c);  // compressed before waiting: it overlaps the partial's arrival
     if (!own) return own.status();
-    auto got = transport_.receive(
-        prev,
-        keyOf(tensor, r, kPhaseReduce, static_cast<uint32_t>(c), static_cast<uint32_t>(c % w)),
-        deadline);
+    auto got = transport_.receive(prev, key(it, kPhaseReduce, c, static_cast<uint32_t>(c % w)),
+                                  deadline);
     if (!got) return got.status();
     std::vector<uint8_t>& sum = sumBuffer(r.codec.maxPayloadBytes(r.chunking.size(c)));
     auto size = r.codec.addPayloads(got->payload, *own, sum);
     transport_.recycle(std::move(got->payload));
     if (!size) {
-      return dataLoss("chunk " + std::to_string(c) + " from rank " + std::to_string(prev) +
-                      " does not add up: " + size.status().message());
+      return dataLoss("chunk " + std::to_string(c) + " of '" + r.tensor + "' from rank " +
+                      std::to_string(prev) + " does not add up: " + size.status().message());
     }
-    sums[c] = std::span<const uint8_t>(sum.data(), *size);
+    const std::span<const uint8_t> partial(sum.data(), *size);
     if (pos + 1 < w) {
-      LW_RETURN_IF_ERROR(send(kPhaseReduce, c, sums[c]));
+      LW_RETURN_IF_ERROR(send(it, kPhaseReduce, c, partial));
     } else {  // this rank owns chunk c: the sum is complete
-      out[c].push_back(sums[c]);
-      LW_RETURN_IF_ERROR(send(kPhaseGather, c, sums[c]));
-      if (r.on_chunk) LW_RETURN_IF_ERROR(r.on_chunk(c, out[c]));
+      out[i][c].push_back(partial);
+      LW_RETURN_IF_ERROR(send(it, kPhaseGather, c, partial));
+      if (r.on_chunk) LW_RETURN_IF_ERROR(r.on_chunk(c, out[i][c]));
     }
   }
   if (w == 1) {
-    for (size_t c = 0; c < chunks; ++c) {
-      auto own = r.payload(c);
-      if (!own) return own.status();
-      out[c].push_back(*own);
+    for (size_t i = 0; i < items.size(); ++i) {
+      for (size_t c = 0; c < items[i].r->chunking.count(); ++c) {
+        auto own = items[i].r->payload(c);
+        if (!own) return own.status();
+        out[i][c].push_back(*own);
+      }
     }
     return out;
   }
   // Allgather: the owners' sums travel on around the ring, nearest owners first (same reason).
   order.clear();
   for (uint32_t d = 1; d < w; ++d) {
-    for (size_t c = 0; c < chunks; ++c) {
-      if ((me + w - static_cast<uint32_t>(c % w)) % w == d) order.push_back(c);
+    for (size_t i = 0; i < items.size(); ++i) {
+      for (size_t c = 0; c < items[i].r->chunking.count(); ++c) {
+        if ((me + w - static_cast<uint32_t>(c % w)) % w == d) order.emplace_back(i, c);
+      }
     }
   }
-  for (const size_t c : order) {
+  for (const auto& [i, c] : order) {
+    const Item& it = items[i];
     const uint32_t owner = static_cast<uint32_t>(c % w);
-    auto got = transport_.receive(
-        prev, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), owner), deadline);
+    auto got = transport_.receive(prev, key(it, kPhaseGather, c, owner), deadline);
     if (!got) return got.status();
     const auto sum = keep(std::move(got->payload));
-    out[c].push_back(sum);
-    if (next != owner) LW_RETURN_IF_ERROR(send(kPhaseGather, c, sum));
-    if (r.on_chunk) LW_RETURN_IF_ERROR(r.on_chunk(c, out[c]));
+    out[i][c].push_back(sum);
+    if (next != owner) LW_RETURN_IF_ERROR(send(it, kPhaseGather, c, sum));
+    if (it.r->on_chunk) LW_RETURN_IF_ERROR(it.r->on_chunk(c, out[i][c]));
   }
   return out;
 }
 
-Result<Spans> RingExchange::allgather(ExchangeRound& r, uint64_t tensor) {
-  const auto [w, me, next, prev, chunks, deadline, codec] = ringFor(r);
-  // by_origin[c][o]: rank o's payload of chunk c.
-  std::vector<std::vector<std::span<const uint8_t>>> by_origin(
-      chunks, std::vector<std::span<const uint8_t>>(w));
-  for (size_t c = 0; c < chunks; ++c) {
-    auto own = r.payload(c);  // compressed now: the previous chunk is on its way meanwhile
-    if (!own) return own.status();
-    by_origin[c][me] = *own;
-    if (w > 1) {
-      LW_RETURN_IF_ERROR(transport_.post(
-          next, FrameType::kData, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), me),
-          codec, *own, deadline));
-    }
-  }
-  // Hop h brings rank (me - h)'s payloads; each is forwarded unless next is where it started.
-  for (uint32_t h = 1; h < w; ++h) {
-    const uint32_t origin = (me + w - h) % w;
+Status RingExchange::gatherPost(std::span<const Item> items, std::vector<Spans>& by_origin) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank(), next = (me + 1) % w;
+  by_origin.assign(items.size(), {});
+  for (size_t i = 0; i < items.size(); ++i) {
+    const ExchangeRound& r = *items[i].r;
+    const size_t chunks = r.chunking.count();
+    by_origin[i].assign(chunks, std::vector<std::span<const uint8_t>>(w));
     for (size_t c = 0; c < chunks; ++c) {
-      auto got = transport_.receive(
-          prev, keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), origin), deadline);
-      if (!got) return got.status();
-      by_origin[c][origin] = keep(std::move(got->payload));
-      if (h + 1 < w) {
-        LW_RETURN_IF_ERROR(
-            transport_.post(next, FrameType::kData,
-                            keyOf(tensor, r, kPhaseGather, static_cast<uint32_t>(c), origin), codec,
-                            by_origin[c][origin], deadline));
-      } else if (r.on_chunk) {  // the last hop: chunk c has every rank's payload
-        LW_RETURN_IF_ERROR(r.on_chunk(c, by_origin[c]));
+      auto own = r.payload(c);  // compressed now: the previous chunk is on its way meanwhile
+      if (!own) return own.status();
+      by_origin[i][c][me] = *own;
+      if (w > 1) {
+        LW_RETURN_IF_ERROR(transport_.post(
+            next, FrameType::kData,
+            keyOf(items[i].tensor, r, kPhaseGather, static_cast<uint32_t>(c), me),
+            static_cast<uint8_t>(r.codec.traits().id), *own, deadline_));
       }
     }
   }
-  return by_origin;  // decoded in rank order: the same arithmetic on every rank
+  return Status::ok();
+}
+
+Status RingExchange::gatherReceive(std::span<const Item> items, std::vector<Spans>& by_origin) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  const uint32_t next = (me + 1) % w, prev = (me + w - 1) % w;
+  // Hop h brings rank (me - h)'s payloads, every tensor's; each is forwarded unless next is where
+  // it started.
+  for (uint32_t h = 1; h < w; ++h) {
+    const uint32_t origin = (me + w - h) % w;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const ExchangeRound& r = *items[i].r;
+      for (size_t c = 0; c < r.chunking.count(); ++c) {
+        const FrameKey k = keyOf(items[i].tensor, r, kPhaseGather, static_cast<uint32_t>(c),
+                                 origin);
+        auto got = transport_.receive(prev, k, deadline_);
+        if (!got) return got.status();
+        by_origin[i][c][origin] = keep(std::move(got->payload));
+        if (h + 1 < w) {
+          LW_RETURN_IF_ERROR(transport_.post(next, FrameType::kData, k,
+                                             static_cast<uint8_t>(r.codec.traits().id),
+                                             by_origin[i][c][origin], deadline_));
+        } else if (r.on_chunk) {  // the last hop: chunk c has every rank's payload
+          LW_RETURN_IF_ERROR(r.on_chunk(c, by_origin[i][c]));
+        }
+      }
+    }
+  }
+  return Status::ok();
 }
 
 }  // namespace lightwire::proxy::peer

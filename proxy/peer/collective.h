@@ -41,6 +41,12 @@ class RingExchange final : public Exchange {
 
   unsigned worldSize() const override { return transport_.worldSize(); }
   Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override;
+  /// One pass for every round given (a bucket's layers): every record and every gather's own
+  /// payloads posted first, then one ring allreduce over the chunks of every summable (or
+  /// multi-round, or dense-switched) tensor, position by position across the tensors, then the
+  /// gathers' hops, tensor after tensor at each hop; one flush. run() is this for one round.
+  Result<std::vector<std::vector<std::vector<std::span<const uint8_t>>>>> runAll(
+      std::span<ExchangeRound* const> rounds) override;
   bool encodesLazily() const override { return true; }
   Result<std::vector<uint32_t>> compareResults(const std::string& tensor, uint64_t step,
                                                uint64_t checksum) override;
@@ -48,24 +54,31 @@ class RingExchange final : public Exchange {
   void stepDone(const std::string& tensor, uint64_t step) override;
 
  private:
-  Result<std::vector<std::vector<std::span<const uint8_t>>>> allreduce(ExchangeRound& r,
-                                                                       uint64_t tensor);
-  Result<std::vector<std::vector<std::span<const uint8_t>>>> allgather(ExchangeRound& r,
-                                                                       uint64_t tensor);
+  using Spans = std::vector<std::vector<std::span<const uint8_t>>>;
+  /// One tensor's round in a pass, and its frames' tensor key.
+  struct Item {
+    ExchangeRound* r = nullptr;
+    uint64_t tensor = 0;
+  };
+  /// The ring allreduce of every item's chunks (one schedule over all of them): each item's sums.
+  Result<std::vector<Spans>> allreduce(std::span<const Item> items);
+  /// The ring allgather of every item's payloads: this rank's own posted (gatherPost), then the
+  /// others' received hop by hop (gatherReceive); by_origin[item][chunk][rank].
+  Status gatherPost(std::span<const Item> items, std::vector<Spans>& by_origin);
+  Status gatherReceive(std::span<const Item> items, std::vector<Spans>& by_origin);
   Status fail(uint64_t tensor, uint64_t step, Status s);
   /// Policy statistics (round 0, ExchangeRound::stats_out non-empty): posts this rank's record
   /// to every other rank (before any data frame), and receives every other rank's once the data
   /// is in (checked: non-empty, at most kMaxStatsBytes), filling r.stats_in.
   Status postStats(const ExchangeRound& r, uint64_t tensor);
   Status receiveStats(ExchangeRound& r, uint64_t tensor);
-  struct Ring;
-  Ring ringFor(const ExchangeRound& r) const;
 
   /// Sparse and quantised codecs: whether a dense ring allreduce of the decoded chunks moves
   /// fewer bytes than gathering every rank's payloads (then denseAllreduce() runs instead).
   bool denseIsSmaller(const ExchangeRound& r) const;
-  Result<std::vector<std::vector<std::span<const uint8_t>>>> denseAllreduce(ExchangeRound& r,
-                                                                            uint64_t tensor);
+  /// The dense round that replaces `r` then: this rank's payloads decoded to fp32 and encoded as
+  /// codec `none` (r.dense set); kept until the step ends.
+  Result<ExchangeRound*> denseRound(ExchangeRound& r);
   /// Keeps a received payload until the step ends; returns a view of it.
   std::span<const uint8_t> keep(std::vector<uint8_t> received);
   /// A buffer of `bytes` for a partial sum, kept until the step ends (reused across steps).
@@ -79,8 +92,12 @@ class RingExchange final : public Exchange {
   std::vector<std::vector<uint8_t>> held_;
   std::deque<std::vector<uint8_t>> sums_;  // deque: references stay valid as it grows
   std::vector<std::vector<uint8_t>> spare_sums_;
-  std::vector<float> dense_input_;                    // denseAllreduce: our decoded chunks
-  std::vector<std::vector<uint8_t>> dense_payloads_;  // ... as codec `none` payloads
+  // denseRound(): our decoded chunks, as codec `none` payloads, their spans, the round (deques:
+  // references stay valid as they grow).
+  std::deque<std::vector<float>> dense_inputs_;
+  std::deque<std::vector<std::vector<uint8_t>>> dense_payloads_;
+  std::deque<std::vector<std::span<const uint8_t>>> dense_spans_;
+  std::deque<ExchangeRound> dense_rounds_;
 };
 
 /// XXH3-64 of a tensor name: the `tensor` field of frames.

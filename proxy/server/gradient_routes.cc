@@ -106,15 +106,14 @@ struct LayerSteps {
   size_t remaining = 0;
 };
 
-/// One reply for a bucket whose layers all ended: the first failed layer's error (in layout
-/// order), else the bucket's figures (sums over its layers) with each layer's own under "layers".
+/// One reply for a bucket whose layers all ended: its error (a bucket fails as a whole; the
+/// engine's message names the layer), else the bucket's figures (sums over its layers; the
+/// exchange's duration is the longest layer's, since they share one exchange) with each layer's
+/// own under "layers".
 Response bucketReply(const std::string& bucket, uint64_t step, const Layout& layout,
                      std::vector<StepOutcome>& outcomes) {
-  for (size_t i = 0; i < outcomes.size(); ++i) {
-    if (!outcomes[i].ok()) {
-      outcomes[i].message = "layer " + quote(layout.entries[i].name) + ": " + outcomes[i].message;
-      return fromOutcome(outcomes[i]);
-    }
+  for (auto& outcome : outcomes) {
+    if (!outcome.ok()) return fromOutcome(outcome);
   }
   StepFigures total = outcomes.front().figures;
   bool one_momentum = true;
@@ -133,7 +132,13 @@ Response bucketReply(const std::string& bucket, uint64_t step, const Layout& lay
     total.nonfinite = total.nonfinite || f.nonfinite;
     total.state_reset = total.state_reset || f.state_reset;
     total.settings = std::max(total.settings, f.settings);
-    for (size_t s = 0; s < metrics::kStageCount; ++s) total.durations_us[s] += f.durations_us[s];
+    for (size_t s = 0; s < metrics::kStageCount; ++s) {
+      if (s == static_cast<size_t>(metrics::Stage::kExchange)) {
+        total.durations_us[s] = std::max(total.durations_us[s], f.durations_us[s]);
+      } else {
+        total.durations_us[s] += f.durations_us[s];
+      }
+    }
   }
   json::object o = figuresJson(bucket, step, total);
   if (!one_momentum) o.erase("momentum");  // each layer says its own
@@ -208,30 +213,37 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
     });
     return {};
   }
-  // One tensor per layer (docs/api.md "Layouts: one tensor per layer"), submitted in layout
-  // order — the same order on every sidecar, as the buckets themselves are.
+  // One tensor per layer (docs/api.md "Layouts: one tensor per layer"), in layout order — the
+  // same order on every sidecar, as the buckets themselves are — run as one step of the bucket.
   if (std::string e = layouts_.check(name, *layout); !e.empty()) return badRequest(e);
   auto shared_layout = std::make_shared<const Layout>(std::move(*layout));
   auto steps = std::make_shared<LayerSteps>();
-  steps->outcomes.resize(shared_layout->entries.size());
-  steps->remaining = shared_layout->entries.size();
-  replied = true;
-  for (size_t i = 0; i < shared_layout->entries.size(); ++i) {
+  const size_t n = shared_layout->entries.size();
+  steps->outcomes.resize(n);
+  steps->remaining = n;
+  std::vector<Contribution> layers;
+  std::vector<StepDone> dones;
+  layers.reserve(n);
+  dones.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
     const LayoutEntry& entry = shared_layout->entries[i];
     TensorSpec layer = spec;
     layer.name = entry.name;
     layer.shape = entry.shape;
     layer.elements = entry.elements;
     layer.layer = true;
-    engine_.submit(regionContribution(region, offset + entry.offset * width, layer),
-                   [reply, name, step, shared_layout, steps, i](StepOutcome out) {
-                     std::unique_lock lock(steps->mu);
-                     steps->outcomes[i] = std::move(out);
-                     if (--steps->remaining > 0) return;
-                     lock.unlock();
-                     reply(bucketReply(name, step, *shared_layout, steps->outcomes));
-                   });
+    layer.bucket = name;
+    layers.push_back(regionContribution(region, offset + entry.offset * width, layer));
+    dones.push_back([reply, name, step, shared_layout, steps, i](StepOutcome out) {
+      std::unique_lock lock(steps->mu);
+      steps->outcomes[i] = std::move(out);
+      if (--steps->remaining > 0) return;
+      lock.unlock();
+      reply(bucketReply(name, step, *shared_layout, steps->outcomes));
+    });
   }
+  replied = true;
+  engine_.submitBucket(std::move(layers), std::move(dones));
   return {};
 }
 

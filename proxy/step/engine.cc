@@ -59,41 +59,58 @@ void StepEngine::setChooser(CodecChooser chooser) {
   chooser_ = std::move(chooser);
 }
 
-void StepEngine::submit(Contribution c, StepDone done) {
-  auto refuse = [&](StepError error, std::string message) {
-    done(StepOutcome{error, std::move(message), {}});
-  };
-  const TensorSpec& s = c.spec;
-  if (s.trainer >= options_.local_trainers) {
-    return refuse(StepError::kInvalidArgument, "trainer " + std::to_string(s.trainer) +
-                                                   " is out of range: this sidecar serves " +
-                                                   std::to_string(options_.local_trainers) +
-                                                   " local trainer(s), 0.." +
-                                                   std::to_string(options_.local_trainers - 1));
-  }
-  std::unique_lock lock(mu_);
-  if (stopping_) return refuse(StepError::kShuttingDown, "the sidecar is shutting down");
-  Tensor& t = tensorSlot(s.name);
+StepError StepEngine::admit(const TensorSpec& s, size_t created, bool* creates,
+                            std::string* why) const {
   const std::string where = "tensor '" + s.name + "' step " + std::to_string(s.step);
-  if (t.last_committed && s.step <= *t.last_committed) {
-    lock.unlock();
-    return refuse(StepError::kConflict, where + " goes backwards: step " +
-                                            std::to_string(*t.last_committed) +
-                                            " already completed");
+  *creates = true;
+  auto tit = tensors_.find(s.name);
+  if (tit != tensors_.end()) {
+    const Tensor& t = *tit->second;
+    if (t.last_committed && s.step <= *t.last_committed) {
+      *why = where + " goes backwards: step " + std::to_string(*t.last_committed) +
+             " already completed";
+      return StepError::kConflict;
+    }
+    if (t.running && *t.running == s.step) {
+      *why = where + " is being exchanged already";
+      return StepError::kConflict;
+    }
+    if (auto it = t.pending.find(s.step); it != t.pending.end()) {
+      *creates = false;
+      const Pending& p = it->second;
+      if (p.parts[s.trainer]) {
+        *why = where + ": trainer " + std::to_string(s.trainer) + " already sent its part";
+        return StepError::kConflict;
+      }
+      if (p.elements != s.elements || p.dtype != s.dtype) {
+        *why = where + ": trainer " + std::to_string(s.trainer) + " sent " +
+               std::to_string(s.elements) + " " + apiDTypeName(s.dtype) +
+               " elements, another trainer " + std::to_string(p.elements) + " " +
+               apiDTypeName(p.dtype);
+        return StepError::kConflict;
+      }
+      if (p.bucket != s.bucket) {
+        *why = where + ": trainer " + std::to_string(s.trainer) + " sent it " +
+               (s.bucket.empty() ? std::string("on its own") : "in bucket '" + s.bucket + "'") +
+               ", another trainer " +
+               (p.bucket.empty() ? std::string("on its own") : "in bucket '" + p.bucket + "'");
+        return StepError::kConflict;
+      }
+    }
   }
-  if (t.running && *t.running == s.step) {
-    lock.unlock();
-    return refuse(StepError::kConflict, where + " is being exchanged already");
+  if (*creates && pending_count_ + created >= options_.max_pending_steps) {
+    *why = "too many steps in flight (limits.max_pending_steps = " +
+           std::to_string(options_.max_pending_steps) + ")";
+    return StepError::kLimitReached;
   }
+  return StepError::kNone;
+}
+
+bool StepEngine::enqueue(Contribution c, StepDone done) {
+  const TensorSpec& s = c.spec;
+  Tensor& t = tensorSlot(s.name);
   auto it = t.pending.find(s.step);
   if (it == t.pending.end()) {
-    if (pending_count_ >= options_.max_pending_steps) {
-      lock.unlock();
-      metrics_.limitHits("pending_steps").Increment();
-      return refuse(StepError::kLimitReached,
-                    "too many steps in flight (limits.max_pending_steps = " +
-                        std::to_string(options_.max_pending_steps) + ")");
-    }
     Pending p;
     p.parts.resize(options_.local_trainers);
     p.dones.resize(options_.local_trainers);
@@ -101,41 +118,91 @@ void StepEngine::submit(Contribution c, StepDone done) {
     p.dtype = s.dtype;
     p.shape = s.shape;
     p.layer = s.layer;
+    p.bucket = s.bucket;
     p.deadline = Clock::now() + options_.step_timeout;
     it = t.pending.emplace(s.step, std::move(p)).first;
     ++pending_count_;
   }
   Pending& p = it->second;
-  std::pair<std::string, uint64_t> ready_key;
-  if (p.parts[s.trainer]) {
-    lock.unlock();
-    return refuse(StepError::kConflict,
-                  where + ": trainer " + std::to_string(s.trainer) + " already sent its part");
-  }
-  if (p.elements != s.elements || p.dtype != s.dtype) {
-    lock.unlock();
-    return refuse(StepError::kConflict, where + ": trainer " + std::to_string(s.trainer) +
-                                            " sent " + std::to_string(s.elements) + " " +
-                                            apiDTypeName(s.dtype) + " elements, another trainer " +
-                                            std::to_string(p.elements) + " " +
-                                            apiDTypeName(p.dtype));
-  }
   const unsigned trainer = s.trainer;
-  ready_key = {s.name, s.step};  // `s` refers into `c`, moved below
+  std::pair<std::string, uint64_t> ready_key{s.name, s.step};  // `s` refers into `c`, moved below
   p.parts[trainer] = std::move(c);
   p.dones[trainer] = std::move(done);
-  if (++p.arrived == options_.local_trainers) {
-    p.queued = true;
-    ready_.push_back(std::move(ready_key));
+  if (++p.arrived < options_.local_trainers) return false;
+  p.queued = true;
+  ready_.push_back(std::move(ready_key));
+  return true;
+}
+
+namespace {
+
+std::string trainerOutOfRange(unsigned trainer, unsigned trainers) {
+  return "trainer " + std::to_string(trainer) + " is out of range: this sidecar serves " +
+         std::to_string(trainers) + " local trainer(s), 0.." + std::to_string(trainers - 1);
+}
+
+}  // namespace
+
+void StepEngine::submit(Contribution c, StepDone done) {
+  auto refuse = [&](StepError error, std::string message) {
+    done(StepOutcome{error, std::move(message), {}});
+  };
+  if (c.spec.trainer >= options_.local_trainers) {
+    return refuse(StepError::kInvalidArgument,
+                  trainerOutOfRange(c.spec.trainer, options_.local_trainers));
+  }
+  std::unique_lock lock(mu_);
+  if (stopping_) return refuse(StepError::kShuttingDown, "the sidecar is shutting down");
+  std::string why;
+  bool creates = false;
+  if (StepError e = admit(c.spec, 0, &creates, &why); e != StepError::kNone) {
+    lock.unlock();
+    if (e == StepError::kLimitReached) metrics_.limitHits("pending_steps").Increment();
+    return refuse(e, std::move(why));
+  }
+  const uint64_t elements = c.spec.elements;
+  if (enqueue(std::move(c), std::move(done))) {
     // A small step with nothing ahead of it runs right here: no hand-off to the engine thread and
     // back (two thread wake-ups, most of a 4 KiB round trip).
     // Only without peers: waiting for them must not hold up the caller's (I/O) thread.
-    if (!executing_ && tasks_.empty() && ready_.size() == 1 && p.elements <= kInlineMaxElements &&
+    if (!executing_ && tasks_.empty() && ready_.size() == 1 && elements <= kInlineMaxElements &&
         exchange_.worldSize() == 1) {
       runNextReady(lock);
       return;
     }
   }
+  cv_.notify_all();
+}
+
+void StepEngine::submitBucket(std::vector<Contribution> layers, std::vector<StepDone> dones) {
+  auto refuse = [&](StepError error, const std::string& message) {
+    for (auto& d : dones) d(StepOutcome{error, message, {}});
+  };
+  if (layers.empty() || layers.size() != dones.size()) {
+    return refuse(StepError::kInternal, "a bucket needs one done per layer, and a layer");
+  }
+  for (const auto& c : layers) {
+    if (c.spec.trainer >= options_.local_trainers) {
+      return refuse(StepError::kInvalidArgument,
+                    trainerOutOfRange(c.spec.trainer, options_.local_trainers));
+    }
+  }
+  std::unique_lock lock(mu_);
+  if (stopping_) return refuse(StepError::kShuttingDown, "the sidecar is shutting down");
+  size_t created = 0;
+  for (const auto& c : layers) {
+    std::string why;
+    bool creates = false;
+    if (StepError e = admit(c.spec, created, &creates, &why); e != StepError::kNone) {
+      lock.unlock();
+      if (e == StepError::kLimitReached) metrics_.limitHits("pending_steps").Increment();
+      return refuse(e, why);
+    }
+    created += creates ? 1 : 0;
+  }
+  // Every layer is in, in one go: the last trainer's parts queue the bucket's layers one after
+  // the other, which is how runNextReady() finds them together.
+  for (size_t i = 0; i < layers.size(); ++i) enqueue(std::move(layers[i]), std::move(dones[i]));
   cv_.notify_all();
 }
 
@@ -258,28 +325,51 @@ Status StepEngine::runBetweenSteps(const std::function<Status()>& fn) {
 }
 
 void StepEngine::runNextReady(std::unique_lock<std::mutex>& lock) {
-  auto [name, step] = ready_.front();
-  ready_.pop_front();
-  auto tit = tensors_.find(name);
-  if (tit == tensors_.end()) return;
-  Tensor& t = *tit->second;
-  auto pit = t.pending.find(step);
-  if (pit == t.pending.end()) return;
-  Pending p = std::move(pit->second);
-  t.pending.erase(pit);
-  --pending_count_;
+  // The ready entries of one step: a tensor's, or every layer of a bucket (queued together by
+  // submitBucket(), so they are next to each other).
+  std::vector<Tensor*> ts;
+  std::vector<Pending> ps;
+  uint64_t step = 0;
+  std::string bucket;
+  while (!ready_.empty()) {
+    const auto [name, s] = ready_.front();
+    auto tit = tensors_.find(name);
+    if (tit == tensors_.end() || !tit->second->pending.contains(s)) {
+      ready_.pop_front();  // gone meanwhile (failed by a resume)
+      continue;
+    }
+    Tensor& t = *tit->second;
+    auto pit = t.pending.find(s);
+    if (!ts.empty() && (pit->second.bucket.empty() || pit->second.bucket != bucket || s != step)) {
+      break;  // the next step's
+    }
+    step = s;
+    bucket = pit->second.bucket;
+    ts.push_back(&t);
+    ps.push_back(std::move(pit->second));
+    t.pending.erase(pit);
+    --pending_count_;
+    ready_.pop_front();
+    if (bucket.empty()) break;
+  }
+  if (ts.empty()) return;
   if (stopping_) {
     lock.unlock();
-    failPending(p, StepError::kShuttingDown, "the sidecar is shutting down");
+    for (auto& p : ps) failPending(p, StepError::kShuttingDown, "the sidecar is shutting down");
     lock.lock();
     return;
   }
-  t.running = step;
+  for (Tensor* t : ts) t->running = step;
   executing_ = true;
   lock.unlock();
-  runStep(t, step, p);
+  if (ts.size() == 1 && bucket.empty()) {
+    runStep(*ts.front(), step, ps.front());
+  } else {
+    runBucketStep(ts, step, ps);
+  }
+  resumePending();
   lock.lock();
-  t.running.reset();
+  for (Tensor* t : ts) t->running.reset();
   executing_ = false;
   // Wake the engine thread only when it has something to do: waking it after every inline step
   // would cost a context switch per small round trip.
@@ -301,22 +391,70 @@ void StepEngine::periodicCheckpoint(uint64_t step) {
   }
 }
 
+namespace {
+
+/// The refusal of a step that would go backwards (the tensor committed it or a later one while
+/// it waited), or nullopt.
+std::optional<StepOutcome> goesBackwards(const std::string& name, uint64_t step,
+                                         const std::optional<uint64_t>& last_committed) {
+  if (!last_committed || step > *last_committed) return std::nullopt;
+  return StepOutcome{StepError::kConflict, "tensor '" + name + "' step " + std::to_string(step) +
+                                               " goes backwards: step " +
+                                               std::to_string(*last_committed) +
+                                               " already completed"};
+}
+
+}  // namespace
+
 void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
-  StepOutcome outcome;
+  std::optional<StepOutcome> refused;
   {
     std::lock_guard lock(mu_);
-    if (t.last_committed && step <= *t.last_committed) {
-      outcome = {StepError::kConflict,
-                 "tensor '" + t.name + "' step " + std::to_string(step) + " goes backwards: step " +
-                     std::to_string(*t.last_committed) + " already completed"};
-    }
+    refused = goesBackwards(t.name, step, t.last_committed);
   }
-  if (outcome.ok()) {
+  StepOutcome outcome;
+  if (refused) {
+    outcome = std::move(*refused);
+  } else {
     periodicCheckpoint(step);
     outcome = StepPipeline(*this, t, step, p).run();
   }
   if (!outcome.ok()) exchange_.abort(t.name, step, outcome.message);
   exchange_.stepDone(t.name, step);
+  endStep(t, step, p, outcome);
+}
+
+void StepEngine::runBucketStep(std::vector<Tensor*>& tensors, uint64_t step,
+                               std::vector<Pending>& parts) {
+  const size_t n = tensors.size();
+  std::vector<StepOutcome> outcomes(n);
+  std::optional<StepOutcome> refused;
+  {
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < n && !refused; ++i) {
+      refused = goesBackwards(tensors[i]->name, step, tensors[i]->last_committed);
+    }
+  }
+  if (refused) {
+    outcomes.assign(n, *refused);
+  } else {
+    periodicCheckpoint(step);
+    std::vector<std::unique_ptr<StepPipeline>> pipelines;
+    pipelines.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      pipelines.push_back(std::make_unique<StepPipeline>(*this, *tensors[i], step, parts[i]));
+    }
+    outcomes = StepPipeline::runBucket(pipelines);
+  }
+  // A failed bucket is aborted for every layer: the other sidecars may wait on any of them.
+  for (size_t i = 0; i < n; ++i) {
+    if (!outcomes[i].ok()) exchange_.abort(tensors[i]->name, step, outcomes[i].message);
+  }
+  for (size_t i = 0; i < n; ++i) exchange_.stepDone(tensors[i]->name, step);
+  for (size_t i = 0; i < n; ++i) endStep(*tensors[i], step, parts[i], outcomes[i]);
+}
+
+void StepEngine::endStep(Tensor& t, uint64_t step, Pending& p, const StepOutcome& outcome) {
   std::vector<std::pair<uint64_t, Pending>> overtaken;  // waiting steps this commit dooms
   {
     std::lock_guard lock(mu_);
@@ -372,19 +510,21 @@ void StepEngine::runStep(Tensor& t, uint64_t step, Pending& p) {
     }
     p.dones[k](outcome);
   }
-  if (pending_resume_) {
-    const uint64_t at = *pending_resume_;
-    pending_resume_.reset();
-    if (auto st = resumeHere(at); !st.isOk()) {
-      spdlog::error("could not resume from step {} as the other sidecars did: {}", at,
-                    st.message());
-    }
-  }
   for (auto& [old_step, old] : overtaken) {
     metrics_.steps_failed.Increment();
     failPending(old, StepError::kConflict,
                 "tensor '" + t.name + "' step " + std::to_string(old_step) +
                     " goes backwards: step " + std::to_string(step) + " already completed");
+  }
+}
+
+void StepEngine::resumePending() {
+  if (!pending_resume_) return;
+  const uint64_t at = *pending_resume_;
+  pending_resume_.reset();
+  if (auto st = resumeHere(at); !st.isOk()) {
+    spdlog::error("could not resume from step {} as the other sidecars did: {}", at,
+                  st.message());
   }
 }
 

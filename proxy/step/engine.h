@@ -96,6 +96,12 @@ class StepEngine {
   /// it conflicts: same (tensor, step, trainer) pending, a step not after the last committed one,
   /// a size or dtype different from the other trainers' for that step, too many steps pending.
   void submit(Contribution c, StepDone done);
+  /// The layers of one trainer's bucket (docs/architecture.md "A bucket's layers: one step"), each
+  /// a tensor of its own (spec.bucket names the bucket, the same step for every layer), with one
+  /// StepDone each: taken all or none (a refusal of any layer refuses every one, each done called
+  /// with that error), and once every trainer's part of every layer is in, run as one step of
+  /// the bucket — every layer's exchange together, and every layer committed or none.
+  void submitBucket(std::vector<Contribution> layers, std::vector<StepDone> dones);
   /// New codec settings; each tensor's next step uses them (fresh state when its codec changes).
   void setChooser(CodecChooser chooser);
   /// Tensors for /v1/status.
@@ -145,6 +151,17 @@ class StepEngine {
   /// Takes the first ready step and runs it (mu_ held on entry and exit, released while running).
   void runNextReady(std::unique_lock<std::mutex>& lock);
   void runStep(Tensor& t, uint64_t step, Pending& p);
+  /// runStep for the layers of one bucket (their ready entries, in order).
+  void runBucketStep(std::vector<Tensor*>& tensors, uint64_t step, std::vector<Pending>& parts);
+  /// The bookkeeping of a step that ended (ok or not) and its replies; the resume a step's
+  /// statistics asked for runs after it (resumePending()).
+  void endStep(Tensor& t, uint64_t step, Pending& p, const StepOutcome& outcome);
+  void resumePending();
+  /// Why `s` cannot join its step now (kNone: it can, `why` untouched); changes nothing. `created`:
+  /// steps the same submission creates before this part (for limits.max_pending_steps). mu_ held.
+  StepError admit(const TensorSpec& s, size_t created, bool* creates, std::string* why) const;
+  /// Adds an admitted part; true when it completed its step (now queued). mu_ held.
+  bool enqueue(Contribution c, StepDone done);
   /// The periodic checkpoint due before `step`, if any (before the step runs).
   void periodicCheckpoint(uint64_t step);
   void failPending(Pending& p, StepError error, const std::string& message);

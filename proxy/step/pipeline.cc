@@ -58,20 +58,104 @@ StepPipeline::StepPipeline(StepEngine& engine, StepEngine::Tensor& tensor, uint6
 StepPipeline::~StepPipeline() = default;
 
 StepOutcome StepPipeline::run() {
-  if (auto stop = checkBuffers()) return stopped(std::move(*stop));
-  if (auto stop = plan()) return stopped(std::move(*stop));
-  if (auto stop = begin()) return stopped(std::move(*stop));
-  if (auto stop = ingest()) return stopped(std::move(*stop));
+  if (auto stop = beforeExchange()) return stopped(std::move(*stop));
   if (plan_.mode == StepMode::kSkip) return skipped();
-  if (auto stop = prepare()) return stopped(std::move(*stop));
-  if (auto stop = statistics()) return stopped(std::move(*stop));
-  if (auto stop = exchange()) return stopped(std::move(*stop));
-  if (auto stop = decode()) return stopped(std::move(*stop));
-  if (auto stop = guard()) return stopped(std::move(*stop));
-  if (auto stop = policies()) return stopped(std::move(*stop));
+  if (auto stop = beginExchange()) return stopped(std::move(*stop));
+  for (int r = 0; r < rounds_; ++r) {
+    if (auto stop = exchangeRound(r)) return stopped(std::move(*stop));
+  }
+  endExchange();
+  if (auto stop = afterExchange()) return stopped(std::move(*stop));
   if (auto stop = finish()) return stopped(std::move(*stop));
   record();
   return std::move(out_);
+}
+
+std::vector<StepOutcome> StepPipeline::runBucket(
+    std::vector<std::unique_ptr<StepPipeline>>& pipelines) {
+  const size_t n = pipelines.size();
+  std::vector<StepOutcome> out(n);
+  if (n == 0) return out;
+  Exchange& exchange = pipelines.front()->engine_.exchange_;
+  // The first failure fails the bucket; `done` marks the layers that ended on their own (a
+  // local accumulation step) or with that failure.
+  std::optional<Stop> failed;
+  std::vector<char> done(n, 0);
+  auto fail = [&](size_t i, Stop stop) {
+    stop.message = "layer '" + pipelines[i]->t_.name + "': " + stop.message;
+    failed = std::move(stop);
+  };
+  for (size_t i = 0; i < n && !failed; ++i) {
+    StepPipeline& p = *pipelines[i];
+    if (auto stop = p.beforeExchange()) {
+      fail(i, std::move(*stop));
+    } else if (p.plan_.mode == StepMode::kSkip) {
+      out[i] = p.skipped();
+      done[i] = 1;
+    } else if (auto stop2 = p.beginExchange()) {
+      fail(i, std::move(*stop2));
+    }
+  }
+  // Round by round, every layer that has that round in one exchange.
+  for (int r = 0; !failed; ++r) {
+    std::vector<size_t> in_round;
+    std::vector<ExchangeRound*> rounds;
+    for (size_t i = 0; i < n && !failed; ++i) {
+      StepPipeline& p = *pipelines[i];
+      if (done[i] || r >= p.rounds_) continue;
+      if (auto stop = p.openRound(r)) {
+        fail(i, std::move(*stop));
+        break;
+      }
+      in_round.push_back(i);
+      rounds.push_back(&*p.round_);
+    }
+    if (failed || rounds.empty()) break;
+    auto got = exchange.runAll(rounds);
+    for (size_t k = 0; k < in_round.size() && !failed; ++k) {
+      StepPipeline& p = *pipelines[in_round[k]];
+      auto mine = got ? Result<std::vector<std::vector<std::span<const uint8_t>>>>(
+                            std::move((*got)[k]))
+                      : Result<std::vector<std::vector<std::span<const uint8_t>>>>(got.status());
+      if (auto stop = p.closeRound(r, std::move(mine))) fail(in_round[k], std::move(*stop));
+    }
+  }
+  for (size_t i = 0; i < n && !failed; ++i) {
+    if (done[i]) continue;
+    pipelines[i]->endExchange();
+    if (auto stop = pipelines[i]->afterExchange()) fail(i, std::move(*stop));
+  }
+  // Every layer got through its exchange and the stages after it: now they write back and commit.
+  for (size_t i = 0; i < n && !failed; ++i) {
+    if (done[i]) continue;
+    if (auto stop = pipelines[i]->finish()) fail(i, std::move(*stop));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (done[i]) continue;
+    if (failed) {
+      out[i] = pipelines[i]->stopped(*failed);
+    } else {
+      pipelines[i]->record();
+      out[i] = std::move(pipelines[i]->out_);
+    }
+  }
+  return out;
+}
+
+StepPipeline::Stage StepPipeline::beforeExchange() {
+  if (auto stop = checkBuffers()) return stop;
+  if (auto stop = plan()) return stop;
+  if (auto stop = begin()) return stop;
+  if (auto stop = ingest()) return stop;
+  if (plan_.mode == StepMode::kSkip) return std::nullopt;
+  if (auto stop = prepare()) return stop;
+  return statistics();
+}
+
+StepPipeline::Stage StepPipeline::afterExchange() {
+  if (auto stop = decode()) return stop;
+  if (auto stop = guard()) return stop;
+  return policies();
 }
 
 StepOutcome StepPipeline::stopped(Stop stop) {
@@ -334,8 +418,9 @@ StepPipeline::Stage StepPipeline::statistics() {
 }
 
 // Compress (the whole-tensor phase — error feedback, momentum, thresholds — is part of it) and
-// exchange, round by round for multi-round codecs.
-StepPipeline::Stage StepPipeline::exchange() {
+// exchange, round by round for multi-round codecs: beginExchange(), each round (exchangeRound()
+// alone, or opened and closed around a bucket's Exchange::runAll), endExchange().
+StepPipeline::Stage StepPipeline::beginExchange() {
   const auto ta = Clock::now();
   if (auto st = backend_->analyze(ctx_, chunking_, dense_step_); !st.isOk()) {
     return backendFailed(st);
@@ -350,12 +435,12 @@ StepPipeline::Stage StepPipeline::exchange() {
   if (auto st = backend_->prepareResult(in_place); !st.isOk()) return backendFailed(st);
   decoded_.assign(chunking_.count(), 0);
   contributors_ = engine_.exchange_.worldSize();
-  for (int r = 0; r < rounds_; ++r) {
-    if (auto stop = exchangeRound(r)) return stop;
-  }
+  return std::nullopt;
+}
+
+void StepPipeline::endExchange() {
   duration(out_.figures, metrics::Stage::kCompress) = compress_us_;
   duration(out_.figures, metrics::Stage::kExchange) = exchange_us_;
-  return std::nullopt;
 }
 
 // Compresses chunk `chunk` of round `round` once (each chunk is encoded at most once per
@@ -389,6 +474,11 @@ Result<std::span<const uint8_t>> StepPipeline::encode(int round, size_t chunk) {
 }
 
 StepPipeline::Stage StepPipeline::exchangeRound(int r) {
+  if (auto stop = openRound(r)) return stop;
+  return closeRound(r, engine_.exchange_.run(*round_));
+}
+
+StepPipeline::Stage StepPipeline::openRound(int r) {
   Exchange& exchange = engine_.exchange_;
   const size_t chunks = chunking_.count();
   t_.payloads[static_cast<size_t>(r)].resize(chunks);
@@ -401,19 +491,20 @@ StepPipeline::Stage StepPipeline::exchangeRound(int r) {
       if (auto p = encode(r, c); !p) return Stop{backend_->failure(), p.status().message()};
     }
   }
-  const auto te = Clock::now();
-  ExchangeRound er{
+  round_.emplace(ExchangeRound{
       t_.name,   step_,
       r,         *step_codec_,
-      chunking_, lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine_)};
+      chunking_, lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine_)});
+  ExchangeRound& er = *round_;
   er.density = ctx_.density;
   if (rounds_ == 1 && backend_->decodesDuringExchange()) {
     // A chunk whose payloads are final is decoded at once, while later chunks still travel.
-    er.on_chunk = [&](size_t c, std::span<const std::span<const uint8_t>> list) -> Status {
+    er.on_chunk = [this, chunks, &exchange](
+                      size_t c, std::span<const std::span<const uint8_t>> list) -> Status {
       if (c >= chunks || decoded_[c]) return internalError("chunk decoded twice or unknown");
       const auto td = Clock::now();
       const float w = 1.0f / static_cast<float>(exchange.worldSize() * trainers_);
-      const Status st = backend_->decodeChunk(chunking_, c, list, er.dense, w);
+      const Status st = backend_->decodeChunk(chunking_, c, list, round_->dense, w);
       early_decode_us_ += microsSince(td);
       if (!st.isOk()) {
         return dataLoss("decompressing: chunk " + std::to_string(c) + ": " + st.message());
@@ -424,9 +515,17 @@ StepPipeline::Stage StepPipeline::exchangeRound(int r) {
   }
   if (lazy) er.encode = [this, r](size_t c) { return encode(r, c); };
   if (r == 0) er.stats_out = record_;
-  auto got = exchange.run(er);
+  round_started_ = Clock::now();
+  return std::nullopt;
+}
+
+StepPipeline::Stage StepPipeline::closeRound(
+    int r, Result<std::vector<std::vector<std::span<const uint8_t>>>> got) {
+  const size_t chunks = chunking_.count();
+  const bool lazy = engine_.exchange_.encodesLazily();
+  ExchangeRound& er = *round_;
   if (r == 0) stats_in_ = std::move(er.stats_in);
-  const double round_us = microsSince(te);
+  const double round_us = microsSince(round_started_);
   if (!got) return Stop{StepError::kExchangeFailed, got.status().message()};
   // Every chunk's state update happens in its encode: none may be left out.
   for (size_t c = 0; c < chunks; ++c) {

@@ -44,6 +44,15 @@ class StepPipeline {
   /// Runs every stage; the outcome carries the figures (also of a failed step, as far as it got).
   StepOutcome run();
 
+  /// One step of every layer of a bucket (docs/architecture.md "A bucket's layers: one step"):
+  /// each layer's stages up to its exchange, then every layer's exchange round r together in one
+  /// Exchange::runAll (round by round while any layer has rounds left), then the stages after it,
+  /// and only when every layer got that far, their write-backs and commits. A layer that fails
+  /// fails the bucket: every layer's outcome is that failure (the message names the layer), no
+  /// layer commits. A layer whose step is a local accumulation step (delayed sync) has no
+  /// exchange and ends on its own. Outcomes in the order of `pipelines`.
+  static std::vector<StepOutcome> runBucket(std::vector<std::unique_ptr<StepPipeline>>& pipelines);
+
  private:
   /// Why a stage stops the step; nullopt: the next stage runs.
   struct Stop {
@@ -60,7 +69,16 @@ class StepPipeline {
   Stage ingest();
   Stage prepare();
   Stage statistics();
-  Stage exchange();
+  // The stages before the exchange (nullopt: it runs), then the exchange: beginExchange() (the
+  // whole-tensor analysis), each round opened (its ExchangeRound, round_) and closed with what
+  // the exchange returned, endExchange(); the stages after it, then finish().
+  Stage beforeExchange();
+  Stage beginExchange();
+  Stage openRound(int round);
+  Stage closeRound(int round,
+                   Result<std::vector<std::vector<std::span<const uint8_t>>>> got);
+  void endExchange();
+  Stage afterExchange();
   Stage exchangeRound(int round);
   Result<std::span<const uint8_t>> encode(int round, size_t chunk);
   Stage decode();
@@ -96,6 +114,8 @@ class StepPipeline {
   std::optional<CosineTerms> cos_;  // of this step, measured on one chunk while it is encoded
   // The exchange rounds.
   int rounds_ = 1;
+  std::optional<ExchangeRound> round_;  // the open round
+  std::chrono::steady_clock::time_point round_started_;  // when it went to the exchange
   std::vector<std::vector<std::span<const uint8_t>>> reduced_;  // per chunk: payloads to decode
   std::vector<std::span<const uint8_t>> round_payloads_;        // multi-round: reduced per round
   std::vector<std::span<const uint8_t>> mine_;                  // this round's own payloads

@@ -24,6 +24,8 @@ struct TensorSpec {
   std::vector<uint64_t> shape;  // empty = 1-D
   uint64_t elements = 0;
   bool layer = false;  // one parameter of a bucket's layout (TensorFacts::layer)
+  // The bucket a layer belongs to (StepEngine::submitBucket; empty: a tensor of its own).
+  std::string bucket;
 };
 
 /// One trainer's part of a step: where its tensor is, and where its result goes (the same bytes).

@@ -30,6 +30,7 @@ struct StepEngine::Pending {
   kernels::DType dtype = kernels::DType::kF32;
   std::vector<uint64_t> shape;
   bool layer = false;
+  std::string bucket;  // TensorSpec::bucket of the first part: the layers of one bucket run as one
   std::chrono::steady_clock::time_point deadline;
   bool queued = false;
 };

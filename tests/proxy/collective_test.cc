@@ -6,6 +6,7 @@
 #include <doctest.h>
 
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <future>
 #include <string>
@@ -17,6 +18,7 @@
 #include "proxy/peer/collective.h"
 #include "proxy/step/engine.h"
 #include "tests/proxy/peer_mesh.h"
+#include "tests/text.h"
 
 namespace lightwire::proxy::peer {
 namespace {
@@ -199,6 +201,184 @@ TEST_CASE("ring: a sparse codec dense enough switches to a dense allreduce of de
         metricValue(*mesh.metrics[r], "lightwire_wire_bytes_total{direction=\"sent\"}");
     CHECK(sent < 1.2 * 2.0 * (w - 1) / w * 4.0 * n + 4096);
   }
+}
+
+/// One tensor of a bucket for the runAll tests: its codec and size.
+struct BucketTensor {
+  std::string name;
+  kernels::CodecConfig config;
+  size_t n;
+};
+
+/// Every tensor of `tensors` exchanged at `step` on every rank of `mesh` — together in one runAll
+/// (`together`), or one run() each — with its policy statistics record; returns [rank][tensor]
+/// the decoded result (weight 1/W) followed by the records received, as floats of their bytes.
+std::vector<std::vector<std::vector<float>>> exchangeBucket(Mesh& mesh,
+                                                            const std::vector<BucketTensor>& tensors,
+                                                            uint64_t step, bool together) {
+  const uint32_t w = static_cast<uint32_t>(mesh.transports.size());
+  std::vector<std::future<std::vector<std::vector<float>>>> futures;
+  for (uint32_t r = 0; r < w; ++r) {
+    futures.push_back(std::async(std::launch::async, [&, r] {
+      RingExchange ring(*mesh.transports[r], std::chrono::milliseconds(5000));
+      std::vector<std::unique_ptr<kernels::Codec>> codecs;
+      std::vector<kernels::Chunking> chunkings;
+      std::vector<std::vector<std::vector<uint8_t>>> payloads;
+      std::vector<std::vector<std::span<const uint8_t>>> mine;
+      std::vector<std::vector<uint8_t>> records;
+      std::deque<ExchangeRound> rounds;
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        auto codec = kernels::createCodec(tensors[t].config);
+        REQUIRE(codec.isOk());
+        codecs.push_back(std::move(*codec));
+        chunkings.push_back(kernels::chunkingFor(*codecs.back(), tensors[t].n, 700));
+      }
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        const size_t n = tensors[t].n;
+        auto x = tensorOf(r + static_cast<uint32_t>(t), n);
+        kernels::CodecState state(codecs[t]->stateFloats(n));
+        kernels::StepContext ctx;
+        ctx.rank = r;
+        ctx.step = step;
+        auto p = kernels::encodeTensor(*codecs[t], ctx, chunkings[t],
+                                       kernels::ConstTensor{x.data(), n}, state);
+        REQUIRE(p.isOk());
+        payloads.push_back(std::move(*p));
+        records.push_back(statsOf(r, step + t));
+      }
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        mine.emplace_back(payloads[t].begin(), payloads[t].end());
+      }
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        ExchangeRound& round = rounds.emplace_back(
+            ExchangeRound{tensors[t].name, step, 0, *codecs[t], chunkings[t], mine[t]});
+        round.stats_out = records[t];
+      }
+      std::vector<std::vector<std::vector<std::span<const uint8_t>>>> got;
+      if (together) {
+        std::vector<ExchangeRound*> all;
+        for (auto& round : rounds) all.push_back(&round);
+        auto res = ring.runAll(all);
+        REQUIRE_MESSAGE(res.isOk(), res.status().message());
+        got = std::move(*res);
+      } else {
+        for (auto& round : rounds) {
+          auto res = ring.run(round);
+          REQUIRE_MESSAGE(res.isOk(), res.status().message());
+          got.push_back(std::move(*res));
+        }
+      }
+      REQUIRE(got.size() == tensors.size());
+      std::vector<std::vector<float>> out;
+      auto none = kernels::createCodec({.name = "none"});
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        const kernels::Codec& decoder = rounds[t].dense ? **none : *codecs[t];
+        std::vector<float> v(tensors[t].n, 0.0f);
+        for (size_t c = 0; c < got[t].size(); ++c) {
+          for (auto payload : got[t][c]) {
+            REQUIRE(decoder
+                        .decodeChunk(payload, 1.0f / static_cast<float>(w),
+                                     v.data() + chunkings[t].begin(c), chunkings[t].size(c))
+                        .isOk());
+          }
+        }
+        // The records every rank got for this tensor, appended as bytes.
+        REQUIRE(rounds[t].stats_in.size() == w);
+        for (uint32_t k = 0; k < w; ++k) {
+          REQUIRE(rounds[t].stats_in[k] == statsOf(k, step + t));
+          v.push_back(static_cast<float>(rounds[t].stats_in[k].size()));
+        }
+        v.push_back(rounds[t].dense ? 1.0f : 0.0f);
+        out.push_back(std::move(v));
+      }
+      for (const auto& t : tensors) ring.stepDone(t.name, step);
+      return out;
+    }));
+  }
+  std::vector<std::vector<std::vector<float>>> results;
+  for (auto& f : futures) results.push_back(f.get());
+  return results;
+}
+
+TEST_CASE("ring runAll: a bucket's tensors in one pass equal each exchanged alone, on every rank") {
+  // Codec none (allreduce), topk 1 % (allgather), topk 60 % (switched to a dense allreduce) and
+  // fp16, of different sizes (one chunk and several), in one pass at W = 3.
+  const uint32_t w = 3;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  const std::vector<BucketTensor> tensors = {
+      {"fc1.weight", {.name = "topk", .density = 0.01, .error_feedback = false}, 5000},
+      {"fc1.bias", {.name = "none"}, 64},
+      {"fc2.weight", {.name = "none"}, 3000},
+      {"fc2.bias", {.name = "topk", .density = 0.6, .error_feedback = false}, 2100},
+      {"out.weight", {.name = "fp16"}, 1500}};
+  const auto together = exchangeBucket(mesh, tensors, 7, true);
+  const auto alone = exchangeBucket(mesh, tensors, 7, false);
+  for (uint32_t r = 0; r < w; ++r) {
+    CAPTURE(r);
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      CAPTURE(tensors[t].name);
+      REQUIRE(together[r][t].size() == alone[r][t].size());
+      CHECK(std::memcmp(together[r][t].data(), alone[r][t].data(),
+                        together[r][t].size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(together[r][t].data(), together[0][t].data(),
+                        together[r][t].size() * sizeof(float)) == 0);
+    }
+    CHECK(together[r][3].back() == 1.0f);  // the dense switch happened inside the pass
+    CHECK(together[r][0].back() == 0.0f);
+  }
+}
+
+TEST_CASE("ring runAll: an abort of one tensor fails the whole pass on every rank, at once") {
+  const uint32_t w = 3;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  auto none = kernels::createCodec({.name = "none"});
+  auto topk = kernels::createCodec({.name = "topk", .density = 0.01, .error_feedback = false});
+  REQUIRE(none.isOk());
+  REQUIRE(topk.isOk());
+  const size_t n = 4000;
+  const std::string a = "a.weight", b = "b.weight";
+  std::vector<std::future<Status>> futures;
+  const auto t0 = Clock::now();
+  for (uint32_t r = 0; r < w; ++r) {
+    futures.push_back(std::async(std::launch::async, [&, r]() -> Status {
+      RingExchange ring(*mesh.transports[r], std::chrono::milliseconds(8000));
+      if (r == 2) {  // this rank's second layer failed before its exchange: it aborts the bucket
+        ring.abort(a, 3, "layer 'b.weight': out of memory");
+        ring.abort(b, 3, "layer 'b.weight': out of memory");
+        return Status::ok();
+      }
+      const kernels::Chunking ca = kernels::chunkingFor(**none, n, 1000);
+      const kernels::Chunking cb = kernels::chunkingFor(**topk, n, 1000);
+      const auto x = tensorOf(r, n);
+      kernels::CodecState sa, sb((*topk)->stateFloats(n));
+      kernels::StepContext ctx;
+      ctx.rank = r;
+      ctx.step = 3;
+      auto pa = kernels::encodeTensor(**none, ctx, ca, kernels::ConstTensor{x.data(), n}, sa);
+      auto pb = kernels::encodeTensor(**topk, ctx, cb, kernels::ConstTensor{x.data(), n}, sb);
+      REQUIRE(pa.isOk());
+      REQUIRE(pb.isOk());
+      std::vector<std::span<const uint8_t>> ma(pa->begin(), pa->end()), mb(pb->begin(), pb->end());
+      ExchangeRound ra{a, 3, 0, **none, ca, ma}, rb{b, 3, 0, **topk, cb, mb};
+      ExchangeRound* all[] = {&ra, &rb};
+      auto got = ring.runAll(all);
+      ring.stepDone(a, 3);
+      ring.stepDone(b, 3);
+      return got ? Status::ok() : got.status();
+    }));
+  }
+  for (uint32_t r = 0; r < w; ++r) {
+    const Status st = futures[r].get();
+    if (r == 2) continue;
+    CAPTURE(r);
+    REQUIRE_FALSE(st.isOk());
+    CHECK(lightwire::testing::contains(st.message(), "out of memory"));
+  }
+  CHECK(Clock::now() - t0 < std::chrono::milliseconds(6000));  // the abort, not the deadline
 }
 
 TEST_CASE("result checksums: the ranks whose result differs are named on every rank") {

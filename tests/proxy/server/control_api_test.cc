@@ -811,6 +811,30 @@ TEST_CASE(
   CHECK(m.find("another layout") != std::string::npos);
   CHECK(m.find("'fc.weight'") != std::string::npos);
   CHECK(snapshot(c) == after);
+
+  // A bucket is one step: fc.bias sent on its own at step 5 makes the bucket's step 3 go
+  // backwards for that layer, and the whole bucket is refused (409 naming it), its buffer and
+  // every layer's state untouched; the bucket's step 6 runs every layer.
+  const Res alone = c.request(
+      http::verb::post, "/v1/emit_gradient",
+      R"({"buffer": ")" + id + R"(", "offset": 152, "name": "fc.bias", "step": 5, "shape": [2]})",
+      kJson);
+  REQUIRE_MESSAGE(alone.result_int() == 200, alone.body());
+  const std::vector<float> held(x, x + 12);
+  const std::string refused =
+      expectError(form2(R"("name": "bucket.a", "step": 3, "shape": [12], )" + layout), 409,
+                  "conflict");
+  CHECK(refused.find("tensor 'fc.bias' step 3 goes backwards") != std::string::npos);
+  CHECK(std::vector<float>(x, x + 12) == held);
+  const json::value st = json::parse(c.get("/v1/status").body());
+  for (const auto& t : st.at("tensors").as_array()) {
+    CAPTURE(t);
+    const uint64_t want_step = t.at("name").as_string() == "fc.bias" ? 5 : 1;
+    CHECK(t.at("last_committed_step").to_number<uint64_t>() == want_step);
+    CHECK(t.at("pending_steps").to_number<uint64_t>() == 0);
+  }
+  const Res later = form2(R"("name": "bucket.a", "step": 6, "shape": [12], )" + layout);
+  CHECK_MESSAGE(later.result_int() == 200, later.body());
 }
 
 TEST_CASE(

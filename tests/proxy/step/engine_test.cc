@@ -16,6 +16,9 @@
 #include <thread>
 #include <vector>
 
+#include <boost/json/array.hpp>
+#include <boost/json/object.hpp>
+
 #include "kernels/dtype.h"
 #include "metrics/metrics.h"
 #include "policies/policy.h"
@@ -705,4 +708,180 @@ TEST_CASE("powersgd's start step: dense steps before it leave the state untouche
   const auto gotf = step1(fresh.engine, "m", 3, v);
   REQUIRE_MESSAGE(gotf.first.ok(), gotf.first.message);
   CHECK(gotf.second == r3);
+}
+
+namespace {
+
+/// One layer of a bucket for the bucket tests: its name, values and shape.
+struct LayerIn {
+  std::string name;
+  std::vector<float> values;
+  std::vector<uint64_t> shape;
+};
+
+/// Trainer 0's part of `layer` at `step` (a layer: its shape, no bucket yet), over a copy of its
+/// values; the copy is returned beside it.
+std::pair<Contribution, std::shared_ptr<std::vector<std::byte>>> layerPart(const LayerIn& layer,
+                                                                           uint64_t step) {
+  auto bytes = std::make_shared<std::vector<std::byte>>(layer.values.size() * 4);
+  std::memcpy(bytes->data(), layer.values.data(), bytes->size());
+  Contribution c;
+  c.spec.name = layer.name;
+  c.spec.step = step;
+  c.spec.elements = layer.values.size();
+  c.spec.shape = layer.shape;
+  c.spec.layer = true;
+  c.data = bytes->data();
+  c.keep_alive = bytes;
+  return {std::move(c), bytes};
+}
+
+/// A done that fulfils the returned future.
+std::pair<StepDone, std::future<StepOutcome>> promised() {
+  auto promise = std::make_shared<std::promise<StepOutcome>>();
+  auto future = promise->get_future();
+  return {[promise](StepOutcome o) { promise->set_value(std::move(o)); }, std::move(future)};
+}
+
+/// Submits `layers` as trainer 0's bucket "bucket.x" at `step` (submitBucket); layer `broken`
+/// (if any) with a buffer that no longer holds its size. One Sent per layer.
+std::vector<Sent> sendBucket(StepEngine& engine, uint64_t step, const std::vector<LayerIn>& layers,
+                             std::optional<size_t> broken = std::nullopt) {
+  std::vector<Contribution> cs;
+  std::vector<StepDone> dones;
+  std::vector<Sent> sent;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto [c, bytes] = layerPart(layers[i], step);
+    c.spec.bucket = "bucket.x";
+    if (broken && *broken == i) c.still_valid = [] { return false; };
+    auto [done, future] = promised();
+    sent.push_back(Sent{bytes, std::move(future)});
+    cs.push_back(std::move(c));
+    dones.push_back(std::move(done));
+  }
+  engine.submitBucket(std::move(cs), std::move(dones));
+  return sent;
+}
+
+/// `layer` submitted on its own (submit(): a tensor of that name and shape, not in a bucket).
+Sent sendShaped(StepEngine& engine, const LayerIn& layer, uint64_t step) {
+  auto [c, bytes] = layerPart(layer, step);
+  auto [done, future] = promised();
+  engine.submit(std::move(c), std::move(done));
+  return Sent{bytes, std::move(future)};
+}
+
+/// Per layer: topk with error feedback, none for the bias, powersgd (two rounds) for a matrix.
+CodecChooser layerCodecs() {
+  return [](const TensorFacts& f) -> TensorSettings {
+    if (f.name == "fc.bias") return codecNamed("none");
+    if (f.name == "fc.weight") return codecNamed("topk", 0.1);
+    kernels::CodecConfig p = codecNamed("powersgd");
+    p.approx_rank = 2;
+    return p;
+  };
+}
+
+std::vector<LayerIn> bucketLayers(uint32_t seed) {
+  return {{"fc.weight", randomValues(600, seed), {20, 30}},
+          {"fc.bias", randomValues(20, seed + 1), {20}},
+          {"out.weight", randomValues(512, seed + 2), {16, 32}}};
+}
+
+const boost::json::object* tensorEntry(const boost::json::array& tensors, const std::string& name) {
+  for (const auto& t : tensors) {
+    if (t.as_object().at("name").as_string() == name) return &t.as_object();
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE("a bucket's layers run as one step: each its own tensor, results as when sent alone") {
+  Fixture bucket(withTrainers(1), layerCodecs());
+  Fixture alone(withTrainers(1), layerCodecs());
+  for (uint64_t step = 1; step <= 3; ++step) {
+    CAPTURE(step);
+    const auto layers = bucketLayers(static_cast<uint32_t>(10 * step));
+    auto sent = sendBucket(bucket.engine, step, layers);
+    REQUIRE(sent.size() == 3);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      CAPTURE(layers[i].name);
+      const StepOutcome o = sent[i].get();
+      REQUIRE_MESSAGE(o.ok(), o.message);
+      Sent one = sendShaped(alone.engine, layers[i], step);
+      const StepOutcome oa = one.get();
+      REQUIRE_MESSAGE(oa.ok(), oa.message);
+      CHECK(o.figures.codec == oa.figures.codec);
+      CHECK(o.figures.wire_bytes == oa.figures.wire_bytes);
+      CHECK(bitsEqual(*sent[i].bytes, *one.bytes));
+    }
+  }
+  const auto tensors = bucket.engine.tensorsJson();
+  for (const std::string name : {"fc.weight", "fc.bias", "out.weight"}) {
+    CAPTURE(name);
+    const auto* t = tensorEntry(tensors, name);
+    REQUIRE(t != nullptr);
+    CHECK(t->at("last_committed_step").to_number<uint64_t>() == 3);
+  }
+  CHECK(tensorEntry(tensors, "fc.bias")->at("codec").as_string() == "none");
+  CHECK(tensorEntry(tensors, "out.weight")->at("codec").as_string() == "powersgd");
+}
+
+TEST_CASE("a bucket fails as a whole: one layer's failure fails every layer, and none commits") {
+  Fixture f(withTrainers(1), layerCodecs());
+  Fixture fresh(withTrainers(1), layerCodecs());
+  const auto layers = bucketLayers(5);
+  auto sent = sendBucket(f.engine, 1, layers, /*broken=*/2);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    CAPTURE(layers[i].name);
+    const StepOutcome o = sent[i].get();
+    REQUIRE_FALSE(o.ok());
+    CHECK(o.error == StepError::kConflict);
+    CHECK(o.message.find("layer 'out.weight'") != std::string::npos);
+    CHECK(o.message.find("no longer holds its registered size") != std::string::npos);
+    CHECK(bitsEqual(*sent[i].bytes, [&] {  // the buffers are as the trainer left them
+      std::vector<std::byte> b(layers[i].values.size() * 4);
+      std::memcpy(b.data(), layers[i].values.data(), b.size());
+      return b;
+    }()));
+  }
+  for (const auto& t : f.engine.tensorsJson()) {
+    CHECK(t.as_object().at("last_committed_step").is_null());
+  }
+  // Nothing was committed: the next step equals a first step from fresh state (topk's residual
+  // and powersgd's factors untouched).
+  auto again = sendBucket(f.engine, 2, layers);
+  auto first = sendBucket(fresh.engine, 2, layers);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    CAPTURE(layers[i].name);
+    const StepOutcome a = again[i].get(), b = first[i].get();
+    REQUIRE_MESSAGE(a.ok(), a.message);
+    REQUIRE_MESSAGE(b.ok(), b.message);
+    CHECK(bitsEqual(*again[i].bytes, *first[i].bytes));
+  }
+}
+
+TEST_CASE("a bucket is taken all or none: one layer's refusal refuses every layer") {
+  Fixture f(withTrainers(1), layerCodecs());
+  // fc.bias committed step 5 on its own: a bucket at step 3 goes backwards for it.
+  const auto got5 = step1(f.engine, "fc.bias", 5, randomValues(20, 1));
+  REQUIRE_MESSAGE(got5.first.ok(), got5.first.message);
+  auto sent = sendBucket(f.engine, 3, bucketLayers(7));
+  for (auto& s : sent) {
+    const StepOutcome o = s.get();
+    REQUIRE_FALSE(o.ok());
+    CHECK(o.error == StepError::kConflict);
+    CHECK(o.message.find("tensor 'fc.bias' step 3 goes backwards") != std::string::npos);
+  }
+  // Nothing of it stayed: no tensor made, nothing pending.
+  const auto tensors = f.engine.tensorsJson();
+  CHECK(tensors.size() == 1);
+  CHECK(tensorEntry(tensors, "fc.weight") == nullptr);
+  CHECK(tensorEntry(tensors, "fc.bias")->at("pending_steps").to_number<uint64_t>() == 0);
+  auto later = sendBucket(f.engine, 6, bucketLayers(7));
+  for (auto& s : later) {
+    const StepOutcome o = s.get();
+    CHECK_MESSAGE(o.ok(), o.message);
+  }
 }
