@@ -61,6 +61,15 @@ struct ExchangeRound {
   }
 };
 
+/// The bucket whose layers one Exchange::runAll exchanges (round 0): its name and the hash of its
+/// layout, which every sidecar checks against every other's before the data (docs/exchange.md
+/// "A bucket's layers in one exchange").
+struct BucketTag {
+  std::string name;
+  uint64_t layout_hash = 0;
+  uint32_t layers = 0;
+};
+
 /// The seam to the other sidecars. For each chunk it returns the payloads to decode: the reduced
 /// (summed) payload for summable and multi-round codecs, or every sidecar's payload otherwise.
 /// The spans stay valid until the step ends (one step runs at a time).
@@ -72,10 +81,11 @@ class Exchange {
   /// The rounds of several tensors of one step together — a bucket's layers, each its own tensor
   /// with its own codec (docs/exchange.md "A bucket's layers in one exchange") — each as run()
   /// returns it, in the order given. It fails as a whole: one error, and the caller fails every
-  /// tensor of it. This default runs them one after the other (one round trip each); an exchange
-  /// may run them in one pass.
+  /// tensor of it. `bucket` (round 0 of a bucket; else null): the layout every sidecar must have
+  /// sent the rounds' tensors with. This default runs them one after the other (one round trip
+  /// each) and checks no layout; an exchange may run them in one pass.
   virtual Result<std::vector<std::vector<std::vector<std::span<const uint8_t>>>>> runAll(
-      std::span<ExchangeRound* const> rounds) {
+      std::span<ExchangeRound* const> rounds, const BucketTag* /*bucket*/) {
     std::vector<std::vector<std::vector<std::span<const uint8_t>>>> out;
     out.reserve(rounds.size());
     for (ExchangeRound* r : rounds) {

@@ -19,6 +19,8 @@ constexpr uint8_t kPhaseReduce = 0;
 constexpr uint8_t kPhaseGather = 1;
 constexpr uint8_t kPhaseChecksum = 2;
 constexpr uint8_t kPhaseStats = 3;  // a rank's policy statistics record, to every other rank
+constexpr uint8_t kPhaseBucket = 4;  // a rank's bucket header (layout hash), to every other rank
+constexpr size_t kBucketHeaderBytes = 12;  // u64 layout hash, u32 layers (little-endian)
 
 /// The key of `origin`'s statistics record of a step (round 0, chunk 0).
 FrameKey statsKey(uint64_t tensor, uint64_t step, uint32_t origin) {
@@ -141,6 +143,8 @@ void RingExchange::stepDone(const std::string& tensor, uint64_t step) {
   held_.clear();
   for (auto& b : sums_) spare_sums_.push_back(std::move(b));
   sums_.clear();
+  for (const auto& [key, s] : buckets_) transport_.discard(key, s);
+  buckets_.clear();
   dense_rounds_.clear();
   dense_spans_.clear();
   dense_payloads_.clear();
@@ -187,12 +191,13 @@ Status RingExchange::receiveStats(ExchangeRound& r, uint64_t tensor) {
 
 Result<Spans> RingExchange::run(ExchangeRound& r) {
   ExchangeRound* one[] = {&r};
-  auto got = runAll(one);
+  auto got = runAll(one, nullptr);
   if (!got) return got.status();
   return std::move(got->front());
 }
 
-Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> rounds) {
+Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> rounds,
+                                                const BucketTag* bucket) {
   deadline_ = Clock::now() + timeout_;
   const size_t n = rounds.size();
   std::vector<Item> items(n);
@@ -203,8 +208,14 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     r.stats_in.clear();
   }
   // Every tensor of the pass fails with the first error, and is aborted on every peer.
+  const uint64_t step = n > 0 ? rounds[0]->step : 0;
+  if (bucket) {
+    buckets_.emplace_back(tensorKey(bucket->name), step);
+    transport_.beginStep(buckets_.back().first, step);
+  }
   auto failAll = [&](Status s) {
     for (const Item& it : items) transport_.abortStep(it.tensor, it.r->step, s.message());
+    if (bucket) transport_.abortStep(tensorKey(bucket->name), step, s.message());
     return s;
   };
   // Statistics records (round 0): expected from every rank iff this rank has one (the engine
@@ -221,7 +232,7 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     }
     if (!first_stats) first_stats = &it;
   }
-  Status st = Status::ok();
+  Status st = bucket ? postBucket(*bucket, step) : Status::ok();
   for (const Item& it : items) {
     if (st.isOk() && hasStats(*it.r)) st = postStats(*it.r, it.tensor);
   }
@@ -245,8 +256,10 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
   }
   // by_origin[k][c][o]: rank o's payload of chunk c of gather[k]; reduced[k]: reduce[k]'s sums.
   std::vector<Spans> by_origin, reduced;
-  // The gathers' own payloads go out first, then the allreduces run, then the gathers' hops.
+  // The gathers' own payloads go out first, then (once every rank's layout is known to be this
+  // one's) the allreduces run, then the gathers' hops.
   if (st.isOk()) st = gatherPost(gather, by_origin);
+  if (st.isOk() && bucket) st = checkBucket(*bucket, step);
   if (st.isOk()) {
     auto sums = allreduce(reduce);
     if (sums) {
@@ -441,6 +454,63 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
     if (it.r->on_chunk) LW_RETURN_IF_ERROR(it.r->on_chunk(c, out[i][c]));
   }
   return out;
+}
+
+Status RingExchange::postBucket(const BucketTag& bucket, uint64_t step) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  for (int i = 0; i < 8; ++i) header_[i] = static_cast<uint8_t>(bucket.layout_hash >> (8 * i));
+  for (int i = 0; i < 4; ++i) header_[8 + i] = static_cast<uint8_t>(bucket.layers >> (8 * i));
+  FrameKey k;
+  k.tensor = tensorKey(bucket.name);
+  k.step = step;
+  k.phase = kPhaseBucket;
+  k.origin = me;
+  for (uint32_t r = 0; r < w; ++r) {
+    if (r == me) continue;
+    LW_RETURN_IF_ERROR(transport_.post(r, FrameType::kData, k, 0, header_, deadline_));
+  }
+  return Status::ok();
+}
+
+Status RingExchange::checkBucket(const BucketTag& bucket, uint64_t step) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  std::string differ;
+  for (uint32_t r = 0; r < w; ++r) {
+    if (r == me) continue;
+    FrameKey k;
+    k.tensor = tensorKey(bucket.name);
+    k.step = step;
+    k.phase = kPhaseBucket;
+    k.origin = r;
+    auto got = transport_.receive(r, k, deadline_);
+    if (!got) {
+      return Status(got.status().code(), "waiting for rank " + std::to_string(r) +
+                                             "'s layout of bucket '" + bucket.name +
+                                             "': " + got.status().message());
+    }
+    std::vector<uint8_t> b = std::move(got->payload);
+    if (b.size() != kBucketHeaderBytes) {
+      const size_t size = b.size();
+      transport_.recycle(std::move(b));
+      return dataLoss("rank " + std::to_string(r) + "'s header of bucket '" + bucket.name +
+                      "' has " + std::to_string(size) + " bytes, not " +
+                      std::to_string(kBucketHeaderBytes));
+    }
+    uint64_t hash = 0;
+    uint32_t layers = 0;
+    for (int i = 0; i < 8; ++i) hash |= uint64_t{b[static_cast<size_t>(i)]} << (8 * i);
+    for (int i = 0; i < 4; ++i) layers |= uint32_t{b[static_cast<size_t>(8 + i)]} << (8 * i);
+    transport_.recycle(std::move(b));
+    if (hash != bucket.layout_hash || layers != bucket.layers) {
+      differ += fmt::format("{}rank {} has layout {:016x} ({} layers)", differ.empty() ? "" : ", ",
+                            r, hash, layers);
+    }
+  }
+  if (differ.empty()) return Status::ok();
+  return failedPrecondition(fmt::format(
+      "bucket '{}' step {}: this sidecar's layout is {:016x} ({} layers), {}: every trainer of the "
+      "job must send a bucket with the same layout (docs/api.md \"Layouts: one tensor per layer\")",
+      bucket.name, step, bucket.layout_hash, bucket.layers, differ));
 }
 
 Status RingExchange::gatherPost(std::span<const Item> items, std::vector<Spans>& by_origin) {

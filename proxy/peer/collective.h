@@ -44,9 +44,11 @@ class RingExchange final : public Exchange {
   /// One pass for every round given (a bucket's layers): every record and every gather's own
   /// payloads posted first, then one ring allreduce over the chunks of every summable (or
   /// multi-round, or dense-switched) tensor, position by position across the tensors, then the
-  /// gathers' hops, tensor after tensor at each hop; one flush. run() is this for one round.
+  /// gathers' hops, tensor after tensor at each hop; one flush. With `bucket`, every rank's
+  /// layout hash of it is received and compared before any data is taken (a mismatch fails the
+  /// pass on every rank, naming the ranks). run() is this for one round, without a bucket.
   Result<std::vector<std::vector<std::vector<std::span<const uint8_t>>>>> runAll(
-      std::span<ExchangeRound* const> rounds) override;
+      std::span<ExchangeRound* const> rounds, const BucketTag* bucket) override;
   bool encodesLazily() const override { return true; }
   Result<std::vector<uint32_t>> compareResults(const std::string& tensor, uint64_t step,
                                                uint64_t checksum) override;
@@ -66,6 +68,10 @@ class RingExchange final : public Exchange {
   /// others' received hop by hop (gatherReceive); by_origin[item][chunk][rank].
   Status gatherPost(std::span<const Item> items, std::vector<Spans>& by_origin);
   Status gatherReceive(std::span<const Item> items, std::vector<Spans>& by_origin);
+  /// The bucket's header (its layout hash and layer count) to every other rank, and every other
+  /// rank's received and compared with this one's.
+  Status postBucket(const BucketTag& bucket, uint64_t step);
+  Status checkBucket(const BucketTag& bucket, uint64_t step);
   Status fail(uint64_t tensor, uint64_t step, Status s);
   /// Policy statistics (round 0, ExchangeRound::stats_out non-empty): posts this rank's record
   /// to every other rank (before any data frame), and receives every other rank's once the data
@@ -98,6 +104,8 @@ class RingExchange final : public Exchange {
   std::deque<std::vector<std::vector<uint8_t>>> dense_payloads_;
   std::deque<std::vector<std::span<const uint8_t>>> dense_spans_;
   std::deque<ExchangeRound> dense_rounds_;
+  std::vector<std::pair<uint64_t, uint64_t>> buckets_;  // (bucket key, step) of the step's headers
+  uint8_t header_[12] = {};                             // this rank's bucket header (posted)
 };
 
 /// XXH3-64 of a tensor name: the `tensor` field of frames.

@@ -233,6 +233,8 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
     layer.elements = entry.elements;
     layer.layer = true;
     layer.bucket = name;
+    layer.layout_hash = shared_layout->hash;
+    layer.bucket_layers = static_cast<uint32_t>(n);
     layers.push_back(regionContribution(region, offset + entry.offset * width, layer));
     dones.push_back([reply, name, step, shared_layout, steps, i](StepOutcome out) {
       std::unique_lock lock(steps->mu);

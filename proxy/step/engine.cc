@@ -89,7 +89,7 @@ StepError StepEngine::admit(const TensorSpec& s, size_t created, bool* creates,
                apiDTypeName(p.dtype);
         return StepError::kConflict;
       }
-      if (p.bucket != s.bucket) {
+      if (p.bucket != s.bucket || p.layout_hash != s.layout_hash) {
         *why = where + ": trainer " + std::to_string(s.trainer) + " sent it " +
                (s.bucket.empty() ? std::string("on its own") : "in bucket '" + s.bucket + "'") +
                ", another trainer " +
@@ -119,6 +119,8 @@ bool StepEngine::enqueue(Contribution c, StepDone done) {
     p.shape = s.shape;
     p.layer = s.layer;
     p.bucket = s.bucket;
+    p.layout_hash = s.layout_hash;
+    p.bucket_layers = s.bucket_layers;
     p.deadline = Clock::now() + options_.step_timeout;
     it = t.pending.emplace(s.step, std::move(p)).first;
     ++pending_count_;
@@ -446,11 +448,17 @@ void StepEngine::runBucketStep(std::vector<Tensor*>& tensors, uint64_t step,
     }
     outcomes = StepPipeline::runBucket(pipelines);
   }
-  // A failed bucket is aborted for every layer: the other sidecars may wait on any of them.
+  // A failed bucket is aborted for every layer, and its header: the other sidecars may wait on
+  // any of them.
+  const std::string& bucket = parts.front().bucket;
   for (size_t i = 0; i < n; ++i) {
     if (!outcomes[i].ok()) exchange_.abort(tensors[i]->name, step, outcomes[i].message);
   }
+  if (!outcomes.front().ok() && !bucket.empty()) {
+    exchange_.abort(bucket, step, outcomes.front().message);
+  }
   for (size_t i = 0; i < n; ++i) exchange_.stepDone(tensors[i]->name, step);
+  if (!bucket.empty()) exchange_.stepDone(bucket, step);
   for (size_t i = 0; i < n; ++i) endStep(*tensors[i], step, parts[i], outcomes[i]);
 }
 

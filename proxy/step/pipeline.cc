@@ -111,7 +111,13 @@ std::vector<StepOutcome> StepPipeline::runBucket(
       rounds.push_back(&*p.round_);
     }
     if (failed || rounds.empty()) break;
-    auto got = exchange.runAll(rounds);
+    // Round 0 carries the bucket's layout, which every sidecar checks against every other's.
+    const StepEngine::Pending& first = pipelines.front()->p_;
+    std::optional<BucketTag> tag;
+    if (r == 0 && !first.bucket.empty()) {
+      tag = BucketTag{first.bucket, first.layout_hash, first.bucket_layers};
+    }
+    auto got = exchange.runAll(rounds, tag ? &*tag : nullptr);
     for (size_t k = 0; k < in_round.size() && !failed; ++k) {
       StepPipeline& p = *pipelines[in_round[k]];
       auto mine = got ? Result<std::vector<std::vector<std::span<const uint8_t>>>>(

@@ -24,8 +24,11 @@ struct TensorSpec {
   std::vector<uint64_t> shape;  // empty = 1-D
   uint64_t elements = 0;
   bool layer = false;  // one parameter of a bucket's layout (TensorFacts::layer)
-  // The bucket a layer belongs to (StepEngine::submitBucket; empty: a tensor of its own).
+  // The bucket a layer belongs to (StepEngine::submitBucket; empty: a tensor of its own), and the
+  // hash of its layout and its layer count (checked against every other sidecar's in the exchange).
   std::string bucket;
+  uint64_t layout_hash = 0;
+  uint32_t bucket_layers = 0;
 };
 
 /// One trainer's part of a step: where its tensor is, and where its result goes (the same bytes).

@@ -31,6 +31,8 @@ struct StepEngine::Pending {
   std::vector<uint64_t> shape;
   bool layer = false;
   std::string bucket;  // TensorSpec::bucket of the first part: the layers of one bucket run as one
+  uint64_t layout_hash = 0;  // ... and its TensorSpec::layout_hash, bucket_layers
+  uint32_t bucket_layers = 0;
   std::chrono::steady_clock::time_point deadline;
   bool queued = false;
 };

@@ -258,7 +258,7 @@ std::vector<std::vector<std::vector<float>>> exchangeBucket(Mesh& mesh,
       if (together) {
         std::vector<ExchangeRound*> all;
         for (auto& round : rounds) all.push_back(&round);
-        auto res = ring.runAll(all);
+        auto res = ring.runAll(all, nullptr);
         REQUIRE_MESSAGE(res.isOk(), res.status().message());
         got = std::move(*res);
       } else {
@@ -365,7 +365,7 @@ TEST_CASE("ring runAll: an abort of one tensor fails the whole pass on every ran
       std::vector<std::span<const uint8_t>> ma(pa->begin(), pa->end()), mb(pb->begin(), pb->end());
       ExchangeRound ra{a, 3, 0, **none, ca, ma}, rb{b, 3, 0, **topk, cb, mb};
       ExchangeRound* all[] = {&ra, &rb};
-      auto got = ring.runAll(all);
+      auto got = ring.runAll(all, nullptr);
       ring.stepDone(a, 3);
       ring.stepDone(b, 3);
       return got ? Status::ok() : got.status();
@@ -379,6 +379,72 @@ TEST_CASE("ring runAll: an abort of one tensor fails the whole pass on every ran
     CHECK(lightwire::testing::contains(st.message(), "out of memory"));
   }
   CHECK(Clock::now() - t0 < std::chrono::milliseconds(6000));  // the abort, not the deadline
+}
+
+/// One tensor of codec none as the only layer of bucket "bucket.x" at `step`, on every rank of
+/// `mesh`, rank r with tag(r); each rank's status.
+std::vector<Status> bucketOnEveryRank(Mesh& mesh, uint64_t step,
+                                      const std::function<BucketTag(uint32_t)>& tag) {
+  auto none = kernels::createCodec({.name = "none"});
+  REQUIRE(none.isOk());
+  const size_t n = 3000;
+  const std::string a = "fc.weight";
+  std::vector<std::future<Status>> futures;
+  for (uint32_t r = 0; r < mesh.transports.size(); ++r) {
+    futures.push_back(std::async(std::launch::async, [&, r]() -> Status {
+      RingExchange ring(*mesh.transports[r], std::chrono::milliseconds(8000));
+      const kernels::Chunking chunking = kernels::chunkingFor(**none, n, 1000);
+      const auto x = tensorOf(r, n);
+      kernels::CodecState state;
+      kernels::StepContext ctx;
+      auto p = kernels::encodeTensor(**none, ctx, chunking, kernels::ConstTensor{x.data(), n},
+                                     state);
+      REQUIRE(p.isOk());
+      std::vector<std::span<const uint8_t>> mine(p->begin(), p->end());
+      ExchangeRound round{a, step, 0, **none, chunking, mine};
+      ExchangeRound* all[] = {&round};
+      const BucketTag t = tag(r);
+      auto got = ring.runAll(all, &t);
+      ring.stepDone(a, step);
+      ring.stepDone(t.name, step);
+      return got ? Status::ok() : got.status();
+    }));
+  }
+  std::vector<Status> out;
+  for (auto& f : futures) out.push_back(f.get());
+  return out;
+}
+
+TEST_CASE("ring runAll: a rank with another layout of the bucket fails it on every rank, at once") {
+  // Rank 2's trainer sent the bucket with another layout (its hash differs); the others agree.
+  Mesh mesh(3);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  const auto t0 = Clock::now();
+  const auto failed = bucketOnEveryRank(mesh, 4, [](uint32_t r) {
+    return BucketTag{"bucket.x", r == 2 ? 0xbadbadbadbadbad0ull : 0x8c1d0b6f2e4a9375ull,
+                     r == 2 ? 2u : 1u};
+  });
+  for (uint32_t r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    const Status& st = failed[r];
+    REQUIRE_FALSE(st.isOk());
+    CHECK(lightwire::testing::contains(st.message(), "bucket 'bucket.x' step 4"));
+    CHECK(lightwire::testing::contains(st.message(), "must send a bucket with the same layout"));
+    if (r < 2) {
+      CHECK(lightwire::testing::contains(st.message(), "rank 2 has layout badbadbadbadbad0 (2"));
+    } else {
+      CHECK(lightwire::testing::contains(st.message(), "this sidecar's layout is badbadbadbadbad0"));
+      CHECK(lightwire::testing::contains(st.message(), "rank 0 has layout 8c1d0b6f2e4a9375"));
+    }
+  }
+  CHECK(Clock::now() - t0 < std::chrono::milliseconds(6000));  // at once, not at the deadline
+  // The same bucket with one layout everywhere runs.
+  for (const Status& st : bucketOnEveryRank(mesh, 5, [](uint32_t) {
+         return BucketTag{"bucket.x", 0x8c1d0b6f2e4a9375ull, 1};
+       })) {
+    CHECK_MESSAGE(st.isOk(), st.message());
+  }
 }
 
 TEST_CASE("result checksums: the ranks whose result differs are named on every rank") {
