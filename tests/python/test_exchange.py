@@ -516,3 +516,74 @@ def test_tls_certificates_renewed_with_sighup(cluster_factory, tmp_path):
     cl.launch([0]).wait_ready()
     step(3)
     assert 89 < expiry_days(1) <= 90
+
+
+def test_bucket_with_another_layout_on_one_rank_fails_everywhere_at_once(cluster_factory):
+    """A bucket's layers are one exchange carrying the layout's hash (docs/exchange.md "A bucket's
+    layers in one exchange"): a rank whose trainer sent another layout under the same bucket name
+    fails the bucket on every rank at once (not at the peer deadline), and nothing is committed;
+    a bucket of one layout everywhere then runs, bitwise identical on both ranks."""
+    from lightwire._shm import ShmSegment
+    cl = cluster_factory(2, codec="none", peer_timeout=20)
+    n = 12
+    same = [{"name": "fc.weight", "offset": 0, "shape": [2, 3]},
+            {"name": "fc.bias", "offset": 6, "shape": [2]},
+            {"name": "out.weight", "offset": 8, "shape": [4]}]
+    other = [dict(same[0], shape=[6])] + same[1:]  # the same names, another shape: another hash
+    segs, clients = [], []
+    for r in range(2):
+        c = cl[r].client(timeout=(2.0, 30.0))
+        seg = ShmSegment(n * 4)
+        c.register_buffer(seg)
+        segs.append(seg)
+        clients.append(c)
+    results, elapsed = [None, None], [None, None]
+
+    def emit(r, step, layout, bucket="bucket.x"):
+        np.frombuffer(segs[r].buf, dtype=np.float32)[:] = trainer_input(2, r, 0, step, n)
+        t0 = time.monotonic()
+        try:
+            results[r] = clients[r].emit_gradient_shm(segs[r], bucket, step, shape=[n],
+                                                      layout=layout)
+        except lightwire.LightwireError as e:
+            results[r] = e
+        elapsed[r] = time.monotonic() - t0
+
+    try:
+        threads = [threading.Thread(target=emit, args=(r, 0, other if r == 1 else same))
+                   for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for r in range(2):
+            e = results[r]
+            assert isinstance(e, lightwire.LightwireError), (r, e, cl.stderr())
+            assert e.status == 502 and e.error == "exchange_failed", (r, e)
+            assert "bucket 'bucket.x' step 0" in e.message, e.message
+            assert "must send a bucket with the same layout" in e.message, e.message
+            assert elapsed[r] < 10, "rank %d failed after %.1f s: at the deadline, not at once" % (
+                r, elapsed[r])
+        for r in range(2):
+            status = clients[r].status()
+            assert all(t["last_committed_step"] is None for t in status["tensors"]), status
+        # (Rank 1's sidecar keeps the layout bucket.x was first sent with: a bucket of the right
+        # layout goes under another name.)
+        threads = [threading.Thread(target=emit, args=(r, 1, same, "bucket.y")) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not isinstance(results[0], Exception), results[0]
+        assert not isinstance(results[1], Exception), results[1]
+        assert [l["name"] for l in results[0]["layers"]] == ["fc.weight", "fc.bias", "out.weight"]
+        got = [np.frombuffer(s.buf, dtype=np.float32).copy() for s in segs]
+        assert_bitwise(got[0], got[1], "rank 0 vs rank 1")
+        want = (trainer_input(2, 1, 0, 1, n) + trainer_input(2, 0, 0, 1, n)) * np.float32(0.5)
+        np.testing.assert_allclose(got[0], want, rtol=1e-6)
+    finally:
+        for c in clients:
+            c.close()
+        for s in segs:
+            s.close()
+            s.unlink()
