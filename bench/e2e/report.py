@@ -1102,10 +1102,11 @@ def render_tta_markdown(results, source, group_info):
              "the step cap).")
     L.append("- **Wire per step per rank**: bytes counted on the namespace's loopback during the "
              "timed steps / the steps the row ran / the world size, as on the fixed-step page.")
-    L.append("- **Dense share**: the share of gradient elements sent dense. Neither the sidecar's "
-             "reply nor its metrics give such a figure (the reply's `mode` says whether a whole "
-             "step was dense, per bucket, not how many elements), so it is shown as %s until "
-             "one does; nothing is estimated in its place." % DASH)
+    L.append("- **Dense share**: the share of the gradient elements the sidecar averaged that it "
+             "sent dense over the timed steps, from the hook's counters (`LightwireHookState."
+             "dense_share`: a layer, or a flat bucket, counts as dense when its reply says codec "
+             "`none` or a dense mode: 1-D and small layers, PowerSGD before its start step, "
+             "bypass and full-sync steps); %s for rows without the sidecar." % DASH)
     L.append("- **Spread**: mean %s %s over the seeds a configuration trained, %s the sample "
              "standard deviation (n %s 1 in the denominator); n counts the seeds with a finished "
              "row." % (PLUS_MINUS, SIGMA, SIGMA, "\u2212"))
