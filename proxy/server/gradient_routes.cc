@@ -147,6 +147,45 @@ Response bucketReply(const std::string& bucket, uint64_t step, const Layout& lay
   return jsonResponse(status::ok, o);
 }
 
+/// The layout a request names by its "layout_hash": the one its bucket name was sent with before
+/// (docs/api.md "Layouts: one tensor per layer"), so that a trainer sends a bucket's layout once;
+/// with a "layout" too, the hash must be that layout's. "" or why not (`unknown`: this sidecar
+/// holds no layout of that name, 404).
+std::string layoutByHash(const json::object& o, const std::string& bucket, uint64_t elements,
+                         const LayoutRegistry& registry, std::optional<Layout>* layout,
+                         bool* unknown) {
+  std::string text;
+  uint64_t hash = 0;
+  if (std::string e = jsonString(o, "layout_hash", true, &text); !e.empty()) return e;
+  if (!parseLayoutHash(text, &hash)) {
+    return "field 'layout_hash' must be 16 hex digits (the reply's layout_hash), not " +
+           quote(text);
+  }
+  if (*layout) {
+    if ((*layout)->hash == hash) return "";
+    return "field 'layout_hash' " + quote(text) + " is not the hash of the layout sent with it (" +
+           layoutHashText((*layout)->hash) + ")";
+  }
+  std::optional<Layout> known = registry.find(bucket);
+  if (!known) {
+    *unknown = true;
+    return "no layout is registered under bucket " + quote(bucket) +
+           " (a sidecar that restarted has none): send the bucket with its 'layout' once";
+  }
+  if (known->hash != hash) {
+    return "bucket " + quote(bucket) + " was sent with layout " + layoutHashText(known->hash) +
+           ", not " + quote(text) + ": a bucket's name stands for one layout";
+  }
+  uint64_t total = 0;
+  for (const LayoutEntry& e : known->entries) total += e.elements;
+  if (total != elements) {
+    return "bucket " + quote(bucket) + "'s layout holds " + std::to_string(total) +
+           " elements, the request " + std::to_string(elements);
+  }
+  *layout = std::move(known);
+  return "";
+}
+
 }  // namespace
 
 Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
@@ -155,7 +194,8 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   TensorSpec spec;
   bool has_shape = false;
   if (std::string e =
-          parseTensorDescription(JsonFields(o), {"buffer", "offset", "elements", "layout"},
+          parseTensorDescription(JsonFields(o),
+                                 {"buffer", "offset", "elements", "layout", "layout_hash"},
                                  config_.local_trainers, &spec, &has_shape);
       !e.empty()) {
     return badRequest(e);
@@ -202,6 +242,13 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   }
   if (!region->stillBacked()) {
     return badRequest("buffer " + buffer + " no longer holds its registered size");
+  }
+  if (o.contains("layout_hash")) {
+    bool unknown = false;
+    if (std::string e = layoutByHash(o, spec.name, spec.elements, layouts_, &layout, &unknown);
+        !e.empty()) {
+      return unknown ? errorResponse(status::not_found, "unknown_layout", e) : badRequest(e);
+    }
   }
   const std::string name = spec.name;
   const uint64_t step = spec.step;

@@ -128,6 +128,21 @@ std::string layoutHashText(uint64_t hash) {
   return s;
 }
 
+bool parseLayoutHash(std::string_view text, uint64_t* hash) {
+  if (text.size() != 16) return false;
+  uint64_t h = 0;
+  for (const char c : text) {
+    int d = -1;
+    if (c >= '0' && c <= '9') d = c - '0';
+    if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') d = c - 'A' + 10;
+    if (d < 0) return false;
+    h = (h << 4) | static_cast<uint64_t>(d);
+  }
+  *hash = h;
+  return true;
+}
+
 std::string LayoutRegistry::check(const std::string& bucket, const Layout& layout) {
   std::lock_guard lock(mu_);
   auto it = layouts_.find(bucket);
@@ -156,6 +171,13 @@ std::string LayoutRegistry::check(const std::string& bucket, const Layout& layou
                                   std::to_string(known.entries.size());
   return "bucket " + api::quote(bucket) + " was first sent with another layout (" + where +
          "): a bucket's name must stand for one layout (name buckets by their parameters)";
+}
+
+std::optional<Layout> LayoutRegistry::find(const std::string& bucket) const {
+  std::lock_guard lock(mu_);
+  auto it = layouts_.find(bucket);
+  if (it == layouts_.end()) return std::nullopt;
+  return it->second;
 }
 
 size_t LayoutRegistry::size() const {

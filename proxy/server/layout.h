@@ -13,7 +13,9 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace lightwire::proxy {
@@ -51,6 +53,8 @@ std::string parseLayout(const boost::json::value& v, uint64_t elements, const st
 uint64_t layoutHash(const std::vector<LayoutEntry>& entries);
 /// A layout hash as the replies and the status show it: 16 lower-case hex digits.
 std::string layoutHashText(uint64_t hash);
+/// Parses layoutHashText's form (16 hex digits, either case); false when `text` is not one.
+bool parseLayoutHash(std::string_view text, uint64_t* hash);
 
 /// The layouts buckets were first sent with, by bucket name.
 class LayoutRegistry {
@@ -59,6 +63,8 @@ class LayoutRegistry {
   /// it is (now) the registered one; otherwise why not (a different layout, naming the first
   /// entry that differs; too many buckets), and nothing changes.
   std::string check(const std::string& bucket, const Layout& layout);
+  /// The layout registered under `bucket` (nullopt: none).
+  std::optional<Layout> find(const std::string& bucket) const;
   size_t size() const;
 
  private:

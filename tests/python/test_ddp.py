@@ -358,3 +358,52 @@ def test_without_agreement_a_lone_fallback_is_stuck(sidecar, tmp_path):
         e = r[i]["error"]
         assert e is not None and ("Timed out" in e or "Connection closed by peer" in e), r[i]
     assert any("Timed out" in r[i]["error"] for i in range(2)), r
+
+
+def test_per_layer_sends_each_layout_once_and_again_to_a_restarted_sidecar(sidecar, pg,
+                                                                           plain_losses):
+    """A bucket's layout goes with its first request; later ones name it by its hash. A sidecar
+    that restarted holds no layouts (404 unknown_layout): the hook sends the layout again, and
+    training goes on without a fallback, as plain SGD."""
+    made, sent = [], []  # sent: (phase, bucket name, "layout" | "hash")
+    phase = ["before"]
+    make = _layer_state(sidecar, made)
+
+    def make_spied(net):
+        state = make(net)
+        real = state.client.emit_gradient_shm
+
+        def spy(*a, **kw):
+            kind = "layout" if kw.get("layout") is not None else "hash"
+            assert kw.get("layout") is None or kw.get("layout_hash") is None
+            sent.append((phase[0], kw["name"], kind))
+            return real(*a, **kw)
+        state.client.emit_gradient_shm = spy
+        return state
+
+    def on_step(i):
+        if i == H.STEPS // 2:
+            sidecar.stop()
+            sidecar.start()
+            phase[0] = "after"
+
+    try:
+        losses, _ = H.train(make_spied, on_step=on_step)
+    finally:
+        _close(made)
+    state = made[0]
+    assert state.fallbacks == 0 and state.sidecar_steps == H.STEPS
+    for when in ("before", "after"):
+        names = {n for p, n, _ in sent if p == when}
+        assert names, when
+        for name in names:
+            kinds = [k for p, n, k in sent if p == when and n == name]
+            if when == "before":
+                assert kinds[0] == "layout" and set(kinds[1:]) <= {"hash"}, (name, kinds)
+            else:
+                # The hash first (the sidecar does not know it: 404), then the layout once.
+                assert "layout" in kinds and kinds.count("layout") == 1, (name, kinds)
+                assert set(kinds[kinds.index("layout") + 1:]) <= {"hash"}, (name, kinds)
+    assert sum(1 for _, _, k in sent if k == "hash") >= H.STEPS - 4
+    for i, (a, b) in enumerate(zip(plain_losses[0], losses)):
+        assert abs(a - b) <= 1e-5, "step %d: plain %r, hook %r" % (i, a, b)

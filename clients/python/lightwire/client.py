@@ -324,14 +324,17 @@ class Client(object):
             seg.buffer_id = None
 
     def emit_gradient_shm(self, buffer, name, step, dtype="float32", shape=None, offset=0, trainer=None,
-                          layout=None):
+                          layout=None, layout_hash=None):
         """Form 2: the tensor lies in registered buffer ``buffer`` (an id or a registered
         ``ShmSegment``) at ``offset``; the averaged result is written there in place. Returns
         the reply's JSON (the step's figures). ``shape`` defaults to the whole buffer, 1-D.
 
         ``layout`` (optional): the bucket's parameters, a list of ``{"name", "offset", "shape"}``
         (offsets in elements from ``offset``), each exchanged as a tensor of its own
-        (docs/api.md "Layouts: one tensor per layer"); the reply then lists them in ``layers``."""
+        (docs/api.md "Layouts: one tensor per layer"); the reply then lists them in ``layers``.
+        ``layout_hash`` (optional): instead of ``layout``, the reply's ``layout_hash`` of an earlier
+        step of this bucket name, so that the layout is sent once; a sidecar that does not hold it
+        (it restarted) answers 404 ``unknown_layout``: send ``layout`` again."""
         if hasattr(buffer, "buffer_id"):
             if buffer.buffer_id is None:
                 raise ValueError("lightwire: %r is not registered" % (buffer,))
@@ -349,6 +352,8 @@ class Client(object):
             doc["trainer"] = int(trainer)
         if layout is not None:
             doc["layout"] = layout
+        if layout_hash is not None:
+            doc["layout_hash"] = str(layout_hash)
         return self._json("POST", "/v1/emit_gradient", doc).json()
 
     def report(self, step, loss=None, fallbacks=None, trainer=None):

@@ -316,6 +316,7 @@ class LightwireHookState(object):
         self.per_layer = bool(per_layer)
         self._names = _parameter_names(module) if self.per_layer else {}
         self._layouts = {}         # tuple of parameter ids -> (bucket name, layout)
+        self._layout_hashes = {}   # bucket name -> the layout hash its sidecar holds
         # Momentum (see SGD): the optimizer the trainer declared (SGD declares itself), and the
         # momentum the sidecar applies to each parameter's gradient, from the last reply naming it.
         self.optimizer = optimizer
@@ -487,6 +488,26 @@ class LightwireHookState(object):
 
     # ------------------------------------------------------------------ one bucket
 
+    def _send(self, buffer_id, name, step, dtype, shape, layout):
+        """Form 2 of one bucket: its layout the first time, then only its hash (the reply's
+        ``layout_hash``), and the layout again when the sidecar does not hold it (it restarted:
+        404 ``unknown_layout``)."""
+        known = self._layout_hashes.get(name) if layout is not None else None
+        try:
+            reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
+                                                  shape=shape, trainer=self.trainer,
+                                                  layout=None if known else layout,
+                                                  layout_hash=known)
+        except LightwireError as e:
+            if known is None or not (e.status == 404 and e.error == "unknown_layout"):
+                raise
+            self._layout_hashes.pop(name, None)
+            reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
+                                                  shape=shape, trainer=self.trainer, layout=layout)
+        if layout is not None and isinstance(reply, dict) and reply.get("layout_hash"):
+            self._layout_hashes[name] = str(reply["layout_hash"])
+        return reply
+
     def _emit(self, slot, name, step, shape, layout=None):
         """Runs in an HTTP thread: register if needed, then Form 2. Returns the reply."""
         seg = slot.segment
@@ -494,9 +515,7 @@ class LightwireHookState(object):
             if seg.buffer_id is None:
                 self.client.register_buffer(seg)
             try:
-                return self.client.emit_gradient_shm(seg.buffer_id, name=name, step=step,
-                                                     dtype=_DTYPES[slot.dtype], shape=shape,
-                                                     trainer=self.trainer, layout=layout)
+                return self._send(seg.buffer_id, name, step, _DTYPES[slot.dtype], shape, layout)
             except SidecarUnavailable:
                 # The sidecar went away; a restarted one knows none of our ids (nor can they be
                 # released): register again on the next call.
@@ -518,9 +537,7 @@ class LightwireHookState(object):
                 doc = cuda_ipc_spec(slot.view, event=slot.event)
                 slot.buffer_id = str(self.client._json("POST", "/v1/buffers", doc).json()["id"])
             try:
-                return self.client.emit_gradient_shm(slot.buffer_id, name=name, step=step,
-                                                     dtype=_DTYPES[slot.dtype], shape=shape,
-                                                     trainer=self.trainer, layout=layout)
+                return self._send(slot.buffer_id, name, step, _DTYPES[slot.dtype], shape, layout)
             except SidecarUnavailable:
                 slot.buffer_id = None
                 raise

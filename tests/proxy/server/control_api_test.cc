@@ -835,6 +835,37 @@ TEST_CASE(
   }
   const Res later = form2(R"("name": "bucket.a", "step": 6, "shape": [12], )" + layout);
   CHECK_MESSAGE(later.result_int() == 200, later.body());
+
+  // Sent once: later steps may name the layout by its hash (the reply's layout_hash).
+  const std::string hash(parseObject(later.body()).at("layout_hash").get_string());
+  const Res by_hash = form2(R"("name": "bucket.a", "step": 7, "shape": [12], "layout_hash": ")" +
+                            hash + R"(")");
+  REQUIRE_MESSAGE(by_hash.result_int() == 200, by_hash.body());
+  CHECK(parseObject(by_hash.body()).at("layers").as_array().size() == 3);
+  CHECK(parseObject(by_hash.body()).at("layout_hash").get_string() == hash);
+  const std::string before_hash = snapshot(c);
+  std::string wrong = hash;
+  wrong[0] = wrong[0] == '0' ? '1' : '0';
+  const std::vector<std::pair<std::string, std::string>> bad_hashes = {
+      {R"("name": "bucket.a", "step": 8, "shape": [12], "layout_hash": ")" + wrong + R"(")",
+       "was sent with layout " + hash},
+      {R"("name": "bucket.a", "step": 8, "shape": [12], "layout_hash": "xyz")", "16 hex digits"},
+      {R"("name": "bucket.a", "step": 8, "shape": [12], "layout_hash": 7)", "'layout_hash'"},
+      {R"("name": "bucket.a", "step": 8, "shape": [10], "layout_hash": ")" + hash + R"(")",
+       "holds 12 elements, the request 10"},
+      {R"("name": "bucket.a", "step": 8, "shape": [12], "layout_hash": ")" + wrong + R"(", )" +
+           layout,
+       "is not the hash of the layout sent with it"}};
+  for (const auto& bad : bad_hashes) {
+    CAPTURE(bad.first);
+    const std::string got = expectError(form2(bad.first), 400, "invalid_argument");
+    CHECK_MESSAGE(got.find(bad.second) != std::string::npos, got);
+  }
+  const std::string unknown = expectError(
+      form2(R"("name": "bucket.z", "step": 0, "shape": [12], "layout_hash": ")" + hash + R"(")"),
+      404, "unknown_layout");
+  CHECK(unknown.find("send the bucket with its 'layout' once") != std::string::npos);
+  CHECK(snapshot(c) == before_hash);
 }
 
 TEST_CASE(
