@@ -18,6 +18,18 @@ namespace lightwire::proxy {
 
 using namespace api;  // NOLINT(google-build-using-namespace): the routes' shared helpers
 
+namespace {
+
+/// A tensor of its own may not take the name of a bucket sent with a layout: the bucket's
+/// exchange uses that name for its header (docs/exchange.md "A bucket's layers in one exchange").
+std::string notABucket(const std::string& name, const LayoutRegistry& layouts) {
+  if (!layouts.contains(name)) return "";
+  return "tensor name " + quote(name) + " names a bucket sent with a layout: a tensor of its own "
+         "needs another name";
+}
+
+}  // namespace
+
 Response ControlApi::emitRaw(Request& req, const RequestTarget& t, Reply& reply, bool& replied) {
   TensorSpec spec;
   bool has_shape = false;
@@ -44,6 +56,7 @@ Response ControlApi::emitRaw(Request& req, const RequestTarget& t, Reply& reply,
     spec.elements = body_bytes / width;
   }
   if (spec.elements == 0) return badRequest("empty tensor: the body holds no values");
+  if (std::string e = notABucket(spec.name, layouts_); !e.empty()) return badRequest(e);
 
   auto body = std::make_shared<std::string>(std::move(req.body()));
   Contribution c;
@@ -253,6 +266,7 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   const std::string name = spec.name;
   const uint64_t step = spec.step;
   if (!layout) {
+    if (std::string e = notABucket(spec.name, layouts_); !e.empty()) return badRequest(e);
     replied = true;
     engine_.submit(regionContribution(region, offset, spec), [reply, name, step](StepOutcome out) {
       if (!out.ok()) return reply(fromOutcome(out));

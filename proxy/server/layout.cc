@@ -180,6 +180,11 @@ std::optional<Layout> LayoutRegistry::find(const std::string& bucket) const {
   return it->second;
 }
 
+bool LayoutRegistry::contains(const std::string& bucket) const {
+  std::lock_guard lock(mu_);
+  return layouts_.contains(bucket);
+}
+
 size_t LayoutRegistry::size() const {
   std::lock_guard lock(mu_);
   return layouts_.size();

@@ -65,6 +65,7 @@ class LayoutRegistry {
   std::string check(const std::string& bucket, const Layout& layout);
   /// The layout registered under `bucket` (nullopt: none).
   std::optional<Layout> find(const std::string& bucket) const;
+  bool contains(const std::string& bucket) const;
   size_t size() const;
 
  private:

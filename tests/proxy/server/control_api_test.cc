@@ -865,6 +865,18 @@ TEST_CASE(
       form2(R"("name": "bucket.z", "step": 0, "shape": [12], "layout_hash": ")" + hash + R"(")"),
       404, "unknown_layout");
   CHECK(unknown.find("send the bucket with its 'layout' once") != std::string::npos);
+  // A tensor of its own cannot take a bucket's name (form 2 without a layout, and form 1).
+  const std::string taken = expectError(
+      c.request(http::verb::post, "/v1/emit_gradient",
+                R"({"buffer": ")" + id + R"(", "offset": 128, "name": "bucket.a", "step": 9, )"
+                R"("shape": [12]})",
+                kJson),
+      400, "invalid_argument");
+  CHECK(taken.find("names a bucket sent with a layout") != std::string::npos);
+  const std::string raw(48, '\0');
+  expectError(c.request(http::verb::post, "/v1/emit_gradient?name=bucket.a&step=9", raw,
+                        kRaw),
+              400, "invalid_argument");
   CHECK(snapshot(c) == before_hash);
 }
 
