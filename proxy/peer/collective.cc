@@ -18,7 +18,7 @@ using Spans = std::vector<std::vector<std::span<const uint8_t>>>;
 constexpr uint8_t kPhaseReduce = 0;
 constexpr uint8_t kPhaseGather = 1;
 constexpr uint8_t kPhaseChecksum = 2;
-constexpr uint8_t kPhaseStats = 3;  // a rank's policy statistics record, to every other rank
+constexpr uint8_t kPhaseStats = 3;   // a rank's policy statistics record, to every other rank
 constexpr uint8_t kPhaseBucket = 4;  // a rank's bucket header (layout hash), to every other rank
 constexpr size_t kBucketHeaderBytes = 12;  // u64 layout hash, u32 layers (little-endian)
 
@@ -227,8 +227,8 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     if (it.r->stats_out.size() > kMaxStatsBytes) {
       return failAll(invalidArgument("this sidecar's statistics record has " +
                                      std::to_string(it.r->stats_out.size()) + " bytes, more than " +
-                                     std::to_string(kMaxStatsBytes) + " (tensor '" +
-                                     it.r->tensor + "')"));
+                                     std::to_string(kMaxStatsBytes) + " (tensor '" + it.r->tensor +
+                                     "')"));
     }
     if (!first_stats) first_stats = &it;
   }
@@ -324,8 +324,8 @@ Result<ExchangeRound*> RingExchange::denseRound(ExchangeRound& r) {
   for (size_t c = 0; c < r.chunking.count(); ++c) {
     auto own = r.payload(c);
     if (!own) return own.status();
-    if (auto s = r.codec.decodeChunk(*own, 1.0f, input.data() + r.chunking.begin(c),
-                                     r.chunking.size(c));
+    if (auto s =
+            r.codec.decodeChunk(*own, 1.0f, input.data() + r.chunking.begin(c), r.chunking.size(c));
         !s.isOk()) {
       return internalError("decoding our own chunk " + std::to_string(c) + " of '" + r.tensor +
                            "': " + s.message());
@@ -405,8 +405,8 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
     const uint32_t pos = position(c);
     auto own = r.payload(c);  // compressed before waiting: it overlaps the partial's arrival
     if (!own) return own.status();
-    auto got = transport_.receive(prev, key(it, kPhaseReduce, c, static_cast<uint32_t>(c % w)),
-                                  deadline);
+    auto got =
+        transport_.receive(prev, key(it, kPhaseReduce, c, static_cast<uint32_t>(c % w)), deadline);
     if (!got) return got.status();
     std::vector<uint8_t>& sum = sumBuffer(r.codec.maxPayloadBytes(r.chunking.size(c)));
     auto size = r.codec.addPayloads(got->payload, *own, sum);
@@ -525,10 +525,10 @@ Status RingExchange::gatherPost(std::span<const Item> items, std::vector<Spans>&
       if (!own) return own.status();
       by_origin[i][c][me] = *own;
       if (w > 1) {
-        LW_RETURN_IF_ERROR(transport_.post(
-            next, FrameType::kData,
-            keyOf(items[i].tensor, r, kPhaseGather, static_cast<uint32_t>(c), me),
-            static_cast<uint8_t>(r.codec.traits().id), *own, deadline_));
+        LW_RETURN_IF_ERROR(
+            transport_.post(next, FrameType::kData,
+                            keyOf(items[i].tensor, r, kPhaseGather, static_cast<uint32_t>(c), me),
+                            static_cast<uint8_t>(r.codec.traits().id), *own, deadline_));
       }
     }
   }
@@ -545,8 +545,8 @@ Status RingExchange::gatherReceive(std::span<const Item> items, std::vector<Span
     for (size_t i = 0; i < items.size(); ++i) {
       const ExchangeRound& r = *items[i].r;
       for (size_t c = 0; c < r.chunking.count(); ++c) {
-        const FrameKey k = keyOf(items[i].tensor, r, kPhaseGather, static_cast<uint32_t>(c),
-                                 origin);
+        const FrameKey k =
+            keyOf(items[i].tensor, r, kPhaseGather, static_cast<uint32_t>(c), origin);
         auto got = transport_.receive(prev, k, deadline_);
         if (!got) return got.status();
         by_origin[i][c][origin] = keep(std::move(got->payload));

@@ -24,7 +24,8 @@ namespace {
 /// exchange uses that name for its header (docs/exchange.md "A bucket's layers in one exchange").
 std::string notABucket(const std::string& name, const LayoutRegistry& layouts) {
   if (!layouts.contains(name)) return "";
-  return "tensor name " + quote(name) + " names a bucket sent with a layout: a tensor of its own "
+  return "tensor name " + quote(name) +
+         " names a bucket sent with a layout: a tensor of its own "
          "needs another name";
 }
 
@@ -206,10 +207,9 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
   TensorSpec spec;
   bool has_shape = false;
-  if (std::string e =
-          parseTensorDescription(JsonFields(o),
-                                 {"buffer", "offset", "elements", "layout", "layout_hash"},
-                                 config_.local_trainers, &spec, &has_shape);
+  if (std::string e = parseTensorDescription(
+          JsonFields(o), {"buffer", "offset", "elements", "layout", "layout_hash"},
+          config_.local_trainers, &spec, &has_shape);
       !e.empty()) {
     return badRequest(e);
   }

@@ -531,8 +531,7 @@ void StepEngine::resumePending() {
   const uint64_t at = *pending_resume_;
   pending_resume_.reset();
   if (auto st = resumeHere(at); !st.isOk()) {
-    spdlog::error("could not resume from step {} as the other sidecars did: {}", at,
-                  st.message());
+    spdlog::error("could not resume from step {} as the other sidecars did: {}", at, st.message());
   }
 }
 

@@ -120,9 +120,9 @@ std::vector<StepOutcome> StepPipeline::runBucket(
     auto got = exchange.runAll(rounds, tag ? &*tag : nullptr);
     for (size_t k = 0; k < in_round.size() && !failed; ++k) {
       StepPipeline& p = *pipelines[in_round[k]];
-      auto mine = got ? Result<std::vector<std::vector<std::span<const uint8_t>>>>(
-                            std::move((*got)[k]))
-                      : Result<std::vector<std::vector<std::span<const uint8_t>>>>(got.status());
+      auto mine =
+          got ? Result<std::vector<std::vector<std::span<const uint8_t>>>>(std::move((*got)[k]))
+              : Result<std::vector<std::vector<std::span<const uint8_t>>>>(got.status());
       if (auto stop = p.closeRound(r, std::move(mine))) fail(in_round[k], std::move(*stop));
     }
   }
@@ -497,10 +497,9 @@ StepPipeline::Stage StepPipeline::openRound(int r) {
       if (auto p = encode(r, c); !p) return Stop{backend_->failure(), p.status().message()};
     }
   }
-  round_.emplace(ExchangeRound{
-      t_.name,   step_,
-      r,         *step_codec_,
-      chunking_, lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine_)});
+  round_.emplace(
+      ExchangeRound{t_.name, step_, r, *step_codec_, chunking_,
+                    lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine_)});
   ExchangeRound& er = *round_;
   er.density = ctx_.density;
   if (rounds_ == 1 && backend_->decodesDuringExchange()) {

@@ -75,8 +75,7 @@ class StepPipeline {
   Stage beforeExchange();
   Stage beginExchange();
   Stage openRound(int round);
-  Stage closeRound(int round,
-                   Result<std::vector<std::vector<std::span<const uint8_t>>>> got);
+  Stage closeRound(int round, Result<std::vector<std::vector<std::span<const uint8_t>>>> got);
   void endExchange();
   Stage afterExchange();
   Stage exchangeRound(int round);
@@ -114,8 +113,8 @@ class StepPipeline {
   std::optional<CosineTerms> cos_;  // of this step, measured on one chunk while it is encoded
   // The exchange rounds.
   int rounds_ = 1;
-  std::optional<ExchangeRound> round_;  // the open round
-  std::chrono::steady_clock::time_point round_started_;  // when it went to the exchange
+  std::optional<ExchangeRound> round_;                          // the open round
+  std::chrono::steady_clock::time_point round_started_;         // when it went to the exchange
   std::vector<std::vector<std::span<const uint8_t>>> reduced_;  // per chunk: payloads to decode
   std::vector<std::span<const uint8_t>> round_payloads_;        // multi-round: reduced per round
   std::vector<std::span<const uint8_t>> mine_;                  // this round's own payloads

@@ -213,9 +213,8 @@ struct BucketTensor {
 /// Every tensor of `tensors` exchanged at `step` on every rank of `mesh` — together in one runAll
 /// (`together`), or one run() each — with its policy statistics record; returns [rank][tensor]
 /// the decoded result (weight 1/W) followed by the records received, as floats of their bytes.
-std::vector<std::vector<std::vector<float>>> exchangeBucket(Mesh& mesh,
-                                                            const std::vector<BucketTensor>& tensors,
-                                                            uint64_t step, bool together) {
+std::vector<std::vector<std::vector<float>>> exchangeBucket(
+    Mesh& mesh, const std::vector<BucketTensor>& tensors, uint64_t step, bool together) {
   const uint32_t w = static_cast<uint32_t>(mesh.transports.size());
   std::vector<std::future<std::vector<std::vector<float>>>> futures;
   for (uint32_t r = 0; r < w; ++r) {
@@ -397,8 +396,8 @@ std::vector<Status> bucketOnEveryRank(Mesh& mesh, uint64_t step,
       const auto x = tensorOf(r, n);
       kernels::CodecState state;
       kernels::StepContext ctx;
-      auto p = kernels::encodeTensor(**none, ctx, chunking, kernels::ConstTensor{x.data(), n},
-                                     state);
+      auto p =
+          kernels::encodeTensor(**none, ctx, chunking, kernels::ConstTensor{x.data(), n}, state);
       REQUIRE(p.isOk());
       std::vector<std::span<const uint8_t>> mine(p->begin(), p->end());
       ExchangeRound round{a, step, 0, **none, chunking, mine};

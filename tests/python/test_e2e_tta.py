@@ -382,7 +382,7 @@ def test_tta_report_tables(report, tmp_path):
     assert "| lightwire_dgc | 2 | ok | 90 (target) | 60 | 12.0 |" in md
     assert "| lightwire_topk | 0 | ok | 100 (steps) | \u2014 | not reached |" in md
     assert "gloo::EnforceNotMet" in md
-    assert "Neither the sidecar's reply nor its metrics give such a figure" in md
+    assert "from the hook's counters (`LightwireHookState.dense_share`" in md
     # Duplicates are per seed: the same configuration and seed twice is refused.
     res["runs"].append(dict(res["runs"][1]))
     with pytest.raises(report.ReportError, match="appears twice .* with seed 0"):

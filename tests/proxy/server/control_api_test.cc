@@ -821,9 +821,8 @@ TEST_CASE(
       kJson);
   REQUIRE_MESSAGE(alone.result_int() == 200, alone.body());
   const std::vector<float> held(x, x + 12);
-  const std::string refused =
-      expectError(form2(R"("name": "bucket.a", "step": 3, "shape": [12], )" + layout), 409,
-                  "conflict");
+  const std::string refused = expectError(
+      form2(R"("name": "bucket.a", "step": 3, "shape": [12], )" + layout), 409, "conflict");
   CHECK(refused.find("tensor 'fc.bias' step 3 goes backwards") != std::string::npos);
   CHECK(std::vector<float>(x, x + 12) == held);
   const json::value st = json::parse(c.get("/v1/status").body());
@@ -838,8 +837,8 @@ TEST_CASE(
 
   // Sent once: later steps may name the layout by its hash (the reply's layout_hash).
   const std::string hash(parseObject(later.body()).at("layout_hash").get_string());
-  const Res by_hash = form2(R"("name": "bucket.a", "step": 7, "shape": [12], "layout_hash": ")" +
-                            hash + R"(")");
+  const Res by_hash =
+      form2(R"("name": "bucket.a", "step": 7, "shape": [12], "layout_hash": ")" + hash + R"(")");
   REQUIRE_MESSAGE(by_hash.result_int() == 200, by_hash.body());
   CHECK(parseObject(by_hash.body()).at("layers").as_array().size() == 3);
   CHECK(parseObject(by_hash.body()).at("layout_hash").get_string() == hash);
@@ -866,17 +865,17 @@ TEST_CASE(
       404, "unknown_layout");
   CHECK(unknown.find("send the bucket with its 'layout' once") != std::string::npos);
   // A tensor of its own cannot take a bucket's name (form 2 without a layout, and form 1).
-  const std::string taken = expectError(
-      c.request(http::verb::post, "/v1/emit_gradient",
-                R"({"buffer": ")" + id + R"(", "offset": 128, "name": "bucket.a", "step": 9, )"
-                R"("shape": [12]})",
-                kJson),
-      400, "invalid_argument");
+  const std::string taken =
+      expectError(c.request(http::verb::post, "/v1/emit_gradient",
+                            R"({"buffer": ")" + id +
+                                R"(", "offset": 128, "name": "bucket.a", "step": 9, )"
+                                R"("shape": [12]})",
+                            kJson),
+                  400, "invalid_argument");
   CHECK(taken.find("names a bucket sent with a layout") != std::string::npos);
   const std::string raw(48, '\0');
-  expectError(c.request(http::verb::post, "/v1/emit_gradient?name=bucket.a&step=9", raw,
-                        kRaw),
-              400, "invalid_argument");
+  expectError(c.request(http::verb::post, "/v1/emit_gradient?name=bucket.a&step=9", raw, kRaw), 400,
+              "invalid_argument");
   CHECK(snapshot(c) == before_hash);
 }
 
