@@ -18,6 +18,7 @@ the task's SGD settings), "sockets" (lightwire: one Unix socket per rank), "stor
 "target" every step up to "steps" runs. Progress goes to stderr.
 """
 
+import datetime
 import faulthandler
 import json
 import os
@@ -35,6 +36,9 @@ LO_TX = "/sys/class/net/lo/statistics/tx_bytes"
 # The rank that evaluates the model and decides the time-to-accuracy stop; the others learn its
 # decision from a broadcast.
 EVAL_RANK = 0
+# Seconds a gloo collective may wait for the other ranks (init_process_group's timeout): far above
+# a step's compute skew and an evaluation (a second or two), far below gloo's default 30 minutes.
+GLOO_TIMEOUT_S = 300
 
 
 def log(msg):
@@ -91,8 +95,12 @@ def train(rank, spec, out_path):
     os.environ["LOCAL_RANK"] = "0"  # each rank has a sidecar of its own: trainer 0 there
     torch.set_num_threads(1)
     world = spec["world_size"]
+    # A collective that hangs (PyTorch's PowerSGD hook over gloo does, once it starts
+    # compressing) fails after GLOO_TIMEOUT_S instead of gloo's 30 minutes: the rank raises, the
+    # parent stops the others, and the row fails with the error rather than at the run's timeout.
     dist.init_process_group("gloo", init_method="file://" + os.path.join(spec["store_dir"], "store"),
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     task = tasks.make_task(spec["task"], spec["size"], spec["seed"])
     torch.manual_seed(spec["seed"])
     model = task.model()
