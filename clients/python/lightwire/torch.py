@@ -317,6 +317,7 @@ class LightwireHookState(object):
         self._names = _parameter_names(module) if self.per_layer else {}
         self._layouts = {}         # tuple of parameter ids -> (bucket name, layout)
         self._layout_hashes = {}   # bucket name -> the layout hash its sidecar holds
+        self._layout_by_hash = True  # False: the sidecar predates layout_hash
         # Momentum (see SGD): the optimizer the trainer declared (SGD declares itself), and the
         # momentum the sidecar applies to each parameter's gradient, from the last reply naming it.
         self.optimizer = optimizer
@@ -499,12 +500,18 @@ class LightwireHookState(object):
                                                   layout=None if known else layout,
                                                   layout_hash=known)
         except LightwireError as e:
-            if known is None or not (e.status == 404 and e.error == "unknown_layout"):
+            unknown = e.status == 404 and e.error == "unknown_layout"
+            # A sidecar older than layout_hash refuses the field: the layout with every request.
+            older = e.status == 400 and "unknown field 'layout_hash'" in (e.message or "")
+            if known is None or not (unknown or older):
                 raise
+            if older:
+                self._layout_by_hash = False
             self._layout_hashes.pop(name, None)
             reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
                                                   shape=shape, trainer=self.trainer, layout=layout)
-        if layout is not None and isinstance(reply, dict) and reply.get("layout_hash"):
+        if (layout is not None and self._layout_by_hash and isinstance(reply, dict)
+                and reply.get("layout_hash")):
             self._layout_hashes[name] = str(reply["layout_hash"])
         return reply
 
