@@ -78,7 +78,7 @@ std::vector<StepOutcome> StepPipeline::runBucket(
   if (n == 0) return out;
   Exchange& exchange = pipelines.front()->engine_.exchange_;
   // The first failure fails the bucket; `done` marks the layers that ended on their own (a
-  // local accumulation step) or with that failure.
+  // local accumulation step of delayed sync), which keep their own outcome.
   std::optional<Stop> failed;
   std::vector<char> done(n, 0);
   auto fail = [&](size_t i, Stop stop) {
