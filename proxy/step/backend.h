@@ -91,8 +91,10 @@ class StepBackend {
   /// Every trainer's tensor = the result in its dtype.
   virtual Status writeBack() = 0;
   /// The step succeeded: commit the codec state (when `state`) and clear what delayed sync
-  /// accumulated (when it was added).
-  virtual Status commit(bool state) = 0;
+  /// accumulated (when it was added). Swaps prepared state into place: it cannot fail, so the
+  /// layers of a bucket, written back first, commit all or none (docs/architecture.md "A bucket's
+  /// layers: one step").
+  virtual void commit(bool state) = 0;
 };
 
 }  // namespace lightwire::proxy

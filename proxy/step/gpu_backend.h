@@ -90,7 +90,7 @@ class GpuStep final : public StepBackend {
   Result<uint64_t> resultChecksum() override;
   /// Waits until the result is in place.
   Status writeBack() override;
-  Status commit(bool state) override;
+  void commit(bool state) override;
 
  private:
   struct Impl;

@@ -517,11 +517,10 @@ Status GpuStep::writeBack() {
   return s.sync("writing the result");
 }
 
-Status GpuStep::commit(bool state) {
+void GpuStep::commit(bool state) {
   auto l = impl_->lock();
   Impl& s = *impl_;
   if (state) s.t.state_.commit();
-  return Status::ok();
 }
 
 }  // namespace lightwire::proxy::gpu

@@ -61,6 +61,6 @@ Status GpuStep::decodeRounds(const kernels::StepContext&, const kernels::Chunkin
 Result<bool> GpuStep::resultNonfinite() { return none(); }
 Result<uint64_t> GpuStep::resultChecksum() { return none(); }
 Status GpuStep::writeBack() { return none(); }
-Status GpuStep::commit(bool) { return none(); }
+void GpuStep::commit(bool) {}
 
 }  // namespace lightwire::proxy::gpu

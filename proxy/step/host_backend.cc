@@ -292,10 +292,9 @@ Status HostBackend::writeBack() {
   return Status::ok();
 }
 
-Status HostBackend::commit(bool state) {
+void HostBackend::commit(bool state) {
   if (state) state_.commit();
   if (accumulated_) std::fill(buf_.accum.begin(), buf_.accum.end(), 0.0f);
-  return Status::ok();
 }
 
 }  // namespace lightwire::proxy

@@ -62,7 +62,7 @@ class HostBackend final : public StepBackend {
   Result<bool> resultNonfinite() override { return nonfinite_.load(); }
   Result<uint64_t> resultChecksum() override;
   Status writeBack() override;
-  Status commit(bool state) override;
+  void commit(bool state) override;
 
  private:
   const kernels::Codec& stepCodec() const;

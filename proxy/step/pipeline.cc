@@ -66,7 +66,8 @@ StepOutcome StepPipeline::run() {
   }
   endExchange();
   if (auto stop = afterExchange()) return stopped(std::move(*stop));
-  if (auto stop = finish()) return stopped(std::move(*stop));
+  if (auto stop = writeBack()) return stopped(std::move(*stop));
+  commit();
   record();
   return std::move(out_);
 }
@@ -77,8 +78,8 @@ std::vector<StepOutcome> StepPipeline::runBucket(
   std::vector<StepOutcome> out(n);
   if (n == 0) return out;
   Exchange& exchange = pipelines.front()->engine_.exchange_;
-  // The first failure fails the bucket; `done` marks the layers that ended on their own (a
-  // local accumulation step of delayed sync), which keep their own outcome.
+  // The first failure fails the bucket; `done` marks the layers without an exchange (a local
+  // accumulation step of delayed sync), which accumulate only once the others wrote back.
   std::optional<Stop> failed;
   std::vector<char> done(n, 0);
   auto fail = [&](size_t i, Stop stop) {
@@ -87,10 +88,10 @@ std::vector<StepOutcome> StepPipeline::runBucket(
   };
   for (size_t i = 0; i < n && !failed; ++i) {
     StepPipeline& p = *pipelines[i];
+    p.defer_accumulation_ = true;
     if (auto stop = p.beforeExchange()) {
       fail(i, std::move(*stop));
     } else if (p.plan_.mode == StepMode::kSkip) {
-      out[i] = p.skipped();
       done[i] = 1;
     } else if (auto stop2 = p.beginExchange()) {
       fail(i, std::move(*stop2));
@@ -131,15 +132,28 @@ std::vector<StepOutcome> StepPipeline::runBucket(
     pipelines[i]->endExchange();
     if (auto stop = pipelines[i]->afterExchange()) fail(i, std::move(*stop));
   }
-  // Every layer got through its exchange and the stages after it: now they write back and commit.
+  // Every layer got through its exchange and the stages after it: now each writes back (which
+  // may fail: a device error), and only once every layer has, all of them commit (which cannot).
   for (size_t i = 0; i < n && !failed; ++i) {
     if (done[i]) continue;
-    if (auto stop = pipelines[i]->finish()) fail(i, std::move(*stop));
+    if (auto stop = pipelines[i]->writeBack()) fail(i, std::move(*stop));
+  }
+  // The delayed-sync layers' accumulations, then the commits: neither can fail on the host, where
+  // every delayed-sync tensor runs (plan()), so a bucket changes every layer's state or none.
+  for (size_t i = 0; i < n && !failed; ++i) {
+    if (!done[i]) continue;
+    if (auto st = pipelines[i]->backend_->accumulate(); !st.isOk()) {
+      fail(i, pipelines[i]->backendFailed(st));
+    }
+  }
+  for (size_t i = 0; i < n && !failed; ++i) {
+    if (!done[i]) pipelines[i]->commit();
   }
   for (size_t i = 0; i < n; ++i) {
-    if (done[i]) continue;
     if (failed) {
       out[i] = pipelines[i]->stopped(*failed);
+    } else if (done[i]) {
+      out[i] = pipelines[i]->skipped();
     } else {
       pipelines[i]->record();
       out[i] = std::move(pipelines[i]->out_);
@@ -345,6 +359,7 @@ StepPipeline::Stage StepPipeline::begin() {
 StepPipeline::Stage StepPipeline::ingest() {
   if (auto st = backend_->ingest(); !st.isOk()) return backendFailed(st);
   if (plan_.mode == StepMode::kSkip) {
+    if (defer_accumulation_) return std::nullopt;
     if (auto st = backend_->accumulate(); !st.isOk()) return backendFailed(st);
     return std::nullopt;
   }
@@ -637,20 +652,23 @@ StepPipeline::Stage StepPipeline::policies() {
   return std::nullopt;
 }
 
-// Non-finite results are returned as plain averaging would, and the state is not committed.
-// Compressed steps commit what the codec prepared; full-syncs the flushed state (prepared by the
-// flush in the tensor's own state); bypasses leave the state as it was.
-StepPipeline::Stage StepPipeline::finish() {
+// The result goes to the trainer's buffer (the backend's write-back, which may fail: a device
+// error). Nothing is committed yet: a failed write-back fails the step with the state unchanged.
+StepPipeline::Stage StepPipeline::writeBack() {
   out_.figures.nonfinite = nonfinite_;
   if (auto st = backend_->writeBack(); !st.isOk()) return backendFailed(st);
-  if (!nonfinite_) {
-    if (auto st = backend_->commit(plan_.mode != StepMode::kBypass); !st.isOk()) {
-      return backendFailed(st);
-    }
-    // A measured cosine goes out with the tensor's next record, once.
-    if (plan_.mode == StepMode::kCompressed) t_.cos = cos_;
-  }
   return std::nullopt;
+}
+
+// Non-finite results are returned as plain averaging would, and the state is not committed.
+// Compressed steps commit what the codec prepared; full-syncs the flushed state (prepared by the
+// flush in the tensor's own state); bypasses leave the state as it was. A commit swaps what the
+// step prepared into place and cannot fail (backend.h), so a bucket's layers commit all or none.
+void StepPipeline::commit() {
+  if (nonfinite_) return;
+  backend_->commit(plan_.mode != StepMode::kBypass);
+  // A measured cosine goes out with the tensor's next record, once.
+  if (plan_.mode == StepMode::kCompressed) t_.cos = cos_;
 }
 
 void StepPipeline::record() {

@@ -3,7 +3,7 @@
 // bottom, as a handful of stages — plan (settings, policies, codec and state), begin (the host or
 // the GPU backend), ingest (local sum, delayed sync), prepare (schedules, full-sync flush),
 // statistics, exchange (compress and exchange, round by round), decode, guard (result
-// checksums), policies, finish (write-back and commit). Every data operation goes through the
+// checksums), policies, write-back, commit. Every data operation goes through the
 // StepBackend (backend.h), so the stages read the same for the host and the GPU.
 
 #include <cstddef>
@@ -71,7 +71,7 @@ class StepPipeline {
   Stage statistics();
   // The stages before the exchange (nullopt: it runs), then the exchange: beginExchange() (the
   // whole-tensor analysis), each round opened (its ExchangeRound, round_) and closed with what
-  // the exchange returned, endExchange(); the stages after it, then finish().
+  // the exchange returned, endExchange(); the stages after it, then writeBack() and commit().
   Stage beforeExchange();
   Stage beginExchange();
   Stage openRound(int round);
@@ -83,7 +83,8 @@ class StepPipeline {
   Stage decode();
   Stage guard();
   Stage policies();
-  Stage finish();
+  Stage writeBack();
+  void commit();
   void record();
   StepOutcome skipped();
   StepOutcome stopped(Stop stop);
@@ -125,6 +126,9 @@ class StepPipeline {
   uint32_t contributors_ = 0;
   bool dense_result_ = false;
   bool nonfinite_ = false;
+  // A delayed-sync accumulation step in a bucket: it accumulates only once every other layer of
+  // the bucket wrote back (runBucket), so that a failed bucket leaves its accumulation as it was.
+  bool defer_accumulation_ = false;
 };
 
 }  // namespace lightwire::proxy

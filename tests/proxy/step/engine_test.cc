@@ -862,6 +862,63 @@ TEST_CASE("a bucket fails as a whole: one layer's failure fails every layer, and
   }
 }
 
+TEST_CASE("a failed bucket leaves a delayed-sync layer's accumulation as it was") {
+  // fc.bias is exchanged every 2 steps: step 0 only accumulates it, step 1 sends the sum.
+  const CodecChooser every2 = [](const TensorFacts& facts) -> TensorSettings {
+    TensorSettings s = layerCodecs()(facts);
+    if (facts.name == "fc.bias") s.sync_every = 2;
+    return s;
+  };
+  // Delayed sync is a policy: the policy engine plans the accumulation steps.
+  PolicyFixture f(quickPolicies(), every2);
+  PolicyFixture fresh(quickPolicies(), every2);
+  const auto layers = bucketLayers(11);
+  auto sent = sendBucket(f.engine, 0, layers, /*broken=*/2);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    CAPTURE(layers[i].name);
+    const StepOutcome o = sent[i].get();
+    REQUIRE_FALSE(o.ok());  // the accumulating layer too: the bucket failed
+    CHECK(o.message.find("layer 'out.weight'") != std::string::npos);
+    CHECK(bitsEqual(*sent[i].bytes, [&] {  // its part of the buffer not zeroed either
+      std::vector<std::byte> b(layers[i].values.size() * 4);
+      std::memcpy(b.data(), layers[i].values.data(), b.size());
+      return b;
+    }()));
+  }
+  // Step 1 sends what fc.bias accumulated: only step 1's gradient, as on an engine that never
+  // ran step 0.
+  const auto next = bucketLayers(12);
+  auto again = sendBucket(f.engine, 1, next);
+  auto first = sendBucket(fresh.engine, 1, next);
+  for (size_t i = 0; i < next.size(); ++i) {
+    CAPTURE(next[i].name);
+    const StepOutcome a = again[i].get(), b = first[i].get();
+    REQUIRE_MESSAGE(a.ok(), a.message);
+    REQUIRE_MESSAGE(b.ok(), b.message);
+    CHECK(bitsEqual(*again[i].bytes, *first[i].bytes));
+  }
+  // A bucket that succeeds accumulates: step 2 zeroes fc.bias's part, step 3 sends both steps'.
+  auto s2 = sendBucket(f.engine, 2, bucketLayers(13));
+  for (size_t i = 0; i < s2.size(); ++i) {
+    const StepOutcome o = s2[i].get();
+    REQUIRE_MESSAGE(o.ok(), o.message);
+    if (i == 1) {
+      CHECK(o.figures.mode == "skip");
+      CHECK(bitsEqual(*s2[i].bytes, std::vector<std::byte>(20 * 4)));
+    }
+  }
+  auto s3 = sendBucket(f.engine, 3, bucketLayers(14));
+  const StepOutcome o3 = s3[1].get();
+  REQUIRE_MESSAGE(o3.ok(), o3.message);
+  std::vector<float> sum(20);
+  const auto a2 = bucketLayers(13)[1].values, a3 = bucketLayers(14)[1].values;
+  for (size_t k = 0; k < sum.size(); ++k) sum[k] = a2[k] + a3[k];
+  std::vector<std::byte> want(sum.size() * 4);
+  std::memcpy(want.data(), sum.data(), want.size());
+  CHECK(bitsEqual(*s3[1].bytes, want));
+  for (const size_t i : {size_t{0}, size_t{2}}) REQUIRE(s3[i].get().ok());
+}
+
 TEST_CASE("a bucket is taken all or none: one layer's refusal refuses every layer") {
   Fixture f(withTrainers(1), layerCodecs());
   // fc.bias committed step 5 on its own: a bucket at step 3 goes backwards for it.
