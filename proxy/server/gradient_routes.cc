@@ -7,6 +7,7 @@
 #include <boost/json/serialize.hpp>
 
 #include <algorithm>
+#include <memory>
 #include <mutex>
 #include <optional>
 
@@ -165,9 +166,13 @@ Response bucketReply(const std::string& bucket, uint64_t step, const Layout& lay
 /// (docs/api.md "Layouts: one tensor per layer"), so that a trainer sends a bucket's layout once;
 /// with a "layout" too, the hash must be that layout's. "" or why not (`unknown`: this sidecar
 /// holds no layout of that name, 404).
+/// The layout a form-2 request's "layout_hash" names: with the layout sent beside it (`sent`),
+/// the hash must be that layout's (which the caller then registers); without, the layout
+/// registered under `bucket`, which must hold `elements` elements (*layout). *unknown: no layout
+/// is registered under that name (404 unknown_layout, docs/api.md).
 std::string layoutByHash(const json::object& o, const std::string& bucket, uint64_t elements,
-                         const LayoutRegistry& registry, std::optional<Layout>* layout,
-                         bool* unknown) {
+                         const LayoutRegistry& registry, const std::optional<Layout>& sent,
+                         std::shared_ptr<const Layout>* layout, bool* unknown) {
   std::string text;
   uint64_t hash = 0;
   if (std::string e = jsonString(o, "layout_hash", true, &text); !e.empty()) return e;
@@ -175,12 +180,12 @@ std::string layoutByHash(const json::object& o, const std::string& bucket, uint6
     return "field 'layout_hash' must be 16 hex digits (the reply's layout_hash), not " +
            quote(text);
   }
-  if (*layout) {
-    if ((*layout)->hash == hash) return "";
+  if (sent) {
+    if (sent->hash == hash) return "";
     return "field 'layout_hash' " + quote(text) + " is not the hash of the layout sent with it (" +
-           layoutHashText((*layout)->hash) + ")";
+           layoutHashText(sent->hash) + ")";
   }
-  std::optional<Layout> known = registry.find(bucket);
+  std::shared_ptr<const Layout> known = registry.find(bucket);
   if (!known) {
     *unknown = true;
     return "no layout is registered under bucket " + quote(bucket) +
@@ -231,10 +236,10 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
     return badRequest("missing field 'shape' (or 'elements')");
   }
   if (spec.elements == 0) return badRequest("empty tensor: 0 elements");
-  std::optional<Layout> layout;
+  std::optional<Layout> sent;  // the layout sent with this request
   if (const json::value* lv = o.if_contains("layout")) {
-    layout.emplace();
-    if (std::string e = parseLayout(*lv, spec.elements, spec.name, &*layout); !e.empty()) {
+    sent.emplace();
+    if (std::string e = parseLayout(*lv, spec.elements, spec.name, &*sent); !e.empty()) {
       return badRequest(e);
     }
   }
@@ -256,11 +261,18 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   if (!region->stillBacked()) {
     return badRequest("buffer " + buffer + " no longer holds its registered size");
   }
+  std::shared_ptr<const Layout> layout;  // the bucket's registered layout; null: one tensor
   if (o.contains("layout_hash")) {
     bool unknown = false;
-    if (std::string e = layoutByHash(o, spec.name, spec.elements, layouts_, &layout, &unknown);
+    if (std::string e =
+            layoutByHash(o, spec.name, spec.elements, layouts_, sent, &layout, &unknown);
         !e.empty()) {
       return unknown ? errorResponse(status::not_found, "unknown_layout", e) : badRequest(e);
+    }
+  }
+  if (sent) {
+    if (std::string e = layouts_.check(spec.name, std::move(*sent), &layout); !e.empty()) {
+      return badRequest(e);
     }
   }
   const std::string name = spec.name;
@@ -276,8 +288,7 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   }
   // One tensor per layer (docs/api.md "Layouts: one tensor per layer"), in layout order — the
   // same order on every sidecar, as the buckets themselves are — run as one step of the bucket.
-  if (std::string e = layouts_.check(name, *layout); !e.empty()) return badRequest(e);
-  auto shared_layout = std::make_shared<const Layout>(std::move(*layout));
+  const std::shared_ptr<const Layout> shared_layout = std::move(layout);
   auto steps = std::make_shared<LayerSteps>();
   const size_t n = shared_layout->entries.size();
   steps->outcomes.resize(n);

@@ -143,7 +143,8 @@ bool parseLayoutHash(std::string_view text, uint64_t* hash) {
   return true;
 }
 
-std::string LayoutRegistry::check(const std::string& bucket, const Layout& layout) {
+std::string LayoutRegistry::check(const std::string& bucket, Layout layout,
+                                  std::shared_ptr<const Layout>* registered) {
   std::lock_guard lock(mu_);
   auto it = layouts_.find(bucket);
   if (it == layouts_.end()) {
@@ -151,17 +152,21 @@ std::string LayoutRegistry::check(const std::string& bucket, const Layout& layou
       return "this sidecar holds the layouts of " + std::to_string(layouts_.size()) +
              " buckets already, the most it keeps";
     }
-    layouts_.emplace(bucket, layout);
+    *registered = std::make_shared<const Layout>(std::move(layout));
+    layouts_.emplace(bucket, *registered);
     return "";
   }
-  const Layout& known = it->second;
+  const Layout& known = *it->second;
   const auto same = [](const LayoutEntry& x, const LayoutEntry& y) {
     return x.name == y.name && x.offset == y.offset && x.shape == y.shape;
   };
   const size_t n = std::min(known.entries.size(), layout.entries.size());
   size_t i = 0;
   while (i < n && same(known.entries[i], layout.entries[i])) ++i;
-  if (i == n && known.entries.size() == layout.entries.size()) return "";
+  if (i == n && known.entries.size() == layout.entries.size()) {
+    *registered = it->second;
+    return "";
+  }
   std::string where = i < n ? entryLabel(i, layout.entries[i].name) +
                                   " differs from the first "
                                   "layout's " +
@@ -173,10 +178,10 @@ std::string LayoutRegistry::check(const std::string& bucket, const Layout& layou
          "): a bucket's name must stand for one layout (name buckets by their parameters)";
 }
 
-std::optional<Layout> LayoutRegistry::find(const std::string& bucket) const {
+std::shared_ptr<const Layout> LayoutRegistry::find(const std::string& bucket) const {
   std::lock_guard lock(mu_);
   auto it = layouts_.find(bucket);
-  if (it == layouts_.end()) return std::nullopt;
+  if (it == layouts_.end()) return nullptr;
   return it->second;
 }
 

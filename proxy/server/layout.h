@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -60,17 +61,19 @@ bool parseLayoutHash(std::string_view text, uint64_t* hash);
 class LayoutRegistry {
  public:
   /// Registers `layout` under `bucket`, or checks it against the one registered before. "" when
-  /// it is (now) the registered one; otherwise why not (a different layout, naming the first
-  /// entry that differs; too many buckets), and nothing changes.
-  std::string check(const std::string& bucket, const Layout& layout);
-  /// The layout registered under `bucket` (nullopt: none).
-  std::optional<Layout> find(const std::string& bucket) const;
+  /// it is (now) the registered one, and *registered then points to the registered layout (one
+  /// copy, shared by every step of the bucket); otherwise why not (a different layout, naming
+  /// the first entry that differs; too many buckets), and nothing changes.
+  std::string check(const std::string& bucket, Layout layout,
+                    std::shared_ptr<const Layout>* registered);
+  /// The layout registered under `bucket` (null: none).
+  std::shared_ptr<const Layout> find(const std::string& bucket) const;
   bool contains(const std::string& bucket) const;
   size_t size() const;
 
  private:
   mutable std::mutex mu_;
-  std::map<std::string, Layout> layouts_;
+  std::map<std::string, std::shared_ptr<const Layout>> layouts_;
 };
 
 }  // namespace lightwire::proxy
