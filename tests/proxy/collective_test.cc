@@ -381,9 +381,11 @@ TEST_CASE("ring runAll: an abort of one tensor fails the whole pass on every ran
 }
 
 /// One tensor of codec none as the only layer of bucket "bucket.x" at `step`, on every rank of
-/// `mesh`, rank r with tag(r); each rank's status.
-std::vector<Status> bucketOnEveryRank(Mesh& mesh, uint64_t step,
-                                      const std::function<BucketTag(uint32_t)>& tag) {
+/// `mesh`, rank r with tag(r); each rank's status. A rank for which `instead` returns true runs
+/// no exchange (it did what a broken peer does through its transport; its status is ok).
+std::vector<Status> bucketOnEveryRank(
+    Mesh& mesh, uint64_t step, const std::function<BucketTag(uint32_t)>& tag,
+    const std::function<bool(uint32_t, Transport&)>& instead = {}) {
   auto none = kernels::createCodec({.name = "none"});
   REQUIRE(none.isOk());
   const size_t n = 3000;
@@ -391,6 +393,7 @@ std::vector<Status> bucketOnEveryRank(Mesh& mesh, uint64_t step,
   std::vector<std::future<Status>> futures;
   for (uint32_t r = 0; r < mesh.transports.size(); ++r) {
     futures.push_back(std::async(std::launch::async, [&, r]() -> Status {
+      if (instead && instead(r, *mesh.transports[r])) return Status::ok();
       RingExchange ring(*mesh.transports[r], std::chrono::milliseconds(8000));
       const kernels::Chunking chunking = kernels::chunkingFor(**none, n, 1000);
       const auto x = tensorOf(r, n);
@@ -442,6 +445,44 @@ TEST_CASE("ring runAll: a rank with another layout of the bucket fails it on eve
        })) {
     CHECK_MESSAGE(st.isOk(), st.message());
   }
+}
+
+TEST_CASE("ring runAll: a bucket header of the wrong size fails the bucket on every rank") {
+  // Rank 2 speaks the protocol wrongly: its header of bucket.x has 5 bytes, not 12, and it runs
+  // nothing else. The others fail the bucket naming it, before their deadline.
+  Mesh mesh(3);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  const auto t0 = Clock::now();
+  const auto failed = bucketOnEveryRank(
+      mesh, 6,
+      [](uint32_t) {
+        return BucketTag{"bucket.x", 0x8c1d0b6f2e4a9375ull, 1};
+      },
+      [](uint32_t r, Transport& t) {
+        if (r != 2) return false;
+        FrameKey k;
+        k.tensor = tensorKey("bucket.x");
+        k.step = 6;
+        k.phase = 4;  // docs/peer-protocol.md: a bucket's header
+        k.origin = 2;
+        const std::vector<uint8_t> header(5, 0x11);
+        for (uint32_t dst = 0; dst < 2; ++dst) {
+          REQUIRE(
+              t.send(dst, FrameType::kData, k, 0, header, Clock::now() + std::chrono::seconds(2))
+                  .isOk());
+        }
+        return true;
+      });
+  for (uint32_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    REQUIRE_FALSE(failed[r].isOk());
+    CHECK_MESSAGE(lightwire::testing::contains(failed[r].message(),
+                                               "rank 2's header of bucket 'bucket.x' has 5 bytes, "
+                                               "not 12"),
+                  failed[r].message());
+  }
+  CHECK(Clock::now() - t0 < std::chrono::milliseconds(6000));  // the abort, not the deadline
 }
 
 TEST_CASE("result checksums: the ranks whose result differs are named on every rank") {
