@@ -317,6 +317,30 @@ def test_the_hook_refuses_momentum_twice_and_undefined_optimizers():
         [w, b], _momentum_reply(["fc.weight", "fc.bias"], [0.0, 0.0]))
 
 
+def test_an_adaptive_optimizer_with_a_selection_codec_is_warned_once(caplog):
+    w, b = _params()
+    sparse = {"name": "bucket.x", "layers": [
+        {"name": "fc.weight", "codec": "dgc", "mode": "compressed"},
+        {"name": "fc.bias", "codec": "none", "mode": "compressed"}]}
+    dense = {"name": "bucket.x", "layers": [
+        {"name": "fc.weight", "codec": "dgc", "mode": "full_sync"},
+        {"name": "fc.bias", "codec": "qsgd", "mode": "compressed"}]}
+    adam = torch.optim.AdamW([w, b])
+    with caplog.at_level("WARNING", logger="lightwire"):
+        lwt._warn_adaptive_selection(adam, dense)  # no layer sent sparse: nothing to say
+        assert not caplog.records
+        lwt._warn_adaptive_selection(adam, sparse)
+        lwt._warn_adaptive_selection(adam, sparse)  # once per optimizer
+        assert len(caplog.records) == 1
+        msg = caplog.records[0].getMessage()
+        assert "AdamW" in msg and "fc.weight" in msg and "fc.bias" not in msg
+        assert "prefer qsgd or fp16" in msg
+        # SGD (momentum or not) is what error feedback is for: no warning.
+        lwt._warn_adaptive_selection(torch.optim.SGD([w, b], lr=0.1, momentum=0.9), sparse)
+        lwt._warn_adaptive_selection(None, sparse)
+        assert len(caplog.records) == 1
+
+
 def test_a_flat_bucket_reply_covers_every_parameter_of_the_bucket():
     w, b = _params()
     s = lwt.LightwireHookState(client=lightwire.Client(socket_path="/nonexistent"))
