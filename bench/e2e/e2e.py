@@ -253,7 +253,10 @@ class Sidecars(object):
     def __init__(self, ns, binary, world, args, work):
         self.procs, self.sockets, self.logs = [], [], []
         peers = ",".join("127.0.0.1:%d" % (47100 + r) for r in range(world))
-        env = dict(os.environ, LIGHTWIRE_PEER__SECRET="e2e-%d" % os.getpid())
+        # $LIGHTWIRE_BIN names the executable for this script; to the sidecar every LIGHTWIRE_
+        # variable is a configuration key (docs/configuration.md), so it is not passed on.
+        env = {k: v for k, v in os.environ.items() if k != "LIGHTWIRE_BIN"}
+        env["LIGHTWIRE_PEER__SECRET"] = "e2e-%d" % os.getpid()
         for r in range(world):
             sock = os.path.join(work, "sidecar%d.sock" % r)
             logf = os.path.join(work, "sidecar%d.log" % r)

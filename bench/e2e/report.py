@@ -385,8 +385,12 @@ def _style(run, colors):
 
 
 def _title(ax, group_title, what):
-    ax.set_title("%s\n%s" % (textwrap.shorten(group_title, 110, placeholder="..."), what),
-                 fontsize=10)
+    # Centred over the axes, which the legend beside them makes narrower than the figure: wrapped
+    # to two lines of at most 72 characters, so that it stays inside the image.
+    head = textwrap.wrap(group_title, 72)
+    if len(head) > 2:
+        head = [head[0], textwrap.shorten(" ".join(head[1:]), 72, placeholder="...")]
+    ax.set_title("%s\n%s" % ("\n".join(head), what), fontsize=10)
 
 
 def _finish(plt, fig, ax, path, runs):
