@@ -162,14 +162,11 @@ Response bucketReply(const std::string& bucket, uint64_t step, const Layout& lay
   return jsonResponse(status::ok, o);
 }
 
-/// The layout a request names by its "layout_hash": the one its bucket name was sent with before
-/// (docs/api.md "Layouts: one tensor per layer"), so that a trainer sends a bucket's layout once;
-/// with a "layout" too, the hash must be that layout's. "" or why not (`unknown`: this sidecar
-/// holds no layout of that name, 404).
-/// The layout a form-2 request's "layout_hash" names: with the layout sent beside it (`sent`),
-/// the hash must be that layout's (which the caller then registers); without, the layout
-/// registered under `bucket`, which must hold `elements` elements (*layout). *unknown: no layout
-/// is registered under that name (404 unknown_layout, docs/api.md).
+/// The layout a form-2 request names by its "layout_hash", so that a trainer sends a bucket's
+/// layout once (docs/api.md "Layouts: one tensor per layer"): with the layout sent beside it
+/// (`sent`), the hash must be that layout's (which the caller then registers); without, *layout =
+/// the layout registered under `bucket`, which must hold `elements` elements. "" or why not
+/// (*unknown: no layout is registered under that name, 404 unknown_layout).
 std::string layoutByHash(const json::object& o, const std::string& bucket, uint64_t elements,
                          const LayoutRegistry& registry, const std::optional<Layout>& sent,
                          std::shared_ptr<const Layout>* layout, bool* unknown) {
@@ -288,9 +285,8 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   }
   // One tensor per layer (docs/api.md "Layouts: one tensor per layer"), in layout order — the
   // same order on every sidecar, as the buckets themselves are — run as one step of the bucket.
-  const std::shared_ptr<const Layout> shared_layout = std::move(layout);
   auto steps = std::make_shared<LayerSteps>();
-  const size_t n = shared_layout->entries.size();
+  const size_t n = layout->entries.size();
   steps->outcomes.resize(n);
   steps->remaining = n;
   std::vector<Contribution> layers;
@@ -298,22 +294,22 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   layers.reserve(n);
   dones.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    const LayoutEntry& entry = shared_layout->entries[i];
+    const LayoutEntry& entry = layout->entries[i];
     TensorSpec layer = spec;
     layer.name = entry.name;
     layer.shape = entry.shape;
     layer.elements = entry.elements;
     layer.layer = true;
     layer.bucket = name;
-    layer.layout_hash = shared_layout->hash;
+    layer.layout_hash = layout->hash;
     layer.bucket_layers = static_cast<uint32_t>(n);
     layers.push_back(regionContribution(region, offset + entry.offset * width, layer));
-    dones.push_back([reply, name, step, shared_layout, steps, i](StepOutcome out) {
+    dones.push_back([reply, name, step, layout, steps, i](StepOutcome out) {
       std::unique_lock lock(steps->mu);
       steps->outcomes[i] = std::move(out);
       if (--steps->remaining > 0) return;
       lock.unlock();
-      reply(bucketReply(name, step, *shared_layout, steps->outcomes));
+      reply(bucketReply(name, step, *layout, steps->outcomes));
     });
   }
   replied = true;

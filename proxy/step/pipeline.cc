@@ -142,9 +142,7 @@ std::vector<StepOutcome> StepPipeline::runBucket(
   // every delayed-sync tensor runs (plan()), so a bucket changes every layer's state or none.
   for (size_t i = 0; i < n && !failed; ++i) {
     if (!done[i]) continue;
-    if (auto st = pipelines[i]->backend_->accumulate(); !st.isOk()) {
-      fail(i, pipelines[i]->backendFailed(st));
-    }
+    if (auto stop = pipelines[i]->accumulate()) fail(i, std::move(*stop));
   }
   for (size_t i = 0; i < n && !failed; ++i) {
     if (!done[i]) pipelines[i]->commit();
@@ -359,14 +357,19 @@ StepPipeline::Stage StepPipeline::begin() {
 StepPipeline::Stage StepPipeline::ingest() {
   if (auto st = backend_->ingest(); !st.isOk()) return backendFailed(st);
   if (plan_.mode == StepMode::kSkip) {
-    if (defer_accumulation_) return std::nullopt;
-    if (auto st = backend_->accumulate(); !st.isOk()) return backendFailed(st);
-    return std::nullopt;
+    return defer_accumulation_ ? std::nullopt : accumulate();
   }
   if (plan_.delayed_sync_step) {
     if (auto st = backend_->addAccumulation(); !st.isOk()) return backendFailed(st);
   }
   duration(out_.figures, metrics::Stage::kIngest) = microsSince(t0_);
+  return std::nullopt;
+}
+
+// A delayed-sync step between its exchange steps: the local sum joins the accumulation, and the
+// trainers' tensors become zeros.
+StepPipeline::Stage StepPipeline::accumulate() {
+  if (auto st = backend_->accumulate(); !st.isOk()) return backendFailed(st);
   return std::nullopt;
 }
 

@@ -83,6 +83,7 @@ class StepPipeline {
   Stage decode();
   Stage guard();
   Stage policies();
+  Stage accumulate();
   Stage writeBack();
   void commit();
   void record();
