@@ -117,10 +117,11 @@ TTA_CONFIGS.append("lightwire_dgc_flat")
 # compressed codecs whose time to accuracy is in question, one seed each for the others.
 TTA_SEEDS = {"ddp": "all", "lightwire_dgc": "all", "lightwire_topk": "all",
              "lightwire_qsgd4": "all", "lightwire_powersgd4": "all", "*": "first"}
-# Per task, where it differs: the LM trains with AdamW, for which dgc's momentum correction is
-# refused (docs/codecs.md "Momentum with dgc"; its lightwire_dgc row fails with that message), so
-# its dgc with error feedback is the dgc row that trains every seed.
-TTA_TASK_SEEDS = {"lm": {"lightwire_dgc_ef": "all"}}
+# Per task, where it differs (task name -> rules as TTA_SEEDS's, which win over those). None
+# now: under AdamW (the LM) dgc's momentum correction is Adam's first moment with
+# lightwire.torch.AdamW (docs/codecs.md "Adam with sparse codecs"), so lightwire_dgc is the dgc
+# row of both tasks.
+TTA_TASK_SEEDS = {}
 
 PROFILES = {
     # tasks, rates, steps and evaluation period per task, world size, model size, seconds a run
@@ -324,7 +325,9 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
     name, label, kind, hook, sidecar_args = config
     args = list(sidecar_args or [])
     momentum = float(args[args.index("--momentum") + 1]) if "--momentum" in args else 0.0
-    optimizer = "lightwire_sgd" if momentum > 0 else "task"
+    # The sidecar's momentum needs lightwire.torch.SGD; otherwise a lightwire row takes the helper
+    # of the task's optimizer where there is one (AdamW: lightwire.torch.AdamW), as users would.
+    optimizer = "lightwire_sgd" if momentum > 0 else "helper" if kind == "lightwire" else "task"
     row = {"task": task, "rate": rate, "rate_bits_per_second": rate_bits(rate), "config": name,
            "label": label, "kind": kind, "baseline": name == "ddp", "status": "ok", "error": None,
            "steps": profile["steps"][task], "seed": seed}

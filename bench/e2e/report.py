@@ -279,6 +279,16 @@ def model_facts(runs):
     batch = first_of(runs, "batch")
     if batch is not None:
         facts.append("batch %s per rank" % batch)
+    # The optimizer of each row (results since the optimizer helpers record it).
+    by_optimizer = {}
+    for r in runs:
+        if r.get("optimizer"):
+            names = by_optimizer.setdefault(r["optimizer"], [])
+            if r["config"] not in names:
+                names.append(r["config"])
+    if by_optimizer:
+        facts.append("optimizer " + "; ".join("%s (%s)" % (o, ", ".join(n))
+                                               for o, n in by_optimizer.items()))
     return facts
 
 

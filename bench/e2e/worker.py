@@ -13,7 +13,8 @@ steps, and writes one JSON object.
 SPEC_JSON: {"task", "size", "seed", "world_size", "steps", "eval_every", "kind" ("ddp" |
 "torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" for torch_hook; "flat" or null for lightwire), "powersgd_rank",
 "powersgd_start", "optimizer" ("task": the task's own; "lightwire_sgd": lightwire.torch.SGD with
-the task's SGD settings), "sockets" (lightwire: one Unix socket per rank), "store_dir"}; for the time-to-accuracy stop rule also
+the task's SGD settings; "helper": the task's own; either is lightwire.torch.AdamW with the
+task's settings when the task trains with AdamW), "sockets" (lightwire: one Unix socket per rank), "store_dir"}; for the time-to-accuracy stop rule also
 "target" (the loss), "extra_steps" and "cap_seconds" ("steps" is then the cap on steps): without
 "target" every step up to "steps" runs. Progress goes to stderr.
 """
@@ -108,14 +109,23 @@ def train(rank, spec, out_path):
     hook_state = attach_hook(spec, ddp, dist)
     opt = task.optimizer(ddp.parameters())
     if hook_state is not None:
-        if spec.get("optimizer") == "lightwire_sgd":
+        group = opt.param_groups[0]
+        if spec.get("optimizer") in ("helper", "lightwire_sgd") and isinstance(opt,
+                                                                           torch.optim.AdamW):
+            # Adam's preconditioning in front of the error-feedback codecs, the sidecar's
+            # momentum as Adam's first moment (docs/codecs.md "Adam with sparse codecs"); every
+            # other layer steps as AdamW does.
+            from lightwire.torch import AdamW
+            opt = AdamW(ddp.parameters(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                        weight_decay=group["weight_decay"], hook_state=hook_state)
+        elif spec.get("optimizer") == "lightwire_sgd":
             # The sidecar applies DGC's momentum to the tensors it compresses: momentum stays in
             # the optimizer everywhere else (docs/codecs.md "Momentum with dgc").
             if not isinstance(opt, torch.optim.SGD):
                 raise ValueError("task %s trains with %s: dgc's momentum correction needs momentum "
-                                 "SGD (docs/codecs.md)" % (spec["task"], type(opt).__name__))
+                                 "SGD or AdamW (docs/codecs.md)" % (spec["task"],
+                                                                    type(opt).__name__))
             from lightwire.torch import SGD
-            group = opt.param_groups[0]
             opt = SGD(ddp.parameters(), lr=group["lr"], momentum=group["momentum"],
                       weight_decay=group["weight_decay"], hook_state=hook_state)
         else:
@@ -186,6 +196,7 @@ def train(rank, spec, out_path):
             "parameters": task.parameters(), "batch": task.batch_size,
             "task_title": task.title, "steps_run": last_step,
             "rank_steps": [int(t.item()) for t in gathered],
+            "optimizer": "%s.%s" % (type(opt).__module__, type(opt).__qualname__),
         }
         if tta:
             i = stop_rule.first_reached(evals, spec["target"])

@@ -290,3 +290,17 @@ def test_group_without_successful_runs(tmp_path):
     assert table_row(md, "### mlp", "DDP over gloo")[1] == "failed [1]"
     assert table_row(md, "### mlp", "lightwire dgc + policies")[1] == "timeout"
     assert "gloo died" in md and "**not evaluated**" in md
+
+
+def test_group_heading_names_each_rows_optimizer():
+    runs = [dict(ok_run("lm", "1gbit", "ddp", "DDP over gloo", "ddp", 0.8, 2.0, 2e7,
+                        baseline=True), optimizer="torch.optim.adamw.AdamW"),
+            dict(ok_run("lm", "1gbit", "lightwire_dgc", "dgc", "lightwire", 0.4, 2.1, 8e5),
+                 optimizer="lightwire.torch.AdamW"),
+            dict(ok_run("lm", "1gbit", "lightwire_topk", "topk", "lightwire", 0.4, 2.1, 8e5),
+                 optimizer="lightwire.torch.AdamW"),
+            ok_run("lm", "1gbit", "old", "an older result", "lightwire", 0.4, 2.1, 8e5)]
+    facts = report.model_facts(runs)
+    assert facts[-1] == ("optimizer torch.optim.adamw.AdamW (ddp); lightwire.torch.AdamW "
+                         "(lightwire_dgc, lightwire_topk)")
+    assert not any("optimizer" in f for f in report.model_facts(runs[3:]))

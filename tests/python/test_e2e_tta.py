@@ -255,11 +255,13 @@ def test_profile_seeds_and_plan():
     assert e2e.seeds_for({"config_seeds": {"*": "all"}}, "x", [4, 5]) == [4, 5]
     with pytest.raises(ValueError):
         e2e.seeds_for({"config_seeds": {"x": "some"}}, "x", [0])
-    # The LM (AdamW) refuses dgc's momentum correction: its error-feedback dgc row trains every
-    # seed there, one seed on the MLP.
-    lm = e2e.plan_runs(dict(prof, tasks=["lm"]), configs, [0, 1, 2])
-    assert [p[2] for p in lm if p[3][0] == "lightwire_dgc_ef"] == [0, 1, 2]
-    assert [p[2] for p in plan if p[3][0] == "lightwire_dgc_ef"] == [0]
+    # A task's own rules win over the profile's: here the error-feedback dgc row trains every seed
+    # on the LM, one seed on the MLP.
+    per_task = dict(prof, tasks=["lm", "mlp"],
+                    task_config_seeds={"lm": {"lightwire_dgc_ef": "all"}})
+    both = e2e.plan_runs(per_task, configs, [0, 1, 2])
+    assert [p[2] for p in both if p[0] == "lm" and p[3][0] == "lightwire_dgc_ef"] == [0, 1, 2]
+    assert [p[2] for p in both if p[0] == "mlp" and p[3][0] == "lightwire_dgc_ef"] == [0]
 
 
 def test_estimate():

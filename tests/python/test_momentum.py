@@ -51,9 +51,10 @@ def _loss(net, x, y):
     return torch.nn.functional.mse_loss(net(x), y)
 
 
-def _trainer(rank, store_dir, sockets, out_dir):
+def _trainer(rank, store_dir, sockets, out_dir, make_optimizer=None, steps=STEPS):
     """One DDP rank through its own sidecar: records, per step, its local gradients (from a copy
-    of the model with the same parameters) and the parameters after the optimizer's step."""
+    of the model with the same parameters) and the parameters after the optimizer's step.
+    make_optimizer(parameters, hook_state): the optimizer (default: lightwire.torch.SGD)."""
     import copy
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.set_num_threads(1)
@@ -65,11 +66,14 @@ def _trainer(rank, store_dir, sockets, out_dir):
             client=lightwire.Client(socket_path=sockets[rank], timeout=(2.0, 20.0)), module=net,
             on_error="raise")
         net.register_comm_hook(state, lwt.ddp_comm_hook)
-        opt = lwt.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD,
-                      hook_state=state)
+        if make_optimizer is None:
+            opt = lwt.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD,
+                          hook_state=state)
+        else:
+            opt = make_optimizer(net.parameters(), state)
         shadow = copy.deepcopy(net.module)
         try:
-            for step in range(STEPS):
+            for step in range(steps):
                 x, y = _batch(rank, step)
                 shadow.load_state_dict(net.module.state_dict())
                 shadow.zero_grad()
@@ -97,13 +101,14 @@ class _Dgc(object):
     momentum correction and momentum factor masking), exact top-k selection: the k = round(d·n)
     largest |v|, ties to the lower index."""
 
-    def __init__(self, n):
+    def __init__(self, n, momentum=MOMENTUM):
         self.u = np.zeros(n, np.float32)
         self.v = np.zeros(n, np.float32)
+        self.momentum = np.float32(momentum)
 
     def step(self, g):
         n = g.size
-        self.u = _f32(_f32(np.float32(MOMENTUM) * self.u) + g)  # momentum correction
+        self.u = _f32(_f32(self.momentum * self.u) + g)          # momentum correction
         self.v = _f32(self.v + self.u)                           # local accumulation
         k = min(n, max(1, int(np.floor(DENSITY * n + 0.5))))
         mag = np.abs(self.v)
@@ -160,28 +165,47 @@ def _ulps(a, b):
     return int(np.abs(ia - ib).max()) if ia.size else 0
 
 
-def test_dgc_momentum_per_layer_equals_the_papers_algorithm(tmp_path_factory):
+NAMES = ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
+
+
+def train_two_ranks(tmp_path_factory, job, sidecar_args, make_optimizer=None, steps=STEPS):
+    """WORLD sidecars (dgc with `sidecar_args`) and one _trainer each: returns every rank's
+    record (skips when the sidecar cannot run here)."""
     from conftest import Cluster, _serve_available
     ok, reason = _serve_available()
     if not ok:
         pytest.skip(reason)
-    tmp = tmp_path_factory.mktemp("momentum")
-    cl = Cluster(tmp_path_factory, WORLD, codec="dgc", codec_args=SIDECAR_ARGS, peer_timeout=10,
-                 job_id="momentum")
+    tmp = tmp_path_factory.mktemp(job)
+    cl = Cluster(tmp_path_factory, WORLD, codec="dgc", codec_args=sidecar_args, peer_timeout=10,
+                 job_id=job)
     try:
         cl.start()
         store = tmp / "store"
         store.mkdir()
-        failed = H.run_ranks(_trainer, (str(store), [sc.socket for sc in cl.sidecars], str(tmp)),
-                             WORLD, 120)
+        failed = H.run_ranks(_trainer, (str(store), [sc.socket for sc in cl.sidecars], str(tmp),
+                                        make_optimizer, steps), WORLD, 120)
         if failed:
             pytest.fail("%s; sidecars:\n%s" % (failed, cl.stderr()))
     finally:
         cl.stop()
     runs = [torch.load(str(tmp / ("rank%d.pt" % r))) for r in range(WORLD)]
     for r in range(WORLD):
-        assert len(runs[r]["params"]) == STEPS, "rank %d stopped early" % r
-    names = ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
+        assert len(runs[r]["params"]) == steps, "rank %d stopped early" % r
+    return runs
+
+
+def assert_bit_for_bit(runs, want):
+    """Every rank's parameters after every step equal each other's and the reference's."""
+    for step in range(len(want)):
+        for i, name in enumerate(NAMES):
+            got0, got1 = runs[0]["params"][step][i], runs[1]["params"][step][i]
+            assert torch.equal(got0, got1), "step %d %s: the ranks differ" % (step, name)
+            assert torch.equal(got0, want[step][i]), (
+                "step %d %s: %d ulp from the reference" % (step, name, _ulps(got0, want[step][i])))
+
+
+def test_dgc_momentum_per_layer_equals_the_papers_algorithm(tmp_path_factory):
+    runs = train_two_ranks(tmp_path_factory, "momentum", SIDECAR_ARGS)
     # The sidecar says which parameters it applies momentum to: the 2-D ones.
     reply = runs[0]["replies"][-1]
     layers = {l["name"]: (l["codec"], l["momentum"]) for l in reply["layers"]}
@@ -189,13 +213,7 @@ def test_dgc_momentum_per_layer_equals_the_papers_algorithm(tmp_path_factory):
                       "1.weight": ("none", 0.0), "1.bias": ("none", 0.0),
                       "3.weight": ("dgc", MOMENTUM), "3.bias": ("none", 0.0)}, layers
     assert runs[0]["momentum"] == [MOMENTUM, 0.0, 0.0, 0.0, MOMENTUM, 0.0]
-    want = _reference([run["grads"] for run in runs])
-    for step in range(STEPS):
-        for i, name in enumerate(names):
-            got0, got1 = runs[0]["params"][step][i], runs[1]["params"][step][i]
-            assert torch.equal(got0, got1), "step %d %s: the ranks differ" % (step, name)
-            assert torch.equal(got0, want[step][i]), (
-                "step %d %s: %d ulp from the reference" % (step, name, _ulps(got0, want[step][i])))
+    assert_bit_for_bit(runs, _reference([run["grads"] for run in runs]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -334,7 +352,7 @@ def test_an_adaptive_optimizer_with_a_selection_codec_is_warned_once(caplog):
         assert len(caplog.records) == 1
         msg = caplog.records[0].getMessage()
         assert "AdamW" in msg and "fc.weight" in msg and "fc.bias" not in msg
-        assert "prefer qsgd or fp16" in msg
+        assert "lightwire.torch.AdamW" in msg and "qsgd or fp16" in msg
         # SGD (momentum or not) is what error feedback is for: no warning.
         lwt._warn_adaptive_selection(torch.optim.SGD([w, b], lr=0.1, momentum=0.9), sparse)
         lwt._warn_adaptive_selection(None, sparse)

@@ -53,6 +53,7 @@ two local trainers of the same step.
 import concurrent.futures
 import hashlib
 import logging
+import math
 import os
 import threading
 
@@ -157,11 +158,14 @@ def _check_optimizer(optimizer, parameter, momentum, name):
                         "weight decay and the densely exchanged layers no momentum at all: "
                         "lightwire.torch.SGD keeps it there", what)
         return
+    if isinstance(optimizer, AdamW):
+        optimizer._check_sidecar_momentum(parameter, momentum, what)
+        return  # its step reads the sidecar's momentum per parameter
     raise MomentumConflict(
         "%s; %s with it is not defined (it would apply its own moment estimates to gradients the "
-        "sidecar applied momentum to). Use lightwire.torch.SGD, or keep %s and a dense codec "
-        "(qsgd, fp16): sparse codecs train far slower under adaptive optimizers (docs/codecs.md "
-        "\"Choosing\")" % (what, type(optimizer).__name__, type(optimizer).__name__))
+        "sidecar applied momentum to). Use lightwire.torch.SGD, or with Adam "
+        "lightwire.torch.AdamW (docs/codecs.md \"Adam with sparse codecs\")"
+        % (what, type(optimizer).__name__))
 
 
 # The codecs that send a selection of the elements, with error feedback.
@@ -177,17 +181,20 @@ def _warn_adaptive_selection(optimizer, reply):
     if optimizer is None or isinstance(optimizer, torch.optim.SGD) or id(optimizer) in \
             _warned_adaptive or not isinstance(reply, dict):
         return
+    # lightwire.torch.AdamW sends the preconditioned update of the codecs it names.
+    covered = optimizer.precondition_codecs if isinstance(optimizer, AdamW) else ()
     sparse = [p.get("name") for p in (reply.get("layers") or [reply])
               if isinstance(p, dict) and p.get("codec") in _SELECTION_CODECS
-              and p.get("mode") not in _DENSE_MODES]
+              and p.get("codec") not in covered and p.get("mode") not in _DENSE_MODES]
     if not sparse:
         return
     _warned_adaptive.add(id(optimizer))
     log.warning("lightwire: %s trains layers the sidecar sends with a selection codec (%s%s): "
                 "under an adaptive optimizer sparse codecs with error feedback train far slower "
-                "than the same gradients dense; prefer qsgd or fp16 for them (docs/codecs.md "
-                "\"Choosing\")", type(optimizer).__name__, ", ".join(map(str, sparse[:3])),
-                ", ..." if len(sparse) > 3 else "")
+                "than the same gradients dense; use lightwire.torch.AdamW, which sends the "
+                "preconditioned update instead, or qsgd or fp16 for them (docs/codecs.md \"Adam "
+                "with sparse codecs\")", type(optimizer).__name__,
+                ", ".join(map(str, sparse[:3])), ", ..." if len(sparse) > 3 else "")
 
 
 class SGD(torch.optim.SGD):
@@ -263,6 +270,179 @@ class SGD(torch.optim.SGD):
                         buf.mul_(m).add_(d_p, alpha=1 - damp)
                     d_p = d_p.add(buf, alpha=m) if nesterov else buf
                 p.add_(d_p, alpha=-lr)
+        return loss
+
+
+# The codecs whose tensors lightwire.torch.AdamW preconditions on each rank before the exchange:
+# the ones that send part of a tensor's information each step and keep the rest in error feedback
+# (docs/codecs.md "Adam with sparse codecs").
+PRECONDITIONED_CODECS = ("topk", "dgc", "threshold", "randomk", "powersgd")
+
+
+class AdamW(torch.optim.AdamW):
+    """AdamW that sends what Adam makes of each rank's gradient, not the gradient, through the
+    sidecar's error-feedback codecs (docs/codecs.md "Adam with sparse codecs").
+
+    Error feedback keeps the sum of what a tensor sends equal to the sum of its inputs; that is the
+    sum of the updates only when the update is linear in the input. Adam's is not (it divides by
+    the root of the second moment), so a sparse codec applied to Adam's *gradient* releases each
+    element's accumulated gradient as one spike that Adam then shrinks. This optimizer moves the
+    preconditioning in front of the exchange for the tensors the sidecar sends with a codec of
+    ``precondition`` (default ``PRECONDITIONED_CODECS``), as the reply of the step before named it.
+    In the hook, before the bucket is sent, each rank updates Adam's second moment of *its own*
+    gradient, ``v ← β2·v + (1−β2)·g²`` (bias-corrected: ``v̂``), and
+
+    - where the sidecar applies momentum (dgc's momentum correction, ``momentum`` = ``betas[0]``)
+      sends ``g / (√v̂ + eps)``: the sidecar accumulates it with momentum and sends the largest
+      accumulated elements, as Deep Gradient Compression does for SGD; ``step`` applies the
+      average ``ū`` as ``p ← p·(1 − lr·wd) − lr·(1 − β1)·ū``;
+    - elsewhere (error feedback alone: ``topk``, ``dgc`` with momentum 0, ``powersgd``, ...) also
+      updates the first moment, ``m ← β1·m + (1−β1)·g``, and sends Adam's update
+      ``m̂ / (√v̂ + eps)``; ``step`` applies the average as ``p ← p·(1 − lr·wd) − lr·ū``.
+
+    Every other parameter (the densely exchanged layers, the tensors of other codecs, and every
+    tensor on the first step, before a reply named its codec) is stepped exactly as
+    ``torch.optim.AdamW`` steps it, on the averaged gradient. A tensor that begins to be
+    preconditioned carries on from the moments it was stepped with so far; one whose treatment
+    changes again (its codec or momentum changed) starts Adam's moments afresh, the same on every
+    rank. Dense steps of a preconditioned tensor (bypass, full sync, PowerSGD before its start
+    step, the hook's fallback allreduce) average what the ranks sent exactly, and ``step`` applies
+    it by the same rule.
+
+    ``hook_state``: the ``LightwireHookState`` of the model's hook; the optimizer declares itself
+    there and the hook calls it for every bucket. One backward pass per ``step`` (accumulate with
+    DDP's ``no_sync``). ``amsgrad`` and ``maximize`` are refused (not defined for a preconditioned
+    tensor); Adam without weight decay is this with ``weight_decay=0``. Where the sidecar applies
+    momentum, it must equal ``betas[0]`` (``MomentumConflict`` otherwise).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, hook_state, precondition=PRECONDITIONED_CODECS,
+                 maximize=False):
+        if hook_state is None or not hasattr(hook_state, "sidecar_codec"):
+            raise TypeError("lightwire.torch.AdamW needs hook_state= (the model's "
+                            "LightwireHookState)")
+        if amsgrad or maximize:
+            raise ValueError("lightwire.torch.AdamW: %s is not defined for a tensor preconditioned "
+                             "before the exchange; use torch.optim.AdamW with a dense codec"
+                             % ("amsgrad" if amsgrad else "maximize"))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         foreach=False)
+        self.hook_state = hook_state
+        self.precondition_codecs = frozenset(precondition)
+        hook_state.optimizer = self
+
+    def _group_of(self, parameter):
+        groups = getattr(self, "_groups", None)
+        if groups is None or len(groups) != sum(len(g["params"]) for g in self.param_groups):
+            groups = self._groups = {id(q): g for g in self.param_groups for q in g["params"]}
+        return groups.get(id(parameter))
+
+    def _check_sidecar_momentum(self, parameter, momentum, what):
+        """Raises MomentumConflict unless this optimizer defines the sidecar's ``momentum`` on
+        ``parameter`` (``what`` says where it comes from)."""
+        group = self._group_of(parameter)
+        if group is None:
+            return
+        if self.hook_state.sidecar_codec(parameter) not in self.precondition_codecs:
+            raise MomentumConflict(
+                "%s, and lightwire.torch.AdamW does not precondition its codec %r "
+                "(precondition=%s): Adam's moments on a gradient that carries momentum are "
+                "defined nowhere" % (what, self.hook_state.sidecar_codec(parameter),
+                                     sorted(self.precondition_codecs)))
+        if group["betas"][0] != momentum:
+            raise MomentumConflict(
+                "%s; lightwire.torch.AdamW then needs betas[0] = %g (got %g): the sidecar's "
+                "momentum is Adam's first moment there" % (what, momentum, group["betas"][0]))
+
+    @torch.no_grad()
+    def _precondition_bucket(self, params, flat):
+        """Called by the hook with a bucket's parameters and its flat gradient (in their order,
+        back to back): replaces the gradient of every parameter to precondition by what Adam
+        makes of it (see the class)."""
+        offset = 0
+        for p in params:
+            n = p.numel()
+            g = flat[offset:offset + n]
+            offset += n
+            group = self._group_of(p)
+            if group is None:
+                continue
+            state = self.state[p]
+            if self.hook_state.sidecar_codec(p) not in self.precondition_codecs:
+                if "local_exp_avg_sq" in state:
+                    del self.state[p]  # no longer preconditioned: Adam afresh, alike on every rank
+                continue
+            owned = self.hook_state.sidecar_momentum(p)
+            if owned > 0:
+                self._check_sidecar_momentum(p, owned, "the sidecar applies momentum %g to a "
+                                             "parameter of shape %s" % (owned, list(p.shape)))
+            mode = "corrected" if owned > 0 else "update"
+            if state.get("local_mode", mode) != mode:
+                del self.state[p]  # the sidecar's momentum came or went: afresh
+                state = self.state[p]
+            self._precondition(state, g, group, mode)
+
+    def _precondition(self, state, g, group, mode):
+        beta1, beta2 = group["betas"]
+        if "local_exp_avg_sq" not in state:
+            if "exp_avg" in state:  # stepped on the average until now: its moments carry on
+                state["local_exp_avg"] = state["exp_avg"].detach().clone().view(-1)
+                state["local_exp_avg_sq"] = state["exp_avg_sq"].detach().clone().view(-1)
+                state["local_step"] = int(state["step"])
+            else:
+                state["local_exp_avg"] = torch.zeros_like(g)
+                state["local_exp_avg_sq"] = torch.zeros_like(g)
+                state["local_step"] = 0
+            state["local_mode"] = mode
+            if mode == "corrected":
+                del state["local_exp_avg"]  # the sidecar keeps the first moment
+        v = state["local_exp_avg_sq"]
+        state["local_step"] += 1
+        step = state["local_step"]
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+        if mode == "corrected":
+            g.div_(denom)
+        else:
+            m = state["local_exp_avg"]
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            torch.div(m, denom, out=g)
+            g.div_(1 - beta1 ** step)
+        state["update_sent"] = mode
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        held = []
+        try:
+            for group in self.param_groups:
+                lr, wd, beta1 = group["lr"], group["weight_decay"], group["betas"][0]
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    sent = state.pop("update_sent", None)
+                    if sent is None:
+                        if "local_exp_avg_sq" in state:
+                            raise RuntimeError(
+                                "lightwire.torch.AdamW: a parameter of shape %s preconditioned "
+                                "before has a gradient that did not pass through the hook this "
+                                "step (one backward pass through the DDP hook per step; "
+                                "accumulate with no_sync)" % list(p.shape))
+                        continue
+                    # What the ranks sent, averaged: applied as it comes.
+                    p.mul_(1 - lr * wd)
+                    p.add_(p.grad, alpha=-lr * (1 - beta1) if sent == "corrected" else -lr)
+                    held.append((p, p.grad))
+                    p.grad = None
+            super().step()  # every other parameter: torch.optim.AdamW's own arithmetic
+        finally:
+            for p, g in held:
+                p.grad = g
         return loss
 
 
@@ -348,6 +528,7 @@ class LightwireHookState(object):
         # momentum the sidecar applies to each parameter's gradient, from the last reply naming it.
         self.optimizer = optimizer
         self._momentum = {}        # id(parameter) -> the sidecar's momentum (0: none)
+        self._codec = {}           # id(parameter) -> its codec, from the last reply naming it
         self._momentum_checked = set()
         self.iteration = None      # per layer: the training iteration of the buckets being sent
         self._seen = set()         # ... and the bucket indices sent in it
@@ -445,6 +626,11 @@ class LightwireHookState(object):
         it applies none (the optimizer owns momentum) or no reply named it yet."""
         return self._momentum.get(id(parameter), 0.0)
 
+    def sidecar_codec(self, parameter):
+        """The codec the sidecar sends ``parameter`` with (the reply's ``codec`` for its layer, or
+        for its flat bucket), from the last reply that named it; None before any did."""
+        return self._codec.get(id(parameter))
+
     def _note_momentum(self, params, reply):
         """Records what a bucket's reply says of each parameter's momentum and checks the
         optimizer against it (raises MomentumConflict)."""
@@ -456,8 +642,12 @@ class LightwireHookState(object):
             m = float(reply.get("momentum", 0.0)) if isinstance(reply, dict) else 0.0
             named = [(p, m, reply.get("name") if isinstance(reply, dict) else None)
                      for p in params]
-        for p, m, name in named:
+        codecs = [e.get("codec") for e in layers] if layers is not None and \
+            len(layers) == len(params) else [reply.get("codec") if isinstance(reply, dict)
+                                             else None] * len(params)
+        for (p, m, name), codec in zip(named, codecs):
             self._momentum[id(p)] = m
+            self._codec[id(p)] = codec
             if m > 0 and (id(p), m) not in self._momentum_checked:
                 _check_optimizer(self.optimizer, p, m, name)
                 self._momentum_checked.add((id(p), m))
@@ -684,6 +874,11 @@ def ddp_comm_hook(state, bucket):
             raise TypeError("lightwire: bucket %d has dtype %s on %s; the sidecar takes CPU or "
                             "CUDA float32, float16 or bfloat16" % (index, buf.dtype, buf.device))
         flat = buf.view(-1) if buf.is_contiguous() else buf.reshape(-1)
+        precondition = getattr(state.optimizer, "_precondition_bucket", None)
+        if precondition is not None:  # lightwire.torch.AdamW: the updates, not the gradients
+            precondition(params, flat)
+            if flat.data_ptr() != buf.data_ptr():
+                buf.copy_(flat.view(buf.shape))  # the fallback allreduce averages the same
         if state.per_layer:
             name, layout = state._bucket_layout(bucket, flat.numel())
         if buf.device.type == "cuda" and state.cuda_ipc:
