@@ -103,6 +103,17 @@ EXTRA_CONFIGS = [
      + POLICIES_OFF),
     ("lightwire_powersgd4_start0", "lightwire powersgd (rank 4, from step 0)", "lightwire", None,
      ["--codec", "powersgd", "--approx-rank", "4", "--powersgd-start-step", "0"] + POLICIES_OFF),
+    # How the equal-step cost of dgc depends on its density and warm-up (bench/README.md "Why
+    # sparse Adam trails at equal steps").
+    ("lightwire_dgc4", "lightwire dgc 4 % (momentum correction)", "lightwire", None,
+     ["--codec", "dgc", "--density", "0.04"] + DGC_MOMENTUM + POLICIES_OFF),
+    # Every element every step, through the same preconditioning (lightwire.torch.AdamW sends each
+    # rank's own Adam update of a topk layer): what the per-rank second moment costs alone.
+    ("lightwire_topk_all", "lightwire topk 100 % (every element)", "lightwire", None,
+     ["--codec", "topk", "--density", "1"] + POLICIES_OFF),
+    ("lightwire_dgc_warmup100", "lightwire dgc 1 % (momentum correction, warm-up 100)",
+     "lightwire", None, ["--codec", "dgc", "--density", "0.01", "--warmup-steps", "100"]
+     + DGC_MOMENTUM + POLICIES_OFF),
 ]
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 

@@ -6,6 +6,7 @@ against an independent implementation written here; then
 the optimizer alone: torch.optim.AdamW's arithmetic where nothing is preconditioned, the dense-step
 rule, a codec change, and the refusals."""
 
+import copy
 import math
 
 import numpy as np
@@ -252,7 +253,7 @@ def test_adamw_restarts_the_moments_of_a_tensor_no_longer_preconditioned():
     opt = _make_adamw([w, b], codecs)
     for s in range(3):
         _hook_then_step(opt, [w, b], list(_grads(s)))
-    assert opt.state[w]["local_step"] == 3 and "exp_avg" not in opt.state[w]
+    assert opt.state[w]["step"].item() == 3 and "exp_avg" not in opt.state[w]
     codecs.sparse = set()  # its codec changed (PUT /v1/config): AdamW afresh, alike on every rank
     w_ref = torch.nn.Parameter(w.detach().clone())
     ref = torch.optim.AdamW([w_ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -320,3 +321,23 @@ def test_the_hook_learns_each_parameters_codec_and_adamw_is_not_warned(caplog):
     # A flat bucket's codec covers every parameter of the bucket.
     s._note_momentum([w, b], {"name": "bucket.0", "codec": "topk", "momentum": 0.0})
     assert s.sidecar_codec(w) == "topk" and s.sidecar_codec(b) == "topk"
+
+
+@pytest.mark.parametrize("momentum", [BETAS[0], 0.0], ids=["momentum_correction",
+                                                        "error_feedback"])
+def test_adamw_continues_bit_for_bit_from_its_state_dict(momentum):
+    """The per-rank moments and the layer's mode belong to the optimizer's state: a trainer
+    restarted from torch.save(opt.state_dict()) continues exactly."""
+    w, b = _params()
+    opt = _make_adamw([w, b], _Codecs([w], momentum=momentum))
+    for s in range(3):
+        _hook_then_step(opt, [w, b], list(_grads(s)))
+    saved = copy.deepcopy(opt.state_dict())
+    w2 = torch.nn.Parameter(w.detach().clone())
+    b2 = torch.nn.Parameter(b.detach().clone())
+    opt2 = _make_adamw([w2, b2], _Codecs([w2], momentum=momentum))
+    opt2.load_state_dict(saved)
+    for s in range(3, 6):
+        _hook_then_step(opt, [w, b], list(_grads(s)))
+        _hook_then_step(opt2, [w2, b2], list(_grads(s)))
+        assert torch.equal(w, w2) and torch.equal(b, b2), s

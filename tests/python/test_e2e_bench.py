@@ -65,6 +65,10 @@ def test_e2e_smoke_runs_every_kind_and_writes_the_report(tmp_path):
             assert row["fallbacks"] == 0, "%s: buckets fell back to gloo" % name
             assert row["sidecar"]["codec"] in ("dgc", "powersgd", "none"), row["sidecar"]
     assert rows["ddp"]["baseline"] and rows["ddp"]["time_to_baseline_loss"] is not None
+    # Each row records its optimizer: the task's own, lightwire.torch.SGD under dgc's momentum.
+    assert rows["ddp"]["optimizer"] == "torch.optim.sgd.SGD"
+    assert rows["lightwire_dgc_policies"]["optimizer"] == "lightwire.torch.SGD"
+    assert rows["lightwire_powersgd"]["optimizer"] == "torch.optim.sgd.SGD"
     md = (tmp_path / "BENCHMARKS.md").read_text()
     for row in rows.values():
         assert row["label"] in md, row["label"]
@@ -72,6 +76,26 @@ def test_e2e_smoke_runs_every_kind_and_writes_the_report(tmp_path):
     assert len(pngs) == 3, pngs
     for png in pngs:
         assert "benchmarks/" + png in md, png
+
+
+def test_e2e_smoke_trains_the_lm_with_the_adamw_helper(tmp_path):
+    """The LM trains with AdamW: its lightwire rows take lightwire.torch.AdamW, dgc's momentum
+    correction included (Adam's first moment there), and no bucket falls back."""
+    skip_unless_e2e_runs()
+    results = tmp_path / "results.json"
+    env = dict(os.environ, LIGHTWIRE_BIN=LIGHTWIRE_BIN, PYTHON=PYTHON)
+    r = subprocess.run([PYTHON, os.path.join(REPO, "bench", "e2e", "e2e.py"), "--smoke",
+                        "--tasks", "lm", "--configs", "ddp,lightwire_dgc,lightwire_topk",
+                        "--out-dir", str(tmp_path), "--results", str(results)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["config"]: row for row in json.loads(results.read_text())["runs"]}
+    assert rows["ddp"]["optimizer"] == "torch.optim.adamw.AdamW"
+    for name in ("lightwire_dgc", "lightwire_topk"):
+        assert rows[name]["status"] == "ok", (name, rows[name].get("error"))
+        assert rows[name]["optimizer"] == "lightwire.torch.AdamW", rows[name]
+        assert rows[name]["fallbacks"] == 0, name
+        assert all(math.isfinite(v) for v in rows[name]["loss"]), name
 
 
 def test_memory_bench_smoke():

@@ -274,9 +274,15 @@ class SGD(torch.optim.SGD):
 
 
 # The codecs whose tensors lightwire.torch.AdamW preconditions on each rank before the exchange:
-# the ones that send part of a tensor's information each step and keep the rest in error feedback
-# (docs/codecs.md "Adam with sparse codecs").
-PRECONDITIONED_CODECS = ("topk", "dgc", "threshold", "randomk", "powersgd")
+# the ones that send a selection of a tensor's elements each step and keep the rest in error
+# feedback (docs/codecs.md "Adam with sparse codecs"). Not powersgd: Adam's normalised update is
+# far from low-rank, and preconditioned PowerSGD trained worse than on the gradient (measured).
+PRECONDITIONED_CODECS = ("topk", "dgc", "threshold", "randomk")
+
+# What lightwire.torch.AdamW sent for a layer (its state's "local_mode" and "update_sent"): Adam's
+# whole update, or the scaled gradient the sidecar's momentum accumulates. Numbers, not strings:
+# torch's Optimizer.load_state_dict rebuilds every iterable in the state, strings included.
+_UPDATE, _CORRECTED = 1, 2
 
 
 class AdamW(torch.optim.AdamW):
@@ -296,7 +302,7 @@ class AdamW(torch.optim.AdamW):
       sends ``g / (√v̂ + eps)``: the sidecar accumulates it with momentum and sends the largest
       accumulated elements, as Deep Gradient Compression does for SGD; ``step`` applies the
       average ``ū`` as ``p ← p·(1 − lr·wd) − lr·(1 − β1)·ū``;
-    - elsewhere (error feedback alone: ``topk``, ``dgc`` with momentum 0, ``powersgd``, ...) also
+    - elsewhere (error feedback alone: ``topk``, ``dgc`` with momentum 0, ...) also
       updates the first moment, ``m ← β1·m + (1−β1)·g``, and sends Adam's update
       ``m̂ / (√v̂ + eps)``; ``step`` applies the average as ``p ← p·(1 − lr·wd) − lr·ū``.
 
@@ -377,7 +383,7 @@ class AdamW(torch.optim.AdamW):
             if owned > 0:
                 self._check_sidecar_momentum(p, owned, "the sidecar applies momentum %g to a "
                                              "parameter of shape %s" % (owned, list(p.shape)))
-            mode = "corrected" if owned > 0 else "update"
+            mode = _CORRECTED if owned > 0 else _UPDATE
             if state.get("local_mode", mode) != mode:
                 del self.state[p]  # the sidecar's momentum came or went: afresh
                 state = self.state[p]
@@ -386,23 +392,24 @@ class AdamW(torch.optim.AdamW):
     def _precondition(self, state, g, group, mode):
         beta1, beta2 = group["betas"]
         if "local_exp_avg_sq" not in state:
+            # torch.optim.AdamW's "step" (a tensor) stays: its load_state_dict reads it from
+            # every parameter's state.
             if "exp_avg" in state:  # stepped on the average until now: its moments carry on
-                state["local_exp_avg"] = state["exp_avg"].detach().clone().view(-1)
-                state["local_exp_avg_sq"] = state["exp_avg_sq"].detach().clone().view(-1)
-                state["local_step"] = int(state["step"])
+                state["local_exp_avg"] = state.pop("exp_avg").view(-1)
+                state["local_exp_avg_sq"] = state.pop("exp_avg_sq").view(-1)
             else:
                 state["local_exp_avg"] = torch.zeros_like(g)
                 state["local_exp_avg_sq"] = torch.zeros_like(g)
-                state["local_step"] = 0
+                state["step"] = torch.tensor(0.0)
             state["local_mode"] = mode
-            if mode == "corrected":
+            if mode == _CORRECTED:
                 del state["local_exp_avg"]  # the sidecar keeps the first moment
         v = state["local_exp_avg_sq"]
-        state["local_step"] += 1
-        step = state["local_step"]
+        state["step"] += 1
+        step = state["step"].item()
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
-        if mode == "corrected":
+        if mode == _CORRECTED:
             g.div_(denom)
         else:
             m = state["local_exp_avg"]
@@ -436,7 +443,7 @@ class AdamW(torch.optim.AdamW):
                         continue
                     # What the ranks sent, averaged: applied as it comes.
                     p.mul_(1 - lr * wd)
-                    p.add_(p.grad, alpha=-lr * (1 - beta1) if sent == "corrected" else -lr)
+                    p.add_(p.grad, alpha=-lr * (1 - beta1) if sent == _CORRECTED else -lr)
                     held.append((p, p.grad))
                     p.grad = None
             super().step()  # every other parameter: torch.optim.AdamW's own arithmetic
