@@ -2,9 +2,9 @@
 preconditions, on each rank, the tensors the sidecar sends with an error-feedback codec and sends
 what Adam makes of each rank's gradient instead of the gradient. Two real DDP trainers, each with
 its own sidecar, per layer, dgc with momentum correction (Adam's β1) and with error feedback alone,
-against an independent implementation written here; then
-the optimizer alone: torch.optim.AdamW's arithmetic where nothing is preconditioned, the dense-step
-rule, a codec change, and the refusals."""
+against an independent implementation written here; then the optimizer alone: torch.optim.AdamW's
+arithmetic where nothing is preconditioned, the dense-step rule, a codec change, its saved state,
+and the refusals."""
 
 import copy
 import math

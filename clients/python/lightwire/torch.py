@@ -197,6 +197,14 @@ def _warn_adaptive_selection(optimizer, reply):
                 ", ".join(map(str, sparse[:3])), ", ..." if len(sparse) > 3 else "")
 
 
+def _closure_loss(closure):
+    """An optimizer step's closure, evaluated with gradients on (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class SGD(torch.optim.SGD):
     """Momentum SGD that shares momentum with the sidecar the way Deep Gradient Compression does
     (docs/codecs.md "Momentum with dgc"):
@@ -228,10 +236,7 @@ class SGD(torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             lr, m = group["lr"], group["momentum"]
             damp, wd, nesterov = group["dampening"], group["weight_decay"], group["nesterov"]
@@ -338,11 +343,18 @@ class AdamW(torch.optim.AdamW):
         self.precondition_codecs = frozenset(precondition)
         hook_state.optimizer = self
 
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        self._groups = None  # id(parameter) -> its group, rebuilt on the next lookup
+
+    def __setstate__(self, state):  # load_state_dict replaces the groups
+        super().__setstate__(state)
+        self._groups = None
+
     def _group_of(self, parameter):
-        groups = getattr(self, "_groups", None)
-        if groups is None or len(groups) != sum(len(g["params"]) for g in self.param_groups):
-            groups = self._groups = {id(q): g for g in self.param_groups for q in g["params"]}
-        return groups.get(id(parameter))
+        if self._groups is None:
+            self._groups = {id(q): g for g in self.param_groups for q in g["params"]}
+        return self._groups.get(id(parameter))
 
     def _check_sidecar_momentum(self, parameter, momentum, what):
         """Raises MomentumConflict unless this optimizer defines the sidecar's ``momentum`` on
@@ -379,11 +391,8 @@ class AdamW(torch.optim.AdamW):
                 if "local_exp_avg_sq" in state:
                     del self.state[p]  # no longer preconditioned: Adam afresh, alike on every rank
                 continue
-            owned = self.hook_state.sidecar_momentum(p)
-            if owned > 0:
-                self._check_sidecar_momentum(p, owned, "the sidecar applies momentum %g to a "
-                                             "parameter of shape %s" % (owned, list(p.shape)))
-            mode = _CORRECTED if owned > 0 else _UPDATE
+            # The sidecar's momentum was checked against betas[0] on the reply that named it.
+            mode = _CORRECTED if self.hook_state.sidecar_momentum(p) > 0 else _UPDATE
             if state.get("local_mode", mode) != mode:
                 del self.state[p]  # the sidecar's momentum came or went: afresh
                 state = self.state[p]
@@ -420,10 +429,7 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         held = []
         try:
             for group in self.param_groups:
@@ -639,22 +645,15 @@ class LightwireHookState(object):
         return self._codec.get(id(parameter))
 
     def _note_momentum(self, params, reply):
-        """Records what a bucket's reply says of each parameter's momentum and checks the
-        optimizer against it (raises MomentumConflict)."""
+        """Records what a bucket's reply says of each parameter's momentum and codec and checks
+        the optimizer against it (raises MomentumConflict)."""
         layers = reply.get("layers") if isinstance(reply, dict) else None
-        if layers is not None and len(layers) == len(params):
-            named = [(p, float(e.get("momentum", 0.0)), e.get("name")) for p, e in
-                     zip(params, layers)]
-        else:
-            m = float(reply.get("momentum", 0.0)) if isinstance(reply, dict) else 0.0
-            named = [(p, m, reply.get("name") if isinstance(reply, dict) else None)
-                     for p in params]
-        codecs = [e.get("codec") for e in layers] if layers is not None and \
-            len(layers) == len(params) else [reply.get("codec") if isinstance(reply, dict)
-                                             else None] * len(params)
-        for (p, m, name), codec in zip(named, codecs):
+        if layers is None or len(layers) != len(params):  # a flat bucket: one entry for all
+            layers = [reply if isinstance(reply, dict) else {}] * len(params)
+        for p, e in zip(params, layers):
+            m, name = float(e.get("momentum", 0.0)), e.get("name")
             self._momentum[id(p)] = m
-            self._codec[id(p)] = codec
+            self._codec[id(p)] = e.get("codec")
             if m > 0 and (id(p), m) not in self._momentum_checked:
                 _check_optimizer(self.optimizer, p, m, name)
                 self._momentum_checked.add((id(p), m))
