@@ -126,6 +126,12 @@ Result<size_t> Codec::addPayloads(std::span<const uint8_t>, std::span<const uint
   return failedPrecondition(std::string("codec '") + traits().name + "' is not summable");
 }
 
+Status Codec::decodeChunkInto(std::span<const uint8_t> payload, float weight, float* out,
+                              size_t out_elements) const {
+  std::fill_n(out, out_elements, 0.0f);
+  return decodeChunk(payload, weight, out, out_elements);
+}
+
 Status Codec::decodeRounds(std::span<const std::span<const uint8_t>> reduced_rounds, float weight,
                            float* out, size_t out_elements) const {
   if (reduced_rounds.size() != 1) {

@@ -187,6 +187,13 @@ class Codec {
   virtual Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
                              size_t out_elements) const = 0;
 
+  /// decodeChunk() into a range of zeros, without a pass to zero it first: writes
+  /// out[i] = +0 + weight * decoded[i] (the same bits as zeroing and adding; `+0 +` turns a −0
+  /// into +0). The first payload of a chunk's result. The default zeroes `out`, then decodeChunk();
+  /// the dense layout overrides it. On error `out` may hold zeros.
+  virtual Status decodeChunkInto(std::span<const uint8_t> payload, float weight, float* out,
+                                 size_t out_elements) const;
+
   /// Summable codecs: out = a + b in the compressed domain; returns the size written.
   virtual Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,
                                      std::span<uint8_t> out) const;

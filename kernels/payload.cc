@@ -1,6 +1,7 @@
 #include "kernels/payload.h"
 
 #include "kernels/parallel.h"
+#include "kernels/simd/kernels.h"
 
 #include <bit>
 #include <cstdio>
@@ -66,14 +67,18 @@ Result<PayloadHeader> readHeader(std::span<const uint8_t> p, CodecId expected,
 }
 
 Status decodeDenseF32(std::span<const uint8_t> p, const PayloadHeader& h, float weight,
-                      float* out) {
+                      float* out, bool into) {
   const uint64_t need = kHeaderBytes + 4 * h.elements;
   if (h.elements > (p.size() / 4) || p.size() != need) {
     return dataLoss("none payload of " + std::to_string(h.elements) + " elements must be " +
                     std::to_string(need) + " bytes, got " + std::to_string(p.size()));
   }
   const uint8_t* v = p.data() + kHeaderBytes;
-  for (uint64_t i = 0; i < h.elements; ++i) out[i] = out[i] + weight * loadF32(v + 4 * i);
+  if (into) {  // into zeros: +0 + w·v, the bits of the accumulating loop over zeros
+    simd::scaleFloats(v, h.elements, weight, out);
+  } else {
+    simd::accumulateFloats(v, h.elements, weight, out);
+  }
   return Status::ok();
 }
 

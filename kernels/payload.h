@@ -71,9 +71,10 @@ Result<PayloadHeader> readHeader(std::span<const uint8_t> payload, CodecId expec
                                  uint64_t out_elements, uint8_t allowed_flags,
                                  uint8_t max_round = 0);
 
-/// Decodes a `none`-layout payload whose header was already read: out += weight * values.
+/// Decodes a `none`-layout payload whose header was already read: out += weight * values, or
+/// (`into`) out = +0 + weight * values, the same bits without reading `out`.
 Status decodeDenseF32(std::span<const uint8_t> payload, const PayloadHeader& h, float weight,
-                      float* out);
+                      float* out, bool into = false);
 
 /// Writes x as a `none`-layout payload (header + fp32 values) at out[0 .. 16 + 4·x.elements) and
 /// returns its size: the `none` codec, and the dense escape of codecs whose chunk holds a

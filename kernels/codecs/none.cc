@@ -3,6 +3,7 @@
 
 #include "kernels/parallel.h"
 #include "kernels/registry.h"
+#include "kernels/simd/kernels.h"
 
 namespace lightwire::kernels {
 namespace {
@@ -37,6 +38,13 @@ class NoneCodec final : public Codec {
     return decodeDenseF32(payload, *h, weight, out);
   }
 
+  Status decodeChunkInto(std::span<const uint8_t> payload, float weight, float* out,
+                         size_t out_elements) const override {
+    auto h = readHeader(payload, CodecId::kNone, out_elements, 0);
+    if (!h) return h.status();
+    return decodeDenseF32(payload, *h, weight, out, /*into=*/true);
+  }
+
   Result<size_t> addPayloads(std::span<const uint8_t> a, std::span<const uint8_t> b,
                              std::span<uint8_t> out) const override {
     if (a.size() < kHeaderBytes) return dataLoss("payload truncated");
@@ -50,10 +58,8 @@ class NoneCodec final : public Codec {
     }
     if (out.size() < a.size()) return outOfRange("payload buffer too small");
     writeHeader(out.data(), *ha);
-    for (uint64_t i = 0; i < n; ++i) {
-      const size_t o = kHeaderBytes + 4 * i;
-      storeF32(out.data() + o, loadF32(a.data() + o) + loadF32(b.data() + o));
-    }
+    simd::addFloats(a.data() + kHeaderBytes, b.data() + kHeaderBytes, n,
+                    out.data() + kHeaderBytes);
     return a.size();
   }
 

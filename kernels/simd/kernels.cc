@@ -126,6 +126,74 @@ void AccumulateHalves(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
   }
 }
 
+// Dense fp32 payload bodies (little-endian binary32, any alignment): sums and decodes.
+
+void AddFloats(const uint8_t* a, const uint8_t* b, size_t n, uint8_t* out) {
+  size_t i = 0;
+  const hn::ScalableTag<float> df;
+  const size_t lanes = hn::Lanes(df);
+  for (; i + lanes <= n; i += lanes) {  // element i is read before out's element i is written
+    const auto va = hn::LoadU(df, reinterpret_cast<const float*>(a + 4 * i));
+    const auto vb = hn::LoadU(df, reinterpret_cast<const float*>(b + 4 * i));
+    hn::StoreU(hn::Add(va, vb), df, reinterpret_cast<float*>(out + 4 * i));
+  }
+  for (; i < n; ++i) {
+    float x, y;
+    std::memcpy(&x, a + 4 * i, 4);
+    std::memcpy(&y, b + 4 * i, 4);
+    const float sum = x + y;
+    std::memcpy(out + 4 * i, &sum, 4);
+  }
+}
+
+template <bool kInto>
+HWY_INLINE void weightedFloats(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
+                               float* HWY_RESTRICT out) {
+  size_t i = 0;
+  const hn::ScalableTag<float> df;
+  const size_t lanes = hn::Lanes(df);
+  const auto w = hn::Set(df, weight);
+  const auto zero = hn::Zero(df);
+  for (; i + lanes <= n; i += lanes) {
+    const auto v = hn::Mul(w, hn::LoadU(df, reinterpret_cast<const float*>(src + 4 * i)));
+    hn::StoreU(hn::Add(kInto ? zero : hn::LoadU(df, out + i), v), df, out + i);
+  }
+  for (; i < n; ++i) {
+    float v;
+    std::memcpy(&v, src + 4 * i, 4);
+    out[i] = (kInto ? 0.0f : out[i]) + weight * v;
+  }
+}
+
+void AccumulateFloats(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
+                      float* HWY_RESTRICT out) {
+  weightedFloats<false>(src, n, weight, out);
+}
+void ScaleFloats(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
+                 float* HWY_RESTRICT out) {
+  weightedFloats<true>(src, n, weight, out);
+}
+
+bool AnyNonfinite(const float* HWY_RESTRICT x, size_t n) {
+  size_t i = 0;
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const size_t lanes = hn::Lanes(df);
+  const auto exp = hn::Set(du, 0x7F800000u);
+  auto bad = hn::Zero(du);  // lanes with the exponent all ones: Inf or NaN
+  for (; i + lanes <= n; i += lanes) {
+    const auto u = hn::BitCast(du, hn::LoadU(df, x + i));
+    bad = hn::Or(bad, hn::VecFromMask(du, hn::Eq(hn::And(u, exp), exp)));
+  }
+  bool any = !hn::AllFalse(du, hn::Ne(bad, hn::Zero(du)));
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    any = any || (u & 0x7F800000u) == 0x7F800000u;
+  }
+  return any;
+}
+
 void FloatsToBf16s(const float* HWY_RESTRICT src, size_t n, uint8_t* HWY_RESTRICT dst) {
   size_t i = 0;
 #if HWY_TARGET != HWY_SCALAR
@@ -279,6 +347,10 @@ HWY_EXPORT(BlockSumAbs);
 HWY_EXPORT(BlockSumValues);
 HWY_EXPORT(FloatsToHalves);
 HWY_EXPORT(AccumulateHalves);
+HWY_EXPORT(AddFloats);
+HWY_EXPORT(AccumulateFloats);
+HWY_EXPORT(ScaleFloats);
+HWY_EXPORT(AnyNonfinite);
 HWY_EXPORT(FloatsToBf16s);
 HWY_EXPORT(AccumulateBf16s);
 HWY_EXPORT(QsgdQuantize);
@@ -304,6 +376,16 @@ void floatsToBf16s(const float* src, size_t n, uint8_t* dst) {
 void accumulateHalves(const uint8_t* src, size_t n, float weight, float* out) {
   HWY_DYNAMIC_DISPATCH(AccumulateHalves)(src, n, weight, out);
 }
+void addFloats(const uint8_t* a, const uint8_t* b, size_t n, uint8_t* out) {
+  HWY_DYNAMIC_DISPATCH(AddFloats)(a, b, n, out);
+}
+void accumulateFloats(const uint8_t* src, size_t n, float weight, float* out) {
+  HWY_DYNAMIC_DISPATCH(AccumulateFloats)(src, n, weight, out);
+}
+void scaleFloats(const uint8_t* src, size_t n, float weight, float* out) {
+  HWY_DYNAMIC_DISPATCH(ScaleFloats)(src, n, weight, out);
+}
+bool anyNonfinite(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(AnyNonfinite)(x, n); }
 void accumulateBf16s(const uint8_t* src, size_t n, float weight, float* out) {
   HWY_DYNAMIC_DISPATCH(AccumulateBf16s)(src, n, weight, out);
 }

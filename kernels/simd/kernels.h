@@ -30,6 +30,16 @@ void floatsToBf16s(const float* src, size_t n, uint8_t* dst);
 void accumulateHalves(const uint8_t* src, size_t n, float weight, float* out);
 void accumulateBf16s(const uint8_t* src, size_t n, float weight, float* out);
 
+/// Dense fp32 payload bodies (little-endian binary32 at any alignment), for i < n:
+/// addFloats: out value i = a value i + b value i (`out` may be `a` or `b`);
+/// accumulateFloats: out[i] = out[i] + weight * src value i;
+/// scaleFloats: out[i] = +0 + weight * src value i (accumulateFloats into zeros, −0 made +0).
+void addFloats(const uint8_t* a, const uint8_t* b, size_t n, uint8_t* out);
+void accumulateFloats(const uint8_t* src, size_t n, float weight, float* out);
+void scaleFloats(const uint8_t* src, size_t n, float weight, float* out);
+/// Whether some x[i], i < n, is Inf or NaN (its exponent bits all ones).
+bool anyNonfinite(const float* x, size_t n);
+
 /// qsgd codes (docs/determinism.md §4.5 step 3) of len elements of one bucket of norm `norm`
 /// (finite, > 0), h[k] the 16-bit random half of element k. All fp32, no FMA: once
 ///   F = (float)s / norm, FLT_MAX where that is +Inf;

@@ -204,10 +204,24 @@ void PeerMailboxes::discard(uint64_t tensor, uint64_t step) {
 std::vector<uint8_t> PeerMailboxes::takeBuffer(size_t n) {
   {
     std::lock_guard lock(pool_mu_);
+    // The smallest buffer that already holds n bytes (shrinking writes nothing); else the one of
+    // the largest capacity (growing within it zero-fills only the growth): a step's frames of the
+    // same sizes as the last step's then never pay a pass to zero their buffers.
+    size_t best = pool_.size();
     for (size_t i = 0; i < pool_.size(); ++i) {
-      if (pool_[i].capacity() < n) continue;
-      std::vector<uint8_t> b = std::move(pool_[i]);
-      pool_[i] = std::move(pool_.back());
+      const auto& b = pool_[i];
+      if (b.capacity() < n) continue;
+      if (best == pool_.size()) {
+        best = i;
+        continue;
+      }
+      const auto& cur = pool_[best];
+      const bool fits = b.size() >= n, cur_fits = cur.size() >= n;
+      if (fits != cur_fits ? fits : fits ? b.size() < cur.size() : b.size() > cur.size()) best = i;
+    }
+    if (best < pool_.size()) {
+      std::vector<uint8_t> b = std::move(pool_[best]);
+      pool_[best] = std::move(pool_.back());
       pool_.pop_back();
       pool_bytes_ -= b.capacity();
       b.resize(n);

@@ -136,12 +136,19 @@ Status HostBackend::ingest() {
     });
     input_ = buf_.sum.data();
   }
-  if (buf_.accum.size() != n_) buf_.accum.assign(n_, 0.0f);
+  // Delayed sync's accumulation exists only for tensors that accumulate (made on their first
+  // accumulation); a tensor whose size changed drops what it held.
+  if (!buf_.accum.empty() && buf_.accum.size() != n_) buf_.accum.clear();
   return Status::ok();
 }
 
+std::vector<float>& HostBackend::accumulation() {
+  if (buf_.accum.size() != n_) buf_.accum.assign(n_, 0.0f);
+  return buf_.accum;
+}
+
 Status HostBackend::accumulate() {
-  float* acc = buf_.accum.data();
+  float* acc = accumulation().data();
   const float* in = input_;
   kernels::parallelFor(&stream_, n_, kGrain, [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) acc[i] = acc[i] + in[i];
@@ -152,7 +159,7 @@ Status HostBackend::accumulate() {
 
 Status HostBackend::addAccumulation() {
   buf_.sum.resize(n_);
-  const float* acc = buf_.accum.data();
+  const float* acc = accumulation().data();
   const float* in = input_;
   float* sum = buf_.sum.data();
   kernels::parallelFor(&stream_, n_, kGrain, [&](size_t lo, size_t hi) {
@@ -222,13 +229,9 @@ Status HostBackend::prepareResult(bool in_place) {
 }
 
 void HostBackend::scan(size_t lo, size_t hi) {
-  uint32_t bad = 0;  // exponent all ones: Inf or NaN (vectorises)
-  for (size_t i = lo; i < hi; ++i) {
-    uint32_t u;
-    std::memcpy(&u, result_ + i, sizeof u);
-    bad |= static_cast<uint32_t>((u & 0x7F800000u) == 0x7F800000u);
+  if (kernels::simd::anyNonfinite(result_ + lo, hi - lo)) {
+    nonfinite_.store(true, std::memory_order_relaxed);
   }
-  if (bad != 0) nonfinite_.store(true, std::memory_order_relaxed);
 }
 
 Status HostBackend::decodeChunk(const kernels::Chunking& chunking, size_t chunk,
@@ -236,9 +239,11 @@ Status HostBackend::decodeChunk(const kernels::Chunking& chunking, size_t chunk,
                                 float weight) {
   const kernels::Codec& decoder = dense ? kernels::noneCodec() : stepCodec();
   const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
-  std::fill_n(result_ + begin, len, 0.0f);
-  for (const auto& payload : payloads) {
-    LW_RETURN_IF_ERROR(decoder.decodeChunk(payload, weight, result_ + begin, len));
+  if (payloads.empty()) std::fill_n(result_ + begin, len, 0.0f);
+  // The first payload is decoded into the range (no pass to zero it), the others added to it.
+  for (size_t k = 0; k < payloads.size(); ++k) {
+    LW_RETURN_IF_ERROR(k == 0 ? decoder.decodeChunkInto(payloads[k], weight, result_ + begin, len)
+                              : decoder.decodeChunk(payloads[k], weight, result_ + begin, len));
   }
   scan(begin, begin + len);
   return Status::ok();

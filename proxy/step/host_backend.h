@@ -83,6 +83,8 @@ class HostBackend final : public StepBackend {
   float* result_ = nullptr;
   bool in_place_ = false;
   bool dense_ = false;
+  /// The tensor's delayed-sync accumulation, made (zeros) on first use.
+  std::vector<float>& accumulation();
   bool accumulated_ = false;  // addAccumulation() ran: commit() clears the accumulation
   std::atomic<bool> nonfinite_{false};
 };

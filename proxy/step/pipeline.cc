@@ -485,9 +485,10 @@ Result<std::span<const uint8_t>> StepPipeline::encode(int round, size_t chunk) {
   // The sampled cosine of this step: one chunk (which one turns with the step), decoded back
   // right after it is encoded, against what it was encoded from. A health signal, not worth a
   // decode of a large chunk every step: tensors of more than 256 Ki elements are sampled every
-  // 4th step.
+  // 4th step. Codec `none` is lossless (its cosine is 1 by construction): never sampled.
   const uint64_t every = n_ > (size_t{1} << 18) ? 4 : 1;
   if (policy_ && round == 0 && rounds_ == 1 && plan_.mode == StepMode::kCompressed &&
+      step_codec_->traits().id != kernels::CodecId::kNone &&
       step_ % every == 0 && chunk == (step_ / every) % chunks) {
     auto original = backend_->chunkInput(chunking_, chunk, t_.original);
     if (!original) return original.status();

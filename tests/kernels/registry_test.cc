@@ -2,6 +2,9 @@
 // docs/codecs.md ("The codec interface", and the "error feedback by default" column).
 #include <doctest.h>
 
+#include <algorithm>
+#include <cstring>
+
 #include "kernels/registry.h"
 #include "tests/kernels/test_util.h"
 
@@ -102,4 +105,37 @@ TEST_CASE("codec: analyze and encodeChunk reject bad arguments with the codec's 
                 "out");
     CHECK(codec->encodeChunk(ctx, chunking, 0, 0, {}, in, state, ws, out).isOk());
   }
+}
+
+TEST_CASE("codec: decodeChunkInto writes the bits of decodeChunk into zeros, −0 included") {
+  // Values with negative zeros and a weight that keeps them: +0 + w·(−0) is +0 both ways.
+  const size_t n = 3000;
+  auto x = testing::gaussian(n, 11);
+  for (size_t i = 0; i < n; i += 7) x[i] = -0.0f;
+  for (const auto& c : testing::representativeConfigs()) {
+    CAPTURE(testing::describe(c));
+    auto codec = testing::make(c);
+    const auto chunking = Chunking::make(n, 1024, codec->chunkAlignment());
+    CodecState state(codec->stateFloats(n));
+    StepContext ctx;
+    ctx.density = c.density;
+    auto payloads = encodeTensor(*codec, ctx, chunking, ConstTensor{x.data(), n}, state);
+    REQUIRE_MESSAGE(payloads.isOk(), payloads.status().message());
+    for (size_t k = 0; k < chunking.count(); ++k) {
+      const size_t len = chunking.size(k);
+      std::vector<float> added(len, 0.0f), into(len, 1234.5f);  // `into` never read
+      REQUIRE(codec->decodeChunk((*payloads)[k], 0.25f, added.data(), len).isOk());
+      REQUIRE(codec->decodeChunkInto((*payloads)[k], 0.25f, into.data(), len).isOk());
+      CHECK(std::memcmp(added.data(), into.data(), len * sizeof(float)) == 0);
+    }
+  }
+  // A payload that does not fit the range is refused, the range untouched (the dense layout).
+  auto none = testing::make({.name = "none"});
+  const auto chunking = Chunking::make(8, 8, 1);
+  CodecState none_state;
+  auto p = encodeTensor(*none, StepContext{}, chunking, ConstTensor{x.data(), 8}, none_state);
+  REQUIRE(p.isOk());
+  std::vector<float> out(9, 7.0f);
+  CHECK(!none->decodeChunkInto((*p)[0], 1.0f, out.data(), 9).isOk());
+  CHECK(std::all_of(out.begin(), out.end(), [](float v) { return v == 7.0f; }));
 }

@@ -376,3 +376,64 @@ TEST_CASE("simd: fp16, bf16 and qsgd payloads and decodings are identical on eve
     }
   }
 }
+
+TEST_CASE("simd: dense fp32 sums, decodes and the non-finite scan are the scalar bits on every "
+          "target") {
+  // Every sign and exponent (NaNs with payloads, Infs, −0, subnormals) and random patterns, as
+  // little-endian bytes at an odd offset (payload bodies follow a 16-byte header, but any
+  // alignment must work), lengths that leave a scalar tail.
+  const auto a_bits = interestingFloatBits(3001, 5);
+  auto b_bits = interestingFloatBits(3001, 6);
+  std::reverse(b_bits.begin(), b_bits.end());
+  const size_t n = a_bits.size() - 3;
+  std::vector<uint8_t> a(4 * n + 1), b(4 * n + 1);
+  std::memcpy(a.data() + 1, a_bits.data(), 4 * n);
+  std::memcpy(b.data() + 1, b_bits.data(), 4 * n);
+  auto at = [](const std::vector<uint8_t>& v, size_t i) {
+    float f;
+    std::memcpy(&f, v.data() + 1 + 4 * i, 4);
+    return f;
+  };
+  const float w = 0.125f;
+  std::vector<float> base(n);
+  for (size_t i = 0; i < n; ++i) base[i] = static_cast<float>(i % 97) - 48.5f;
+  for (int64_t t : simd::availableTargets()) {
+    simd::ScopedTargetForTest force(t);
+    CAPTURE(simd::targetName(t));
+    for (size_t len : {n, size_t{5}, size_t{0}}) {
+      std::vector<uint8_t> sum(4 * len + 1, 0xAB);
+      simd::addFloats(a.data() + 1, b.data() + 1, len, sum.data() + 1);
+      std::vector<float> acc(base.begin(), base.begin() + len), into(len, 99.0f);
+      simd::accumulateFloats(a.data() + 1, len, w, acc.data());
+      simd::scaleFloats(a.data() + 1, len, w, into.data());
+      for (size_t i = 0; i < len; ++i) {
+        CAPTURE(i);
+        REQUIRE(bitsOf(at(sum, i)) == bitsOf(at(a, i) + at(b, i)));
+        REQUIRE(bitsOf(acc[i]) == bitsOf(base[i] + w * at(a, i)));
+        REQUIRE(bitsOf(into[i]) == bitsOf(0.0f + w * at(a, i)));
+      }
+      // In place: `out` is `a`.
+      std::vector<uint8_t> inplace(a.begin(), a.begin() + 4 * len + 1);
+      simd::addFloats(inplace.data() + 1, b.data() + 1, len, inplace.data() + 1);
+      CHECK(std::equal(inplace.begin() + 1, inplace.end(), sum.begin() + 1));
+    }
+    // One Inf or NaN anywhere (vector body or tail) is found; finite values never are.
+    std::vector<float> x(1003, 1.5f);
+    x[500] = -0.0f;
+    x[7] = std::numeric_limits<float>::max();
+    x[8] = std::numeric_limits<float>::denorm_min();
+    CHECK(!simd::anyNonfinite(x.data(), x.size()));
+    CHECK(!simd::anyNonfinite(x.data(), 0));
+    for (size_t pos : {size_t{0}, size_t{9}, size_t{512}, size_t{1002}}) {
+      for (float bad : {std::numeric_limits<float>::infinity(),
+                        -std::numeric_limits<float>::infinity(),
+                        std::numeric_limits<float>::quiet_NaN()}) {
+        auto y = x;
+        y[pos] = bad;
+        CHECK(simd::anyNonfinite(y.data(), y.size()));
+        CHECK(simd::anyNonfinite(y.data() + pos, 1));
+        CHECK(!simd::anyNonfinite(y.data(), pos));
+      }
+    }
+  }
+}

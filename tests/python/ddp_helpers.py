@@ -49,19 +49,29 @@ def task(rank=0, world_size=1, seed=SEED):
     return X[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def model(seed=SEED):
+def model(seed=SEED, hidden=(64,)):
+    """An MLP 16-hidden...-1 with tanh between its layers."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    widths, layers = (16,) + tuple(hidden), []
+    for a, b in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(widths[-1], 1))
 
 
-def train(state=None, steps=STEPS, rank=0, world_size=1, on_step=None, bucket_cap_mb=25):
+MANY_BUCKETS = (4096, 64)  # with bucket_cap_mb=0.01: 3 buckets from the second iteration on
+
+
+def train(state=None, steps=STEPS, rank=0, world_size=1, on_step=None, bucket_cap_mb=25,
+          hidden=(64,)):
     """Full-batch SGD (no momentum) on this rank's shard; returns (losses, final parameters).
     ``on_step(i)`` runs before step i. ``state``: a hook state, or a function of the DDP model
-    returning one (a per-layer state needs the model)."""
+    returning one (a per-layer state needs the model). ``hidden``: the MLP's hidden widths
+    (``MANY_BUCKETS`` with a small ``bucket_cap_mb`` gives DDP several buckets once it rebuilds
+    them after the first iteration, whose first bucket holds at least 1 MB)."""
     import lightwire.torch as lwt
     torch.manual_seed(SEED)
     X, y = task(rank, world_size)
-    net = DDP(model(), bucket_cap_mb=bucket_cap_mb)
+    net = DDP(model(hidden=hidden), bucket_cap_mb=bucket_cap_mb)
     if callable(state):
         state = state(net)
     if state is not None:

@@ -179,30 +179,38 @@ def test_sidecar_stopped_mid_training_falls_back_then_recovers(sidecar, pg, plai
         assert abs(a - b) <= 1e-5
 
 
-def _two_trainers(rank, store_dir, socket_path, out_dir):
+def _two_trainers(rank, store_dir, socket_path, out_dir, steps, bucket_cap_mb, hidden):
     os.environ["LOCAL_RANK"] = str(rank)
     H.init_pg(store_dir, rank=rank, world_size=2)
     try:
-        plain, p_plain = H.train(rank=rank, world_size=2)
+        kw = dict(rank=rank, world_size=2, steps=steps, bucket_cap_mb=bucket_cap_mb, hidden=hidden)
+        plain, p_plain = H.train(**kw)
         state = lwt.LightwireHookState(client=lightwire.Client(socket_path=socket_path, timeout=(2.0, 10.0)))
         try:
-            hooked, p_hooked = H.train(state, rank=rank, world_size=2, on_step=_no_fallback(state))
+            hooked, p_hooked = H.train(state, on_step=_no_fallback(state), **kw)
         finally:
             state.close()
         torch.save({"plain": plain, "hooked": hooked, "p_plain": p_plain, "p_hooked": p_hooked,
-                    "fallbacks": state.fallbacks, "trainer": state.trainer, "sidecar_steps": state.sidecar_steps},
-                   os.path.join(out_dir, "rank%d.pt" % rank))
+                    "fallbacks": state.fallbacks, "trainer": state.trainer,
+                    "sidecar_steps": state.sidecar_steps, "agreements": state.agreements,
+                    "buckets": dict(state.steps)}, os.path.join(out_dir, "rank%d.pt" % rank))
     finally:
         H.destroy_pg()
 
 
-def test_two_trainers_get_the_mean(sidecar_factory, tmp_path):
+def _run_two_trainers(sidecar_factory, tmp_path, steps=H.STEPS, bucket_cap_mb=25, hidden=(64,)):
+    """Two trainers (two ranks of DDP) of one sidecar; returns each one's outcome."""
     import torch.multiprocessing as mp
     sc = sidecar_factory(local_trainers=2)
     store = tmp_path / "store2"
     store.mkdir()
-    mp.spawn(_two_trainers, args=(str(store), sc.socket, str(tmp_path)), nprocs=2, join=True)
-    r = [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(2)]
+    mp.spawn(_two_trainers, args=(str(store), sc.socket, str(tmp_path), steps, bucket_cap_mb, hidden),
+             nprocs=2, join=True)
+    return [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(2)]
+
+
+def test_two_trainers_get_the_mean(sidecar_factory, tmp_path):
+    r = _run_two_trainers(sidecar_factory, tmp_path)
     for i in range(2):
         assert r[i]["trainer"] == i and r[i]["fallbacks"] == 0 and r[i]["sidecar_steps"] == H.STEPS
         for a, b in zip(r[i]["plain"], r[i]["hooked"]):
@@ -296,7 +304,21 @@ def test_segment_recreated_when_bucket_size_changes(sidecar):
     assert c.status()["buffers"] == []
 
 
-def _split_outcome(rank, store_dir, socket_path, out_dir, agree, timeout_s):
+def test_one_agreement_per_iteration_with_several_buckets(sidecar_factory, tmp_path):
+    """Several buckets per iteration: the ranks agree once per iteration (one flag per bucket in
+    one collective), every bucket is the sidecar's, and training equals plain DDP."""
+    r = _run_two_trainers(sidecar_factory, tmp_path, steps=20, bucket_cap_mb=0.01,
+                          hidden=H.MANY_BUCKETS)
+    for i in range(2):
+        assert len(r[i]["buckets"]) >= 3, r[i]["buckets"]  # the rebuilt buckets
+        assert r[i]["sidecar_steps"] == sum(r[i]["buckets"].values()) > 20, r[i]
+        assert r[i]["agreements"] == 20, r[i]  # not one per bucket
+        for a, b in zip(r[i]["plain"], r[i]["hooked"]):
+            assert abs(a - b) <= 1e-5
+    assert torch.equal(r[0]["p_hooked"], r[1]["p_hooked"])
+
+
+def _split_outcome(rank, store_dir, socket_path, out_dir, agree, timeout_s, bucket_cap_mb=25):
     """Rank 0 has a working sidecar (world size 1: it answers with rank 0's own gradient);
     rank 1's sidecar does not exist. Every bucket's step succeeds on rank 0 and fails on rank 1."""
     import datetime
@@ -309,9 +331,12 @@ def _split_outcome(rank, store_dir, socket_path, out_dir, agree, timeout_s):
                                    agree=agree)
     result = {"fallbacks": None, "error": None}
     try:
-        losses, params = H.train(state, steps=5, rank=rank, world_size=2)
+        losses, params = H.train(state, steps=5, rank=rank, world_size=2,
+                                 bucket_cap_mb=bucket_cap_mb,
+                                 hidden=H.MANY_BUCKETS if bucket_cap_mb < 1 else (64,))
         result.update(params=params, losses=losses, fallbacks=state.fallbacks,
-                      sidecar_steps=state.sidecar_steps, last_error=repr(state.last_error))
+                      sidecar_steps=state.sidecar_steps, last_error=repr(state.last_error),
+                      agreements=state.agreements, buckets=dict(state.steps))
     except Exception as e:  # without agreement: the lone fallback times out
         result["error"] = repr(e)
     finally:
@@ -323,12 +348,12 @@ def _split_outcome(rank, store_dir, socket_path, out_dir, agree, timeout_s):
         pass
 
 
-def _run_split(sidecar, tmp_path, agree, timeout_s):
+def _run_split(sidecar, tmp_path, agree, timeout_s, bucket_cap_mb=25):
     import torch.multiprocessing as mp
     store = tmp_path / "store"
     store.mkdir()
-    mp.spawn(_split_outcome, args=(str(store), sidecar.socket, str(tmp_path), agree, timeout_s),
-             nprocs=2, join=True)
+    mp.spawn(_split_outcome, args=(str(store), sidecar.socket, str(tmp_path), agree, timeout_s,
+                                   bucket_cap_mb), nprocs=2, join=True)
     return [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(2)]
 
 
@@ -345,6 +370,20 @@ def test_ranks_fall_back_together_when_only_one_sidecar_fails(sidecar, tmp_path)
     assert "peer_fallback" in r[0]["last_error"], r[0]["last_error"]
     assert "SidecarUnavailable" in r[1]["last_error"], r[1]["last_error"]
     assert _fallbacks_total(sidecar) == 5  # rank 0 reported its fallbacks to its sidecar
+
+
+def test_ranks_fall_back_together_bucket_by_bucket_with_one_agreement_per_iteration(sidecar,
+                                                                                     tmp_path):
+    """The same with several buckets per iteration: every bucket of every iteration falls back
+    on both ranks, decided by one collective per iteration."""
+    r = _run_split(sidecar, tmp_path, True, 60, bucket_cap_mb=0.01)
+    for i in range(2):
+        assert r[i]["error"] is None, r[i]["error"]
+        buckets = sum(r[i]["buckets"].values())
+        assert buckets > 5 and r[i]["fallbacks"] == buckets and r[i]["sidecar_steps"] == 0, r[i]
+        assert r[i]["agreements"] == 5, r[i]
+    assert torch.equal(r[0]["params"], r[1]["params"])
+    assert "peer_fallback" in r[0]["last_error"], r[0]["last_error"]
 
 
 def test_without_agreement_a_lone_fallback_is_stuck(sidecar, tmp_path):

@@ -504,12 +504,16 @@ class LightwireHookState(object):
     and both steps then wait for each other until the exchange deadline).
 
     ``agree``: before using a bucket's result, every rank tells the others whether its sidecar
-    answered (a one-element MIN allreduce on the process group); when one did not, every rank
-    falls back for that bucket, together. Without it, a sidecar failing after the exchange but
-    before answering its trainer (it crashed between two answers) leaves that rank alone in its
-    fallback allreduce, which then pairs with another bucket's collective or waits for the
-    process group's timeout. The cost is one small collective per bucket (the figures:
-    clients/python/README.md).
+    answered (a MIN allreduce on the process group); when one did not, every rank falls back for
+    that bucket, together. Without it, a sidecar failing after the exchange but before answering
+    its trainer (it crashed between two answers) leaves that rank alone in its fallback
+    allreduce, which then pairs with another bucket's collective or waits for the process group's
+    timeout. The cost is one small collective per iteration: the buckets' answers are held until
+    the iteration's last bucket (``bucket.is_last()``) has its answer too, then one allreduce of
+    one flag per bucket decides each, and the iteration's futures complete together (DDP waits for
+    all of them at the end of backward anyway). Buckets that cannot say whether they are the last
+    (a hook called outside DDP) agree one by one. ``agreements`` counts the collectives (the
+    figures: clients/python/README.md).
 
     ``optimizer``: the trainer's optimizer, so that the hook can refuse one that would apply
     momentum a second time to a gradient the sidecar already applied it to (dgc with momentum
@@ -556,6 +560,8 @@ class LightwireHookState(object):
         self.first_step = 0        # the step number of a bucket's first call (load_state sets it)
         self.fallbacks = 0
         self.fallbacks_reported = 0
+        self.agreements = 0        # agreement collectives (one per iteration, see agree)
+        self._held = []            # the iteration's answered buckets, until its last one
         self.sidecar_steps = 0
         # Elements the sidecar averaged, and of those the ones it exchanged dense (codec `none`,
         # or a dense step: bypass, full sync, before PowerSGD's start), from every reply.
@@ -781,35 +787,56 @@ class LightwireHookState(object):
     def _group(self):
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
-    def _all_ok(self, ok, device):
-        """Every rank's `ok` for this bucket, MIN-reduced (the same order on every rank: the
-        ordered thread runs completions in DDP's launch order)."""
+    def _all_ok(self, oks, device):
+        """Every rank's `oks` (one per bucket), MIN-reduced element by element in one collective
+        (the same order on every rank: the ordered thread runs completions in DDP's launch order,
+        and DDP has the same buckets on every rank)."""
         if not dist.is_initialized():
-            return ok  # the hook called outside DDP: no one to agree with
+            return oks  # the hook called outside DDP: no one to agree with
         group = self._group()
         if dist.get_world_size(group) == 1:
-            return ok
+            return oks
         on = device if dist.get_backend(group) == "nccl" else "cpu"
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=on)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True).wait()
-        return bool(flag.item())
+        flags = torch.tensor([1 if ok else 0 for ok in oks], dtype=torch.int32, device=on)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True).wait()
+        with self._lock:
+            self.agreements += 1
+        return [bool(f) for f in flags.tolist()]
 
-    def _complete(self, http_future, fut, slot, bucket_buffer, step, params=()):
-        """Runs in the ordered thread: resolve the hook's future."""
+    def _complete(self, http_future, fut, slot, bucket_buffer, step, params=(), last=None):
+        """Runs in the ordered thread: resolve the hook's future; with agreement, once the
+        iteration's last bucket (`last`: bucket.is_last(), None when unknown) has answered too."""
         try:
             reply, error = http_future.result(), None
         except Exception as e:
             reply, error = None, e
-        if self.agree:
-            try:
-                all_ok = self._all_ok(error is None, bucket_buffer.device)
-            except Exception as e2:  # the process group itself failed: nothing left to try
-                fut.set_exception(e2)
+        held = (reply, error, fut, slot, bucket_buffer, step, params)
+        if not self.agree:
+            self._resolve(*held)
+            return
+        if last is None and not self._held:
+            batch = [held]  # a bucket that cannot tell whether it is the last: alone
+        else:
+            self._held.append(held)
+            if not last:
                 return
+            batch, self._held = self._held, []
+        try:
+            oks = self._all_ok([h[1] is None for h in batch], bucket_buffer.device)
+        except Exception as e2:  # the process group itself failed: nothing left to try
+            for h in batch:
+                h[2].set_exception(e2)
+            return
+        for h, all_ok in zip(batch, oks):
+            reply, error = h[0], h[1]
             if error is None and not all_ok:
                 error = LightwireError(None, "peer_fallback",
                                        "another rank's sidecar did not answer this bucket's step "
-                                       "%d; every rank falls back together" % step)
+                                       "%d; every rank falls back together" % h[5])
+            self._resolve(reply, error, *h[2:])
+
+    def _resolve(self, reply, error, fut, slot, bucket_buffer, step, params):
+        """Ordered thread: the bucket's result, or its fallback."""
         if error is not None:
             self._failed(error, fut, bucket_buffer, step)
             return
@@ -872,6 +899,8 @@ def ddp_comm_hook(state, bucket):
     buf = bucket.buffer()
     index = bucket.index()
     params = bucket.parameters()
+    is_last = getattr(bucket, "is_last", None)
+    last = bool(is_last()) if callable(is_last) else None  # the iteration's last bucket
     step = state._next_step(index)
     fut = torch.futures.Future()
     name, layout = "%s.%d" % (state.name_prefix, index), None
@@ -893,17 +922,18 @@ def ddp_comm_hook(state, bucket):
             slot.event.record()    # the sidecar's copy waits for it
             http_future = state._http.submit(_emit_cuda_or_degrade, state, slot, index, flat,
                                              name, step, layout)
-            state._ordered.submit(_complete_cuda, state, http_future, fut, buf, step, params)
+            state._ordered.submit(_complete_cuda, state, http_future, fut, buf, step, params,
+                                  last)
             return fut
         slot = state._slot(index, flat.numel(), buf.dtype)
         slot.view.copy_(flat)  # the only copy (CUDA buckets: to the host)
     except (OSError, ValueError, TypeError) as e:  # e.g. /dev/shm full: this bucket falls back
         done = concurrent.futures.Future()
         done.set_exception(e)
-        state._ordered.submit(state._complete, done, fut, None, buf, step)
+        state._ordered.submit(state._complete, done, fut, None, buf, step, params, last)
         return fut
     http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()], layout)
-    state._ordered.submit(state._complete, http_future, fut, slot, buf, step, params)
+    state._ordered.submit(state._complete, http_future, fut, slot, buf, step, params, last)
     return fut
 
 
@@ -925,7 +955,7 @@ def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None):
     return host, state._emit(host, name, step, [flat.numel()], layout)
 
 
-def _complete_cuda(state, http_future, fut, bucket_buffer, step, params=()):
+def _complete_cuda(state, http_future, fut, bucket_buffer, step, params=(), last=None):
     """Ordered thread: unwrap (slot, reply) and resolve as _complete does."""
     done = concurrent.futures.Future()
     slot = None
@@ -934,7 +964,7 @@ def _complete_cuda(state, http_future, fut, bucket_buffer, step, params=()):
         done.set_result(reply)
     except Exception as e:
         done.set_exception(e)  # _complete agrees with the other ranks, then falls back
-    state._complete(done, fut, slot, bucket_buffer, step, params)
+    state._complete(done, fut, slot, bucket_buffer, step, params, last)
 
 
 def _client_of(client, hook_state):
