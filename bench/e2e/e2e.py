@@ -218,9 +218,12 @@ def die(msg):
 
 
 def rate_bits(rate):
+    """Bits per second of a tc rate; None for `unlimited` (the loopback without a qdisc)."""
+    if rate == "unlimited":
+        return None
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)bit", rate)
     if not m:
-        die("--rates: NUMBER[k|m|g|t]bit, e.g. 1gbit (got %r)" % rate)
+        die("--rates: NUMBER[k|m|g|t]bit, e.g. 1gbit, or unlimited (got %r)" % rate)
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
 
 
@@ -239,6 +242,10 @@ class Namespace(object):
         return subprocess.run(self.cmd(argv), **kw)
 
     def limit(self, rate):
+        if rate == "unlimited":
+            self.run(["tc", "qdisc", "del", "dev", "lo", "root"], stderr=subprocess.DEVNULL)
+            log("namespace %s: lo unlimited" % self.name)
+            return
         # As bench/netns_exchange.sh (bench/README.md "Shaping"): burst = 2 ms of the rate, at
         # least 256 KiB (a whole 64 KiB GSO packet and the qdisc watchdog's delay on a loaded VM);
         # latency 100 ms holds what the flows have in flight, so TCP sees no drops.
@@ -697,7 +704,7 @@ def main():
     p.add_argument("--seeds", help="comma-separated seeds (default 0; --tta: 0,1,2, which the "
                    "baseline and the compressed codecs take, the other rows the first)")
     p.add_argument("--tasks", help="comma-separated: mlp, lm")
-    p.add_argument("--rates", help="comma-separated tc rates, e.g. 1gbit,10gbit")
+    p.add_argument("--rates", help="comma-separated tc rates, e.g. 1gbit,10gbit, or unlimited")
     p.add_argument("--configs", help="comma-separated configuration names (--list)")
     p.add_argument("--steps", type=int, help="training steps of every run (--tta: the baseline's)")
     p.add_argument("--world-size", type=int)

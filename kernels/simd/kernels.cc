@@ -106,6 +106,22 @@ void FloatsToHalves(const float* HWY_RESTRICT src, size_t n, uint8_t* HWY_RESTRI
   for (; i < n; ++i) storeU16le(dst + 2 * i, bits::floatBitsToHalf(bits::asBits(src[i])));
 }
 
+void HalvesToFloats(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT out) {
+  size_t i = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+  // vcvtph2ps is exact except that it quiets a signalling NaN (halfToFloatBits keeps it
+  // signalling): the same once the value goes through any arithmetic.
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const size_t lanes = hn::Lanes(df);
+  for (; i + lanes <= n; i += lanes) {
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src + 2 * i))),
+               df, out + i);
+  }
+#endif
+  for (; i < n; ++i) out[i] = bits::asFloat(bits::halfToFloatBits(loadU16le(src + 2 * i)));
+}
+
 void AccumulateHalves(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
                       float* HWY_RESTRICT out) {
   size_t i = 0;
@@ -236,6 +252,21 @@ void FloatsToBf16s(const float* HWY_RESTRICT src, size_t n, uint8_t* HWY_RESTRIC
   for (; i < n; ++i) storeU16le(dst + 2 * i, bits::floatBitsToBf16(bits::asBits(src[i])));
 }
 
+void Bf16sToFloats(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT out) {
+  size_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::ScalableTag<float> df;
+  const hn::RebindToUnsigned<decltype(df)> du;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const size_t lanes = hn::Lanes(df);
+  for (; i + lanes <= n; i += lanes) {
+    const auto h = hn::LoadU(d16, reinterpret_cast<const uint16_t*>(src + 2 * i));
+    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, h))), df, out + i);
+  }
+#endif
+  for (; i < n; ++i) out[i] = bits::asFloat(bits::bf16ToFloatBits(loadU16le(src + 2 * i)));
+}
+
 void AccumulateBf16s(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
                      float* HWY_RESTRICT out) {
   size_t i = 0;
@@ -348,6 +379,8 @@ HWY_EXPORT(BlockSumValues);
 HWY_EXPORT(FloatsToHalves);
 HWY_EXPORT(AccumulateHalves);
 HWY_EXPORT(AddFloats);
+HWY_EXPORT(HalvesToFloats);
+HWY_EXPORT(Bf16sToFloats);
 HWY_EXPORT(AccumulateFloats);
 HWY_EXPORT(ScaleFloats);
 HWY_EXPORT(AnyNonfinite);
@@ -384,6 +417,12 @@ void accumulateFloats(const uint8_t* src, size_t n, float weight, float* out) {
 }
 void scaleFloats(const uint8_t* src, size_t n, float weight, float* out) {
   HWY_DYNAMIC_DISPATCH(ScaleFloats)(src, n, weight, out);
+}
+void halvesToFloats(const uint8_t* src, size_t n, float* out) {
+  HWY_DYNAMIC_DISPATCH(HalvesToFloats)(src, n, out);
+}
+void bf16sToFloats(const uint8_t* src, size_t n, float* out) {
+  HWY_DYNAMIC_DISPATCH(Bf16sToFloats)(src, n, out);
 }
 bool anyNonfinite(const float* x, size_t n) { return HWY_DYNAMIC_DISPATCH(AnyNonfinite)(x, n); }
 void accumulateBf16s(const uint8_t* src, size_t n, float weight, float* out) {

@@ -26,6 +26,12 @@ double blockSumValues(const float* x, size_t n);
 void floatsToHalves(const float* src, size_t n, uint8_t* dst);
 void floatsToBf16s(const float* src, size_t n, uint8_t* dst);
 
+/// out[i] = value i (as bits::halfToFloatBits / bf16ToFloatBits, except that halvesToFloats may
+/// return a signalling NaN quieted, as any arithmetic on it does), the values little-endian
+/// binary16 / bfloat16, for i < n. For inputs to arithmetic.
+void halvesToFloats(const uint8_t* src, size_t n, float* out);
+void bf16sToFloats(const uint8_t* src, size_t n, float* out);
+
 /// out[i] = out[i] + weight * value i, the values little-endian binary16 / bfloat16, for i < n.
 void accumulateHalves(const uint8_t* src, size_t n, float weight, float* out);
 void accumulateBf16s(const uint8_t* src, size_t n, float weight, float* out);

@@ -276,6 +276,32 @@ void checkAddPayloads(const Format& f) {
     REQUIRE(bodyValue(mixed, i) == f.encode(f.decode(bodyValue(a, i)) + xb[i]));
   }
 
+  // Every 16-bit pattern against another (NaNs with payloads, signalling ones included, as a peer
+  // could send): the sum is the scalar definition's bits; a NaN sum is a NaN, its payload left to
+  // the hardware (docs/determinism.md §1).
+  {
+    const std::vector<float> zeros(65536, 0.0f);
+    auto pa = encodeOne(*codec, {zeros.data(), zeros.size(), DType::kF32});
+    auto pb = pa;
+    for (uint32_t h = 0; h < 65536; ++h) {
+      const uint32_t g = (h * 40503u + 1u) & 0xFFFFu;  // a permutation of the patterns
+      pa[16 + 2 * h] = static_cast<uint8_t>(h);
+      pa[17 + 2 * h] = static_cast<uint8_t>(h >> 8);
+      pb[16 + 2 * h] = static_cast<uint8_t>(g);
+      pb[17 + 2 * h] = static_cast<uint8_t>(g >> 8);
+    }
+    std::vector<uint8_t> all(pa.size());
+    REQUIRE(codec->addPayloads(pa, pb, all).isOk());
+    for (size_t i = 0; i < 65536; ++i) {
+      const float s = f.decode(bodyValue(pa, i)) + f.decode(bodyValue(pb, i));
+      if (std::isnan(s)) {
+        REQUIRE_MESSAGE(std::isnan(f.decode(bodyValue(all, i))), "pattern " << i);
+      } else {
+        REQUIRE_MESSAGE(bodyValue(all, i) == f.encode(s), "pattern " << i);
+      }
+    }
+  }
+
   // Errors: different element counts, malformed operands, short output.
   const std::vector<float> shorter(xa.begin(), xa.end() - 1);
   const auto c = encodeOne(*codec, {shorter.data(), shorter.size(), DType::kF32});

@@ -437,3 +437,29 @@ TEST_CASE("simd: dense fp32 sums, decodes and the non-finite scan are the scalar
     }
   }
 }
+
+TEST_CASE("simd: widening fp16 and bf16 is the scalar conversion on every target (fp16's "
+          "signalling NaNs may come out quiet)") {
+  // Every 16-bit pattern, at an odd byte offset.
+  std::vector<uint8_t> src(2 * 65536 + 1);
+  for (uint32_t h = 0; h < 65536; ++h) {
+    src[1 + 2 * h] = static_cast<uint8_t>(h);
+    src[2 + 2 * h] = static_cast<uint8_t>(h >> 8);
+  }
+  for (int64_t t : simd::availableTargets()) {
+    simd::ScopedTargetForTest force(t);
+    CAPTURE(simd::targetName(t));
+    std::vector<float> halves(65536), bf16s(65536);
+    simd::halvesToFloats(src.data() + 1, 65536, halves.data());
+    simd::bf16sToFloats(src.data() + 1, 65536, bf16s.data());
+    for (uint32_t h = 0; h < 65536; ++h) {
+      CAPTURE(h);
+      // A signalling NaN may come out quiet (vcvtph2ps), never otherwise different.
+      const uint32_t want = bits::halfToFloatBits(static_cast<uint16_t>(h));
+      const bool snan = (want & 0x7F800000u) == 0x7F800000u && (want & 0x007FFFFFu) != 0 &&
+                        (want & 0x00400000u) == 0;
+      REQUIRE((bitsOf(halves[h]) == want || (snan && bitsOf(halves[h]) == (want | 0x00400000u))));
+      REQUIRE(bitsOf(bf16s[h]) == bits::bf16ToFloatBits(static_cast<uint16_t>(h)));
+    }
+  }
+}

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Step speed against DDP, as medians of interleaved repetitions (bench/README.md "Step speed").
+
+The same real DDP training as bench/e2e/e2e.py (W trainer processes on the CPU, lightwire rows
+through their sidecars, in a network namespace whose loopback is limited with tc tbf), but for
+speed only: every configuration trains a short fixed number of steps, the configurations run in
+turn, and the whole round is repeated, so that every configuration's repetitions are spread over
+the same stretch of time and a slow spell of the machine falls on all of them. Each repetition
+gives, per configuration, its median step time and its speed against DDP's median step of the
+same repetition (DDP's step / the row's step: above 1 is faster); the report is the median of
+those ratios over the repetitions with their minimum and maximum.
+
+    $PYTHON bench/e2e/speed.py [--tasks mlp] [--rates 10gbit,unlimited]
+        [--configs ddp,lightwire_none,lightwire_fp16] [--repeats 3] [--steps 40] [--json FILE]
+
+`unlimited` is the namespace's loopback without a qdisc. Needs root (ip netns, tc). Each run
+takes its steps plus about 10 s of start; with the defaults one (task, rate) takes about 3 min on
+the 2-core development VM.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import e2e  # noqa: E402  (the namespace, the sidecars and one run of a configuration)
+
+DEFAULT_CONFIGS = "ddp,lightwire_none,lightwire_fp16"
+
+
+def ratios(rows_by_rep, config):
+    """DDP's median step over `config`'s, per repetition where both finished."""
+    out = []
+    for rows in rows_by_rep:
+        base, row = rows.get("ddp"), rows.get(config)
+        if base and row and base["status"] == "ok" and row["status"] == "ok":
+            out.append(base["median_step_seconds"] / row["median_step_seconds"])
+    return out
+
+
+def summary(rows_by_rep, configs):
+    """Per configuration: its median step over repetitions and the speed ratios against DDP."""
+    table = []
+    for c in configs:
+        steps = [rows[c]["median_step_seconds"] for rows in rows_by_rep
+                 if c in rows and rows[c]["status"] == "ok"]
+        r = ratios(rows_by_rep, c)
+        errors = [rows[c]["error"] for rows in rows_by_rep if c in rows and rows[c]["status"] != "ok"]
+        table.append({"config": c, "repetitions": len(steps),
+                      "median_step_seconds": statistics.median(steps) if steps else None,
+                      "step_seconds": steps, "speed_vs_ddp": r,
+                      "speed_median": statistics.median(r) if r else None,
+                      "speed_min": min(r) if r else None, "speed_max": max(r) if r else None,
+                      "errors": errors})
+    return table
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", default="mlp", help="comma-separated: mlp, lm")
+    p.add_argument("--rates", default="10gbit,unlimited",
+                   help="comma-separated tc rates (e.g. 10gbit), or unlimited")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma-separated configuration names of e2e.py --list (ddp first)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds over the configurations (>= 1)")
+    p.add_argument("--steps", type=int, default=40, help="training steps of every run (>= 10)")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    by_name = {c[0]: c for c in e2e.ALL_CONFIGS}
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        e2e.die("--configs: unknown %s (e2e.py --list)" % ", ".join(unknown))
+    if names[0] != "ddp":
+        e2e.die("--configs: ddp first (every ratio is against DDP's run of the same repetition)")
+    if args.repeats < 1 or args.steps < 10:
+        e2e.die("--repeats >= 1 and --steps >= 10")
+    rates = args.rates.split(",")
+    for r in rates:
+        e2e.rate_bits(r)
+    if os.geteuid() != 0:
+        e2e.die("needs root (ip netns, tc)")
+    binary = os.environ.get("LIGHTWIRE_BIN", os.path.join(e2e.ROOT, "build-release", "proxy",
+                                                          "lightwire"))
+    python = os.environ.get("PYTHON", "/usr/bin/python3")
+    if not os.access(binary, os.X_OK):
+        e2e.die("no lightwire executable at %s (bash scripts/build.sh release, or set "
+                "LIGHTWIRE_BIN)" % binary)
+    profile = {"steps": {t: args.steps for t in ("mlp", "lm")},
+               "eval_every": {t: args.steps for t in ("mlp", "lm")},
+               "world_size": args.world_size, "size": "full", "timeout": 900}
+    results = {"version": 1, "command": " ".join(["bench/e2e/speed.py"] + sys.argv[1:]),
+               "commit": e2e.git_commit(), "machine": e2e.machine_info(binary, python),
+               "steps": args.steps, "repeats": args.repeats, "groups": []}
+    started = time.monotonic()
+    ns = e2e.Namespace()
+    work = tempfile.mkdtemp(prefix="lightwire-speed-")
+    try:
+        for task in args.tasks.split(","):
+            for rate in rates:
+                ns.limit(rate)
+                reps = []
+                for rep in range(args.repeats):
+                    rows = {}
+                    for n in names:
+                        e2e.log("%s at %s, repetition %d/%d: %s" % (task, rate, rep + 1,
+                                                                     args.repeats, n))
+                        rows[n] = e2e.run_config(ns, binary, python, profile, task, rate,
+                                                 by_name[n], work)
+                    reps.append(rows)
+                table = summary(reps, names)
+                results["groups"].append({"task": task, "rate": rate, "table": table})
+                e2e.log("%s at %s: speed against DDP, median of %d interleaved repetitions "
+                        "[min, max]:" % (task, rate, args.repeats))
+                for t in table:
+                    if t["speed_median"] is None:
+                        e2e.log("  %-24s no finished repetition: %s" % (t["config"], t["errors"][:1]))
+                        continue
+                    e2e.log("  %-24s %.3f s/step  %.3fx  [%.3f, %.3f]" % (
+                        t["config"], t["median_step_seconds"], t["speed_median"], t["speed_min"],
+                        t["speed_max"]))
+    finally:
+        ns.close()
+    results["elapsed_seconds"] = time.monotonic() - started
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        e2e.log("results: %s" % args.json)
+    bad = [t for g in results["groups"] for t in g["table"] if t["repetitions"] < args.repeats]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
