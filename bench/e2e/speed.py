@@ -71,6 +71,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="rounds over the configurations (>= 1)")
     p.add_argument("--steps", type=int, default=40, help="training steps of every run (>= 10)")
     p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--size", choices=("full", "smoke"), default="full",
+                   help="the tasks' size (smoke: tiny models, for the test suite)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     by_name = {c[0]: c for c in e2e.ALL_CONFIGS}
@@ -95,10 +97,11 @@ def main():
                 "LIGHTWIRE_BIN)" % binary)
     profile = {"steps": {t: args.steps for t in ("mlp", "lm")},
                "eval_every": {t: args.steps for t in ("mlp", "lm")},
-               "world_size": args.world_size, "size": "full", "timeout": 900}
+               "world_size": args.world_size, "size": args.size, "timeout": 900}
     results = {"version": 1, "command": " ".join(["bench/e2e/speed.py"] + sys.argv[1:]),
                "commit": e2e.git_commit(), "machine": e2e.machine_info(binary, python),
-               "steps": args.steps, "repeats": args.repeats, "groups": []}
+               "steps": args.steps, "repeats": args.repeats, "size": args.size,
+               "world_size": args.world_size, "groups": []}
     started = time.monotonic()
     ns = e2e.Namespace()
     work = tempfile.mkdtemp(prefix="lightwire-speed-")

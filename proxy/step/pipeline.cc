@@ -27,6 +27,18 @@ double& duration(StepFigures& fig, metrics::Stage stage) {
 
 }  // namespace
 
+size_t ringChunkElements(const kernels::Codec& codec, size_t n, size_t chunk_elements,
+                         uint32_t world) {
+  const auto& traits = codec.traits();
+  const bool elementwise = traits.summable && !traits.sparse && traits.rounds == 1 &&
+                           !traits.single_chunk;
+  if (!elementwise || world < 2 || n <= kRingSplitMinElements || chunk_elements == 0) {
+    return chunk_elements;
+  }
+  const size_t share = std::max<size_t>(kRingSplitMinElements, (n + world - 1) / world);
+  return std::min(chunk_elements, share);
+}
+
 std::optional<CosineTerms> cosineTerms(const kernels::Codec& codec,
                                        std::span<const uint8_t> payload, const float* original,
                                        size_t len, std::vector<float>& scratch) {
@@ -401,7 +413,8 @@ StepPipeline::Stage StepPipeline::prepare() {
       ctx_.density = *d;
     }
   }
-  chunking_ = kernels::chunkingFor(codec, n_, options.chunk_elements);
+  chunking_ = kernels::chunkingFor(codec, n_, ringChunkElements(codec, n_, options.chunk_elements,
+                                                                 engine_.exchange_.worldSize()));
   dense_step_ = plan_.mode == StepMode::kBypass || plan_.mode == StepMode::kFullSync;
   // PowerSGD's start step (docs/policies.md "Schedules"): dense until then, the state untouched,
   // so that the factorisation starts from a gradient past the first, fastest-changing steps.

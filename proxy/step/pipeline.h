@@ -31,6 +31,16 @@ std::optional<CosineTerms> cosineTerms(const kernels::Codec& codec,
                                        std::span<const uint8_t> payload, const float* original,
                                        size_t len, std::vector<float>& scratch);
 
+/// Elements per chunk of a tensor of `n` elements (docs/exchange.md "One step"): the configured
+/// `chunk_elements`, except that an elementwise codec (`none`, `fp16`, `bf16`: a chunk's result
+/// does not depend on where the chunks end) of more than kRingSplitMinElements elements gets at
+/// least `world` chunks — at most ⌈n / world⌉ elements each, never fewer than
+/// kRingSplitMinElements — so that every rank owns a chunk of the ring and no layer is one serial
+/// chain of 2(W − 1) hops.
+constexpr size_t kRingSplitMinElements = size_t{1} << 16;
+size_t ringChunkElements(const kernels::Codec& codec, size_t n, size_t chunk_elements,
+                         uint32_t world);
+
 /// One step of one tensor through its stages. Lives for one step on the thread that runs it (the
 /// engine's, or a submitting one for small steps); the tensor is the engine thread's meanwhile.
 class StepPipeline {

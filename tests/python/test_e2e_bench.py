@@ -98,6 +98,33 @@ def test_e2e_smoke_trains_the_lm_with_the_adamw_helper(tmp_path):
         assert all(math.isfinite(v) for v in rows[name]["loss"]), name
 
 
+def test_speed_bench_smoke_interleaves_repetitions_and_reports_ratios(tmp_path):
+    """bench/e2e/speed.py at smoke size: every configuration trains once per repetition, and each
+    row's speed against DDP is summarised over the repetitions (no speed is asserted)."""
+    skip_unless_e2e_runs()
+    out = tmp_path / "speed.json"
+    env = dict(os.environ, LIGHTWIRE_BIN=LIGHTWIRE_BIN, PYTHON=PYTHON)
+    r = subprocess.run([PYTHON, os.path.join(REPO, "bench", "e2e", "speed.py"), "--size", "smoke",
+                        "--world-size", "2", "--steps", "10", "--repeats", "2", "--rates",
+                        "unlimited,1gbit", "--configs", "ddp,lightwire_none", "--json", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [(g["task"], g["rate"]) for g in data["groups"]] == [("mlp", "unlimited"), ("mlp", "1gbit")]
+    for g in data["groups"]:
+        rows = {t["config"]: t for t in g["table"]}
+        assert list(rows) == ["ddp", "lightwire_none"]
+        assert rows["ddp"]["speed_vs_ddp"] == [1.0, 1.0]
+        t = rows["lightwire_none"]
+        assert t["repetitions"] == 2 and len(t["step_seconds"]) == 2 and not t["errors"], t
+        assert len(t["speed_vs_ddp"]) == 2 and all(v > 0 for v in t["speed_vs_ddp"]), t
+        assert t["speed_min"] <= t["speed_median"] <= t["speed_max"], t
+    assert "median of 2 interleaved repetitions" in r.stderr
+    # The order of the runs: the configurations in turn, repetition after repetition.
+    order = [line.split(": ")[-1] for line in r.stderr.splitlines() if ", repetition " in line]
+    assert order == ["ddp", "lightwire_none"] * 4, order
+
+
 def test_memory_bench_smoke():
     """bench/memory.py at a tiny size: a row per codec and path with its fields; the shared-memory
     path maps the trainer's segment (RssShmem) and the HTTP path does not. The figures themselves

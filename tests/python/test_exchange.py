@@ -229,6 +229,29 @@ def test_two_local_trainers_per_node(cluster_factory, key):
     check_exchange(cluster_factory, 2, key, local_trainers=2)
 
 
+@pytest.mark.parametrize("key", ["none", "fp16"])
+def test_elementwise_codec_tensor_of_one_chunk_is_split_among_the_ranks(cluster_factory, key):
+    """A tensor of fewer chunks than ranks, codec none or fp16: the sidecar cuts it into W chunks of
+    ⌈n / W⌉ elements (docs/exchange.md "One step"), so every rank owns one, and the result is
+    the reference's with that chunking — which differs from the one-chunk chain's order."""
+    W, n = 3, 200_000
+    codec, flags, over = CODECS[key]
+    cl = cluster_factory(W, codec=codec, codec_args=flags, chunk_elements=1 << 20)
+    split = Reference(ref_cfg(codec, **over), W, 1, n=n, chunk=(n + W - 1) // W)
+    whole = Reference(ref_cfg(codec, **over), W, 1, n=n, chunk=1 << 20)
+    assert len(split.chunking) == W and len(whole.chunking) == 1
+    jobs = {(r, 0): [(s, trainer_input(W, r, 0, s, n)) for s in range(2)] for r in range(W)}
+    results, _ = run_trainers(cl, jobs)
+    for s in range(2):
+        inputs = [trainer_input(W, r, 0, s, n) for r in range(W)]
+        want, other = split.step(inputs, s), whole.step(inputs, s)
+        assert np.any(want.view(np.uint32) != other.view(np.uint32))  # the order shows
+        for r in range(W):
+            got = results[(r, 0)][s]
+            assert not isinstance(got, Exception), "%s\n%s" % (got, cl.stderr())
+            assert_bitwise(got, want, "%s step %d rank %d vs the split reference" % (key, s, r))
+
+
 def test_peers_template_and_secret_file(cluster_factory):
     """As docker/k8s configures the sidecars: peer.peers is one template with {rank} (here
     127.0.{rank}.1:PORT, each rank on its own loopback address) and the job secret is read from a
