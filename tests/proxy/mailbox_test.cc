@@ -92,3 +92,39 @@ TEST_CASE("mailbox: a dropped stale abort gives its reservation back") {
 
 }  // namespace
 }  // namespace lightwire::proxy::peer
+
+namespace lightwire::proxy::peer {
+namespace {
+
+TEST_CASE("mailbox buffers: a frame takes the pooled buffer that needs no zero-fill") {
+  PeerMailboxes m(1 << 20, 64);
+  // Two pooled buffers of the same capacity, one last used for a small frame, one for a large.
+  std::vector<uint8_t> small(4000, 7), large(4000, 9);
+  small.resize(10);
+  const uint8_t* large_data = large.data();
+  const uint8_t* small_data = small.data();
+  m.recycle(std::move(small));
+  m.recycle(std::move(large));
+  // A large frame gets the buffer that already holds that many bytes (nothing zero-filled: its
+  // old bytes are still there), a small one then the other.
+  auto a = m.takeBuffer(3000);
+  CHECK(a.data() == large_data);
+  CHECK(a.size() == 3000);
+  CHECK(a[2999] == 9);
+  auto b = m.takeBuffer(8);
+  CHECK(b.data() == small_data);
+  CHECK(b.size() == 8);
+  // None large enough: a new buffer, zeroed.
+  m.recycle(std::move(b));
+  auto c = m.takeBuffer(5000);
+  CHECK(c.data() != small_data);
+  CHECK(c.size() == 5000);
+  CHECK(c[4999] == 0);
+  // Only a buffer that must grow within its capacity: it is taken, the growth zeroed.
+  auto d = m.takeBuffer(100);
+  CHECK(d.data() == small_data);
+  CHECK(d[99] == 0);
+}
+
+}  // namespace
+}  // namespace lightwire::proxy::peer
