@@ -306,6 +306,18 @@ class Sidecars(object):
                     raise RuntimeError("sidecar %d not ready in 60 s: %s" % (r, self.tail(r)))
                 time.sleep(0.1)
 
+    def cpu_seconds(self):
+        """The CPU time (user and system) the sidecars used so far, together."""
+        total = 0.0
+        for p in self.procs:
+            try:
+                with open("/proc/%d/stat" % p.pid) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited: its time is lost, the figure low
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
     def tail(self, r, lines=5):
         try:
             with open(self.logs[r], "rb") as f:
@@ -362,6 +374,7 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
         if kind == "lightwire":
             sidecars = Sidecars(ns, binary, profile["world_size"], sidecar_args, d)
             spec["sockets"] = sidecars.sockets
+            sidecar_cpu0 = sidecars.cpu_seconds()
         spec_path, out_path = os.path.join(d, "spec.json"), os.path.join(d, "result.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
@@ -397,6 +410,11 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
             with open(out_path) as f:
                 row.update(json.load(f))
             row["steps"] = row.get("steps_run", row["steps"])
+            if sidecars is not None:
+                # The sidecars' CPU time from ready to the end of training (their start is not
+                # in it; the trainers' evaluations, when the sidecars idle, are), per step.
+                row["sidecar_cpu_seconds_per_step"] = (
+                    (sidecars.cpu_seconds() - sidecar_cpu0) / max(1, row["steps"]))
             summarize(row)
             if row.get("fallbacks"):
                 row["notes"] = "%d bucket(s) fell back to gloo's allreduce" % row["fallbacks"]

@@ -8,7 +8,9 @@ turn, and the whole round is repeated, so that every configuration's repetitions
 the same stretch of time and a slow spell of the machine falls on all of them. Each repetition
 gives, per configuration, its median step time and its speed against DDP's median step of the
 same repetition (DDP's step / the row's step: above 1 is faster); the report is the median of
-those ratios over the repetitions with their minimum and maximum.
+those ratios over the repetitions with their minimum and maximum, and the CPU seconds a step of
+every trainer together and of every sidecar together (medians over the repetitions): on a machine
+whose cores are the bottleneck, the step follows their sum.
 
     $PYTHON bench/e2e/speed.py [--tasks mlp] [--rates 10gbit,unlimited]
         [--configs ddp,lightwire_none,lightwire_fp16] [--repeats 3] [--steps 40] [--json FILE]
@@ -52,12 +54,22 @@ def summary(rows_by_rep, configs):
                  if c in rows and rows[c]["status"] == "ok"]
         r = ratios(rows_by_rep, c)
         errors = [rows[c]["error"] for rows in rows_by_rep if c in rows and rows[c]["status"] != "ok"]
+        ok = [rows[c] for rows in rows_by_rep if c in rows and rows[c]["status"] == "ok"]
+        trainer_cpu = [r["trainer_cpu_seconds_per_step"] for r in ok
+                       if r.get("trainer_cpu_seconds_per_step") is not None]
+        sidecar_cpu = [r["sidecar_cpu_seconds_per_step"] for r in ok
+                       if r.get("sidecar_cpu_seconds_per_step") is not None]
         table.append({"config": c, "repetitions": len(steps),
                       "median_step_seconds": statistics.median(steps) if steps else None,
                       "step_seconds": steps, "speed_vs_ddp": r,
                       "speed_median": statistics.median(r) if r else None,
                       "speed_min": min(r) if r else None, "speed_max": max(r) if r else None,
-                      "errors": errors})
+                      "errors": errors,
+                      # CPU seconds a step, every trainer (every sidecar) together: medians.
+                      "trainer_cpu_seconds_per_step":
+                          statistics.median(trainer_cpu) if trainer_cpu else None,
+                      "sidecar_cpu_seconds_per_step":
+                          statistics.median(sidecar_cpu) if sidecar_cpu else None})
     return table
 
 
@@ -126,9 +138,13 @@ def main():
                     if t["speed_median"] is None:
                         e2e.log("  %-24s no finished repetition: %s" % (t["config"], t["errors"][:1]))
                         continue
-                    e2e.log("  %-24s %.3f s/step  %.3fx  [%.3f, %.3f]" % (
+                    cpu = "CPU s/step: trainers %.3f" % t["trainer_cpu_seconds_per_step"] if \
+                        t["trainer_cpu_seconds_per_step"] is not None else ""
+                    if t["sidecar_cpu_seconds_per_step"] is not None:
+                        cpu += ", sidecars %.3f" % t["sidecar_cpu_seconds_per_step"]
+                    e2e.log("  %-24s %.3f s/step  %.3fx  [%.3f, %.3f]  %s" % (
                         t["config"], t["median_step_seconds"], t["speed_median"], t["speed_min"],
-                        t["speed_max"]))
+                        t["speed_max"], cpu))
     finally:
         ns.close()
     results["elapsed_seconds"] = time.monotonic() - started

@@ -140,14 +140,17 @@ def train(rank, spec, out_path):
     dist.barrier()
     tx0 = lo_tx_bytes() if rank == EVAL_RANK else 0
     elements0 = (hook_state.sidecar_elements, hook_state.dense_elements) if hook_state else None
+    cpu = 0.0  # this process's CPU time (every thread: gloo's, the hook's) in the timed steps
     for step in range(1, steps + 1):
         x, y = task.batch(rank, step)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = task.loss(ddp, x, y)
         loss.backward()
         opt.step()
         dt = time.perf_counter() - t0
+        cpu += time.process_time() - c0
         value = loss.item()
         last_step = step
         if hook_state is not None:
@@ -184,6 +187,8 @@ def train(rank, spec, out_path):
     mine = torch.tensor([last_step], dtype=torch.int64)
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(gathered, mine)
+    cpu_all = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(cpu_all)
     dist.barrier()
     if rank == EVAL_RANK:
         tx = lo_tx_bytes() - tx0
@@ -197,6 +202,8 @@ def train(rank, spec, out_path):
             "task_title": task.title, "steps_run": last_step,
             "rank_steps": [int(t.item()) for t in gathered],
             "optimizer": "%s.%s" % (type(opt).__module__, type(opt).__qualname__),
+            # Every trainer's CPU time in the timed steps, summed, per step.
+            "trainer_cpu_seconds_per_step": float(cpu_all.item()) / last_step,
         }
         if tta:
             i = stop_rule.first_reached(evals, spec["target"])

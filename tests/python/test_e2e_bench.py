@@ -119,6 +119,9 @@ def test_speed_bench_smoke_interleaves_repetitions_and_reports_ratios(tmp_path):
         assert t["repetitions"] == 2 and len(t["step_seconds"]) == 2 and not t["errors"], t
         assert len(t["speed_vs_ddp"]) == 2 and all(v > 0 for v in t["speed_vs_ddp"]), t
         assert t["speed_min"] <= t["speed_median"] <= t["speed_max"], t
+        assert t["trainer_cpu_seconds_per_step"] > 0 and t["sidecar_cpu_seconds_per_step"] > 0, t
+        assert rows["ddp"]["trainer_cpu_seconds_per_step"] > 0
+        assert rows["ddp"]["sidecar_cpu_seconds_per_step"] is None  # no sidecars
     assert "median of 2 interleaved repetitions" in r.stderr
     # The order of the runs: the configurations in turn, repetition after repetition.
     order = [line.split(": ")[-1] for line in r.stderr.splitlines() if ", repetition " in line]
