@@ -66,8 +66,8 @@ Result<PayloadHeader> readHeader(std::span<const uint8_t> p, CodecId expected,
   return h;
 }
 
-Status decodeDenseF32(std::span<const uint8_t> p, const PayloadHeader& h, float weight,
-                      float* out, bool into) {
+Status decodeDenseF32(std::span<const uint8_t> p, const PayloadHeader& h, float weight, float* out,
+                      bool into) {
   const uint64_t need = kHeaderBytes + 4 * h.elements;
   if (h.elements > (p.size() / 4) || p.size() != need) {
     return dataLoss("none payload of " + std::to_string(h.elements) + " elements must be " +

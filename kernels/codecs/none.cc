@@ -58,8 +58,7 @@ class NoneCodec final : public Codec {
     }
     if (out.size() < a.size()) return outOfRange("payload buffer too small");
     writeHeader(out.data(), *ha);
-    simd::addFloats(a.data() + kHeaderBytes, b.data() + kHeaderBytes, n,
-                    out.data() + kHeaderBytes);
+    simd::addFloats(a.data() + kHeaderBytes, b.data() + kHeaderBytes, n, out.data() + kHeaderBytes);
     return a.size();
   }
 

@@ -115,8 +115,9 @@ void HalvesToFloats(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RESTRI
   const hn::Rebind<hwy::float16_t, decltype(df)> dh;
   const size_t lanes = hn::Lanes(df);
   for (; i + lanes <= n; i += lanes) {
-    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src + 2 * i))),
-               df, out + i);
+    hn::StoreU(
+        hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src + 2 * i))), df,
+        out + i);
   }
 #endif
   for (; i < n; ++i) out[i] = bits::asFloat(bits::halfToFloatBits(loadU16le(src + 2 * i)));
@@ -185,8 +186,7 @@ void AccumulateFloats(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
                       float* HWY_RESTRICT out) {
   weightedFloats<false>(src, n, weight, out);
 }
-void ScaleFloats(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
-                 float* HWY_RESTRICT out) {
+void ScaleFloats(const uint8_t* HWY_RESTRICT src, size_t n, float weight, float* HWY_RESTRICT out) {
   weightedFloats<true>(src, n, weight, out);
 }
 

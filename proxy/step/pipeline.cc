@@ -30,8 +30,8 @@ double& duration(StepFigures& fig, metrics::Stage stage) {
 size_t ringChunkElements(const kernels::Codec& codec, size_t n, size_t chunk_elements,
                          uint32_t world) {
   const auto& traits = codec.traits();
-  const bool elementwise = traits.summable && !traits.sparse && traits.rounds == 1 &&
-                           !traits.single_chunk;
+  const bool elementwise =
+      traits.summable && !traits.sparse && traits.rounds == 1 && !traits.single_chunk;
   if (!elementwise || world < 2 || n <= kRingSplitMinElements || chunk_elements == 0) {
     return chunk_elements;
   }
@@ -413,8 +413,9 @@ StepPipeline::Stage StepPipeline::prepare() {
       ctx_.density = *d;
     }
   }
-  chunking_ = kernels::chunkingFor(codec, n_, ringChunkElements(codec, n_, options.chunk_elements,
-                                                                 engine_.exchange_.worldSize()));
+  chunking_ = kernels::chunkingFor(
+      codec, n_,
+      ringChunkElements(codec, n_, options.chunk_elements, engine_.exchange_.worldSize()));
   dense_step_ = plan_.mode == StepMode::kBypass || plan_.mode == StepMode::kFullSync;
   // PowerSGD's start step (docs/policies.md "Schedules"): dense until then, the state untouched,
   // so that the factorisation starts from a gradient past the first, fastest-changing steps.
@@ -501,8 +502,8 @@ Result<std::span<const uint8_t>> StepPipeline::encode(int round, size_t chunk) {
   // 4th step. Codec `none` is lossless (its cosine is 1 by construction): never sampled.
   const uint64_t every = n_ > (size_t{1} << 18) ? 4 : 1;
   if (policy_ && round == 0 && rounds_ == 1 && plan_.mode == StepMode::kCompressed &&
-      step_codec_->traits().id != kernels::CodecId::kNone &&
-      step_ % every == 0 && chunk == (step_ / every) % chunks) {
+      step_codec_->traits().id != kernels::CodecId::kNone && step_ % every == 0 &&
+      chunk == (step_ / every) % chunks) {
     auto original = backend_->chunkInput(chunking_, chunk, t_.original);
     if (!original) return original.status();
     cos_ = cosineTerms(*step_codec_, mine_[chunk], *original, chunking_.size(chunk), t_.scratch);

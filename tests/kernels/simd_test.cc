@@ -377,8 +377,9 @@ TEST_CASE("simd: fp16, bf16 and qsgd payloads and decodings are identical on eve
   }
 }
 
-TEST_CASE("simd: dense fp32 sums, decodes and the non-finite scan are the scalar bits on every "
-          "target") {
+TEST_CASE(
+    "simd: dense fp32 sums, decodes and the non-finite scan are the scalar bits on every "
+    "target") {
   // Every sign and exponent (NaNs with payloads, Infs, −0, subnormals) and random patterns, as
   // little-endian bytes at an odd offset (payload bodies follow a 16-byte header, but any
   // alignment must work), lengths that leave a scalar tail.
@@ -425,9 +426,9 @@ TEST_CASE("simd: dense fp32 sums, decodes and the non-finite scan are the scalar
     CHECK(!simd::anyNonfinite(x.data(), x.size()));
     CHECK(!simd::anyNonfinite(x.data(), 0));
     for (size_t pos : {size_t{0}, size_t{9}, size_t{512}, size_t{1002}}) {
-      for (float bad : {std::numeric_limits<float>::infinity(),
-                        -std::numeric_limits<float>::infinity(),
-                        std::numeric_limits<float>::quiet_NaN()}) {
+      for (float bad :
+           {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+            std::numeric_limits<float>::quiet_NaN()}) {
         auto y = x;
         y[pos] = bad;
         CHECK(simd::anyNonfinite(y.data(), y.size()));
@@ -438,8 +439,9 @@ TEST_CASE("simd: dense fp32 sums, decodes and the non-finite scan are the scalar
   }
 }
 
-TEST_CASE("simd: widening fp16 and bf16 is the scalar conversion on every target (fp16's "
-          "signalling NaNs may come out quiet)") {
+TEST_CASE(
+    "simd: widening fp16 and bf16 is the scalar conversion on every target (fp16's "
+    "signalling NaNs may come out quiet)") {
   // Every 16-bit pattern, at an odd byte offset.
   std::vector<uint8_t> src(2 * 65536 + 1);
   for (uint32_t h = 0; h < 65536; ++h) {

@@ -957,12 +957,12 @@ TEST_CASE("ring chunking: elementwise codecs give every rank a chunk of a tensor
   const auto topk = make({.name = "topk", .density = 0.01});
   const auto qsgd = make({.name = "qsgd"});
   const size_t mi = size_t{1} << 20;
-  CHECK(ringChunkElements(*none, mi, mi, 4) == mi / 4);           // one chunk -> four
+  CHECK(ringChunkElements(*none, mi, mi, 4) == mi / 4);  // one chunk -> four
   CHECK(ringChunkElements(*fp16, 3 * mi, mi, 4) == (3 * mi + 3) / 4);
-  CHECK(ringChunkElements(*none, 16 * mi, mi, 4) == mi);          // enough chunks already
+  CHECK(ringChunkElements(*none, 16 * mi, mi, 4) == mi);                    // enough chunks already
   CHECK(ringChunkElements(*none, 100000, mi, 4) == kRingSplitMinElements);  // never below 64 Ki
   CHECK(ringChunkElements(*none, kRingSplitMinElements, mi, 4) == mi);      // small: as configured
-  CHECK(ringChunkElements(*none, mi, mi, 1) == mi);               // one rank: nothing to share
-  CHECK(ringChunkElements(*topk, mi, mi, 4) == mi);               // selection is per chunk
+  CHECK(ringChunkElements(*none, mi, mi, 1) == mi);  // one rank: nothing to share
+  CHECK(ringChunkElements(*topk, mi, mi, 4) == mi);  // selection is per chunk
   CHECK(ringChunkElements(*qsgd, mi, mi, 4) == mi);
 }
