@@ -82,6 +82,22 @@ Status decodeDenseF32(std::span<const uint8_t> p, const PayloadHeader& h, float 
   return Status::ok();
 }
 
+Result<size_t> addDenseValues(std::span<const uint8_t> a, const float* b, uint64_t n,
+                              std::span<uint8_t> out) {
+  auto h = readHeader(a, CodecId::kNone, n, 0);
+  if (!h) return h.status();
+  if (a.size() != kHeaderBytes + 4 * n) {
+    return dataLoss("none payload of " + std::to_string(n) + " elements must be " +
+                    std::to_string(kHeaderBytes + 4 * n) + " bytes, got " +
+                    std::to_string(a.size()));
+  }
+  if (out.size() < a.size()) return outOfRange("payload buffer too small");
+  writeHeader(out.data(), *h);
+  simd::addFloats(a.data() + kHeaderBytes, reinterpret_cast<const uint8_t*>(b), n,
+                  out.data() + kHeaderBytes);
+  return a.size();
+}
+
 size_t writeDensePayload(ConstTensor x, uint8_t* out, CpuStream* stream) {
   const size_t n = x.elements;
   writeHeader(out, {CodecId::kNone, x.dtype, 0, 0, n});

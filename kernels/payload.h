@@ -71,6 +71,12 @@ Result<PayloadHeader> readHeader(std::span<const uint8_t> payload, CodecId expec
                                  uint64_t out_elements, uint8_t allowed_flags,
                                  uint8_t max_round = 0);
 
+/// A `none`-layout payload `a` of n elements plus n fp32 values `b`, as a `none` payload in `out`
+/// (header of `a`, then a[i] + b[i]: the bits NoneCodec::addPayloads gives for a payload of `b`).
+/// Returns its size; `a` refused (dataLoss) when it is not such a payload, `out` too small.
+Result<size_t> addDenseValues(std::span<const uint8_t> a, const float* b, uint64_t n,
+                              std::span<uint8_t> out);
+
 /// Decodes a `none`-layout payload whose header was already read: out += weight * values, or
 /// (`into`) out = +0 + weight * values, the same bits without reading `out`.
 Status decodeDenseF32(std::span<const uint8_t> payload, const PayloadHeader& h, float weight,

@@ -40,6 +40,14 @@ struct ExchangeRound {
   // was not called for are decoded after run(). Exchanges that set `contributors` below
   // worldSize() must not call it.
   std::function<Status(size_t, std::span<const std::span<const uint8_t>>)> on_chunk;
+  // Optional (set by the pipeline for host steps of codec `none` without state): chunk c's fp32
+  // values, whose `none` payload is a 16-byte header and exactly those bytes. A ring position
+  // that only adds its own payload to a partial sum adds these instead (the same additions in the
+  // same order: the same bytes), and never asks for the payload, so it is never copied. Valid
+  // until the chunk's result is decoded (the pipeline may decode into the same memory).
+  std::function<const float*(size_t)> raw;
+  // Set by the exchange: the chunks whose payload it never asked for, because it used `raw`.
+  std::vector<char> raw_used;
   // Set by the exchange: how many sidecars' contributions the returned payloads hold (0 = all of
   // worldSize(); fewer under bounded staleness, where the result is their mean).
   uint32_t contributors = 0;

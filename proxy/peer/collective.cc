@@ -1,6 +1,7 @@
 #include "proxy/peer/collective.h"
 
 #include "kernels/registry.h"
+#include "proxy/peer/mailbox.h"
 
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
@@ -78,6 +79,15 @@ Status nameSilentRanks(Transport& t, Status failed, uint64_t tensor, uint64_t st
 }  // namespace
 
 uint64_t tensorKey(const std::string& name) { return XXH3_64bits(name.data(), name.size()); }
+
+namespace {
+
+/// Whether the ring adds round `r`'s own values (ExchangeRound::raw) instead of its payloads.
+bool useRaw(const ExchangeRound& r) {
+  return r.raw && r.round == 0 && r.codec.traits().id == kernels::CodecId::kNone;
+}
+
+}  // namespace
 
 RingExchange::RingExchange(Transport& transport, std::chrono::milliseconds timeout)
     : transport_(transport), timeout_(timeout) {}
@@ -351,13 +361,9 @@ std::span<const uint8_t> RingExchange::keep(std::vector<uint8_t> received) {
 }
 
 std::vector<uint8_t>& RingExchange::sumBuffer(size_t bytes) {
-  std::vector<uint8_t> b;
-  if (!spare_sums_.empty()) {
-    b = std::move(spare_sums_.back());
-    spare_sums_.pop_back();
-  }
-  b.resize(bytes);  // zero-fills only growth beyond the buffer's last size
-  sums_.push_back(std::move(b));
+  // A spare of the last steps that needs no zero-fill if there is one (takeFitting).
+  auto b = takeFitting(spare_sums_, bytes);
+  sums_.push_back(b ? std::move(*b) : std::vector<uint8_t>(bytes));
   return sums_.back();
 }
 
@@ -399,17 +405,29 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
       }
     }
   }
+  // Codec `none` with its values at hand (ExchangeRound::raw): a position that only adds its own
+  // payload adds the values, and the payload is never made.
+  for (const Item& it : items) {
+    if (useRaw(*it.r)) it.r->raw_used.assign(it.r->chunking.count(), 0);
+  }
   for (const auto& [i, c] : order) {
     const Item& it = items[i];
-    const ExchangeRound& r = *it.r;
+    ExchangeRound& r = *it.r;
     const uint32_t pos = position(c);
-    auto own = r.payload(c);  // compressed before waiting: it overlaps the partial's arrival
-    if (!own) return own.status();
+    const float* raw = useRaw(r) ? r.raw(c) : nullptr;
+    std::span<const uint8_t> own;
+    if (raw == nullptr) {
+      auto p = r.payload(c);  // compressed before waiting: it overlaps the partial's arrival
+      if (!p) return p.status();
+      own = *p;
+    }
     auto got =
         transport_.receive(prev, key(it, kPhaseReduce, c, static_cast<uint32_t>(c % w)), deadline);
     if (!got) return got.status();
     std::vector<uint8_t>& sum = sumBuffer(r.codec.maxPayloadBytes(r.chunking.size(c)));
-    auto size = r.codec.addPayloads(got->payload, *own, sum);
+    auto size = raw != nullptr ? kernels::addDenseValues(got->payload, raw, r.chunking.size(c), sum)
+                               : r.codec.addPayloads(got->payload, own, sum);
+    if (raw != nullptr) r.raw_used[c] = 1;
     transport_.recycle(std::move(got->payload));
     if (!size) {
       return dataLoss("chunk " + std::to_string(c) + " of '" + r.tensor + "' from rank " +

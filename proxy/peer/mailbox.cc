@@ -201,31 +201,36 @@ void PeerMailboxes::discard(uint64_t tensor, uint64_t step) {
   }
 }
 
+std::optional<std::vector<uint8_t>> takeFitting(std::vector<std::vector<uint8_t>>& pool, size_t n) {
+  // The smallest buffer that already holds n bytes (shrinking writes nothing); else the one of
+  // the largest size (growing within its capacity zero-fills only the growth): a step's buffers
+  // of the same sizes as the last step's then never pay a pass to zero them.
+  size_t best = pool.size();
+  for (size_t i = 0; i < pool.size(); ++i) {
+    const auto& b = pool[i];
+    if (b.capacity() < n) continue;
+    if (best == pool.size()) {
+      best = i;
+      continue;
+    }
+    const auto& cur = pool[best];
+    const bool fits = b.size() >= n, cur_fits = cur.size() >= n;
+    if (fits != cur_fits ? fits : fits ? b.size() < cur.size() : b.size() > cur.size()) best = i;
+  }
+  if (best == pool.size()) return std::nullopt;
+  std::vector<uint8_t> b = std::move(pool[best]);
+  pool[best] = std::move(pool.back());
+  pool.pop_back();
+  b.resize(n);
+  return b;
+}
+
 std::vector<uint8_t> PeerMailboxes::takeBuffer(size_t n) {
   {
     std::lock_guard lock(pool_mu_);
-    // The smallest buffer that already holds n bytes (shrinking writes nothing); else the one of
-    // the largest capacity (growing within it zero-fills only the growth): a step's frames of the
-    // same sizes as the last step's then never pay a pass to zero their buffers.
-    size_t best = pool_.size();
-    for (size_t i = 0; i < pool_.size(); ++i) {
-      const auto& b = pool_[i];
-      if (b.capacity() < n) continue;
-      if (best == pool_.size()) {
-        best = i;
-        continue;
-      }
-      const auto& cur = pool_[best];
-      const bool fits = b.size() >= n, cur_fits = cur.size() >= n;
-      if (fits != cur_fits ? fits : fits ? b.size() < cur.size() : b.size() > cur.size()) best = i;
-    }
-    if (best < pool_.size()) {
-      std::vector<uint8_t> b = std::move(pool_[best]);
-      pool_[best] = std::move(pool_.back());
-      pool_.pop_back();
-      pool_bytes_ -= b.capacity();
-      b.resize(n);
-      return b;
+    if (auto b = takeFitting(pool_, n)) {
+      pool_bytes_ -= b->capacity();
+      return std::move(*b);
     }
   }
   return std::vector<uint8_t>(n);

@@ -10,6 +10,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -21,6 +22,11 @@
 #include "proxy/peer/transport.h"
 
 namespace lightwire::proxy::peer {
+
+/// Takes from `pool` a buffer of capacity at least n, resized to n: the smallest that already
+/// holds n bytes, else the largest (only the growth is zero-filled); nullopt when none is large
+/// enough. Not thread-safe.
+std::optional<std::vector<uint8_t>> takeFitting(std::vector<std::vector<uint8_t>>& pool, size_t n);
 
 /// The mailboxes and connection state of every peer rank of one transport. Thread-safe.
 ///

@@ -66,6 +66,10 @@ class StepBackend {
   virtual Result<const float*> chunkInput(const kernels::Chunking& chunking, size_t chunk,
                                           std::vector<float>& scratch) = 0;
 
+  /// The step's fp32 input in host memory, what the codec encodes (nullptr: it is not on the host,
+  /// the GPU backend). Valid until the result is written (it may be the result's memory).
+  virtual const float* hostInput() const { return nullptr; }
+
   /// Where the result goes: the single fp32 trainer's memory when `in_place`, else a buffer.
   virtual Status prepareResult(bool in_place) = 0;
   /// Whether decodeChunk() may be called from the exchange's threads while it runs, so decoding

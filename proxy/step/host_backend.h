@@ -63,6 +63,7 @@ class HostBackend final : public StepBackend {
   Result<uint64_t> resultChecksum() override;
   Status writeBack() override;
   void commit(bool state) override;
+  const float* hostInput() const override { return input_; }
 
  private:
   const kernels::Codec& stepCodec() const;

@@ -552,6 +552,14 @@ StepPipeline::Stage StepPipeline::openRound(int r) {
     };
   }
   if (lazy) er.encode = [this, r](size_t c) { return encode(r, c); };
+  // Codec `none` without state on the host: its payload is the input's bytes behind a header, so
+  // the ring may add the input itself where it only adds (no copy into a payload).
+  if (lazy && rounds_ == 1 && step_codec_->traits().id == kernels::CodecId::kNone &&
+      step_codec_->stateFloats(n_) == 0) {
+    if (const float* in = backend_->hostInput()) {
+      er.raw = [this, in](size_t c) { return in + chunking_.begin(c); };
+    }
+  }
   if (r == 0) er.stats_out = record_;
   round_started_ = Clock::now();
   return std::nullopt;
@@ -565,8 +573,15 @@ StepPipeline::Stage StepPipeline::closeRound(
   if (r == 0) stats_in_ = std::move(er.stats_in);
   const double round_us = microsSince(round_started_);
   if (!got) return Stop{StepError::kExchangeFailed, got.status().message()};
-  // Every chunk's state update happens in its encode: none may be left out.
+  // Every chunk's state update happens in its encode: none may be left out — but a chunk the
+  // ring added as raw values (stateless `none`) has no update and no payload to make: it counts
+  // the payload it stood for.
   for (size_t c = 0; c < chunks; ++c) {
+    if (c < er.raw_used.size() && er.raw_used[c] && !encoded_[c]) {
+      encoded_[c] = 1;
+      out_.figures.wire_bytes += step_codec_->maxPayloadBytes(chunking_.size(c));
+      continue;
+    }
     if (auto p = encode(r, c); !p) return Stop{backend_->failure(), p.status().message()};
   }
   compress_us_ += round_compress_us_;

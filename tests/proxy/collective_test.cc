@@ -38,7 +38,7 @@ std::vector<float> tensorOf(uint32_t rank, size_t n) {
 /// each rank's decoded result with weight 1/W.
 template <typename M>
 std::vector<std::vector<float>> exchangeAll(M& mesh, const kernels::Codec& codec, size_t n,
-                                            size_t chunk) {
+                                            size_t chunk, bool raw = false) {
   const uint32_t w = static_cast<uint32_t>(mesh.transports.size());
   const kernels::Chunking chunking = kernels::chunkingFor(codec, n, chunk);
   std::vector<std::future<std::vector<float>>> futures;
@@ -56,6 +56,7 @@ std::vector<std::vector<float>> exchangeAll(M& mesh, const kernels::Codec& codec
       std::vector<std::span<const uint8_t>> mine(payloads->begin(), payloads->end());
       const std::string name = "t";
       ExchangeRound round{name, 1, 0, codec, chunking, mine};
+      if (raw) round.raw = [&](size_t c) { return x.data() + chunking.begin(c); };
       // Every chunk is announced final exactly once, with the payloads run() then returns.
       std::vector<std::vector<std::span<const uint8_t>>> announced(chunking.count());
       std::vector<int> calls(chunking.count(), 0);
@@ -66,6 +67,12 @@ std::vector<std::vector<float>> exchangeAll(M& mesh, const kernels::Codec& codec
       };
       auto got = ring.run(round);
       REQUIRE_MESSAGE(got.isOk(), got.status().message());
+      if (raw) {  // the values were added wherever this rank only adds: not at its chains' starts
+        REQUIRE(round.raw_used.size() == chunking.count());
+        for (size_t c = 0; c < chunking.count(); ++c) {
+          CHECK(bool(round.raw_used[c]) == (r != (c % w + 1) % w));
+        }
+      }
       for (size_t c = 0; c < got->size(); ++c) {
         REQUIRE(calls[c] == 1);
         REQUIRE(announced[c].size() == (*got)[c].size());
@@ -103,7 +110,10 @@ TEST_CASE("ring allreduce of codec none: chunk sums in ring order, identical on 
     auto codec = kernels::createCodec({.name = "none"});
     REQUIRE(codec.isOk());
     const size_t n = 10000, chunk = 1024;
+    // The same bytes when the ranks add their values instead of their payloads
+    // (ExchangeRound::raw).
     const auto results = exchangeAll(mesh, **codec, n, chunk);
+    CHECK(exchangeAll(mesh, **codec, n, chunk, /*raw=*/true) == results);
     // docs/exchange.md: chunk c owned by o = c mod W, summed ((x[o+1] + x[o+2]) + ...) + x[o].
     std::vector<std::vector<float>> x;
     for (uint32_t r = 0; r < w; ++r) x.push_back(tensorOf(r, n));
