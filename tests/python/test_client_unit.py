@@ -385,10 +385,13 @@ def test_module_level_checkpoint_and_resume(sidecar, monkeypatch):
 
 
 class _FakeBucket(object):
-    """What ddp_comm_hook uses of a torch.distributed.GradBucket."""
+    """What ddp_comm_hook uses of a torch.distributed.GradBucket (`last`: what is_last() says;
+    None: a bucket without is_last())."""
 
-    def __init__(self, index, buf):
+    def __init__(self, index, buf, last=None):
         self._index, self._buf = index, buf
+        if last is not None:
+            self.is_last = lambda: last
 
     def index(self):
         return self._index
@@ -425,6 +428,33 @@ def test_torch_save_state_and_load_state(sidecar):
         with pytest.raises(LightwireError) as ei:
             lwt.load_state(40, client=c)
         assert ei.value.status == 404
+    finally:
+        state.close()
+        c.close()
+
+
+@needs_torch
+def test_hook_holds_an_iterations_buckets_until_its_last_and_drops_an_abandoned_one(sidecar):
+    """With agreement the iteration's futures complete once its last bucket has answered; an
+    iteration whose last bucket never comes (its backward pass stopped) is dropped when the next
+    one starts, its futures failed, instead of being agreed on with the next one's."""
+    import lightwire.torch as lwt
+    c = sidecar.client()
+    state = lwt.LightwireHookState(client=c, trainer=0)
+    try:
+        a = lwt.ddp_comm_hook(state, _FakeBucket(0, torch.full((8,), 1.0), last=False))
+        b = lwt.ddp_comm_hook(state, _FakeBucket(1, torch.full((4,), 2.0), last=True))
+        assert torch.equal(b.wait(), torch.full((4,), 2.0))
+        assert a.done() and torch.equal(a.wait(), torch.full((8,), 1.0))
+        # Iteration 2 stops after its first bucket; iteration 3 runs whole.
+        lost = lwt.ddp_comm_hook(state, _FakeBucket(0, torch.full((8,), 3.0), last=False))
+        x = lwt.ddp_comm_hook(state, _FakeBucket(0, torch.full((8,), 4.0), last=False))
+        y = lwt.ddp_comm_hook(state, _FakeBucket(1, torch.full((4,), 5.0), last=True))
+        assert torch.equal(y.wait(), torch.full((4,), 5.0))
+        assert torch.equal(x.wait(), torch.full((8,), 4.0))
+        with pytest.raises(Exception, match="abandoned"):
+            lost.wait()
+        assert state.fallbacks == 0
     finally:
         state.close()
         c.close()

@@ -512,8 +512,9 @@ class LightwireHookState(object):
     the iteration's last bucket (``bucket.is_last()``) has its answer too, then one allreduce of
     one flag per bucket decides each, and the iteration's futures complete together (DDP waits for
     all of them at the end of backward anyway). Buckets that cannot say whether they are the last
-    (a hook called outside DDP) agree one by one. ``agreements`` counts the collectives (the
-    figures: clients/python/README.md).
+    (a hook called outside DDP) agree one by one. An iteration whose last bucket never came (its
+    backward pass raised) is dropped when the next one starts, its futures failed. ``agreements``
+    counts the collectives (the figures: clients/python/README.md).
 
     ``optimizer``: the trainer's optimizer, so that the hook can refuse one that would apply
     momentum a second time to a gradient the sidecar already applied it to (dgc with momentum
@@ -803,9 +804,11 @@ class LightwireHookState(object):
             self.agreements += 1
         return [bool(f) for f in flags.tolist()]
 
-    def _complete(self, http_future, fut, slot, bucket_buffer, step, params=(), last=None):
+    def _complete(self, http_future, fut, slot, bucket_buffer, step, params=(), last=None,
+                  first=False):
         """Runs in the ordered thread: resolve the hook's future; with agreement, once the
-        iteration's last bucket (`last`: bucket.is_last(), None when unknown) has answered too."""
+        iteration's last bucket (`last`: bucket.is_last(), None when unknown) has answered too.
+        `first`: the iteration's first bucket (index 0, which DDP launches first)."""
         try:
             reply, error = http_future.result(), None
         except Exception as e:
@@ -814,6 +817,15 @@ class LightwireHookState(object):
         if not self.agree:
             self._resolve(*held)
             return
+        if first and self._held:
+            # An iteration whose last bucket never came (its backward pass raised): nobody waits
+            # for its buckets any more, and agreeing on them with this iteration's would pair
+            # them with the other ranks' flags of other buckets.
+            stale, self._held = self._held, []
+            for h in stale:
+                h[2].set_exception(RuntimeError(
+                    "lightwire: bucket of step %d abandoned: its iteration's last bucket never "
+                    "came (the backward pass stopped early)" % h[5]))
         if last is None and not self._held:
             batch = [held]  # a bucket that cannot tell whether it is the last: alone
         else:
@@ -923,17 +935,19 @@ def ddp_comm_hook(state, bucket):
             http_future = state._http.submit(_emit_cuda_or_degrade, state, slot, index, flat,
                                              name, step, layout)
             state._ordered.submit(_complete_cuda, state, http_future, fut, buf, step, params,
-                                  last)
+                                  last, index == 0)
             return fut
         slot = state._slot(index, flat.numel(), buf.dtype)
         slot.view.copy_(flat)  # the only copy (CUDA buckets: to the host)
     except (OSError, ValueError, TypeError) as e:  # e.g. /dev/shm full: this bucket falls back
         done = concurrent.futures.Future()
         done.set_exception(e)
-        state._ordered.submit(state._complete, done, fut, None, buf, step, params, last)
+        state._ordered.submit(state._complete, done, fut, None, buf, step, params, last,
+                              index == 0)
         return fut
     http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()], layout)
-    state._ordered.submit(state._complete, http_future, fut, slot, buf, step, params, last)
+    state._ordered.submit(state._complete, http_future, fut, slot, buf, step, params, last,
+                          index == 0)
     return fut
 
 
@@ -955,7 +969,8 @@ def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None):
     return host, state._emit(host, name, step, [flat.numel()], layout)
 
 
-def _complete_cuda(state, http_future, fut, bucket_buffer, step, params=(), last=None):
+def _complete_cuda(state, http_future, fut, bucket_buffer, step, params=(), last=None,
+                   first=False):
     """Ordered thread: unwrap (slot, reply) and resolve as _complete does."""
     done = concurrent.futures.Future()
     slot = None
@@ -964,7 +979,7 @@ def _complete_cuda(state, http_future, fut, bucket_buffer, step, params=(), last
         done.set_result(reply)
     except Exception as e:
         done.set_exception(e)  # _complete agrees with the other ranks, then falls back
-    state._complete(done, fut, slot, bucket_buffer, step, params, last)
+    state._complete(done, fut, slot, bucket_buffer, step, params, last, first)
 
 
 def _client_of(client, hook_state):
