@@ -624,6 +624,17 @@ def machine_info(binary, python):
     return info
 
 
+def executables(need_lightwire):
+    """($LIGHTWIRE_BIN or build-release's lightwire, $PYTHON or /usr/bin/python3); dies when the
+    executable is needed and missing."""
+    binary = os.environ.get("LIGHTWIRE_BIN", os.path.join(ROOT, "build-release", "proxy",
+                                                          "lightwire"))
+    if need_lightwire and not os.access(binary, os.X_OK):
+        die("no lightwire executable at %s (bash scripts/build.sh release, or set LIGHTWIRE_BIN)"
+            % binary)
+    return binary, os.environ.get("PYTHON", "/usr/bin/python3")
+
+
 def git_commit():
     try:
         c = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -794,12 +805,7 @@ def main():
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             die("needs %s (iproute2: scripts/install-deps.sh)" % tool)
-    binary = os.environ.get("LIGHTWIRE_BIN", os.path.join(ROOT, "build-release", "proxy",
-                                                          "lightwire"))
-    python = os.environ.get("PYTHON", "/usr/bin/python3")
-    if any(c[2] == "lightwire" for c in configs) and not os.access(binary, os.X_OK):
-        die("no lightwire executable at %s (bash scripts/build.sh release, or set LIGHTWIRE_BIN)"
-            % binary)
+    binary, python = executables(any(c[2] == "lightwire" for c in configs))
     if subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0:
         die("%s cannot import torch (set PYTHON)" % python)
     if args.out_dir is None:

@@ -101,12 +101,7 @@ def main():
         e2e.rate_bits(r)
     if os.geteuid() != 0:
         e2e.die("needs root (ip netns, tc)")
-    binary = os.environ.get("LIGHTWIRE_BIN", os.path.join(e2e.ROOT, "build-release", "proxy",
-                                                          "lightwire"))
-    python = os.environ.get("PYTHON", "/usr/bin/python3")
-    if not os.access(binary, os.X_OK):
-        e2e.die("no lightwire executable at %s (bash scripts/build.sh release, or set "
-                "LIGHTWIRE_BIN)" % binary)
+    binary, python = e2e.executables(True)
     profile = {"steps": {t: args.steps for t in ("mlp", "lm")},
                "eval_every": {t: args.steps for t in ("mlp", "lm")},
                "world_size": args.world_size, "size": args.size, "timeout": 900}

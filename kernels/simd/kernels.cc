@@ -106,19 +106,23 @@ void FloatsToHalves(const float* HWY_RESTRICT src, size_t n, uint8_t* HWY_RESTRI
   for (; i < n; ++i) storeU16le(dst + 2 * i, bits::floatBitsToHalf(bits::asBits(src[i])));
 }
 
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+/// One vector of floats from the little-endian binary16 values at `p` (vcvtph2ps: exact, except
+/// that it quiets a signalling NaN, which halfToFloatBits keeps signalling: the same once the
+/// value goes through any arithmetic).
+template <class DF>
+HWY_INLINE hn::Vec<DF> LoadHalvesAsFloats(DF df, const uint8_t* p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+}
+#endif
+
 void HalvesToFloats(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT out) {
   size_t i = 0;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
-  // vcvtph2ps is exact except that it quiets a signalling NaN (halfToFloatBits keeps it
-  // signalling): the same once the value goes through any arithmetic.
   const hn::ScalableTag<float> df;
-  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
   const size_t lanes = hn::Lanes(df);
-  for (; i + lanes <= n; i += lanes) {
-    hn::StoreU(
-        hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src + 2 * i))), df,
-        out + i);
-  }
+  for (; i + lanes <= n; i += lanes) hn::StoreU(LoadHalvesAsFloats(df, src + 2 * i), df, out + i);
 #endif
   for (; i < n; ++i) out[i] = bits::asFloat(bits::halfToFloatBits(loadU16le(src + 2 * i)));
 }
@@ -127,14 +131,11 @@ void AccumulateHalves(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
                       float* HWY_RESTRICT out) {
   size_t i = 0;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
-  // vcvtph2ps is exact; it quiets a signalling NaN, which the multiplication by weight does anyway.
   const hn::ScalableTag<float> df;
-  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
   const size_t lanes = hn::Lanes(df);
   const auto w = hn::Set(df, weight);
   for (; i + lanes <= n; i += lanes) {
-    const auto v =
-        hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src + 2 * i)));
+    const auto v = LoadHalvesAsFloats(df, src + 2 * i);
     hn::StoreU(hn::Add(hn::LoadU(df, out + i), hn::Mul(w, v)), df, out + i);
   }
 #endif
@@ -252,17 +253,23 @@ void FloatsToBf16s(const float* HWY_RESTRICT src, size_t n, uint8_t* HWY_RESTRIC
   for (; i < n; ++i) storeU16le(dst + 2 * i, bits::floatBitsToBf16(bits::asBits(src[i])));
 }
 
+#if HWY_TARGET != HWY_SCALAR
+/// One vector of floats from the little-endian bfloat16 values at `p` (exact: the top halves).
+template <class DF>
+HWY_INLINE hn::Vec<DF> LoadBf16sAsFloats(DF df, const uint8_t* p) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint16_t, DF> d16;
+  const auto h = hn::LoadU(d16, reinterpret_cast<const uint16_t*>(p));
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, h)));
+}
+#endif
+
 void Bf16sToFloats(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT out) {
   size_t i = 0;
 #if HWY_TARGET != HWY_SCALAR
   const hn::ScalableTag<float> df;
-  const hn::RebindToUnsigned<decltype(df)> du;
-  const hn::Rebind<uint16_t, decltype(df)> d16;
   const size_t lanes = hn::Lanes(df);
-  for (; i + lanes <= n; i += lanes) {
-    const auto h = hn::LoadU(d16, reinterpret_cast<const uint16_t*>(src + 2 * i));
-    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, h))), df, out + i);
-  }
+  for (; i + lanes <= n; i += lanes) hn::StoreU(LoadBf16sAsFloats(df, src + 2 * i), df, out + i);
 #endif
   for (; i < n; ++i) out[i] = bits::asFloat(bits::bf16ToFloatBits(loadU16le(src + 2 * i)));
 }
@@ -272,13 +279,10 @@ void AccumulateBf16s(const uint8_t* HWY_RESTRICT src, size_t n, float weight,
   size_t i = 0;
 #if HWY_TARGET != HWY_SCALAR
   const hn::ScalableTag<float> df;
-  const hn::RebindToUnsigned<decltype(df)> du;
-  const hn::Rebind<uint16_t, decltype(df)> d16;
   const size_t lanes = hn::Lanes(df);
   const auto w = hn::Set(df, weight);
   for (; i + lanes <= n; i += lanes) {
-    const auto h = hn::LoadU(d16, reinterpret_cast<const uint16_t*>(src + 2 * i));
-    const auto v = hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du, h)));
+    const auto v = LoadBf16sAsFloats(df, src + 2 * i);
     hn::StoreU(hn::Add(hn::LoadU(df, out + i), hn::Mul(w, v)), df, out + i);
   }
 #endif

@@ -1,6 +1,8 @@
 // Header layout and the bit-packing shared by every codec (docs/wire-format.md).
 #include <doctest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -88,4 +90,41 @@ TEST_CASE("payload: bit-packing round trips LSB-first for every width") {
   CHECK(b[0] == (1 | (2 << 1) | (5 << 3)));
   CHECK(!paddingIsZero(std::span<const uint8_t>(b, 1), 5));
   CHECK(paddingIsZero(std::span<const uint8_t>(b, 1), 6));
+}
+
+TEST_CASE("payload: a dense payload plus values is its sum; a malformed payload is refused") {
+  // A `none` payload of 5 elements, as a peer's partial sum arrives.
+  const float a_vals[5] = {1.0f, -2.5f, 3.0f, -0.0f, 1e30f};
+  const float b_vals[5] = {0.5f, 2.5f, -1.0f, -0.0f, 1e30f};
+  std::vector<uint8_t> a(16 + 20);
+  writeHeader(a.data(), {CodecId::kNone, DType::kF32, 0, 0, 5});
+  std::memcpy(a.data() + 16, a_vals, 20);
+  std::vector<uint8_t> out(a.size(), 0xAB);
+  auto size = addDenseValues(a, b_vals, 5, out);
+  REQUIRE(size.isOk());
+  CHECK(*size == a.size());
+  CHECK(std::equal(a.begin(), a.begin() + 16, out.begin()));  // a's header
+  for (size_t i = 0; i < 5; ++i) {
+    float got;
+    std::memcpy(&got, out.data() + 16 + 4 * i, 4);
+    const float want = a_vals[i] + b_vals[i];
+    CHECK(std::memcmp(&got, &want, 4) == 0);
+  }
+  // What a hostile or confused peer could send, and a short output: refused, `out` untouched.
+  auto refused = [&](std::vector<uint8_t> bad, size_t n, size_t out_size, const char* what) {
+    std::vector<uint8_t> o(out_size, 0xCD);
+    auto r = addDenseValues(bad, b_vals, n, o);
+    CHECK_MESSAGE(!r.isOk(), what);
+    CHECK_MESSAGE(std::all_of(o.begin(), o.end(), [](uint8_t v) { return v == 0xCD; }), what);
+  };
+  refused(std::vector<uint8_t>(a.begin(), a.begin() + 10), 5, out.size(), "truncated header");
+  refused(std::vector<uint8_t>(a.begin(), a.end() - 1), 5, out.size(), "truncated body");
+  auto longer = a;
+  longer.push_back(0);
+  refused(longer, 5, out.size() + 1, "trailing byte");
+  refused(a, 4, out.size(), "another element count");
+  auto topk = a;
+  topk[3] = static_cast<uint8_t>(CodecId::kTopk);
+  refused(topk, 5, out.size(), "another codec");
+  refused(a, 5, out.size() - 1, "output too small");
 }

@@ -318,7 +318,8 @@ def test_one_agreement_per_iteration_with_several_buckets(sidecar_factory, tmp_p
     assert torch.equal(r[0]["p_hooked"], r[1]["p_hooked"])
 
 
-def _split_outcome(rank, store_dir, socket_path, out_dir, agree, timeout_s, bucket_cap_mb=25):
+def _split_outcome(rank, store_dir, socket_path, out_dir, agree, timeout_s, bucket_cap_mb=25,
+                   hidden=(64,)):
     """Rank 0 has a working sidecar (world size 1: it answers with rank 0's own gradient);
     rank 1's sidecar does not exist. Every bucket's step succeeds on rank 0 and fails on rank 1."""
     import datetime
@@ -332,8 +333,7 @@ def _split_outcome(rank, store_dir, socket_path, out_dir, agree, timeout_s, buck
     result = {"fallbacks": None, "error": None}
     try:
         losses, params = H.train(state, steps=5, rank=rank, world_size=2,
-                                 bucket_cap_mb=bucket_cap_mb,
-                                 hidden=H.MANY_BUCKETS if bucket_cap_mb < 1 else (64,))
+                                 bucket_cap_mb=bucket_cap_mb, hidden=hidden)
         result.update(params=params, losses=losses, fallbacks=state.fallbacks,
                       sidecar_steps=state.sidecar_steps, last_error=repr(state.last_error),
                       agreements=state.agreements, buckets=dict(state.steps))
@@ -348,12 +348,12 @@ def _split_outcome(rank, store_dir, socket_path, out_dir, agree, timeout_s, buck
         pass
 
 
-def _run_split(sidecar, tmp_path, agree, timeout_s, bucket_cap_mb=25):
+def _run_split(sidecar, tmp_path, agree, timeout_s, bucket_cap_mb=25, hidden=(64,)):
     import torch.multiprocessing as mp
     store = tmp_path / "store"
     store.mkdir()
     mp.spawn(_split_outcome, args=(str(store), sidecar.socket, str(tmp_path), agree, timeout_s,
-                                   bucket_cap_mb), nprocs=2, join=True)
+                                   bucket_cap_mb, hidden), nprocs=2, join=True)
     return [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(2)]
 
 
@@ -376,7 +376,7 @@ def test_ranks_fall_back_together_bucket_by_bucket_with_one_agreement_per_iterat
                                                                                      tmp_path):
     """The same with several buckets per iteration: every bucket of every iteration falls back
     on both ranks, decided by one collective per iteration."""
-    r = _run_split(sidecar, tmp_path, True, 60, bucket_cap_mb=0.01)
+    r = _run_split(sidecar, tmp_path, True, 60, bucket_cap_mb=0.01, hidden=H.MANY_BUCKETS)
     for i in range(2):
         assert r[i]["error"] is None, r[i]["error"]
         buckets = sum(r[i]["buckets"].values())
