@@ -136,6 +136,10 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
       skipped_steps(counterFamily(*r, "lightwire_skipped_steps_total",
                                   "Delayed-sync steps accumulated locally instead of exchanged.")
                         .Add({})),
+      auto_direct_windows(counterFamily(*r, "lightwire_auto_direct_windows_total",
+                                        "Windows of steps codec: auto gave to the trainers' own "
+                                        "process group (the direct rung).")
+                              .Add({})),
       registry_(std::move(r)),
       ratio_family_(BuildGauge()
                         .Name("lightwire_compression_ratio")
@@ -171,6 +175,9 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
       full_syncs_family_(counterFamily(*registry_, "lightwire_full_syncs_total",
                                        "Full (dense, residual-flushing) synchronisations, by "
                                        "reason.")),
+      auto_switches_family_(counterFamily(*registry_, "lightwire_auto_switches_total",
+                                          "Layers codec: auto moved to another rung, by group "
+                                          "and rung.")),
       cosine_family_(BuildGauge()
                          .Name("lightwire_cosine_similarity")
                          .Help("Sampled cosine similarity between the compressed and the original "
@@ -183,7 +190,7 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                            .Register(*registry_)),
       start_time_(nowSeconds()) {
   for (const char* kind : {"nonfinite", "explosion", "vanishing"}) anomalies(kind);
-  for (const char* reason : {"periodic", "divergence"}) fullSyncs(reason);
+  for (const char* reason : {"periodic", "divergence", "switch"}) fullSyncs(reason);
   for (const char* limit : kLimitNames) limitHits(limit);
   for (const char* reason : {"client", "owner_exited"}) buffersReleased(reason);
   for (const char* reason : {"header", "checksum", "queue"}) peerFramesRefused(reason);
@@ -244,6 +251,10 @@ prometheus::Counter& Metrics::anomalies(std::string_view kind) {
 
 prometheus::Counter& Metrics::fullSyncs(std::string_view reason) {
   return full_syncs_family_.Add({{"reason", std::string(reason)}});
+}
+
+prometheus::Counter& Metrics::autoSwitches(std::string_view group, std::string_view rung) {
+  return auto_switches_family_.Add({{"group", std::string(group)}, {"rung", std::string(rung)}});
 }
 
 prometheus::Gauge& Metrics::cosineSimilarity(std::string_view group) {

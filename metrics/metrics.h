@@ -87,6 +87,12 @@ class Metrics {
   prometheus::Counter& anomalies(std::string_view kind);
   /// lightwire_full_syncs_total{reason}: periodic, divergence.
   prometheus::Counter& fullSyncs(std::string_view reason);
+  /// lightwire_auto_switches_total{group,rung}: `codec: auto` moved a layer of the group to the
+  /// rung (its label in the ladder's text form, e.g. "dgc:0.01").
+  prometheus::Counter& autoSwitches(std::string_view group, std::string_view rung);
+  /// lightwire_auto_direct_windows_total: windows of steps `codec: auto` gave to the trainers'
+  /// own process group (the `direct` rung, job-wide).
+  prometheus::Counter& auto_direct_windows;
   /// lightwire_cosine_similarity{group}: sampled cosine between compressed and original gradient.
   prometheus::Gauge& cosineSimilarity(std::string_view group);
   /// lightwire_residual_norm{group}: L2 norm of the residual held back (all ranks together).
@@ -129,6 +135,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& tls_expiry_family_;
   prometheus::Family<prometheus::Counter>& anomalies_family_;
   prometheus::Family<prometheus::Counter>& full_syncs_family_;
+  prometheus::Family<prometheus::Counter>& auto_switches_family_;
   prometheus::Family<prometheus::Gauge>& cosine_family_;
   prometheus::Family<prometheus::Gauge>& residual_family_;
   std::array<prometheus::Histogram*, kStageCount> stages_{};

@@ -17,6 +17,9 @@ namespace {
 namespace json = boost::json;
 
 constexpr size_t kMaxSettingsVersions = 64;
+// codec auto: an unmeasured `direct` rung is tried while its modelled score is at most this many
+// times the winning lossless rung's (docs/policies.md "codec: auto").
+constexpr double kExploreMargin = 1.5;
 
 bool selection(const kernels::CodecConfig& c) {
   const auto traits = kernels::findCodecTraits(c.name);
@@ -27,6 +30,35 @@ std::string fmt(double v) {
   char buf[48];
   std::snprintf(buf, sizeof buf, "%.6g", v);
   return buf;
+}
+
+/// `v` with 3 significant digits and a unit: "118 MB/s", "4.1 ms".
+std::string human(double v, const char* unit) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.3g %s", v, unit);
+  return buf;
+}
+
+std::string sig(double v) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.3g", v);
+  return buf;
+}
+
+/// The configuration with its auto ladder parsed (a PolicyConfig built in code names the ladder
+/// by its text only).
+PolicyConfig withLadder(PolicyConfig c) {
+  if (c.auto_codec.ladder.empty()) {
+    if (auto l = parseLadder(c.auto_codec.ladder_text)) c.auto_codec.ladder = std::move(*l);
+  }
+  return c;
+}
+
+/// Whether a codec keeps state between steps (a residual, momentum, factors): moving away from
+/// it needs a flush.
+bool holdsState(const kernels::CodecConfig& c) {
+  auto codec = kernels::createCodec(c);
+  return codec && (*codec)->stateFloats(1 << 16) > 0;
 }
 
 }  // namespace
@@ -60,7 +92,8 @@ Status validate(const PolicyConfig& c) {
     return bad("schedule.adaptive_min_ratio", ">= 1 and <= schedule.adaptive_max_ratio");
   if (!(c.min_magnitude >= 0 && std::isfinite(c.min_magnitude)))
     return bad("policies.min_magnitude", "a finite number >= 0");
-  return Status::ok();
+  AutoConfig a = c.auto_codec;
+  return validate(a);
 }
 
 const char* stepModeName(StepMode m) {
@@ -98,7 +131,7 @@ double PolicyEngine::Ewma::dev() const { return std::sqrt(std::max(0.0, var)); }
 
 PolicyEngine::PolicyEngine(PolicyConfig config, std::string initial_settings,
                            metrics::Metrics* metrics)
-    : config_(config), metrics_(metrics) {
+    : config_(withLadder(std::move(config))), metrics_(metrics) {
   settings_.push_back({std::move(initial_settings), 0, true, "configured"});
 }
 
@@ -122,6 +155,7 @@ StepPlan PolicyEngine::plan(const std::string& tensor, uint64_t step,
   StepPlan p;
   p.settings = currentSettingsIndex(step);
   p.min_magnitude = config_.min_magnitude;
+  p.lossless = codec.name == "none" && sync_every <= 1;
   if (sync_every > 1) {
     if ((step + 1) % sync_every != 0) {
       p.mode = StepMode::kSkip;
@@ -350,10 +384,32 @@ void PolicyEngine::judgeHealth(const std::string& tensor, uint64_t step, const S
 }
 
 UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, const StepPlan& plan,
-                                  const GlobalStats& g) {
+                                  const GlobalStats& g, const AutoFacts* auto_facts) {
   std::lock_guard lock(mu_);
   UpdateResult out;
+  // A new step's first update: the job's direct window, from the rungs of the step before.
+  if (!job_step_ || step > *job_step_) {
+    if (job_step_) decideDirect(step);
+    job_step_ = step;
+  }
   TensorState& ts = tensors_[tensor];
+  ts.last_step = step;
+  ts.lossless = plan.lossless;
+  // A critical phase starts with a sharp change of the gradient norm against its baseline (before
+  // this step's norm joins it).
+  const double norm = std::sqrt(g.grad_norm2);
+  if (auto_facts && ts.norm.n >= config_.baseline_steps && ts.norm.mean > 0 &&
+      std::isfinite(norm) && plan.mode != StepMode::kFullSync &&
+      std::abs(norm / ts.norm.mean - 1) > config_.auto_codec.critical_change) {
+    if (step >= ts.autos.critical_until) {
+      log(step, tensor, "critical",
+          "gradient norm " + fmt(norm) + " against a baseline of " + fmt(ts.norm.mean) +
+              ": one rung less compressed, and no more, until step " +
+              std::to_string(step + 1 + config_.auto_codec.critical_hold));
+      ts.autos.critical_start = true;
+    }
+    ts.autos.critical_until = step + 1 + config_.auto_codec.critical_hold;
+  }
   takeRequests(tensor, step, g, out);
   judgeGradient(tensor, step, plan, g, ts);
   if (metrics_) {
@@ -364,14 +420,238 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
   judgeHealth(tensor, step, plan, g, ts, out);
   if (plan.mode == StepMode::kFullSync) {
     const bool forced = ts.force_full_sync == step;
-    if (metrics_) metrics_->fullSyncs(forced ? "divergence" : "periodic").Increment();
-    log(step, tensor, "full_sync", forced ? "after a result mismatch" : "periodic");
+    const bool switching = auto_facts && ts.autos.flush_at == step;
+    if (metrics_) {
+      metrics_->fullSyncs(forced ? "divergence" : (switching ? "switch" : "periodic")).Increment();
+    }
+    log(step, tensor, "full_sync",
+        forced ? "after a result mismatch"
+               : (switching ? "flushing " + config_.auto_codec.ladder[ts.autos.prev].label +
+                                  "'s state before the switch to " +
+                                  config_.auto_codec.ladder[ts.autos.cur].label
+                            : std::string("periodic")));
   }
+  if (auto_facts && !config_.auto_codec.ladder.empty())
+    decideAuto(tensor, step, g, *auto_facts, ts);
   // Bound the history: keep the newest versions and every one still referenced.
   while (settings_.size() > kMaxSettingsVersions) {
     settings_.erase(settings_.begin() + 1);  // version 0 (as configured) stays
   }
   return out;
+}
+
+size_t PolicyEngine::firstSidecarRung() const {
+  const auto& l = config_.auto_codec.ladder;
+  return !l.empty() && l[0].direct ? 1 : 0;
+}
+
+AutoStep PolicyEngine::autoStep(const std::string& tensor, uint64_t step) const {
+  std::lock_guard lock(mu_);
+  AutoStep a;
+  const auto& ladder = config_.auto_codec.ladder;
+  if (ladder.empty()) return a;
+  a.index = firstSidecarRung();
+  const auto it = tensors_.find(tensor);
+  if (it != tensors_.end() && it->second.autos.active) {
+    const auto& s = it->second.autos;
+    a.index = step >= s.cur_from ? s.cur : s.prev;
+    a.flush = step == s.flush_at;
+  }
+  a.rung = &ladder[a.index];
+  return a;
+}
+
+std::optional<DirectWindow> PolicyEngine::directWindowAfter(uint64_t step) const {
+  std::lock_guard lock(mu_);
+  if (direct_.until > direct_.from && direct_.from > step) return direct_;
+  return std::nullopt;
+}
+
+// One layer's rung (mu_ held): every `period` steps, or at once when the link moved by more than
+// `link_change` since its last switch, the least lossy rung the time model finds within
+// `tolerance` of the fastest, one rung less compressed in a critical phase. A move to less
+// compression happens at once; to more, after `hysteresis` evaluations in a row agree (or at once
+// when the link changed). A switch away from a rung whose codec holds state is preceded by a
+// full-sync with it.
+void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const GlobalStats& g,
+                              const AutoFacts& facts, TensorState& ts) {
+  const AutoConfig& ac = config_.auto_codec;
+  auto& a = ts.autos;
+  if (!a.active) {
+    a.active = true;
+    a.cur = a.prev = firstSidecarRung();
+    a.cur_from = step;
+    a.next_eval = step;
+  }
+  if (step < a.cur_from) return;    // a switch is under way
+  if (!g.link_bytes_per_s) return;  // nothing measured yet
+  AutoInputs in;
+  in.elements = facts.elements;
+  in.shape = facts.shape;
+  in.world = facts.world;
+  in.link = Link{*g.link_bytes_per_s, g.link_latency_s.value_or(0.0)};
+  in.compute_s = g.compute_s.value_or(0.0);
+  in.overlap_s = g.overlap_s.value_or(0.0);
+  in.direct_s = g.direct_s;
+  // What the hook measured: the direct rung's tail in direct windows; the rung in force's from its
+  // second step on (a request carries the tail of the trainer's previous iteration).
+  a.measured.resize(ac.ladder.size(), -1.0);
+  if (g.direct_s && ac.ladder[0].direct) a.measured[0] = *g.direct_s;
+  if (g.tail_s && !ac.ladder[a.cur].direct && step >= a.cur_from + 1) {
+    double& m = a.measured[a.cur];
+    m = m < 0 ? *g.tail_s : 0.5 * m + 0.5 * *g.tail_s;
+  }
+  // A link that moved since the layer's last switch: what was measured is of another link.
+  bool link_moved = false;
+  if (a.link) {
+    AutoInputs then = in;
+    then.link = a.link;
+    const Rung& r = ac.ladder[a.cur];
+    const double before = modelExchangeSeconds(r, then), now = modelExchangeSeconds(r, in);
+    link_moved = std::abs(now - before) > ac.link_change * std::max(before, 1e-4);
+  }
+  if (link_moved) {
+    for (size_t i = 0; i < a.measured.size(); ++i) {
+      if (i != a.cur) a.measured[i] = -1.0;
+    }
+  }
+  in.measured_s = a.measured;
+  in.ladder_base = ac.ladder.data();
+  if (g.tail_s && !ac.ladder[a.cur].direct && step >= a.cur_from + 1) {
+    // The measured tail of the steps through the sidecars against what the model says of the
+    // rung that carried them: the rest is the sidecar path's own cost.
+    AutoInputs bare = in;
+    bare.measured_s.clear();
+    const double modelled = modelStepSeconds(ac.ladder[a.cur], bare) - in.compute_s;
+    a.overhead = std::max(0.0, *g.tail_s - modelled);
+  }
+  in.sidecar_overhead_s = a.overhead;
+  // `direct` is job-wide (decideDirect): a layer chooses among the rungs through the sidecars.
+  std::vector<char> usable(ac.ladder.size());
+  for (size_t i = 0; i < ac.ladder.size(); ++i) {
+    usable[i] = !ac.ladder[i].direct && rungUsable(ac.ladder[i], facts.elements, facts.shape);
+  }
+  size_t want = chooseRung(ac.ladder, usable, in, ac.tolerance);
+  if (want != a.cur && usable[a.cur]) {
+    // The rung in force stays while it is within the tolerance of the best (a band, so that
+    // rungs of nearly equal scores do not take turns with the noise of the measurements).
+    double best = INFINITY;
+    for (size_t i = 0; i < ac.ladder.size(); ++i) {
+      if (usable[i]) best = std::min(best, modelScore(ac.ladder[i], in));
+    }
+    if (modelScore(ac.ladder[a.cur], in) <= best * (1 + ac.tolerance)) want = a.cur;
+  }
+  // Critical phases: no move to more compression while one lasts; and when one starts, a lossy
+  // rung in force gives way to the next less lossy one at once.
+  const bool critical = step < ac.critical_steps || step < a.critical_until || ts.degraded > 0;
+  const bool started = a.critical_start;
+  a.critical_start = false;
+  if (critical && want > a.cur) want = a.cur;
+  if (started && ac.ladder[a.cur].steps_factor > 1) {
+    for (size_t i = a.cur; i-- > 0;) {
+      if (usable[i]) {
+        want = std::min(want, i);
+        break;
+      }
+    }
+  }
+  const auto cos = g.cosine();
+  a.why = "link " + human(in.link->bytes_per_s / 1e6, "MB/s") + ", latency " +
+          human(in.link->latency_s * 1e3, "ms") +
+          (g.compute_s ? ", compute " + human(in.compute_s * 1e3, "ms") + ", overlap " +
+                             human(in.overlap_s * 1e3, "ms")
+                       : std::string(", compute not reported")) +
+          (g.direct_s ? ", direct " + human(*g.direct_s * 1e3, "ms") : std::string()) +
+          (g.tail_s ? ", sidecar tail " + human(*g.tail_s * 1e3, "ms") : std::string()) +
+          (cos ? ", cosine " + sig(*cos) : "") + (critical ? ", critical phase" : "") + "; model " +
+          human(modelScore(ac.ladder[a.cur], in) * 1e3, "ms") + " now, " +
+          human(modelScore(ac.ladder[want], in) * 1e3, "ms") + " with " + ac.ladder[want].label;
+  // Due every `period` steps of the layer (its steps, not the job's: a layer in a direct window
+  // has none), and at the steps right after a direct window, which are the ones that see it.
+  const bool after_window = direct_.until > 0 && step >= direct_.until && step <= direct_.until + 1;
+  const bool due = step >= a.next_eval || after_window;
+  // The job's direct window compares these (decideDirect).
+  a.score_direct = ac.ladder[0].direct ? modelScore(ac.ladder[0], in) : -1.0;
+  a.direct_measured = in.direct_s.has_value() || (!a.measured.empty() && a.measured[0] >= 0);
+  a.score_cur = modelScore(ac.ladder[a.cur], in);
+  a.score_best = modelScore(ac.ladder[want], in);
+  a.best_lossless = ac.ladder[want].steps_factor == 1.0;
+  if (!(due || link_moved || (started && want < a.cur))) return;
+  if (due) a.next_eval = step + ac.period;
+  if (want == a.cur) {
+    a.agree = 0;
+    if (!a.link || link_moved) a.link = in.link;
+    return;
+  }
+  if (want > a.cur && !link_moved) {  // more compression: hysteresis
+    a.agree = a.candidate == want ? a.agree + 1 : 1;
+    a.candidate = want;
+    if (a.agree < ac.hysteresis) return;
+  }
+  const Rung& from = ac.ladder[a.cur];
+  const Rung& to = ac.ladder[want];
+  const bool flush = !from.direct && holdsState(from.codec);
+  a.prev = a.cur;
+  a.cur = want;
+  a.flush_at = flush ? step + 1 : UINT64_MAX;
+  a.cur_from = step + (flush ? 2 : 1);
+  a.agree = 0;
+  if (!a.link || link_moved) a.link = in.link;  // the link the measurements belong to
+  a.score_cur = modelScore(to, in);
+  if (metrics_) metrics_->autoSwitches(facts.group, to.text).Increment();
+  log(step, tensor, "auto",
+      from.label + " -> " + to.label + " from step " + std::to_string(a.cur_from) +
+          (flush ? " (step " + std::to_string(step + 1) + " flushes " + from.label + "'s state)"
+                 : "") +
+          " (" + a.why + ")");
+}
+
+// The job's direct window (mu_ held), at the first update of `step`, from the layers' scores of
+// the steps before: when every tensor updated in the last `period` steps is an auto layer (scored)
+// or a tensor sent with codec none every step (which the process group averages the same way), and
+// the auto layers' scores with `direct` add up to at most (1 + tolerance) times their scores with
+// the rungs in force — or `direct` was never measured, every rung in force is lossless and the
+// model puts `direct` within kExploreMargin of them — the trainers average steps step + 1 ...
+// step + probe_every themselves; the steps after come back to the sidecars, which measure again (a
+// new window needs two steps through the sidecars after the last one, so that the scores are of a
+// link measured after it).
+void PolicyEngine::decideDirect(uint64_t step) {
+  const AutoConfig& ac = config_.auto_codec;
+  if (ac.ladder.empty() || !ac.ladder[0].direct || !job_step_) return;
+  const uint64_t prev = *job_step_;
+  if (direct_.until > 0 && prev < direct_.until + 1) return;
+  size_t layers = 0;
+  double with_direct = 0, in_force = 0;
+  bool measured = false, lossless = true;
+  for (const auto& [name, ts] : tensors_) {
+    if (!ts.last_step || *ts.last_step + ac.period < prev) continue;  // not seen lately
+    const auto& a = ts.autos;
+    if (!a.active) {
+      if (!ts.lossless) return;  // a tensor of its own codec: the sidecars must carry it
+      continue;                  // codec none already: the process group does the same
+    }
+    if (!(a.score_direct >= 0) || !(a.score_cur >= 0) || !(a.score_best >= 0) ||
+        a.cur_from > prev + 1) {
+      return;
+    }
+    with_direct += a.score_direct;
+    in_force += std::min(a.score_cur, a.score_best);  // a switch may be waiting for hysteresis
+    measured = measured || a.direct_measured;
+    lossless = lossless && ac.ladder[a.cur].steps_factor == 1.0 && a.best_lossless;
+    ++layers;
+  }
+  if (layers == 0) return;
+  const bool better = with_direct <= (1 + ac.tolerance) * in_force;
+  const bool explore = !measured && lossless && with_direct <= kExploreMargin * in_force;
+  if (!better && !explore) return;
+  direct_ = {step + 1, step + 1 + ac.probe_every};
+  if (metrics_) metrics_->auto_direct_windows.Increment();
+  log(step, "*", "direct",
+      "the trainers' own process group averages steps " + std::to_string(direct_.from) + ".." +
+          std::to_string(direct_.until - 1) + " (" + std::to_string(layers) +
+          " auto layers: " + human(with_direct * 1e3, "ms") + " with it against " +
+          human(in_force * 1e3, "ms") + " with their rungs" +
+          (better ? "" : ", not measured yet: tried") + "), then the sidecars measure again");
 }
 
 void PolicyEngine::forceFullSync(const std::string& tensor, uint64_t step) {
@@ -452,6 +732,8 @@ json::object PolicyEngine::stateJson() const {
   o["cooldown_until"] = cooldown_until_;
   o["next_seq"] = next_seq_;
   o["resumed_from"] = resumed_from_ ? json::value(*resumed_from_) : json::value(nullptr);
+  o["direct"] = json::object{{"from", direct_.from}, {"until", direct_.until}};
+  o["job_step"] = job_step_ ? json::value(*job_step_) : json::value(nullptr);
   json::array settings;
   for (const auto& s : settings_) {
     settings.push_back(json::object{{"json", s.json},
@@ -471,6 +753,31 @@ json::object PolicyEngine::stateJson() const {
         {"last_density", t.last_density},
         {"force_full_sync", t.force_full_sync},
         {"last_loss_step", t.has_loss_step ? json::value(t.last_loss_step) : json::value(nullptr)}};
+    json::object& to = tensors[name].as_object();
+    if (t.last_step) to["last_step"] = *t.last_step;
+    if (t.lossless) to["lossless"] = true;
+    if (t.autos.active) {
+      const auto& a = t.autos;
+      to["auto"] = json::object{
+          {"cur", a.cur},
+          {"prev", a.prev},
+          {"cur_from", a.cur_from},
+          {"flush_at", a.flush_at},
+          {"candidate", a.candidate},
+          {"agree", a.agree},
+          {"link_bytes_per_s", a.link ? json::value(a.link->bytes_per_s) : json::value(nullptr)},
+          {"link_latency_s", a.link ? json::value(a.link->latency_s) : json::value(nullptr)},
+          {"critical_until", a.critical_until},
+          {"next_eval", a.next_eval},
+          {"overhead", a.overhead},
+          {"score_direct", a.score_direct},
+          {"score_cur", a.score_cur},
+          {"direct_measured", a.direct_measured},
+          {"score_best", a.score_best},
+          {"best_lossless", a.best_lossless},
+          {"measured", json::array(a.measured.begin(), a.measured.end())},
+          {"why", a.why}};
+    }
   }
   o["tensors"] = std::move(tensors);
   json::array log;
@@ -598,6 +905,43 @@ Status PolicyEngine::restoreState(const json::value& v) {
       ts.has_loss_step = true;
     }
     if (!(ts.adaptive_scale > 0) && r.error.empty()) r.error = "adaptive_scale must be > 0";
+    if (t.contains("last_step")) ts.last_step = r.u64(t, "last_step");
+    if (t.contains("lossless")) ts.lossless = r.boolean(t, "lossless");
+    if (const auto* av = t.if_contains("auto")) {
+      const auto& ao = av->is_object() ? av->as_object() : json::object();
+      if (!av->is_object() && r.error.empty()) r.error = "'auto' must be an object";
+      auto& a = ts.autos;
+      a.active = true;
+      a.cur = r.u64(ao, "cur");
+      a.prev = r.u64(ao, "prev");
+      a.cur_from = r.u64(ao, "cur_from");
+      a.flush_at = r.u64(ao, "flush_at");
+      a.candidate = r.u64(ao, "candidate");
+      a.agree = static_cast<uint32_t>(r.u64(ao, "agree"));
+      if (const auto* l = ao.if_contains("link_bytes_per_s"); l && !l->is_null()) {
+        a.link = Link{r.num(ao, "link_bytes_per_s"), r.num(ao, "link_latency_s")};
+        if (!(a.link->bytes_per_s > 0) && r.error.empty()) r.error = "auto link must be > 0";
+      }
+      a.critical_until = r.u64(ao, "critical_until");
+      a.next_eval = r.u64(ao, "next_eval");
+      a.overhead = r.num(ao, "overhead");
+      a.score_direct = r.num(ao, "score_direct");
+      a.score_cur = r.num(ao, "score_cur");
+      a.direct_measured = r.boolean(ao, "direct_measured");
+      a.score_best = r.num(ao, "score_best");
+      a.best_lossless = r.boolean(ao, "best_lossless");
+      for (const auto& m : r.arr(ao, "measured")) {
+        if (!m.is_number() && r.error.empty()) r.error = "auto 'measured' must hold numbers";
+        a.measured.push_back(m.is_number() ? m.to_number<double>() : -1.0);
+      }
+      a.why = r.str(ao, "why");
+      const size_t rungs = config_.auto_codec.ladder.size();
+      if ((a.cur >= rungs || a.prev >= rungs || a.candidate >= std::max<size_t>(rungs, 1)) &&
+          r.error.empty()) {
+        r.error = "tensor '" + std::string(name) + "': auto rung out of this sidecar's ladder (" +
+                  std::to_string(rungs) + " rungs): compression.auto.ladder differs";
+      }
+    }
     tensors[std::string(name)] = ts;
   }
   std::deque<Decision> log;
@@ -610,8 +954,22 @@ Status PolicyEngine::restoreState(const json::value& v) {
     log.push_back({r.u64(eo, "seq"), r.u64(eo, "step"), r.str(eo, "tensor"), r.str(eo, "kind"),
                    r.str(eo, "detail")});
   }
+  DirectWindow direct;
+  if (const auto* dv = o.if_contains("direct")) {
+    if (!dv->is_object()) {
+      r.error = r.error.empty() ? "'direct' must be an object" : r.error;
+    } else {
+      direct = {r.u64(dv->as_object(), "from"), r.u64(dv->as_object(), "until")};
+    }
+  }
+  std::optional<uint64_t> job_step;
+  if (const auto* jv = o.if_contains("job_step"); jv && !jv->is_null()) {
+    job_step = r.u64(o, "job_step");
+  }
   if (!r.error.empty()) return invalidArgument("policy state: " + r.error);
   std::lock_guard lock(mu_);
+  direct_ = direct;
+  job_step_ = job_step;
   bypass_from_ = bypass_from;
   bypass_until_ = bypass_until;
   cooldown_until_ = cooldown_until;
@@ -639,6 +997,24 @@ json::object PolicyEngine::statusJson() const {
                              {"total_steps", config_.total_steps},
                              {"adaptive", config_.adaptive},
                              {"min_magnitude", config_.min_magnitude}};
+  // codec: auto, for people: each auto layer's rung and why.
+  const AutoConfig& ac = config_.auto_codec;
+  json::object layers;
+  for (const auto& [name, t] : tensors_) {
+    if (!t.autos.active || ac.ladder.empty()) continue;
+    const auto& a = t.autos;
+    const Rung& r = ac.ladder[a.cur];
+    layers[name] = json::object{
+        {"rung", r.text},
+        {"from_step", a.cur_from},
+        {"text", name + ": " + r.label + (a.why.empty() ? std::string() : " (" + a.why + ")")}};
+  }
+  json::array ladder;
+  for (const auto& r : ac.ladder) ladder.push_back(json::value(r.text));
+  o["auto"] = json::object{{"ladder", std::move(ladder)},   {"period", ac.period},
+                           {"hysteresis", ac.hysteresis},   {"tolerance", ac.tolerance},
+                           {"link_change", ac.link_change}, {"probe_every", ac.probe_every},
+                           {"layers", std::move(layers)}};
   return o;
 }
 

@@ -22,6 +22,7 @@
 
 #include "kernels/codec.h"
 #include "metrics/metrics.h"
+#include "policies/auto.h"
 #include "policies/stats.h"
 
 namespace lightwire::policies {
@@ -58,6 +59,7 @@ struct PolicyConfig {
   double adaptive_min_ratio = 10;     // softer down to this ratio
   double min_magnitude = 1e-6;        // selection codecs never send |value| below this
   size_t decision_log = 256;          // entries kept in /v1/status
+  AutoConfig auto_codec;              // compression.auto: the tensors whose codec is `auto`
 };
 
 /// Checks ranges (factors > 0, alpha in (0, 1], cosine_drop in (0, 1), ...); errors name the key.
@@ -78,6 +80,7 @@ struct StepPlan {
   double min_magnitude = 0;        // selection codecs
   uint64_t settings = 0;           // the compression settings version in force (index)
   bool delayed_sync_step = false;  // a delayed-sync group's exchange step (sends its accumulation)
+  bool lossless = false;           // codec none every step: what the `direct` rung does too
 };
 
 /// One entry of the decision log (identical on every rank). Plain value.
@@ -87,6 +90,30 @@ struct Decision {
   std::string tensor;
   std::string kind;  // anomaly, bypass, full_sync, rollback, settings, density, checkpoint, ...
   std::string detail;
+};
+
+/// What `codec: auto` sends one step of one layer with (docs/policies.md "codec: auto"). Plain
+/// value.
+struct AutoStep {
+  const Rung* rung = nullptr;  // into the configured ladder
+  size_t index = 0;
+  // The last step with a rung whose codec holds state (a residual) before a switch: a full-sync
+  // with it, which sends what the state held back and flushes it, so nothing is lost.
+  bool flush = false;
+};
+
+/// What update() needs to know of a `codec: auto` layer. Plain value.
+struct AutoFacts {
+  uint64_t elements = 0;
+  std::vector<uint64_t> shape;
+  uint32_t world = 1;
+  std::string group;  // metrics label
+};
+
+/// Steps [from, until) the trainers average with their own process group (the `direct` rung,
+/// job-wide). Plain value.
+struct DirectWindow {
+  uint64_t from = 0, until = 0;
 };
 
 /// What update() asks the step's owner to do. Plain value.
@@ -118,8 +145,15 @@ class PolicyEngine {
   /// After step `step` of `tensor` succeeded on every rank (mode as planned) with global
   /// statistics `g`: updates the baselines, decides anomalies, rollbacks and adaptive changes for
   /// the next steps, takes the requests. Outgoing requests seen in `g` are no longer sent.
+  /// `auto_facts`: the tensor's codec is `auto` (then its rung is decided here too).
   UpdateResult update(const std::string& tensor, uint64_t step, const StepPlan& plan,
-                      const GlobalStats& g);
+                      const GlobalStats& g, const AutoFacts* auto_facts = nullptr);
+
+  /// `codec: auto`: the rung step `step` of `tensor` is sent with. Pure function of the state.
+  AutoStep autoStep(const std::string& tensor, uint64_t step) const;
+  /// The direct window decided at or before `step` that starts after it, if any: what the replies
+  /// of `step` tell the trainers.
+  std::optional<DirectWindow> directWindowAfter(uint64_t step) const;
 
   /// A checksum mismatch (silent divergence): the tensor's next step is a full-sync.
   void forceFullSync(const std::string& tensor, uint64_t step);
@@ -163,6 +197,28 @@ class PolicyEngine {
     double last_density = -2.0;  // the density override of its last compressed step (-1: none)
     uint64_t last_loss_step = 0;
     bool has_loss_step = false;
+    std::optional<uint64_t> last_step;  // the last step updated
+    bool lossless = false;              // its last step's plan was codec none, every step
+    // `codec: auto` (policies/auto.h).
+    struct Auto {
+      bool active = false;
+      size_t cur = 0, prev = 0;  // the rung from cur_from on, and before
+      uint64_t cur_from = 0;
+      uint64_t flush_at = UINT64_MAX;  // a full-sync with `prev` at this step (a switch)
+      size_t candidate = 0;            // a move to more compression waiting for hysteresis
+      uint32_t agree = 0;              // ... evaluations in a row that chose it
+      std::optional<Link> link;        // the link at the last switch
+      std::vector<double> measured;    // per rung: its measured tail (< 0: not measured)
+      uint64_t critical_until = 0;
+      bool critical_start = false;  // a critical phase started at this step
+      uint64_t next_eval = 0;       // its next evaluation (every `period` of its own steps)
+      double overhead = 0;          // the sidecar path's own cost (AutoInputs::sidecar_overhead_s)
+      // Its last scores with `direct` and with the rung in force (< 0: none yet), and whether
+      // `direct` was measured: what the job's direct window compares.
+      double score_direct = -1, score_cur = -1, score_best = -1;  // best: the rung it chose
+      bool direct_measured = false, best_lossless = false;
+      std::string why;  // the inputs of the last evaluation, for people
+    } autos;
   };
   struct Settings {
     std::string json;
@@ -180,6 +236,11 @@ class PolicyEngine {
   void judgeHealth(const std::string& tensor, uint64_t step, const StepPlan& plan,
                    const GlobalStats& g, TensorState& ts, UpdateResult& out);
   size_t currentSettingsIndex(uint64_t step) const;
+  // `codec: auto` (mu_ held): the rung decision of one layer, and the job's direct window.
+  void decideAuto(const std::string& tensor, uint64_t step, const GlobalStats& g,
+                  const AutoFacts& facts, TensorState& ts);
+  void decideDirect(uint64_t step);
+  size_t firstSidecarRung() const;
 
   const PolicyConfig config_;
   metrics::Metrics* metrics_;
@@ -188,6 +249,8 @@ class PolicyEngine {
   std::vector<Settings> settings_;
   uint64_t bypass_from_ = 0, bypass_until_ = 0;  // steps in [from, until) are bypassed (job-wide)
   uint64_t cooldown_until_ = 0;
+  DirectWindow direct_;               // the last direct window decided
+  std::optional<uint64_t> job_step_;  // the newest step any tensor updated
   uint64_t next_seq_ = 0;
   std::deque<Decision> log_;
   // This sidecar's outgoing requests (until seen in a step's global statistics).

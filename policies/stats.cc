@@ -11,7 +11,7 @@ namespace lightwire::policies {
 namespace {
 
 constexpr uint8_t kStatsMagic[4] = {'L', 'W', 'S', '1'};
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;
 constexpr size_t kMaxRecordBytes = size_t{64} << 10;  // = proxy's kMaxStatsBytes
 constexpr uint32_t kMaxRequests = 16;
 constexpr size_t kMaxBodyBytes = size_t{48} << 10;
@@ -92,7 +92,11 @@ std::vector<uint8_t> encodeStats(const StepStats& s) {
   w.bytes(kStatsMagic, 4);
   w.le<uint16_t>(kVersion);
   const bool cos = s.cos_dot && s.cos_c2 && s.cos_g2;
-  w.le<uint16_t>(static_cast<uint16_t>((cos ? 1 : 0) | (s.loss ? 2 : 0)));
+  const bool link = s.link_bytes_per_s && s.link_latency_s;
+  const bool timing = s.compute_s && s.overlap_s;
+  w.le<uint16_t>(static_cast<uint16_t>((cos ? 1 : 0) | (s.loss ? 2 : 0) | (link ? 4 : 0) |
+                                       (timing ? 8 : 0) | (s.direct_s ? 16 : 0) |
+                                       (s.tail_s ? 32 : 0)));
   w.f64(s.grad_norm2);
   w.le<uint64_t>(s.nonfinite);
   w.le<uint64_t>(s.elements);
@@ -104,6 +108,12 @@ std::vector<uint8_t> encodeStats(const StepStats& s) {
   w.f64(s.loss.value_or(0.0));
   w.le<uint64_t>(s.loss_step);
   w.le<uint64_t>(s.resumed_from ? *s.resumed_from + 1 : 0);
+  w.f64(link ? *s.link_bytes_per_s : 0.0);
+  w.f64(link ? *s.link_latency_s : 0.0);
+  w.f64(timing ? *s.compute_s : 0.0);
+  w.f64(timing ? *s.overlap_s : 0.0);
+  w.f64(s.direct_s.value_or(0.0));
+  w.f64(s.tail_s.value_or(0.0));
   w.le<uint32_t>(static_cast<uint32_t>(s.requests.size()));
   for (const auto& r : s.requests) {
     w.le<uint8_t>(static_cast<uint8_t>(r.kind));
@@ -129,11 +139,12 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
   (void)r.str(skip, 4);
   uint16_t version = 0, flags = 0;
   if (!r.le(version) || !r.le(flags)) return truncated();
-  if (version != kVersion) {
+  if (version != 1 && version != kVersion) {
     return invalidArgument("statistics record version " + std::to_string(version) +
-                           " (this sidecar reads " + std::to_string(kVersion) + ")");
+                           " (this sidecar reads 1 and " + std::to_string(kVersion) + ")");
   }
-  if ((flags & ~uint16_t{3}) != 0) return invalidArgument("statistics record: unknown flags");
+  const uint16_t known = version == 1 ? 3 : 63;
+  if ((flags & ~known) != 0) return invalidArgument("statistics record: unknown flags");
   StepStats s;
   double dot = 0, c2 = 0, g2 = 0, loss = 0;
   uint64_t resumed = 0;
@@ -152,6 +163,36 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
   }
   if (flags & 2) s.loss = loss;
   if (resumed > 0) s.resumed_from = resumed - 1;
+  if (version >= 2) {
+    double bps = 0, lat = 0, compute = 0, overlap = 0, direct = 0, tail = 0;
+    if (!r.f64(bps) || !r.f64(lat) || !r.f64(compute) || !r.f64(overlap) || !r.f64(direct) ||
+        !r.f64(tail)) {
+      return truncated();
+    }
+    for (auto [bit, v, out] :
+         {std::tuple{16, direct, &s.direct_s}, std::tuple{32, tail, &s.tail_s}}) {
+      if ((flags & bit) == 0) continue;
+      if (!(v >= 0 && std::isfinite(v))) {
+        return invalidArgument("statistics record: direct and tail seconds must be finite, >= 0");
+      }
+      *out = v;
+    }
+    if (flags & 4) {
+      if (!(bps > 0 && std::isfinite(bps)) || !(lat >= 0 && std::isfinite(lat))) {
+        return invalidArgument("statistics record: link figures must be finite, bandwidth > 0");
+      }
+      s.link_bytes_per_s = bps;
+      s.link_latency_s = lat;
+    }
+    if (flags & 8) {
+      if (!(compute >= 0 && std::isfinite(compute)) || !(overlap >= 0 && overlap <= compute)) {
+        return invalidArgument(
+            "statistics record: compute and overlap must be finite, 0 <= overlap <= compute");
+      }
+      s.compute_s = compute;
+      s.overlap_s = overlap;
+    }
+  }
   uint32_t count = 0;
   if (!r.le(count)) return truncated();
   if (count > kMaxRequests) {
@@ -205,6 +246,16 @@ Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) 
       ++g.loss_ranks;
       g.loss_sum += *s->loss;
       g.loss_step = std::max(g.loss_step, s->loss_step);
+    }
+    if (s->link_bytes_per_s) {
+      g.link_bytes_per_s = std::min(g.link_bytes_per_s.value_or(INFINITY), *s->link_bytes_per_s);
+      g.link_latency_s = std::max(g.link_latency_s.value_or(0.0), *s->link_latency_s);
+    }
+    if (s->direct_s) g.direct_s = std::max(g.direct_s.value_or(0.0), *s->direct_s);
+    if (s->tail_s) g.tail_s = std::max(g.tail_s.value_or(0.0), *s->tail_s);
+    if (s->compute_s) {
+      g.compute_s = std::min(g.compute_s.value_or(INFINITY), *s->compute_s);
+      g.overlap_s = std::min(g.overlap_s.value_or(INFINITY), *s->overlap_s);
     }
     g.resumed_from.push_back(s->resumed_from);
     for (auto& q : s->requests) {

@@ -9,8 +9,10 @@
 // Layout (little-endian): "LWS1" | u16 version (1) | u16 flags (bit 0: cosine terms valid, bit 1:
 // loss valid) | f64 grad_norm2 | u64 nonfinite | u64 elements | u64 small | f64 residual_norm2 |
 // f64 cos_dot | f64 cos_c2 | f64 cos_g2 | f64 loss | u64 loss_step | u64 resumed_from (+1, 0 =
-// none) | u32 request count | per request: u8 kind (1 settings, 2 checkpoint) | u64 id | u64 step |
-// u32 body length | body.
+// none) | version 2 only: f64 link bytes/s | f64 link latency s (flag bit 2: link valid) | f64
+// compute s | f64 overlap s (flag bit 3: timing valid) | f64 direct s (flag bit 4) | f64 tail s
+// (flag bit 5) | u32 request count | per request: u8 kind (1 settings, 2 checkpoint) | u64 id | u64
+// step | u32 body length | body. Version 1 records (no link, no timing) are read too.
 
 #include <cstdint>
 #include <optional>
@@ -47,6 +49,14 @@ struct StepStats {
   uint64_t loss_step = 0;                         // ... and its step
   std::optional<uint64_t>
       resumed_from;  // the step this sidecar last resumed from (POST /v1/resume)
+  // `codec: auto` (policies/auto.h): the link as this sidecar's exchange measured it, and the
+  // trainers' compute per iteration that falls to this tensor (and the part of it its exchange
+  // can hide behind), as the hook reported them.
+  std::optional<double> link_bytes_per_s, link_latency_s;  // both set or none
+  std::optional<double> compute_s, overlap_s;              // both set or none
+  // What the trainers' own process group added beyond the compute, in direct windows, and what
+  // the sidecars added in the other steps (the hook's measurements).
+  std::optional<double> direct_s, tail_s;
   std::vector<Request> requests;
 };
 
@@ -63,6 +73,11 @@ struct GlobalStats {
   uint64_t loss_step = 0;                             // the largest step of the losses reported
   std::vector<std::optional<uint64_t>> resumed_from;  // per aggregated record, rank order
   std::vector<Request> requests;                      // rank order, then the origin's order
+  // `codec: auto`: the slowest link any rank measured (least bandwidth, most latency; nullopt:
+  // none did), and the least compute (and overlap) any rank reported (nullopt: none did).
+  std::optional<double> link_bytes_per_s, link_latency_s;
+  std::optional<double> compute_s, overlap_s;
+  std::optional<double> direct_s, tail_s;  // the most any rank reported
 
   /// The global cosine similarity, when measured: sum dot / sqrt(sum c2 * sum g2).
   std::optional<double> cosine() const;

@@ -111,6 +111,10 @@ EXTRA_CONFIGS = [
     # rank's own Adam update of a topk layer): what the per-rank second moment costs alone.
     ("lightwire_topk_all", "lightwire topk 100 % (every element)", "lightwire", None,
      ["--codec", "topk", "--density", "1"] + POLICIES_OFF),
+    # codec auto with its defaults (docs/policies.md "codec: auto"): each layer's rung chosen at
+    # run time from the measured link and the compute the hook reports, the trainers' own
+    # process group (the direct rung) when every layer is best exchanged dense.
+    ("lightwire_auto", "lightwire auto", "lightwire", None, ["--codec", "auto"] + POLICIES_OFF),
     ("lightwire_dgc_warmup100", "lightwire dgc 1 % (momentum correction, warm-up 100)",
      "lightwire", None, ["--codec", "dgc", "--density", "0.01", "--warmup-steps", "100"]
      + DGC_MOMENTUM + POLICIES_OFF),
@@ -318,6 +322,18 @@ class Sidecars(object):
             total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return total
 
+    def auto_decisions(self):
+        """codec auto's entries of rank 0's decision log (every rank holds the same)."""
+        import lightwire
+        c = lightwire.Client(socket_path=self.sockets[0], timeout=(1.0, 10.0))
+        try:
+            log_ = c.status().get("policies", {}).get("log", [])
+        except lightwire.LightwireError:
+            return []
+        finally:
+            c.close()
+        return [d for d in log_ if d.get("kind") in ("auto", "direct", "critical")]
+
     def tail(self, r, lines=5):
         try:
             with open(self.logs[r], "rb") as f:
@@ -349,9 +365,11 @@ def tta_stop_spec(base, extra_steps):
             "steps": TTA_STEP_CAP_FACTOR * base["eval"][-1]["step"]}
 
 
-def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, stop=None):
+def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, stop=None,
+               on_progress=None):
     """One configuration: returns its row of the results. stop: the stop rule's spec fields
-    (tta_stop_spec), None for a fixed number of steps."""
+    (tta_stop_spec), None for a fixed number of steps. on_progress(step): called as the worker
+    reports its evaluation steps."""
     name, label, kind, hook, sidecar_args = config
     args = list(sidecar_args or [])
     momentum = float(args[args.index("--momentum") + 1]) if "--momentum" in args else 0.0
@@ -387,7 +405,7 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
             p = subprocess.Popen(ns.cmd([python, os.path.join(HERE, "worker.py"), spec_path,
                                          out_path]), stdout=subprocess.DEVNULL, stderr=err,
                                  env=env, start_new_session=True)
-            follower = Follower(err_path)
+            follower = Follower(err_path, on_progress)
             follower.start()
             try:
                 rc = p.wait(profile["timeout"])
@@ -421,6 +439,8 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
     except Exception as e:  # a sidecar that did not start: the row says so
         row["status"], row["error"] = "failed", str(e)
     finally:
+        if sidecars is not None and row["status"] == "ok":
+            row["decisions"] = sidecars.auto_decisions()
         if sidecars is not None:
             if row["status"] != "ok":
                 row["error"] = (row["error"] or "") + " | sidecar 0: " + sidecars.tail(0)
@@ -437,9 +457,10 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
 class Follower(threading.Thread):
     """Prints the worker's progress lines ("e2e worker: ...") as they are written."""
 
-    def __init__(self, path):
+    def __init__(self, path, on_progress=None):
         super().__init__(daemon=True)
         self.path, self.done = path, threading.Event()
+        self.on_progress = on_progress
 
     def run(self):
         with open(self.path, "rb") as f:
@@ -452,6 +473,9 @@ class Follower(threading.Thread):
                     text = line.decode("utf-8", "replace")
                     if text.startswith("e2e worker:"):
                         print("  " + text, file=sys.stderr, flush=True)
+                        m = re.search(r" step (\d+)/", text)
+                        if m and self.on_progress is not None:
+                            self.on_progress(int(m.group(1)))
                 if not chunk:
                     if self.done.is_set():
                         return

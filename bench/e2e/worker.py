@@ -141,7 +141,13 @@ def train(rank, spec, out_path):
     tx0 = lo_tx_bytes() if rank == EVAL_RANK else 0
     elements0 = (hook_state.sidecar_elements, hook_state.dense_elements) if hook_state else None
     cpu = 0.0  # this process's CPU time (every thread: gloo's, the hook's) in the timed steps
+    # What carried each step (rank 0, lightwire rows): the process group in a direct window
+    # (codec auto), the sidecars (with the share of elements they sent dense), or a fallback.
+    carried = []
     for step in range(1, steps + 1):
+        if hook_state is not None:
+            before = (hook_state.direct_steps, hook_state.sidecar_elements,
+                      hook_state.dense_elements, hook_state.fallbacks)
         x, y = task.batch(rank, step)
         c0 = time.process_time()
         t0 = time.perf_counter()
@@ -158,6 +164,17 @@ def train(rank, spec, out_path):
             hook_state.client.report(step, loss=value, trainer=0)
         evaluating = stop_rule.is_eval_step(step, every, steps)
         if rank == EVAL_RANK:
+            if hook_state is not None:
+                total = hook_state.sidecar_elements - before[1]
+                by = ("fallback" if hook_state.fallbacks > before[3] else
+                      "direct" if hook_state.direct_steps > before[0] else "sidecar")
+                timing = hook_state._timing
+                carried.append({"step": step, "by": by, "seconds": dt,
+                                "hook_compute": timing[0] if timing else None,
+                                "hook_overlap": timing[1] if timing else None,
+                                "hook_direct": hook_state._direct_s, "hook_tail": hook_state._tail_s,
+                                "dense_share": (hook_state.dense_elements - before[2]) / total
+                                if total else 1.0})
             elapsed += dt
             step_seconds.append(dt)
             losses.append(value)
@@ -214,6 +231,8 @@ def train(rank, spec, out_path):
                               "reached_seconds": None if i is None else evals[i]["seconds"]}
         if hook_state is not None:
             result["fallbacks"] = hook_state.fallbacks
+            result["direct_steps"] = sum(1 for c in carried if c["by"] == "direct")
+            result["carried"] = carried
             # The share of elements sent dense over the timed steps (the hook's counters).
             total = hook_state.sidecar_elements - elements0[0]
             result["dense_share"] = ((hook_state.dense_elements - elements0[1]) / total

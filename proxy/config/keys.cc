@@ -26,7 +26,7 @@ const std::vector<CodecKey>& codecKeys() {
   static const std::vector<CodecKey> keys = {
       {"codec", "--codec", "codec name", "none",
        "name; one of none, fp16, bf16, topk, randomk, threshold, dgc, qsgd, terngrad, signsgd, "
-       "onebit, powersgd",
+       "onebit, powersgd, or auto (chosen at run time: compression.auto)",
        [](CodecConfig& c, std::string_view s) -> std::string {
          if (s.empty()) return "must be a codec name";
          c.name = std::string(s);
@@ -653,6 +653,74 @@ void addScheduleKeys(KeyAdder& add) {
       "Adaptive: softer down to this ratio (n/k); at most schedule.adaptive_max_ratio");
 }
 
+// compression.auto.*: codec auto (docs/policies.md "codec: auto"); the defaults are AutoConfig's.
+void addAutoKeys(KeyAdder& add) {
+  using C = ServeConfig;
+  using A = policies::AutoConfig;
+  const A ad;
+  add(
+      "compression.auto.ladder", "--auto-ladder", "comma-separated rungs", ad.ladder_text,
+      "codec auto: the rungs from least to most lossy: direct (first only: the trainers' own "
+      "process group), none, fp16, bf16, qsgd:BITS, topk:D, dgc:D, randomk:D, powersgd:RANK, each "
+      "optionally @FACTOR (its steps factor)",
+      [](C& c, std::string_view s) -> std::string {
+        auto l = policies::parseLadder(s);
+        if (!l) return l.status().message();
+        c.policies.auto_codec.ladder_text = std::string(s);
+        c.policies.auto_codec.ladder = std::move(*l);
+        return "";
+      },
+      [](const C& c) { return json::value(c.policies.auto_codec.ladder_text); });
+  auto unsignedKey = [&add]<typename T>(std::string path, std::string flag, T A::*field,
+                                        uint64_t lo, std::string what) {
+    const A d;
+    add(std::move(path), std::move(flag), "integer >= " + std::to_string(lo),
+        std::to_string(d.*field), std::move(what),
+        unsignedSetter<C>([field](C& c) -> T& { return c.policies.auto_codec.*field; }, lo,
+                          std::numeric_limits<T>::max()),
+        [field](const C& c) { return json::value(uint64_t{c.policies.auto_codec.*field}); });
+  };
+  auto numberKey = [&add](std::string path, std::string flag, double A::*field, bool (*ok)(double),
+                          std::string type, std::string what) {
+    const A d;
+    std::string must = "must be a number " + type.substr(type.find(' ') + 1);
+    add(
+        std::move(path), std::move(flag), std::move(type), numberText(d.*field), std::move(what),
+        [field, ok, must](C& c, std::string_view s) {
+          return setNumber(s, c.policies.auto_codec.*field, ok, must);
+        },
+        [field](const C& c) { return json::value(c.policies.auto_codec.*field); });
+  };
+  unsignedKey("compression.auto.period", "--auto-period", &A::period, 1,
+              "codec auto: each layer's rung is re-evaluated every N steps");
+  unsignedKey("compression.auto.hysteresis", "--auto-hysteresis", &A::hysteresis, 1,
+              "codec auto: evaluations in a row that must agree before a move to more compression");
+  numberKey(
+      "compression.auto.tolerance", "--auto-tolerance", &A::tolerance,
+      [](double v) { return v >= 0 && v <= 10; }, "number in [0, 10]",
+      "codec auto: the least lossy rung whose score (step time x steps factor) is within (1 + "
+      "this) of the best rung's");
+  numberKey(
+      "compression.auto.link_change", "--auto-link-change", &A::link_change,
+      [](double v) { return v > 0 && v <= 10; }, "number in (0, 10]",
+      "codec auto: a relative change of the rung in force's modelled exchange time with the "
+      "measured link that re-decides at once");
+  unsignedKey("compression.auto.critical_steps", "--auto-critical-steps", &A::critical_steps, 0,
+              "codec auto: over the first N steps no layer moves to more compression (0 = off: "
+              "the DGC warm-up of selection rungs covers early training)");
+  numberKey(
+      "compression.auto.critical_change", "--auto-critical-change", &A::critical_change,
+      [](double v) { return v > 0; }, "number > 0",
+      "codec auto: a layer whose gradient norm moves by more than this (relative) against its "
+      "baseline enters a critical phase: one rung less compressed, and no more, for "
+      "compression.auto.critical_hold steps");
+  unsignedKey("compression.auto.critical_hold", "--auto-critical-hold", &A::critical_hold, 0,
+              "codec auto: steps a critical phase lasts");
+  unsignedKey("compression.auto.probe_every", "--auto-probe-every", &A::probe_every, 1,
+              "codec auto: steps of a direct window, after which the sidecars measure the link "
+              "again");
+}
+
 // Durable state (docs/policies.md "Durable state: checkpoints").
 void addStateKeys(KeyAdder& add) {
   using C = ServeConfig;
@@ -745,6 +813,7 @@ std::vector<KeyImpl> makeKeyTable() {
   addScheduleKeys(add);
   addStateKeys(add);
   addCompressionKeys(add);
+  addAutoKeys(add);
   return t;
 }
 

@@ -161,6 +161,44 @@ std::string jsonString(const json::object& o, std::string_view key, bool require
   return "";
 }
 
+std::string jsonTiming(const json::object& o, std::optional<double>* compute_s,
+                       std::optional<double>* overlap_s, std::optional<double>* direct_s,
+                       std::optional<double>* tail_s) {
+  const json::value* c = o.if_contains("compute_s");
+  const json::value* v = o.if_contains("overlap_s");
+  auto number = [](const json::value* f, double* out) {
+    if (f->is_double()) {
+      *out = f->get_double();
+    } else if (f->is_int64()) {
+      *out = static_cast<double>(f->get_int64());
+    } else if (f->is_uint64()) {
+      *out = static_cast<double>(f->get_uint64());
+    } else {
+      return false;
+    }
+    return std::isfinite(*out);
+  };
+  for (auto [key, out] : {std::pair{"direct_s", direct_s}, std::pair{"tail_s", tail_s}}) {
+    const json::value* f = o.if_contains(key);
+    if (!f) continue;
+    double v = 0;
+    if (!number(f, &v) || !(v >= 0 && v <= 3600)) {
+      return "field '" + std::string(key) + "' must be a number in [0, 3600]";
+    }
+    *out = v;
+  }
+  if (!c && !v) return "";
+  if (!c || !v) return "fields 'compute_s' and 'overlap_s' go together";
+  double cv = 0, ov = 0;
+  if (!number(c, &cv) || !number(v, &ov) || !(ov >= 0 && ov <= cv && cv <= 3600)) {
+    return "fields 'compute_s' and 'overlap_s' must be numbers with 0 <= overlap_s <= "
+           "compute_s <= 3600";
+  }
+  *compute_s = cv;
+  *overlap_s = ov;
+  return "";
+}
+
 /// The body as a JSON object; "" or an error.
 std::string parseObject(const std::string& body, json::object* out) {
   boost::system::error_code ec;
@@ -193,6 +231,8 @@ json::object figuresJson(const std::string& name, uint64_t step, const StepFigur
                  {"device", f.device},
                  {"momentum", f.momentum},
                  {"durations_us", std::move(d)}};
+  if (!f.rung.empty()) o["rung"] = f.rung;
+  if (f.direct) o["direct"] = json::object{{"from", f.direct->first}, {"until", f.direct->second}};
   o["ratio"] =
       f.wire_bytes ? static_cast<double>(f.raw_bytes) / static_cast<double>(f.wire_bytes) : 0.0;
   return o;

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -53,6 +54,13 @@ std::string elementsOf(const std::vector<uint64_t>& shape, uint64_t* elements);
 std::string jsonU64(const json::object& o, std::string_view key, bool required, uint64_t* v,
                     bool* present = nullptr);
 std::string jsonString(const json::object& o, std::string_view key, bool required, std::string* v);
+/// Fields "compute_s" and "overlap_s" (codec auto's timing, docs/api.md): both or neither, finite,
+/// 0 <= overlap_s <= compute_s <= 1 hour; "direct_s" and "tail_s" (optional, 0..3600); an error
+/// message
+/// ("" = fine).
+std::string jsonTiming(const json::object& o, std::optional<double>* compute_s,
+                       std::optional<double>* overlap_s, std::optional<double>* direct_s,
+                       std::optional<double>* tail_s);
 /// The body as a JSON object; an error message ("" = fine).
 std::string parseObject(const std::string& body, json::object* out);
 /// The JSON figures of a completed step (docs/api.md).

@@ -147,6 +147,8 @@ Response bucketReply(const std::string& bucket, uint64_t step, const Layout& lay
     total.nonfinite = total.nonfinite || f.nonfinite;
     total.state_reset = total.state_reset || f.state_reset;
     total.settings = std::max(total.settings, f.settings);
+    if (f.rung != total.rung) total.rung = "mixed";
+    if (!total.direct) total.direct = f.direct;
     for (size_t s = 0; s < metrics::kStageCount; ++s) {
       if (s == static_cast<size_t>(metrics::Stage::kExchange)) {
         total.durations_us[s] = std::max(total.durations_us[s], f.durations_us[s]);
@@ -209,9 +211,11 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
   TensorSpec spec;
   bool has_shape = false;
-  if (std::string e = parseTensorDescription(
-          JsonFields(o), {"buffer", "offset", "elements", "layout", "layout_hash"},
-          config_.local_trainers, &spec, &has_shape);
+  if (std::string e =
+          parseTensorDescription(JsonFields(o),
+                                 {"buffer", "offset", "elements", "layout", "layout_hash",
+                                  "compute_s", "overlap_s", "direct_s", "tail_s"},
+                                 config_.local_trainers, &spec, &has_shape);
       !e.empty()) {
     return badRequest(e);
   }
@@ -220,7 +224,8 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   bool has_elements = false;
   for (std::string e :
        {jsonString(o, "buffer", true, &buffer), jsonU64(o, "offset", false, &offset),
-        jsonU64(o, "elements", false, &elements, &has_elements)}) {
+        jsonU64(o, "elements", false, &elements, &has_elements),
+        jsonTiming(o, &spec.compute_s, &spec.overlap_s, &spec.direct_s, &spec.tail_s)}) {
     if (!e.empty()) return badRequest(e);
   }
   if (has_shape) {
@@ -303,6 +308,14 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
     layer.bucket = name;
     layer.layout_hash = layout->hash;
     layer.bucket_layers = static_cast<uint32_t>(n);
+    if (spec.compute_s) {  // the bucket's timing, shared by its layers by their elements
+      const double share = static_cast<double>(entry.elements) / static_cast<double>(spec.elements);
+      layer.compute_s = *spec.compute_s * share;
+      layer.overlap_s = *spec.overlap_s * share;
+    }
+    const double share = static_cast<double>(entry.elements) / static_cast<double>(spec.elements);
+    if (spec.direct_s) layer.direct_s = *spec.direct_s * share;
+    if (spec.tail_s) layer.tail_s = *spec.tail_s * share;
     layers.push_back(regionContribution(region, offset + entry.offset * width, layer));
     dones.push_back([reply, name, step, layout, steps, i](StepOutcome out) {
       std::unique_lock lock(steps->mu);

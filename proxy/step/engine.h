@@ -181,6 +181,8 @@ class StepEngine {
   uint64_t settings_version_ = 0;  // engine thread: the settings version settings_chooser_ is of
   CodecChooser settings_chooser_;
   uint64_t last_periodic_ = 0;
+  // The link as this sidecar's exchanges measured it (codec: auto); the running step's only.
+  policies::LinkEstimator link_;
 
   EngineOptions options_;
   metrics::Metrics& metrics_;

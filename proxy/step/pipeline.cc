@@ -77,11 +77,21 @@ StepOutcome StepPipeline::run() {
     if (auto stop = exchangeRound(r)) return stopped(std::move(*stop));
   }
   endExchange();
+  measureLink(engine_, modelBytes(), exchange_us_);
   if (auto stop = afterExchange()) return stopped(std::move(*stop));
   if (auto stop = writeBack()) return stopped(std::move(*stop));
   commit();
   record();
   return std::move(out_);
+}
+
+double StepPipeline::modelBytes() const {
+  if (!step_codec_) return 0;
+  return policies::modelBytes(step_codec_->config(), n_, p_.shape, engine_.exchange_.worldSize());
+}
+
+void StepPipeline::measureLink(StepEngine& engine, double bytes, double exchange_us) {
+  if (engine.exchange_.worldSize() > 1) engine.link_.add(bytes, exchange_us * 1e-6);
 }
 
 std::vector<StepOutcome> StepPipeline::runBucket(
@@ -139,9 +149,18 @@ std::vector<StepOutcome> StepPipeline::runBucket(
       if (auto stop = p.closeRound(r, std::move(mine))) fail(in_round[k], std::move(*stop));
     }
   }
+  // The bucket's layers went through one exchange: one measurement of the link, of all their
+  // bytes in the longest layer's time.
+  double bytes = 0, exchange_us = 0;
   for (size_t i = 0; i < n && !failed; ++i) {
     if (done[i]) continue;
     pipelines[i]->endExchange();
+    bytes += pipelines[i]->modelBytes();
+    exchange_us = std::max(exchange_us, pipelines[i]->exchange_us_);
+  }
+  if (!failed && bytes > 0) measureLink(pipelines.front()->engine_, bytes, exchange_us);
+  for (size_t i = 0; i < n && !failed; ++i) {
+    if (done[i]) continue;
     if (auto stop = pipelines[i]->afterExchange()) fail(i, std::move(*stop));
   }
   // Every layer got through its exchange and the stages after it: now each writes back (which
@@ -222,14 +241,27 @@ StepPipeline::Stage StepPipeline::plan() {
       }
       if (engine_.settings_chooser_) settings_ = engine_.settings_chooser_(facts);
     }
+    if (settings_.codec.name == "auto") {
+      // codec: auto (docs/policies.md): the rung in force for this layer; the step before a
+      // switch away from a rung whose codec holds state flushes it (a full-sync).
+      auto_ = policy_->autoStep(t_.name, step_);
+      if (!auto_->rung) return Stop{StepError::kInternal, "codec auto: no ladder configured"};
+      settings_.codec = auto_->rung->codec;
+      if (settings_.group.empty()) settings_.group = "auto";
+      out_.figures.rung = auto_->rung->text;
+    }
     plan_ = policy_->plan(t_.name, step_, settings_.codec, settings_.sync_every);
     plan_.settings = version;
+    if (auto_ && auto_->flush && plan_.mode != StepMode::kSkip) plan_.mode = StepMode::kFullSync;
     if (const auto traits = kernels::findCodecTraits(settings_.codec.name);
         traits && traits->uses_min_magnitude) {
       settings_.codec.min_magnitude = plan_.min_magnitude;
     }
   }
   StepFigures& fig = out_.figures;
+  if (!policy_ && settings_.codec.name == "auto") {
+    return Stop{StepError::kInternal, "codec auto needs the policies (their statistics)"};
+  }
   fig.mode = policies::stepModeName(plan_.mode);
   fig.settings = plan_.settings;
   // The tensor's per-group gauges, looked up once per group change, not every step.
@@ -446,6 +478,20 @@ StepPipeline::Stage StepPipeline::statistics() {
     t_.residual_norm2 = *r2;
   }
   st.residual_norm2 = *t_.residual_norm2;
+  // codec: auto's inputs: the link as measured here, the trainers' compute (the least any local
+  // trainer reported: the exchange must hide behind every one's).
+  if (const auto link = engine_.link_.estimate()) {
+    st.link_bytes_per_s = link->bytes_per_s;
+    st.link_latency_s = link->latency_s;
+  }
+  for (const auto& part : p_.parts) {
+    const TensorSpec& s = part->spec;
+    if (s.direct_s) st.direct_s = std::max(st.direct_s.value_or(0.0), *s.direct_s);
+    if (s.tail_s) st.tail_s = std::max(st.tail_s.value_or(0.0), *s.tail_s);
+    if (!s.compute_s || !s.overlap_s) continue;
+    st.compute_s = std::min(st.compute_s.value_or(INFINITY), *s.compute_s);
+    st.overlap_s = std::min(st.overlap_s.value_or(INFINITY), std::min(*s.overlap_s, *s.compute_s));
+  }
   if (t_.cos) {
     st.cos_dot = t_.cos->dot;
     st.cos_c2 = t_.cos->c2;
@@ -679,7 +725,15 @@ StepPipeline::Stage StepPipeline::policies() {
   // Non-finite values in some rank's gradient that did not make it into the result (a codec
   // that did not select them) count too: the global statistics say so on every rank alike.
   nonfinite_ = nonfinite_ || g->nonfinite > 0;
-  policy_->update(t_.name, step_, plan_, *g);
+  if (auto_) {
+    const policies::AutoFacts facts{n_, p_.shape, engine_.exchange_.worldSize(), settings_.group};
+    policy_->update(t_.name, step_, plan_, *g, &facts);
+  } else {
+    policy_->update(t_.name, step_, plan_, *g);
+  }
+  if (const auto w = policy_->directWindowAfter(step_)) {
+    out_.figures.direct = std::make_pair(w->from, w->until);
+  }
   if (const auto c = g->cosine()) t_.gauges.cosine->Set(*c);
   t_.gauges.residual->Set(std::sqrt(g->residual_norm2));
   return std::nullopt;

@@ -97,6 +97,10 @@ class StepPipeline {
   Stage writeBack();
   void commit();
   void record();
+  /// The bytes this step moved in the time model of codec: auto (policies/auto.h modelBytes).
+  double modelBytes() const;
+  /// Feeds the engine's link estimate with a step's bytes and exchange time (engine thread).
+  static void measureLink(StepEngine& engine, double bytes, double exchange_us);
   StepOutcome skipped();
   StepOutcome stopped(Stop stop);
   /// A backend operation's failure as a Stop (its error kind: the backend's).
@@ -114,6 +118,7 @@ class StepPipeline {
 
   TensorSettings settings_;
   policies::StepPlan plan_;
+  std::optional<policies::AutoStep> auto_;  // codec: auto: the rung of this step
   std::optional<int> gpu_ordinal_;  // where the GPU backend runs the step (nullopt: the host)
   std::unique_ptr<StepBackend> backend_;
   kernels::StepContext ctx_;

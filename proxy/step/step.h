@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/dtype.h"
@@ -29,6 +30,12 @@ struct TensorSpec {
   std::string bucket;
   uint64_t layout_hash = 0;
   uint32_t bucket_layers = 0;
+  // `codec: auto` (docs/policies.md): the trainer's compute per iteration that falls to this
+  // tensor, and the part of it the tensor's exchange can hide behind (seconds; both or neither).
+  std::optional<double> compute_s, overlap_s;
+  // ... and what the trainers' own process group added beyond the compute in direct windows, and
+  // the sidecars in the other steps.
+  std::optional<double> direct_s, tail_s;
 };
 
 /// One trainer's part of a step: where its tensor is, and where its result goes (the same bytes).
@@ -68,6 +75,10 @@ struct StepFigures {
   // The momentum the sidecar applies to this tensor (dgc's momentum correction; 0: none, the
   // trainer's optimizer owns momentum). A property of the tensor's codec, also on its dense steps.
   double momentum = 0.0;
+  // `codec: auto`: the rung the step was sent with ("" for other codecs), and the job's direct
+  // window when one was decided for steps after this one (docs/policies.md "codec: auto").
+  std::string rung;
+  std::optional<std::pair<uint64_t, uint64_t>> direct;
   double durations_us[metrics::kStageCount] = {};
 };
 

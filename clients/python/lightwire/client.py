@@ -324,7 +324,7 @@ class Client(object):
             seg.buffer_id = None
 
     def emit_gradient_shm(self, buffer, name, step, dtype="float32", shape=None, offset=0, trainer=None,
-                          layout=None, layout_hash=None):
+                          layout=None, layout_hash=None, timing=None):
         """Form 2: the tensor lies in registered buffer ``buffer`` (an id or a registered
         ``ShmSegment``) at ``offset``; the averaged result is written there in place. Returns
         the reply's JSON (the step's figures). ``shape`` defaults to the whole buffer, 1-D.
@@ -334,7 +334,12 @@ class Client(object):
         (docs/api.md "Layouts: one tensor per layer"); the reply then lists them in ``layers``.
         ``layout_hash`` (optional): instead of ``layout``, the reply's ``layout_hash`` of an earlier
         step of this bucket name, so that the layout is sent once; a sidecar that does not hold it
-        (it restarted) answers 404 ``unknown_layout``: send ``layout`` again."""
+        (it restarted) answers 404 ``unknown_layout``: send ``layout`` again.
+        ``timing`` (optional): ``(compute_s, overlap_s[, direct_s[, tail_s]])``, the trainer's
+        compute per iteration that falls to this tensor, the part of it the tensor's exchange can
+        hide behind, and what the trainers' own process group (in direct windows) and the sidecars
+        (otherwise) added beyond the compute (None: not measured), for ``codec: auto``
+        (docs/policies.md "codec: auto")."""
         if hasattr(buffer, "buffer_id"):
             if buffer.buffer_id is None:
                 raise ValueError("lightwire: %r is not registered" % (buffer,))
@@ -354,6 +359,11 @@ class Client(object):
             doc["layout"] = layout
         if layout_hash is not None:
             doc["layout_hash"] = str(layout_hash)
+        if timing is not None:
+            doc["compute_s"], doc["overlap_s"] = float(timing[0]), float(timing[1])
+            for key, value in zip(("direct_s", "tail_s"), timing[2:]):
+                if value is not None:
+                    doc[key] = float(value)
         return self._json("POST", "/v1/emit_gradient", doc).json()
 
     def report(self, step, loss=None, fallbacks=None, trainer=None):

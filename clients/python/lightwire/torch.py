@@ -56,6 +56,7 @@ import logging
 import math
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -516,6 +517,12 @@ class LightwireHookState(object):
     backward pass raised) is dropped when the next one starts, its futures failed. ``agreements``
     counts the collectives (the figures: clients/python/README.md).
 
+    ``codec: auto``: every bucket carries the trainer's compute of the last iteration that falls
+    to it (``compute_s``) and the part its exchange can hide behind (``overlap_s``); when the
+    sidecars answer with a ``direct`` window (every layer is best exchanged dense), the hook
+    averages the buckets of those steps with the process group itself, as DDP would
+    (``direct_steps`` counts them), and comes back to the sidecar after it.
+
     ``optimizer``: the trainer's optimizer, so that the hook can refuse one that would apply
     momentum a second time to a gradient the sidecar already applied it to (dgc with momentum
     correction); ``SGD`` of this module declares itself. See ``SGD``.
@@ -570,6 +577,24 @@ class LightwireHookState(object):
         self.dense_elements = 0
         self.last_reply = None
         self.last_error = None
+        # codec auto (docs/policies.md "codec: auto"): the compute of the last iteration (from its
+        # last future's completion to the next iteration's last bucket launch), the part of it
+        # the exchange can hide behind (first to last bucket launch), shared among the buckets by
+        # their elements and sent with each; and the window of steps the sidecars gave to the
+        # process group (the direct rung), from the replies: (from, until) or None.
+        self._launches = {}        # bucket index -> (launch time, elements) this iteration
+        self._timing = None        # (compute_s, overlap_s, elements) of the last iteration
+        self._iteration_end = None  # when the last iteration's last future completed
+        self._last_launch = None   # this iteration's last bucket launch
+        self._direct_s = None      # what the process group added beyond compute (direct windows)
+        self._tail_s = None        # ... and the sidecars (the last iteration through them)
+        self._direct = None
+        # Direct buckets whose collective has not completed, and whether the iteration's last one
+        # was launched: the iteration ends when both say so (the process group may complete a
+        # later, smaller bucket before an earlier one).
+        self._direct_pending = 0
+        self._direct_last_launched = False
+        self.direct_steps = 0      # buckets the process group averaged in a direct window
         self._slots = {}           # bucket index -> _Slot
         self._cuda_slots = {}      # bucket index -> _CudaSlot
         # CUDA buckets go through CUDA IPC while the sidecar takes it; after a refusal (no CUDA
@@ -718,7 +743,7 @@ class LightwireHookState(object):
 
     # ------------------------------------------------------------------ one bucket
 
-    def _send(self, buffer_id, name, step, dtype, shape, layout):
+    def _send(self, buffer_id, name, step, dtype, shape, layout, timing=None):
         """Form 2 of one bucket: its layout the first time, then only its hash (the reply's
         ``layout_hash``), and the layout again when the sidecar does not hold it (it restarted:
         404 ``unknown_layout``)."""
@@ -727,7 +752,7 @@ class LightwireHookState(object):
             reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
                                                   shape=shape, trainer=self.trainer,
                                                   layout=None if known else layout,
-                                                  layout_hash=known)
+                                                  layout_hash=known, timing=timing)
         except LightwireError as e:
             unknown = e.status == 404 and e.error == "unknown_layout"
             # A sidecar older than layout_hash refuses the field: the layout with every request.
@@ -738,20 +763,22 @@ class LightwireHookState(object):
                 self._layout_by_hash = False
             self._layout_hashes.pop(name, None)
             reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
-                                                  shape=shape, trainer=self.trainer, layout=layout)
+                                                  shape=shape, trainer=self.trainer, layout=layout,
+                                                  timing=timing)
         if (layout is not None and self._layout_by_hash and isinstance(reply, dict)
                 and reply.get("layout_hash")):
             self._layout_hashes[name] = str(reply["layout_hash"])
         return reply
 
-    def _emit(self, slot, name, step, shape, layout=None):
+    def _emit(self, slot, name, step, shape, layout=None, timing=None):
         """Runs in an HTTP thread: register if needed, then Form 2. Returns the reply."""
         seg = slot.segment
         for attempt in (0, 1):
             if seg.buffer_id is None:
                 self.client.register_buffer(seg)
             try:
-                return self._send(seg.buffer_id, name, step, _DTYPES[slot.dtype], shape, layout)
+                return self._send(seg.buffer_id, name, step, _DTYPES[slot.dtype], shape, layout,
+                                  timing)
             except SidecarUnavailable:
                 # The sidecar went away; a restarted one knows none of our ids (nor can they be
                 # released): register again on the next call.
@@ -765,7 +792,7 @@ class LightwireHookState(object):
                     continue
                 raise
 
-    def _emit_cuda(self, slot, name, step, shape, layout=None):
+    def _emit_cuda(self, slot, name, step, shape, layout=None, timing=None):
         """As _emit, for a CUDA slot (its event was recorded by the caller's stream)."""
         from .client import cuda_ipc_spec
         for attempt in (0, 1):
@@ -773,7 +800,8 @@ class LightwireHookState(object):
                 doc = cuda_ipc_spec(slot.view, event=slot.event)
                 slot.buffer_id = str(self.client._json("POST", "/v1/buffers", doc).json()["id"])
             try:
-                return self._send(slot.buffer_id, name, step, _DTYPES[slot.dtype], shape, layout)
+                return self._send(slot.buffer_id, name, step, _DTYPES[slot.dtype], shape, layout,
+                                  timing)
             except SidecarUnavailable:
                 slot.buffer_id = None
                 raise
@@ -784,6 +812,58 @@ class LightwireHookState(object):
                     slot.buffer_id = None
                     continue
                 raise
+
+    # ------------------------------------------------------------------ codec auto
+
+    def _launched(self, index, numel, last):
+        """Hook thread: notes bucket ``index``'s launch; returns its (compute_s, overlap_s) share
+        of the last iteration, or None before one was measured."""
+        now = time.perf_counter()
+        if index in self._launches:  # a new iteration: the previous one had no last bucket
+            self._launches = {}
+        self._launches[index] = (now, numel)
+        timing = self._timing
+        if last:
+            first = min(t for t, _ in self._launches.values())
+            total = sum(n for _, n in self._launches.values())
+            end = self._iteration_end
+            if end is not None and end < first:
+                self._timing = (now - end, now - first, total)
+            self._launches = {}
+            self._last_launch = now
+        if timing is None or timing[2] <= 0:
+            return None
+        share = float(numel) / timing[2]
+        direct = None if self._direct_s is None else self._direct_s * share
+        tail = None if self._tail_s is None else self._tail_s * share
+        return (timing[0] * share, min(timing[1], timing[0]) * share, direct, tail)
+
+    def _ended(self, direct=False):
+        """The iteration's last future completed (ordered thread, or a direct collective's). In a
+        direct window, what the process group added beyond the compute (from the last bucket's
+        launch to here) joins the running figure the sidecars model the direct rung with."""
+        now = time.perf_counter()
+        self._iteration_end = now
+        if self._last_launch is None or now < self._last_launch:
+            return
+        tail = now - self._last_launch
+        if direct:
+            self._direct_s = tail if self._direct_s is None else 0.5 * self._direct_s + 0.5 * tail
+        else:
+            self._tail_s = tail  # the last iteration's: the sidecars keep one mean per rung
+
+    def _note_direct(self, reply):
+        window = reply.get("direct") if isinstance(reply, dict) else None
+        if isinstance(window, dict):
+            try:
+                self._direct = (int(window["from"]), int(window["until"]))
+            except (KeyError, TypeError, ValueError):
+                pass
+
+    def _in_direct(self, step):
+        w = self._direct
+        return (w is not None and w[0] <= step < w[1] and dist.is_available()
+                and dist.is_initialized())
 
     def _group(self):
         return self.process_group if self.process_group is not None else dist.group.WORLD
@@ -816,6 +896,8 @@ class LightwireHookState(object):
         held = (reply, error, fut, slot, bucket_buffer, step, params)
         if not self.agree:
             self._resolve(*held)
+            if last:
+                self._ended()
             return
         if first and self._held:
             # An iteration whose last bucket never came (its backward pass raised): nobody waits
@@ -846,12 +928,15 @@ class LightwireHookState(object):
                                        "another rank's sidecar did not answer this bucket's step "
                                        "%d; every rank falls back together" % h[5])
             self._resolve(reply, error, *h[2:])
+        if last:
+            self._ended()
 
     def _resolve(self, reply, error, fut, slot, bucket_buffer, step, params):
         """Ordered thread: the bucket's result, or its fallback."""
         if error is not None:
             self._failed(error, fut, bucket_buffer, step)
             return
+        self._note_direct(reply)
         try:
             self._note_momentum(params, reply)
             _warn_adaptive_selection(self.optimizer, reply)
@@ -914,6 +999,9 @@ def ddp_comm_hook(state, bucket):
     is_last = getattr(bucket, "is_last", None)
     last = bool(is_last()) if callable(is_last) else None  # the iteration's last bucket
     step = state._next_step(index)
+    timing = state._launched(index, buf.numel(), last)
+    if state._in_direct(step):
+        return _direct(state, buf, last)
     fut = torch.futures.Future()
     name, layout = "%s.%d" % (state.name_prefix, index), None
     try:
@@ -933,7 +1021,7 @@ def ddp_comm_hook(state, bucket):
             slot.view.copy_(flat)  # device to device, on the current stream
             slot.event.record()    # the sidecar's copy waits for it
             http_future = state._http.submit(_emit_cuda_or_degrade, state, slot, index, flat,
-                                             name, step, layout)
+                                             name, step, layout, timing)
             state._ordered.submit(_complete_cuda, state, http_future, fut, buf, step, params,
                                   last, index == 0)
             return fut
@@ -945,18 +1033,43 @@ def ddp_comm_hook(state, bucket):
         state._ordered.submit(state._complete, done, fut, None, buf, step, params, last,
                               index == 0)
         return fut
-    http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()], layout)
+    http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()], layout,
+                                     timing)
     state._ordered.submit(state._complete, http_future, fut, slot, buf, step, params, last,
                           index == 0)
     return fut
 
 
-def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None):
+def _direct(state, buf, last):
+    """A bucket of a direct window (codec auto): averaged by the process group, as DDP's own
+    allreduce would, the sidecar out of the data path."""
+    group = state._group()
+    buf.div_(dist.get_world_size(group))
+    with state._lock:
+        state.direct_steps += 1
+        state._direct_pending += 1
+        if last:
+            state._direct_last_launched = True
+    work = dist.all_reduce(buf, group=group, async_op=True)
+
+    def done(f):
+        with state._lock:
+            state._direct_pending -= 1
+            end = state._direct_pending == 0 and state._direct_last_launched
+            if end:
+                state._direct_last_launched = False
+        if end:
+            state._ended(direct=True)
+        return f.value()[0]
+    return work.get_future().then(done)
+
+
+def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None, timing=None):
     """HTTP thread: the CUDA IPC path; if the sidecar cannot open CUDA IPC handles (409
     failed_precondition: no CUDA driver there), every later CUDA bucket goes through shared
     memory, and this one does now. Returns (slot used, reply)."""
     try:
-        return slot, state._emit_cuda(slot, name, step, [flat.numel()], layout)
+        return slot, state._emit_cuda(slot, name, step, [flat.numel()], layout, timing)
     except LightwireError as e:
         if not (e.status == 409 and e.error == "failed_precondition" and slot.buffer_id is None):
             raise
@@ -966,7 +1079,7 @@ def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None):
     host = state._slot(index, flat.numel(), slot.dtype)
     torch.cuda.current_stream(slot.device).synchronize()
     host.view.copy_(slot.view)
-    return host, state._emit(host, name, step, [flat.numel()], layout)
+    return host, state._emit(host, name, step, [flat.numel()], layout, timing)
 
 
 def _complete_cuda(state, http_future, fut, bucket_buffer, step, params=(), last=None,

@@ -231,6 +231,15 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"compression.default.threshold", {"0.1", "0.2", "0.3"}},
       {"compression.default.error_feedback", {"true", "off", "on"}},
       {"compression.default.approx_rank", {"2", "3", "4"}},
+      {"compression.auto.ladder", {"none,fp16", "direct,none,dgc:0.01@2", "bf16,qsgd:4"}},
+      {"compression.auto.period", {"2", "3", "4"}},
+      {"compression.auto.hysteresis", {"1", "3", "4"}},
+      {"compression.auto.tolerance", {"0.1", "0.2", "0.3"}},
+      {"compression.auto.link_change", {"0.1", "0.2", "0.5"}},
+      {"compression.auto.critical_steps", {"0", "10", "100"}},
+      {"compression.auto.critical_change", {"0.1", "0.2", "1"}},
+      {"compression.auto.critical_hold", {"0", "5", "10"}},
+      {"compression.auto.probe_every", {"4", "8", "32"}},
   };
   TempDir dir;
   for (const auto& k : serveConfigKeys()) {
@@ -274,6 +283,12 @@ TEST_CASE("config: bad values name the key and the source, from every source") {
   };
   const std::vector<Bad> bad = {
       {"job_id", "", "must not be empty"},
+      {"compression.auto.ladder", "direct", "needs a rung through the sidecar"},
+      {"compression.auto.ladder", "fp16,direct", "'direct' can only be the first rung"},
+      {"compression.auto.ladder", "none,qsgd:9", "rung 2 ('qsgd:9'): qsgd needs its bits"},
+      {"compression.auto.ladder", "none,dgc:0.01@0.5", "steps factor"},
+      {"compression.auto.period", "0", ""},
+      {"compression.auto.tolerance", "-1", "[0, 10]"},
       {"local_trainers", "0", "1..1024"},
       {"local_trainers", "1025", "1..1024"},
       {"local_trainers", "-1", "1..1024"},
@@ -1337,4 +1352,23 @@ compression:
   CHECK(put->rules[3].group == std::string(64, 'z'));
   CHECK(put->ruleFor("ab", 1) == &put->rules[0]);
   CHECK(put->ruleFor("b", 1) == &put->rules[1]);
+}
+
+TEST_CASE("config: codec auto as the default and in rules; compression.auto reaches the policies") {
+  TempDir dir;
+  const std::string file =
+      dir.write("a.yaml",
+                "compression:\n  default: {codec: auto}\n  rules:\n"
+                "    - {pattern: \"emb*\", codec: auto, group: emb}\n"
+                "  auto:\n    ladder: \"direct,none,dgc:0.01@1.8\"\n    period: 4\n");
+  auto c = buildServeConfig(file, {"LIGHTWIRE_COMPRESSION__AUTO__PROBE_EVERY=32"}, {}, nullptr);
+  REQUIRE_MESSAGE(c.isOk(), c.status().message());
+  CHECK(c->compression.default_codec.name == "auto");
+  CHECK(c->compression.rules.at(0).codec.name == "auto");
+  const auto& a = c->policies.auto_codec;
+  CHECK(a.period == 4);
+  CHECK(a.probe_every == 32);
+  REQUIRE(a.ladder.size() == 3);
+  CHECK(a.ladder[2].steps_factor == 1.8);
+  CHECK(json::serialize(at(*c, "compression.auto.ladder")) == "\"direct,none,dgc:0.01@1.8\"");
 }

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""codec auto when the link slows down mid-run (bench/README.md "codec auto"): the 4-rank
+training of bench/e2e (its MLP or LM) with `lightwire auto`, the namespace's loopback at a fast
+rate (default 10gbit) until the trainers pass a step, then changed live (`tc qdisc change`) to a
+slow one (default 1gbit). Reports, per step, what carried it (the process group in a direct
+window, or the sidecars with which share of dense elements), the step the link dropped after, the
+first step after it that the sidecars compressed harder, and the sidecars' decision log.
+
+Needs root (a network namespace; as bench/e2e/e2e.py). Usage:
+    python3 bench/e2e/linkdrop.py [--task mlp] [--steps 120] [--drop-after 40]
+        [--from-rate 10gbit] [--to-rate 1gbit] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import e2e  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", default="mlp", choices=("mlp", "lm"))
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--drop-after", type=int, default=40,
+                   help="the link slows down once the trainers report this step")
+    p.add_argument("--from-rate", default="10gbit")
+    p.add_argument("--to-rate", default="1gbit")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args()
+    if args.drop_after >= args.steps:
+        e2e.die("--drop-after must be below --steps")
+    binary, python = e2e.executables(True)
+    profile = dict(e2e.PROFILES["full"])
+    profile.update(tasks=[args.task], world_size=args.world_size,
+                   steps={args.task: args.steps},
+                   # Progress lines every 5 steps: the drop follows one within 5 steps.
+                   eval_every={args.task: 5})
+    config = next(c for c in e2e.ALL_CONFIGS if c[0] == "lightwire_auto")
+    ns = e2e.Namespace()
+    dropped = {}
+    lock = threading.Lock()
+
+    def on_progress(step):
+        with lock:
+            if "step" in dropped or step < args.drop_after:
+                return
+            ns.limit(args.to_rate)
+            dropped["step"] = step
+            e2e.log("link dropped to %s after step %d" % (args.to_rate, step))
+
+    try:
+        ns.limit(args.from_rate)
+        work = tempfile.mkdtemp(prefix="lightwire-linkdrop-")
+        row = e2e.run_config(ns, binary, python, profile, args.task, args.from_rate, config, work,
+                             on_progress=on_progress)
+    finally:
+        ns.close()
+    if row["status"] != "ok":
+        e2e.die("the run failed: %s" % row["error"])
+    drop = dropped.get("step")
+    carried = row.get("carried") or []
+    # The first step after the drop whose dense share fell below the last one before it.
+    before = [c for c in carried if c["step"] <= (drop or 0)]
+    share0 = before[-1]["dense_share"] if before else 1.0
+    moved = next((c["step"] for c in carried if drop is not None and c["step"] > drop
+                  and c["dense_share"] < min(share0, 1.0) - 1e-9), None)
+    result = {"task": args.task, "from_rate": args.from_rate, "to_rate": args.to_rate,
+              "drop_after_step": drop, "first_heavier_step": moved,
+              "steps_to_react": None if moved is None or drop is None else moved - drop,
+              "row": row}
+    e2e.log("link %s -> %s after step %s; heavier compression from step %s (%s steps later)" % (
+        args.from_rate, args.to_rate, drop, moved, result["steps_to_react"]))
+    for c in carried:
+        if c["step"] % 5 == 0 or (drop is not None and drop - 2 <= c["step"] <= drop + 25):
+            e2e.log("  step %3d: %-7s dense share %.3f  %.3f s" % (
+                c["step"], c["by"], c["dense_share"], c["seconds"]))
+    for d in row.get("decisions", []):
+        e2e.log("  decision step %s %s %s: %s" % (d["step"], d["tensor"], d["kind"], d["detail"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

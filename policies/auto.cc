@@ -1,0 +1,286 @@
+#include "policies/auto.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <set>
+
+#include "kernels/registry.h"
+
+namespace lightwire::policies {
+namespace {
+
+constexpr size_t kMaxRungs = 16;
+
+/// The sidecar's CPU time per element, encode and decode, in nanoseconds: `lightwire bench codec
+/// --codec C --elements 4000000 --threads 1` on the development machine (docs/policies.md
+/// "codec: auto" has the table). Codecs without a figure there get the nearest kin's.
+double costNs(const kernels::CodecConfig& c) {
+  if (c.name == "none") return 0.45;
+  if (c.name == "fp16" || c.name == "bf16") return 0.22;
+  if (c.name == "qsgd") return c.bits <= 4 ? 1.96 : 0.84;
+  if (c.name == "dgc") return c.density && *c.density <= 0.001 ? 0.45 : 0.90;
+  if (c.name == "topk") return 1.07;
+  if (c.name == "randomk") return 0.45;
+  if (c.name == "powersgd") return 2.0 * c.approx_rank;
+  return 1.0;
+}
+
+std::string percent(double d) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g %%", d * 100);
+  return buf;
+}
+
+/// The steps factor of a rung without its own: 1 for lossless rungs; for the others the steps
+/// the time-to-accuracy benchmarks measured to reach DDP's loss, over DDP's (docs/policies.md
+/// "codec: auto": qsgd 4 bits 1.34, topk 1 % 2.5, powersgd rank 4 1.5), and guesses from the
+/// nearest measured kin where no row exists (marked so in the table there).
+double stepsFactor(const kernels::CodecConfig& c) {
+  if (c.name == "none" || c.name == "fp16" || c.name == "bf16") return 1.0;
+  if (c.name == "qsgd") return c.bits >= 8 ? 1.05 : (c.bits >= 4 ? 1.34 : 2.0);
+  if (c.name == "powersgd") return c.approx_rank >= 4 ? 1.5 : 2.5;
+  if (c.name == "topk" || c.name == "dgc" || c.name == "randomk") {
+    const double d = c.density.value_or(0.01);
+    const double base = c.name == "randomk" ? 5.0 : 2.5;
+    return d >= 0.01 ? base : base * 2;  // sparser than measured: twice the steps, a guess
+  }
+  return 2.0;
+}
+
+/// One rung from its text ("qsgd:8", "dgc:0.01@2"); "" when fine, else why not.
+std::string parseRung(std::string_view full, Rung* out) {
+  std::string_view text = full;
+  std::optional<double> factor;
+  if (const size_t at = full.find('@'); at != std::string_view::npos) {
+    text = full.substr(0, at);
+    const std::string f(full.substr(at + 1));
+    char* end = nullptr;
+    const double v = std::strtod(f.c_str(), &end);
+    if (f.empty() || !end || *end != '\0' || !(v >= 1 && v <= 100)) {
+      return "its steps factor (after '@') must be a number in [1, 100]";
+    }
+    factor = v;
+  }
+  const size_t colon = text.find(':');
+  const std::string name(text.substr(0, colon));
+  const std::string arg =
+      colon == std::string_view::npos ? "" : std::string(text.substr(colon + 1));
+  Rung r;
+  r.text = std::string(full);
+  auto number = [&](double* v) {
+    if (arg.empty()) return false;
+    char* end = nullptr;
+    *v = std::strtod(arg.c_str(), &end);
+    return end && *end == '\0' && std::isfinite(*v);
+  };
+  double v = 0;
+  if (name == "direct" || name == "none" || name == "fp16" || name == "bf16") {
+    if (!arg.empty()) return "'" + name + "' takes no argument";
+    r.direct = name == "direct";
+    r.codec.name = r.direct ? "none" : name;
+    r.label = name;
+  } else if (name == "qsgd") {
+    if (!number(&v) || v != std::floor(v) || v < 2 || v > 8) {
+      return "qsgd needs its bits, 2..8 (qsgd:8)";
+    }
+    r.codec.name = "qsgd";
+    r.codec.bits = static_cast<int>(v);
+    r.label = "qsgd " + arg + " bits";
+  } else if (name == "topk" || name == "dgc" || name == "randomk") {
+    if (!number(&v) || !(v > 0 && v <= 1))
+      return name + " needs its density in (0, 1] (" + name + ":0.01)";
+    r.codec.name = name;
+    r.codec.density = v;
+    r.label = name + " " + percent(v);
+  } else if (name == "powersgd") {
+    if (!number(&v) || v != std::floor(v) || v < 1 || v > 64) {
+      return "powersgd needs its rank, 1..64 (powersgd:4)";
+    }
+    r.codec.name = "powersgd";
+    r.codec.approx_rank = static_cast<int>(v);
+    r.label = "powersgd rank " + arg;
+  } else {
+    return "unknown rung '" + name +
+           "' (direct, none, fp16, bf16, qsgd:BITS, topk:D, dgc:D, randomk:D, powersgd:RANK)";
+  }
+  if (auto codec = kernels::createCodec(r.codec); !codec) return codec.status().message();
+  r.cost_ns = r.direct ? 0.0 : costNs(r.codec);
+  r.steps_factor = factor.value_or(stepsFactor(r.codec));
+  if (factor) r.label += " @" + std::string(full.substr(full.find('@') + 1));
+  *out = std::move(r);
+  return "";
+}
+
+}  // namespace
+
+Result<std::vector<Rung>> parseLadder(std::string_view text) {
+  std::vector<Rung> out;
+  std::set<std::string> seen;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t comma = text.find(',', pos);
+    if (comma == std::string_view::npos) comma = text.size();
+    std::string_view item = text.substr(pos, comma - pos);
+    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+    const std::string where = "compression.auto.ladder: rung " + std::to_string(out.size() + 1);
+    if (item.empty()) return invalidArgument(where + " is empty");
+    Rung r;
+    if (std::string e = parseRung(item, &r); !e.empty()) {
+      return invalidArgument(where + " ('" + std::string(item) + "'): " + e);
+    }
+    if (r.direct && !out.empty()) {
+      return invalidArgument(where + ": 'direct' can only be the first rung (it is lossless)");
+    }
+    if (!seen.insert(r.text.substr(0, r.text.find('@'))).second)
+      return invalidArgument(where + " ('" + r.text + "') twice");
+    out.push_back(std::move(r));
+    if (out.size() > kMaxRungs) {
+      return invalidArgument("compression.auto.ladder: more than " + std::to_string(kMaxRungs) +
+                             " rungs");
+    }
+    pos = comma + 1;
+  }
+  if (out.empty() || (out.size() == 1 && out[0].direct)) {
+    return invalidArgument("compression.auto.ladder needs a rung through the sidecar");
+  }
+  return out;
+}
+
+Status validate(AutoConfig& c) {
+  auto bad = [](const char* key, const std::string& what) {
+    return invalidArgument(std::string("compression.auto.") + key + " must be " + what);
+  };
+  if (c.period < 1) return bad("period", "at least 1");
+  if (c.hysteresis < 1) return bad("hysteresis", "at least 1");
+  if (!(c.tolerance >= 0 && c.tolerance <= 10)) return bad("tolerance", "in [0, 10]");
+  if (!(c.link_change > 0 && c.link_change <= 10)) return bad("link_change", "in (0, 10]");
+  if (!(c.critical_change > 0)) return bad("critical_change", "> 0");
+  if (c.probe_every < 1) return bad("probe_every", "at least 1");
+  auto ladder = parseLadder(c.ladder_text);
+  if (!ladder) return ladder.status();
+  c.ladder = std::move(*ladder);
+  return Status::ok();
+}
+
+void LinkEstimator::add(double bytes, double seconds) {
+  if (!(bytes > 0) || !(seconds > 0) || !std::isfinite(bytes) || !std::isfinite(seconds)) return;
+  points_.emplace_back(bytes, seconds);
+  while (points_.size() > kHistory) points_.pop_front();
+}
+
+std::optional<Link> LinkEstimator::estimate() const {
+  if (points_.empty()) return std::nullopt;
+  // The newest kWindow points, and the newest point of every other size class.
+  std::vector<std::pair<double, double>> use;
+  std::set<int> classes;
+  for (size_t i = points_.size(); i-- > 0;) {
+    const auto& p = points_[i];
+    const int cls = static_cast<int>(std::floor(std::log2(p.first)));
+    if (use.size() < kWindow || classes.count(cls) == 0) use.push_back(p);
+    classes.insert(cls);
+  }
+  const double n = static_cast<double>(use.size());
+  double sb = 0, st = 0, tmin = use.front().second;
+  for (const auto& [b, t] : use) {
+    sb += b;
+    st += t;
+    tmin = std::min(tmin, t);
+  }
+  const double mb = sb / n, mt = st / n;
+  double cov = 0, var = 0;
+  for (const auto& [b, t] : use) {
+    cov += (b - mb) * (t - mt);
+    var += (b - mb) * (b - mb);
+  }
+  Link l;
+  double bmax = 0;
+  for (const auto& [b, t] : use) bmax = std::max(bmax, b);
+  if (use.size() >= 3 && var > 0 && std::sqrt(var / n) > 0.1 * mb) {
+    // Sizes spread enough (more than 10 % around their mean) to tell latency from bandwidth.
+    if (cov > 0) {
+      const double slope = cov / var;
+      l.bytes_per_s = 1.0 / slope;
+      l.latency_s = std::clamp(mt - slope * mb, 0.0, tmin);
+    } else {
+      // Time does not grow with the bytes: the link is latency-bound (the largest payload costs
+      // at most 5 % of the latency).
+      l.latency_s = tmin;
+      l.bytes_per_s = bmax / (0.05 * tmin);
+    }
+  } else {
+    // One size: latency and bandwidth cannot be told apart. The mean rate, no latency (the
+    // optimistic reading: a rung that moves fewer bytes then gets tried, and its exchanges spread
+    // the sizes).
+    l.bytes_per_s = sb / st;
+    l.latency_s = 0;
+  }
+  return l;
+}
+
+double modelBytes(const kernels::CodecConfig& codec, uint64_t n, const std::vector<uint64_t>& shape,
+                  uint32_t world) {
+  if (world <= 1 || n == 0) return 0;
+  const double w = world;
+  if (codec.name == "powersgd") {
+    const uint64_t rows = shape.empty() ? n : shape[0];
+    const uint64_t cols = rows ? n / rows : 1;
+    const double r = std::min<double>(codec.approx_rank, std::min(rows, cols));
+    // Two rounds of summable factors: P (rows × r) then Q (cols × r).
+    return 2 * (w - 1) / w * 4.0 * r * static_cast<double>(rows + cols);
+  }
+  auto c = kernels::createCodec(codec);
+  if (!c) return 4.0 * static_cast<double>(n);
+  // The nominal payload (selection codecs: k pairs), not the worst case.
+  const double payload = static_cast<double>(
+      (*c)->nominalPayloadBytes(n, std::nullopt).value_or((*c)->maxPayloadBytes(n)));
+  return (*c)->traits().summable ? 2 * (w - 1) / w * payload : (w - 1) * payload;
+}
+
+bool rungUsable(const Rung& r, uint64_t n, const std::vector<uint64_t>& shape) {
+  if (r.codec.name != "powersgd") return true;
+  if (shape.size() < 2 || n == 0) return false;
+  const double rows = static_cast<double>(shape[0]), cols = static_cast<double>(n) / rows;
+  return rows * cols > 2.0 * (rows + cols) * r.codec.approx_rank;
+}
+
+double modelExchangeSeconds(const Rung& r, const AutoInputs& in) {
+  const Link& l = *in.link;
+  const double rounds = r.codec.name == "powersgd" ? 2 : 1;
+  return rounds * l.latency_s +
+         modelBytes(r.codec, in.elements, in.shape, in.world) / l.bytes_per_s +
+         r.cost_ns * 1e-9 * static_cast<double>(in.elements);
+}
+
+double modelStepSeconds(const Rung& r, const AutoInputs& in) {
+  if (const size_t i = static_cast<size_t>(&r - in.ladder_base);
+      in.ladder_base && i < in.measured_s.size() && in.measured_s[i] >= 0) {
+    return in.compute_s + in.measured_s[i];
+  }
+  if (r.direct && in.direct_s) return in.compute_s + *in.direct_s;
+  return in.compute_s + std::max(0.0, modelExchangeSeconds(r, in) - in.overlap_s) +
+         in.sidecar_overhead_s;
+}
+
+double modelScore(const Rung& r, const AutoInputs& in) {
+  return modelStepSeconds(r, in) * r.steps_factor;
+}
+
+size_t chooseRung(const std::vector<Rung>& ladder, const std::vector<char>& usable,
+                  const AutoInputs& in, double tolerance) {
+  std::vector<double> t(ladder.size(), 0);
+  double best = INFINITY;
+  for (size_t i = 0; i < ladder.size(); ++i) {
+    if (!usable[i]) continue;
+    t[i] = modelScore(ladder[i], in);
+    best = std::min(best, t[i]);
+  }
+  for (size_t i = 0; i < ladder.size(); ++i) {
+    if (usable[i] && t[i] <= best * (1 + tolerance)) return i;
+  }
+  return 0;
+}
+
+}  // namespace lightwire::policies

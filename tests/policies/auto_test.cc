@@ -1,0 +1,304 @@
+// policies/auto: codec auto — the ladder, the link estimate, the time model, and the decisions the
+// policy engine takes from the global statistics (identical on every rank, hysteresis, critical
+// phases, the direct window, the flush on a switch away from a rung with state).
+#include "policies/auto.h"
+
+#include <doctest/doctest.h>
+
+#include <boost/json/serialize.hpp>
+
+#include <string>
+#include <vector>
+
+#include "policies/policy.h"
+
+namespace lightwire::policies {
+namespace {
+
+constexpr uint64_t kN = 1 << 20;  // a 1024 x 1024 layer
+
+PolicyConfig autoConfig(std::string ladder = std::string(kDefaultLadder)) {
+  PolicyConfig c;
+  c.full_sync_every = 0;
+  c.baseline_steps = 5;
+  c.auto_codec.ladder_text = std::move(ladder);
+  c.auto_codec.period = 2;
+  c.auto_codec.hysteresis = 2;
+  c.auto_codec.critical_steps = 0;
+  c.auto_codec.probe_every = 4;
+  return c;
+}
+
+/// Global statistics of a step of a layer: a gradient norm of 1, the link and the compute.
+GlobalStats stats(double bytes_per_s, double latency_s, double compute_s, double norm = 1.0) {
+  GlobalStats g;
+  g.ranks = 3;
+  g.grad_norm2 = norm * norm;
+  g.elements = kN;
+  g.resumed_from = {std::nullopt, std::nullopt, std::nullopt};
+  g.link_bytes_per_s = bytes_per_s;
+  g.link_latency_s = latency_s;
+  g.compute_s = compute_s;
+  g.overlap_s = compute_s / 2;
+  return g;
+}
+
+AutoFacts facts() { return AutoFacts{kN, {1024, 1024}, 3, "auto"}; }
+
+/// One step of an auto layer as the pipeline runs it: its rung, the plan, the update.
+AutoStep run(PolicyEngine& p, const std::string& tensor, uint64_t step, const GlobalStats& g) {
+  const AutoStep a = p.autoStep(tensor, step);
+  StepPlan plan = p.plan(tensor, step, a.rung->codec, 1);
+  if (a.flush) plan.mode = StepMode::kFullSync;
+  const AutoFacts f = facts();
+  p.update(tensor, step, plan, g, &f);
+  return a;
+}
+
+size_t rungIndex(const PolicyEngine& p, const std::string& tensor, uint64_t step) {
+  return p.autoStep(tensor, step).index;
+}
+
+TEST_SUITE("auto") {
+  TEST_CASE("the ladder: defaults, every rung kind, clear refusals") {
+    auto l = parseLadder(kDefaultLadder);
+    REQUIRE(l.isOk());
+    REQUIRE(l->size() == 6);
+    CHECK((*l)[0].direct);
+    CHECK((*l)[0].codec.name == "none");
+    CHECK((*l)[3].codec.name == "qsgd");
+    CHECK((*l)[3].codec.bits == 8);
+    CHECK((*l)[5].label == "dgc 1 %");
+    CHECK((*l)[5].codec.momentum == 0.0);  // the optimizer keeps momentum on every rung
+    CHECK((*l)[0].steps_factor == 1.0);
+    CHECK((*l)[4].steps_factor > 1.0);
+    auto own = parseLadder("none,dgc:0.01@1.8");
+    REQUIRE(own.isOk());
+    CHECK((*own)[1].steps_factor == 1.8);
+    CHECK((*own)[1].label == "dgc 1 % @1.8");
+    CHECK(parseLadder("none, bf16, topk:0.01, randomk:0.1, powersgd:4").isOk());
+    for (const char* bad :
+         {"", "none,,fp16", "fp16,direct", "qsgd:9", "qsgd", "topk:0", "dgc:2", "powersgd:0",
+          "none,none", "lz4", "fp16:3", "direct", "dgc:0.01@0.5", "dgc:0.01@", "none,none@2"}) {
+      INFO(bad);
+      auto r = parseLadder(bad);
+      REQUIRE_FALSE(r.isOk());
+      CHECK(r.status().message().find("compression.auto.ladder") != std::string::npos);
+    }
+    AutoConfig c;
+    c.period = 0;
+    CHECK(validate(c).message().find("compression.auto.period") != std::string::npos);
+  }
+
+  TEST_CASE("the link estimate separates latency from bandwidth") {
+    LinkEstimator e;
+    CHECK_FALSE(e.estimate());
+    for (int i = 0; i < 20; ++i) {
+      const double bytes = 1e5 * (1 + i % 4);
+      e.add(bytes, 2e-3 + bytes / 1e8);  // 2 ms + 100 MB/s
+    }
+    auto l = e.estimate();
+    REQUIRE(l);
+    CHECK(l->bytes_per_s == doctest::Approx(1e8).epsilon(1e-6));
+    CHECK(l->latency_s == doctest::Approx(2e-3).epsilon(1e-6));
+    // Sizes that settled on one class keep the last point of the others: still separable.
+    for (int i = 0; i < 30; ++i) e.add(1e5, 2e-3 + 1e5 / 1e8);
+    l = e.estimate();
+    CHECK(l->bytes_per_s == doctest::Approx(1e8).epsilon(1e-3));
+    // Time that does not grow with the bytes: latency-bound.
+    LinkEstimator flat;
+    for (int i = 0; i < 8; ++i) flat.add(1e4 * (1 + i % 2), 1e-3);
+    l = flat.estimate();
+    CHECK(l->latency_s == doctest::Approx(1e-3));
+    CHECK(l->bytes_per_s >= 2e4 / (0.05 * 1e-3));
+  }
+
+  TEST_CASE("the time model: fast links keep dense, slow links compress") {
+    auto ladder = *parseLadder(kDefaultLadder);
+    std::vector<char> usable(ladder.size(), 1);
+    AutoInputs in{kN, {1024, 1024}, 4, Link{1.25e9, 1e-4}, 0.05, 0.04};
+    CHECK(chooseRung(ladder, usable, in, 0.05) == 0);  // 10 Gbit/s: hidden behind compute
+    in.link = Link{1.25e8 / 8, 1e-4};                  // 125 Mbit/s
+    const size_t slow = chooseRung(ladder, usable, in, 0.05);
+    CHECK(slow >= 4);
+    CHECK(modelStepSeconds(ladder[slow], in) < modelStepSeconds(ladder[1], in) / 3);
+    // More compute to hide behind: less compression.
+    in.compute_s = in.overlap_s = 5.0;
+    CHECK(chooseRung(ladder, usable, in, 0.05) == 0);
+    // powersgd needs a matrix.
+    const Rung p = (*parseLadder("powersgd:4"))[0];
+    CHECK(rungUsable(p, kN, {1024, 1024}));
+    CHECK_FALSE(rungUsable(p, kN, {kN}));
+  }
+
+  TEST_CASE("a slow link forces compression after the hysteresis; a fast one brings it back") {
+    PolicyEngine p(autoConfig(), "{}", nullptr);
+    // Starts with the first rung through the sidecar (none).
+    CHECK(rungIndex(p, "w", 0) == 1);
+    const GlobalStats slow = stats(1.25e8 / 8, 1e-4, 0.05);
+    run(p, "w", 0, slow);  // step 0 evaluates: the first vote
+    CHECK(rungIndex(p, "w", 1) == 1);
+    run(p, "w", 1, slow);
+    run(p, "w", 2, slow);  // the second vote in a row: switch from step 3
+    const size_t heavy = rungIndex(p, "w", 3);
+    CHECK(heavy >= 4);
+    CHECK(rungIndex(p, "w", 2) == 1);
+    auto log = p.decisions();
+    REQUIRE_FALSE(log.empty());
+    CHECK(log.back().kind == "auto");
+    CHECK(log.back().detail.find("none -> ") == 0);
+    CHECK(log.back().detail.find("link 15.6 MB/s") != std::string::npos);
+    // Back to a fast link: a move to less compression needs no hysteresis, and the rung held
+    // state (dgc's residual) when it is one: step s + 1 flushes it.
+    const size_t entries = p.decisions().size();
+    uint64_t s = 3;
+    for (; s < 8 && p.decisions().size() == entries; ++s) run(p, "w", s, stats(1.25e9, 1e-4, 0.05));
+    REQUIRE(p.decisions().size() > entries);  // decided at step s - 1
+    const bool stateful = p.autoStep("w", s - 1).rung->codec.name == "dgc";
+    const AutoStep next = p.autoStep("w", s);
+    if (stateful) {
+      CHECK(next.flush);  // step s flushes dgc's residual with a full-sync of dgc
+      CHECK(next.index == heavy);
+      CHECK(p.plan("w", s, next.rung->codec, 1).mode == StepMode::kCompressed);  // made full-sync
+      CHECK(rungIndex(p, "w", s + 1) < heavy);
+      CHECK(p.decisions().back().detail.find("flushes") != std::string::npos);
+    } else {
+      CHECK_FALSE(next.flush);
+      CHECK(next.index < heavy);
+    }
+  }
+
+  TEST_CASE("identical decisions on every rank from different local timings") {
+    // Three ranks measured different links and compute; each aggregates the same three records.
+    std::vector<std::vector<uint8_t>> records;
+    for (int r = 0; r < 3; ++r) {
+      StepStats s;
+      s.grad_norm2 = 1;
+      s.elements = kN;
+      s.link_bytes_per_s = 1e7 * (r + 1);
+      s.link_latency_s = 1e-4 * (3 - r);
+      s.compute_s = 0.01 * (r + 1);
+      s.overlap_s = 0.005;
+      records.push_back(encodeStats(s));
+    }
+    auto g = aggregate(records);
+    REQUIRE(g.isOk());
+    CHECK(*g->link_bytes_per_s == 1e7);  // the slowest link
+    CHECK(*g->link_latency_s == doctest::Approx(3e-4));
+    CHECK(*g->compute_s == doctest::Approx(0.01));  // the least compute
+    std::vector<std::unique_ptr<PolicyEngine>> ranks;
+    for (int r = 0; r < 3; ++r)
+      ranks.push_back(std::make_unique<PolicyEngine>(autoConfig(), "{}", nullptr));
+    for (uint64_t step = 0; step < 12; ++step) {
+      for (auto& e : ranks) run(*e, "w", step, *g);
+    }
+    for (auto& e : ranks) {
+      CHECK(boost::json::serialize(e->stateJson()) ==
+            boost::json::serialize(ranks[0]->stateJson()));
+    }
+    CHECK_FALSE(ranks[0]->decisions().empty());
+  }
+
+  TEST_CASE("a critical phase moves a layer to less compression at once") {
+    PolicyConfig c = autoConfig("none,fp16,qsgd:8,qsgd:4,dgc:0.01");
+    c.auto_codec.critical_change = 0.5;
+    c.auto_codec.critical_hold = 4;
+    PolicyEngine p(c, "{}", nullptr);
+    const double bw = 1.25e8 / 8;
+    uint64_t s = 0;
+    for (; s < 10; ++s) run(p, "w", s, stats(bw, 1e-4, 0.05));
+    const size_t settled = rungIndex(p, "w", s);
+    REQUIRE(settled >= 2);
+    // The gradient norm triples (an odd step: not an evaluation step of the period).
+    run(p, "w", s, stats(bw, 1e-4, 0.05, 3.0));
+    const size_t critical =
+        rungIndex(p, "w", s + 1) == settled ? rungIndex(p, "w", s + 2) : rungIndex(p, "w", s + 1);
+    CHECK(critical == settled - 1);
+    bool logged = false;
+    for (const auto& d : p.decisions()) logged = logged || d.kind == "critical";
+    CHECK(logged);
+    // While the phase lasts (4 steps), no move back to more compression; after it, the score
+    // takes the layer back.
+    const uint64_t phase_end = s + 1 + 4;
+    for (++s; s < phase_end; ++s) {
+      run(p, "w", s, stats(bw, 1e-4, 0.05));
+      CHECK(rungIndex(p, "w", s + 1) <= settled - 1);
+    }
+    for (; s < phase_end + 30; ++s) run(p, "w", s, stats(bw, 1e-4, 0.05));
+    CHECK(rungIndex(p, "w", s) == settled);
+  }
+
+  TEST_CASE("the direct rung is taken job-wide, and only when every tensor allows it") {
+    PolicyEngine p(autoConfig(), "{}", nullptr);
+    const GlobalStats fast = stats(1.25e10, 1e-5, 0.05);
+    StepPlan dense = p.plan("bias", 0, kernels::CodecConfig{}, 1);  // a layer kept dense
+    for (uint64_t s = 0; s < 2; ++s) {
+      run(p, "a", s, fast);
+      run(p, "b", s, fast);
+      p.update("bias", s, dense, fast);
+    }
+    // Step 0 scored the layers (none, lossless; direct scores no worse): decided at the first
+    // update of step 1, for steps 2 .. 5.
+    auto w = p.directWindowAfter(1);
+    REQUIRE(w);
+    CHECK(w->from == 2);
+    CHECK(w->until == 6);
+    CHECK_FALSE(p.directWindowAfter(2));
+    bool logged = false;
+    for (const auto& d : p.decisions()) logged = logged || (d.kind == "direct" && d.tensor == "*");
+    CHECK(logged);
+    // After the window (the trainers' process group had steps 2 .. 5), a new one needs two steps
+    // through the sidecars first: steps 6 and 7, decided at 8.
+    for (uint64_t s = 6; s < 8; ++s) {
+      run(p, "a", s, fast);
+      run(p, "b", s, fast);
+    }
+    CHECK_FALSE(p.directWindowAfter(7));
+    run(p, "a", 8, fast);
+    w = p.directWindowAfter(8);
+    REQUIRE(w);
+    CHECK(w->from == 9);
+    // A slow link: the layers' compressed rungs score far better than direct: no window.
+    PolicyEngine slow(autoConfig(), "{}", nullptr);
+    for (uint64_t s = 0; s < 8; ++s) {
+      run(slow, "a", s, stats(1.25e8 / 8, 1e-4, 0.05));
+      CHECK_FALSE(slow.directWindowAfter(s));
+    }
+    // A tensor with a codec of its own keeps the sidecars in the data path.
+    PolicyEngine q(autoConfig(), "{}", nullptr);
+    kernels::CodecConfig topk;
+    topk.name = "topk";
+    topk.density = 0.01;
+    for (uint64_t s = 0; s < 6; ++s) {
+      run(q, "a", s, fast);
+      q.update("emb", s, q.plan("emb", s, topk, 1), fast);
+    }
+    CHECK_FALSE(q.directWindowAfter(5));
+    CHECK(q.autoStep("a", 5).rung->codec.name == "none");  // a layer never takes direct alone
+  }
+
+  TEST_CASE("auto state survives the state JSON (checkpoints, rejoining peers)") {
+    PolicyEngine p(autoConfig(), "{}", nullptr);
+    for (uint64_t s = 0; s < 6; ++s) run(p, "w", s, stats(1.25e8 / 8, 1e-4, 0.05));
+    PolicyEngine q(autoConfig(), "{}", nullptr);
+    REQUIRE(q.restoreState(p.stateJson()).isOk());
+    CHECK(boost::json::serialize(q.stateJson()) == boost::json::serialize(p.stateJson()));
+    CHECK(q.autoStep("w", 6).index == p.autoStep("w", 6).index);
+    // A ladder with fewer rungs cannot take it.
+    PolicyEngine r(autoConfig("none,fp16"), "{}", nullptr);
+    auto st = r.restoreState(p.stateJson());
+    CHECK_FALSE(st.isOk());
+    CHECK(st.message().find("compression.auto.ladder differs") != std::string::npos);
+    // The status explains each layer.
+    auto status = p.statusJson();
+    const auto& layers = status["auto"].as_object().at("layers").as_object();
+    REQUIRE(layers.contains("w"));
+    const std::string text(layers.at("w").as_object().at("text").as_string());
+    CHECK(text.find("w: ") == 0);
+    CHECK(text.find("link 15.6 MB/s") != std::string::npos);
+    CHECK(text.find("compute 50 ms") != std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace lightwire::policies
