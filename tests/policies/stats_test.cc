@@ -66,8 +66,41 @@ TEST_SUITE("stats") {
       CHECK_FALSE(decodeStats(bytes));
     }
     SUBCASE("version") {
-      bytes[4] = 2;
-      CHECK(decodeStats(bytes).status().message().find("version 2") != std::string::npos);
+      bytes[4] = 3;
+      CHECK(decodeStats(bytes).status().message().find("version 3") != std::string::npos);
+    }
+    SUBCASE("link and timing figures out of range") {
+      StepStats s;
+      s.elements = 1;
+      s.link_bytes_per_s = 0.0;  // a bandwidth of 0
+      s.link_latency_s = 0.0;
+      CHECK_FALSE(decodeStats(encodeStats(s)));
+      s.link_bytes_per_s = 1e9;
+      s.compute_s = 1.0;
+      s.overlap_s = 2.0;  // more overlap than compute
+      CHECK_FALSE(decodeStats(encodeStats(s)));
+      s.overlap_s = 0.5;
+      s.tail_s = -1.0;
+      CHECK_FALSE(decodeStats(encodeStats(s)));
+      s.tail_s = 0.25;
+      s.direct_s = 0.125;
+      auto back = decodeStats(encodeStats(s));
+      REQUIRE(back.isOk());
+      CHECK(*back->link_bytes_per_s == 1e9);
+      CHECK(*back->overlap_s == 0.5);
+      CHECK(*back->tail_s == 0.25);
+      CHECK(*back->direct_s == 0.125);
+    }
+    SUBCASE("version 1 records (no link, no timing) are read") {
+      bytes = encodeStats(sampleStats());
+      // A version 1 record is a version 2 record without the 48 bytes of link and timing.
+      const size_t at = 4 + 2 + 2 + 8 * 11;
+      bytes.erase(bytes.begin() + at, bytes.begin() + at + 48);
+      bytes[4] = 1;
+      auto v1 = decodeStats(bytes);
+      REQUIRE_MESSAGE(v1.isOk(), v1.status().message());
+      CHECK_FALSE(v1->link_bytes_per_s);
+      CHECK(v1->requests == sampleStats().requests);
     }
     SUBCASE("counts above the element count") {
       StepStats s;
