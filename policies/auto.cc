@@ -168,20 +168,14 @@ Status validate(AutoConfig& c) {
 void LinkEstimator::add(double bytes, double seconds) {
   if (!(bytes > 0) || !(seconds > 0) || !std::isfinite(bytes) || !std::isfinite(seconds)) return;
   points_.emplace_back(bytes, seconds);
-  while (points_.size() > kHistory) points_.pop_front();
+  while (points_.size() > kWindow) points_.pop_front();
 }
 
 std::optional<Link> LinkEstimator::estimate() const {
   if (points_.empty()) return std::nullopt;
-  // The newest kWindow points, and the newest point of every other size class.
-  std::vector<std::pair<double, double>> use;
-  std::set<int> classes;
-  for (size_t i = points_.size(); i-- > 0;) {
-    const auto& p = points_[i];
-    const int cls = static_cast<int>(std::floor(std::log2(p.first)));
-    if (use.size() < kWindow || classes.count(cls) == 0) use.push_back(p);
-    classes.insert(cls);
-  }
+  // The newest kWindow points: older ones may be of a link that has changed since.
+  std::vector<std::pair<double, double>> use(points_.end() - std::min(points_.size(), kWindow),
+                                             points_.end());
   const double n = static_cast<double>(use.size());
   double sb = 0, st = 0, tmin = use.front().second;
   for (const auto& [b, t] : use) {

@@ -75,10 +75,7 @@ struct Link {
 /// predictions for other codecs are consistent with it. Not thread-safe (the engine's thread).
 class LinkEstimator {
  public:
-  static constexpr size_t kWindow = 16;   // the newest points
-  static constexpr size_t kHistory = 64;  // ... plus the newest of each other size (a factor-2
-                                          // class) among this many, so that the sizes stay
-                                          // spread after a layer settles on one rung
+  static constexpr size_t kWindow = 16;  // the newest points
   void add(double bytes, double seconds);
   std::optional<Link> estimate() const;
 

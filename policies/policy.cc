@@ -496,7 +496,11 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   // What the hook measured: the direct rung's tail in direct windows; the rung in force's from its
   // second step on (a request carries the tail of the trainer's previous iteration).
   a.measured.resize(ac.ladder.size(), -1.0);
-  if (g.direct_s && ac.ladder[0].direct) a.measured[0] = *g.direct_s;
+  // The hook's `direct_s` changes only in a direct window: a figure from before the link moved
+  // stays ignored until a window measures again.
+  if (g.direct_s && ac.ladder[0].direct && *g.direct_s != a.direct_ignored) {
+    a.measured[0] = *g.direct_s;
+  }
   if (g.tail_s && !ac.ladder[a.cur].direct && step >= a.cur_from + 1) {
     double& m = a.measured[a.cur];
     m = m < 0 ? *g.tail_s : 0.5 * m + 0.5 * *g.tail_s;
@@ -514,8 +518,11 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
     for (size_t i = 0; i < a.measured.size(); ++i) {
       if (i != a.cur) a.measured[i] = -1.0;
     }
+    if (g.direct_s) a.direct_ignored = *g.direct_s;
   }
   in.measured_s = a.measured;
+  // `direct` as the model has it, unless measured since the link moved.
+  if (a.measured.empty() || a.measured[0] < 0) in.direct_s.reset();
   in.ladder_base = ac.ladder.data();
   if (g.tail_s && !ac.ladder[a.cur].direct && step >= a.cur_from + 1) {
     // The measured tail of the steps through the sidecars against what the model says of the
@@ -546,7 +553,7 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   const bool critical = step < ac.critical_steps || step < a.critical_until || ts.degraded > 0;
   const bool started = a.critical_start;
   a.critical_start = false;
-  if (critical && want > a.cur) want = a.cur;
+  if (critical && want > a.cur && !link_moved) want = a.cur;
   if (started && ac.ladder[a.cur].steps_factor > 1) {
     for (size_t i = a.cur; i-- > 0;) {
       if (usable[i]) {
@@ -572,7 +579,7 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   const bool due = step >= a.next_eval || after_window;
   // The job's direct window compares these (decideDirect).
   a.score_direct = ac.ladder[0].direct ? modelScore(ac.ladder[0], in) : -1.0;
-  a.direct_measured = in.direct_s.has_value() || (!a.measured.empty() && a.measured[0] >= 0);
+  a.direct_measured = !a.measured.empty() && a.measured[0] >= 0;
   a.score_cur = modelScore(ac.ladder[a.cur], in);
   a.score_best = modelScore(ac.ladder[want], in);
   a.best_lossless = ac.ladder[want].steps_factor == 1.0;
@@ -774,6 +781,7 @@ json::object PolicyEngine::stateJson() const {
           {"score_cur", a.score_cur},
           {"direct_measured", a.direct_measured},
           {"score_best", a.score_best},
+          {"direct_ignored", a.direct_ignored},
           {"best_lossless", a.best_lossless},
           {"measured", json::array(a.measured.begin(), a.measured.end())},
           {"why", a.why}};
@@ -929,6 +937,7 @@ Status PolicyEngine::restoreState(const json::value& v) {
       a.score_cur = r.num(ao, "score_cur");
       a.direct_measured = r.boolean(ao, "direct_measured");
       a.score_best = r.num(ao, "score_best");
+      a.direct_ignored = r.num(ao, "direct_ignored");
       a.best_lossless = r.boolean(ao, "best_lossless");
       for (const auto& m : r.arr(ao, "measured")) {
         if (!m.is_number() && r.error.empty()) r.error = "auto 'measured' must hold numbers";
@@ -1011,10 +1020,15 @@ json::object PolicyEngine::statusJson() const {
   }
   json::array ladder;
   for (const auto& r : ac.ladder) ladder.push_back(json::value(r.text));
-  o["auto"] = json::object{{"ladder", std::move(ladder)},   {"period", ac.period},
-                           {"hysteresis", ac.hysteresis},   {"tolerance", ac.tolerance},
-                           {"link_change", ac.link_change}, {"probe_every", ac.probe_every},
-                           {"layers", std::move(layers)}};
+  o["auto"] =
+      json::object{{"ladder", std::move(ladder)},
+                   {"direct", json::object{{"from", direct_.from}, {"until", direct_.until}}},
+                   {"period", ac.period},
+                   {"hysteresis", ac.hysteresis},
+                   {"tolerance", ac.tolerance},
+                   {"link_change", ac.link_change},
+                   {"probe_every", ac.probe_every},
+                   {"layers", std::move(layers)}};
   return o;
 }
 

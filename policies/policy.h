@@ -217,7 +217,8 @@ class PolicyEngine {
       // `direct` was measured: what the job's direct window compares.
       double score_direct = -1, score_cur = -1, score_best = -1;  // best: the rung it chose
       bool direct_measured = false, best_lossless = false;
-      std::string why;  // the inputs of the last evaluation, for people
+      double direct_ignored = -1;  // the hook's direct_s from before the link last moved
+      std::string why;             // the inputs of the last evaluation, for people
     } autos;
   };
   struct Settings {

@@ -69,8 +69,24 @@ def summary(rows_by_rep, configs):
                       "trainer_cpu_seconds_per_step":
                           statistics.median(trainer_cpu) if trainer_cpu else None,
                       "sidecar_cpu_seconds_per_step":
-                          statistics.median(sidecar_cpu) if sidecar_cpu else None})
+                          statistics.median(sidecar_cpu) if sidecar_cpu else None,
+                      # Per repetition: the final loss, and what carried the steps (lightwire
+                      # rows: the trainers' process group in codec auto's direct windows, the
+                      # sidecars dense or compressed) with codec auto's decisions.
+                      "final_loss": [r.get("final_loss") for r in ok],
+                      "carried": [carried_counts(r) for r in ok],
+                      "decisions": [r.get("decisions") for r in ok]})
     return table
+
+
+def carried_counts(row):
+    """{"direct", "dense", "compressed", "fallback"}: the steps of a row carried each way."""
+    out = {"direct": 0, "dense": 0, "compressed": 0, "fallback": 0}
+    for c in row.get("carried") or []:
+        key = c["by"] if c["by"] != "sidecar" else (
+            "dense" if c["dense_share"] > 0.999 else "compressed")
+        out[key] += 1
+    return out
 
 
 def main():

@@ -220,6 +220,21 @@ std::string formatStatus(const json::object& s, int decisions) {
       }
     }
     out << "  resumed  " << str(at(pol, "resumed_from")) << "\n";
+    // codec auto: the direct window and each layer's rung with why.
+    if (const auto* a = at(pol, "auto"); a && a->is_object()) {
+      const auto& ao = a->as_object();
+      const auto* layers = at(ao, "layers");
+      if (layers && layers->is_object() && !layers->as_object().empty()) {
+        const auto& d = obj(ao, "direct");
+        const double from = number(at(d, "from")), until = number(at(d, "until"));
+        out << "  auto     direct window "
+            << (until > from ? "steps " + num(from) + ".." + num(until - 1) : std::string("none"))
+            << "\n";
+        for (const auto& [name, layer] : layers->as_object()) {
+          if (layer.is_object()) out << "    " << str(at(layer.as_object(), "text")) << "\n";
+        }
+      }
+    }
     if (const auto* log = at(pol, "log"); log && log->is_array()) {
       const auto& arr = log->as_array();
       out << "  decisions (" << arr.size() << " kept, last " << decisions << ")\n";

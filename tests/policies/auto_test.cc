@@ -101,10 +101,14 @@ TEST_SUITE("auto") {
     REQUIRE(l);
     CHECK(l->bytes_per_s == doctest::Approx(1e8).epsilon(1e-6));
     CHECK(l->latency_s == doctest::Approx(2e-3).epsilon(1e-6));
-    // Sizes that settled on one class keep the last point of the others: still separable.
-    for (int i = 0; i < 30; ++i) e.add(1e5, 2e-3 + 1e5 / 1e8);
+    // One size only (a layer settled on one rung): the mean rate, no latency; a link ten times
+    // slower is seen within the window.
+    for (int i = 0; i < 16; ++i) e.add(1e5, 2e-3 + 1e5 / 1e8);
     l = e.estimate();
-    CHECK(l->bytes_per_s == doctest::Approx(1e8).epsilon(1e-3));
+    CHECK(l->bytes_per_s == doctest::Approx(1e5 / 3e-3));
+    CHECK(l->latency_s == 0);
+    for (int i = 0; i < 16; ++i) e.add(1e5, 2e-3 + 1e5 / 1e7);
+    CHECK(e.estimate()->bytes_per_s == doctest::Approx(1e5 / 12e-3));
     // Time that does not grow with the bytes: latency-bound.
     LinkEstimator flat;
     for (int i = 0; i < 8; ++i) flat.add(1e4 * (1 + i % 2), 1e-3);

@@ -87,6 +87,11 @@ def auto_run(tmp_path_factory):
             pytest.fail("DDP %s; sidecars:\n%s" % (failed, cl.stderr()))
         r = [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(WORLD)]
         statuses = [_status(sc) for sc in cl.sidecars]
+        import subprocess
+        from conftest import LIGHTWIRE_BIN
+        cli = subprocess.run([LIGHTWIRE_BIN, "status", "--socket", cl.sidecars[0].socket],
+                             capture_output=True, text=True, timeout=30)
+        statuses[0]["cli"] = cli.stdout + cli.stderr
         cl.stop()
         return r, statuses
     finally:
@@ -121,3 +126,6 @@ def test_decisions_identical_on_every_sidecar(auto_run):
     # The layer's explanation names its inputs.
     text = next(iter(statuses[0]["policies"]["auto"]["layers"].values()))["text"]
     assert "link" in text and "MB/s" in text and "compute" in text
+    # `lightwire status` prints the direct window and each layer's explanation.
+    assert "auto     direct window" in statuses[0]["cli"]
+    assert text in statuses[0]["cli"]
