@@ -14,6 +14,7 @@ Needs root (a network namespace; as bench/e2e/e2e.py). Usage:
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -22,6 +23,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import e2e  # noqa: E402
+
+
+# The default ladder's labels (docs/policies.md "codec: auto"), least lossy first.
+LADDER = ["direct", "none", "fp16", "bf16", "qsgd 8 bits", "qsgd 4 bits", "dgc 1 %", "topk 1 %"]
+
+
+def rung_rank(label):
+    return LADDER.index(label) if label in LADDER else -1
 
 
 def main():
@@ -34,7 +43,16 @@ def main():
     p.add_argument("--to-rate", default="1gbit")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--json", help="write the result here")
+    p.add_argument("--rereport", metavar="RESULT",
+                   help="recompute the figures of an earlier result (its row) and rewrite it")
     args = p.parse_args()
+    if args.rereport:
+        with open(args.rereport) as f:
+            old = json.load(f)
+        drop = old.get("drop_after_trainer_step", old.get("drop_after_step"))
+        report(summarize(old["row"], drop, old["task"], old["from_rate"], old["to_rate"]),
+               args.rereport)
+        return 0
     if args.drop_after >= args.steps:
         e2e.die("--drop-after must be below --steps")
     binary, python = e2e.executables(True)
@@ -65,29 +83,49 @@ def main():
         ns.close()
     if row["status"] != "ok":
         e2e.die("the run failed: %s" % row["error"])
-    drop = dropped.get("step")
+    result = summarize(row, dropped.get("step"), args.task, args.from_rate, args.to_rate)
+    report(result, args.json)
+    return 0
+
+
+def summarize(row, drop, task, from_rate, to_rate):
+    """The run's figures: the drop, the first move to heavier compression after it."""
+    # The trainers number their steps from 1, the sidecars from 0: the drop came after sidecar
+    # step drop - 1. The first decision after it that moved a layer to a more lossy rung of the
+    # default ladder, and the step that rung took effect.
+    moved = None
+    for d in row.get("decisions", []):
+        m = re.match(r"(.+?) -> (.+?) from step (\d+)", d.get("detail", ""))
+        if d.get("kind") != "auto" or not m or drop is None or d["step"] < drop - 1:
+            continue
+        if rung_rank(m.group(2)) > rung_rank(m.group(1)):
+            moved = {"decided": d["step"], "from": int(m.group(3)), "tensor": d["tensor"],
+                     "detail": d["detail"]}
+            break
+    return {"task": task, "from_rate": from_rate, "to_rate": to_rate,
+            "drop_after_trainer_step": drop,
+            "drop_after_sidecar_step": None if drop is None else drop - 1,
+            "first_heavier": moved,
+            "steps_to_react": None if moved is None or drop is None else moved["from"] - (drop - 1),
+            "row": row}
+
+
+def report(result, json_path):
+    row, drop, moved = result["row"], result["drop_after_trainer_step"], result["first_heavier"]
     carried = row.get("carried") or []
-    # The first step after the drop whose dense share fell below the last one before it.
-    before = [c for c in carried if c["step"] <= (drop or 0)]
-    share0 = before[-1]["dense_share"] if before else 1.0
-    moved = next((c["step"] for c in carried if drop is not None and c["step"] > drop
-                  and c["dense_share"] < min(share0, 1.0) - 1e-9), None)
-    result = {"task": args.task, "from_rate": args.from_rate, "to_rate": args.to_rate,
-              "drop_after_step": drop, "first_heavier_step": moved,
-              "steps_to_react": None if moved is None or drop is None else moved - drop,
-              "row": row}
-    e2e.log("link %s -> %s after step %s; heavier compression from step %s (%s steps later)" % (
-        args.from_rate, args.to_rate, drop, moved, result["steps_to_react"]))
+    e2e.log("link %s -> %s after sidecar step %s; the first move to heavier compression takes "
+            "effect at step %s (%s steps later): %s" % (
+                result["from_rate"], result["to_rate"], None if drop is None else drop - 1,
+                moved and moved["from"], result["steps_to_react"], moved and moved["detail"]))
     for c in carried:
         if c["step"] % 5 == 0 or (drop is not None and drop - 2 <= c["step"] <= drop + 25):
             e2e.log("  step %3d: %-7s dense share %.3f  %.3f s" % (
                 c["step"], c["by"], c["dense_share"], c["seconds"]))
     for d in row.get("decisions", []):
         e2e.log("  decision step %s %s %s: %s" % (d["step"], d["tensor"], d["kind"], d["detail"]))
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -598,6 +598,58 @@ TEST_CASE("policies: a full-sync sends everything the residual held back") {
         std::string::npos);
 }
 
+TEST_CASE("codec auto: a switch away from a rung with state flushes it first, then starts fresh") {
+  policies::PolicyConfig pc = quickPolicies();
+  pc.auto_codec.ladder_text = "none,dgc:0.05";
+  PolicyFixture f(pc, always(codecNamed("auto")));
+  // World size 1: no link is measured, so the rungs are the ones the state says. Put the layer
+  // on dgc (rung 1) from step 1, then a switch to none decided at step 3: step 4 flushes dgc's
+  // residual (a full-sync with dgc), step 5 is none with fresh state.
+  auto put = [&](uint64_t cur, uint64_t prev, uint64_t cur_from, uint64_t flush_at) {
+    auto state = f.policy.stateJson();
+    auto& a = state["tensors"].as_object()["g"].as_object()["auto"].as_object();
+    a["cur"] = cur;
+    a["prev"] = prev;
+    a["cur_from"] = cur_from;
+    a["flush_at"] = flush_at;
+    REQUIRE(f.policy.restoreState(state).isOk());
+  };
+  std::vector<double> inputs(2000, 0.0), results(2000, 0.0);
+  auto run = [&](uint64_t s) {
+    const auto v = randomValues(2000, 300 + static_cast<uint32_t>(s));
+    auto [o, r] = step1(f.engine, "g", s, v);
+    REQUIRE_MESSAGE(o.ok(), o.message);
+    for (size_t i = 0; i < v.size(); ++i) {
+      inputs[i] += v[i];
+      results[i] += r[i];
+    }
+    return o;
+  };
+  StepOutcome o = run(0);  // the first step: rung none, the auto state made
+  CHECK(o.figures.codec == "none");
+  CHECK(o.figures.rung == "none");
+  put(1, 1, 1, UINT64_MAX);
+  for (uint64_t s = 1; s <= 3; ++s) {
+    o = run(s);
+    CHECK(o.figures.codec == "dgc");
+    CHECK(o.figures.rung == "dgc:0.05");
+    CHECK(o.figures.mode == "compressed");
+  }
+  put(0, 1, 5, 4);
+  o = run(4);
+  CHECK(o.figures.codec == "dgc");
+  CHECK(o.figures.mode == "full_sync");
+  o = run(5);
+  CHECK(o.figures.codec == "none");
+  CHECK(o.figures.state_reset);
+  // Nothing dgc held back was lost: the results add up to the inputs.
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    CHECK(results[i] == doctest::Approx(inputs[i]).epsilon(1e-5));
+  }
+  CHECK(f.metrics.exposition().find("lightwire_full_syncs_total{reason=\"switch\"} 1") !=
+        std::string::npos);
+}
+
 TEST_CASE("policies: NaN -> result returned, state not committed, bypass for K steps") {
   PolicyFixture f(quickPolicies(), always(codecNamed("topk", 0.1)));
   for (uint64_t s = 1; s <= 4; ++s) {
