@@ -122,6 +122,9 @@ def test_speed_bench_smoke_interleaves_repetitions_and_reports_ratios(tmp_path):
         assert t["trainer_cpu_seconds_per_step"] > 0 and t["sidecar_cpu_seconds_per_step"] > 0, t
         assert rows["ddp"]["trainer_cpu_seconds_per_step"] > 0
         assert rows["ddp"]["sidecar_cpu_seconds_per_step"] is None  # no sidecars
+        # Each repetition's loss and what carried its steps (all of them: through the sidecars).
+        assert len(t["final_loss"]) == 2 and all(v > 0 for v in t["final_loss"]), t
+        assert t["carried"] == [{"direct": 0, "dense": 10, "compressed": 0, "fallback": 0}] * 2, t
     assert "median of 2 interleaved repetitions" in r.stderr
     # The order of the runs: the configurations in turn, repetition after repetition.
     order = [line.split(": ")[-1] for line in r.stderr.splitlines() if ", repetition " in line]
