@@ -132,6 +132,12 @@ double PolicyEngine::Ewma::dev() const { return std::sqrt(std::max(0.0, var)); }
 PolicyEngine::PolicyEngine(PolicyConfig config, std::string initial_settings,
                            metrics::Metrics* metrics)
     : config_(withLadder(std::move(config))), metrics_(metrics) {
+  // The switch counters of the default group exist from the start (at 0), one per rung.
+  if (metrics_) {
+    for (const Rung& r : config_.auto_codec.ladder) {
+      if (!r.direct) metrics_->autoSwitches("auto", r.text);
+    }
+  }
   settings_.push_back({std::move(initial_settings), 0, true, "configured"});
 }
 

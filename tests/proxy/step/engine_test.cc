@@ -617,13 +617,13 @@ TEST_CASE("codec auto: a switch away from a rung with state flushes it first, th
   std::vector<double> inputs(2000, 0.0), results(2000, 0.0);
   auto run = [&](uint64_t s) {
     const auto v = randomValues(2000, 300 + static_cast<uint32_t>(s));
-    auto [o, r] = step1(f.engine, "g", s, v);
-    REQUIRE_MESSAGE(o.ok(), o.message);
+    const std::pair<StepOutcome, std::vector<float>> got = step1(f.engine, "g", s, v);
+    REQUIRE_MESSAGE(got.first.ok(), got.first.message);
     for (size_t i = 0; i < v.size(); ++i) {
       inputs[i] += v[i];
-      results[i] += r[i];
+      results[i] += got.second[i];
     }
-    return o;
+    return got.first;
   };
   StepOutcome o = run(0);  // the first step: rung none, the auto state made
   CHECK(o.figures.codec == "none");
