@@ -105,7 +105,9 @@ std::string parseRung(std::string_view full, Rung* out) {
     return "unknown rung '" + name +
            "' (direct, none, fp16, bf16, qsgd:BITS, topk:D, dgc:D, randomk:D, powersgd:RANK)";
   }
-  if (auto codec = kernels::createCodec(r.codec); !codec) return codec.status().message();
+  auto codec = kernels::createCodec(r.codec);
+  if (!codec) return codec.status().message();
+  r.impl = std::move(*codec);
   r.cost_ns = r.direct ? 0.0 : costNs(r.codec);
   r.steps_factor = factor.value_or(stepsFactor(r.codec));
   if (factor) r.label += " @" + std::string(full.substr(full.find('@') + 1));
@@ -214,10 +216,11 @@ std::optional<Link> LinkEstimator::estimate() const {
   return l;
 }
 
-double modelBytes(const kernels::CodecConfig& codec, uint64_t n, const std::vector<uint64_t>& shape,
+double modelBytes(const kernels::Codec& impl, uint64_t n, const std::vector<uint64_t>& shape,
                   uint32_t world) {
   if (world <= 1 || n == 0) return 0;
   const double w = world;
+  const kernels::CodecConfig& codec = impl.config();
   if (codec.name == "powersgd") {
     const uint64_t rows = shape.empty() ? n : shape[0];
     const uint64_t cols = rows ? n / rows : 1;
@@ -225,12 +228,10 @@ double modelBytes(const kernels::CodecConfig& codec, uint64_t n, const std::vect
     // Two rounds of summable factors: P (rows × r) then Q (cols × r).
     return 2 * (w - 1) / w * 4.0 * r * static_cast<double>(rows + cols);
   }
-  auto c = kernels::createCodec(codec);
-  if (!c) return 4.0 * static_cast<double>(n);
   // The nominal payload (selection codecs: k pairs), not the worst case.
   const double payload = static_cast<double>(
-      (*c)->nominalPayloadBytes(n, std::nullopt).value_or((*c)->maxPayloadBytes(n)));
-  return (*c)->traits().summable ? 2 * (w - 1) / w * payload : (w - 1) * payload;
+      impl.nominalPayloadBytes(n, std::nullopt).value_or(impl.maxPayloadBytes(n)));
+  return impl.traits().summable ? 2 * (w - 1) / w * payload : (w - 1) * payload;
 }
 
 bool rungUsable(const Rung& r, uint64_t n, const std::vector<uint64_t>& shape) {
@@ -244,7 +245,7 @@ double modelExchangeSeconds(const Rung& r, const AutoInputs& in) {
   const Link& l = *in.link;
   const double rounds = r.codec.name == "powersgd" ? 2 : 1;
   return rounds * l.latency_s +
-         modelBytes(r.codec, in.elements, in.shape, in.world) / l.bytes_per_s +
+         modelBytes(*r.impl, in.elements, in.shape, in.world) / l.bytes_per_s +
          r.cost_ns * 1e-9 * static_cast<double>(in.elements);
 }
 

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -25,6 +26,7 @@ struct Rung {
   std::string label;           // for people: "direct", "qsgd 8 bits", "dgc 1 %"
   bool direct = false;         // the trainer's own process group; through the sidecar: `none`
   kernels::CodecConfig codec;  // the codec the sidecar sends the layer with
+  std::shared_ptr<const kernels::Codec> impl;  // made from `codec` once, for the time model
   // The sidecar's CPU time per element for this codec (encode + decode, nanoseconds), part of
   // the time model: a heavily compressing codec that costs more CPU than it saves on the wire
   // is not chosen.
@@ -86,7 +88,7 @@ class LinkEstimator {
 /// The bytes one rank moves for one step of a layer of `n` elements (shape: its dimensions) sent
 /// with `codec` among `world` ranks: a ring allreduce for codecs whose payloads add (2(W − 1)/W of
 /// a payload), an allgather otherwise ((W − 1) payloads), per round.
-double modelBytes(const kernels::CodecConfig& codec, uint64_t n, const std::vector<uint64_t>& shape,
+double modelBytes(const kernels::Codec& codec, uint64_t n, const std::vector<uint64_t>& shape,
                   uint32_t world);
 
 /// What the time model knows of one step of one layer (from the global statistics). Plain value.

@@ -54,13 +54,6 @@ PolicyConfig withLadder(PolicyConfig c) {
   return c;
 }
 
-/// Whether a codec keeps state between steps (a residual, momentum, factors): moving away from
-/// it needs a flush.
-bool holdsState(const kernels::CodecConfig& c) {
-  auto codec = kernels::createCodec(c);
-  return codec && (*codec)->stateFloats(1 << 16) > 0;
-}
-
 }  // namespace
 
 std::optional<double> warmupDensity(uint64_t step, uint64_t warmup_steps) {
@@ -603,7 +596,7 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   }
   const Rung& from = ac.ladder[a.cur];
   const Rung& to = ac.ladder[want];
-  const bool flush = !from.direct && holdsState(from.codec);
+  const bool flush = !from.direct && from.impl->stateFloats(1 << 16) > 0;
   a.prev = a.cur;
   a.cur = want;
   a.flush_at = flush ? step + 1 : UINT64_MAX;

@@ -87,7 +87,7 @@ StepOutcome StepPipeline::run() {
 
 double StepPipeline::modelBytes() const {
   if (!step_codec_) return 0;
-  return policies::modelBytes(step_codec_->config(), n_, p_.shape, engine_.exchange_.worldSize());
+  return policies::modelBytes(*step_codec_, n_, p_.shape, engine_.exchange_.worldSize());
 }
 
 void StepPipeline::measureLink(StepEngine& engine, double bytes, double exchange_us) {

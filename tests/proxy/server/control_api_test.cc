@@ -523,6 +523,29 @@ TEST_CASE("bad raw emit_gradient requests get 400 and change nothing") {
   CHECK(ok.body() == body8);
 }
 
+TEST_CASE("bad codec-auto timing fields of a form-2 request get 400 and change nothing") {
+  Stack s;
+  Client c = s.unixClient();
+  const std::string before = snapshot(c);
+  const std::string head = R"({"name": "w", "step": 1, "buffer": "b1", "shape": [4], )";
+  for (const auto& [fields, says] : std::vector<std::pair<std::string, std::string>>{
+           {R"("compute_s": 1})", "go together"},
+           {R"("overlap_s": 1})", "go together"},
+           {R"("compute_s": 1, "overlap_s": 2})", "overlap_s <= compute_s"},
+           {R"("compute_s": -1, "overlap_s": 0})", "0 <= overlap_s"},
+           {R"("compute_s": 4000, "overlap_s": 0})", "3600"},
+           {R"("compute_s": "1", "overlap_s": 0})", "must be numbers"},
+           {R"("tail_s": -0.5})", "'tail_s' must be a number"},
+           {R"("direct_s": 1e9})", "'direct_s' must be a number"}}) {
+    CAPTURE(fields);
+    const std::string m =
+        expectError(c.request(http::verb::post, "/v1/emit_gradient", head + fields, kJson), 400,
+                    "invalid_argument");
+    CHECK(m.find(says) != std::string::npos);
+  }
+  CHECK(snapshot(c) == before);
+}
+
 TEST_CASE("malformed JSON bodies get 400 on every JSON route") {
   Stack s;
   Client c = s.unixClient();
