@@ -528,7 +528,7 @@ TEST_CASE("bad codec-auto timing fields of a form-2 request get 400 and change n
   Client c = s.unixClient();
   const std::string before = snapshot(c);
   const std::string head = R"({"name": "w", "step": 1, "buffer": "b1", "shape": [4], )";
-  for (const auto& [fields, says] : std::vector<std::pair<std::string, std::string>>{
+  for (const auto& bad : std::vector<std::pair<std::string, std::string>>{
            {R"("compute_s": 1})", "go together"},
            {R"("overlap_s": 1})", "go together"},
            {R"("compute_s": 1, "overlap_s": 2})", "overlap_s <= compute_s"},
@@ -537,11 +537,12 @@ TEST_CASE("bad codec-auto timing fields of a form-2 request get 400 and change n
            {R"("compute_s": "1", "overlap_s": 0})", "must be numbers"},
            {R"("tail_s": -0.5})", "'tail_s' must be a number"},
            {R"("direct_s": 1e9})", "'direct_s' must be a number"}}) {
+    const std::string& fields = bad.first;
     CAPTURE(fields);
     const std::string m =
         expectError(c.request(http::verb::post, "/v1/emit_gradient", head + fields, kJson), 400,
                     "invalid_argument");
-    CHECK(m.find(says) != std::string::npos);
+    CHECK(m.find(bad.second) != std::string::npos);
   }
   CHECK(snapshot(c) == before);
 }
