@@ -115,6 +115,12 @@ EXTRA_CONFIGS = [
     # run time from the measured link and the compute the hook reports, the trainers' own
     # process group (the direct rung) when every layer is best exchanged dense.
     ("lightwire_auto", "lightwire auto", "lightwire", None, ["--codec", "auto"] + POLICIES_OFF),
+    # The hook with one bucket at the sidecar at a time (max_workers=1, as before buckets went in
+    # flight together), against the default of several (bench/README.md "Buckets in flight").
+    ("lightwire_none_serial", "lightwire none (one bucket at a time)", "lightwire", "serial",
+     ["--codec", "none"] + POLICIES_OFF),
+    ("lightwire_fp16_serial", "lightwire fp16 (one bucket at a time)", "lightwire", "serial",
+     ["--codec", "fp16"] + POLICIES_OFF),
     ("lightwire_dgc_warmup100", "lightwire dgc 1 % (momentum correction, warm-up 100)",
      "lightwire", None, ["--codec", "dgc", "--density", "0.01", "--warmup-steps", "100"]
      + DGC_MOMENTUM + POLICIES_OFF),
@@ -384,7 +390,8 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
     spec = {"task": task, "size": profile["size"], "seed": seed, "world_size": profile["world_size"],
             "steps": profile["steps"][task], "eval_every": profile["eval_every"][task], "kind": kind,
             "hook": hook, "powersgd_rank": 1, "sockets": [], "store_dir": d, "config": name,
-            "optimizer": optimizer, "powersgd_start": POWERSGD_START}
+            "optimizer": optimizer, "powersgd_start": POWERSGD_START,
+            "bucket_cap_mb": profile.get("bucket_cap_mb")}
     if stop is not None:
         spec.update(stop)
     sidecars = None

@@ -13,7 +13,8 @@ every trainer together and of every sidecar together (medians over the repetitio
 whose cores are the bottleneck, the step follows their sum.
 
     $PYTHON bench/e2e/speed.py [--tasks mlp] [--rates 10gbit,unlimited]
-        [--configs ddp,lightwire_none,lightwire_fp16] [--repeats 3] [--steps 40] [--json FILE]
+        [--configs ddp,lightwire_none,lightwire_fp16] [--repeats 3] [--steps 40]
+        [--bucket-cap-mb MB] [--json FILE]
 
 `unlimited` is the namespace's loopback without a qdisc. Needs root (ip netns, tc). Each run
 takes its steps plus about 10 s of start; with the defaults one (task, rate) takes about 3 min on
@@ -101,6 +102,9 @@ def main():
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--size", choices=("full", "smoke"), default="full",
                    help="the tasks' size (smoke: tiny models, for the test suite)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP's bucket_cap_mb in every run (default DDP's own, 25): smaller "
+                        "buckets, more of them in flight at once")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     by_name = {c[0]: c for c in e2e.ALL_CONFIGS}
@@ -120,11 +124,12 @@ def main():
     binary, python = e2e.executables(True)
     profile = {"steps": {t: args.steps for t in ("mlp", "lm")},
                "eval_every": {t: args.steps for t in ("mlp", "lm")},
-               "world_size": args.world_size, "size": args.size, "timeout": 900}
+               "world_size": args.world_size, "size": args.size, "timeout": 900,
+               "bucket_cap_mb": args.bucket_cap_mb}
     results = {"version": 1, "command": " ".join(["bench/e2e/speed.py"] + sys.argv[1:]),
                "commit": e2e.git_commit(), "machine": e2e.machine_info(binary, python),
                "steps": args.steps, "repeats": args.repeats, "size": args.size,
-               "world_size": args.world_size, "groups": []}
+               "world_size": args.world_size, "bucket_cap_mb": args.bucket_cap_mb, "groups": []}
     started = time.monotonic()
     ns = e2e.Namespace()
     work = tempfile.mkdtemp(prefix="lightwire-speed-")

@@ -11,7 +11,7 @@ steps, and writes one JSON object.
     $PYTHON bench/e2e/worker.py SPEC_JSON OUT_JSON
 
 SPEC_JSON: {"task", "size", "seed", "world_size", "steps", "eval_every", "kind" ("ddp" |
-"torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" for torch_hook; "flat" or null for lightwire), "powersgd_rank",
+"torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" for torch_hook; "flat", "serial" or null for lightwire), "powersgd_rank",
 "powersgd_start", "optimizer" ("task": the task's own; "lightwire_sgd": lightwire.torch.SGD with
 the task's SGD settings; "helper": the task's own; either is lightwire.torch.AdamW with the
 task's settings when the task trains with AdamW), "sockets" (lightwire: one Unix socket per rank), "store_dir"}; for the time-to-accuracy stop rule also
@@ -78,9 +78,11 @@ def attach_hook(spec, ddp, dist):
         # Per layer (the hook's default with a module: every parameter its own tensor), unless
         # the row is about DDP's flat buckets (hook "flat": one tensor per bucket).
         flat = spec.get("hook") == "flat"
+        # Hook "serial": one bucket at the sidecar at a time (the hook's max_workers=1).
         state = LightwireHookState(client=lightwire.Client(socket_path=sock, timeout=300.0),
                                    process_group=dist.group.WORLD,
-                                   module=None if flat else ddp, per_layer=not flat)
+                                   module=None if flat else ddp, per_layer=not flat,
+                                   max_workers=1 if spec.get("hook") == "serial" else 4)
         ddp.register_comm_hook(state, ddp_comm_hook)
         return state
     return None
@@ -105,7 +107,9 @@ def train(rank, spec, out_path):
     task = tasks.make_task(spec["task"], spec["size"], spec["seed"])
     torch.manual_seed(spec["seed"])
     model = task.model()
-    ddp = nn.parallel.DistributedDataParallel(model)
+    cap = spec.get("bucket_cap_mb")
+    ddp = nn.parallel.DistributedDataParallel(model, **({} if cap is None else
+                                                        {"bucket_cap_mb": cap}))
     hook_state = attach_hook(spec, ddp, dist)
     opt = task.optimizer(ddp.parameters())
     if hook_state is not None:

@@ -199,6 +199,34 @@ std::string jsonTiming(const json::object& o, std::optional<double>* compute_s,
   return "";
 }
 
+std::string jsonOrder(const json::object& o, std::optional<StepOrder>* order) {
+  const json::value* f = o.if_contains("order");
+  if (f == nullptr) return "";
+  const json::object* fields = f->if_object();
+  if (fields == nullptr) return "field 'order' must be an object {stream, iteration, position}";
+  StepOrder out;
+  uint64_t position = 0;
+  for (std::string e : {jsonString(*fields, "stream", true, &out.stream),
+                        jsonU64(*fields, "iteration", true, &out.iteration),
+                        jsonU64(*fields, "position", true, &position)}) {
+    if (!e.empty()) return "field 'order': " + e;
+  }
+  for (const auto& kv : *fields) {
+    const std::string_view k = kv.key();
+    if (k != "stream" && k != "iteration" && k != "position") {
+      return "field 'order': unknown field " + quote(k) + " (known: stream, iteration, position)";
+    }
+  }
+  if (std::string e = checkName(out.stream); !e.empty()) {
+    return "field 'order': stream " + quote(out.stream) + " must be 1 to " +
+           std::to_string(kMaxNameBytes) + " characters of A-Z a-z 0-9 _ . : / -";
+  }
+  if (position >= (uint64_t{1} << 31)) return "field 'order': position must be below 2^31";
+  out.position = static_cast<uint32_t>(position);
+  *order = std::move(out);
+  return "";
+}
+
 /// The body as a JSON object; "" or an error.
 std::string parseObject(const std::string& body, json::object* out) {
   boost::system::error_code ec;

@@ -61,6 +61,10 @@ std::string jsonString(const json::object& o, std::string_view key, bool require
 std::string jsonTiming(const json::object& o, std::optional<double>* compute_s,
                        std::optional<double>* overlap_s, std::optional<double>* direct_s,
                        std::optional<double>* tail_s);
+/// Field "order" (docs/api.md "Buckets in flight"): {"stream", "iteration", "position"}, a stream
+/// name as a tensor name is made, a position below 2^31; *order untouched when absent. An error
+/// message ("" = fine).
+std::string jsonOrder(const json::object& o, std::optional<StepOrder>* order);
 /// The body as a JSON object; an error message ("" = fine).
 std::string parseObject(const std::string& body, json::object* out);
 /// The JSON figures of a completed step (docs/api.md).

@@ -39,6 +39,8 @@ ApiError apiError(StepError error) {
       return {504, "deadline_exceeded"};
     case StepError::kStateLimit:
       return {507, "state_limit"};
+    case StepError::kCancelled:
+      return {409, "cancelled"};
   }
   return {500, "internal"};
 }
@@ -132,6 +134,7 @@ const std::vector<ControlApi::Route>& ControlApi::routes() {
       {"/v1/buffers", V::post, false, &ControlApi::registerBuffer},
       {"/v1/buffers/{id}", V::delete_, false, &ControlApi::releaseBuffer},
       {"/v1/report", V::post, false, &ControlApi::report},
+      {"/v1/cancel", V::post, false, &ControlApi::cancelRoute},
       {"/v1/config", V::put, false, &ControlApi::putConfig},
       {"/v1/checkpoint", V::post, false, &ControlApi::checkpointRoute},
       {"/v1/resume", V::post, false, &ControlApi::resumeRoute},

@@ -109,6 +109,8 @@ class ControlApi {
   Response bufferLimit(ipc::BufferTable::AddError why, const std::string& error);
   Response releaseBuffer(RouteCall& call);
   Response report(RouteCall& call);
+  /// POST /v1/cancel (docs/api.md "Buckets in flight").
+  Response cancelRoute(RouteCall& call);
   Response putConfig(RouteCall& call);
   Response checkpointRoute(RouteCall& call);
   Response resumeRoute(RouteCall& call);

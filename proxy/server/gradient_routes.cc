@@ -214,7 +214,7 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   if (std::string e =
           parseTensorDescription(JsonFields(o),
                                  {"buffer", "offset", "elements", "layout", "layout_hash",
-                                  "compute_s", "overlap_s", "direct_s", "tail_s"},
+                                  "compute_s", "overlap_s", "direct_s", "tail_s", "order"},
                                  config_.local_trainers, &spec, &has_shape);
       !e.empty()) {
     return badRequest(e);
@@ -225,7 +225,8 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   for (std::string e :
        {jsonString(o, "buffer", true, &buffer), jsonU64(o, "offset", false, &offset),
         jsonU64(o, "elements", false, &elements, &has_elements),
-        jsonTiming(o, &spec.compute_s, &spec.overlap_s, &spec.direct_s, &spec.tail_s)}) {
+        jsonTiming(o, &spec.compute_s, &spec.overlap_s, &spec.direct_s, &spec.tail_s),
+        jsonOrder(o, &spec.order)}) {
     if (!e.empty()) return badRequest(e);
   }
   if (has_shape) {
@@ -328,6 +329,38 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   replied = true;
   engine_.submitBucket(std::move(layers), std::move(dones));
   return {};
+}
+
+Response ControlApi::cancelRoute(RouteCall& call) {
+  json::object o;
+  if (std::string e = parseObject(call.req.body(), &o); !e.empty()) return badRequest(e);
+  std::optional<StepOrder> order;
+  std::string name;
+  uint64_t step = 0;
+  bool has_step = false;
+  for (std::string e : {jsonOrder(o, &order), jsonString(o, "name", false, &name),
+                        jsonU64(o, "step", false, &step, &has_step)}) {
+    if (!e.empty()) return badRequest(e);
+  }
+  for (const auto& kv : o) {
+    if (kv.key() != "order" && kv.key() != "name" && kv.key() != "step") {
+      return badRequest("unknown field " + quote(kv.key()) + " (known: order, name, step)");
+    }
+  }
+  if (!order) return badRequest("missing field 'order'");
+  if (name.empty() != !has_step) return badRequest("fields 'name' and 'step' go together");
+  if (!name.empty()) {
+    if (std::string e = checkName(name); !e.empty()) return badRequest(e);
+  }
+  auto done = engine_.cancel(*order, name, has_step ? std::optional<uint64_t>(step) : std::nullopt);
+  if (!done) {
+    if (done.status().code() == StatusCode::kOutOfRange) {
+      metrics_.limitHits("pending_steps").Increment();
+      return errorResponse(status::too_many_requests, "limit_reached", done.status().message());
+    }
+    return errorResponse(status::service_unavailable, "shutting_down", done.status().message());
+  }
+  return jsonResponse(status::ok, json::object{{"cancelled", *done}});
 }
 
 }  // namespace lightwire::proxy

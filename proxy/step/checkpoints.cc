@@ -191,6 +191,8 @@ Status StepEngine::resumeHere(uint64_t step) {
     std::lock_guard lock(mu_);
     // Tensors the checkpoint does not know start after `step` too.
     for (auto& [name, t] : tensors_) t->last_committed = step;
+    // The trainers number their buckets afresh from here (docs/api.md "Buckets in flight").
+    streams_.clear();
   }
   if (options_.policy) options_.policy->setResumedFrom(step);
   // Periodic checkpoints go on from here, even below the last one of the abandoned run.

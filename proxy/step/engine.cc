@@ -98,6 +98,40 @@ StepError StepEngine::admit(const TensorSpec& s, size_t created, bool* creates,
       }
     }
   }
+  if (s.order) {
+    const StepOrder& o = *s.order;
+    const std::string place = "position " + std::to_string(o.position) + " of iteration " +
+                              std::to_string(o.iteration) + " of stream '" + o.stream + "'";
+    if (auto st = streams_.find(o.stream); st != streams_.end()) {
+      if (st->second.cancelled.contains({o.iteration, o.position})) {
+        *why = where + ": its place, " + place + ", was cancelled";
+        return StepError::kCancelled;
+      }
+      if (orderPassed(o)) {
+        *why = where + ": its place, " + place + ", has passed (position " +
+               std::to_string(st->second.last->second) + " ran, was cancelled or gave up waiting)";
+        return StepError::kConflict;
+      }
+    } else if (streams_.size() >= kMaxStreams) {
+      *why = "too many streams of ordered steps (" + std::to_string(kMaxStreams) + ")";
+      return StepError::kLimitReached;
+    }
+    if (tit != tensors_.end()) {
+      if (auto it = tit->second->pending.find(s.step);
+          it != tit->second->pending.end() && it->second.order != s.order) {
+        *why = where + ": trainer " + std::to_string(s.trainer) + " sent it as " + place +
+               ", another trainer at another place (or none)";
+        return StepError::kConflict;
+      }
+    }
+  } else if (tit != tensors_.end()) {
+    if (auto it = tit->second->pending.find(s.step);
+        it != tit->second->pending.end() && it->second.order) {
+      *why = where + ": trainer " + std::to_string(s.trainer) +
+             " sent it without a place in a stream, another trainer with one";
+      return StepError::kConflict;
+    }
+  }
   if (*creates && pending_count_ + created >= options_.max_pending_steps) {
     *why = "too many steps in flight (limits.max_pending_steps = " +
            std::to_string(options_.max_pending_steps) + ")";
@@ -106,7 +140,7 @@ StepError StepEngine::admit(const TensorSpec& s, size_t created, bool* creates,
   return StepError::kNone;
 }
 
-bool StepEngine::enqueue(Contribution c, StepDone done) {
+bool StepEngine::enqueue(Contribution c, StepDone done, std::chrono::steady_clock::time_point now) {
   const TensorSpec& s = c.spec;
   Tensor& t = tensorSlot(s.name);
   auto it = t.pending.find(s.step);
@@ -121,7 +155,8 @@ bool StepEngine::enqueue(Contribution c, StepDone done) {
     p.bucket = s.bucket;
     p.layout_hash = s.layout_hash;
     p.bucket_layers = s.bucket_layers;
-    p.deadline = Clock::now() + options_.step_timeout;
+    p.order = s.order;
+    p.deadline = now + options_.step_timeout;
     it = t.pending.emplace(s.step, std::move(p)).first;
     ++pending_count_;
   }
@@ -132,6 +167,10 @@ bool StepEngine::enqueue(Contribution c, StepDone done) {
   p.dones[trainer] = std::move(done);
   if (++p.arrived < options_.local_trainers) return false;
   p.queued = true;
+  if (p.order) {
+    streams_[p.order->stream];  // counted against kMaxStreams from now on
+    p.order_deadline = now + options_.step_timeout;
+  }
   ready_.push_back(std::move(ready_key));
   return true;
 }
@@ -163,12 +202,12 @@ void StepEngine::submit(Contribution c, StepDone done) {
     return refuse(e, std::move(why));
   }
   const uint64_t elements = c.spec.elements;
-  if (enqueue(std::move(c), std::move(done))) {
+  if (enqueue(std::move(c), std::move(done), Clock::now())) {
     // A small step with nothing ahead of it runs right here: no hand-off to the engine thread and
     // back (two thread wake-ups, most of a 4 KiB round trip).
     // Only without peers: waiting for them must not hold up the caller's (I/O) thread.
     if (!executing_ && tasks_.empty() && ready_.size() == 1 && elements <= kInlineMaxElements &&
-        exchange_.worldSize() == 1) {
+        exchange_.worldSize() == 1 && firstRunnable() != ready_.end()) {
       runNextReady(lock);
       return;
     }
@@ -204,7 +243,11 @@ void StepEngine::submitBucket(std::vector<Contribution> layers, std::vector<Step
   }
   // Every layer is in, in one go: the last trainer's parts queue the bucket's layers one after
   // the other, which is how runNextReady() finds them together.
-  for (size_t i = 0; i < layers.size(); ++i) enqueue(std::move(layers[i]), std::move(dones[i]));
+  // One time for all: a bucket's layers wait, and give up waiting, together.
+  const auto now = Clock::now();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    enqueue(std::move(layers[i]), std::move(dones[i]), now);
+  }
   cv_.notify_all();
 }
 
@@ -217,18 +260,19 @@ void StepEngine::failPending(Pending& p, StepError error, const std::string& mes
 void StepEngine::loop() {
   std::unique_lock lock(mu_);
   while (true) {
-    // Earliest deadline among steps still waiting for trainers.
+    // Earliest deadline among steps still waiting for trainers, or (queued) for their place.
     std::optional<Clock::time_point> next;
     for (auto& [name, t] : tensors_) {
       for (auto& [step, p] : t->pending) {
-        if (!p.queued && (!next || p.deadline < *next)) next = p.deadline;
+        const auto due = p.queued ? p.order_deadline : p.deadline;
+        if ((!p.queued || p.order) && (!next || due < *next)) next = due;
       }
     }
     if (!tasks_.empty() && !executing_) {
       runTasks(lock);
       continue;
     }
-    if (ready_.empty() && !stopping_) {
+    if (firstRunnable() == ready_.end() && !stopping_) {
       if (next) {
         cv_.wait_until(lock, *next);
       } else {
@@ -272,16 +316,173 @@ void StepEngine::loop() {
       lock.lock();
       continue;
     }
+    if (expireOrderWaits(lock)) continue;
     if (ready_.empty()) {
       if (stopping_) break;
       continue;
     }
+    if (firstRunnable() == ready_.end()) continue;
     if (executing_) {  // a submitting thread runs a small step inline: wait for it
       cv_.wait(lock);
       continue;
     }
     runNextReady(lock);
   }
+}
+
+bool StepEngine::orderPassed(const StepOrder& o) const {
+  auto st = streams_.find(o.stream);
+  if (st == streams_.end()) return false;
+  if (st->second.cancelled.contains({o.iteration, o.position})) return true;
+  const auto& last = st->second.last;
+  return last && last->first == o.iteration && o.position <= last->second;
+}
+
+uint64_t StepEngine::nextPlace(const StepOrder& o) const {
+  // The place that comes next in o's iteration: after the last one run there, or the first (the
+  // trainer's next iteration begins once every bucket of the last has its reply), skipping places
+  // cancelled before they came.
+  uint64_t next = 0;
+  auto st = streams_.find(o.stream);
+  if (st == streams_.end()) return 0;
+  if (st->second.last && st->second.last->first == o.iteration) {
+    next = uint64_t{st->second.last->second} + 1;
+  }
+  const auto& cancelled = st->second.cancelled;
+  while (next < o.position && cancelled.contains({o.iteration, static_cast<uint32_t>(next)})) {
+    ++next;
+  }
+  return next;
+}
+
+bool StepEngine::runnable(const Pending& p) const {
+  return !p.order || p.order->position == nextPlace(*p.order);
+}
+
+std::deque<std::pair<std::string, uint64_t>>::iterator StepEngine::firstRunnable() {
+  if (stopping_) return ready_.begin();  // every one fails now, in order
+  for (auto it = ready_.begin(); it != ready_.end(); ++it) {
+    auto tit = tensors_.find(it->first);
+    if (tit == tensors_.end()) return it;
+    auto pit = tit->second->pending.find(it->second);
+    if (pit == tit->second->pending.end() || runnable(pit->second)) return it;
+  }
+  return ready_.end();
+}
+
+void StepEngine::passOrder(const StepOrder& o) {
+  Stream& st = streams_[o.stream];
+  st.last = std::make_pair(o.iteration, o.position);
+  std::erase_if(st.cancelled, [&](const auto& c) {
+    return c.first < o.iteration || (c.first == o.iteration && c.second <= o.position);
+  });
+}
+
+bool StepEngine::expireOrderWaits(std::unique_lock<std::mutex>& lock) {
+  struct Doomed {
+    std::string tensor;
+    uint64_t step;
+    Pending p;
+    StepError error;
+    std::string message;
+  };
+  std::vector<Doomed> doomed;
+  const auto now = Clock::now();
+  for (auto& [name, t] : tensors_) {
+    for (auto it = t->pending.begin(); it != t->pending.end();) {
+      Pending& p = it->second;
+      if (!p.queued || !p.order) {
+        ++it;
+        continue;
+      }
+      const StepOrder& o = *p.order;
+      const bool passed = orderPassed(o);
+      if (!passed && (p.order_deadline > now || runnable(p))) {
+        ++it;
+        continue;
+      }
+      const std::string where = "tensor '" + name + "' step " + std::to_string(it->first) + " (" +
+                                "position " + std::to_string(o.position) + " of iteration " +
+                                std::to_string(o.iteration) + " of stream '" + o.stream + "')";
+      // Passed: another step took its place (two steps sent at one place), or it was cancelled.
+      const StepError error = passed ? StepError::kConflict : StepError::kDeadlineExceeded;
+      std::string message = passed ? where + ": its place was taken by another step or cancelled"
+                                   : where + " waited limits.step_timeout_s for position " +
+                                         std::to_string(nextPlace(o)) +
+                                         ", which never came; nothing was exchanged or committed";
+      doomed.push_back({name, it->first, std::move(p), error, std::move(message)});
+      it = t->pending.erase(it);
+      --pending_count_;
+      ++steps_failed_;
+    }
+  }
+  if (doomed.empty()) return false;
+  // The places given up on are passed: the ones after them need not wait as long again.
+  for (const Doomed& d : doomed) {
+    if (d.error == StepError::kDeadlineExceeded) passOrder(*d.p.order);
+  }
+  lock.unlock();
+  std::set<std::pair<std::string, uint64_t>> aborted_buckets;
+  for (Doomed& d : doomed) {
+    spdlog::warn("{}", d.message);
+    metrics_.steps_failed.Increment();
+    // The other sidecars may be exchanging it already: they fail it at once, not at their deadline.
+    exchange_.abort(d.tensor, d.step, d.message);
+    if (!d.p.bucket.empty() && aborted_buckets.emplace(d.p.bucket, d.step).second) {
+      exchange_.abort(d.p.bucket, d.step, d.message);
+    }
+    failPending(d.p, d.error, d.message);
+  }
+  lock.lock();
+  return true;
+}
+
+Result<bool> StepEngine::cancel(const StepOrder& o, const std::string& bucket,
+                                std::optional<uint64_t> step) {
+  std::vector<std::pair<std::string, uint64_t>> aborts;
+  std::vector<Pending> failed;
+  const std::string place = "position " + std::to_string(o.position) + " of iteration " +
+                            std::to_string(o.iteration) + " of stream '" + o.stream + "'";
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return failedPrecondition("the sidecar is shutting down");
+    if (orderPassed(o)) return false;
+    auto st = streams_.find(o.stream);
+    if (st == streams_.end() && streams_.size() >= kMaxStreams) {
+      return outOfRange("too many streams of ordered steps (" + std::to_string(kMaxStreams) + ")");
+    }
+    if (st != streams_.end() && st->second.cancelled.size() >= kMaxCancelled) {
+      return outOfRange("stream '" + o.stream + "' holds " + std::to_string(kMaxCancelled) +
+                        " cancelled places not reached yet; no more are kept");
+    }
+    streams_[o.stream].cancelled.emplace(o.iteration, o.position);
+    std::set<std::string> buckets;
+    for (auto& [name, t] : tensors_) {
+      for (auto it = t->pending.begin(); it != t->pending.end();) {
+        if (!it->second.order || *it->second.order != o) {
+          ++it;
+          continue;
+        }
+        aborts.emplace_back(name, it->first);
+        if (!it->second.bucket.empty() && buckets.insert(it->second.bucket).second) {
+          aborts.emplace_back(it->second.bucket, it->first);
+        }
+        failed.push_back(std::move(it->second));
+        it = t->pending.erase(it);
+        --pending_count_;
+        ++steps_failed_;
+      }
+    }
+    if (step && !bucket.empty() && !buckets.contains(bucket)) aborts.emplace_back(bucket, *step);
+  }
+  cv_.notify_all();
+  const std::string why = place + " was cancelled by a trainer (it failed before sending it)";
+  for (const auto& [name, s] : aborts) exchange_.abort(name, s, why);
+  for (auto& p : failed) {
+    metrics_.steps_failed.Increment();
+    failPending(p, StepError::kCancelled, why);
+  }
+  return true;
 }
 
 void StepEngine::runTasks(std::unique_lock<std::mutex>& lock) {
@@ -329,15 +530,17 @@ Status StepEngine::runBetweenSteps(const std::function<Status()>& fn) {
 void StepEngine::runNextReady(std::unique_lock<std::mutex>& lock) {
   // The ready entries of one step: a tensor's, or every layer of a bucket (queued together by
   // submitBucket(), so they are next to each other).
+  // The first one that may run: ordered steps wait for the places before theirs.
   std::vector<Tensor*> ts;
   std::vector<Pending> ps;
   uint64_t step = 0;
   std::string bucket;
-  while (!ready_.empty()) {
-    const auto [name, s] = ready_.front();
+  for (auto at = firstRunnable(); at != ready_.end();) {
+    const auto [name, s] = *at;
     auto tit = tensors_.find(name);
     if (tit == tensors_.end() || !tit->second->pending.contains(s)) {
-      ready_.pop_front();  // gone meanwhile (failed by a resume)
+      at = ready_.erase(at);  // gone meanwhile (failed by a resume or while waiting for its place)
+      if (ts.empty()) break;
       continue;
     }
     Tensor& t = *tit->second;
@@ -351,10 +554,11 @@ void StepEngine::runNextReady(std::unique_lock<std::mutex>& lock) {
     ps.push_back(std::move(pit->second));
     t.pending.erase(pit);
     --pending_count_;
-    ready_.pop_front();
+    at = ready_.erase(at);
     if (bucket.empty()) break;
   }
   if (ts.empty()) return;
+  if (ps.front().order && !stopping_) passOrder(*ps.front().order);
   if (stopping_) {
     lock.unlock();
     for (auto& p : ps) failPending(p, StepError::kShuttingDown, "the sidecar is shutting down");

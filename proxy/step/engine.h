@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -102,6 +103,14 @@ class StepEngine {
   /// with that error), and once every trainer's part of every layer is in, run as one step of
   /// the bucket — every layer's exchange together, and every layer committed or none.
   void submitBucket(std::vector<Contribution> layers, std::vector<StepDone> dones);
+  /// POST /v1/cancel (docs/api.md "Buckets in flight"): the place `order` of its stream will not
+  /// be sent (the trainer failed before sending it), so the places after it need not wait for it.
+  /// Parts of it already here fail with kCancelled, and so does the step on the other sidecars
+  /// (`bucket` and `step`, when given, name it to them; else the parts here do). Returns whether
+  /// it cancelled anything (false: the place has run or was cancelled already), or an error
+  /// (limits on the streams and cancellations kept).
+  Result<bool> cancel(const StepOrder& order, const std::string& bucket,
+                      std::optional<uint64_t> step);
   /// New codec settings; each tensor's next step uses them (fresh state when its codec changes).
   void setChooser(CodecChooser chooser);
   /// Tensors for /v1/status.
@@ -161,12 +170,33 @@ class StepEngine {
   /// steps the same submission creates before this part (for limits.max_pending_steps). mu_ held.
   StepError admit(const TensorSpec& s, size_t created, bool* creates, std::string* why) const;
   /// Adds an admitted part; true when it completed its step (now queued). mu_ held.
-  bool enqueue(Contribution c, StepDone done);
+  bool enqueue(Contribution c, StepDone done, std::chrono::steady_clock::time_point now);
   /// The periodic checkpoint due before `step`, if any (before the step runs).
   void periodicCheckpoint(uint64_t step);
   void failPending(Pending& p, StepError error, const std::string& message);
   /// Runs queued between-step tasks (mu_ held on entry and exit).
   void runTasks(std::unique_lock<std::mutex>& lock);
+  /// Ordered steps (docs/api.md "Buckets in flight"): per stream, the last place that ran (or was
+  /// cancelled, or gave up waiting), and the places after it cancelled before they came. mu_.
+  struct Stream {
+    std::optional<std::pair<uint64_t, uint32_t>> last;  // (iteration, position)
+    std::set<std::pair<uint64_t, uint32_t>> cancelled;
+  };
+  static constexpr size_t kMaxStreams = 1024, kMaxCancelled = 256;
+  /// Whether `order`'s place has run, was cancelled or gave up (a part of it comes too late).
+  bool orderPassed(const StepOrder& order) const;
+  /// The position that runs next in `order`'s iteration of its stream.
+  uint64_t nextPlace(const StepOrder& order) const;
+  /// Whether a queued step may run now: it has no place, or every place before it has passed.
+  bool runnable(const Pending& p) const;
+  /// The first queued step that may run (ready_.end(): none).
+  std::deque<std::pair<std::string, uint64_t>>::iterator firstRunnable();
+  /// The place `order` is taken (its step runs, or is given up): places before it are passed.
+  void passOrder(const StepOrder& order);
+  /// Fails queued steps that waited past their order deadline for a place that never came; true
+  /// when it failed any (mu_ held on entry and exit, released while failing them).
+  bool expireOrderWaits(std::unique_lock<std::mutex>& lock);
+  std::map<std::string, Stream> streams_;
   /// The tensor's slot (created when new). mu_ held.
   Tensor& tensorSlot(const std::string& name);
   Status restoreFrom(const std::string& path, std::optional<uint64_t> step, bool steps_too,

@@ -16,6 +16,17 @@
 
 namespace lightwire::proxy {
 
+/// A step's place in its stream (docs/api.md "Buckets in flight"): a trainer with several
+/// buckets at the sidecar at once numbers them per iteration in its launch order, so that every
+/// sidecar runs them in that order whatever order they arrive in. `stream` names the numbering (one
+/// per hook state: two models in one process number apart).
+struct StepOrder {
+  std::string stream;
+  uint64_t iteration = 0;
+  uint32_t position = 0;
+  bool operator==(const StepOrder&) const = default;
+};
+
 /// What a trainer says about the tensor it sends.
 struct TensorSpec {
   std::string name;
@@ -36,6 +47,8 @@ struct TensorSpec {
   // ... and what the trainers' own process group added beyond the compute in direct windows, and
   // the sidecars in the other steps.
   std::optional<double> direct_s, tail_s;
+  // The step's place in its stream (empty: it runs when its parts are in, in arrival order).
+  std::optional<StepOrder> order;
 };
 
 /// One trainer's part of a step: where its tensor is, and where its result goes (the same bytes).
@@ -96,6 +109,7 @@ enum class StepError : uint8_t {
   kShuttingDown,      // the sidecar is stopping
   kDeadlineExceeded,  // a local trainer never sent its part
   kStateLimit,        // limits.max_state_bytes
+  kCancelled,         // its place in its stream was cancelled (POST /v1/cancel) or has passed
 };
 
 /// How a step ended for one trainer.

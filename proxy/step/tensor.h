@@ -35,6 +35,10 @@ struct StepEngine::Pending {
   uint32_t bucket_layers = 0;
   std::chrono::steady_clock::time_point deadline;
   bool queued = false;
+  // Its place in its stream (TensorSpec::order, the same from every trainer), and, once queued,
+  // until when it may wait there for the places before it.
+  std::optional<StepOrder> order;
+  std::chrono::steady_clock::time_point order_deadline;
 };
 
 /// One tensor: its codec, codec state and buffers (the pipeline's, on the engine thread) and its

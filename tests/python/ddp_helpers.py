@@ -61,6 +61,16 @@ def model(seed=SEED, hidden=(64,)):
 MANY_BUCKETS = (4096, 64)  # with bucket_cap_mb=0.01: 3 buckets from the second iteration on
 
 
+def sgd_step(net, opt, X, y):
+    """One full-batch step of MSE regression; returns the loss before it."""
+    import torch.nn.functional as F
+    opt.zero_grad()
+    loss = F.mse_loss(net(X), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 def train(state=None, steps=STEPS, rank=0, world_size=1, on_step=None, bucket_cap_mb=25,
           hidden=(64,)):
     """Full-batch SGD (no momentum) on this rank's shard; returns (losses, final parameters).

@@ -26,7 +26,6 @@ AUTO = ["--auto-period", "2", "--auto-hysteresis", "1", "--auto-critical-steps",
 def _train(socket, rank, steps, out):
     """Trains with plain DDP (socket None) or through the sidecar at `socket` (the hook's state
     goes to out["state"])."""
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
     X, y = H.task(rank, WORLD)
     net = DDP(H.model(hidden=HIDDEN), bucket_cap_mb=0.02)
@@ -37,11 +36,7 @@ def _train(socket, rank, steps, out):
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     losses = []
     for _ in range(steps):
-        opt.zero_grad()
-        loss = F.mse_loss(net(X), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(H.sgd_step(net, opt, X, y))
     return losses
 
 

@@ -324,7 +324,7 @@ class Client(object):
             seg.buffer_id = None
 
     def emit_gradient_shm(self, buffer, name, step, dtype="float32", shape=None, offset=0, trainer=None,
-                          layout=None, layout_hash=None, timing=None):
+                          layout=None, layout_hash=None, timing=None, order=None):
         """Form 2: the tensor lies in registered buffer ``buffer`` (an id or a registered
         ``ShmSegment``) at ``offset``; the averaged result is written there in place. Returns
         the reply's JSON (the step's figures). ``shape`` defaults to the whole buffer, 1-D.
@@ -339,7 +339,10 @@ class Client(object):
         compute per iteration that falls to this tensor, the part of it the tensor's exchange can
         hide behind, and what the trainers' own process group (in direct windows) and the sidecars
         (otherwise) added beyond the compute (None: not measured), for ``codec: auto``
-        (docs/policies.md "codec: auto")."""
+        (docs/policies.md "codec: auto").
+        ``order`` (optional): ``(stream, iteration, position)``, the step's place in the trainer's
+        numbering, so that the sidecars run steps sent together in that order whatever order they
+        arrive in (docs/api.md "Buckets in flight")."""
         if hasattr(buffer, "buffer_id"):
             if buffer.buffer_id is None:
                 raise ValueError("lightwire: %r is not registered" % (buffer,))
@@ -364,7 +367,19 @@ class Client(object):
             for key, value in zip(("direct_s", "tail_s"), timing[2:]):
                 if value is not None:
                     doc[key] = float(value)
+        if order is not None:
+            doc["order"] = _order_doc(order)
         return self._json("POST", "/v1/emit_gradient", doc).json()
+
+    def cancel(self, order, name=None, step=None):
+        """``POST /v1/cancel``: the place ``order`` (``(stream, iteration, position)``) will not be
+        sent, so the steps after it need not wait for it; ``name`` and ``step`` (together) name the
+        step to the other sidecars. Returns whether anything was cancelled (False: the place has
+        run or was cancelled already). docs/api.md "Buckets in flight"."""
+        doc = {"order": _order_doc(order)}
+        if name is not None:
+            doc["name"], doc["step"] = str(name), int(step)
+        return bool(self._json("POST", "/v1/cancel", doc).json().get("cancelled"))
 
     def report(self, step, loss=None, fallbacks=None, trainer=None):
         """``POST /v1/report``: the trainer's loss and/or fallback count for ``step``. The loss
@@ -501,6 +516,11 @@ def cuda_ipc_spec(tensor, event=None, name=None):
     if name is not None:
         doc["name"] = str(name)
     return doc
+
+
+def _order_doc(order):
+    stream, iteration, position = order
+    return {"stream": str(stream), "iteration": int(iteration), "position": int(position)}
 
 
 def _int_or_none(v):

@@ -67,6 +67,10 @@ from .client import Client
 
 log = logging.getLogger("lightwire.torch")
 
+# Hook states made per name_prefix in this process: the k-th one's stream (see LightwireHookState).
+_streams_made = {}
+_streams_lock = threading.Lock()
+
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 # Characters a tensor name may hold as they are (docs/api.md); ':' is the escape character.
@@ -498,11 +502,18 @@ class LightwireHookState(object):
     buckets go per layer (``per_layer``, default: whether ``module`` is given; see the module's
     documentation). ``name_prefix``: bucket names are ``f"{name_prefix}.{hash of the parameter
     names}"`` per layer, ``f"{name_prefix}.{bucket_index}"`` flat. ``trainer``: the local trainer index when env
-    ``LOCAL_RANK`` is unset (default 0). ``max_workers``: threads making HTTP calls (default 1:
-    the sidecar runs steps in the order their requests arrive, and every sidecar of the job must
-    run them in the same order; one thread sends the buckets in DDP's launch order, which is the
-    same on every rank. With more threads, two buckets can reach two sidecars in opposite orders
-    and both steps then wait for each other until the exchange deadline).
+    ``LOCAL_RANK`` is unset (default 0). ``max_workers``: threads making HTTP calls (default 4):
+    several buckets of an iteration are with the sidecar at once. Every sidecar of the job must run
+    the steps in the same order, whatever order the requests reach them in, so the hook numbers
+    its buckets per iteration in DDP's launch order (the same on every rank) and sends each with
+    its place (docs/api.md "Buckets in flight"); the sidecars run them in that order. The
+    numbering is the hook state's ``stream``: ``name_prefix``, and for the k-th hook state of the
+    same ``name_prefix`` made in this process (k > 0) ``f"{name_prefix}/{k}"`` -- the same on every
+    rank when every rank makes its hook states in the same order; two models in one process need
+    distinct ``name_prefix`` anyway when their parameter names can coincide. A bucket the hook
+    numbered but could not send (a local error, a refusal) is cancelled (``POST /v1/cancel``) so
+    that the ones after it do not wait for it. Buckets of a hook called outside DDP (no
+    ``bucket.is_last()``) carry no place: use ``max_workers=1`` there.
 
     ``agree``: before using a bucket's result, every rank tells the others whether its sidecar
     answered (a MIN allreduce on the process group); when one did not, every rank falls back for
@@ -535,7 +546,7 @@ class LightwireHookState(object):
     """
 
     def __init__(self, client=None, on_error="fallback", process_group=None, name_prefix="bucket",
-                 trainer=None, max_workers=1, agree=True, module=None, per_layer=None,
+                 trainer=None, max_workers=4, agree=True, module=None, per_layer=None,
                  optimizer=None):
         if on_error not in ("fallback", "raise"):
             raise ValueError("on_error must be 'fallback' or 'raise', got %r" % (on_error,))
@@ -562,6 +573,14 @@ class LightwireHookState(object):
         self.agree = bool(agree)
         self.process_group = process_group
         self.name_prefix = name_prefix
+        with _streams_lock:
+            made = _streams_made.get(name_prefix, 0)
+            _streams_made[name_prefix] = made + 1
+        self.stream = name_prefix if made == 0 else "%s/%d" % (name_prefix, made)
+        # The place of the next bucket in the stream (docs/api.md "Buckets in flight").
+        self._order_iteration = 0
+        self._order_position = 0
+        self._order_seen = set()   # the bucket indices numbered in this iteration
         env = os.environ.get("LOCAL_RANK")
         self.trainer = int(env) if env not in (None, "") else (0 if trainer is None else int(trainer))
         self.steps = {}            # bucket index -> next step number
@@ -601,10 +620,14 @@ class LightwireHookState(object):
         # driver there) through shared memory, copied to and from the host.
         self.cuda_ipc = True
         self._lock = threading.Lock()
-        # HTTP calls run in one thread (see max_workers); completions (and fallback collectives) run in one
-        # thread, in the order DDP launched the buckets (bucket index order, the same on every
-        # rank), so fallback allreduces are issued in the same order on every rank.
-        self._http = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="lightwire-http")
+        # HTTP calls of numbered buckets run in max_workers threads (the sidecars order them by
+        # their places); buckets without a place go one at a time, in launch order, through one
+        # thread of their own. Completions (and fallback collectives) run in one thread, in the
+        # order DDP launched the buckets (the same on every rank), so fallback allreduces are
+        # issued in the same order on every rank.
+        self._http = concurrent.futures.ThreadPoolExecutor(max(1, int(max_workers)),
+                                                           thread_name_prefix="lightwire-http")
+        self._serial = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lightwire-http1")
         self._ordered = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lightwire-complete")
 
     @property
@@ -631,6 +654,43 @@ class LightwireHookState(object):
         self._seen.add(index)
         self.steps[index] = self.iteration + 1
         return self.iteration
+
+    def _place(self, index, last, sent):
+        """Hook thread: (stream, iteration, position) of bucket ``index`` (None when DDP cannot
+        say which bucket is an iteration's last, or for a bucket not sent to the sidecar). Buckets
+        sent to the sidecar are numbered 0, 1, ... per iteration in launch order; an iteration ends
+        after its last bucket, or, when that never came (its backward pass raised), when an index
+        comes again."""
+        if last is None:
+            return None
+        if index in self._order_seen:
+            self._order_iteration += 1
+            self._order_position = 0
+            self._order_seen = set()
+        self._order_seen.add(index)
+        place = None
+        if sent:
+            place = (self.stream, self._order_iteration, self._order_position)
+            self._order_position += 1
+        if last:
+            self._order_iteration += 1
+            self._order_position = 0
+            self._order_seen = set()
+        return place
+
+    def _pool(self, place):
+        """The threads a bucket's request goes through (see max_workers)."""
+        return self._http if place is not None else self._serial
+
+    def _cancel(self, place, name, step):
+        """HTTP thread: the sidecar is told that ``place`` will not come (best effort: an
+        unreachable sidecar has nothing waiting on it)."""
+        if place is None:
+            return
+        try:
+            self.client.cancel(place, name=name, step=step)
+        except LightwireError as e:
+            log.debug("lightwire: cancelling %s: %s", place, e)
 
     def _bucket_layout(self, bucket, numel):
         """(bucket name, layout) of a bucket's parameters, computed once per parameter set."""
@@ -735,6 +795,7 @@ class LightwireHookState(object):
     def close(self):
         """Wait for the calls in flight, release and unlink every segment, stop the threads."""
         self._http.shutdown(wait=True)
+        self._serial.shutdown(wait=True)
         self._ordered.shutdown(wait=True)
         for index, slot in list(self._slots.items()):
             self._drop_slot(index, slot)
@@ -743,7 +804,7 @@ class LightwireHookState(object):
 
     # ------------------------------------------------------------------ one bucket
 
-    def _send(self, buffer_id, name, step, dtype, shape, layout, timing=None):
+    def _send(self, buffer_id, name, step, dtype, shape, layout, timing=None, place=None):
         """Form 2 of one bucket: its layout the first time, then only its hash (the reply's
         ``layout_hash``), and the layout again when the sidecar does not hold it (it restarted:
         404 ``unknown_layout``)."""
@@ -752,7 +813,8 @@ class LightwireHookState(object):
             reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
                                                   shape=shape, trainer=self.trainer,
                                                   layout=None if known else layout,
-                                                  layout_hash=known, timing=timing)
+                                                  layout_hash=known, timing=timing,
+                                                  order=place)
         except LightwireError as e:
             unknown = e.status == 404 and e.error == "unknown_layout"
             # A sidecar older than layout_hash refuses the field: the layout with every request.
@@ -764,13 +826,13 @@ class LightwireHookState(object):
             self._layout_hashes.pop(name, None)
             reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
                                                   shape=shape, trainer=self.trainer, layout=layout,
-                                                  timing=timing)
+                                                  timing=timing, order=place)
         if (layout is not None and self._layout_by_hash and isinstance(reply, dict)
                 and reply.get("layout_hash")):
             self._layout_hashes[name] = str(reply["layout_hash"])
         return reply
 
-    def _emit(self, slot, name, step, shape, layout=None, timing=None):
+    def _emit(self, slot, name, step, shape, layout=None, timing=None, place=None):
         """Runs in an HTTP thread: register if needed, then Form 2. Returns the reply."""
         seg = slot.segment
         for attempt in (0, 1):
@@ -778,7 +840,7 @@ class LightwireHookState(object):
                 self.client.register_buffer(seg)
             try:
                 return self._send(seg.buffer_id, name, step, _DTYPES[slot.dtype], shape, layout,
-                                  timing)
+                                  timing, place)
             except SidecarUnavailable:
                 # The sidecar went away; a restarted one knows none of our ids (nor can they be
                 # released): register again on the next call.
@@ -792,7 +854,7 @@ class LightwireHookState(object):
                     continue
                 raise
 
-    def _emit_cuda(self, slot, name, step, shape, layout=None, timing=None):
+    def _emit_cuda(self, slot, name, step, shape, layout=None, timing=None, place=None):
         """As _emit, for a CUDA slot (its event was recorded by the caller's stream)."""
         from .client import cuda_ipc_spec
         for attempt in (0, 1):
@@ -801,7 +863,7 @@ class LightwireHookState(object):
                 slot.buffer_id = str(self.client._json("POST", "/v1/buffers", doc).json()["id"])
             try:
                 return self._send(slot.buffer_id, name, step, _DTYPES[slot.dtype], shape, layout,
-                                  timing)
+                                  timing, place)
             except SidecarUnavailable:
                 slot.buffer_id = None
                 raise
@@ -1000,7 +1062,9 @@ def ddp_comm_hook(state, bucket):
     last = bool(is_last()) if callable(is_last) else None  # the iteration's last bucket
     step = state._next_step(index)
     timing = state._launched(index, buf.numel(), last)
-    if state._in_direct(step):
+    direct = state._in_direct(step)
+    place = state._place(index, last, not direct)
+    if direct:
         return _direct(state, buf, last)
     fut = torch.futures.Future()
     name, layout = "%s.%d" % (state.name_prefix, index), None
@@ -1020,21 +1084,24 @@ def ddp_comm_hook(state, bucket):
             slot = state._cuda_slot(index, flat.numel(), buf.dtype, buf.device)
             slot.view.copy_(flat)  # device to device, on the current stream
             slot.event.record()    # the sidecar's copy waits for it
-            http_future = state._http.submit(_emit_cuda_or_degrade, state, slot, index, flat,
-                                             name, step, layout, timing)
+            http_future = state._pool(place).submit(_placed, state, place, name, step,
+                                                    _emit_cuda_or_degrade, state, slot, index,
+                                                    flat, name, step, layout, timing, place)
             state._ordered.submit(_complete_cuda, state, http_future, fut, buf, step, params,
                                   last, index == 0)
             return fut
         slot = state._slot(index, flat.numel(), buf.dtype)
         slot.view.copy_(flat)  # the only copy (CUDA buckets: to the host)
     except (OSError, ValueError, TypeError) as e:  # e.g. /dev/shm full: this bucket falls back
+        if place is not None:  # the buckets after it must not wait for it
+            state._http.submit(state._cancel, place, name, step)
         done = concurrent.futures.Future()
         done.set_exception(e)
         state._ordered.submit(state._complete, done, fut, None, buf, step, params, last,
                               index == 0)
         return fut
-    http_future = state._http.submit(state._emit, slot, name, step, [flat.numel()], layout,
-                                     timing)
+    http_future = state._pool(place).submit(_placed, state, place, name, step, state._emit, slot,
+                                            name, step, [flat.numel()], layout, timing, place)
     state._ordered.submit(state._complete, http_future, fut, slot, buf, step, params, last,
                           index == 0)
     return fut
@@ -1064,12 +1131,23 @@ def _direct(state, buf, last):
     return work.get_future().then(done)
 
 
-def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None, timing=None):
+def _placed(state, place, name, step, emit, *args):
+    """HTTP thread: ``emit(*args)``; when it fails, its place is cancelled first (a step that
+    ran and failed has passed its place already: the cancel then changes nothing)."""
+    try:
+        return emit(*args)
+    except Exception:
+        state._cancel(place, name, step)
+        raise
+
+
+def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None, timing=None,
+                          place=None):
     """HTTP thread: the CUDA IPC path; if the sidecar cannot open CUDA IPC handles (409
     failed_precondition: no CUDA driver there), every later CUDA bucket goes through shared
     memory, and this one does now. Returns (slot used, reply)."""
     try:
-        return slot, state._emit_cuda(slot, name, step, [flat.numel()], layout, timing)
+        return slot, state._emit_cuda(slot, name, step, [flat.numel()], layout, timing, place)
     except LightwireError as e:
         if not (e.status == 409 and e.error == "failed_precondition" and slot.buffer_id is None):
             raise
@@ -1079,7 +1157,7 @@ def _emit_cuda_or_degrade(state, slot, index, flat, name, step, layout=None, tim
     host = state._slot(index, flat.numel(), slot.dtype)
     torch.cuda.current_stream(slot.device).synchronize()
     host.view.copy_(slot.view)
-    return host, state._emit(host, name, step, [flat.numel()], layout, timing)
+    return host, state._emit(host, name, step, [flat.numel()], layout, timing, place)
 
 
 def _complete_cuda(state, http_future, fut, bucket_buffer, step, params=(), last=None,
@@ -1144,4 +1222,8 @@ def load_state(step, client=None, hook_state=None):
         hook_state.first_step = int(step) + 1
         hook_state.iteration = None
         hook_state._seen = set()
+        # The sidecars forget the streams' places when they resume: number afresh.
+        hook_state._order_iteration = 0
+        hook_state._order_position = 0
+        hook_state._order_seen = set()
     return reply

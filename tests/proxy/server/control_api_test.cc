@@ -406,11 +406,11 @@ TEST_CASE("every step error is answered with the status and code of docs/api.md'
       documented[code] = status;
     }
   }
-  const StepError errors[] = {StepError::kInvalidArgument,  StepError::kConflict,
-                              StepError::kResumeMismatch,   StepError::kLimitReached,
-                              StepError::kInternal,         StepError::kDeviceError,
-                              StepError::kExchangeFailed,   StepError::kShuttingDown,
-                              StepError::kDeadlineExceeded, StepError::kStateLimit};
+  const StepError errors[] = {
+      StepError::kInvalidArgument, StepError::kConflict,     StepError::kResumeMismatch,
+      StepError::kLimitReached,    StepError::kInternal,     StepError::kDeviceError,
+      StepError::kExchangeFailed,  StepError::kShuttingDown, StepError::kDeadlineExceeded,
+      StepError::kStateLimit,      StepError::kCancelled};
   std::set<std::string> codes;
   for (StepError e : errors) {
     const ApiError a = apiError(e);
@@ -545,6 +545,58 @@ TEST_CASE("bad codec-auto timing fields of a form-2 request get 400 and change n
     CHECK(m.find(bad.second) != std::string::npos);
   }
   CHECK(snapshot(c) == before);
+}
+
+TEST_CASE("bad step places and cancellations get 400 and change nothing; a cancel is answered") {
+  Stack s;
+  Client c = s.unixClient();
+  const std::string before = snapshot(c);
+  const std::string head = R"({"name": "w", "step": 1, "buffer": "b1", "shape": [4], )";
+  const std::vector<std::pair<std::string, std::string>> bad_orders{
+      {R"("order": 3)", "must be an object"},
+      {R"("order": {"iteration": 0, "position": 0})", "missing field 'stream'"},
+      {R"("order": {"stream": "s", "position": 0})", "missing field 'iteration'"},
+      {R"("order": {"stream": "s", "iteration": 0})", "missing field 'position'"},
+      {R"("order": {"stream": "", "iteration": 0, "position": 0})", "stream '' must be"},
+      {R"("order": {"stream": "a b", "iteration": 0, "position": 0})", "must be 1 to"},
+      {R"("order": {"stream": "s", "iteration": -1, "position": 0})", "non-negative"},
+      {R"("order": {"stream": "s", "iteration": 0, "position": 2147483648})", "below 2^31"},
+      {R"("order": {"stream": "s", "iteration": 0, "position": 0, "x": 1})", "unknown field"}};
+  for (const auto& bad : bad_orders) {
+    const std::string& fields = bad.first;
+    const std::string& why = bad.second;
+    CAPTURE(fields);
+    const std::string m =
+        expectError(c.request(http::verb::post, "/v1/emit_gradient", head + fields + "}", kJson),
+                    400, "invalid_argument");
+    CHECK(m.find(why) != std::string::npos);
+    const std::string mc =
+        expectError(c.request(http::verb::post, "/v1/cancel", "{" + fields + "}", kJson), 400,
+                    "invalid_argument");
+    CHECK(mc.find(why) != std::string::npos);
+  }
+  const std::string order = R"("order": {"stream": "s", "iteration": 4, "position": 1})";
+  for (const auto& bad : std::vector<std::pair<std::string, std::string>>{
+           {"{}", "missing field 'order'"},
+           {"{" + order + R"(, "name": "b"})", "go together"},
+           {"{" + order + R"(, "step": 2})", "go together"},
+           {"{" + order + R"(, "name": "a b", "step": 2})", "may only use"},
+           {"{" + order + R"(, "when": 2})", "unknown field 'when'"}}) {
+    const std::string& body = bad.first;
+    const std::string& why = bad.second;
+    CAPTURE(body);
+    const std::string m = expectError(c.request(http::verb::post, "/v1/cancel", body, kJson), 400,
+                                      "invalid_argument");
+    CHECK(m.find(why) != std::string::npos);
+  }
+  CHECK(snapshot(c) == before);
+  const Res first = c.request(http::verb::post, "/v1/cancel",
+                              "{" + order + R"(, "name": "b", "step": 4})", kJson);
+  CHECK(first.result_int() == 200);
+  CHECK(parseObject(first.body()).at("cancelled").as_bool());
+  const Res again = c.request(http::verb::post, "/v1/cancel", "{" + order + "}", kJson);
+  CHECK(again.result_int() == 200);
+  CHECK_FALSE(parseObject(again.body()).at("cancelled").as_bool());
 }
 
 TEST_CASE("malformed JSON bodies get 400 on every JSON route") {

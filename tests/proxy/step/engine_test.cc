@@ -1018,3 +1018,200 @@ TEST_CASE("ring chunking: elementwise codecs give every rank a chunk of a tensor
   CHECK(ringChunkElements(*topk, mi, mi, 4) == mi);  // selection is per chunk
   CHECK(ringChunkElements(*qsgd, mi, mi, 4) == mi);
 }
+
+// ---------------------------------------------------------------- buckets in flight
+
+namespace {
+
+/// The order in which steps ended (their tensors' names), as their done callbacks ran.
+struct EndOrder {
+  std::mutex mu;
+  std::vector<std::string> names;
+  std::vector<std::string> get() {
+    std::lock_guard lock(mu);
+    return names;
+  }
+};
+
+/// Trainer `trainer`'s part of (name, step) at `place` of stream "s" (nullopt: no place).
+Sent sendAt(StepEngine& engine, const std::string& name, uint64_t step,
+            std::optional<std::pair<uint64_t, uint32_t>> place, EndOrder* ended = nullptr,
+            unsigned trainer = 0) {
+  Contribution c;
+  auto bytes = std::make_shared<std::vector<std::byte>>(16 * sizeof(float));
+  c.spec.name = name;
+  c.spec.step = step;
+  c.spec.trainer = trainer;
+  c.spec.elements = 16;
+  if (place) c.spec.order = StepOrder{"s", place->first, place->second};
+  c.data = bytes->data();
+  c.keep_alive = bytes;
+  auto promise = std::make_shared<std::promise<StepOutcome>>();
+  Sent s{bytes, promise->get_future()};
+  engine.submit(std::move(c), [promise, ended, name](StepOutcome o) {
+    if (ended != nullptr) {
+      std::lock_guard lock(ended->mu);
+      ended->names.push_back(name);
+    }
+    promise->set_value(std::move(o));
+  });
+  return s;
+}
+
+StepOrder place(uint64_t iteration, uint32_t position) { return {"s", iteration, position}; }
+
+}  // namespace
+
+TEST_CASE("ordered steps run in their stream's order, not in the order they arrive") {
+  Fixture f(withTrainers(1));
+  EndOrder ended;
+  Sent c = sendAt(f.engine, "c", 0, std::pair{uint64_t{0}, 2u}, &ended);
+  Sent b = sendAt(f.engine, "b", 0, std::pair{uint64_t{0}, 1u}, &ended);
+  // A step without a place does not wait behind them.
+  Sent u = sendAt(f.engine, "u", 0, std::nullopt, &ended);
+  REQUIRE(u.get().ok());
+  CHECK(ended.get() == std::vector<std::string>{"u"});
+  Sent a = sendAt(f.engine, "a", 0, std::pair{uint64_t{0}, 0u}, &ended);
+  for (Sent* s : {&a, &b, &c}) {
+    const StepOutcome o = s->get();
+    REQUIRE_MESSAGE(o.ok(), o.message);
+  }
+  CHECK(ended.get() == std::vector<std::string>{"u", "a", "b", "c"});
+  // The next iteration starts at position 0 again; its position 1 waits for it.
+  Sent b1 = sendAt(f.engine, "b", 1, std::pair{uint64_t{1}, 1u}, &ended);
+  Sent a1 = sendAt(f.engine, "a", 1, std::pair{uint64_t{1}, 0u}, &ended);
+  REQUIRE(b1.get().ok());
+  REQUIRE(a1.get().ok());
+  CHECK(ended.get() == std::vector<std::string>{"u", "a", "b", "c", "a", "b"});
+  // A part at a place that has passed is refused and changes nothing.
+  Sent late = sendAt(f.engine, "d", 1, std::pair{uint64_t{1}, 0u});
+  const StepOutcome o = late.get();
+  CHECK(o.error == StepError::kConflict);
+  CHECK(o.message.find("has passed") != std::string::npos);
+  CHECK(f.engine.committedSteps().count("d") == 0);
+}
+
+TEST_CASE("a cancelled place does not hold up the places after it") {
+  EngineOptions options = withTrainers(2);
+  Fixture f(options);
+  EndOrder ended;
+  // Both trainers send position 1; position 0 comes from trainer 0 only, then is cancelled.
+  Sent b0 = sendAt(f.engine, "b", 0, std::pair{uint64_t{0}, 1u}, &ended, 0);
+  Sent b1 = sendAt(f.engine, "b", 0, std::pair{uint64_t{0}, 1u}, &ended, 1);
+  Sent a0 = sendAt(f.engine, "a", 0, std::pair{uint64_t{0}, 0u}, &ended, 0);
+  auto cancelled = f.engine.cancel(place(0, 0), "", std::nullopt);
+  REQUIRE(cancelled.isOk());
+  CHECK(*cancelled);
+  const StepOutcome oa = a0.get();
+  CHECK(oa.error == StepError::kCancelled);
+  CHECK(oa.message.find("position 0 of iteration 0 of stream 's' was cancelled") !=
+        std::string::npos);
+  REQUIRE(b0.get().ok());
+  REQUIRE(b1.get().ok());
+  CHECK(f.engine.committedSteps().count("a") == 0);
+  CHECK(f.engine.committedSteps().at("b") == 0);
+  // Cancelling a place that has passed does nothing; a part sent there later is refused.
+  auto again = f.engine.cancel(place(0, 0), "", std::nullopt);
+  REQUIRE(again.isOk());
+  CHECK_FALSE(*again);
+  Sent late = sendAt(f.engine, "a", 0, std::pair{uint64_t{0}, 0u});
+  CHECK(late.get().error == StepError::kConflict);
+  // A place cancelled before any part of it came is skipped when it is reached.
+  REQUIRE(*f.engine.cancel(place(1, 0), "", std::nullopt));
+  Sent c0 = sendAt(f.engine, "c", 1, std::pair{uint64_t{1}, 1u}, &ended, 0);
+  Sent c1 = sendAt(f.engine, "c", 1, std::pair{uint64_t{1}, 1u}, &ended, 1);
+  REQUIRE(c0.get().ok());
+  REQUIRE(c1.get().ok());
+  Sent refused = sendAt(f.engine, "x", 1, std::pair{uint64_t{1}, 0u});
+  CHECK(refused.get().error != StepError::kNone);
+}
+
+TEST_CASE("a place that never comes: the steps after it fail at the deadline, nothing committed") {
+  EngineOptions options = withTrainers(1);
+  options.step_timeout = std::chrono::milliseconds(300);
+  Fixture f(options);
+  REQUIRE(sendAt(f.engine, "a", 0, std::pair{uint64_t{0}, 0u}).get().ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  Sent c = sendAt(f.engine, "c", 0, std::pair{uint64_t{0}, 2u});
+  const StepOutcome o = c.get();
+  CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(290));
+  CHECK(o.error == StepError::kDeadlineExceeded);
+  CHECK(o.message.find("waited limits.step_timeout_s for position 1, which never came") !=
+        std::string::npos);
+  CHECK(f.engine.committedSteps().count("c") == 0);
+  CHECK(f.engine.stepsFailed() == 1);
+  // The place given up on has passed: the missing one is refused when it comes at last, and the
+  // next place runs at once.
+  CHECK(sendAt(f.engine, "b", 0, std::pair{uint64_t{0}, 1u}).get().error == StepError::kConflict);
+  REQUIRE(sendAt(f.engine, "d", 0, std::pair{uint64_t{0}, 3u}).get().ok());
+}
+
+TEST_CASE("two streams keep their own order; trainers must agree on a step's place") {
+  EngineOptions options = withTrainers(2);
+  Fixture f(options);
+  // Stream "t" is apart from stream "s": its position 0 runs while "s" waits for its own.
+  Sent s1 = sendAt(f.engine, "s1", 0, std::pair{uint64_t{0}, 1u}, nullptr, 0);
+  Sent s1b = sendAt(f.engine, "s1", 0, std::pair{uint64_t{0}, 1u}, nullptr, 1);
+  {
+    auto bytes = std::make_shared<std::vector<std::byte>>(16 * sizeof(float));
+    auto promise = std::make_shared<std::promise<StepOutcome>>();
+    auto fut = promise->get_future();
+    for (unsigned trainer : {0u, 1u}) {
+      Contribution t;
+      t.spec.name = "t0";
+      t.spec.trainer = trainer;
+      t.spec.elements = 16;
+      t.spec.order = StepOrder{"t", 0, 0};
+      t.data = bytes->data();
+      t.keep_alive = bytes;
+      f.engine.submit(std::move(t), [promise, trainer](StepOutcome o) {
+        if (trainer == 1) promise->set_value(std::move(o));
+      });
+    }
+    REQUIRE(fut.wait_for(kWait) == std::future_status::ready);
+    CHECK(fut.get().ok());
+  }
+  CHECK(s1.outcome.wait_for(std::chrono::milliseconds(50)) == std::future_status::timeout);
+  // Trainer 1 sends "s0" at another place than trainer 0 did: refused, trainer 0's part stays.
+  Sent s0 = sendAt(f.engine, "s0", 0, std::pair{uint64_t{0}, 0u}, nullptr, 0);
+  Sent wrong = sendAt(f.engine, "s0", 0, std::pair{uint64_t{0}, 5u}, nullptr, 1);
+  const StepOutcome ow = wrong.get();
+  CHECK(ow.error == StepError::kConflict);
+  CHECK(ow.message.find("another trainer at another place") != std::string::npos);
+  Sent right = sendAt(f.engine, "s0", 0, std::pair{uint64_t{0}, 0u}, nullptr, 1);
+  for (Sent* s : {&s0, &right, &s1, &s1b}) {
+    const StepOutcome o = s->get();
+    REQUIRE_MESSAGE(o.ok(), o.message);
+  }
+}
+
+TEST_CASE("a bucket at a place: its layers wait together and run as one step") {
+  Fixture f(withTrainers(1), layerCodecs());
+  auto withPlace = [&](uint64_t step, uint32_t position) {
+    std::vector<Contribution> cs;
+    std::vector<StepDone> dones;
+    std::vector<Sent> sent;
+    for (const LayerIn& layer : bucketLayers(static_cast<uint32_t>(step))) {
+      auto [c, bytes] = layerPart(layer, step);
+      c.spec.bucket = "bucket.p" + std::to_string(position);
+      c.spec.order = StepOrder{"s", step, position};
+      auto [done, future] = promised();
+      sent.push_back(Sent{bytes, std::move(future)});
+      cs.push_back(std::move(c));
+      dones.push_back(std::move(done));
+    }
+    f.engine.submitBucket(std::move(cs), std::move(dones));
+    return sent;
+  };
+  auto second = withPlace(0, 1);
+  for (auto& s : second) {
+    CHECK(s.outcome.wait_for(std::chrono::milliseconds(20)) == std::future_status::timeout);
+  }
+  EndOrder ended;
+  Sent first = sendAt(f.engine, "alone", 0, std::pair{uint64_t{0}, 0u}, &ended);
+  REQUIRE(first.get().ok());
+  for (auto& s : second) {
+    const StepOutcome o = s.get();
+    REQUIRE_MESSAGE(o.ok(), o.message);
+  }
+}
