@@ -43,7 +43,8 @@ inline constexpr std::string_view kDefaultLadder = "direct,none,fp16,qsgd:8,qsgd
 
 /// Parses a ladder: comma-separated rungs from least to most lossy, each `direct` (first only),
 /// `none`, `fp16`, `bf16`, `qsgd:BITS`, `topk:DENSITY`, `dgc:DENSITY` (error feedback, no
-/// momentum: the optimizer keeps momentum whatever the rung), `randomk:DENSITY` or
+/// momentum: the optimizer keeps momentum), `dgc:DENSITY:MOMENTUM` (DGC's momentum correction:
+/// the sidecar owns the layer's momentum while the rung is in force), `randomk:DENSITY` or
 /// `powersgd:RANK`, optionally followed by `@FACTOR` (its steps factor, >= 1). At most 16 rungs,
 /// none twice. Errors name the rung.
 Result<std::vector<Rung>> parseLadder(std::string_view text);

@@ -115,6 +115,11 @@ EXTRA_CONFIGS = [
     # run time from the measured link and the compute the hook reports, the trainers' own
     # process group (the direct rung) when every layer is best exchanged dense.
     ("lightwire_auto", "lightwire auto", "lightwire", None, ["--codec", "auto"] + POLICIES_OFF),
+    # ... with DGC's momentum correction as its most compressing rung (the sidecar owns a layer's
+    # momentum while it is on that rung; the trainers step with lightwire.torch.SGD).
+    ("lightwire_auto_dgcm", "lightwire auto (dgc rung with momentum correction)", "lightwire",
+     None, ["--codec", "auto", "--auto-ladder", "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01:0.9"]
+     + POLICIES_OFF),
     # The hook with one bucket at the sidecar at a time (max_workers=1, as before buckets went in
     # flight together), against the default of several (bench/README.md "Buckets in flight").
     ("lightwire_none_serial", "lightwire none (one bucket at a time)", "lightwire", "serial",
@@ -380,6 +385,11 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
     name, label, kind, hook, sidecar_args = config
     args = list(sidecar_args or [])
     momentum = float(args[args.index("--momentum") + 1]) if "--momentum" in args else 0.0
+    if "--auto-ladder" in args:  # a rung with momentum correction: dgc:DENSITY:MOMENTUM
+        for rung in args[args.index("--auto-ladder") + 1].split(","):
+            parts = rung.split("@")[0].split(":")
+            if parts[0] == "dgc" and len(parts) == 3:
+                momentum = max(momentum, float(parts[2]))
     # The sidecar's momentum needs lightwire.torch.SGD; otherwise a lightwire row takes the helper
     # of the task's optimizer where there is one (AdamW: lightwire.torch.AdamW), as users would.
     optimizer = "lightwire_sgd" if momentum > 0 else "helper" if kind == "lightwire" else "task"

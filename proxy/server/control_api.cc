@@ -421,6 +421,7 @@ Response ControlApi::status() {
   }
   o["local_trainers"] = config_.local_trainers;
   o["tensors"] = engine_.tensorsJson();
+  o["streams"] = engine_.streamsJson();
   json::array bufs;
   for (const auto& b : buffers_.list()) {
     json::object entry{{"id", b.id}, {"name", b.name}, {"size", b.size}, {"kind", b.kind}};

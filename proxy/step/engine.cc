@@ -780,6 +780,27 @@ boost::json::array StepEngine::tensorsJson() const {
   return out;
 }
 
+boost::json::array StepEngine::streamsJson() const {
+  std::lock_guard lock(mu_);
+  std::map<std::string, uint64_t> waiting;
+  for (const auto& [name, t] : tensors_) {
+    for (const auto& [step, p] : t->pending) {
+      if (p.order && p.queued) ++waiting[p.order->stream];
+    }
+  }
+  boost::json::array out;
+  for (const auto& [name, st] : streams_) {
+    boost::json::object o{{"stream", name}};
+    o["last"] = st.last ? boost::json::value(boost::json::object{{"iteration", st.last->first},
+                                                                 {"position", st.last->second}})
+                        : boost::json::value(nullptr);
+    o["cancelled_ahead"] = st.cancelled.size();
+    o["waiting_steps"] = waiting.contains(name) ? waiting.at(name) : 0;
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
 uint64_t StepEngine::stepsOk() const {
   std::lock_guard lock(mu_);
   return steps_ok_;

@@ -115,6 +115,9 @@ class StepEngine {
   void setChooser(CodecChooser chooser);
   /// Tensors for /v1/status.
   boost::json::array tensorsJson() const;
+  /// Streams of ordered steps for /v1/status (docs/api.md "Buckets in flight"): each one's last
+  /// place run, its cancelled places not reached yet, and its steps waiting for their place.
+  boost::json::array streamsJson() const;
   /// The job's step state as this sidecar knows it (docs/policies.md): every tensor's last
   /// committed step. Told to every peer that (re)connects.
   std::map<std::string, uint64_t> committedSteps() const;

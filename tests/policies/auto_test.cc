@@ -77,9 +77,36 @@ TEST_SUITE("auto") {
     CHECK((*own)[1].steps_factor == 1.8);
     CHECK((*own)[1].label == "dgc 1 % @1.8");
     CHECK(parseLadder("none, bf16, topk:0.01, randomk:0.1, powersgd:4").isOk());
-    for (const char* bad :
-         {"", "none,,fp16", "fp16,direct", "qsgd:9", "qsgd", "topk:0", "dgc:2", "powersgd:0",
-          "none,none", "lz4", "fp16:3", "direct", "dgc:0.01@0.5", "dgc:0.01@", "none,none@2"}) {
+    // DGC's momentum correction as a rung: the sidecar owns the layer's momentum while it is in
+    // force, and it needs fewer steps than error feedback alone.
+    auto corrected = parseLadder("none,dgc:0.01,dgc:0.01:0.9");
+    REQUIRE(corrected.isOk());
+    CHECK((*corrected)[2].codec.name == "dgc");
+    CHECK((*corrected)[2].codec.momentum == 0.9);
+    CHECK((*corrected)[2].codec.density == 0.01);
+    CHECK((*corrected)[2].label == "dgc 1 % momentum 0.9");
+    CHECK((*corrected)[2].steps_factor < (*corrected)[1].steps_factor);
+    for (const char* bad : {"",
+                            "none,,fp16",
+                            "fp16,direct",
+                            "qsgd:9",
+                            "qsgd",
+                            "topk:0",
+                            "dgc:2",
+                            "powersgd:0",
+                            "none,none",
+                            "lz4",
+                            "fp16:3",
+                            "direct",
+                            "dgc:0.01@0.5",
+                            "dgc:0.01@",
+                            "none,none@2",
+                            "dgc:0.01:1",
+                            "dgc:0.01:0",
+                            "dgc:0.01:",
+                            "dgc::0.9",
+                            "dgc:0.01:x",
+                            "topk:0.01:0.9"}) {
       INFO(bad);
       auto r = parseLadder(bad);
       REQUIRE_FALSE(r.isOk());

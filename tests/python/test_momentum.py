@@ -278,6 +278,32 @@ def test_sgd_with_sidecar_momentum_keeps_it_on_weight_decay_only():
     assert "weight_decay_buffer" not in opt.state[b]
 
 
+def test_sgd_starts_momentum_afresh_when_a_parameter_changes_sides():
+    """codec auto moves a layer to a rung with momentum correction and back: while the sidecar
+    owns its momentum the optimizer applies none of its own; when it gives it back, the
+    optimizer's momentum starts afresh (the velocity before the move means nothing now)."""
+    w, _ = _params()
+    owner = _Owner([], 0.9)
+    opt = lwt.SGD([w], lr=0.1, momentum=0.9, hook_state=owner)
+    ones = torch.ones(4, 3)
+    for _ in range(3):  # the optimizer's own momentum builds up
+        w.grad = ones.clone()
+        opt.step()
+    assert not torch.equal(opt.state[w]["momentum_buffer"], ones)
+    owner.owned = {id(w)}  # the sidecar owns it now: the gradient as it comes
+    before = w.detach().clone()
+    w.grad = ones.clone()
+    opt.step()
+    assert torch.equal(w, before - 0.1 * ones)
+    assert "momentum_buffer" not in opt.state[w]
+    owner.owned = set()  # back with the optimizer: its momentum from zero, not the old velocity
+    before = w.detach().clone()
+    w.grad = ones.clone()
+    opt.step()
+    assert torch.equal(w, before - 0.1 * ones)
+    assert torch.equal(opt.state[w]["momentum_buffer"], ones)
+
+
 def test_sgd_refuses_what_the_sidecars_momentum_does_not_define():
     for kw, what in (({"momentum": 0.5}, "momentum=0.9"), ({"nesterov": True}, "nesterov"),
                      ({"dampening": 0.1}, "dampening")):

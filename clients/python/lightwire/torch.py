@@ -227,7 +227,9 @@ class SGD(torch.optim.SGD):
     heavy-ball momentum): ``step`` raises MomentumConflict otherwise. A step the hook fell back for
     (the process group's allreduce averaged the bucket) or a dense step of the sidecar (bypass,
     full sync, PowerSGD before its start step) is applied by the same rule: the parameter's
-    gradient as averaged, no momentum of the optimizer's on it.
+    gradient as averaged, no momentum of the optimizer's on it. When a parameter moves from one
+    side to the other (``codec: auto`` switching its layer to or from a rung with momentum
+    correction), its momentum starts afresh there.
     """
 
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
@@ -251,6 +253,13 @@ class SGD(torch.optim.SGD):
                 owned = self.hook_state.sidecar_momentum(p)
                 state = self.state[p]
                 d_p = p.grad
+                # codec auto moves a layer between a rung whose sidecar owns its momentum and
+                # others: the velocity of one side means nothing to the other, so momentum starts
+                # afresh on the side it moves to (docs/policies.md "What a switch does").
+                if state.get("sidecar_owned", owned > 0) != (owned > 0):
+                    state.pop("momentum_buffer", None)
+                    state.pop("weight_decay_buffer", None)
+                state["sidecar_owned"] = owned > 0
                 if owned > 0:
                     if owned != m or nesterov or damp != 0:
                         raise MomentumConflict(

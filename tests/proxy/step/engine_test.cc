@@ -1071,6 +1071,11 @@ TEST_CASE("ordered steps run in their stream's order, not in the order they arri
   Sent u = sendAt(f.engine, "u", 0, std::nullopt, &ended);
   REQUIRE(u.get().ok());
   CHECK(ended.get() == std::vector<std::string>{"u"});
+  const auto streams = f.engine.streamsJson();
+  REQUIRE(streams.size() == 1);
+  CHECK(streams[0].at("stream").as_string() == "s");
+  CHECK(streams[0].at("last").is_null());
+  CHECK(streams[0].at("waiting_steps").to_number<uint64_t>() == 2);
   Sent a = sendAt(f.engine, "a", 0, std::pair{uint64_t{0}, 0u}, &ended);
   for (Sent* s : {&a, &b, &c}) {
     const StepOutcome o = s->get();
@@ -1118,6 +1123,10 @@ TEST_CASE("a cancelled place does not hold up the places after it") {
   CHECK(late.get().error == StepError::kConflict);
   // A place cancelled before any part of it came is skipped when it is reached.
   REQUIRE(*f.engine.cancel(place(1, 0), "", std::nullopt));
+  const auto streams = f.engine.streamsJson();
+  REQUIRE(streams.size() == 1);
+  CHECK(streams[0].at("cancelled_ahead").to_number<uint64_t>() == 1);
+  CHECK(streams[0].at("last").at("position").to_number<uint64_t>() == 1);
   Sent c0 = sendAt(f.engine, "c", 1, std::pair{uint64_t{1}, 1u}, &ended, 0);
   Sent c1 = sendAt(f.engine, "c", 1, std::pair{uint64_t{1}, 1u}, &ended, 1);
   REQUIRE(c0.get().ok());
