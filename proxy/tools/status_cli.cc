@@ -267,6 +267,22 @@ std::string formatStatus(const json::object& s, int decisions) {
       out << line;
     }
   }
+  // Streams of ordered steps (buckets in flight): where each stands.
+  if (const auto* streams = at(s, "streams");
+      streams && streams->is_array() && !streams->as_array().empty()) {
+    out << "\nstreams (steps run in the trainers' order)\n";
+    for (const auto& v : streams->as_array()) {
+      if (!v.is_object()) continue;
+      const auto& o = v.as_object();
+      std::string last = "nothing run yet";
+      if (const auto* l = at(o, "last"); l && l->is_object()) {
+        last = "last ran: iteration " + str(at(l->as_object(), "iteration")) + " position " +
+               str(at(l->as_object(), "position"));
+      }
+      out << "  " << str(at(o, "stream")) << "  " << last << ", " << str(at(o, "waiting_steps"))
+          << " waiting, " << str(at(o, "cancelled_ahead")) << " cancelled ahead\n";
+    }
+  }
   if (const auto* report = at(s, "last_report");
       report && report->is_object() && !report->as_object().empty()) {
     out << "\nlast report  " << json::serialize(*report) << "\n";

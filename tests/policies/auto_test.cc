@@ -162,6 +162,26 @@ TEST_SUITE("auto") {
     CHECK_FALSE(rungUsable(p, kN, {kN}));
   }
 
+  TEST_CASE("a rung is measured from its second step: its first step's tail is left out") {
+    PolicyEngine p(autoConfig(), "{}", nullptr);
+    GlobalStats slow = stats(1.25e8 / 8, 1e-4, 0.05);
+    for (uint64_t s = 0; s < 3; ++s) run(p, "w", s, slow);
+    const size_t heavy = rungIndex(p, "w", 3);
+    REQUIRE(heavy >= 4);  // in force from step 3
+    auto measured = [&] {
+      const auto st = p.stateJson();
+      return st.at("tensors").at("w").at("auto").at("measured").as_array().at(heavy).as_double();
+    };
+    // A request carries the tail of the trainer's iteration before: step 4 brings step 3's, the
+    // rung's first (slow, whatever made it so); step 5 brings step 4's.
+    slow.tail_s = 10.0;
+    run(p, "w", 4, slow);
+    CHECK(measured() < 0);  // not measured
+    slow.tail_s = 0.02;
+    run(p, "w", 5, slow);
+    CHECK(measured() == doctest::Approx(0.02));
+  }
+
   TEST_CASE("a slow link forces compression after the hysteresis; a fast one brings it back") {
     PolicyEngine p(autoConfig(), "{}", nullptr);
     // Starts with the first rung through the sidecar (none).

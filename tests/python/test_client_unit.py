@@ -460,6 +460,36 @@ def test_hook_holds_an_iterations_buckets_until_its_last_and_drops_an_abandoned_
         c.close()
 
 
+@needs_torch
+def test_hook_cancels_a_numbered_bucket_it_could_not_send(sidecar):
+    """Buckets go with their place in the hook's stream (docs/api.md "Buckets in flight"); one
+    that fails before it is sent (here a dtype the sidecar does not take) is cancelled, so the
+    bucket after it runs at once instead of waiting limits.step_timeout_s for it."""
+    import lightwire.torch as lwt
+    c = sidecar.client()
+    state = lwt.LightwireHookState(client=c, trainer=0)
+    try:
+        t0 = time.monotonic()
+        bad = lwt.ddp_comm_hook(state, _FakeBucket(0, torch.zeros(8, dtype=torch.float64),
+                                                   last=False))
+        good = lwt.ddp_comm_hook(state, _FakeBucket(1, torch.full((4,), 2.0), last=True))
+        assert torch.equal(good.wait(), torch.full((4,), 2.0))
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(Exception):
+            bad.wait()  # no process group to fall back to
+        streams = {s["stream"]: s for s in c.status()["streams"]}
+        assert streams[state.stream]["last"] == {"iteration": 0, "position": 1}
+        assert streams[state.stream]["waiting_steps"] == 0
+        # The next iteration starts at position 0 again.
+        again = lwt.ddp_comm_hook(state, _FakeBucket(0, torch.full((8,), 3.0), last=True))
+        assert torch.equal(again.wait(), torch.full((8,), 3.0))
+        streams = {s["stream"]: s for s in c.status()["streams"]}
+        assert streams[state.stream]["last"] == {"iteration": 1, "position": 0}
+    finally:
+        state.close()
+        c.close()
+
+
 def test_wait_ready(tmp_path, sidecar):
     # Nothing there: waits, then fails naming the reason.
     c = lightwire.Client(socket_path=str(tmp_path / "none.sock"), timeout=2)

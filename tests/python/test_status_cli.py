@@ -181,3 +181,16 @@ def test_health_ready_waits_for_the_peers(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_status_shows_the_streams_of_ordered_steps(sidecar_factory):
+    sc = sidecar_factory()
+    c = sc.client()
+    try:
+        assert c.cancel(("model.a", 3, 1)) is True
+    finally:
+        c.close()
+    r = status("--socket", sc.socket)
+    assert r.returncode == 0, r.stderr
+    assert "streams (steps run in the trainers' order)" in r.stdout
+    assert "model.a  nothing run yet, 0 waiting, 1 cancelled ahead" in r.stdout
