@@ -496,7 +496,14 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   // second step on. A request carries the tail of the trainer's previous iteration, so the first
   // tail of the rung's second step comes with its third: the first step of a rung is left out
   // (measured: 0.24-0.85 s against 0.03-0.09 s for the steps after it, for dgc 1 % at 1 Gbit/s).
-  const bool rung_measured = step >= a.cur_from + 2;
+  // Nor are the steps a selection rung runs above its own density in the DGC warm-up
+  // (schedule.warmup_steps): 1.0-1.5 s at 25 % against 0.05 s at 1 % for the MLP at 1 Gbit/s, a
+  // figure that would hold the rung back long after the warm-up.
+  const Rung& in_force = ac.ladder[a.cur];
+  const auto warm = step > 0 ? warmupDensity(step - 1, config_.warmup_steps) : std::nullopt;
+  const bool warming =
+      selection(in_force.codec) && warm && *warm > in_force.codec.density.value_or(1.0);
+  const bool rung_measured = step >= a.cur_from + 2 && !warming;
   a.measured.resize(ac.ladder.size(), -1.0);
   // The hook's `direct_s` changes only in a direct window: a figure from before the link moved
   // stays ignored until a window measures again.
@@ -587,12 +594,14 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   a.best_lossless = ac.ladder[want].steps_factor == 1.0;
   if (!(due || link_moved || (started && want < a.cur))) return;
   if (due) a.next_eval = step + ac.period;
+  const bool first = !a.evaluated;
+  a.evaluated = true;
   if (want == a.cur) {
     a.agree = 0;
     if (!a.link || link_moved) a.link = in.link;
     return;
   }
-  if (want > a.cur && !link_moved) {  // more compression: hysteresis
+  if (want > a.cur && !link_moved && !first) {  // more compression: hysteresis
     a.agree = a.candidate == want ? a.agree + 1 : 1;
     a.candidate = want;
     if (a.agree < ac.hysteresis) return;
@@ -786,6 +795,7 @@ json::object PolicyEngine::stateJson() const {
           {"direct_ignored", a.direct_ignored},
           {"best_lossless", a.best_lossless},
           {"measured", json::array(a.measured.begin(), a.measured.end())},
+          {"evaluated", a.evaluated},
           {"why", a.why}};
     }
   }
@@ -946,6 +956,13 @@ Status PolicyEngine::restoreState(const json::value& v) {
         a.measured.push_back(m.is_number() ? m.to_number<double>() : -1.0);
       }
       a.why = r.str(ao, "why");
+      // Absent from the state of an older version: evaluated (hysteresis as before).
+      if (const auto* e = ao.if_contains("evaluated")) {
+        if (!e->is_bool() && r.error.empty()) r.error = "auto 'evaluated' must be a boolean";
+        a.evaluated = !e->is_bool() || e->as_bool();
+      } else {
+        a.evaluated = true;
+      }
       const size_t rungs = config_.auto_codec.ladder.size();
       if ((a.cur >= rungs || a.prev >= rungs || a.candidate >= std::max<size_t>(rungs, 1)) &&
           r.error.empty()) {

@@ -212,7 +212,10 @@ class PolicyEngine {
       uint64_t critical_until = 0;
       bool critical_start = false;  // a critical phase started at this step
       uint64_t next_eval = 0;       // its next evaluation (every `period` of its own steps)
-      double overhead = 0;          // the sidecar path's own cost (AutoInputs::sidecar_overhead_s)
+      // Whether an evaluation with a measured link has decided its rung yet: the rung it starts
+      // on was nobody's choice, so the first decision away from it needs no hysteresis.
+      bool evaluated = false;
+      double overhead = 0;  // the sidecar path's own cost (AutoInputs::sidecar_overhead_s)
       // Its last scores with `direct` and with the rung in force (< 0: none yet), and whether
       // `direct` was measured: what the job's direct window compares.
       double score_direct = -1, score_cur = -1, score_best = -1;  // best: the rung it chose

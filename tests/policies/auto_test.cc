@@ -163,37 +163,60 @@ TEST_SUITE("auto") {
   }
 
   TEST_CASE("a rung is measured from its second step: its first step's tail is left out") {
-    PolicyEngine p(autoConfig(), "{}", nullptr);
+    PolicyConfig c = autoConfig();
+    c.warmup_steps = 20;  // the DGC warm-up: steps 0-19 above 1 %
+    PolicyEngine p(c, "{}", nullptr);
     GlobalStats slow = stats(1.25e8 / 8, 1e-4, 0.05);
-    for (uint64_t s = 0; s < 3; ++s) run(p, "w", s, slow);
-    const size_t heavy = rungIndex(p, "w", 3);
-    REQUIRE(heavy >= 4);  // in force from step 3
+    run(p, "w", 0, slow);  // the first evaluation: a move without hysteresis
+    const size_t heavy = rungIndex(p, "w", 1);
+    REQUIRE(heavy >= 4);  // in force from step 1
     auto measured = [&] {
       const auto st = p.stateJson();
       return st.at("tensors").at("w").at("auto").at("measured").as_array().at(heavy).as_double();
     };
-    // A request carries the tail of the trainer's iteration before: step 4 brings step 3's, the
-    // rung's first (slow, whatever made it so); step 5 brings step 4's.
+    // A request carries the tail of the trainer's iteration before: step 2 brings step 1's, the
+    // rung's first (slow, whatever made it so); step 3 brings step 2's.
     slow.tail_s = 10.0;
-    run(p, "w", 4, slow);
+    run(p, "w", 2, slow);
     CHECK(measured() < 0);  // not measured
     slow.tail_s = 0.02;
-    run(p, "w", 5, slow);
+    run(p, "w", 3, slow);
+    const bool selecting = p.autoStep("w", 3).rung->codec.density.has_value();
+    if (selecting) {
+      // A selection rung is not measured while the warm-up sends more than its density.
+      CHECK(measured() < 0);
+      for (uint64_t s = 4; s <= 20; ++s) run(p, "w", s, slow);
+      CHECK(measured() < 0);  // step 20 brings step 19's tail: still in the warm-up
+      run(p, "w", 21, slow);
+    }
     CHECK(measured() == doctest::Approx(0.02));
+  }
+
+  TEST_CASE("the first decision moves at once; later moves to more compression wait") {
+    PolicyEngine p(autoConfig(), "{}", nullptr);
+    CHECK(rungIndex(p, "w", 0) == 1);  // none: the rung a layer starts on
+    run(p, "w", 0, stats(1.25e8 / 8, 1e-4, 0.05));
+    CHECK(rungIndex(p, "w", 1) >= 4);  // no hysteresis for the first decision
+    CHECK(p.decisions().back().detail.find("none -> ") == 0);
   }
 
   TEST_CASE("a slow link forces compression after the hysteresis; a fast one brings it back") {
     PolicyEngine p(autoConfig(), "{}", nullptr);
-    // Starts with the first rung through the sidecar (none).
+    // Starts with the first rung through the sidecar (none); its first evaluation keeps it
+    // (enough compute to hide a dense exchange of the slow link).
     CHECK(rungIndex(p, "w", 0) == 1);
-    const GlobalStats slow = stats(1.25e8 / 8, 1e-4, 0.05);
-    run(p, "w", 0, slow);  // step 0 evaluates: the first vote
+    run(p, "w", 0, stats(1.25e8 / 8, 1e-4, 5.0));
     CHECK(rungIndex(p, "w", 1) == 1);
+    // The compute shrinks, the link stays: a move to more compression needs two votes.
+    const GlobalStats slow = stats(1.25e8 / 8, 1e-4, 0.05);
     run(p, "w", 1, slow);
-    run(p, "w", 2, slow);  // the second vote in a row: switch from step 3
-    const size_t heavy = rungIndex(p, "w", 3);
+    run(p, "w", 2, slow);  // due (period 2): the first vote
+    CHECK(rungIndex(p, "w", 3) == 1);
+    run(p, "w", 3, slow);
+    run(p, "w", 4, slow);  // the second vote in a row: switch from step 5
+    const size_t heavy = rungIndex(p, "w", 5);
     CHECK(heavy >= 4);
-    CHECK(rungIndex(p, "w", 2) == 1);
+    CHECK(rungIndex(p, "w", 4) == 1);
     auto log = p.decisions();
     REQUIRE_FALSE(log.empty());
     CHECK(log.back().kind == "auto");
@@ -202,8 +225,9 @@ TEST_SUITE("auto") {
     // Back to a fast link: a move to less compression needs no hysteresis, and the rung held
     // state (dgc's residual) when it is one: step s + 1 flushes it.
     const size_t entries = p.decisions().size();
-    uint64_t s = 3;
-    for (; s < 8 && p.decisions().size() == entries; ++s) run(p, "w", s, stats(1.25e9, 1e-4, 0.05));
+    uint64_t s = 5;
+    for (; s < 10 && p.decisions().size() == entries; ++s)
+      run(p, "w", s, stats(1.25e9, 1e-4, 0.05));
     REQUIRE(p.decisions().size() > entries);  // decided at step s - 1
     const bool stateful = p.autoStep("w", s - 1).rung->codec.name == "dgc";
     const AutoStep next = p.autoStep("w", s);
