@@ -592,6 +592,10 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   a.score_cur = modelScore(ac.ladder[a.cur], in);
   a.score_best = modelScore(ac.ladder[want], in);
   a.best_lossless = ac.ladder[want].steps_factor == 1.0;
+  // The first decision waits for the hook's compute figure (it comes with the trainer's second
+  // iteration), for at most a period: made without it, at the first step, it moved layers of an
+  // unlimited loopback to dgc and back (measured: 0.94x DDP's step against 0.99x).
+  if (!a.evaluated && !g.compute_s && step < a.cur_from + ac.period) return;
   if (!(due || link_moved || (started && want < a.cur))) return;
   if (due) a.next_eval = step + ac.period;
   const bool first = !a.evaluated;

@@ -192,12 +192,22 @@ TEST_SUITE("auto") {
     CHECK(measured() == doctest::Approx(0.02));
   }
 
-  TEST_CASE("the first decision moves at once; later moves to more compression wait") {
+  TEST_CASE("the first decision waits for the compute figure, then moves without hysteresis") {
     PolicyEngine p(autoConfig(), "{}", nullptr);
     CHECK(rungIndex(p, "w", 0) == 1);  // none: the rung a layer starts on
-    run(p, "w", 0, stats(1.25e8 / 8, 1e-4, 0.05));
-    CHECK(rungIndex(p, "w", 1) >= 4);  // no hysteresis for the first decision
+    GlobalStats early = stats(1.25e8 / 8, 1e-4, 0.05);
+    early.compute_s.reset();  // the trainer's first iteration: no compute measured yet
+    early.overlap_s.reset();
+    run(p, "w", 0, early);
+    CHECK(rungIndex(p, "w", 1) == 1);
+    CHECK(p.decisions().empty());
+    run(p, "w", 1, stats(1.25e8 / 8, 1e-4, 0.05));
+    CHECK(rungIndex(p, "w", 2) >= 4);  // no hysteresis for the first decision
     CHECK(p.decisions().back().detail.find("none -> ") == 0);
+    // A client that never reports compute gets its first decision after a period.
+    PolicyEngine q(autoConfig(), "{}", nullptr);
+    for (uint64_t s = 0; s <= 2; ++s) run(q, "w", s, early);
+    CHECK(rungIndex(q, "w", 3) >= 4);
   }
 
   TEST_CASE("a slow link forces compression after the hysteresis; a fast one brings it back") {
