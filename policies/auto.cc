@@ -71,12 +71,13 @@ std::string parseRung(std::string_view full, Rung* out) {
       colon == std::string_view::npos ? "" : std::string(text.substr(colon + 1));
   Rung r;
   r.text = std::string(full);
-  auto number = [&](double* v) {
-    if (arg.empty()) return false;
+  auto numberIn = [](const std::string& text, double* v) {
+    if (text.empty()) return false;
     char* end = nullptr;
-    *v = std::strtod(arg.c_str(), &end);
+    *v = std::strtod(text.c_str(), &end);
     return end && *end == '\0' && std::isfinite(*v);
   };
+  auto number = [&](double* v) { return numberIn(arg, v); };
   double v = 0;
   if (name == "direct" || name == "none" || name == "fp16" || name == "bf16") {
     if (!arg.empty()) return "'" + name + "' takes no argument";
@@ -94,15 +95,11 @@ std::string parseRung(std::string_view full, Rung* out) {
     // dgc:DENSITY:MOMENTUM: DGC's momentum correction, the sidecar owning the layer's momentum
     // while the rung is in force (docs/policies.md "What a switch does to a layer's state").
     const std::string d = arg.substr(0, arg.find(':')), m = arg.substr(arg.find(':') + 1);
-    char* end = nullptr;
-    v = std::strtod(d.c_str(), &end);
-    if (d.empty() || !end || *end != '\0' || !(v > 0 && v <= 1)) {
+    double mom = 0;
+    if (!numberIn(d, &v) || !(v > 0 && v <= 1)) {
       return "dgc needs its density in (0, 1] (dgc:0.01:0.9)";
     }
-    double mom = 0;
-    end = nullptr;
-    mom = std::strtod(m.c_str(), &end);
-    if (m.empty() || !end || *end != '\0' || !(mom > 0 && mom < 1)) {
+    if (!numberIn(m, &mom) || !(mom > 0 && mom < 1)) {
       return "dgc's momentum (after the second ':') must be in (0, 1) (dgc:0.01:0.9)";
     }
     r.codec.name = "dgc";

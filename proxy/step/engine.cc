@@ -19,6 +19,12 @@ using kernels::DType;
 // Steps of at most this many elements run on the thread that completes them (see submit()).
 constexpr uint64_t kInlineMaxElements = uint64_t{1} << 16;
 
+/// "position P of iteration I of stream 'S'", for messages.
+std::string placeText(const StepOrder& o) {
+  return "position " + std::to_string(o.position) + " of iteration " + std::to_string(o.iteration) +
+         " of stream '" + o.stream + "'";
+}
+
 }  // namespace
 
 const char* apiDTypeName(DType t) {
@@ -96,40 +102,31 @@ StepError StepEngine::admit(const TensorSpec& s, size_t created, bool* creates,
                (p.bucket.empty() ? std::string("on its own") : "in bucket '" + p.bucket + "'");
         return StepError::kConflict;
       }
+      if (p.order != s.order) {
+        auto text = [](const std::optional<StepOrder>& o) {
+          return o ? "at " + placeText(*o) : std::string("without a place");
+        };
+        *why = where + ": trainer " + std::to_string(s.trainer) + " sent it " + text(s.order) +
+               ", another trainer at another place (" + text(p.order) + ")";
+        return StepError::kConflict;
+      }
     }
   }
   if (s.order) {
     const StepOrder& o = *s.order;
-    const std::string place = "position " + std::to_string(o.position) + " of iteration " +
-                              std::to_string(o.iteration) + " of stream '" + o.stream + "'";
     if (auto st = streams_.find(o.stream); st != streams_.end()) {
       if (st->second.cancelled.contains({o.iteration, o.position})) {
-        *why = where + ": its place, " + place + ", was cancelled";
+        *why = where + ": its place, " + placeText(o) + ", was cancelled";
         return StepError::kCancelled;
       }
       if (orderPassed(o)) {
-        *why = where + ": its place, " + place + ", has passed (position " +
+        *why = where + ": its place, " + placeText(o) + ", has passed (position " +
                std::to_string(st->second.last->second) + " ran, was cancelled or gave up waiting)";
         return StepError::kConflict;
       }
     } else if (streams_.size() >= kMaxStreams) {
       *why = "too many streams of ordered steps (" + std::to_string(kMaxStreams) + ")";
       return StepError::kLimitReached;
-    }
-    if (tit != tensors_.end()) {
-      if (auto it = tit->second->pending.find(s.step);
-          it != tit->second->pending.end() && it->second.order != s.order) {
-        *why = where + ": trainer " + std::to_string(s.trainer) + " sent it as " + place +
-               ", another trainer at another place (or none)";
-        return StepError::kConflict;
-      }
-    }
-  } else if (tit != tensors_.end()) {
-    if (auto it = tit->second->pending.find(s.step);
-        it != tit->second->pending.end() && it->second.order) {
-      *why = where + ": trainer " + std::to_string(s.trainer) +
-             " sent it without a place in a stream, another trainer with one";
-      return StepError::kConflict;
     }
   }
   if (*creates && pending_count_ + created >= options_.max_pending_steps) {
@@ -386,6 +383,7 @@ bool StepEngine::expireOrderWaits(std::unique_lock<std::mutex>& lock) {
     StepError error;
     std::string message;
   };
+  if (streams_.empty()) return false;  // no ordered step was ever queued
   std::vector<Doomed> doomed;
   const auto now = Clock::now();
   for (auto& [name, t] : tensors_) {
@@ -401,9 +399,8 @@ bool StepEngine::expireOrderWaits(std::unique_lock<std::mutex>& lock) {
         ++it;
         continue;
       }
-      const std::string where = "tensor '" + name + "' step " + std::to_string(it->first) + " (" +
-                                "position " + std::to_string(o.position) + " of iteration " +
-                                std::to_string(o.iteration) + " of stream '" + o.stream + "')";
+      const std::string where =
+          "tensor '" + name + "' step " + std::to_string(it->first) + " (" + placeText(o) + ")";
       // Passed: another step took its place (two steps sent at one place), or it was cancelled.
       const StepError error = passed ? StepError::kConflict : StepError::kDeadlineExceeded;
       std::string message = passed ? where + ": its place was taken by another step or cancelled"
@@ -441,8 +438,6 @@ Result<bool> StepEngine::cancel(const StepOrder& o, const std::string& bucket,
                                 std::optional<uint64_t> step) {
   std::vector<std::pair<std::string, uint64_t>> aborts;
   std::vector<Pending> failed;
-  const std::string place = "position " + std::to_string(o.position) + " of iteration " +
-                            std::to_string(o.iteration) + " of stream '" + o.stream + "'";
   {
     std::lock_guard lock(mu_);
     if (stopping_) return failedPrecondition("the sidecar is shutting down");
@@ -476,7 +471,8 @@ Result<bool> StepEngine::cancel(const StepOrder& o, const std::string& bucket,
     if (step && !bucket.empty() && !buckets.contains(bucket)) aborts.emplace_back(bucket, *step);
   }
   cv_.notify_all();
-  const std::string why = place + " was cancelled by a trainer (it failed before sending it)";
+  const std::string why =
+      placeText(o) + " was cancelled by a trainer (it failed before sending it)";
   for (const auto& [name, s] : aborts) exchange_.abort(name, s, why);
   for (auto& p : failed) {
     metrics_.steps_failed.Increment();

@@ -374,6 +374,20 @@ TEST_SUITE("auto") {
     auto st = r.restoreState(p.stateJson());
     CHECK_FALSE(st.isOk());
     CHECK(st.message().find("compression.auto.ladder differs") != std::string::npos);
+    // 'evaluated' must be a boolean (a bad one changes nothing); a state without it (an older
+    // version's) is taken as evaluated.
+    boost::json::object bad = p.stateJson();
+    auto& layer = bad["tensors"].as_object()["w"].as_object()["auto"].as_object();
+    layer["evaluated"] = 3;
+    PolicyEngine fresh(autoConfig(), "{}", nullptr);
+    const std::string before = boost::json::serialize(fresh.stateJson());
+    auto refused = fresh.restoreState(bad);
+    CHECK_FALSE(refused.isOk());
+    CHECK(refused.message().find("'evaluated' must be a boolean") != std::string::npos);
+    CHECK(boost::json::serialize(fresh.stateJson()) == before);
+    layer.erase("evaluated");
+    REQUIRE(fresh.restoreState(bad).isOk());
+    CHECK(fresh.stateJson().at("tensors").at("w").at("auto").at("evaluated").as_bool());
     // The status explains each layer.
     auto status = p.statusJson();
     const auto& layers = status["auto"].as_object().at("layers").as_object();

@@ -586,10 +586,7 @@ class LightwireHookState(object):
             made = _streams_made.get(name_prefix, 0)
             _streams_made[name_prefix] = made + 1
         self.stream = name_prefix if made == 0 else "%s/%d" % (name_prefix, made)
-        # The place of the next bucket in the stream (docs/api.md "Buckets in flight").
-        self._order_iteration = 0
-        self._order_position = 0
-        self._order_seen = set()   # the bucket indices numbered in this iteration
+        self._restart_order()
         env = os.environ.get("LOCAL_RANK")
         self.trainer = int(env) if env not in (None, "") else (0 if trainer is None else int(trainer))
         self.steps = {}            # bucket index -> next step number
@@ -664,6 +661,13 @@ class LightwireHookState(object):
         self.steps[index] = self.iteration + 1
         return self.iteration
 
+    def _restart_order(self):
+        """The place of the next bucket in the stream (docs/api.md "Buckets in flight"): position
+        0 of iteration 0, no bucket index numbered in it yet."""
+        self._order_iteration = 0
+        self._order_position = 0
+        self._order_seen = set()
+
     def _place(self, index, last, sent):
         """Hook thread: (stream, iteration, position) of bucket ``index`` (None when DDP cannot
         say which bucket is an iteration's last, or for a bucket not sent to the sidecar). Buckets
@@ -673,19 +677,20 @@ class LightwireHookState(object):
         if last is None:
             return None
         if index in self._order_seen:
-            self._order_iteration += 1
-            self._order_position = 0
-            self._order_seen = set()
+            self._next_order_iteration()
         self._order_seen.add(index)
         place = None
         if sent:
             place = (self.stream, self._order_iteration, self._order_position)
             self._order_position += 1
         if last:
-            self._order_iteration += 1
-            self._order_position = 0
-            self._order_seen = set()
+            self._next_order_iteration()
         return place
+
+    def _next_order_iteration(self):
+        self._order_iteration += 1
+        self._order_position = 0
+        self._order_seen = set()
 
     def _pool(self, place):
         """The threads a bucket's request goes through (see max_workers)."""
@@ -1232,7 +1237,5 @@ def load_state(step, client=None, hook_state=None):
         hook_state.iteration = None
         hook_state._seen = set()
         # The sidecars forget the streams' places when they resume: number afresh.
-        hook_state._order_iteration = 0
-        hook_state._order_position = 0
-        hook_state._order_seen = set()
+        hook_state._restart_order()
     return reply
