@@ -236,7 +236,7 @@ std::optional<Link> LinkEstimator::estimate() const {
 }
 
 double modelBytes(const kernels::Codec& impl, uint64_t n, const std::vector<uint64_t>& shape,
-                  uint32_t world) {
+                  uint32_t world, std::optional<double> density) {
   if (world <= 1 || n == 0) return 0;
   const double w = world;
   const kernels::CodecConfig& codec = impl.config();
@@ -247,13 +247,15 @@ double modelBytes(const kernels::Codec& impl, uint64_t n, const std::vector<uint
     // Two rounds of summable factors: P (rows × r) then Q (cols × r).
     return 2 * (w - 1) / w * 4.0 * r * static_cast<double>(rows + cols);
   }
-  // The nominal payload (selection codecs: k pairs), not the worst case.
-  const double payload = static_cast<double>(
-      impl.nominalPayloadBytes(n, std::nullopt).value_or(impl.maxPayloadBytes(n)));
+  // The nominal payload (selection codecs: k pairs at the step's density), not the worst case.
+  const double payload =
+      static_cast<double>(impl.nominalPayloadBytes(n, density).value_or(impl.maxPayloadBytes(n)));
   return impl.traits().summable ? 2 * (w - 1) / w * payload : (w - 1) * payload;
 }
 
-bool rungUsable(const Rung& r, uint64_t n, const std::vector<uint64_t>& shape) {
+bool rungUsable(const Rung& r, uint64_t n, const std::vector<uint64_t>& shape,
+                std::optional<double> momentum) {
+  if (r.codec.momentum > 0) return momentum && *momentum == r.codec.momentum;
   if (r.codec.name != "powersgd") return true;
   if (shape.size() < 2 || n == 0) return false;
   const double rows = static_cast<double>(shape[0]), cols = static_cast<double>(n) / rows;

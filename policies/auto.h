@@ -39,7 +39,8 @@ struct Rung {
 };
 
 /// The default ladder (docs/policies.md "codec: auto").
-inline constexpr std::string_view kDefaultLadder = "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01";
+inline constexpr std::string_view kDefaultLadder =
+    "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01:0.9,dgc:0.01";
 
 /// Parses a ladder: comma-separated rungs from least to most lossy, each `direct` (first only),
 /// `none`, `fp16`, `bf16`, `qsgd:BITS`, `topk:DENSITY`, `dgc:DENSITY` (error feedback, no
@@ -88,9 +89,11 @@ class LinkEstimator {
 
 /// The bytes one rank moves for one step of a layer of `n` elements (shape: its dimensions) sent
 /// with `codec` among `world` ranks: a ring allreduce for codecs whose payloads add (2(W − 1)/W of
-/// a payload), an allgather otherwise ((W − 1) payloads), per round.
+/// a payload), an allgather otherwise ((W − 1) payloads), per round. `density`: a selection
+/// codec's density for this step (the DGC warm-up sends more than the codec's own; nullopt: its
+/// own).
 double modelBytes(const kernels::Codec& codec, uint64_t n, const std::vector<uint64_t>& shape,
-                  uint32_t world);
+                  uint32_t world, std::optional<double> density = std::nullopt);
 
 /// What the time model knows of one step of one layer (from the global statistics). Plain value.
 struct AutoInputs {
@@ -129,7 +132,10 @@ double modelScore(const Rung& r, const AutoInputs& in);
 size_t chooseRung(const std::vector<Rung>& ladder, const std::vector<char>& usable,
                   const AutoInputs& in, double tolerance);
 
-/// Whether rung `r` may carry a layer of this shape (powersgd needs a matrix).
-bool rungUsable(const Rung& r, uint64_t n, const std::vector<uint64_t>& shape);
+/// Whether rung `r` may carry a layer of this shape (powersgd needs a matrix), the trainers having
+/// declared `momentum` (a rung with momentum correction M needs M declared by every trainer: their
+/// optimizers then leave the layer's momentum to the sidecar).
+bool rungUsable(const Rung& r, uint64_t n, const std::vector<uint64_t>& shape,
+                std::optional<double> momentum = std::nullopt);
 
 }  // namespace lightwire::policies

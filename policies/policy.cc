@@ -543,10 +543,16 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   }
   in.sidecar_overhead_s = a.overhead;
   // `direct` is job-wide (decideDirect): a layer chooses among the rungs through the sidecars.
+  // A rung with momentum correction only where every trainer declared that momentum: the
+  // optimizer must leave those layers' momentum to the sidecar (docs/policies.md "codec: auto").
   std::vector<char> usable(ac.ladder.size());
   for (size_t i = 0; i < ac.ladder.size(); ++i) {
-    usable[i] = !ac.ladder[i].direct && rungUsable(ac.ladder[i], facts.elements, facts.shape);
+    usable[i] =
+        !ac.ladder[i].direct && rungUsable(ac.ladder[i], facts.elements, facts.shape, g.momentum);
   }
+  // The rung in force no longer usable (the trainers stopped declaring its momentum): it goes at
+  // once, whichever way the ladder moves.
+  const bool forced = !ac.ladder[a.cur].direct && !usable[a.cur];
   size_t want = chooseRung(ac.ladder, usable, in, ac.tolerance);
   if (want != a.cur && usable[a.cur]) {
     // The rung in force stays while it is within the tolerance of the best (a band, so that
@@ -562,7 +568,7 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   const bool critical = step < ac.critical_steps || step < a.critical_until || ts.degraded > 0;
   const bool started = a.critical_start;
   a.critical_start = false;
-  if (critical && want > a.cur && !link_moved) want = a.cur;
+  if (critical && want > a.cur && !link_moved && !forced) want = a.cur;
   if (started && ac.ladder[a.cur].steps_factor > 1) {
     for (size_t i = a.cur; i-- > 0;) {
       if (usable[i]) {
@@ -579,7 +585,9 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
                        : std::string(", compute not reported")) +
           (g.direct_s ? ", direct " + human(*g.direct_s * 1e3, "ms") : std::string()) +
           (g.tail_s ? ", sidecar tail " + human(*g.tail_s * 1e3, "ms") : std::string()) +
-          (cos ? ", cosine " + sig(*cos) : "") + (critical ? ", critical phase" : "") + "; model " +
+          (cos ? ", cosine " + sig(*cos) : "") +
+          (g.momentum ? ", trainers' momentum " + sig(*g.momentum) : "") +
+          (critical ? ", critical phase" : "") + "; model " +
           human(modelScore(ac.ladder[a.cur], in) * 1e3, "ms") + " now, " +
           human(modelScore(ac.ladder[want], in) * 1e3, "ms") + " with " + ac.ladder[want].label;
   // Due every `period` steps of the layer (its steps, not the job's: a layer in a direct window
@@ -595,8 +603,8 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   // The first decision waits for the hook's compute figure (it comes with the trainer's second
   // iteration), for at most a period: made without it, at the first step, it moved layers of an
   // unlimited loopback to dgc and back (measured: 0.94x DDP's step against 0.99x).
-  if (!a.evaluated && !g.compute_s && step < a.cur_from + ac.period) return;
-  if (!(due || link_moved || (started && want < a.cur))) return;
+  if (!a.evaluated && !g.compute_s && step < a.cur_from + ac.period && !forced) return;
+  if (!(due || link_moved || forced || (started && want < a.cur))) return;
   if (due) a.next_eval = step + ac.period;
   const bool first = !a.evaluated;
   a.evaluated = true;
@@ -605,7 +613,7 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
     if (!a.link || link_moved) a.link = in.link;
     return;
   }
-  if (want > a.cur && !link_moved && !first) {  // more compression: hysteresis
+  if (want > a.cur && !link_moved && !first && !forced) {  // more compression: hysteresis
     a.agree = a.candidate == want ? a.agree + 1 : 1;
     a.candidate = want;
     if (a.agree < ac.hysteresis) return;

@@ -11,7 +11,7 @@ namespace lightwire::policies {
 namespace {
 
 constexpr uint8_t kStatsMagic[4] = {'L', 'W', 'S', '1'};
-constexpr uint16_t kVersion = 2;
+constexpr uint16_t kVersion = 3;
 constexpr size_t kMaxRecordBytes = size_t{64} << 10;  // = proxy's kMaxStatsBytes
 constexpr uint32_t kMaxRequests = 16;
 constexpr size_t kMaxBodyBytes = size_t{48} << 10;
@@ -96,7 +96,7 @@ std::vector<uint8_t> encodeStats(const StepStats& s) {
   const bool timing = s.compute_s && s.overlap_s;
   w.le<uint16_t>(static_cast<uint16_t>((cos ? 1 : 0) | (s.loss ? 2 : 0) | (link ? 4 : 0) |
                                        (timing ? 8 : 0) | (s.direct_s ? 16 : 0) |
-                                       (s.tail_s ? 32 : 0)));
+                                       (s.tail_s ? 32 : 0) | (s.momentum ? 64 : 0)));
   w.f64(s.grad_norm2);
   w.le<uint64_t>(s.nonfinite);
   w.le<uint64_t>(s.elements);
@@ -114,6 +114,7 @@ std::vector<uint8_t> encodeStats(const StepStats& s) {
   w.f64(timing ? *s.overlap_s : 0.0);
   w.f64(s.direct_s.value_or(0.0));
   w.f64(s.tail_s.value_or(0.0));
+  w.f64(s.momentum.value_or(0.0));
   w.le<uint32_t>(static_cast<uint32_t>(s.requests.size()));
   for (const auto& r : s.requests) {
     w.le<uint8_t>(static_cast<uint8_t>(r.kind));
@@ -139,11 +140,11 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
   (void)r.str(skip, 4);
   uint16_t version = 0, flags = 0;
   if (!r.le(version) || !r.le(flags)) return truncated();
-  if (version != 1 && version != kVersion) {
+  if (version < 1 || version > kVersion) {
     return invalidArgument("statistics record version " + std::to_string(version) +
-                           " (this sidecar reads 1 and " + std::to_string(kVersion) + ")");
+                           " (this sidecar reads 1 to " + std::to_string(kVersion) + ")");
   }
-  const uint16_t known = version == 1 ? 3 : 63;
+  const uint16_t known = version == 1 ? 3 : version == 2 ? 63 : 127;
   if ((flags & ~known) != 0) return invalidArgument("statistics record: unknown flags");
   StepStats s;
   double dot = 0, c2 = 0, g2 = 0, loss = 0;
@@ -193,6 +194,16 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
       s.overlap_s = overlap;
     }
   }
+  if (version >= 3) {
+    double m = 0;
+    if (!r.f64(m)) return truncated();
+    if (flags & 64) {
+      if (!(m > 0 && m < 1)) {
+        return invalidArgument("statistics record: the declared momentum must lie in (0, 1)");
+      }
+      s.momentum = m;
+    }
+  }
   uint32_t count = 0;
   if (!r.le(count)) return truncated();
   if (count > kMaxRequests) {
@@ -226,6 +237,7 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
 
 Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) {
   GlobalStats g;
+  bool momentum_agreed = true;  // every record so far declared the same momentum
   for (size_t rank = 0; rank < records.size(); ++rank) {
     if (records[rank].empty()) continue;
     auto s = decodeStats(records[rank]);
@@ -257,12 +269,15 @@ Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) 
       g.compute_s = std::min(g.compute_s.value_or(INFINITY), *s->compute_s);
       g.overlap_s = std::min(g.overlap_s.value_or(INFINITY), *s->overlap_s);
     }
+    if (!s->momentum || (g.momentum && *g.momentum != *s->momentum)) momentum_agreed = false;
+    if (s->momentum && !g.momentum) g.momentum = s->momentum;
     g.resumed_from.push_back(s->resumed_from);
     for (auto& q : s->requests) {
       q.origin = static_cast<uint32_t>(rank);
       g.requests.push_back(std::move(q));
     }
   }
+  if (!momentum_agreed) g.momentum.reset();
   return g;
 }
 

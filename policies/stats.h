@@ -57,6 +57,9 @@ struct StepStats {
   // What the trainers' own process group added beyond the compute, in direct windows, and what
   // the sidecars added in the other steps (the hook's measurements).
   std::optional<double> direct_s, tail_s;
+  // The momentum the trainers' optimizer takes back from the sidecar (dgc's momentum correction,
+  // a `dgc:D:M` rung of codec auto), when every local trainer declared the same one.
+  std::optional<double> momentum;
   std::vector<Request> requests;
 };
 
@@ -78,6 +81,9 @@ struct GlobalStats {
   std::optional<double> link_bytes_per_s, link_latency_s;
   std::optional<double> compute_s, overlap_s;
   std::optional<double> direct_s, tail_s;  // the most any rank reported
+  // The trainers' declared momentum when every record declared the same (nullopt otherwise): a
+  // rung with momentum correction is usable only then.
+  std::optional<double> momentum;
 
   /// The global cosine similarity, when measured: sum dot / sqrt(sum c2 * sum g2).
   std::optional<double> cosine() const;

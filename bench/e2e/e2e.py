@@ -113,9 +113,10 @@ EXTRA_CONFIGS = [
      ["--codec", "topk", "--density", "1"] + POLICIES_OFF),
     # codec auto with its defaults (docs/policies.md "codec: auto"): each layer's rung chosen at
     # run time from the measured link and the compute the hook reports, the trainers' own
-    # process group (the direct rung) when every layer is best exchanged dense.
+    # process group (the direct rung) when every layer is best exchanged dense; dgc with momentum
+    # correction as the heaviest rung, the trainers' helper optimizer declaring its momentum.
     ("lightwire_auto", "lightwire auto", "lightwire", None, ["--codec", "auto"] + POLICIES_OFF),
-    # ... with DGC's momentum correction as its most compressing rung (the sidecar owns a layer's
+    # ... with DGC's momentum correction as its only selection rung (the sidecar owns a layer's
     # momentum while it is on that rung; the trainers step with lightwire.torch.SGD).
     ("lightwire_auto_dgcm", "lightwire auto (dgc rung with momentum correction)", "lightwire",
      None, ["--codec", "auto", "--auto-ladder", "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01:0.9"]
@@ -391,7 +392,8 @@ def run_config(ns, binary, python, profile, task, rate, config, work, seed=0, st
             if parts[0] == "dgc" and len(parts) == 3:
                 momentum = max(momentum, float(parts[2]))
     # The sidecar's momentum needs lightwire.torch.SGD; otherwise a lightwire row takes the helper
-    # of the task's optimizer where there is one (AdamW: lightwire.torch.AdamW), as users would.
+    # of the task's optimizer (SGD: lightwire.torch.SGD, AdamW: lightwire.torch.AdamW), as users
+    # would: the helpers declare their momentum, which codec auto's momentum rung needs.
     optimizer = "lightwire_sgd" if momentum > 0 else "helper" if kind == "lightwire" else "task"
     row = {"task": task, "rate": rate, "rate_bits_per_second": rate_bits(rate), "config": name,
            "label": label, "kind": kind, "baseline": name == "ddp", "status": "ok", "error": None,

@@ -13,8 +13,8 @@ steps, and writes one JSON object.
 SPEC_JSON: {"task", "size", "seed", "world_size", "steps", "eval_every", "kind" ("ddp" |
 "torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" for torch_hook; "flat", "serial" or null for lightwire), "powersgd_rank",
 "powersgd_start", "optimizer" ("task": the task's own; "lightwire_sgd": lightwire.torch.SGD with
-the task's SGD settings; "helper": the task's own; either is lightwire.torch.AdamW with the
-task's settings when the task trains with AdamW), "sockets" (lightwire: one Unix socket per rank), "store_dir"}; for the time-to-accuracy stop rule also
+the task's SGD settings; "helper": lightwire.torch.SGD when the task trains with SGD; either is
+lightwire.torch.AdamW with the task's settings when the task trains with AdamW), "sockets" (lightwire: one Unix socket per rank), "store_dir"}; for the time-to-accuracy stop rule also
 "target" (the loss), "extra_steps" and "cap_seconds" ("steps" is then the cap on steps): without
 "target" every step up to "steps" runs. Progress goes to stderr.
 """
@@ -122,9 +122,12 @@ def train(rank, spec, out_path):
             from lightwire.torch import AdamW
             opt = AdamW(ddp.parameters(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                         weight_decay=group["weight_decay"], hook_state=hook_state)
-        elif spec.get("optimizer") == "lightwire_sgd":
+        elif spec.get("optimizer") == "lightwire_sgd" or (spec.get("optimizer") == "helper"
+                                                           and isinstance(opt, torch.optim.SGD)):
             # The sidecar applies DGC's momentum to the tensors it compresses: momentum stays in
-            # the optimizer everywhere else (docs/codecs.md "Momentum with dgc").
+            # the optimizer everywhere else (docs/codecs.md "Momentum with dgc"). Where no codec
+            # applies momentum it steps exactly as torch.optim.SGD; it declares its momentum, so
+            # that codec auto may take a rung with momentum correction (docs/policies.md).
             if not isinstance(opt, torch.optim.SGD):
                 raise ValueError("task %s trains with %s: dgc's momentum correction needs momentum "
                                  "SGD or AdamW (docs/codecs.md)" % (spec["task"],

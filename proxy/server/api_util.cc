@@ -161,23 +161,42 @@ std::string jsonString(const json::object& o, std::string_view key, bool require
   return "";
 }
 
+namespace {
+
+// A JSON number as a finite double (false: not a number, or not finite).
+bool finiteNumber(const json::value* f, double* out) {
+  if (f->is_double()) {
+    *out = f->get_double();
+  } else if (f->is_int64()) {
+    *out = static_cast<double>(f->get_int64());
+  } else if (f->is_uint64()) {
+    *out = static_cast<double>(f->get_uint64());
+  } else {
+    return false;
+  }
+  return std::isfinite(*out);
+}
+
+}  // namespace
+
+std::string jsonMomentum(const json::object& o, std::optional<double>* momentum) {
+  const json::value* f = o.if_contains("momentum");
+  if (!f) return "";
+  double m = 0;
+  if (!finiteNumber(f, &m) || !(m > 0 && m < 1)) {
+    return "field 'momentum' must be a number in (0, 1): the momentum the trainer's optimizer "
+           "takes back from the sidecar";
+  }
+  *momentum = m;
+  return "";
+}
+
 std::string jsonTiming(const json::object& o, std::optional<double>* compute_s,
                        std::optional<double>* overlap_s, std::optional<double>* direct_s,
                        std::optional<double>* tail_s) {
   const json::value* c = o.if_contains("compute_s");
   const json::value* v = o.if_contains("overlap_s");
-  auto number = [](const json::value* f, double* out) {
-    if (f->is_double()) {
-      *out = f->get_double();
-    } else if (f->is_int64()) {
-      *out = static_cast<double>(f->get_int64());
-    } else if (f->is_uint64()) {
-      *out = static_cast<double>(f->get_uint64());
-    } else {
-      return false;
-    }
-    return std::isfinite(*out);
-  };
+  const auto number = finiteNumber;
   for (auto [key, out] : {std::pair{"direct_s", direct_s}, std::pair{"tail_s", tail_s}}) {
     const json::value* f = o.if_contains(key);
     if (!f) continue;

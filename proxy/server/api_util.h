@@ -61,6 +61,9 @@ std::string jsonString(const json::object& o, std::string_view key, bool require
 std::string jsonTiming(const json::object& o, std::optional<double>* compute_s,
                        std::optional<double>* overlap_s, std::optional<double>* direct_s,
                        std::optional<double>* tail_s);
+/// Field "momentum" (codec auto, docs/api.md): the momentum the trainer's optimizer takes back
+/// from the sidecar, in (0, 1); *momentum untouched when absent. An error message ("" = fine).
+std::string jsonMomentum(const json::object& o, std::optional<double>* momentum);
 /// Field "order" (docs/api.md "Buckets in flight"): {"stream", "iteration", "position"}, a stream
 /// name as a tensor name is made, a position below 2^31; *order untouched when absent. An error
 /// message ("" = fine).

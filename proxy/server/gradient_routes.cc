@@ -211,11 +211,11 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
   if (std::string e = parseObject(req.body(), &o); !e.empty()) return badRequest(e);
   TensorSpec spec;
   bool has_shape = false;
-  if (std::string e =
-          parseTensorDescription(JsonFields(o),
-                                 {"buffer", "offset", "elements", "layout", "layout_hash",
-                                  "compute_s", "overlap_s", "direct_s", "tail_s", "order"},
-                                 config_.local_trainers, &spec, &has_shape);
+  if (std::string e = parseTensorDescription(
+          JsonFields(o),
+          {"buffer", "offset", "elements", "layout", "layout_hash", "compute_s", "overlap_s",
+           "direct_s", "tail_s", "order", "momentum"},
+          config_.local_trainers, &spec, &has_shape);
       !e.empty()) {
     return badRequest(e);
   }
@@ -226,7 +226,7 @@ Response ControlApi::emitShm(Request& req, Reply& reply, bool& replied) {
        {jsonString(o, "buffer", true, &buffer), jsonU64(o, "offset", false, &offset),
         jsonU64(o, "elements", false, &elements, &has_elements),
         jsonTiming(o, &spec.compute_s, &spec.overlap_s, &spec.direct_s, &spec.tail_s),
-        jsonOrder(o, &spec.order)}) {
+        jsonOrder(o, &spec.order), jsonMomentum(o, &spec.momentum)}) {
     if (!e.empty()) return badRequest(e);
   }
   if (has_shape) {

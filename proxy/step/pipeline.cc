@@ -87,7 +87,10 @@ StepOutcome StepPipeline::run() {
 
 double StepPipeline::modelBytes() const {
   if (!step_codec_) return 0;
-  return policies::modelBytes(*step_codec_, n_, p_.shape, engine_.exchange_.worldSize());
+  // At the step's own density: in the DGC warm-up a selection codec sends several times its
+  // nominal payload, and the link estimate must see those bytes, not the nominal ones.
+  return policies::modelBytes(*step_codec_, n_, p_.shape, engine_.exchange_.worldSize(),
+                              ctx_.density);
 }
 
 void StepPipeline::measureLink(StepEngine& engine, double bytes, double exchange_us) {
@@ -484,8 +487,11 @@ StepPipeline::Stage StepPipeline::statistics() {
     st.link_bytes_per_s = link->bytes_per_s;
     st.link_latency_s = link->latency_s;
   }
+  // The declared momentum, when every local trainer declared the same.
+  st.momentum = p_.parts.empty() ? std::nullopt : p_.parts.front()->spec.momentum;
   for (const auto& part : p_.parts) {
     const TensorSpec& s = part->spec;
+    if (s.momentum != st.momentum) st.momentum.reset();
     if (s.direct_s) st.direct_s = std::max(st.direct_s.value_or(0.0), *s.direct_s);
     if (s.tail_s) st.tail_s = std::max(st.tail_s.value_or(0.0), *s.tail_s);
     if (!s.compute_s || !s.overlap_s) continue;

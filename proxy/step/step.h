@@ -47,6 +47,9 @@ struct TensorSpec {
   // ... and what the trainers' own process group added beyond the compute in direct windows, and
   // the sidecars in the other steps.
   std::optional<double> direct_s, tail_s;
+  // The momentum the trainer's optimizer takes back from the sidecar where a rung applies it
+  // (dgc's momentum correction): `dgc:D:M` rungs are usable only with M declared by every trainer.
+  std::optional<double> momentum;
   // The step's place in its stream (empty: it runs when its parts are in, in arrival order).
   std::optional<StepOrder> order;
 };

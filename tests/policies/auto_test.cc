@@ -63,13 +63,17 @@ TEST_SUITE("auto") {
   TEST_CASE("the ladder: defaults, every rung kind, clear refusals") {
     auto l = parseLadder(kDefaultLadder);
     REQUIRE(l.isOk());
-    REQUIRE(l->size() == 6);
+    REQUIRE(l->size() == 7);
     CHECK((*l)[0].direct);
     CHECK((*l)[0].codec.name == "none");
     CHECK((*l)[3].codec.name == "qsgd");
     CHECK((*l)[3].codec.bits == 8);
-    CHECK((*l)[5].label == "dgc 1 %");
-    CHECK((*l)[5].codec.momentum == 0.0);  // the optimizer keeps momentum on every rung
+    // DGC with momentum correction where the trainers declare momentum 0.9, error feedback alone
+    // (the optimizer keeps momentum) where they do not.
+    CHECK((*l)[5].label == "dgc 1 % momentum 0.9");
+    CHECK((*l)[5].codec.momentum == 0.9);
+    CHECK((*l)[6].label == "dgc 1 %");
+    CHECK((*l)[6].codec.momentum == 0.0);
     CHECK((*l)[0].steps_factor == 1.0);
     CHECK((*l)[4].steps_factor > 1.0);
     auto own = parseLadder("none,dgc:0.01@1.8");
@@ -160,6 +164,43 @@ TEST_SUITE("auto") {
     const Rung p = (*parseLadder("powersgd:4"))[0];
     CHECK(rungUsable(p, kN, {1024, 1024}));
     CHECK_FALSE(rungUsable(p, kN, {kN}));
+  }
+
+  TEST_CASE("a rung with momentum correction only where every trainer declared its momentum") {
+    const GlobalStats slow = stats(1e6, 1e-4, 0.05);  // 8 Mbit/s: dgc even at 2.5 times the steps
+    auto settle = [](PolicyEngine& p, const GlobalStats& g) {
+      for (uint64_t s = 0; s < 6; ++s) run(p, "w", s, g);
+      return p.autoStep("w", 6).rung->text;
+    };
+    // Undeclared (torch.optim.SGD, or trainers that disagree: GlobalStats::momentum is then
+    // empty): error feedback alone, the optimizer keeps momentum.
+    PolicyEngine plain(autoConfig(), "{}", nullptr);
+    CHECK(settle(plain, slow) == "dgc:0.01");
+    // Declared 0.9 by every trainer: the rung with momentum correction, fewer steps to the loss.
+    GlobalStats declared = slow;
+    declared.momentum = 0.9;
+    PolicyEngine corrected(autoConfig(), "{}", nullptr);
+    CHECK(settle(corrected, declared) == "dgc:0.01:0.9");
+    CHECK(corrected.decisions().back().detail.find("trainers' momentum 0.9") != std::string::npos);
+    // Another momentum than the rung's: not usable either.
+    GlobalStats other = slow;
+    other.momentum = 0.95;
+    PolicyEngine mismatch(autoConfig(), "{}", nullptr);
+    CHECK(settle(mismatch, other) == "dgc:0.01");
+    // The declaration stops (a trainer's optimizer changed): the rung goes at once, not at the
+    // next period and without hysteresis, flushing its state first.
+    run(corrected, "w", 6, slow);  // step 6: odd, not due
+    const AutoStep flush = corrected.autoStep("w", 7);
+    CHECK(flush.flush);
+    CHECK(flush.rung->text == "dgc:0.01:0.9");
+    CHECK(corrected.autoStep("w", 8).rung->text == "dgc:0.01");
+  }
+
+  TEST_CASE("the link model counts the bytes of the step's density (the DGC warm-up)") {
+    const Rung dgc = (*parseLadder("dgc:0.01"))[0];
+    const double nominal = modelBytes(*dgc.impl, kN, {1024, 1024}, 4);
+    CHECK(modelBytes(*dgc.impl, kN, {1024, 1024}, 4, 0.01) == doctest::Approx(nominal));
+    CHECK(modelBytes(*dgc.impl, kN, {1024, 1024}, 4, 0.25) > 20 * nominal);
   }
 
   TEST_CASE("a rung is measured from its second step: its first step's tail is left out") {

@@ -65,10 +65,11 @@ def test_e2e_smoke_runs_every_kind_and_writes_the_report(tmp_path):
             assert row["fallbacks"] == 0, "%s: buckets fell back to gloo" % name
             assert row["sidecar"]["codec"] in ("dgc", "powersgd", "none"), row["sidecar"]
     assert rows["ddp"]["baseline"] and rows["ddp"]["time_to_baseline_loss"] is not None
-    # Each row records its optimizer: the task's own, lightwire.torch.SGD under dgc's momentum.
+    # Each row records its optimizer: the task's own without the sidecar, its lightwire helper
+    # (lightwire.torch.SGD, as users would) through it.
     assert rows["ddp"]["optimizer"] == "torch.optim.sgd.SGD"
     assert rows["lightwire_dgc_policies"]["optimizer"] == "lightwire.torch.SGD"
-    assert rows["lightwire_powersgd"]["optimizer"] == "torch.optim.sgd.SGD"
+    assert rows["lightwire_powersgd"]["optimizer"] == "lightwire.torch.SGD"
     md = (tmp_path / "BENCHMARKS.md").read_text()
     for row in rows.values():
         assert row["label"] in md, row["label"]

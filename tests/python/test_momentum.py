@@ -168,15 +168,16 @@ def _ulps(a, b):
 NAMES = ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
 
 
-def train_two_ranks(tmp_path_factory, job, sidecar_args, make_optimizer=None, steps=STEPS):
-    """WORLD sidecars (dgc with `sidecar_args`) and one _trainer each: returns every rank's
+def train_two_ranks(tmp_path_factory, job, sidecar_args, make_optimizer=None, steps=STEPS,
+                    codec="dgc"):
+    """WORLD sidecars (`codec` with `sidecar_args`) and one _trainer each: returns every rank's
     record (skips when the sidecar cannot run here)."""
     from conftest import Cluster, _serve_available
     ok, reason = _serve_available()
     if not ok:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp(job)
-    cl = Cluster(tmp_path_factory, WORLD, codec="dgc", codec_args=sidecar_args, peer_timeout=10,
+    cl = Cluster(tmp_path_factory, WORLD, codec=codec, codec_args=sidecar_args, peer_timeout=10,
                  job_id=job)
     try:
         cl.start()
@@ -214,6 +215,74 @@ def test_dgc_momentum_per_layer_equals_the_papers_algorithm(tmp_path_factory):
                       "3.weight": ("dgc", MOMENTUM), "3.bias": ("none", 0.0)}, layers
     assert runs[0]["momentum"] == [MOMENTUM, 0.0, 0.0, 0.0, MOMENTUM, 0.0]
     assert_bit_for_bit(runs, _reference([run["grads"] for run in runs]))
+
+
+# codec auto: a rung with momentum correction is taken only where the trainers' optimizers declared
+# that they leave momentum to the sidecar; `none@50` makes the dgc rungs win on this loopback.
+AUTO_ARGS = ["--auto-ladder", "none@50,dgc:0.1:0.9,dgc:0.1", "--auto-period", "2",
+             "--auto-critical-steps", "0", "--auto-critical-change", "1e6", "--warmup-steps",
+             "0"] + DGC_ARGS[2:]
+
+
+def _torch_sgd(params, state):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _auto_layers(run):
+    reply = run["replies"][-1]
+    return {l["name"]: (l["codec"], l["momentum"]) for l in reply["layers"]}
+
+
+def test_auto_takes_momentum_correction_only_where_the_optimizer_declares_it(tmp_path_factory):
+    # lightwire.torch.SGD declares its momentum (0.9): the layers move to dgc with momentum
+    # correction, and the optimizer leaves their momentum to the sidecar.
+    runs = train_two_ranks(tmp_path_factory, "auto-declared", AUTO_ARGS, steps=16, codec="auto")
+    layers = _auto_layers(runs[0])
+    assert layers["0.weight"] == ("dgc", MOMENTUM), layers
+    assert layers["3.weight"] == ("dgc", MOMENTUM), layers
+    assert runs[0]["momentum"][0] == MOMENTUM
+    for step in range(16):
+        for a, b in zip(runs[0]["params"][step], runs[1]["params"][step]):
+            assert torch.equal(a, b), "step %d: the ranks differ" % step
+    # torch.optim.SGD with momentum declares nothing: the same ladder gives error feedback alone
+    # (the optimizer keeps momentum), never the rung it would refuse (MomentumConflict).
+    runs = train_two_ranks(
+        tmp_path_factory, "auto-undeclared", AUTO_ARGS, steps=16, codec="auto",
+        make_optimizer=_torch_sgd)
+    layers = _auto_layers(runs[0])
+    assert layers["0.weight"] == ("dgc", 0.0), layers
+    assert layers["3.weight"] == ("dgc", 0.0), layers
+    assert all(m == 0.0 for m in runs[0]["momentum"])
+
+
+def test_the_hook_declares_the_momentum_its_optimizer_takes_back():
+    w, b = _params()
+    client = lightwire.Client(socket_path="/nonexistent")
+
+    def declared(make):
+        s = lwt.LightwireHookState(client=client)
+        s._http.shutdown(wait=False)
+        s._ordered.shutdown(wait=False)
+        opt = make(s)
+        if opt is not None and s.optimizer is None:
+            s.optimizer = opt
+        return s.declared_momentum()
+
+    assert declared(lambda s: None) is None
+    assert declared(lambda s: torch.optim.SGD([w, b], lr=0.1, momentum=0.9)) is None
+    assert declared(lambda s: lwt.SGD([w, b], lr=0.1, momentum=0.9, hook_state=s)) == 0.9
+    assert declared(lambda s: lwt.SGD([w, b], lr=0.1, momentum=0.0, hook_state=s)) is None
+    assert declared(lambda s: lwt.SGD([w, b], lr=0.1, momentum=0.9, nesterov=True,
+                                      hook_state=s)) is None
+    assert declared(lambda s: lwt.SGD([{"params": [w], "momentum": 0.9},
+                                       {"params": [b], "momentum": 0.95}], lr=0.1,
+                                      hook_state=s)) is None  # no single momentum
+    assert declared(lambda s: lwt.SGD([{"params": [w]}, {"params": [b], "weight_decay": 0.0}],
+                                      lr=0.1, momentum=0.9, weight_decay=1e-4,
+                                      hook_state=s)) == 0.9
+    assert declared(lambda s: lwt.AdamW([w, b], lr=1e-3, hook_state=s)) == 0.9
+    assert declared(lambda s: lwt.AdamW([w, b], lr=1e-3, precondition=("topk",),
+                                        hook_state=s)) is None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -324,7 +324,7 @@ class Client(object):
             seg.buffer_id = None
 
     def emit_gradient_shm(self, buffer, name, step, dtype="float32", shape=None, offset=0, trainer=None,
-                          layout=None, layout_hash=None, timing=None, order=None):
+                          layout=None, layout_hash=None, timing=None, order=None, momentum=None):
         """Form 2: the tensor lies in registered buffer ``buffer`` (an id or a registered
         ``ShmSegment``) at ``offset``; the averaged result is written there in place. Returns
         the reply's JSON (the step's figures). ``shape`` defaults to the whole buffer, 1-D.
@@ -342,7 +342,10 @@ class Client(object):
         (docs/policies.md "codec: auto").
         ``order`` (optional): ``(stream, iteration, position)``, the step's place in the trainer's
         numbering, so that the sidecars run steps sent together in that order whatever order they
-        arrive in (docs/api.md "Buckets in flight")."""
+        arrive in (docs/api.md "Buckets in flight").
+        ``momentum`` (optional): the momentum the trainer's optimizer takes back from the sidecar
+        where a rung of ``codec: auto`` applies dgc's momentum correction (``lightwire.torch.SGD``
+        and ``AdamW`` can; docs/policies.md "codec: auto"); without it no such rung is taken."""
         if hasattr(buffer, "buffer_id"):
             if buffer.buffer_id is None:
                 raise ValueError("lightwire: %r is not registered" % (buffer,))
@@ -369,6 +372,8 @@ class Client(object):
                     doc[key] = float(value)
         if order is not None:
             doc["order"] = _order_doc(order)
+        if momentum is not None:
+            doc["momentum"] = float(momentum)
         return self._json("POST", "/v1/emit_gradient", doc).json()
 
     def cancel(self, order, name=None, step=None):

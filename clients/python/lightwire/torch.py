@@ -745,6 +745,28 @@ class LightwireHookState(object):
         it applies none (the optimizer owns momentum) or no reply named it yet."""
         return self._momentum.get(id(parameter), 0.0)
 
+    def declared_momentum(self):
+        """The momentum this hook tells the sidecars its optimizer takes back from them (request
+        field ``momentum``), so that ``codec: auto`` may move layers onto a rung with dgc's
+        momentum correction: ``lightwire.torch.SGD`` with one momentum in (0, 1) for all its
+        groups (no nesterov, no dampening), or ``lightwire.torch.AdamW`` with one ``betas[0]`` and
+        dgc among the codecs it preconditions; None for any other optimizer (such rungs are then
+        never taken for this job, docs/policies.md "codec: auto")."""
+        opt = self.optimizer
+        if isinstance(opt, SGD):
+            kinds = {(g["momentum"], bool(g["nesterov"]), g["dampening"]) for g in opt.param_groups}
+            if len(kinds) == 1:
+                m, nesterov, dampening = kinds.pop()
+                if 0 < m < 1 and not nesterov and dampening == 0:
+                    return float(m)
+        elif isinstance(opt, AdamW) and "dgc" in opt.precondition_codecs:
+            betas = {g["betas"][0] for g in opt.param_groups}
+            if len(betas) == 1:
+                m = betas.pop()
+                if 0 < m < 1:
+                    return float(m)
+        return None
+
     def sidecar_codec(self, parameter):
         """The codec the sidecar sends ``parameter`` with (the reply's ``codec`` for its layer, or
         for its flat bucket), from the last reply that named it; None before any did."""
@@ -823,12 +845,13 @@ class LightwireHookState(object):
         ``layout_hash``), and the layout again when the sidecar does not hold it (it restarted:
         404 ``unknown_layout``)."""
         known = self._layout_hashes.get(name) if layout is not None else None
+        momentum = self.declared_momentum()
         try:
             reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
                                                   shape=shape, trainer=self.trainer,
                                                   layout=None if known else layout,
                                                   layout_hash=known, timing=timing,
-                                                  order=place)
+                                                  order=place, momentum=momentum)
         except LightwireError as e:
             unknown = e.status == 404 and e.error == "unknown_layout"
             # A sidecar older than layout_hash refuses the field: the layout with every request.
@@ -840,7 +863,7 @@ class LightwireHookState(object):
             self._layout_hashes.pop(name, None)
             reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
                                                   shape=shape, trainer=self.trainer, layout=layout,
-                                                  timing=timing, order=place)
+                                                  timing=timing, order=place, momentum=momentum)
         if (layout is not None and self._layout_by_hash and isinstance(reply, dict)
                 and reply.get("layout_hash")):
             self._layout_hashes[name] = str(reply["layout_hash"])

@@ -523,7 +523,8 @@ TEST_CASE("bad raw emit_gradient requests get 400 and change nothing") {
   CHECK(ok.body() == body8);
 }
 
-TEST_CASE("bad codec-auto timing fields of a form-2 request get 400 and change nothing") {
+TEST_CASE(
+    "bad codec-auto timing and momentum fields of a form-2 request get 400 and change nothing") {
   Stack s;
   Client c = s.unixClient();
   const std::string before = snapshot(c);
@@ -536,7 +537,11 @@ TEST_CASE("bad codec-auto timing fields of a form-2 request get 400 and change n
            {R"("compute_s": 4000, "overlap_s": 0})", "3600"},
            {R"("compute_s": "1", "overlap_s": 0})", "must be numbers"},
            {R"("tail_s": -0.5})", "'tail_s' must be a number"},
-           {R"("direct_s": 1e9})", "'direct_s' must be a number"}}) {
+           {R"("direct_s": 1e9})", "'direct_s' must be a number"},
+           {R"("momentum": 0})", "'momentum' must be a number in (0, 1)"},
+           {R"("momentum": 1})", "'momentum' must be a number in (0, 1)"},
+           {R"("momentum": "0.9"})", "'momentum' must be a number in (0, 1)"},
+           {R"("momentum": -0.9})", "'momentum' must be a number in (0, 1)"}}) {
     const std::string& fields = bad.first;
     CAPTURE(fields);
     const std::string m =
