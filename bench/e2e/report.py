@@ -2,11 +2,12 @@
 """Turns the results JSON of the end-to-end training benchmark (bench/e2e/e2e.py) into
 docs/BENCHMARKS.md and its PNG plots under docs/benchmarks/.
 
-    /usr/bin/python3 bench/e2e/report.py RESULTS_JSON [--out-dir docs]
+    /usr/bin/python3 bench/e2e/report.py RESULTS_JSON [--out-dir docs] [--speed SPEED_JSON ...]
 
 --out-dir defaults to the repository's docs/ directory (wherever this is run from). Writes
 OUT/BENCHMARKS.md and, per (task, rate) group, OUT/benchmarks/<task>-<rate>-loss-step.png,
--loss-time.png and -step-time.png. Progress goes to stderr. A malformed results file exits with
+-loss-time.png and -step-time.png; --speed adds a section summarising results of
+bench/e2e/speed.py (speed against DDP, final loss, the step-speed targets). Progress goes to stderr. A malformed results file exits with
 status 2 and a message naming the offending field.
 
 Results of the time-to-accuracy profile (`e2e.py --tta`: a top-level "tta" object, rows per
@@ -735,8 +736,9 @@ def _machine_lines(results):
     return lines
 
 
-def render_markdown(results, source, group_info):
-    """The text of BENCHMARKS.md. group_info: [(title, runs, base, {kind: relative png path})]."""
+def render_markdown(results, source, group_info, speed=()):
+    """The text of BENCHMARKS.md. group_info: [(title, runs, base, {kind: relative png path})];
+    speed: (file name, speed.py results) pairs for the step-speed section."""
     w = results["world_size"]
     L = []
     L.append("# End-to-end training benchmark")
@@ -759,7 +761,8 @@ def render_markdown(results, source, group_info):
     L.append("")
     L.append("To regenerate: `bench/e2e/e2e.py --quick` for the quick profile, `bench/e2e/e2e.py` "
              "for the full one; to redraw this page from a saved results file: "
-             "`/usr/bin/python3 bench/e2e/report.py RESULTS_JSON --out-dir docs`. The figures "
+             "`/usr/bin/python3 bench/e2e/report.py RESULTS_JSON --out-dir docs [--speed "
+             "SPEED_JSON ...]` (the step-speed section from `bench/e2e/speed.py`'s results). The figures "
              "depend on the machine (CPU count above all); compare rows within a group rather than "
              "with other machines.")
     L.append("")
@@ -802,6 +805,8 @@ def render_markdown(results, source, group_info):
     L.append("")
     for title, runs, base, pngs in group_info:
         L += _targets_lines(title, runs)
+    if speed:
+        L += _speed_section(speed)
     L.append("## Method")
     L.append("")
     L.append("- **Median step (s)**: the median of rank 0's per-step training time (forward, "
@@ -813,7 +818,7 @@ def render_markdown(results, source, group_info):
              "a trainer and its lightwire sidecar goes through Unix sockets and shared memory, not "
              "the link. 1 KB = 1000 bytes, 1 MB = 10^6 bytes.")
     L.append("- **Final loss**: the mean loss of the last three evaluations on a fixed evaluation "
-             "set (the models of the last 10–15 %% of the steps: one evaluation moves by several "
+             "set (the models of the last 10–15 % of the steps: one evaluation moves by several "
              "per cent from one step to the next with SGD's noise); **loss vs DDP** is (this final "
              "loss − the baseline's) / the baseline's. **Accuracy**: the mean of the same three "
              "evaluations' (classifier only).")
@@ -825,6 +830,106 @@ def render_markdown(results, source, group_info):
              "evaluation losses as markers; runs that did not finish are listed under each plot "
              "instead of drawn." % EMA_WEIGHT)
     return "\n".join(L) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Step speed (results of bench/e2e/speed.py)
+# ------------------------------------------------------------------------------------------------
+# The speed targets at a fast link, against DDP's step of the same repetition (median over the
+# repetitions): per configuration (minimum ratio, the rates it applies at, the largest final loss
+# above DDP's, relative; None: no loss condition).
+SPEED_TARGETS = {
+    "lightwire_none": (0.98, ("10gbit",), None),
+    "lightwire_fp16": (1.0, ("10gbit",), None),
+    "lightwire_auto": (0.97, ("10gbit", "unlimited"), 0.005),
+}
+
+
+def validate_speed(sp, where):
+    """Raises ReportError unless `sp` looks like bench/e2e/speed.py's results."""
+    _need(sp, "command", where, "str")
+    _need(sp, "groups", where, "list")
+    for gi, g in enumerate(sp["groups"]):
+        gw = "%s: groups[%d]" % (where, gi)
+        _need(g, "task", gw, "str")
+        _need(g, "rate", gw, "str")
+        _need(g, "table", gw, "list")
+        for ri, row in enumerate(g["table"]):
+            rw = "%s.table[%d]" % (gw, ri)
+            _need(row, "config", rw, "str")
+            for key in ("speed_median", "speed_min", "speed_max", "median_step_seconds"):
+                _need(row, key, rw, "number", allow_none=True)
+            _opt(row, "final_loss", "list", rw)
+
+
+def _mean_loss(row):
+    losses = [v for v in (row.get("final_loss") or []) if _is_num(v) and math.isfinite(v)]
+    return sum(losses) / len(losses) if losses else None
+
+
+def _speed_section(speed):
+    """The step-speed section: per speed.py results file and (task, rate) group, every
+    configuration's speed against DDP (median of the repetitions [min, max]) and final loss; then
+    the speed targets, computed from those figures."""
+    L = ["## Step speed against DDP (`bench/e2e/speed.py`)", ""]
+    L.append("The rows above come from one run per configuration, one after the other. These come "
+             "from `bench/e2e/speed.py`: the configurations trained in turn for a short fixed "
+             "number of steps and the whole round repeated, each row's median step divided into "
+             "DDP's median step of the same repetition (above 1: faster than DDP); the figure is "
+             "the median of those ratios over the repetitions, [minimum, maximum]. Final loss: "
+             "the mean over the repetitions of each one's final loss (its last 3 evaluations), "
+             "against DDP's. Names are e2e.py's configurations (`bench/e2e/e2e.py --list`).")
+    L.append("")
+    verdicts = []
+    for name, sp in speed:
+        cap = sp.get("bucket_cap_mb")
+        L.append("From `%s` (commit `%s`, %s repetitions of %s steps%s):"
+                 % (name, sp.get("commit") or "?", sp.get("repeats", "?"), sp.get("steps", "?"),
+                    ", DDP bucket cap %s MB" % fmt_sig(cap, 3) if cap else ""))
+        L.append("")
+        L.append(md_code_block(sp["command"]))
+        L.append("")
+        head = ["task", "link", "configuration", "median step (s)", "speed vs DDP [min, max]",
+                "final loss", "vs DDP"]
+        L.append("| " + " | ".join(head) + " |")
+        L.append("| :-- | :-- | :-- | --: | --: | --: | --: |")
+        for g in sp["groups"]:
+            base = next((r for r in g["table"] if r["config"] == BASELINE_CONFIG), None)
+            base_loss = _mean_loss(base) if base else None
+            for row in g["table"]:
+                loss = _mean_loss(row)
+                rel = (loss - base_loss) / base_loss if (loss is not None and base_loss) else None
+                sp_cell = DASH if row.get("speed_median") is None else "%s [%s, %s]" % (
+                    fmt_sig(row["speed_median"], 3), fmt_sig(row["speed_min"], 3),
+                    fmt_sig(row["speed_max"], 3))
+                L.append("| " + " | ".join([
+                    md_cell(g["task"]), md_cell(g["rate"]), "`%s`" % row["config"],
+                    DASH if row.get("median_step_seconds") is None
+                    else fmt_sig(row["median_step_seconds"], 3), sp_cell,
+                    DASH if loss is None else fmt_sig(loss, 5),
+                    DASH if rel is None or row is base else fmt_pct(rel)]) + " |")
+                target = SPEED_TARGETS.get(row["config"])
+                if target and g["rate"] in target[1] and row.get("speed_median") is not None:
+                    least, _, loss_tol = target
+                    fast = row["speed_median"] >= least - _EPS
+                    close = loss_tol is None or (rel is not None and rel <= loss_tol + _EPS)
+                    verdicts.append("- `%s`, %s at %s (`%s`): at least %g%s DDP's step speed%s: "
+                                    "**%s** (%s%s%s)." % (
+                                        row["config"], g["task"], g["rate"], name, least, TIMES,
+                                        "" if loss_tol is None else
+                                        " with a final loss at most %g %% above DDP's"
+                                        % (100 * loss_tol),
+                                        "met" if fast and close else "not met",
+                                        fmt_sig(row["speed_median"], 3), TIMES,
+                                        "" if rel is None else ", final loss %s" % fmt_pct(rel)))
+        L.append("")
+    if verdicts:
+        L.append("The step-speed targets (4 ranks, at 10 Gbit/s and, for `codec: auto`, on the "
+                 "unlimited loopback), computed from the tables above:")
+        L.append("")
+        L += verdicts
+        L.append("")
+    return L
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1169,13 +1274,16 @@ def write_tta_report(results, out_dir, source):
 # ------------------------------------------------------------------------------------------------
 # Entry points
 # ------------------------------------------------------------------------------------------------
-def write_report(results, out_dir, source="the results JSON"):
+def write_report(results, out_dir, source="the results JSON", speed=()):
     """Writes OUT/BENCHMARKS.md and OUT/benchmarks/*.png (time-to-accuracy results:
     OUT/BENCHMARKS-tta.md and OUT/benchmarks/tta-*.png); returns the paths written.
 
-    `source`: the results file's name for the generated-by line. Raises ReportError when
-    `results` is malformed (nothing is written then)."""
+    `source`: the results file's name for the generated-by line. `speed`: (file name, results of
+    bench/e2e/speed.py) pairs, summarised in a section of the fixed-step page. Raises ReportError
+    when `results` or a speed result is malformed (nothing is written then)."""
     validate(results)
+    for name, sp in speed:
+        validate_speed(sp, name)
     if results.get("tta") is not None:
         return write_tta_report(results, out_dir, source)
     plt = _pyplot()
@@ -1202,7 +1310,7 @@ def write_report(results, out_dir, source="the results JSON"):
             written.append(path)
             pngs[kind] = "benchmarks/" + name
         group_info.append((title, runs, base, pngs))
-    md = render_markdown(results, source, group_info)
+    md = render_markdown(results, source, group_info, speed)
     md_path = os.path.join(out_dir, "BENCHMARKS.md")
     tmp = md_path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -1221,18 +1329,25 @@ def main(argv=None):
     ap.add_argument("--out-dir", default=os.path.join(repo, "docs"),
                     help="directory for BENCHMARKS.md and benchmarks/*.png (default: the "
                          "repository's docs/)")
+    ap.add_argument("--speed", nargs="+", default=[], metavar="SPEED_JSON",
+                    help="results of bench/e2e/speed.py to summarise in the fixed-step page's "
+                         "step-speed section")
     args = ap.parse_args(argv)
+    loaded = []
+    for path in [args.results] + args.speed:
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                loaded.append(json.load(f))
+        except OSError as e:
+            print("report: error: cannot read %s: %s" % (path, e.strerror or e), file=sys.stderr)
+            return 2
+        except (ValueError, UnicodeDecodeError) as e:
+            print("report: error: %s is not valid JSON: %s" % (path, e), file=sys.stderr)
+            return 2
+    results = loaded[0]
+    speed = [(os.path.basename(p), sp) for p, sp in zip(args.speed, loaded[1:])]
     try:
-        with open(args.results, "r", encoding="utf-8") as f:
-            results = json.load(f)
-    except OSError as e:
-        print("report: error: cannot read %s: %s" % (args.results, e.strerror or e), file=sys.stderr)
-        return 2
-    except (ValueError, UnicodeDecodeError) as e:
-        print("report: error: %s is not valid JSON: %s" % (args.results, e), file=sys.stderr)
-        return 2
-    try:
-        write_report(results, args.out_dir, source=os.path.basename(args.results))
+        write_report(results, args.out_dir, source=os.path.basename(args.results), speed=speed)
     except ReportError as e:
         print("report: error: %s: malformed results: %s" % (args.results, e), file=sys.stderr)
         return 2

@@ -304,3 +304,50 @@ def test_group_heading_names_each_rows_optimizer():
     assert facts[-1] == ("optimizer torch.optim.adamw.AdamW (ddp); lightwire.torch.AdamW "
                          "(lightwire_dgc, lightwire_topk)")
     assert not any("optimizer" in f for f in report.model_facts(runs[3:]))
+
+
+def _speed(none, fp16, auto, auto_loss):
+    """speed.py's results: one MLP group at 10 Gbit/s with the given ratios against DDP."""
+    def row(config, ratio, loss=1.5):
+        return {"config": config, "repetitions": 3, "median_step_seconds": 0.17 / ratio,
+                "speed_median": ratio, "speed_min": ratio - 0.01, "speed_max": ratio + 0.02,
+                "final_loss": [loss] * 3}
+    return {"version": 1, "command": "bench/e2e/speed.py --tasks mlp --rates 10gbit",
+            "commit": "abc1234", "repeats": 3, "steps": 40, "bucket_cap_mb": None,
+            "groups": [{"task": "mlp", "rate": "10gbit", "table": [
+                row("ddp", 1.0), row("lightwire_none", none), row("lightwire_fp16", fp16),
+                row("lightwire_auto", auto, auto_loss)]}]}
+
+
+def test_speed_section_tables_and_targets(tmp_path):
+    out = tmp_path / "docs"
+    sp = _speed(0.95, 1.25, 0.99, 1.5 * 1.004)
+    report.write_report(results(0.05, 0.505), str(out), source="r.json",
+                        speed=[("speed-mlp.json", sp)])
+    md = (out / "BENCHMARKS.md").read_text(encoding="utf-8")
+    part = section(md, "## Step speed against DDP", "## Method")
+    assert "speed-mlp.json" in part and "bench/e2e/speed.py --tasks mlp" in part
+    row = table_row(part, "From `speed-mlp.json`", "`lightwire_none`")
+    assert row[4] == "0.950 [0.940, 0.970]", row
+    row = table_row(part, "From `speed-mlp.json`", "`lightwire_auto`")
+    assert row[6] == "+0.40 %", row
+    # The targets, from the figures: none below 0.98x, fp16 above 1x, auto above 0.97x within
+    # +0.5 % of DDP's loss.
+    assert re.search(r"`lightwire_none`, mlp at 10gbit .*\*\*not met\*\* \(0\.950", part)
+    assert re.search(r"`lightwire_fp16`, mlp at 10gbit .*\*\*met\*\* \(1\.25", part)
+    assert re.search(r"`lightwire_auto`, mlp at 10gbit .*\*\*met\*\* \(0\.990", part)
+    # auto fast enough but with a loss 1 % above DDP's: not met.
+    report.write_report(results(0.05, 0.505), str(out), source="r.json",
+                        speed=[("s.json", _speed(0.99, 1.25, 1.1, 1.5 * 1.01))])
+    md = (out / "BENCHMARKS.md").read_text(encoding="utf-8")
+    assert re.search(r"`lightwire_auto`, mlp at 10gbit .*\*\*not met\*\*", md)
+    assert re.search(r"`lightwire_none`, mlp at 10gbit .*\*\*met\*\*", md)
+    # Without speed results the page has no such section; a malformed one writes nothing.
+    report.write_report(results(0.05, 0.505), str(out), source="r.json")
+    assert "## Step speed" not in (out / "BENCHMARKS.md").read_text(encoding="utf-8")
+    bad = _speed(0.95, 1.25, 0.99, 1.5)
+    bad["groups"][0]["table"][1]["speed_median"] = "fast"
+    with pytest.raises(report.ReportError, match="speed_median"):
+        report.write_report(results(0.05, 0.505), str(tmp_path / "bad"), source="r.json",
+                            speed=[("s.json", bad)])
+    assert not (tmp_path / "bad" / "BENCHMARKS.md").exists()
