@@ -253,6 +253,12 @@ double modelBytes(const kernels::Codec& impl, uint64_t n, const std::vector<uint
   return impl.traits().summable ? 2 * (w - 1) / w * payload : (w - 1) * payload;
 }
 
+std::string ladderText(const std::vector<Rung>& ladder) {
+  std::string out;
+  for (const Rung& r : ladder) out += (out.empty() ? "" : ",") + r.text;
+  return out;
+}
+
 bool rungUsable(const Rung& r, uint64_t n, const std::vector<uint64_t>& shape,
                 std::optional<double> momentum) {
   if (r.codec.momentum > 0) return momentum && *momentum == r.codec.momentum;

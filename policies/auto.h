@@ -50,6 +50,9 @@ inline constexpr std::string_view kDefaultLadder =
 /// none twice. Errors name the rung.
 Result<std::vector<Rung>> parseLadder(std::string_view text);
 
+/// The ladder as one text: its rungs' texts joined by commas ("" for none).
+std::string ladderText(const std::vector<Rung>& ladder);
+
 /// The `compression.auto` section (docs/configuration.md). Plain value.
 struct AutoConfig {
   std::string ladder_text = std::string(kDefaultLadder);

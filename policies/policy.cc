@@ -821,6 +821,8 @@ json::object PolicyEngine::stateJson() const {
                                {"detail", d.detail}});
   }
   o["log"] = std::move(log);
+  // The ladder the auto rungs index (the state of a ladder with other rungs means nothing here).
+  if (!config_.auto_codec.ladder.empty()) o["auto_ladder"] = ladderText(config_.auto_codec.ladder);
   return o;
 }
 
@@ -993,6 +995,16 @@ Status PolicyEngine::restoreState(const json::value& v) {
     const auto& eo = e.as_object();
     log.push_back({r.u64(eo, "seq"), r.u64(eo, "step"), r.str(eo, "tensor"), r.str(eo, "kind"),
                    r.str(eo, "detail")});
+  }
+  // Absent from the state of an older version: only the rung count is checked (above).
+  if (const auto* lv = o.if_contains("auto_ladder"); lv && r.error.empty()) {
+    const std::string here = ladderText(config_.auto_codec.ladder);
+    if (!lv->is_string()) {
+      r.error = "'auto_ladder' must be a string";
+    } else if (lv->as_string() != here) {
+      r.error = "compression.auto.ladder differs: the state was saved with '" +
+                std::string(lv->as_string()) + "', this sidecar has '" + here + "'";
+    }
   }
   DirectWindow direct;
   if (const auto* dv = o.if_contains("direct")) {

@@ -415,6 +415,15 @@ TEST_SUITE("auto") {
     auto st = r.restoreState(p.stateJson());
     CHECK_FALSE(st.isOk());
     CHECK(st.message().find("compression.auto.ladder differs") != std::string::npos);
+    // Nor one with as many rungs but other ones: the indices would name other codecs.
+    PolicyEngine other(autoConfig("direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01,dgc:0.001"), "{}",
+                       nullptr);
+    const std::string untouched = boost::json::serialize(other.stateJson());
+    st = other.restoreState(p.stateJson());
+    CHECK_FALSE(st.isOk());
+    CHECK(st.message().find("the state was saved with 'direct,none,fp16,qsgd:8,qsgd:4,"
+                            "dgc:0.01:0.9,dgc:0.01'") != std::string::npos);
+    CHECK(boost::json::serialize(other.stateJson()) == untouched);
     // 'evaluated' must be a boolean (a bad one changes nothing); a state without it (an older
     // version's) is taken as evaluated.
     boost::json::object bad = p.stateJson();

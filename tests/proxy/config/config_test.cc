@@ -972,7 +972,6 @@ TEST_CASE("config: peer.tls needs its files when enabled, and the tcp transport"
   for (const auto& entry : files) {
     // Not a structured binding: clang 14 cannot capture one in CAPTURE's lambda.
     const auto& key = entry.first;
-    const auto& path = entry.second;
     CAPTURE(key);
     auto without = files;
     without.erase(key);
