@@ -39,8 +39,7 @@ struct Rung {
 };
 
 /// The default ladder (docs/policies.md "codec: auto").
-inline constexpr std::string_view kDefaultLadder =
-    "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01:0.9,dgc:0.01";
+inline constexpr std::string_view kDefaultLadder = "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01";
 
 /// Parses a ladder: comma-separated rungs from least to most lossy, each `direct` (first only),
 /// `none`, `fp16`, `bf16`, `qsgd:BITS`, `topk:DENSITY`, `dgc:DENSITY` (error feedback, no

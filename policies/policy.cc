@@ -394,6 +394,17 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
   TensorState& ts = tensors_[tensor];
   ts.last_step = step;
   ts.lossless = plan.lossless;
+  // The first step of an auto layer's new rung: its baselines start afresh. The norm's (critical
+  // phases, anomalies), because what the trainer sends may change with the rung —
+  // lightwire.torch.AdamW sends its preconditioned update where the rung selects, the gradient
+  // elsewhere: norms 10^3-10^4 apart on the LM, which read as a critical phase that moved the
+  // layer straight back; the cosine's (health, rollback), because a lossier rung has a lower
+  // cosine by design, as a density schedule's stage has (judgeHealth).
+  if (auto_facts && ts.autos.active && step == ts.autos.cur_from && ts.autos.prev != ts.autos.cur) {
+    ts.norm = Ewma{};
+    ts.cosine = Ewma{};
+    ts.degraded = 0;
+  }
   // A critical phase starts with a sharp change of the gradient norm against its baseline (before
   // this step's norm joins it).
   const double norm = std::sqrt(g.grad_norm2);

@@ -113,11 +113,11 @@ EXTRA_CONFIGS = [
      ["--codec", "topk", "--density", "1"] + POLICIES_OFF),
     # codec auto with its defaults (docs/policies.md "codec: auto"): each layer's rung chosen at
     # run time from the measured link and the compute the hook reports, the trainers' own
-    # process group (the direct rung) when every layer is best exchanged dense; dgc with momentum
-    # correction as the heaviest rung, the trainers' helper optimizer declaring its momentum.
+    # process group (the direct rung) when every layer is best exchanged dense.
     ("lightwire_auto", "lightwire auto", "lightwire", None, ["--codec", "auto"] + POLICIES_OFF),
-    # ... with DGC's momentum correction as its only selection rung (the sidecar owns a layer's
-    # momentum while it is on that rung; the trainers step with lightwire.torch.SGD).
+    # ... with DGC's momentum correction as its most compressing rung (the sidecar owns a layer's
+    # momentum while it is on that rung; the trainers step with lightwire.torch.SGD, which
+    # declares its momentum).
     ("lightwire_auto_dgcm", "lightwire auto (dgc rung with momentum correction)", "lightwire",
      None, ["--codec", "auto", "--auto-ladder", "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01:0.9"]
      + POLICIES_OFF),

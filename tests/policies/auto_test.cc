@@ -63,17 +63,13 @@ TEST_SUITE("auto") {
   TEST_CASE("the ladder: defaults, every rung kind, clear refusals") {
     auto l = parseLadder(kDefaultLadder);
     REQUIRE(l.isOk());
-    REQUIRE(l->size() == 7);
+    REQUIRE(l->size() == 6);
     CHECK((*l)[0].direct);
     CHECK((*l)[0].codec.name == "none");
     CHECK((*l)[3].codec.name == "qsgd");
     CHECK((*l)[3].codec.bits == 8);
-    // DGC with momentum correction where the trainers declare momentum 0.9, error feedback alone
-    // (the optimizer keeps momentum) where they do not.
-    CHECK((*l)[5].label == "dgc 1 % momentum 0.9");
-    CHECK((*l)[5].codec.momentum == 0.9);
-    CHECK((*l)[6].label == "dgc 1 %");
-    CHECK((*l)[6].codec.momentum == 0.0);
+    CHECK((*l)[5].label == "dgc 1 %");
+    CHECK((*l)[5].codec.momentum == 0.0);  // the optimizer keeps momentum on every rung
     CHECK((*l)[0].steps_factor == 1.0);
     CHECK((*l)[4].steps_factor > 1.0);
     auto own = parseLadder("none,dgc:0.01@1.8");
@@ -167,6 +163,9 @@ TEST_SUITE("auto") {
   }
 
   TEST_CASE("a rung with momentum correction only where every trainer declared its momentum") {
+    // DGC with momentum correction where the trainers declare momentum 0.9, error feedback alone
+    // (the optimizer keeps momentum) where they do not.
+    const std::string ladder = "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01:0.9,dgc:0.01";
     const GlobalStats slow = stats(1e6, 1e-4, 0.05);  // 8 Mbit/s: dgc even at 2.5 times the steps
     auto settle = [](PolicyEngine& p, const GlobalStats& g) {
       for (uint64_t s = 0; s < 6; ++s) run(p, "w", s, g);
@@ -174,18 +173,18 @@ TEST_SUITE("auto") {
     };
     // Undeclared (torch.optim.SGD, or trainers that disagree: GlobalStats::momentum is then
     // empty): error feedback alone, the optimizer keeps momentum.
-    PolicyEngine plain(autoConfig(), "{}", nullptr);
+    PolicyEngine plain(autoConfig(ladder), "{}", nullptr);
     CHECK(settle(plain, slow) == "dgc:0.01");
     // Declared 0.9 by every trainer: the rung with momentum correction, fewer steps to the loss.
     GlobalStats declared = slow;
     declared.momentum = 0.9;
-    PolicyEngine corrected(autoConfig(), "{}", nullptr);
+    PolicyEngine corrected(autoConfig(ladder), "{}", nullptr);
     CHECK(settle(corrected, declared) == "dgc:0.01:0.9");
     CHECK(corrected.decisions().back().detail.find("trainers' momentum 0.9") != std::string::npos);
     // Another momentum than the rung's: not usable either.
     GlobalStats other = slow;
     other.momentum = 0.95;
-    PolicyEngine mismatch(autoConfig(), "{}", nullptr);
+    PolicyEngine mismatch(autoConfig(ladder), "{}", nullptr);
     CHECK(settle(mismatch, other) == "dgc:0.01");
     // The declaration stops (a trainer's optimizer changed): the rung goes at once, not at the
     // next period and without hysteresis, flushing its state first.
@@ -194,6 +193,36 @@ TEST_SUITE("auto") {
     CHECK(flush.flush);
     CHECK(flush.rung->text == "dgc:0.01:0.9");
     CHECK(corrected.autoStep("w", 8).rung->text == "dgc:0.01");
+  }
+
+  TEST_CASE(
+      "a switch starts the layer's baselines afresh: another input scale is no critical "
+      "phase") {
+    PolicyEngine p(autoConfig(), "{}", nullptr);
+    const GlobalStats fast = stats(1.25e10, 1e-5, 5.0);  // dense hides behind the compute
+    uint64_t s = 0;
+    for (; s < 10; ++s) run(p, "w", s, fast);  // a baseline of norm 1 on `none`
+    REQUIRE(rungIndex(p, "w", s) == 1);
+    const GlobalStats slow = stats(1e6, 1e-4, 0.05);
+    while (rungIndex(p, "w", s) == 1 && s < 20) run(p, "w", s++, slow);
+    const size_t heavy = rungIndex(p, "w", s);
+    REQUIRE(heavy > 1);
+    // The new rung's input is 1000 times larger (lightwire.torch.AdamW's preconditioned update,
+    // where the rung selects): a new baseline, not a critical phase that moves the layer back.
+    const size_t logged = p.decisions().size();
+    for (uint64_t end = s + 8; s < end; ++s) run(p, "w", s, stats(1e6, 1e-4, 0.05, 1000.0));
+    for (size_t i = logged; i < p.decisions().size(); ++i) {
+      CHECK(p.decisions()[i].kind != "critical");
+    }
+    CHECK(rungIndex(p, "w", s) == heavy);
+    // ... and a change against that new baseline still is one.
+    run(p, "w", s, stats(1e6, 1e-4, 0.05, 3000.0));
+    CHECK(p.decisions().back().kind == "auto");
+    bool critical = false;
+    for (size_t i = logged; i < p.decisions().size(); ++i) {
+      critical = critical || p.decisions()[i].kind == "critical";
+    }
+    CHECK(critical);
   }
 
   TEST_CASE("the link model counts the bytes of the step's density (the DGC warm-up)") {
@@ -422,7 +451,7 @@ TEST_SUITE("auto") {
     st = other.restoreState(p.stateJson());
     CHECK_FALSE(st.isOk());
     CHECK(st.message().find("the state was saved with 'direct,none,fp16,qsgd:8,qsgd:4,"
-                            "dgc:0.01:0.9,dgc:0.01'") != std::string::npos);
+                            "dgc:0.01'") != std::string::npos);
     CHECK(boost::json::serialize(other.stateJson()) == untouched);
     // 'evaluated' must be a boolean (a bad one changes nothing); a state without it (an older
     // version's) is taken as evaluated.
