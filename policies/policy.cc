@@ -675,6 +675,10 @@ void PolicyEngine::decideDirect(uint64_t step) {
         a.cur_from > prev + 1) {
       return;
     }
+    // A layer whose momentum the sidecar owns (a dgc:D:M rung): the process group's average
+    // carries no momentum, and handing it to the optimizer for the window and back would lose the
+    // velocity twice.
+    if (ac.ladder[a.cur].codec.momentum > 0) return;
     with_direct += a.score_direct;
     in_force += std::min(a.score_cur, a.score_best);  // a switch may be waiting for hysteresis
     measured = measured || a.direct_measured;

@@ -432,6 +432,22 @@ TEST_SUITE("auto") {
     CHECK(q.autoStep("a", 5).rung->codec.name == "none");  // a layer never takes direct alone
   }
 
+  TEST_CASE("no direct window while a layer's momentum is the sidecar's") {
+    // One rung through the sidecars, scored as lossless (`@1`), on a fast link: a direct window is
+    // tried — unless that rung owns the layer's momentum (the process group's average carries
+    // none).
+    GlobalStats fast = stats(1.25e10, 1e-5, 0.05);
+    fast.momentum = 0.9;
+    for (const std::string ladder : {"direct,dgc:0.01@1", "direct,dgc:0.01:0.9@1"}) {
+      CAPTURE(ladder);
+      PolicyEngine p(autoConfig(ladder), "{}", nullptr);
+      for (uint64_t s = 0; s < 4; ++s) run(p, "a", s, fast);
+      const bool owns = ladder.find(":0.9") != std::string::npos;
+      REQUIRE(p.autoStep("a", 4).rung->codec.momentum == (owns ? 0.9 : 0.0));
+      CHECK(p.directWindowAfter(1).has_value() != owns);
+    }
+  }
+
   TEST_CASE("auto state survives the state JSON (checkpoints, rejoining peers)") {
     PolicyEngine p(autoConfig(), "{}", nullptr);
     for (uint64_t s = 0; s < 6; ++s) run(p, "w", s, stats(1.25e8 / 8, 1e-4, 0.05));

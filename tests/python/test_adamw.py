@@ -266,6 +266,41 @@ def test_adamw_restarts_the_moments_of_a_tensor_no_longer_preconditioned():
     assert "local_exp_avg" not in opt.state[w]
 
 
+def test_adamw_steps_a_direct_window_as_torch_adamw_with_its_moments_carried_on():
+    """codec auto's direct window: the process group averages the bucket as it is (no
+    preconditioning), and AdamW steps those parameters as torch.optim.AdamW from the moments it
+    had; back with the sidecar it preconditions from them again."""
+    w, b = _params()
+    codecs = _Codecs([w])
+    opt = _make_adamw([w, b], codecs)
+    for s in range(3):
+        _hook_then_step(opt, [w, b], list(_grads(s)))
+    m = opt.state[w]["local_exp_avg"].view(5, 4).clone()
+    v = opt.state[w]["local_exp_avg_sq"].view(5, 4).clone()
+    # torch.optim.AdamW from the same parameter, moments and step count.
+    w_ref = torch.nn.Parameter(w.detach().clone())
+    ref = torch.optim.AdamW([w_ref], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    ref.state[w_ref] = {"step": opt.state[w]["step"].clone(), "exp_avg": m.clone(),
+                        "exp_avg_sq": v.clone()}
+    for s in range(3, 5):  # two steps of a direct window: the hook calls _dense_bucket
+        gw, gb = _grads(s)
+        opt._dense_bucket([w, b])
+        w.grad, b.grad = gw.clone(), gb.clone()
+        opt.step()  # no "did not pass through the hook" refusal
+        w_ref.grad = gw.clone()
+        ref.step()
+        assert torch.equal(w, w_ref), s
+    # Back with the sidecar (dgc): preconditioned from the moments of the window.
+    gw, gb = _grads(5)
+    expect = _Moments(w)
+    expect.m = ref.state[w_ref]["exp_avg"].clone()
+    expect.v = ref.state[w_ref]["exp_avg_sq"].clone()
+    expect.t = int(ref.state[w_ref]["step"].item())
+    flat = _hook_then_step(opt, [w, b], [gw, gb])
+    mm, denom, bc1 = expect.update(gw)
+    assert torch.equal(flat[:20].view(5, 4), torch.div(mm, denom).div_(bc1))
+
+
 def test_adamw_refuses_what_it_does_not_define():
     w, b = _params()
     with pytest.raises(TypeError, match="hook_state"):

@@ -412,6 +412,22 @@ class AdamW(torch.optim.AdamW):
                 state = self.state[p]
             self._precondition(state, g, group, mode)
 
+    def _dense_bucket(self, params):
+        """Called by the hook for a bucket averaged as it is this step (a direct window of codec
+        auto): a parameter preconditioned until now steps as torch.optim.AdamW from here, its
+        moments carried on (the first moment is the sidecar's where it applied momentum: zeros
+        then); preconditioning takes them back when the layer returns to a selection codec."""
+        for p in params:
+            state = self.state.get(p)
+            if not state or "local_exp_avg_sq" not in state:
+                continue
+            first = state.pop("local_exp_avg", None)
+            state["exp_avg"] = (first.view_as(p) if first is not None
+                                else torch.zeros_like(p, memory_format=torch.preserve_format))
+            state["exp_avg_sq"] = state.pop("local_exp_avg_sq").view_as(p)
+            state.pop("local_mode", None)
+            state.pop("update_sent", None)
+
     def _precondition(self, state, g, group, mode):
         beta1, beta2 = group["betas"]
         if "local_exp_avg_sq" not in state:
@@ -1102,7 +1118,7 @@ def ddp_comm_hook(state, bucket):
     direct = state._in_direct(step)
     place = state._place(index, last, not direct)
     if direct:
-        return _direct(state, buf, last)
+        return _direct(state, buf, last, params)
     fut = torch.futures.Future()
     name, layout = "%s.%d" % (state.name_prefix, index), None
     try:
@@ -1144,9 +1160,13 @@ def ddp_comm_hook(state, bucket):
     return fut
 
 
-def _direct(state, buf, last):
+def _direct(state, buf, last, params=()):
     """A bucket of a direct window (codec auto): averaged by the process group, as DDP's own
-    allreduce would, the sidecar out of the data path."""
+    allreduce would, the sidecar out of the data path. lightwire.torch.AdamW steps those
+    parameters as torch.optim.AdamW does (their gradients are averaged as they are)."""
+    dense = getattr(state.optimizer, "_dense_bucket", None)
+    if dense is not None:
+        dense(params)
     group = state._group()
     buf.div_(dist.get_world_size(group))
     with state._lock:
