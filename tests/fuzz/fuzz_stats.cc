@@ -62,6 +62,7 @@ void seeds(Seeds& out) {
   full.loss = 1.25;
   full.loss_step = 9;
   full.resumed_from = 4;
+  full.momentum = 0.9;
   const std::string settings = boost::json::serialize(proxy::toJson(proxy::CompressionConfig{
       .default_codec = {.name = "dgc", .density = 0.02, .momentum = 0.9}}));
   full.requests.push_back({.kind = Request::Kind::kSettings, .id = 3, .body = settings});
