@@ -196,12 +196,11 @@ std::string jsonTiming(const json::object& o, std::optional<double>* compute_s,
                        std::optional<double>* tail_s) {
   const json::value* c = o.if_contains("compute_s");
   const json::value* v = o.if_contains("overlap_s");
-  const auto number = finiteNumber;
   for (auto [key, out] : {std::pair{"direct_s", direct_s}, std::pair{"tail_s", tail_s}}) {
     const json::value* f = o.if_contains(key);
     if (!f) continue;
     double v = 0;
-    if (!number(f, &v) || !(v >= 0 && v <= 3600)) {
+    if (!finiteNumber(f, &v) || !(v >= 0 && v <= 3600)) {
       return "field '" + std::string(key) + "' must be a number in [0, 3600]";
     }
     *out = v;
@@ -209,7 +208,7 @@ std::string jsonTiming(const json::object& o, std::optional<double>* compute_s,
   if (!c && !v) return "";
   if (!c || !v) return "fields 'compute_s' and 'overlap_s' go together";
   double cv = 0, ov = 0;
-  if (!number(c, &cv) || !number(v, &ov) || !(ov >= 0 && ov <= cv && cv <= 3600)) {
+  if (!finiteNumber(c, &cv) || !finiteNumber(v, &ov) || !(ov >= 0 && ov <= cv && cv <= 3600)) {
     return "fields 'compute_s' and 'overlap_s' must be numbers with 0 <= overlap_s <= "
            "compute_s <= 3600";
   }

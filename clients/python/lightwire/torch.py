@@ -1160,7 +1160,7 @@ def ddp_comm_hook(state, bucket):
     return fut
 
 
-def _direct(state, buf, last, params=()):
+def _direct(state, buf, last, params):
     """A bucket of a direct window (codec auto): averaged by the process group, as DDP's own
     allreduce would, the sidecar out of the data path. lightwire.torch.AdamW steps those
     parameters as torch.optim.AdamW does (their gradients are averaged as they are)."""
