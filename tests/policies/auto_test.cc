@@ -469,6 +469,15 @@ TEST_SUITE("auto") {
     CHECK(st.message().find("the state was saved with 'direct,none,fp16,qsgd:8,qsgd:4,"
                             "dgc:0.01'") != std::string::npos);
     CHECK(boost::json::serialize(other.stateJson()) == untouched);
+    // A ladder that is not a string: refused, nothing changed.
+    boost::json::object odd = p.stateJson();
+    odd["auto_ladder"] = 7;
+    PolicyEngine same(autoConfig(), "{}", nullptr);
+    const std::string pristine = boost::json::serialize(same.stateJson());
+    st = same.restoreState(odd);
+    CHECK_FALSE(st.isOk());
+    CHECK(st.message().find("'auto_ladder' must be a string") != std::string::npos);
+    CHECK(boost::json::serialize(same.stateJson()) == pristine);
     // 'evaluated' must be a boolean (a bad one changes nothing); a state without it (an older
     // version's) is taken as evaluated.
     boost::json::object bad = p.stateJson();
