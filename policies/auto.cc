@@ -178,6 +178,9 @@ Status validate(AutoConfig& c) {
   if (c.hysteresis < 1) return bad("hysteresis", "at least 1");
   if (!(c.tolerance >= 0 && c.tolerance <= 10)) return bad("tolerance", "in [0, 10]");
   if (!(c.link_change > 0 && c.link_change <= 10)) return bad("link_change", "in (0, 10]");
+  if (!(c.momentum_margin >= 0 && c.momentum_margin <= 10)) {
+    return bad("momentum_margin", "in [0, 10]");
+  }
   if (!(c.critical_change > 0)) return bad("critical_change", "> 0");
   if (c.probe_every < 1) return bad("probe_every", "at least 1");
   auto ladder = parseLadder(c.ladder_text);
@@ -192,17 +195,17 @@ void LinkEstimator::add(double bytes, double seconds) {
   while (points_.size() > kWindow) points_.pop_front();
 }
 
-std::optional<Link> LinkEstimator::estimate() const {
-  if (points_.empty()) return std::nullopt;
-  // The newest kWindow points: older ones may be of a link that has changed since.
-  std::vector<std::pair<double, double>> use(points_.end() - std::min(points_.size(), kWindow),
-                                             points_.end());
+namespace {
+
+/// The least-squares fit of time = latency + bytes / bandwidth to `use` (not empty).
+Link fitLink(const std::vector<std::pair<double, double>>& use) {
   const double n = static_cast<double>(use.size());
-  double sb = 0, st = 0, tmin = use.front().second;
+  double sb = 0, st = 0, tmin = use.front().second, bmax = 0;
   for (const auto& [b, t] : use) {
     sb += b;
     st += t;
     tmin = std::min(tmin, t);
+    bmax = std::max(bmax, b);
   }
   const double mb = sb / n, mt = st / n;
   double cov = 0, var = 0;
@@ -211,8 +214,6 @@ std::optional<Link> LinkEstimator::estimate() const {
     var += (b - mb) * (b - mb);
   }
   Link l;
-  double bmax = 0;
-  for (const auto& [b, t] : use) bmax = std::max(bmax, b);
   if (use.size() >= 3 && var > 0 && std::sqrt(var / n) > 0.1 * mb) {
     // Sizes spread enough (more than 10 % around their mean) to tell latency from bandwidth.
     if (cov > 0) {
@@ -231,6 +232,37 @@ std::optional<Link> LinkEstimator::estimate() const {
     // the sizes).
     l.bytes_per_s = sb / st;
     l.latency_s = 0;
+  }
+  return l;
+}
+
+}  // namespace
+
+std::optional<Link> LinkEstimator::estimate() const {
+  if (points_.empty()) return std::nullopt;
+  // The newest kWindow points: older ones may be of a link that has changed since.
+  std::vector<std::pair<double, double>> use(points_.end() - std::min(points_.size(), kWindow),
+                                             points_.end());
+  Link l = fitLink(use);
+  // Waits only add: an exchange's time holds the link and however long this sidecar waited for
+  // its peers to arrive (their compute differs from step to step; one evaluates). Points above
+  // the fit by more than the median residual (and 5 % of the mean time, the noise of a clean
+  // link) are such waits: the fit of the rest is the link's.
+  if (use.size() >= 4) {
+    std::vector<double> res;
+    double st = 0;
+    for (const auto& [b, t] : use) {
+      res.push_back(t - (l.latency_s + b / l.bytes_per_s));
+      st += t;
+    }
+    std::vector<double> sorted = res;
+    std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
+    const double cut = sorted[sorted.size() / 2] + 0.05 * st / static_cast<double>(use.size());
+    std::vector<std::pair<double, double>> kept;
+    for (size_t i = 0; i < use.size(); ++i) {
+      if (res[i] <= cut) kept.push_back(use[i]);
+    }
+    if (kept.size() >= 2 && kept.size() < use.size()) l = fitLink(kept);
   }
   return l;
 }

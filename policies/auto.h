@@ -39,7 +39,8 @@ struct Rung {
 };
 
 /// The default ladder (docs/policies.md "codec: auto").
-inline constexpr std::string_view kDefaultLadder = "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01";
+inline constexpr std::string_view kDefaultLadder =
+    "direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01:0.9,dgc:0.01";
 
 /// Parses a ladder: comma-separated rungs from least to most lossy, each `direct` (first only),
 /// `none`, `fp16`, `bf16`, `qsgd:BITS`, `topk:DENSITY`, `dgc:DENSITY` (error feedback, no
@@ -60,6 +61,9 @@ struct AutoConfig {
   uint32_t hysteresis = 2;       // a move to more compression: this many evaluations in a row
   double tolerance = 0.05;       // the least lossy rung within (1 + tolerance) of the fastest
   double link_change = 0.3;      // relative change of bandwidth or latency that re-decides at once
+                                 // (seen at two updates of the layer in a row)
+  double momentum_margin = 0.2;  // a move onto or off a rung with momentum correction: its score
+                                 // must beat the best rung of the other side by (1 + this)
   uint64_t critical_steps = 0;   // early training: no move to more compression (0 = off: the
                                  // DGC warm-up of selection rungs covers early training)
   double critical_change = 0.5;  // |norm / baseline - 1| above this starts a critical phase

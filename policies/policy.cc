@@ -399,8 +399,11 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
   // lightwire.torch.AdamW sends its preconditioned update where the rung selects, the gradient
   // elsewhere: norms 10^3-10^4 apart on the LM, which read as a critical phase that moved the
   // layer straight back; the cosine's (health, rollback), because a lossier rung has a lower
-  // cosine by design, as a density schedule's stage has (judgeHealth).
-  if (auto_facts && ts.autos.active && step == ts.autos.cur_from && ts.autos.prev != ts.autos.cur) {
+  // cosine by design, as a density schedule's stage has (judgeHealth). And again at its second
+  // step: a trainer learns a layer's rung from the reply of the step before, so the first step of
+  // a new rung still carries what it sent for the old one.
+  if (auto_facts && ts.autos.active && ts.autos.prev != ts.autos.cur &&
+      (step == ts.autos.cur_from || step == ts.autos.cur_from + 1)) {
     ts.norm = Ewma{};
     ts.cosine = Ewma{};
     ts.degraded = 0;
@@ -478,11 +481,11 @@ std::optional<DirectWindow> PolicyEngine::directWindowAfter(uint64_t step) const
 }
 
 // One layer's rung (mu_ held): every `period` steps, or at once when the link moved by more than
-// `link_change` since its last switch, the least lossy rung the time model finds within
-// `tolerance` of the fastest, one rung less compressed in a critical phase. A move to less
-// compression happens at once; to more, after `hysteresis` evaluations in a row agree (or at once
-// when the link changed). A switch away from a rung whose codec holds state is preceded by a
-// full-sync with it.
+// `link_change` since its last switch (seen at two updates in a row), the least lossy rung the time
+// model finds within `tolerance` of the fastest, one rung less compressed in a critical phase. A
+// move to less compression happens at once; to more, after `hysteresis` evaluations in a row agree
+// (or at once when the link changed). A switch away from a rung whose codec holds state is preceded
+// by a full-sync with it.
 void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const GlobalStats& g,
                               const AutoFacts& facts, TensorState& ts) {
   const AutoConfig& ac = config_.auto_codec;
@@ -532,7 +535,10 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
     then.link = a.link;
     const Rung& r = ac.ladder[a.cur];
     const double before = modelExchangeSeconds(r, then), now = modelExchangeSeconds(r, in);
-    link_moved = std::abs(now - before) > ac.link_change * std::max(before, 1e-4);
+    // Seen at two updates in a row: one exchange that waited on a slow peer is not a new link.
+    const bool moved_now = std::abs(now - before) > ac.link_change * std::max(before, 1e-4);
+    link_moved = moved_now && a.link_seen >= 1;
+    a.link_seen = moved_now ? a.link_seen + 1 : 0;
   }
   if (link_moved) {
     for (size_t i = 0; i < a.measured.size(); ++i) {
@@ -573,6 +579,23 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
       if (usable[i]) best = std::min(best, modelScore(ac.ladder[i], in));
     }
     if (modelScore(ac.ladder[a.cur], in) <= best * (1 + ac.tolerance)) want = a.cur;
+  }
+  // A move onto or off a rung with momentum correction loses the layer's velocity (and leaving
+  // flushes): it must win by the margin over the best rung on the side of the rung in force, or
+  // the layer stays on that side (rungs of nearly equal scores on the two sides took turns with
+  // the noise of the measurements on fast links).
+  const auto owns = [&](size_t i) { return ac.ladder[i].codec.momentum > 0; };
+  if (!forced && want != a.cur && owns(want) != owns(a.cur)) {
+    std::vector<char> side(usable);
+    double side_best = INFINITY;
+    for (size_t i = 0; i < ac.ladder.size(); ++i) {
+      side[i] = usable[i] && owns(i) == owns(a.cur);
+      if (side[i]) side_best = std::min(side_best, modelScore(ac.ladder[i], in));
+    }
+    if (modelScore(ac.ladder[want], in) * (1 + ac.momentum_margin) > side_best) {
+      want = chooseRung(ac.ladder, side, in, ac.tolerance);
+      if (modelScore(ac.ladder[a.cur], in) <= side_best * (1 + ac.tolerance)) want = a.cur;
+    }
   }
   // Critical phases: no move to more compression while one lasts; and when one starts, a lossy
   // rung in force gives way to the next less lossy one at once.
@@ -810,6 +833,7 @@ json::object PolicyEngine::stateJson() const {
           {"flush_at", a.flush_at},
           {"candidate", a.candidate},
           {"agree", a.agree},
+          {"link_seen", a.link_seen},
           {"link_bytes_per_s", a.link ? json::value(a.link->bytes_per_s) : json::value(nullptr)},
           {"link_latency_s", a.link ? json::value(a.link->latency_s) : json::value(nullptr)},
           {"critical_until", a.critical_until},
@@ -967,6 +991,8 @@ Status PolicyEngine::restoreState(const json::value& v) {
       a.flush_at = r.u64(ao, "flush_at");
       a.candidate = r.u64(ao, "candidate");
       a.agree = static_cast<uint32_t>(r.u64(ao, "agree"));
+      // Absent from the state of an older version: no link move seen yet.
+      if (ao.contains("link_seen")) a.link_seen = static_cast<uint32_t>(r.u64(ao, "link_seen"));
       if (const auto* l = ao.if_contains("link_bytes_per_s"); l && !l->is_null()) {
         a.link = Link{r.num(ao, "link_bytes_per_s"), r.num(ao, "link_latency_s")};
         if (!(a.link->bytes_per_s > 0) && r.error.empty()) r.error = "auto link must be > 0";
@@ -1085,6 +1111,7 @@ json::object PolicyEngine::statusJson() const {
                    {"hysteresis", ac.hysteresis},
                    {"tolerance", ac.tolerance},
                    {"link_change", ac.link_change},
+                   {"momentum_margin", ac.momentum_margin},
                    {"probe_every", ac.probe_every},
                    {"layers", std::move(layers)}};
   return o;

@@ -207,6 +207,7 @@ class PolicyEngine {
       uint64_t flush_at = UINT64_MAX;  // a full-sync with `prev` at this step (a switch)
       size_t candidate = 0;            // a move to more compression waiting for hysteresis
       uint32_t agree = 0;              // ... evaluations in a row that chose it
+      uint32_t link_seen = 0;          // updates in a row that saw the link move
       std::optional<Link> link;        // the link at the last switch
       std::vector<double> measured;    // per rung: its measured tail (< 0: not measured)
       uint64_t critical_until = 0;

@@ -260,8 +260,11 @@ Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) 
       g.loss_step = std::max(g.loss_step, s->loss_step);
     }
     if (s->link_bytes_per_s) {
-      g.link_bytes_per_s = std::min(g.link_bytes_per_s.value_or(INFINITY), *s->link_bytes_per_s);
-      g.link_latency_s = std::max(g.link_latency_s.value_or(0.0), *s->link_latency_s);
+      // The fastest link any rank measured: an exchange is collective, so every rank's time
+      // holds the slowest hop, and what differs between ranks is how long each waited for the
+      // others to arrive (docs/policies.md "The inputs, identical on every rank").
+      g.link_bytes_per_s = std::max(g.link_bytes_per_s.value_or(0.0), *s->link_bytes_per_s);
+      g.link_latency_s = std::min(g.link_latency_s.value_or(INFINITY), *s->link_latency_s);
     }
     if (s->direct_s) g.direct_s = std::max(g.direct_s.value_or(0.0), *s->direct_s);
     if (s->tail_s) g.tail_s = std::max(g.tail_s.value_or(0.0), *s->tail_s);

@@ -76,8 +76,9 @@ struct GlobalStats {
   uint64_t loss_step = 0;                             // the largest step of the losses reported
   std::vector<std::optional<uint64_t>> resumed_from;  // per aggregated record, rank order
   std::vector<Request> requests;                      // rank order, then the origin's order
-  // `codec: auto`: the slowest link any rank measured (least bandwidth, most latency; nullopt:
-  // none did), and the least compute (and overlap) any rank reported (nullopt: none did).
+  // `codec: auto`: the fastest link any rank measured (most bandwidth, least latency: the rank
+  // that waited least for its peers; nullopt: none did), and the least compute (and overlap) any
+  // rank reported (nullopt: none did).
   std::optional<double> link_bytes_per_s, link_latency_s;
   std::optional<double> compute_s, overlap_s;
   std::optional<double> direct_s, tail_s;  // the most any rank reported

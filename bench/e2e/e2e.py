@@ -299,7 +299,9 @@ class Sidecars(object):
             cmd = [binary, "serve", "--job-id", "e2e", "--rank", str(r), "--world-size", str(world),
                    "--peers", peers, "--peer-listen", "127.0.0.1:%d" % (47100 + r), "--socket",
                    sock, "--control-tcp", "", "--admin-listen", "", "--state-dir", "",
-                   "--threads", "1", "--log-level", "warn"] + list(args)
+                   "--threads", "1", "--log-level", "warn",
+                   # codec auto's whole decision log, for the row (auto_decisions)
+                   "--decision-log", "20000"] + list(args)
             self.procs.append(subprocess.Popen(ns.cmd(cmd), stdout=subprocess.DEVNULL,
                                                stderr=open(logf, "wb"), env=env))
             self.sockets.append(sock)
@@ -345,7 +347,7 @@ class Sidecars(object):
             return []
         finally:
             c.close()
-        return [d for d in log_ if d.get("kind") in ("auto", "direct", "critical")]
+        return [d for d in log_ if d.get("kind") in ("auto", "direct", "critical", "full_sync")]
 
     def tail(self, r, lines=5):
         try:

@@ -705,6 +705,12 @@ void addAutoKeys(KeyAdder& add) {
       [](double v) { return v > 0 && v <= 10; }, "number in (0, 10]",
       "codec auto: a relative change of the rung in force's modelled exchange time with the "
       "measured link that re-decides at once");
+  numberKey(
+      "compression.auto.momentum_margin", "--auto-momentum-margin", &A::momentum_margin,
+      [](double v) { return v >= 0 && v <= 10; }, "number in [0, 10]",
+      "codec auto: a move onto or off a rung with momentum correction (dgc:D:M) needs a score "
+      "better than the best rung of the other side by (1 + this): such a move loses the layer's "
+      "velocity");
   unsignedKey("compression.auto.critical_steps", "--auto-critical-steps", &A::critical_steps, 0,
               "codec auto: over the first N steps no layer moves to more compression (0 = off: "
               "the DGC warm-up of selection rungs covers early training)");

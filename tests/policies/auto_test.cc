@@ -63,13 +63,17 @@ TEST_SUITE("auto") {
   TEST_CASE("the ladder: defaults, every rung kind, clear refusals") {
     auto l = parseLadder(kDefaultLadder);
     REQUIRE(l.isOk());
-    REQUIRE(l->size() == 6);
+    REQUIRE(l->size() == 7);
     CHECK((*l)[0].direct);
     CHECK((*l)[0].codec.name == "none");
     CHECK((*l)[3].codec.name == "qsgd");
     CHECK((*l)[3].codec.bits == 8);
-    CHECK((*l)[5].label == "dgc 1 %");
-    CHECK((*l)[5].codec.momentum == 0.0);  // the optimizer keeps momentum on every rung
+    // DGC with momentum correction where the trainers declare momentum 0.9, error feedback alone
+    // (the optimizer keeps momentum) where they do not.
+    CHECK((*l)[5].label == "dgc 1 % momentum 0.9");
+    CHECK((*l)[5].codec.momentum == 0.9);
+    CHECK((*l)[6].label == "dgc 1 %");
+    CHECK((*l)[6].codec.momentum == 0.0);
     CHECK((*l)[0].steps_factor == 1.0);
     CHECK((*l)[4].steps_factor > 1.0);
     auto own = parseLadder("none,dgc:0.01@1.8");
@@ -136,6 +140,15 @@ TEST_SUITE("auto") {
     CHECK(l->latency_s == 0);
     for (int i = 0; i < 16; ++i) e.add(1e5, 2e-3 + 1e5 / 1e7);
     CHECK(e.estimate()->bytes_per_s == doctest::Approx(1e5 / 12e-3));
+    // Waits for peers only add: an exchange that waited 20 ms for a slower rank is not the link.
+    LinkEstimator waited;
+    for (int i = 0; i < 16; ++i) {
+      const double bytes = 1e5 * (1 + i % 4);
+      waited.add(bytes, 2e-3 + bytes / 1e8 + (i % 3 == 0 ? 20e-3 : 0.0));
+    }
+    l = waited.estimate();
+    CHECK(l->bytes_per_s == doctest::Approx(1e8).epsilon(1e-6));
+    CHECK(l->latency_s == doctest::Approx(2e-3).epsilon(1e-6));
     // Time that does not grow with the bytes: latency-bound.
     LinkEstimator flat;
     for (int i = 0; i < 8; ++i) flat.add(1e4 * (1 + i % 2), 1e-3);
@@ -209,8 +222,12 @@ TEST_SUITE("auto") {
     REQUIRE(heavy > 1);
     // The new rung's input is 1000 times larger (lightwire.torch.AdamW's preconditioned update,
     // where the rung selects): a new baseline, not a critical phase that moves the layer back.
+    // The trainer learns the rung from the reply of the step before: the rung's first step still
+    // carries the old scale.
     const size_t logged = p.decisions().size();
-    for (uint64_t end = s + 8; s < end; ++s) run(p, "w", s, stats(1e6, 1e-4, 0.05, 1000.0));
+    for (uint64_t first = s, end = s + 8; s < end; ++s) {
+      run(p, "w", s, stats(1e6, 1e-4, 0.05, s == first ? 1.0 : 1000.0));
+    }
     for (size_t i = logged; i < p.decisions().size(); ++i) {
       CHECK(p.decisions()[i].kind != "critical");
     }
@@ -323,6 +340,67 @@ TEST_SUITE("auto") {
     }
   }
 
+  TEST_CASE("a link move counts once two updates in a row see it") {
+    PolicyConfig c = autoConfig();
+    c.auto_codec.period = 1000;  // evaluations only when the link moves
+    PolicyEngine p(c, "{}", nullptr);
+    const GlobalStats fast = stats(1.25e10, 1e-5, 5.0), slow = stats(1e6, 1e-4, 0.05);
+    uint64_t s = 0;
+    for (; s < 6; ++s) run(p, "w", s, fast);
+    REQUIRE(rungIndex(p, "w", s) == 1);
+    const size_t entries = p.decisions().size();
+    // One exchange that waited on a slow peer: not a new link.
+    run(p, "w", s++, slow);
+    run(p, "w", s++, fast);
+    CHECK(rungIndex(p, "w", s) == 1);
+    CHECK(p.decisions().size() == entries);
+    // Two in a row: the link moved, and the layer moves at once (no period, no hysteresis).
+    run(p, "w", s++, slow);
+    CHECK(rungIndex(p, "w", s) == 1);
+    run(p, "w", s++, slow);
+    CHECK(rungIndex(p, "w", s) > 1);
+    REQUIRE(p.decisions().size() > entries);
+    CHECK(p.decisions().back().detail.find("none -> ") == 0);
+  }
+
+  TEST_CASE("a move onto or off a momentum rung must win by the margin") {
+    // A link where the momentum rung's score beats the best rung without momentum by 5-15 %:
+    // within the noise of the measurements of each other, not worth the velocity a move loses.
+    const std::vector<Rung> ladder = *parseLadder(kDefaultLadder);
+    const size_t momentum = 5;
+    REQUIRE(ladder[momentum].codec.momentum == 0.9);
+    auto ratio = [&](double bw) {
+      AutoInputs in{kN, {1024, 1024}, 3, Link{bw, 1e-4}, 0.05, 0.025};
+      double other = INFINITY;
+      for (size_t i = 1; i < ladder.size(); ++i) {
+        if (i != momentum) other = std::min(other, modelScore(ladder[i], in));
+      }
+      return modelScore(ladder[momentum], in) / other;
+    };
+    double bw = 0;
+    for (double b = 1e6; b < 1e11 && bw == 0; b *= 1.02) {
+      if (ratio(b) > 0.85 && ratio(b) < 0.95) bw = b;
+    }
+    REQUIRE(bw > 0);
+    GlobalStats close = stats(bw, 1e-4, 0.05);
+    close.momentum = 0.9;
+    auto settle = [&](PolicyConfig c) {
+      PolicyEngine p(c, "{}", nullptr);
+      for (uint64_t s = 0; s < 8; ++s) run(p, "w", s, close);
+      return p.autoStep("w", 8).index;
+    };
+    CHECK(settle(autoConfig()) != momentum);  // the default margin, 20 %
+    PolicyConfig none = autoConfig();
+    none.auto_codec.momentum_margin = 0;
+    CHECK(settle(none) == momentum);
+    // A clear win (a link 100 times slower) takes the rung.
+    GlobalStats slow = stats(bw / 100, 1e-4, 0.05);
+    slow.momentum = 0.9;
+    PolicyEngine p(autoConfig(), "{}", nullptr);
+    for (uint64_t s = 0; s < 8; ++s) run(p, "w", s, slow);
+    CHECK(p.autoStep("w", 8).index == momentum);
+  }
+
   TEST_CASE("identical decisions on every rank from different local timings") {
     // Three ranks measured different links and compute; each aggregates the same three records.
     std::vector<std::vector<uint8_t>> records;
@@ -338,8 +416,8 @@ TEST_SUITE("auto") {
     }
     auto g = aggregate(records);
     REQUIRE(g.isOk());
-    CHECK(*g->link_bytes_per_s == 1e7);  // the slowest link
-    CHECK(*g->link_latency_s == doctest::Approx(3e-4));
+    CHECK(*g->link_bytes_per_s == 3e7);  // the fastest link: the rank that waited least
+    CHECK(*g->link_latency_s == doctest::Approx(1e-4));
     CHECK(*g->compute_s == doctest::Approx(0.01));  // the least compute
     std::vector<std::unique_ptr<PolicyEngine>> ranks;
     for (int r = 0; r < 3; ++r)
@@ -461,13 +539,13 @@ TEST_SUITE("auto") {
     CHECK_FALSE(st.isOk());
     CHECK(st.message().find("compression.auto.ladder differs") != std::string::npos);
     // Nor one with as many rungs but other ones: the indices would name other codecs.
-    PolicyEngine other(autoConfig("direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01,dgc:0.001"), "{}",
+    PolicyEngine other(autoConfig("direct,none,fp16,qsgd:8,qsgd:4,dgc:0.01,dgc:0.001:0.9"), "{}",
                        nullptr);
     const std::string untouched = boost::json::serialize(other.stateJson());
     st = other.restoreState(p.stateJson());
     CHECK_FALSE(st.isOk());
     CHECK(st.message().find("the state was saved with 'direct,none,fp16,qsgd:8,qsgd:4,"
-                            "dgc:0.01'") != std::string::npos);
+                            "dgc:0.01:0.9,dgc:0.01'") != std::string::npos);
     CHECK(boost::json::serialize(other.stateJson()) == untouched);
     // A ladder that is not a string: refused, nothing changed.
     boost::json::object odd = p.stateJson();

@@ -236,6 +236,7 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"compression.auto.hysteresis", {"1", "3", "4"}},
       {"compression.auto.tolerance", {"0.1", "0.2", "0.3"}},
       {"compression.auto.link_change", {"0.1", "0.2", "0.5"}},
+      {"compression.auto.momentum_margin", {"0", "0.5", "1"}},
       {"compression.auto.critical_steps", {"5", "10", "100"}},
       {"compression.auto.critical_change", {"0.1", "0.2", "1"}},
       {"compression.auto.critical_hold", {"0", "5", "10"}},
