@@ -314,8 +314,11 @@ double modelStepSeconds(const Rung& r, const AutoInputs& in) {
     return in.compute_s + in.measured_s[i];
   }
   if (r.direct && in.direct_s) return in.compute_s + *in.direct_s;
-  return in.compute_s + std::max(0.0, modelExchangeSeconds(r, in) - in.overlap_s) +
-         in.sidecar_overhead_s;
+  const double exchange = modelExchangeSeconds(r, in);
+  const double overhead = in.overhead_ref_s > 0
+                              ? in.sidecar_overhead_s * std::min(1.0, exchange / in.overhead_ref_s)
+                              : in.sidecar_overhead_s;
+  return in.compute_s + std::max(0.0, exchange - in.overlap_s) + overhead;
 }
 
 double modelScore(const Rung& r, const AutoInputs& in) {

@@ -118,6 +118,10 @@ struct AutoInputs {
   // the sidecars less the model's exposed exchange of the rung in force. Added to every rung but
   // `direct`.
   double sidecar_overhead_s = 0;
+  // The modelled exchange of the rung the overhead was measured with (0: none): a rung's overhead
+  // is taken in proportion to its own modelled exchange, at most the whole — what the model does
+  // not see of an exchange grows with it (a link's queueing, the copies of its bytes).
+  double overhead_ref_s = 0;
   // Per rung: the layer's share of what an iteration took beyond its compute while the rung was
   // in force, as the hook measured it (< 0: not measured). A measured rung is judged by it, not
   // by the model: the model only ranks the rungs never tried.

@@ -390,6 +390,8 @@ UpdateResult PolicyEngine::update(const std::string& tensor, uint64_t step, cons
   if (!job_step_ || step > *job_step_) {
     if (job_step_) decideDirect(step);
     job_step_ = step;
+    tail_weights_prev_ = tail_weights_;
+    tail_weights_ = {};
   }
   TensorState& ts = tensors_[tensor];
   ts.last_step = step;
@@ -496,7 +498,6 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
     a.cur_from = step;
     a.next_eval = step;
   }
-  if (step < a.cur_from) return;    // a switch is under way
   if (!g.link_bytes_per_s) return;  // nothing measured yet
   AutoInputs in;
   in.elements = facts.elements;
@@ -506,6 +507,40 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   in.compute_s = g.compute_s.value_or(0.0);
   in.overlap_s = g.overlap_s.value_or(0.0);
   in.direct_s = g.direct_s;
+  // The hook shares an iteration's tail among the layers by their elements; but a layer that
+  // moves a hundredth of the bytes does not cause as much of it as a dense one beside it. Each
+  // layer's share is taken in proportion to the modelled exchange of the rung that carried it
+  // (its weight: a full-sync's dense bytes, a warm-up's density), against the weights of every
+  // auto layer of that step — the step before this one, whose tail this request carries.
+  const uint64_t weight_step = a.weight_step;
+  const double weight = a.weight;
+  {
+    const bool flushing = step == a.flush_at;
+    const Rung& carrying = ac.ladder[step >= a.cur_from ? a.cur : a.prev];
+    const auto density = warmupDensity(step, config_.warmup_steps);
+    const Link& l = *in.link;
+    const double n = static_cast<double>(facts.elements);
+    const double bytes =
+        flushing || carrying.direct
+            ? 2.0 * (facts.world - 1) / std::max<uint32_t>(facts.world, 1) * 4.0 * n
+            : modelBytes(*carrying.impl, facts.elements, facts.shape, facts.world,
+                         selection(carrying.codec) && density &&
+                                 *density > carrying.codec.density.value_or(1.0)
+                             ? density
+                             : std::nullopt);
+    a.weight = (carrying.codec.name == "powersgd" ? 2 : 1) * l.latency_s + bytes / l.bytes_per_s +
+               carrying.cost_ns * 1e-9 * n;
+    a.weight_step = step;
+    tail_weights_.weight += a.weight;
+    tail_weights_.elements += n;
+  }
+  std::optional<double> tail;
+  if (g.tail_s && step > 0 && weight_step == step - 1 && weight > 0 &&
+      tail_weights_prev_.weight > 0) {
+    tail = *g.tail_s * (weight / static_cast<double>(facts.elements)) *
+           (tail_weights_prev_.elements / tail_weights_prev_.weight);
+  }
+  if (step < a.cur_from) return;  // a switch is under way
   // What the hook measured: the direct rung's tail in direct windows; the rung in force's from its
   // second step on. A request carries the tail of the trainer's previous iteration, so the first
   // tail of the rung's second step comes with its third: the first step of a rung is left out
@@ -524,9 +559,9 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   if (g.direct_s && ac.ladder[0].direct && *g.direct_s != a.direct_ignored) {
     a.measured[0] = *g.direct_s;
   }
-  if (g.tail_s && !ac.ladder[a.cur].direct && rung_measured) {
+  if (tail && !ac.ladder[a.cur].direct && rung_measured) {
     double& m = a.measured[a.cur];
-    m = m < 0 ? *g.tail_s : 0.5 * m + 0.5 * *g.tail_s;
+    m = m < 0 ? *tail : 0.5 * m + 0.5 * *tail;
   }
   // A link that moved since the layer's last switch: what was measured is of another link.
   bool link_moved = false;
@@ -550,15 +585,16 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   // `direct` as the model has it, unless measured since the link moved.
   if (a.measured.empty() || a.measured[0] < 0) in.direct_s.reset();
   in.ladder_base = ac.ladder.data();
-  if (g.tail_s && !ac.ladder[a.cur].direct && rung_measured) {
+  if (tail && !ac.ladder[a.cur].direct && rung_measured) {
     // The measured tail of the steps through the sidecars against what the model says of the
     // rung that carried them: the rest is the sidecar path's own cost.
     AutoInputs bare = in;
     bare.measured_s.clear();
     const double modelled = modelStepSeconds(ac.ladder[a.cur], bare) - in.compute_s;
-    a.overhead = std::max(0.0, *g.tail_s - modelled);
+    a.overhead = std::max(0.0, *tail - modelled);
   }
   in.sidecar_overhead_s = a.overhead;
+  in.overhead_ref_s = modelExchangeSeconds(ac.ladder[a.cur], in);
   // `direct` is job-wide (decideDirect): a layer chooses among the rungs through the sidecars.
   // A rung with momentum correction only where every trainer declared that momentum: the
   // optimizer must leave those layers' momentum to the sidecar (docs/policies.md "codec: auto").
@@ -618,7 +654,7 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
                              human(in.overlap_s * 1e3, "ms")
                        : std::string(", compute not reported")) +
           (g.direct_s ? ", direct " + human(*g.direct_s * 1e3, "ms") : std::string()) +
-          (g.tail_s ? ", sidecar tail " + human(*g.tail_s * 1e3, "ms") : std::string()) +
+          (tail ? ", sidecar tail " + human(*tail * 1e3, "ms") : std::string()) +
           (cos ? ", cosine " + sig(*cos) : "") +
           (g.momentum ? ", trainers' momentum " + sig(*g.momentum) : "") +
           (critical ? ", critical phase" : "") + "; model " +
@@ -802,6 +838,8 @@ json::object PolicyEngine::stateJson() const {
   o["resumed_from"] = resumed_from_ ? json::value(*resumed_from_) : json::value(nullptr);
   o["direct"] = json::object{{"from", direct_.from}, {"until", direct_.until}};
   o["job_step"] = job_step_ ? json::value(*job_step_) : json::value(nullptr);
+  o["tail_weights"] = json::array{tail_weights_.weight, tail_weights_.elements,
+                                  tail_weights_prev_.weight, tail_weights_prev_.elements};
   json::array settings;
   for (const auto& s : settings_) {
     settings.push_back(json::object{{"json", s.json},
@@ -834,6 +872,8 @@ json::object PolicyEngine::stateJson() const {
           {"candidate", a.candidate},
           {"agree", a.agree},
           {"link_seen", a.link_seen},
+          {"weight", a.weight},
+          {"weight_step", a.weight_step},
           {"link_bytes_per_s", a.link ? json::value(a.link->bytes_per_s) : json::value(nullptr)},
           {"link_latency_s", a.link ? json::value(a.link->latency_s) : json::value(nullptr)},
           {"critical_until", a.critical_until},
@@ -993,6 +1033,10 @@ Status PolicyEngine::restoreState(const json::value& v) {
       a.agree = static_cast<uint32_t>(r.u64(ao, "agree"));
       // Absent from the state of an older version: no link move seen yet.
       if (ao.contains("link_seen")) a.link_seen = static_cast<uint32_t>(r.u64(ao, "link_seen"));
+      if (ao.contains("weight")) {
+        a.weight = r.num(ao, "weight");
+        a.weight_step = r.u64(ao, "weight_step");
+      }
       if (const auto* l = ao.if_contains("link_bytes_per_s"); l && !l->is_null()) {
         a.link = Link{r.num(ao, "link_bytes_per_s"), r.num(ao, "link_latency_s")};
         if (!(a.link->bytes_per_s > 0) && r.error.empty()) r.error = "auto link must be > 0";
@@ -1059,10 +1103,29 @@ Status PolicyEngine::restoreState(const json::value& v) {
   if (const auto* jv = o.if_contains("job_step"); jv && !jv->is_null()) {
     job_step = r.u64(o, "job_step");
   }
+  // Absent from the state of an older version: no weights (the next step's tails are not
+  // measured).
+  TailWeights weights, weights_prev;
+  if (const auto* wv = o.if_contains("tail_weights"); wv && r.error.empty()) {
+    const auto* wa = wv->if_array();
+    bool ok = wa && wa->size() == 4;
+    for (size_t i = 0; ok && i < 4; ++i) {
+      ok = (*wa)[i].is_number() && std::isfinite((*wa)[i].to_number<double>()) &&
+           (*wa)[i].to_number<double>() >= 0;
+    }
+    if (!ok) {
+      r.error = "'tail_weights' must be 4 finite numbers >= 0";
+    } else {
+      weights = {(*wa)[0].to_number<double>(), (*wa)[1].to_number<double>()};
+      weights_prev = {(*wa)[2].to_number<double>(), (*wa)[3].to_number<double>()};
+    }
+  }
   if (!r.error.empty()) return invalidArgument("policy state: " + r.error);
   std::lock_guard lock(mu_);
   direct_ = direct;
   job_step_ = job_step;
+  tail_weights_ = weights;
+  tail_weights_prev_ = weights_prev;
   bypass_from_ = bypass_from;
   bypass_until_ = bypass_until;
   cooldown_until_ = cooldown_until;

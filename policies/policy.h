@@ -208,8 +208,11 @@ class PolicyEngine {
       size_t candidate = 0;            // a move to more compression waiting for hysteresis
       uint32_t agree = 0;              // ... evaluations in a row that chose it
       uint32_t link_seen = 0;          // updates in a row that saw the link move
-      std::optional<Link> link;        // the link at the last switch
-      std::vector<double> measured;    // per rung: its measured tail (< 0: not measured)
+      // Its modelled exchange at its last update (weight_step): its share of that step's tail.
+      double weight = 0;
+      uint64_t weight_step = UINT64_MAX;
+      std::optional<Link> link;      // the link at the last switch
+      std::vector<double> measured;  // per rung: its measured tail (< 0: not measured)
       uint64_t critical_until = 0;
       bool critical_start = false;  // a critical phase started at this step
       uint64_t next_eval = 0;       // its next evaluation (every `period` of its own steps)
@@ -256,6 +259,12 @@ class PolicyEngine {
   uint64_t cooldown_until_ = 0;
   DirectWindow direct_;               // the last direct window decided
   std::optional<uint64_t> job_step_;  // the newest step any tensor updated
+  // codec auto: the auto layers' modelled exchanges (and elements) of the newest step and of the
+  // one before, by which the tails the hook reports are shared among the layers (decideAuto).
+  struct TailWeights {
+    double weight = 0, elements = 0;
+  };
+  TailWeights tail_weights_, tail_weights_prev_;
   uint64_t next_seq_ = 0;
   std::deque<Decision> log_;
   // This sidecar's outgoing requests (until seen in a step's global statistics).

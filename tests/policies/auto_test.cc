@@ -5,6 +5,7 @@
 
 #include <doctest/doctest.h>
 
+#include <boost/json/parse.hpp>
 #include <boost/json/serialize.hpp>
 
 #include <string>
@@ -340,6 +341,33 @@ TEST_SUITE("auto") {
     }
   }
 
+  TEST_CASE("an iteration's tail is shared by the layers' modelled exchanges, not their elements") {
+    // Two layers of as many elements: a matrix that PowerSGD carries in a few kilobytes, a vector
+    // that only `none` can carry. The hook reports the iteration's tail shared by elements.
+    PolicyEngine p(autoConfig("none,powersgd:1"), "{}", nullptr);
+    const AutoFacts matrix{kN, {1024, 1024}, 3, "auto"}, vec{kN, {kN}, 3, "auto"};
+    const double tail = 1.0;
+    for (uint64_t s = 0; s < 12; ++s) {
+      for (const auto& [name, f] : {std::pair{"m", matrix}, std::pair{"v", vec}}) {
+        GlobalStats g = stats(1e6, 1e-4, 0.05);  // 8 Mbit/s: the matrix compresses
+        if (s > 0) g.tail_s = tail / 2;
+        const AutoStep a = p.autoStep(name, s);
+        StepPlan plan = p.plan(name, s, a.rung->codec, 1);
+        if (a.flush) plan.mode = StepMode::kFullSync;
+        p.update(name, s, plan, g, &f);
+      }
+    }
+    REQUIRE(p.autoStep("m", 12).rung->text == "powersgd:1");
+    REQUIRE(p.autoStep("v", 12).rung->text == "none");
+    const auto st = p.stateJson();
+    auto measured = [&](const char* name, size_t rung) {
+      return st.at("tensors").at(name).at("auto").at("measured").as_array().at(rung).as_double();
+    };
+    const double m = measured("m", 1), v = measured("v", 0);
+    CHECK(m + v == doctest::Approx(tail));
+    CHECK(m < 0.01 * v);  // the dense layer caused the tail
+  }
+
   TEST_CASE("a link move counts once two updates in a row see it") {
     PolicyConfig c = autoConfig();
     c.auto_codec.period = 1000;  // evaluations only when the link moves
@@ -556,6 +584,15 @@ TEST_SUITE("auto") {
     CHECK_FALSE(st.isOk());
     CHECK(st.message().find("'auto_ladder' must be a string") != std::string::npos);
     CHECK(boost::json::serialize(same.stateJson()) == pristine);
+    // Tail weights that are not 4 finite numbers >= 0: refused, nothing changed.
+    for (const char* bad : {"[1, 2, 3]", "[1, 2, 3, -4]", "\"x\"", "[1, 2, 3, \"4\"]"}) {
+      boost::json::object w = p.stateJson();
+      w["tail_weights"] = boost::json::parse(bad);
+      st = same.restoreState(w);
+      CHECK_FALSE(st.isOk());
+      CHECK(st.message().find("'tail_weights' must be 4 finite numbers") != std::string::npos);
+      CHECK(boost::json::serialize(same.stateJson()) == pristine);
+    }
     // 'evaluated' must be a boolean (a bad one changes nothing); a state without it (an older
     // version's) is taken as evaluated.
     boost::json::object bad = p.stateJson();

@@ -124,3 +124,20 @@ def test_decisions_identical_on_every_sidecar(auto_run):
     # `lightwire status` prints the direct window and each layer's explanation.
     assert "auto     direct window" in statuses[0]["cli"]
     assert text in statuses[0]["cli"]
+
+
+def test_the_hook_reports_no_tail_from_before_a_direct_window():
+    """The tail the hook reports is of the last iteration through the sidecars: after a direct
+    window, the first request carries none (not the figure from before the window)."""
+    s = lwt.LightwireHookState(client=lightwire.Client(socket_path="/nonexistent"))
+    s._http.shutdown(wait=False)
+    s._ordered.shutdown(wait=False)
+    s._launched(0, 100, True)
+    s._ended()                    # an iteration through the sidecars: its tail
+    s._launched(0, 100, True)
+    assert s._launched(0, 100, True)[3] is not None
+    s._ended(direct=True)         # a direct iteration
+    s._launched(0, 100, True)
+    timing = s._launched(0, 100, True)
+    assert timing[2] is not None  # the direct figure
+    assert timing[3] is None      # no tail: none measured since the window

@@ -964,6 +964,9 @@ class LightwireHookState(object):
         tail = now - self._last_launch
         if direct:
             self._direct_s = tail if self._direct_s is None else 0.5 * self._direct_s + 0.5 * tail
+            # The sidecars' figure is of the iterations through them: the first after a window
+            # must not carry one from before it.
+            self._tail_s = None
         else:
             self._tail_s = tail  # the last iteration's: the sidecars keep one mean per rung
 
