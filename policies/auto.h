@@ -62,7 +62,7 @@ struct AutoConfig {
   double tolerance = 0.05;       // the least lossy rung within (1 + tolerance) of the fastest
   double link_change = 0.3;      // relative change of bandwidth or latency that re-decides at once
                                  // (seen at two updates of the layer in a row)
-  double momentum_margin = 0.2;  // a move onto or off a rung with momentum correction: its score
+  double momentum_margin = 0.5;  // a move onto or off a rung with momentum correction: its score
                                  // must beat the best rung of the other side by (1 + this)
   uint64_t critical_steps = 0;   // early training: no move to more compression (0 = off: the
                                  // DGC warm-up of selection rungs covers early training)

@@ -211,8 +211,9 @@ class PolicyEngine {
       // Its modelled exchange at its last update (weight_step): its share of that step's tail.
       double weight = 0;
       uint64_t weight_step = UINT64_MAX;
-      std::optional<Link> link;      // the link at the last switch
-      std::vector<double> measured;  // per rung: its measured tail (< 0: not measured)
+      double compute = -1, overlap = 0;  // running means of the reported figures (< 0: none yet)
+      std::optional<Link> link;          // the link at the last switch
+      std::vector<double> measured;      // per rung: its measured tail (< 0: not measured)
       uint64_t critical_until = 0;
       bool critical_start = false;  // a critical phase started at this step
       uint64_t next_eval = 0;       // its next evaluation (every `period` of its own steps)
