@@ -503,7 +503,28 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   in.elements = facts.elements;
   in.shape = facts.shape;
   in.world = facts.world;
-  in.link = Link{*g.link_bytes_per_s, g.link_latency_s.value_or(0.0)};
+  // The link as a running mean (weight 0.3 for the newest) of the median of its last three
+  // readings, in time per byte and latency: the estimate swings by a factor of two from step to
+  // step (on the LM at 1 Gbit/s, 32 to 70 MB/s, as the other ranks' flows come and go), and a
+  // swing read as a new link forgot what the rungs had measured. The median drops a reading
+  // alone; in time per byte a slowdown shows soon (a link ten times slower reads 3.7 times slower
+  // at its second step, 5.6 at its third), a burst of speed only damped.
+  {
+    a.link_recent.emplace_back(1.0 / *g.link_bytes_per_s, g.link_latency_s.value_or(0.0));
+    while (a.link_recent.size() > 3) a.link_recent.erase(a.link_recent.begin());
+    auto median = [&](auto field) {
+      std::vector<double> v;
+      for (const auto& p : a.link_recent) v.push_back(field(p));
+      std::sort(v.begin(), v.end());
+      return v.size() == 2 ? 0.5 * (v[0] + v[1]) : v[v.size() / 2];
+    };
+    const double spb = median([](const auto& p) { return p.first; });
+    const double lat = median([](const auto& p) { return p.second; });
+    const bool first = !(a.sec_per_byte > 0);
+    a.sec_per_byte = first ? spb : 0.7 * a.sec_per_byte + 0.3 * spb;
+    a.latency = first ? lat : 0.7 * a.latency + 0.3 * lat;
+  }
+  in.link = Link{1.0 / a.sec_per_byte, a.latency};
   // The compute and the overlap as a running mean over the layer's steps (weight 0.3 for the
   // newest): the least any rank reported swings by a factor of two from step to step (one rank
   // evaluates, the two cores are shared), and through the steps factors every rung's score with
@@ -666,7 +687,7 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
           (tail ? ", sidecar tail " + human(*tail * 1e3, "ms") : std::string()) +
           (cos ? ", cosine " + sig(*cos) : "") +
           (g.momentum ? ", trainers' momentum " + sig(*g.momentum) : "") +
-          (critical ? ", critical phase" : "") + "; model " +
+          (critical ? ", critical phase" : "") + (link_moved ? ", link moved" : "") + "; model " +
           human(modelScore(ac.ladder[a.cur], in) * 1e3, "ms") + " now, " +
           human(modelScore(ac.ladder[want], in) * 1e3, "ms") + " with " + ac.ladder[want].label;
   // Due every `period` steps of the layer (its steps, not the job's: a layer in a direct window
@@ -883,6 +904,14 @@ json::object PolicyEngine::stateJson() const {
           {"link_seen", a.link_seen},
           {"weight", a.weight},
           {"compute", a.compute},
+          {"sec_per_byte", a.sec_per_byte},
+          {"link_recent",
+           [&] {
+             json::array out;
+             for (const auto& [spb, lat] : a.link_recent) out.push_back(json::array{spb, lat});
+             return out;
+           }()},
+          {"latency", a.latency},
           {"overlap", a.overlap},
           {"weight_step", a.weight_step},
           {"link_bytes_per_s", a.link ? json::value(a.link->bytes_per_s) : json::value(nullptr)},
@@ -1051,6 +1080,23 @@ Status PolicyEngine::restoreState(const json::value& v) {
       if (ao.contains("compute")) {
         a.compute = r.num(ao, "compute");
         a.overlap = r.num(ao, "overlap");
+      }
+      if (ao.contains("sec_per_byte")) {
+        a.sec_per_byte = r.num(ao, "sec_per_byte");
+        a.latency = r.num(ao, "latency");
+        if (!(a.sec_per_byte >= 0) || !(a.latency >= 0)) {
+          if (r.error.empty()) r.error = "auto 'sec_per_byte' and 'latency' must be >= 0";
+        }
+        for (const auto& p : r.arr(ao, "link_recent")) {
+          const auto* pa = p.if_array();
+          if (!pa || pa->size() != 2 || !(*pa)[0].is_number() || !(*pa)[1].is_number() ||
+              !((*pa)[0].to_number<double>() > 0) || !((*pa)[1].to_number<double>() >= 0) ||
+              a.link_recent.size() >= 3) {
+            if (r.error.empty()) r.error = "auto 'link_recent' must hold up to 3 [s/byte, latency]";
+            break;
+          }
+          a.link_recent.emplace_back((*pa)[0].to_number<double>(), (*pa)[1].to_number<double>());
+        }
       }
       if (const auto* l = ao.if_contains("link_bytes_per_s"); l && !l->is_null()) {
         a.link = Link{r.num(ao, "link_bytes_per_s"), r.num(ao, "link_latency_s")};

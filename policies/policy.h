@@ -212,8 +212,10 @@ class PolicyEngine {
       double weight = 0;
       uint64_t weight_step = UINT64_MAX;
       double compute = -1, overlap = 0;  // running means of the reported figures (< 0: none yet)
-      std::optional<Link> link;          // the link at the last switch
-      std::vector<double> measured;      // per rung: its measured tail (< 0: not measured)
+      double sec_per_byte = 0, latency = 0;                // ... of the link (0: none yet)
+      std::vector<std::pair<double, double>> link_recent;  // its last 3 readings (s/byte, latency)
+      std::optional<Link> link;                            // the link at the last switch
+      std::vector<double> measured;  // per rung: its measured tail (< 0: not measured)
       uint64_t critical_until = 0;
       bool critical_start = false;  // a critical phase started at this step
       uint64_t next_eval = 0;       // its next evaluation (every `period` of its own steps)

@@ -326,7 +326,7 @@ TEST_SUITE("auto") {
     // Back to a fast link: a move to less compression needs no hysteresis, and the rung held
     // state (dgc's residual) when it is one: step s + 1 flushes it.
     const size_t entries = p.decisions().size();
-    for (const uint64_t end = s + 5; s < end && p.decisions().size() == entries; ++s)
+    for (const uint64_t end = s + 25; s < end && p.decisions().size() == entries; ++s)
       run(p, "w", s, stats(1.25e9, 1e-4, 0.05));
     REQUIRE(p.decisions().size() > entries);  // decided at step s - 1
     const bool stateful = p.autoStep("w", s - 1).rung->codec.name == "dgc";
