@@ -238,6 +238,7 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
 Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) {
   GlobalStats g;
   bool momentum_agreed = true;  // every record so far declared the same momentum
+  std::vector<double> computes, overlaps;
   for (size_t rank = 0; rank < records.size(); ++rank) {
     if (records[rank].empty()) continue;
     auto s = decodeStats(records[rank]);
@@ -269,8 +270,8 @@ Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) 
     if (s->direct_s) g.direct_s = std::max(g.direct_s.value_or(0.0), *s->direct_s);
     if (s->tail_s) g.tail_s = std::max(g.tail_s.value_or(0.0), *s->tail_s);
     if (s->compute_s) {
-      g.compute_s = std::min(g.compute_s.value_or(INFINITY), *s->compute_s);
-      g.overlap_s = std::min(g.overlap_s.value_or(INFINITY), *s->overlap_s);
+      computes.push_back(*s->compute_s);
+      overlaps.push_back(*s->overlap_s);
     }
     if (!s->momentum || (g.momentum && *g.momentum != *s->momentum)) momentum_agreed = false;
     if (s->momentum && !g.momentum) g.momentum = s->momentum;
@@ -281,6 +282,19 @@ Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) 
     }
   }
   if (!momentum_agreed) g.momentum.reset();
+  // The compute (and overlap) as the median of what the ranks reported: each rank's figure
+  // swings from step to step (the trainers share the cores; one evaluates), and the least of
+  // them all is biased low by that noise — on the MLP at 10 Gbit/s it read half the compute
+  // and made a lossy rung look twice as cheap as it is.
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  };
+  if (!computes.empty()) {
+    g.compute_s = median(computes);
+    g.overlap_s = median(overlaps);
+  }
   return g;
 }
 

@@ -77,8 +77,8 @@ struct GlobalStats {
   std::vector<std::optional<uint64_t>> resumed_from;  // per aggregated record, rank order
   std::vector<Request> requests;                      // rank order, then the origin's order
   // `codec: auto`: the fastest link any rank measured (most bandwidth, least latency: the rank
-  // that waited least for its peers; nullopt: none did), and the least compute (and overlap) any
-  // rank reported (nullopt: none did).
+  // that waited least for its peers; nullopt: none did), and the median of the compute (and of
+  // the overlap) the ranks reported (nullopt: none did).
   std::optional<double> link_bytes_per_s, link_latency_s;
   std::optional<double> compute_s, overlap_s;
   std::optional<double> direct_s, tail_s;  // the most any rank reported

@@ -704,7 +704,7 @@ void addAutoKeys(KeyAdder& add) {
       "compression.auto.link_change", "--auto-link-change", &A::link_change,
       [](double v) { return v > 0 && v <= 10; }, "number in (0, 10]",
       "codec auto: a relative change of the rung in force's modelled exchange time with the "
-      "measured link that re-decides at once");
+      "measured link that re-decides at once (seen at two updates of the layer in a row)");
   numberKey(
       "compression.auto.momentum_margin", "--auto-momentum-margin", &A::momentum_margin,
       [](double v) { return v >= 0 && v <= 10; }, "number in [0, 10]",
