@@ -542,7 +542,7 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   // layer's share is taken in proportion to the modelled exchange of the rung that carried it
   // (its weight: a full-sync's dense bytes, a warm-up's density), against the weights of every
   // auto layer of that step — the step before this one, whose tail this request carries.
-  const uint64_t weight_step = a.weight_step;
+  const uint64_t weight_step = a.weight_step, weight_step_before = a.weight_step_before;
   const double weight = a.weight;
   {
     const bool flushing = step == a.flush_at;
@@ -560,13 +560,17 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
                              : std::nullopt);
     a.weight = (carrying.codec.name == "powersgd" ? 2 : 1) * l.latency_s + bytes / l.bytes_per_s +
                carrying.cost_ns * 1e-9 * n;
+    a.weight_step_before = a.weight_step;
     a.weight_step = step;
     tail_weights_.weight += a.weight;
     tail_weights_.elements += n;
   }
+  // Not the tail of the first iteration through the sidecars after a gap (a direct window): as
+  // the first step of a rung, it cost several times the steps after it (on the MLP at 10 Gbit/s,
+  // 123 ms against 60 ms), and it moved layers to rungs that measured no better.
   std::optional<double> tail;
-  if (g.tail_s && step > 0 && weight_step == step - 1 && weight > 0 &&
-      tail_weights_prev_.weight > 0) {
+  if (g.tail_s && step > 1 && weight_step == step - 1 && weight_step_before == step - 2 &&
+      weight > 0 && tail_weights_prev_.weight > 0) {
     tail = *g.tail_s * (weight / static_cast<double>(facts.elements)) *
            (tail_weights_prev_.elements / tail_weights_prev_.weight);
   }
@@ -692,7 +696,7 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
           human(modelScore(ac.ladder[want], in) * 1e3, "ms") + " with " + ac.ladder[want].label;
   // Due every `period` steps of the layer (its steps, not the job's: a layer in a direct window
   // has none), and at the steps right after a direct window, which are the ones that see it.
-  const bool after_window = direct_.until > 0 && step >= direct_.until && step <= direct_.until + 1;
+  const bool after_window = direct_.until > 0 && step >= direct_.until && step <= direct_.until + 2;
   const bool due = step >= a.next_eval || after_window;
   // The job's direct window compares these (decideDirect).
   a.score_direct = ac.ladder[0].direct ? modelScore(ac.ladder[0], in) : -1.0;
@@ -749,7 +753,7 @@ void PolicyEngine::decideDirect(uint64_t step) {
   const AutoConfig& ac = config_.auto_codec;
   if (ac.ladder.empty() || !ac.ladder[0].direct || !job_step_) return;
   const uint64_t prev = *job_step_;
-  if (direct_.until > 0 && prev < direct_.until + 1) return;
+  if (direct_.until > 0 && prev < direct_.until + 2) return;
   size_t layers = 0;
   double with_direct = 0, in_force = 0;
   bool measured = false, lossless = true;
@@ -914,6 +918,7 @@ json::object PolicyEngine::stateJson() const {
           {"latency", a.latency},
           {"overlap", a.overlap},
           {"weight_step", a.weight_step},
+          {"weight_step_before", a.weight_step_before},
           {"link_bytes_per_s", a.link ? json::value(a.link->bytes_per_s) : json::value(nullptr)},
           {"link_latency_s", a.link ? json::value(a.link->latency_s) : json::value(nullptr)},
           {"critical_until", a.critical_until},
@@ -1076,6 +1081,7 @@ Status PolicyEngine::restoreState(const json::value& v) {
       if (ao.contains("weight")) {
         a.weight = r.num(ao, "weight");
         a.weight_step = r.u64(ao, "weight_step");
+        a.weight_step_before = r.u64(ao, "weight_step_before");
       }
       if (ao.contains("compute")) {
         a.compute = r.num(ao, "compute");

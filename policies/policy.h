@@ -210,7 +210,7 @@ class PolicyEngine {
       uint32_t link_seen = 0;          // updates in a row that saw the link move
       // Its modelled exchange at its last update (weight_step): its share of that step's tail.
       double weight = 0;
-      uint64_t weight_step = UINT64_MAX;
+      uint64_t weight_step = UINT64_MAX, weight_step_before = UINT64_MAX;  // ... and the one before
       double compute = -1, overlap = 0;  // running means of the reported figures (< 0: none yet)
       double sec_per_byte = 0, latency = 0;                // ... of the link (0: none yet)
       std::vector<std::pair<double, double>> link_recent;  // its last 3 readings (s/byte, latency)

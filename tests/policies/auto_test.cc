@@ -264,6 +264,7 @@ TEST_SUITE("auto") {
     };
     // A request carries the tail of the trainer's iteration before: step 2 brings step 1's, the
     // rung's first (slow, whatever made it so); step 3 brings step 2's.
+    run(p, "w", 1, slow);
     slow.tail_s = 10.0;
     run(p, "w", 2, slow);
     CHECK(measured() < 0);  // not measured
@@ -510,17 +511,18 @@ TEST_SUITE("auto") {
     bool logged = false;
     for (const auto& d : p.decisions()) logged = logged || (d.kind == "direct" && d.tensor == "*");
     CHECK(logged);
-    // After the window (the trainers' process group had steps 2 .. 5), a new one needs two steps
-    // through the sidecars first: steps 6 and 7, decided at 8.
-    for (uint64_t s = 6; s < 8; ++s) {
+    // After the window (the trainers' process group had steps 2 .. 5), a new one needs three
+    // steps through the sidecars first (the first one's tail is not measured): steps 6, 7 and 8,
+    // decided at 9.
+    for (uint64_t s = 6; s < 9; ++s) {
       run(p, "a", s, fast);
       run(p, "b", s, fast);
     }
-    CHECK_FALSE(p.directWindowAfter(7));
-    run(p, "a", 8, fast);
-    w = p.directWindowAfter(8);
+    CHECK_FALSE(p.directWindowAfter(8));
+    run(p, "a", 9, fast);
+    w = p.directWindowAfter(9);
     REQUIRE(w);
-    CHECK(w->from == 9);
+    CHECK(w->from == 10);
     // A slow link: the layers' compressed rungs score far better than direct: no window.
     PolicyEngine slow(autoConfig(), "{}", nullptr);
     for (uint64_t s = 0; s < 8; ++s) {
