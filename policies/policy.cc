@@ -743,11 +743,12 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
 // The job's direct window (mu_ held), at the first update of `step`, from the layers' scores of
 // the steps before: when every tensor updated in the last `period` steps is an auto layer (scored)
 // or a tensor sent with codec none every step (which the process group averages the same way), and
-// the auto layers' scores with `direct` add up to at most (1 + tolerance) times their scores with
-// the rungs in force — or `direct` was never measured, every rung in force is lossless and the
-// model puts `direct` within kExploreMargin of them — the trainers average steps step + 1 ...
-// step + probe_every themselves; the steps after come back to the sidecars, which measure again (a
-// new window needs two steps through the sidecars after the last one, so that the scores are of a
+// the auto layers' scores with `direct` times (1 + tolerance) add up to at most their scores with
+// the rungs in force (a window costs steps through the sidecars to measure again: `direct` must
+// win) — or `direct` was never measured, every rung in force is lossless and the model puts
+// `direct` within kExploreMargin of them — the trainers average steps step + 1 ... step +
+// probe_every themselves; the steps after come back to the sidecars, which measure again (a new
+// window needs three steps through the sidecars after the last one, so that the scores are of a
 // link measured after it).
 void PolicyEngine::decideDirect(uint64_t step) {
   const AutoConfig& ac = config_.auto_codec;
@@ -779,7 +780,7 @@ void PolicyEngine::decideDirect(uint64_t step) {
     ++layers;
   }
   if (layers == 0) return;
-  const bool better = with_direct <= (1 + ac.tolerance) * in_force;
+  const bool better = with_direct * (1 + ac.tolerance) <= in_force;
   const bool explore = !measured && lossless && with_direct <= kExploreMargin * in_force;
   if (!better && !explore) return;
   direct_ = {step + 1, step + 1 + ac.probe_every};

@@ -542,6 +542,23 @@ TEST_SUITE("auto") {
     CHECK(q.autoStep("a", 5).rung->codec.name == "none");  // a layer never takes direct alone
   }
 
+  TEST_CASE("a measured direct rung must beat the rungs by the tolerance") {
+    // After the first window (tried: not measured yet), `direct` and `none` are measured alike:
+    // no second window; measured at half the tail of the sidecars: one.
+    for (const double direct : {0.02, 0.01}) {
+      CAPTURE(direct);
+      PolicyEngine p(autoConfig("direct,none"), "{}", nullptr);
+      GlobalStats g = stats(1.25e10, 1e-5, 0.05);
+      for (uint64_t s = 0; s < 2; ++s) run(p, "a", s, g);
+      auto w = p.directWindowAfter(1);
+      REQUIRE(w);
+      g.direct_s = direct;
+      g.tail_s = 0.02;
+      for (uint64_t s = w->until; s < w->until + 4; ++s) run(p, "a", s, g);
+      CHECK(p.directWindowAfter(w->until + 3).has_value() == (direct < 0.02));
+    }
+  }
+
   TEST_CASE("no direct window while a layer's momentum is the sidecar's") {
     // One rung through the sidecars, scored as lossless (`@1`), on a fast link: a direct window is
     // tried — unless that rung owns the layer's momentum (the process group's average carries

@@ -17,8 +17,9 @@ import ddp_helpers as H  # noqa: E402
 WORLD = 3
 STEPS = 60
 HIDDEN = (128, 128)  # a 128 x 128 layer (16 Ki elements): above the layers kept dense
-# Decisions every 2 steps; the job goes direct when that is within 2x of the sidecars' rungs (on
-# this loopback the 16 Ki-element layer's exchange is latency-bound); both rungs are lossless.
+# Decisions every 2 steps; the job tries direct once (not measured yet, and every rung lossless)
+# and takes it again when measured twice as fast as the sidecars' rungs (tolerance 1: on this
+# loopback the 16 Ki-element layer's exchange is latency-bound); both rungs are lossless.
 AUTO = ["--auto-period", "2", "--auto-hysteresis", "1", "--auto-critical-steps", "0",
         "--auto-probe-every", "8", "--auto-tolerance", "1", "--auto-ladder", "direct,none"]
 
