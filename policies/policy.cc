@@ -773,6 +773,10 @@ void PolicyEngine::decideDirect(uint64_t step) {
     // carries no momentum, and handing it to the optimizer for the window and back would lose the
     // velocity twice.
     if (ac.ladder[a.cur].codec.momentum > 0) return;
+    // A link on the move (seen by a layer, not yet twice in a row): its scores are of the link
+    // before, `direct`'s measured one too — on the MLP, a window decided one step after the link
+    // fell from 10 to 1 Gbit/s ran 16 steps at 1.05 s where the sidecars were to run at 0.12 s.
+    if (a.link_seen > 0) return;
     with_direct += a.score_direct;
     in_force += std::min(a.score_cur, a.score_best);  // a switch may be waiting for hysteresis
     measured = measured || a.direct_measured;

@@ -26,7 +26,8 @@ import e2e  # noqa: E402
 
 
 # The default ladder's labels (docs/policies.md "codec: auto"), least lossy first.
-LADDER = ["direct", "none", "fp16", "bf16", "qsgd 8 bits", "qsgd 4 bits", "dgc 1 %", "topk 1 %"]
+LADDER = ["direct", "none", "fp16", "bf16", "qsgd 8 bits", "qsgd 4 bits", "dgc 1 % momentum 0.9",
+          "dgc 1 %", "topk 1 %"]
 
 
 def rung_rank(label):

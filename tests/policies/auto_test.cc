@@ -559,6 +559,26 @@ TEST_SUITE("auto") {
     }
   }
 
+  TEST_CASE("no direct window while the link is on the move") {
+    // After the first window, three steps through the sidecars; the last two read a slower link
+    // (the median of the last three readings sees it once: not yet a move). With a steady link a
+    // window follows; with the moving one, none.
+    for (const bool moving : {false, true}) {
+      CAPTURE(moving);
+      PolicyEngine p(autoConfig("direct,none"), "{}", nullptr);
+      const GlobalStats fast = stats(1.25e10, 1e-5, 0.05);
+      for (uint64_t s = 0; s < 2; ++s) run(p, "a", s, fast);
+      auto w = p.directWindowAfter(1);
+      REQUIRE(w);
+      const uint64_t u = w->until;
+      run(p, "a", u, fast);
+      run(p, "a", u + 1, moving ? stats(1.25e8, 1e-5, 0.05) : fast);
+      run(p, "a", u + 2, moving ? stats(1.25e8, 1e-5, 0.05) : fast);
+      run(p, "a", u + 3, moving ? stats(1.25e8, 1e-5, 0.05) : fast);
+      CHECK(p.directWindowAfter(u + 3).has_value() == !moving);
+    }
+  }
+
   TEST_CASE("no direct window while a layer's momentum is the sidecar's") {
     // One rung through the sidecars, scored as lossless (`@1`), on a fast link: a direct window is
     // tried — unless that rung owns the layer's momentum (the process group's average carries
