@@ -260,7 +260,9 @@ std::optional<Link> LinkEstimator::estimate() const {
     const double cut = sorted[sorted.size() / 2] + 0.05 * st / static_cast<double>(use.size());
     std::vector<std::pair<double, double>> kept;
     for (size_t i = 0; i < use.size(); ++i) {
-      if (res[i] <= cut) kept.push_back(use[i]);
+      // The newest points stay whatever their residual: a link that slowed down is slow points
+      // at the end of the window, which must move the fit within a few steps.
+      if (res[i] <= cut || i + kKeepNewest >= use.size()) kept.push_back(use[i]);
     }
     if (kept.size() >= 2 && kept.size() < use.size()) l = fitLink(kept);
   }

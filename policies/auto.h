@@ -85,7 +85,8 @@ struct Link {
 /// predictions for other codecs are consistent with it. Not thread-safe (the engine's thread).
 class LinkEstimator {
  public:
-  static constexpr size_t kWindow = 16;  // the newest points
+  static constexpr size_t kWindow = 16;     // the newest points
+  static constexpr size_t kKeepNewest = 4;  // ... of which these are never left out as waits
   void add(double bytes, double seconds);
   std::optional<Link> estimate() const;
 

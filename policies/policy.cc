@@ -593,9 +593,19 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   if (g.direct_s && ac.ladder[0].direct && *g.direct_s != a.direct_ignored) {
     a.measured[0] = *g.direct_s;
   }
+  // A tail twice the rung's running figure, at two updates in a row, is a link that slowed down
+  // as surely as the estimate (which the median and the running means make wait a few steps):
+  // the measured tail moves at the first slow iteration. One such tail alone (a rank that
+  // evaluated, which the others waited for) does not join the figure.
+  bool tail_jump = false;
   if (tail && !ac.ladder[a.cur].direct && rung_measured) {
     double& m = a.measured[a.cur];
-    m = m < 0 ? *tail : 0.5 * m + 0.5 * *tail;
+    tail_jump = m > 0 && *tail > 2 * m;
+    if (!tail_jump) {
+      m = m < 0 ? *tail : 0.5 * m + 0.5 * *tail;
+    } else if (a.link_seen >= 1) {
+      m = *tail;  // the second in a row: the figure of the new link
+    }
   }
   // A link that moved since the layer's last switch: what was measured is of another link.
   bool link_moved = false;
@@ -605,7 +615,8 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
     const Rung& r = ac.ladder[a.cur];
     const double before = modelExchangeSeconds(r, then), now = modelExchangeSeconds(r, in);
     // Seen at two updates in a row: one exchange that waited on a slow peer is not a new link.
-    const bool moved_now = std::abs(now - before) > ac.link_change * std::max(before, 1e-4);
+    const bool moved_now =
+        std::abs(now - before) > ac.link_change * std::max(before, 1e-4) || tail_jump;
     link_moved = moved_now && a.link_seen >= 1;
     a.link_seen = moved_now ? a.link_seen + 1 : 0;
   }

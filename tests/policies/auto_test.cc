@@ -145,11 +145,18 @@ TEST_SUITE("auto") {
     LinkEstimator waited;
     for (int i = 0; i < 16; ++i) {
       const double bytes = 1e5 * (1 + i % 4);
-      waited.add(bytes, 2e-3 + bytes / 1e8 + (i % 3 == 0 ? 20e-3 : 0.0));
+      waited.add(bytes, 2e-3 + bytes / 1e8 + (i % 3 == 0 && i < 12 ? 20e-3 : 0.0));
     }
     l = waited.estimate();
     CHECK(l->bytes_per_s == doctest::Approx(1e8).epsilon(1e-6));
     CHECK(l->latency_s == doctest::Approx(2e-3).epsilon(1e-6));
+    // ... but the newest points are never waits: a link ten times slower for four exchanges moves
+    // the estimate (as much as a least-squares fit of 4 points in 16 can).
+    for (int i = 0; i < 4; ++i) {
+      const double bytes = 1e5 * (1 + i % 4);
+      waited.add(bytes, 2e-3 + bytes / 1e7);
+    }
+    CHECK(waited.estimate()->bytes_per_s < 0.7e8);
     // Time that does not grow with the bytes: latency-bound.
     LinkEstimator flat;
     for (int i = 0; i < 8; ++i) flat.add(1e4 * (1 + i % 2), 1e-3);
@@ -557,6 +564,36 @@ TEST_SUITE("auto") {
       for (uint64_t s = w->until; s < w->until + 4; ++s) run(p, "a", s, g);
       CHECK(p.directWindowAfter(w->until + 3).has_value() == (direct < 0.02));
     }
+  }
+
+  TEST_CASE("a tail twice the rung's figure, twice in a row, is a slower link; once, a spike") {
+    PolicyConfig c = autoConfig("none,fp16");
+    c.auto_codec.period = 1000;
+    PolicyEngine p(c, "{}", nullptr);
+    GlobalStats g = stats(1.25e10, 1e-5, 0.05);
+    auto measured = [&] {
+      return p.stateJson()
+          .at("tensors")
+          .at("w")
+          .at("auto")
+          .at("measured")
+          .as_array()
+          .at(0)
+          .as_double();
+    };
+    g.tail_s = 0.01;
+    uint64_t s = 0;
+    for (; s < 6; ++s) run(p, "w", s, g);
+    REQUIRE(measured() == doctest::Approx(0.01));
+    g.tail_s = 0.1;  // one rank evaluated: the others waited
+    run(p, "w", s++, g);
+    g.tail_s = 0.01;
+    run(p, "w", s++, g);
+    CHECK(measured() == doctest::Approx(0.01));  // the spike did not join the figure
+    g.tail_s = 0.1;                              // the link slowed down
+    run(p, "w", s++, g);
+    run(p, "w", s++, g);
+    CHECK(measured() == doctest::Approx(0.1));  // the new link's figure at once
   }
 
   TEST_CASE("no direct window while the link is on the move") {
