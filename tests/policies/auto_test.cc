@@ -499,6 +499,28 @@ TEST_SUITE("auto") {
     CHECK(rungIndex(p, "w", s) == settled);
   }
 
+  TEST_CASE("a critical phase does not move a layer off its momentum rung") {
+    PolicyConfig c = autoConfig();
+    c.auto_codec.critical_change = 0.5;
+    PolicyEngine p(c, "{}", nullptr);
+    GlobalStats slow = stats(1e6, 1e-4, 0.05);
+    slow.momentum = 0.9;
+    uint64_t s = 0;
+    for (; s < 10; ++s) run(p, "w", s, slow);
+    const size_t settled = rungIndex(p, "w", s);
+    REQUIRE(p.autoStep("w", s).rung->codec.momentum == 0.9);
+    GlobalStats sharp = slow;
+    sharp.grad_norm2 = 9.0;  // the norm triples
+    run(p, "w", s++, sharp);
+    bool logged = false;
+    for (const auto& d : p.decisions()) logged = logged || d.kind == "critical";
+    CHECK(logged);
+    for (const uint64_t end = s + 4; s < end; ++s) {
+      run(p, "w", s, slow);
+      CHECK(rungIndex(p, "w", s + 1) == settled);
+    }
+  }
+
   TEST_CASE("the direct rung is taken job-wide, and only when every tensor allows it") {
     PolicyEngine p(autoConfig(), "{}", nullptr);
     const GlobalStats fast = stats(1.25e10, 1e-5, 0.05);
