@@ -512,14 +512,12 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   {
     a.link_recent.emplace_back(1.0 / *g.link_bytes_per_s, g.link_latency_s.value_or(0.0));
     while (a.link_recent.size() > 3) a.link_recent.erase(a.link_recent.begin());
-    auto median = [&](auto field) {
-      std::vector<double> v;
-      for (const auto& p : a.link_recent) v.push_back(field(p));
-      std::sort(v.begin(), v.end());
-      return v.size() == 2 ? 0.5 * (v[0] + v[1]) : v[v.size() / 2];
-    };
-    const double spb = median([](const auto& p) { return p.first; });
-    const double lat = median([](const auto& p) { return p.second; });
+    std::vector<double> spbs, lats;
+    for (const auto& [b, l] : a.link_recent) {
+      spbs.push_back(b);
+      lats.push_back(l);
+    }
+    const double spb = median(std::move(spbs)), lat = median(std::move(lats));
     const bool first = !(a.sec_per_byte > 0);
     a.sec_per_byte = first ? spb : 0.7 * a.sec_per_byte + 0.3 * spb;
     a.latency = first ? lat : 0.7 * a.latency + 0.3 * lat;

@@ -235,6 +235,12 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
   return s;
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) {
   GlobalStats g;
   bool momentum_agreed = true;  // every record so far declared the same momentum
@@ -286,11 +292,6 @@ Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) 
   // swings from step to step (the trainers share the cores; one evaluates), and the least of
   // them all is biased low by that noise — on the MLP at 10 Gbit/s it read half the compute
   // and made a lossy rung look twice as cheap as it is.
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    const size_t n = v.size();
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-  };
   if (!computes.empty()) {
     g.compute_s = median(computes);
     g.overlap_s = median(overlaps);

@@ -96,6 +96,9 @@ std::vector<uint8_t> encodeStats(const StepStats& s);
 /// Parses a record strictly (every length against what remains; at most kMaxStatsBytes as the
 /// exchange enforces; at most 16 requests, settings bodies at most 48 KiB).
 Result<StepStats> decodeStats(std::span<const uint8_t> bytes);
+/// The median of `v` (not empty; of an even count, the mean of the middle two).
+double median(std::vector<double> v);
+
 /// Decodes and sums the records (index = rank; empty entries are ranks without a record). Errors
 /// name the rank whose record is malformed.
 Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records);
