@@ -302,12 +302,15 @@ bool rungUsable(const Rung& r, uint64_t n, const std::vector<uint64_t>& shape,
   return rows * cols > 2.0 * (rows + cols) * r.codec.approx_rank;
 }
 
-double modelExchangeSeconds(const Rung& r, const AutoInputs& in) {
-  const Link& l = *in.link;
+double modelExchangeSeconds(const Rung& r, const Link& link, double bytes, uint64_t elements) {
   const double rounds = r.codec.name == "powersgd" ? 2 : 1;
-  return rounds * l.latency_s +
-         modelBytes(*r.impl, in.elements, in.shape, in.world) / l.bytes_per_s +
-         r.cost_ns * 1e-9 * static_cast<double>(in.elements);
+  return rounds * link.latency_s + bytes / link.bytes_per_s +
+         r.cost_ns * 1e-9 * static_cast<double>(elements);
+}
+
+double modelExchangeSeconds(const Rung& r, const AutoInputs& in) {
+  return modelExchangeSeconds(r, *in.link, modelBytes(*r.impl, in.elements, in.shape, in.world),
+                              in.elements);
 }
 
 double modelStepSeconds(const Rung& r, const AutoInputs& in) {

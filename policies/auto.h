@@ -135,6 +135,9 @@ struct AutoInputs {
 double modelStepSeconds(const Rung& r, const AutoInputs& in);
 /// The exchange alone: rounds × latency + bytes / bandwidth + CPU cost.
 double modelExchangeSeconds(const Rung& r, const AutoInputs& in);
+/// ... of `bytes` (what the step moved: a full-sync's dense bytes, a warm-up's density) over
+/// `link`, for a layer of `elements`.
+double modelExchangeSeconds(const Rung& r, const Link& link, double bytes, uint64_t elements);
 
 /// The model's time to accuracy of rung `r`: modelStepSeconds × its steps factor.
 double modelScore(const Rung& r, const AutoInputs& in);

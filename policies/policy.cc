@@ -503,197 +503,12 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   in.elements = facts.elements;
   in.shape = facts.shape;
   in.world = facts.world;
-  // The link as a running mean (weight 0.3 for the newest) of the median of its last three
-  // readings, in time per byte and latency: the estimate swings by a factor of two from step to
-  // step (on the LM at 1 Gbit/s, 32 to 70 MB/s, as the other ranks' flows come and go), and a
-  // swing read as a new link forgot what the rungs had measured. The median drops a reading
-  // alone; in time per byte a slowdown shows soon (a link ten times slower reads 3.7 times slower
-  // at its second step, 5.6 at its third), a burst of speed only damped.
-  {
-    a.link_recent.emplace_back(1.0 / *g.link_bytes_per_s, g.link_latency_s.value_or(0.0));
-    while (a.link_recent.size() > 3) a.link_recent.erase(a.link_recent.begin());
-    std::vector<double> spbs, lats;
-    for (const auto& [b, l] : a.link_recent) {
-      spbs.push_back(b);
-      lats.push_back(l);
-    }
-    const double spb = median(std::move(spbs)), lat = median(std::move(lats));
-    const bool first = !(a.sec_per_byte > 0);
-    a.sec_per_byte = first ? spb : 0.7 * a.sec_per_byte + 0.3 * spb;
-    a.latency = first ? lat : 0.7 * a.latency + 0.3 * lat;
-  }
-  in.link = Link{1.0 / a.sec_per_byte, a.latency};
-  // The compute and the overlap as a running mean over the layer's steps (weight 0.3 for the
-  // newest): the least any rank reported swings by a factor of two from step to step (one rank
-  // evaluates, the two cores are shared), and through the steps factors every rung's score with
-  // it — on the LM at 1 Gbit/s layers took turns between qsgd 4 bits and fp16 with each swing.
-  if (g.compute_s && g.overlap_s) {
-    const bool first = !(a.compute >= 0);
-    a.compute = first ? *g.compute_s : 0.7 * a.compute + 0.3 * *g.compute_s;
-    a.overlap = first ? *g.overlap_s : 0.7 * a.overlap + 0.3 * *g.overlap_s;
-  }
-  in.compute_s = a.compute >= 0 ? a.compute : 0.0;
-  in.overlap_s = a.compute >= 0 ? std::min(a.overlap, a.compute) : 0.0;
-  in.direct_s = g.direct_s;
-  // The hook shares an iteration's tail among the layers by their elements; but a layer that
-  // moves a hundredth of the bytes does not cause as much of it as a dense one beside it. Each
-  // layer's share is taken in proportion to the modelled exchange of the rung that carried it
-  // (its weight: a full-sync's dense bytes, a warm-up's density), against the weights of every
-  // auto layer of that step — the step before this one, whose tail this request carries.
-  const uint64_t weight_step = a.weight_step, weight_step_before = a.weight_step_before;
-  const double weight = a.weight;
-  {
-    const bool flushing = step == a.flush_at;
-    const Rung& carrying = ac.ladder[step >= a.cur_from ? a.cur : a.prev];
-    const auto density = warmupDensity(step, config_.warmup_steps);
-    const Link& l = *in.link;
-    const double n = static_cast<double>(facts.elements);
-    const double bytes =
-        flushing || carrying.direct
-            ? 2.0 * (facts.world - 1) / std::max<uint32_t>(facts.world, 1) * 4.0 * n
-            : modelBytes(*carrying.impl, facts.elements, facts.shape, facts.world,
-                         selection(carrying.codec) && density &&
-                                 *density > carrying.codec.density.value_or(1.0)
-                             ? density
-                             : std::nullopt);
-    a.weight = (carrying.codec.name == "powersgd" ? 2 : 1) * l.latency_s + bytes / l.bytes_per_s +
-               carrying.cost_ns * 1e-9 * n;
-    a.weight_step_before = a.weight_step;
-    a.weight_step = step;
-    tail_weights_.weight += a.weight;
-    tail_weights_.elements += n;
-  }
-  // Not the tail of the first iteration through the sidecars after a gap (a direct window): as
-  // the first step of a rung, it cost several times the steps after it (on the MLP at 10 Gbit/s,
-  // 123 ms against 60 ms), and it moved layers to rungs that measured no better.
-  std::optional<double> tail;
-  if (g.tail_s && step > 1 && weight_step == step - 1 && weight_step_before == step - 2 &&
-      weight > 0 && tail_weights_prev_.weight > 0) {
-    tail = *g.tail_s * (weight / static_cast<double>(facts.elements)) *
-           (tail_weights_prev_.elements / tail_weights_prev_.weight);
-  }
+  readAutoInputs(g, a, in);
+  const std::optional<double> tail = tailShare(step, g, facts, in, a);
   if (step < a.cur_from) return;  // a switch is under way
-  // What the hook measured: the direct rung's tail in direct windows; the rung in force's from its
-  // second step on. A request carries the tail of the trainer's previous iteration, so the first
-  // tail of the rung's second step comes with its third: the first step of a rung is left out
-  // (measured: 0.24-0.85 s against 0.03-0.09 s for the steps after it, for dgc 1 % at 1 Gbit/s).
-  // Nor are the steps a selection rung runs above its own density in the DGC warm-up
-  // (schedule.warmup_steps): 1.0-1.5 s at 25 % against 0.05 s at 1 % for the MLP at 1 Gbit/s, a
-  // figure that would hold the rung back long after the warm-up.
-  const Rung& in_force = ac.ladder[a.cur];
-  const auto warm = step > 0 ? warmupDensity(step - 1, config_.warmup_steps) : std::nullopt;
-  const bool warming =
-      selection(in_force.codec) && warm && *warm > in_force.codec.density.value_or(1.0);
-  const bool rung_measured = step >= a.cur_from + 2 && !warming;
-  a.measured.resize(ac.ladder.size(), -1.0);
-  // The hook's `direct_s` changes only in a direct window: a figure from before the link moved
-  // stays ignored until a window measures again.
-  if (g.direct_s && ac.ladder[0].direct && *g.direct_s != a.direct_ignored) {
-    a.measured[0] = *g.direct_s;
-  }
-  // A tail twice the rung's running figure, at two updates in a row, is a link that slowed down
-  // as surely as the estimate (which the median and the running means make wait a few steps):
-  // the measured tail moves at the first slow iteration. One such tail alone (a rank that
-  // evaluated, which the others waited for) does not join the figure.
-  bool tail_jump = false;
-  if (tail && !ac.ladder[a.cur].direct && rung_measured) {
-    double& m = a.measured[a.cur];
-    tail_jump = m > 0 && *tail > 2 * m;
-    if (!tail_jump) {
-      m = m < 0 ? *tail : 0.5 * m + 0.5 * *tail;
-    } else if (a.link_seen >= 1) {
-      m = *tail;  // the second in a row: the figure of the new link
-    }
-  }
-  // A link that moved since the layer's last switch: what was measured is of another link.
-  bool link_moved = false;
-  if (a.link) {
-    AutoInputs then = in;
-    then.link = a.link;
-    const Rung& r = ac.ladder[a.cur];
-    const double before = modelExchangeSeconds(r, then), now = modelExchangeSeconds(r, in);
-    // Seen at two updates in a row: one exchange that waited on a slow peer is not a new link.
-    const bool moved_now =
-        std::abs(now - before) > ac.link_change * std::max(before, 1e-4) || tail_jump;
-    link_moved = moved_now && a.link_seen >= 1;
-    a.link_seen = moved_now ? a.link_seen + 1 : 0;
-  }
-  if (link_moved) {
-    for (size_t i = 0; i < a.measured.size(); ++i) {
-      if (i != a.cur) a.measured[i] = -1.0;
-    }
-    if (g.direct_s) a.direct_ignored = *g.direct_s;
-  }
-  in.measured_s = a.measured;
-  // `direct` as the model has it, unless measured since the link moved.
-  if (a.measured.empty() || a.measured[0] < 0) in.direct_s.reset();
-  in.ladder_base = ac.ladder.data();
-  if (tail && !ac.ladder[a.cur].direct && rung_measured) {
-    // The measured tail of the steps through the sidecars against what the model says of the
-    // rung that carried them: the rest is the sidecar path's own cost.
-    AutoInputs bare = in;
-    bare.measured_s.clear();
-    const double modelled = modelStepSeconds(ac.ladder[a.cur], bare) - in.compute_s;
-    a.overhead = std::max(0.0, *tail - modelled);
-  }
-  in.sidecar_overhead_s = a.overhead;
-  in.overhead_ref_s = modelExchangeSeconds(ac.ladder[a.cur], in);
-  // `direct` is job-wide (decideDirect): a layer chooses among the rungs through the sidecars.
-  // A rung with momentum correction only where every trainer declared that momentum: the
-  // optimizer must leave those layers' momentum to the sidecar (docs/policies.md "codec: auto").
-  std::vector<char> usable(ac.ladder.size());
-  for (size_t i = 0; i < ac.ladder.size(); ++i) {
-    usable[i] =
-        !ac.ladder[i].direct && rungUsable(ac.ladder[i], facts.elements, facts.shape, g.momentum);
-  }
-  // The rung in force no longer usable (the trainers stopped declaring its momentum): it goes at
-  // once, whichever way the ladder moves.
-  const bool forced = !ac.ladder[a.cur].direct && !usable[a.cur];
-  size_t want = chooseRung(ac.ladder, usable, in, ac.tolerance);
-  if (want != a.cur && usable[a.cur]) {
-    // The rung in force stays while it is within the tolerance of the best (a band, so that
-    // rungs of nearly equal scores do not take turns with the noise of the measurements).
-    double best = INFINITY;
-    for (size_t i = 0; i < ac.ladder.size(); ++i) {
-      if (usable[i]) best = std::min(best, modelScore(ac.ladder[i], in));
-    }
-    if (modelScore(ac.ladder[a.cur], in) <= best * (1 + ac.tolerance)) want = a.cur;
-  }
-  // A move onto or off a rung with momentum correction loses the layer's velocity (and leaving
-  // flushes): it must win by the margin over the best rung on the side of the rung in force, or
-  // the layer stays on that side (rungs of nearly equal scores on the two sides took turns with
-  // the noise of the measurements on fast links).
-  const auto owns = [&](size_t i) { return ac.ladder[i].codec.momentum > 0; };
-  if (!forced && want != a.cur && owns(want) != owns(a.cur)) {
-    std::vector<char> side(usable);
-    double side_best = INFINITY;
-    for (size_t i = 0; i < ac.ladder.size(); ++i) {
-      side[i] = usable[i] && owns(i) == owns(a.cur);
-      if (side[i]) side_best = std::min(side_best, modelScore(ac.ladder[i], in));
-    }
-    if (modelScore(ac.ladder[want], in) * (1 + ac.momentum_margin) > side_best) {
-      want = chooseRung(ac.ladder, side, in, ac.tolerance);
-      if (modelScore(ac.ladder[a.cur], in) <= side_best * (1 + ac.tolerance)) want = a.cur;
-    }
-  }
-  // Critical phases: no move to more compression while one lasts; and when one starts, a lossy
-  // rung in force gives way to the next less lossy one at once.
-  const bool critical = step < ac.critical_steps || step < a.critical_until || ts.degraded > 0;
-  const bool started = a.critical_start;
-  a.critical_start = false;
-  if (critical && want > a.cur && !link_moved && !forced) want = a.cur;
-  // Not across the sides of a momentum rung: leaving it loses the layer's velocity and flushes,
-  // and coming back after the phase loses it again — on the MLP at 1 Gbit/s the critical phases
-  // around step 85 that moved the large layers from dgc with momentum correction to qsgd 4 bits
-  // and back cost 110 more steps to DDP's loss than the fixed dgc row (710 against 600).
-  if (started && ac.ladder[a.cur].steps_factor > 1) {
-    for (size_t i = a.cur; i-- > 0;) {
-      if (usable[i] && owns(i) == owns(a.cur)) {
-        want = std::min(want, i);
-        break;
-      }
-    }
-  }
+  const AutoMeasurement m = measureAuto(step, g, tail, in, a);
+  const AutoChoice c = chooseAuto(step, g, in, m.link_moved, ts);
+  const size_t want = c.want;
   const auto cos = g.cosine();
   a.why = "link " + human(in.link->bytes_per_s / 1e6, "MB/s") + ", latency " +
           human(in.link->latency_s * 1e3, "ms") +
@@ -704,8 +519,8 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
           (tail ? ", sidecar tail " + human(*tail * 1e3, "ms") : std::string()) +
           (cos ? ", cosine " + sig(*cos) : "") +
           (g.momentum ? ", trainers' momentum " + sig(*g.momentum) : "") +
-          (critical ? ", critical phase" : "") + (link_moved ? ", link moved" : "") + "; model " +
-          human(modelScore(ac.ladder[a.cur], in) * 1e3, "ms") + " now, " +
+          (c.critical ? ", critical phase" : "") + (m.link_moved ? ", link moved" : "") +
+          "; model " + human(modelScore(ac.ladder[a.cur], in) * 1e3, "ms") + " now, " +
           human(modelScore(ac.ladder[want], in) * 1e3, "ms") + " with " + ac.ladder[want].label;
   // Due every `period` steps of the layer (its steps, not the job's: a layer in a direct window
   // has none), and at the steps right after a direct window, which are the ones that see it.
@@ -720,17 +535,17 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
   // The first decision waits for the hook's compute figure (it comes with the trainer's second
   // iteration), for at most a period: made without it, at the first step, it moved layers of an
   // unlimited loopback to dgc and back (measured: 0.94x DDP's step against 0.99x).
-  if (!a.evaluated && !g.compute_s && step < a.cur_from + ac.period && !forced) return;
-  if (!(due || link_moved || forced || (started && want < a.cur))) return;
+  if (!a.evaluated && !g.compute_s && step < a.cur_from + ac.period && !c.forced) return;
+  if (!(due || m.link_moved || c.forced || (c.started && want < a.cur))) return;
   if (due) a.next_eval = step + ac.period;
   const bool first = !a.evaluated;
   a.evaluated = true;
   if (want == a.cur) {
     a.agree = 0;
-    if (!a.link || link_moved) a.link = in.link;
+    if (!a.link || m.link_moved) a.link = in.link;
     return;
   }
-  if (want > a.cur && !link_moved && !first && !forced) {  // more compression: hysteresis
+  if (want > a.cur && !m.link_moved && !first && !c.forced) {  // more compression: hysteresis
     a.agree = a.candidate == want ? a.agree + 1 : 1;
     a.candidate = want;
     if (a.agree < ac.hysteresis) return;
@@ -751,6 +566,222 @@ void PolicyEngine::decideAuto(const std::string& tensor, uint64_t step, const Gl
           (flush ? " (step " + std::to_string(step + 1) + " flushes " + from.label + "'s state)"
                  : "") +
           " (" + a.why + ")");
+}
+
+// The link and the compute of one auto layer's step, as running figures (decideAuto).
+void PolicyEngine::readAutoInputs(const GlobalStats& g, TensorState::Auto& a, AutoInputs& in) {
+  // The link as a running mean (weight 0.3 for the newest) of the median of its last three
+  // readings, in time per byte and latency: the estimate swings by a factor of two from step to
+  // step (on the LM at 1 Gbit/s, 32 to 70 MB/s, as the other ranks' flows come and go), and a
+  // swing read as a new link forgot what the rungs had measured. The median drops a reading
+  // alone; in time per byte a slowdown shows soon (a link ten times slower reads 3.7 times slower
+  // at its second step, 5.6 at its third), a burst of speed only damped.
+  a.link_recent.emplace_back(1.0 / *g.link_bytes_per_s, g.link_latency_s.value_or(0.0));
+  while (a.link_recent.size() > 3) a.link_recent.erase(a.link_recent.begin());
+  std::vector<double> spbs, lats;
+  for (const auto& [b, l] : a.link_recent) {
+    spbs.push_back(b);
+    lats.push_back(l);
+  }
+  const double spb = median(std::move(spbs)), lat = median(std::move(lats));
+  const bool first_link = !(a.sec_per_byte > 0);
+  a.sec_per_byte = first_link ? spb : 0.7 * a.sec_per_byte + 0.3 * spb;
+  a.latency = first_link ? lat : 0.7 * a.latency + 0.3 * lat;
+  in.link = Link{1.0 / a.sec_per_byte, a.latency};
+  // The compute and the overlap as a running mean over the layer's steps (weight 0.3 for the
+  // newest): the least any rank reported swings by a factor of two from step to step (one rank
+  // evaluates, the two cores are shared), and through the steps factors every rung's score with
+  // it — on the LM at 1 Gbit/s layers took turns between qsgd 4 bits and fp16 with each swing.
+  if (g.compute_s && g.overlap_s) {
+    const bool first = !(a.compute >= 0);
+    a.compute = first ? *g.compute_s : 0.7 * a.compute + 0.3 * *g.compute_s;
+    a.overlap = first ? *g.overlap_s : 0.7 * a.overlap + 0.3 * *g.overlap_s;
+  }
+  in.compute_s = a.compute >= 0 ? a.compute : 0.0;
+  in.overlap_s = a.compute >= 0 ? std::min(a.overlap, a.compute) : 0.0;
+  in.direct_s = g.direct_s;
+}
+
+// The layer's share of the tail the hook reported with this step (that of the trainer's previous
+// iteration), and its weight for the next one's (decideAuto). The hook shares an iteration's tail
+// among the layers by their elements; but a layer that moves a hundredth of the bytes does not
+// cause as much of it as a dense one beside it. Each layer's share is taken in proportion to the
+// modelled exchange of the rung that carried it (its weight: a full-sync's dense bytes, a
+// warm-up's density), against the weights of every auto layer of that step — the step before
+// this one, whose tail this request carries.
+std::optional<double> PolicyEngine::tailShare(uint64_t step, const GlobalStats& g,
+                                              const AutoFacts& facts, const AutoInputs& in,
+                                              TensorState::Auto& a) {
+  const AutoConfig& ac = config_.auto_codec;
+  const uint64_t weight_step = a.weight_step, weight_step_before = a.weight_step_before;
+  const double weight = a.weight;
+  const bool flushing = step == a.flush_at;
+  const Rung& carrying = ac.ladder[step >= a.cur_from ? a.cur : a.prev];
+  const auto density = warmupDensity(step, config_.warmup_steps);
+  const double n = static_cast<double>(facts.elements);
+  const double bytes = flushing || carrying.direct
+                           ? 2.0 * (facts.world - 1) / std::max<uint32_t>(facts.world, 1) * 4.0 * n
+                           : modelBytes(*carrying.impl, facts.elements, facts.shape, facts.world,
+                                        selection(carrying.codec) && density &&
+                                                *density > carrying.codec.density.value_or(1.0)
+                                            ? density
+                                            : std::nullopt);
+  a.weight = modelExchangeSeconds(carrying, *in.link, bytes, facts.elements);
+  a.weight_step_before = a.weight_step;
+  a.weight_step = step;
+  tail_weights_.weight += a.weight;
+  tail_weights_.elements += n;
+  // Not the tail of the first iteration through the sidecars after a gap (a direct window): as
+  // the first step of a rung, it cost several times the steps after it (on the MLP at 10 Gbit/s,
+  // 123 ms against 60 ms), and it moved layers to rungs that measured no better.
+  if (g.tail_s && step > 1 && weight_step == step - 1 && weight_step_before == step - 2 &&
+      weight > 0 && tail_weights_prev_.weight > 0) {
+    return *g.tail_s * (weight / n) * (tail_weights_prev_.elements / tail_weights_prev_.weight);
+  }
+  return std::nullopt;
+}
+
+// What the hook measured of the rungs, whether the link moved, and the sidecar path's own cost,
+// into `in` (decideAuto).
+PolicyEngine::AutoMeasurement PolicyEngine::measureAuto(uint64_t step, const GlobalStats& g,
+                                                        std::optional<double> tail, AutoInputs& in,
+                                                        TensorState::Auto& a) {
+  const AutoConfig& ac = config_.auto_codec;
+  AutoMeasurement out;
+  // What the hook measured: the direct rung's tail in direct windows; the rung in force's from its
+  // second step on. A request carries the tail of the trainer's previous iteration, so the first
+  // tail of the rung's second step comes with its third: the first step of a rung is left out
+  // (measured: 0.24-0.85 s against 0.03-0.09 s for the steps after it, for dgc 1 % at 1 Gbit/s).
+  // Nor are the steps a selection rung runs above its own density in the DGC warm-up
+  // (schedule.warmup_steps): 1.0-1.5 s at 25 % against 0.05 s at 1 % for the MLP at 1 Gbit/s, a
+  // figure that would hold the rung back long after the warm-up.
+  const Rung& in_force = ac.ladder[a.cur];
+  const auto warm = step > 0 ? warmupDensity(step - 1, config_.warmup_steps) : std::nullopt;
+  const bool warming =
+      selection(in_force.codec) && warm && *warm > in_force.codec.density.value_or(1.0);
+  const bool rung_measured = step >= a.cur_from + 2 && !warming && tail && !in_force.direct;
+  a.measured.resize(ac.ladder.size(), -1.0);
+  // The hook's `direct_s` changes only in a direct window: a figure from before the link moved
+  // stays ignored until a window measures again.
+  if (g.direct_s && ac.ladder[0].direct && *g.direct_s != a.direct_ignored) {
+    a.measured[0] = *g.direct_s;
+  }
+  // A tail twice the rung's running figure, at two updates in a row, is a link that slowed down
+  // as surely as the estimate (which the median and the running means make wait a few steps):
+  // the measured tail moves at the first slow iteration. One such tail alone (a rank that
+  // evaluated, which the others waited for) does not join the figure.
+  bool tail_jump = false;
+  if (rung_measured) {
+    double& m = a.measured[a.cur];
+    tail_jump = m > 0 && *tail > 2 * m;
+    if (!tail_jump) {
+      m = m < 0 ? *tail : 0.5 * m + 0.5 * *tail;
+    } else if (a.link_seen >= 1) {
+      m = *tail;  // the second in a row: the figure of the new link
+    }
+  }
+  // A link that moved since the layer's last switch: what was measured is of another link.
+  if (a.link) {
+    AutoInputs then = in;
+    then.link = a.link;
+    const double before = modelExchangeSeconds(in_force, then),
+                 now = modelExchangeSeconds(in_force, in);
+    // Seen at two updates in a row: one exchange that waited on a slow peer is not a new link.
+    const bool moved_now =
+        std::abs(now - before) > ac.link_change * std::max(before, 1e-4) || tail_jump;
+    out.link_moved = moved_now && a.link_seen >= 1;
+    a.link_seen = moved_now ? a.link_seen + 1 : 0;
+  }
+  if (out.link_moved) {
+    for (size_t i = 0; i < a.measured.size(); ++i) {
+      if (i != a.cur) a.measured[i] = -1.0;
+    }
+    if (g.direct_s) a.direct_ignored = *g.direct_s;
+  }
+  in.measured_s = a.measured;
+  // `direct` as the model has it, unless measured since the link moved.
+  if (a.measured.empty() || a.measured[0] < 0) in.direct_s.reset();
+  in.ladder_base = ac.ladder.data();
+  if (rung_measured) {
+    // The measured tail of the steps through the sidecars against what the model says of the
+    // rung that carried them: the rest is the sidecar path's own cost.
+    AutoInputs bare = in;
+    bare.measured_s.clear();
+    const double modelled = modelStepSeconds(in_force, bare) - in.compute_s;
+    a.overhead = std::max(0.0, *tail - modelled);
+  }
+  in.sidecar_overhead_s = a.overhead;
+  in.overhead_ref_s = modelExchangeSeconds(in_force, in);
+  return out;
+}
+
+// The rung the layer wants (decideAuto): the model's choice, kept in the band of the rung in
+// force, on the side of a momentum rung unless the margin is won, and held back in a critical
+// phase.
+PolicyEngine::AutoChoice PolicyEngine::chooseAuto(uint64_t step, const GlobalStats& g,
+                                                  const AutoInputs& in, bool link_moved,
+                                                  TensorState& ts) {
+  const AutoConfig& ac = config_.auto_codec;
+  auto& a = ts.autos;
+  AutoChoice out;
+  // `direct` is job-wide (decideDirect): a layer chooses among the rungs through the sidecars.
+  // A rung with momentum correction only where every trainer declared that momentum: the
+  // optimizer must leave those layers' momentum to the sidecar (docs/policies.md "codec: auto").
+  std::vector<char> usable(ac.ladder.size());
+  for (size_t i = 0; i < ac.ladder.size(); ++i) {
+    usable[i] = !ac.ladder[i].direct && rungUsable(ac.ladder[i], in.elements, in.shape, g.momentum);
+  }
+  // The rung in force no longer usable (the trainers stopped declaring its momentum): it goes at
+  // once, whichever way the ladder moves.
+  out.forced = !ac.ladder[a.cur].direct && !usable[a.cur];
+  size_t want = chooseRung(ac.ladder, usable, in, ac.tolerance);
+  const auto best_of = [&](const std::vector<char>& among) {
+    double best = INFINITY;
+    for (size_t i = 0; i < ac.ladder.size(); ++i) {
+      if (among[i]) best = std::min(best, modelScore(ac.ladder[i], in));
+    }
+    return best;
+  };
+  // The rung in force stays while it is within the tolerance of the best (a band, so that rungs
+  // of nearly equal scores do not take turns with the noise of the measurements).
+  if (want != a.cur && usable[a.cur] &&
+      modelScore(ac.ladder[a.cur], in) <= best_of(usable) * (1 + ac.tolerance)) {
+    want = a.cur;
+  }
+  // A move onto or off a rung with momentum correction loses the layer's velocity (and leaving
+  // flushes): it must win by the margin over the best rung on the side of the rung in force, or
+  // the layer stays on that side (rungs of nearly equal scores on the two sides took turns with
+  // the noise of the measurements on fast links).
+  const auto owns = [&](size_t i) { return ac.ladder[i].codec.momentum > 0; };
+  if (!out.forced && want != a.cur && owns(want) != owns(a.cur)) {
+    std::vector<char> side(usable);
+    for (size_t i = 0; i < ac.ladder.size(); ++i) side[i] = usable[i] && owns(i) == owns(a.cur);
+    const double side_best = best_of(side);
+    if (modelScore(ac.ladder[want], in) * (1 + ac.momentum_margin) > side_best) {
+      want = chooseRung(ac.ladder, side, in, ac.tolerance);
+      if (modelScore(ac.ladder[a.cur], in) <= side_best * (1 + ac.tolerance)) want = a.cur;
+    }
+  }
+  // Critical phases: no move to more compression while one lasts; and when one starts, a lossy
+  // rung in force gives way to the next less lossy one at once.
+  out.critical = step < ac.critical_steps || step < a.critical_until || ts.degraded > 0;
+  out.started = a.critical_start;
+  a.critical_start = false;
+  if (out.critical && want > a.cur && !link_moved && !out.forced) want = a.cur;
+  // Not across the sides of a momentum rung: leaving it loses the layer's velocity and flushes,
+  // and coming back after the phase loses it again — on the MLP at 1 Gbit/s the critical phases
+  // around step 85 that moved the large layers from dgc with momentum correction to qsgd 4 bits
+  // and back cost 110 more steps to DDP's loss than the fixed dgc row (710 against 600).
+  if (out.started && ac.ladder[a.cur].steps_factor > 1) {
+    for (size_t i = a.cur; i-- > 0;) {
+      if (usable[i] && owns(i) == owns(a.cur)) {
+        want = std::min(want, i);
+        break;
+      }
+    }
+  }
+  out.want = want;
+  return out;
 }
 
 // The job's direct window (mu_ held), at the first update of `step`, from the layers' scores of

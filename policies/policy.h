@@ -251,6 +251,23 @@ class PolicyEngine {
   void decideAuto(const std::string& tensor, uint64_t step, const GlobalStats& g,
                   const AutoFacts& facts, TensorState& ts);
   void decideDirect(uint64_t step);
+  // The parts of decideAuto(), in order.
+  struct AutoMeasurement {
+    bool link_moved = false;  // the link moved since the layer's last switch (seen twice)
+  };
+  struct AutoChoice {
+    size_t want = 0;        // the rung the layer wants
+    bool forced = false;    // the rung in force is no longer usable
+    bool critical = false;  // a critical phase lasts
+    bool started = false;   // ... and started at this step
+  };
+  static void readAutoInputs(const GlobalStats& g, TensorState::Auto& a, AutoInputs& in);
+  std::optional<double> tailShare(uint64_t step, const GlobalStats& g, const AutoFacts& facts,
+                                  const AutoInputs& in, TensorState::Auto& a);
+  AutoMeasurement measureAuto(uint64_t step, const GlobalStats& g, std::optional<double> tail,
+                              AutoInputs& in, TensorState::Auto& a);
+  AutoChoice chooseAuto(uint64_t step, const GlobalStats& g, const AutoInputs& in, bool link_moved,
+                        TensorState& ts);
   size_t firstSidecarRung() const;
 
   const PolicyConfig config_;

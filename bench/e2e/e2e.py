@@ -90,6 +90,10 @@ CONFIGS = [
 # trails far behind at every horizon measured (bench/README.md), so time to accuracy tries a rank
 # that may reach the target.
 EXTRA_CONFIGS = [
+    # DDP's allreduce from PyTorch's own Python hook: what a Python communication hook costs a
+    # step by itself (codec auto's direct windows run through one, the lightwire hook).
+    ("ddp_allreduce_hook", "DDP + PyTorch allreduce_hook (Python)", "torch_hook", "allreduce",
+     None),
     ("lightwire_powersgd4", "lightwire powersgd (rank 4)", "lightwire", None,
      ["--codec", "powersgd", "--approx-rank", "4"] + POLICIES_OFF),
     # Every other lightwire row goes per layer (the hook's default); this one sends DDP's flat

@@ -76,6 +76,8 @@ def summary(rows_by_rep, configs):
                       # sidecars dense or compressed) with codec auto's decisions.
                       "final_loss": [r.get("final_loss") for r in ok],
                       "carried": [carried_counts(r) for r in ok],
+                      # Per repetition: the median step of each way that carried steps.
+                      "step_seconds_by": [seconds_by(r) for r in ok],
                       "decisions": [r.get("decisions") for r in ok]})
     return table
 
@@ -84,10 +86,23 @@ def carried_counts(row):
     """{"direct", "dense", "compressed", "fallback"}: the steps of a row carried each way."""
     out = {"direct": 0, "dense": 0, "compressed": 0, "fallback": 0}
     for c in row.get("carried") or []:
-        key = c["by"] if c["by"] != "sidecar" else (
-            "dense" if c["dense_share"] > 0.999 else "compressed")
-        out[key] += 1
+        out[way(c)] += 1
     return out
+
+
+def way(step):
+    """What carried one step of a row's "carried" list."""
+    if step["by"] != "sidecar":
+        return step["by"]
+    return "dense" if step["dense_share"] > 0.999 else "compressed"
+
+
+def seconds_by(row):
+    """{way: median step seconds} over the steps each way carried (carried_counts' ways)."""
+    by = {}
+    for c in row.get("carried") or []:
+        by.setdefault(way(c), []).append(c["seconds"])
+    return {k: statistics.median(v) for k, v in by.items()}
 
 
 def main():

@@ -11,7 +11,7 @@ steps, and writes one JSON object.
     $PYTHON bench/e2e/worker.py SPEC_JSON OUT_JSON
 
 SPEC_JSON: {"task", "size", "seed", "world_size", "steps", "eval_every", "kind" ("ddp" |
-"torch_hook" | "lightwire"), "hook" ("fp16" | "powersgd" for torch_hook; "flat", "serial" or null for lightwire), "powersgd_rank",
+"torch_hook" | "lightwire"), "hook" ("fp16" | "allreduce" | "powersgd" for torch_hook; "flat", "serial" or null for lightwire), "powersgd_rank",
 "powersgd_start", "optimizer" ("task": the task's own; "lightwire_sgd": lightwire.torch.SGD with
 the task's SGD settings; "helper": lightwire.torch.SGD when the task trains with SGD; either is
 lightwire.torch.AdamW with the task's settings when the task trains with AdamW), "sockets" (lightwire: one Unix socket per rank), "store_dir"}; for the time-to-accuracy stop rule also
@@ -60,6 +60,9 @@ def attach_hook(spec, ddp, dist):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
         if spec["hook"] == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif spec["hook"] == "allreduce":
+            # DDP's own allreduce, but from a Python hook: what any Python hook costs a step.
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         elif spec["hook"] == "powersgd":
             # PowerSGD from the spec's start step, the sidecar's (start_powerSGD_iter must be > 1
             # with error feedback and warm start: DDP rebuilds its buckets after the first step);

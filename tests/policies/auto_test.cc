@@ -693,6 +693,19 @@ TEST_SUITE("auto") {
       CHECK(st.message().find("'tail_weights' must be 4 finite numbers") != std::string::npos);
       CHECK(boost::json::serialize(same.stateJson()) == pristine);
     }
+    // A layer's recent link readings that are not up to 3 pairs [s/byte > 0, latency >= 0]:
+    // refused, nothing changed.
+    for (const char* bad : {"[[1e-9, 0], [1e-9, 0], [1e-9, 0], [1e-9, 0]]", "[[0, 0]]",
+                            "[[1e-9, -1]]", "[[1e-9]]", "[\"x\"]", "[[1e-9, \"0\"]]", "7"}) {
+      CAPTURE(bad);
+      boost::json::object w = p.stateJson();
+      w["tensors"].as_object()["w"].as_object()["auto"].as_object()["link_recent"] =
+          boost::json::parse(bad);
+      st = same.restoreState(w);
+      CHECK_FALSE(st.isOk());
+      CHECK(st.message().find("link_recent") != std::string::npos);
+      CHECK(boost::json::serialize(same.stateJson()) == pristine);
+    }
     // 'evaluated' must be a boolean (a bad one changes nothing); a state without it (an older
     // version's) is taken as evaluated.
     boost::json::object bad = p.stateJson();
