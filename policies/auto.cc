@@ -316,7 +316,8 @@ double modelExchangeSeconds(const Rung& r, const AutoInputs& in) {
 double modelStepSeconds(const Rung& r, const AutoInputs& in) {
   if (const size_t i = static_cast<size_t>(&r - in.ladder_base);
       in.ladder_base && i < in.measured_s.size() && in.measured_s[i] >= 0) {
-    return in.compute_s + in.measured_s[i];
+    const bool own = i < in.compute_by_s.size() && in.compute_by_s[i] >= 0;
+    return (own ? in.compute_by_s[i] : in.compute_s) + in.measured_s[i];
   }
   if (r.direct && in.direct_s) return in.compute_s + *in.direct_s;
   const double exchange = modelExchangeSeconds(r, in);

@@ -127,7 +127,10 @@ struct AutoInputs {
   // in force, as the hook measured it (< 0: not measured). A measured rung is judged by it, not
   // by the model: the model only ranks the rungs never tried.
   std::vector<double> measured_s;
-  const Rung* ladder_base = nullptr;  // the ladder measured_s is indexed by
+  // Per rung: the layer's share of the compute of the iterations it carried (< 0: none): a
+  // measured rung's step is this (or compute_s where none) plus its measured tail.
+  std::vector<double> compute_by_s;
+  const Rung* ladder_base = nullptr;  // the ladder measured_s and compute_by_s are indexed by
 };
 
 /// The model's time of one step of a layer with rung `r`: its share of the compute plus the part

@@ -661,6 +661,16 @@ PolicyEngine::AutoMeasurement PolicyEngine::measureAuto(uint64_t step, const Glo
       selection(in_force.codec) && warm && *warm > in_force.codec.density.value_or(1.0);
   const bool rung_measured = step >= a.cur_from + 2 && !warming && tail && !in_force.direct;
   a.measured.resize(ac.ladder.size(), -1.0);
+  a.compute_by.resize(ac.ladder.size(), -1.0);
+  // The compute the hook reports with a request is of the trainer's previous iteration, as the
+  // tail is: at the first step after a direct window, of the window's last iteration; otherwise
+  // of the rung in force, when its tail is measured (below).
+  const auto note_compute = [&](size_t rung) {
+    if (!g.compute_s) return;
+    double& c = a.compute_by[rung];
+    c = c < 0 ? *g.compute_s : 0.7 * c + 0.3 * *g.compute_s;
+  };
+  if (ac.ladder[0].direct && direct_.until > 0 && step == direct_.until) note_compute(0);
   // The hook's `direct_s` changes only in a direct window: a figure from before the link moved
   // stays ignored until a window measures again.
   if (g.direct_s && ac.ladder[0].direct && *g.direct_s != a.direct_ignored) {
@@ -676,6 +686,7 @@ PolicyEngine::AutoMeasurement PolicyEngine::measureAuto(uint64_t step, const Glo
     tail_jump = m > 0 && *tail > 2 * m;
     if (!tail_jump) {
       m = m < 0 ? *tail : 0.5 * m + 0.5 * *tail;
+      note_compute(a.cur);
     } else if (a.link_seen >= 1) {
       m = *tail;  // the second in a row: the figure of the new link
     }
@@ -699,6 +710,7 @@ PolicyEngine::AutoMeasurement PolicyEngine::measureAuto(uint64_t step, const Glo
     if (g.direct_s) a.direct_ignored = *g.direct_s;
   }
   in.measured_s = a.measured;
+  in.compute_by_s = a.compute_by;
   // `direct` as the model has it, unless measured since the link moved.
   if (a.measured.empty() || a.measured[0] < 0) in.direct_s.reset();
   in.ladder_base = ac.ladder.data();
@@ -707,6 +719,7 @@ PolicyEngine::AutoMeasurement PolicyEngine::measureAuto(uint64_t step, const Glo
     // rung that carried them: the rest is the sidecar path's own cost.
     AutoInputs bare = in;
     bare.measured_s.clear();
+    bare.compute_by_s.clear();
     const double modelled = modelStepSeconds(in_force, bare) - in.compute_s;
     a.overhead = std::max(0.0, *tail - modelled);
   }
@@ -980,6 +993,7 @@ json::object PolicyEngine::stateJson() const {
           {"direct_ignored", a.direct_ignored},
           {"best_lossless", a.best_lossless},
           {"measured", json::array(a.measured.begin(), a.measured.end())},
+          {"compute_by", json::array(a.compute_by.begin(), a.compute_by.end())},
           {"evaluated", a.evaluated},
           {"why", a.why}};
     }
@@ -1169,6 +1183,16 @@ Status PolicyEngine::restoreState(const json::value& v) {
       for (const auto& m : r.arr(ao, "measured")) {
         if (!m.is_number() && r.error.empty()) r.error = "auto 'measured' must hold numbers";
         a.measured.push_back(m.is_number() ? m.to_number<double>() : -1.0);
+      }
+      // Absent from the state of an older version: no rung's compute of its own yet.
+      if (ao.contains("compute_by")) {
+        for (const auto& c : r.arr(ao, "compute_by")) {
+          if ((!c.is_number() || !std::isfinite(c.to_number<double>())) && r.error.empty()) {
+            r.error = "auto 'compute_by' must hold a finite number per rung";
+          }
+          if (!r.error.empty()) break;
+          a.compute_by.push_back(c.to_number<double>());
+        }
       }
       a.why = r.str(ao, "why");
       // Absent from the state of an older version: evaluated (hysteresis as before).

@@ -216,6 +216,10 @@ class PolicyEngine {
       std::vector<std::pair<double, double>> link_recent;  // its last 3 readings (s/byte, latency)
       std::optional<Link> link;                            // the link at the last switch
       std::vector<double> measured;  // per rung: its measured tail (< 0: not measured)
+      // Per rung: the compute of the iterations it carried (running mean, < 0: none yet). Where
+      // the sidecar shares the trainers' cores, its work on a rung lengthens their compute, which
+      // the tail does not show.
+      std::vector<double> compute_by;
       uint64_t critical_until = 0;
       bool critical_start = false;  // a critical phase started at this step
       uint64_t next_eval = 0;       // its next evaluation (every `period` of its own steps)

@@ -119,6 +119,11 @@ EXTRA_CONFIGS = [
     # run time from the measured link and the compute the hook reports, the trainers' own
     # process group (the direct rung) when every layer is best exchanged dense.
     ("lightwire_auto", "lightwire auto", "lightwire", None, ["--codec", "auto"] + POLICIES_OFF),
+    # ... with one direct window for the whole run after the first steps (probe_every far beyond
+    # the steps): what the hook's direct path costs against DDP, the sidecars beside the trainers
+    # but out of the data path.
+    ("lightwire_auto_direct", "lightwire auto (one long direct window)", "lightwire", None,
+     ["--codec", "auto", "--auto-probe-every", "1000000"] + POLICIES_OFF),
     # ... with DGC's momentum correction as its most compressing rung (the sidecar owns a layer's
     # momentum while it is on that rung; the trainers step with lightwire.torch.SGD, which
     # declares its momentum).

@@ -588,6 +588,32 @@ TEST_SUITE("auto") {
     }
   }
 
+  TEST_CASE("a rung whose iterations compute longer loses to direct at an equal tail") {
+    // Where the sidecar shares the trainers' cores, its work lengthens their compute: `direct`
+    // and `none` measure the same tail, but the iterations through the sidecars compute 30 %
+    // longer than the window's. A rung is judged by the compute of its own iterations.
+    for (const double sidecar_compute : {0.05, 0.065}) {
+      CAPTURE(sidecar_compute);
+      PolicyEngine p(autoConfig("direct,none"), "{}", nullptr);
+      GlobalStats g = stats(1.25e10, 1e-5, 0.05);
+      for (uint64_t s = 0; s < 2; ++s) run(p, "a", s, g);
+      auto w = p.directWindowAfter(1);
+      REQUIRE(w);
+      g.direct_s = 0.02;
+      g.tail_s = 0.02;
+      run(p, "a", w->until, g);  // the window's last iteration: compute 0.05
+      g.compute_s = sidecar_compute;
+      g.overlap_s = sidecar_compute / 2;
+      for (uint64_t s = w->until + 1; s < w->until + 4; ++s) run(p, "a", s, g);
+      const boost::json::object st = p.stateJson();
+      const auto& layer = st.at("tensors").at("a").at("auto").as_object();
+      CHECK(layer.at("compute_by").as_array().at(0).to_number<double>() == doctest::Approx(0.05));
+      CHECK(layer.at("compute_by").as_array().at(1).to_number<double>() ==
+            doctest::Approx(sidecar_compute));
+      CHECK(p.directWindowAfter(w->until + 3).has_value() == (sidecar_compute > 0.05));
+    }
+  }
+
   TEST_CASE("a tail twice the rung's figure, twice in a row, is a slower link; once, a spike") {
     PolicyConfig c = autoConfig("none,fp16");
     c.auto_codec.period = 1000;
@@ -691,6 +717,17 @@ TEST_SUITE("auto") {
       st = same.restoreState(w);
       CHECK_FALSE(st.isOk());
       CHECK(st.message().find("'tail_weights' must be 4 finite numbers") != std::string::npos);
+      CHECK(boost::json::serialize(same.stateJson()) == pristine);
+    }
+    // A rung's compute that is not a finite number: refused, nothing changed.
+    for (const char* bad : {"[\"x\"]", "[-1, null]", "[1e999]", "7"}) {
+      CAPTURE(bad);
+      boost::json::object w = p.stateJson();
+      w["tensors"].as_object()["w"].as_object()["auto"].as_object()["compute_by"] =
+          boost::json::parse(bad);
+      st = same.restoreState(w);
+      CHECK_FALSE(st.isOk());
+      CHECK(st.message().find("compute_by") != std::string::npos);
       CHECK(boost::json::serialize(same.stateJson()) == pristine);
     }
     // A layer's recent link readings that are not up to 3 pairs [s/byte > 0, latency >= 0]:
