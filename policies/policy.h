@@ -114,6 +114,8 @@ struct AutoFacts {
 /// job-wide). Plain value.
 struct DirectWindow {
   uint64_t from = 0, until = 0;
+  uint32_t chain =
+      0;  // windows before it that it follows at once (its length: probe_every << chain)
 };
 
 /// What update() asks the step's owner to do. Plain value.

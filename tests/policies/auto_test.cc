@@ -588,6 +588,55 @@ TEST_SUITE("auto") {
     }
   }
 
+  TEST_CASE(
+      "a window that measured better is followed at once by longer ones, up to a chain's end") {
+    const uint64_t probe = autoConfig("direct,none").auto_codec.probe_every;
+    PolicyEngine p(autoConfig("direct,none"), "{}", nullptr);
+    GlobalStats g = stats(1.25e10, 1e-5, 0.05);
+    for (uint64_t s = 0; s < 2; ++s) run(p, "a", s, g);
+    auto w = p.directWindowAfter(1);  // tried: not measured yet
+    REQUIRE(w);
+    g.direct_s = 0.01;
+    g.tail_s = 0.02;
+    // The rung in force measured after the first window, then a window of probe_every.
+    for (uint64_t s = w->until; s < w->until + 4; ++s) run(p, "a", s, g);
+    w = p.directWindowAfter(w->until + 3);
+    REQUIRE(w);
+    CHECK(w->until - w->from == probe);
+    CHECK(w->chain == 0);
+    // Each window after it follows two steps through the sidecars, twice as long, three times.
+    for (uint32_t chain = 1; chain <= 3; ++chain) {
+      CAPTURE(chain);
+      const uint64_t end = w->until;
+      run(p, "a", end, g);
+      run(p, "a", end + 1, g);
+      const auto next = p.directWindowAfter(end + 1);
+      REQUIRE(next);
+      CHECK(next->from == end + 2);
+      CHECK(next->until - next->from == (probe << chain));
+      CHECK(next->chain == chain);
+      w = next;
+    }
+    // After a chain's last window the sidecars measure the rungs again (three steps) first.
+    const uint64_t end = w->until;
+    for (uint64_t s = end; s < end + 3; ++s) run(p, "a", s, g);
+    CHECK_FALSE(p.directWindowAfter(end + 2).has_value());
+    run(p, "a", end + 3, g);
+    w = p.directWindowAfter(end + 3);
+    REQUIRE(w);
+    CHECK(w->chain == 0);
+    CHECK(w->until - w->from == probe);
+    // The state keeps a window's place in its chain.
+    PolicyEngine q(autoConfig("direct,none"), "{}", nullptr);
+    REQUIRE(q.restoreState(p.stateJson()).isOk());
+    CHECK(q.stateJson().at("direct").at("chain").to_number<uint64_t>() == 0);
+    // A window whose `direct` measured no better than the rung in force: no chain.
+    g.direct_s = 0.03;
+    run(p, "a", w->until, g);
+    run(p, "a", w->until + 1, g);
+    CHECK_FALSE(p.directWindowAfter(w->until + 1).has_value());
+  }
+
   TEST_CASE("a rung whose iterations compute longer loses to direct at an equal tail") {
     // Where the sidecar shares the trainers' cores, its work lengthens their compute: `direct`
     // and `none` measure the same tail, but the iterations through the sidecars compute 30 %

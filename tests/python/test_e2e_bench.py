@@ -126,10 +126,31 @@ def test_speed_bench_smoke_interleaves_repetitions_and_reports_ratios(tmp_path):
         # Each repetition's loss and what carried its steps (all of them: through the sidecars).
         assert len(t["final_loss"]) == 2 and all(v > 0 for v in t["final_loss"]), t
         assert t["carried"] == [{"direct": 0, "dense": 10, "compressed": 0, "fallback": 0}] * 2, t
+        # ... and the median step of each way that carried steps.
+        assert [sorted(b) for b in t["step_seconds_by"]] == [["dense"]] * 2, t
+        assert all(b["dense"] > 0 for b in t["step_seconds_by"]), t
     assert "median of 2 interleaved repetitions" in r.stderr
     # The order of the runs: the configurations in turn, repetition after repetition.
     order = [line.split(": ")[-1] for line in r.stderr.splitlines() if ", repetition " in line]
     assert order == ["ddp", "lightwire_none"] * 4, order
+
+
+def test_hook_cost_bench_smoke(tmp_path):
+    """bench/e2e/hook_cost.py at smoke size: DDP, DDP through PyTorch's Python hook and through the
+    lightwire hook's direct path (no sidecar) train in turn; each way's speed against DDP is
+    summarised (no speed is asserted; the script fails if the lightwire hook averaged nothing)."""
+    out = tmp_path / "hook.json"
+    r = subprocess.run([PYTHON, os.path.join(REPO, "bench", "e2e", "hook_cost.py"), "--size", "smoke",
+                        "--world-size", "2", "--steps", "20", "--repeats", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [t["way"] for t in data["table"]] == ["ddp", "python_hook", "lightwire_direct"]
+    for t in data["table"]:
+        assert t["median_step_seconds"] > 0 and t["trainer_cpu_seconds_per_step"] > 0, t
+        assert len(t["speed_vs_ddp"]) == 1 and t["speed_vs_ddp"][0] > 0, t
+    assert data["table"][0]["speed_vs_ddp"] == [1.0]
+    assert "median of 1 interleaved repetitions" in r.stdout
 
 
 def test_memory_bench_smoke():
