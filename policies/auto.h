@@ -68,7 +68,8 @@ struct AutoConfig {
                                  // DGC warm-up of selection rungs covers early training)
   double critical_change = 0.5;  // |norm / baseline - 1| above this starts a critical phase
   uint64_t critical_hold = 20;   // ... that lasts this many steps
-  uint64_t probe_every = 16;     // a direct window's length in steps (then 3 through the sidecar)
+  uint64_t probe_every = 16;     // a direct window's length in steps (then 3 through the sidecar;
+                                 // in a chain 2, and each window twice the one before)
 };
 
 /// Checks ranges and parses the ladder into `c.ladder`; errors name the key.

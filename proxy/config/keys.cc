@@ -724,7 +724,7 @@ void addAutoKeys(KeyAdder& add) {
               "codec auto: steps a critical phase lasts");
   unsignedKey("compression.auto.probe_every", "--auto-probe-every", &A::probe_every, 1,
               "codec auto: steps of a direct window, after which the sidecars measure the link "
-              "again");
+              "again (a chain's windows: twice the one before, up to 8x)");
 }
 
 // Durable state (docs/policies.md "Durable state: checkpoints").
