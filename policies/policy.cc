@@ -37,6 +37,9 @@ std::string fmt(double v) {
 }
 
 /// `v` with 3 significant digits and a unit: "118 MB/s", "4.1 ms".
+// codec auto's running figures: the newest reading weighs 0.3 (the first is taken as it is).
+double runningMean(double mean, double x, bool first) { return first ? x : 0.7 * mean + 0.3 * x; }
+
 std::string human(double v, const char* unit) {
   char buf[48];
   std::snprintf(buf, sizeof buf, "%.3g %s", v, unit);
@@ -589,8 +592,8 @@ void PolicyEngine::readAutoInputs(const GlobalStats& g, TensorState::Auto& a, Au
   }
   const double spb = median(std::move(spbs)), lat = median(std::move(lats));
   const bool first_link = !(a.sec_per_byte > 0);
-  a.sec_per_byte = first_link ? spb : 0.7 * a.sec_per_byte + 0.3 * spb;
-  a.latency = first_link ? lat : 0.7 * a.latency + 0.3 * lat;
+  a.sec_per_byte = runningMean(a.sec_per_byte, spb, first_link);
+  a.latency = runningMean(a.latency, lat, first_link);
   in.link = Link{1.0 / a.sec_per_byte, a.latency};
   // The compute and the overlap as a running mean over the layer's steps (weight 0.3 for the
   // newest): the least any rank reported swings by a factor of two from step to step (one rank
@@ -598,8 +601,8 @@ void PolicyEngine::readAutoInputs(const GlobalStats& g, TensorState::Auto& a, Au
   // it — on the LM at 1 Gbit/s layers took turns between qsgd 4 bits and fp16 with each swing.
   if (g.compute_s && g.overlap_s) {
     const bool first = !(a.compute >= 0);
-    a.compute = first ? *g.compute_s : 0.7 * a.compute + 0.3 * *g.compute_s;
-    a.overlap = first ? *g.overlap_s : 0.7 * a.overlap + 0.3 * *g.overlap_s;
+    a.compute = runningMean(a.compute, *g.compute_s, first);
+    a.overlap = runningMean(a.overlap, *g.overlap_s, first);
   }
   in.compute_s = a.compute >= 0 ? a.compute : 0.0;
   in.overlap_s = a.compute >= 0 ? std::min(a.overlap, a.compute) : 0.0;
@@ -672,7 +675,7 @@ PolicyEngine::AutoMeasurement PolicyEngine::measureAuto(uint64_t step, const Glo
   const auto note_compute = [&](size_t rung) {
     if (!g.compute_s) return;
     double& c = a.compute_by[rung];
-    c = c < 0 ? *g.compute_s : 0.7 * c + 0.3 * *g.compute_s;
+    c = runningMean(c, *g.compute_s, c < 0);
   };
   if (ac.ladder[0].direct && direct_.until > 0 && step == direct_.until) note_compute(0);
   // The hook's `direct_s` changes only in a direct window: a figure from before the link moved

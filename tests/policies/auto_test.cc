@@ -56,6 +56,14 @@ AutoStep run(PolicyEngine& p, const std::string& tensor, uint64_t step, const Gl
   return a;
 }
 
+/// Steps 0 and 1 of layer "a" on a fast link: the first direct window (tried, not measured yet).
+DirectWindow firstWindow(PolicyEngine& p, const GlobalStats& g) {
+  for (uint64_t s = 0; s < 2; ++s) run(p, "a", s, g);
+  const auto w = p.directWindowAfter(1);
+  REQUIRE(w);
+  return *w;
+}
+
 size_t rungIndex(const PolicyEngine& p, const std::string& tensor, uint64_t step) {
   return p.autoStep(tensor, step).index;
 }
@@ -578,13 +586,11 @@ TEST_SUITE("auto") {
       CAPTURE(direct);
       PolicyEngine p(autoConfig("direct,none"), "{}", nullptr);
       GlobalStats g = stats(1.25e10, 1e-5, 0.05);
-      for (uint64_t s = 0; s < 2; ++s) run(p, "a", s, g);
-      auto w = p.directWindowAfter(1);
-      REQUIRE(w);
+      const auto w = firstWindow(p, g);
       g.direct_s = direct;
       g.tail_s = 0.02;
-      for (uint64_t s = w->until; s < w->until + 4; ++s) run(p, "a", s, g);
-      CHECK(p.directWindowAfter(w->until + 3).has_value() == (direct < 0.02));
+      for (uint64_t s = w.until; s < w.until + 4; ++s) run(p, "a", s, g);
+      CHECK(p.directWindowAfter(w.until + 3).has_value() == (direct < 0.02));
     }
   }
 
@@ -593,9 +599,7 @@ TEST_SUITE("auto") {
     const uint64_t probe = autoConfig("direct,none").auto_codec.probe_every;
     PolicyEngine p(autoConfig("direct,none"), "{}", nullptr);
     GlobalStats g = stats(1.25e10, 1e-5, 0.05);
-    for (uint64_t s = 0; s < 2; ++s) run(p, "a", s, g);
-    auto w = p.directWindowAfter(1);  // tried: not measured yet
-    REQUIRE(w);
+    std::optional<DirectWindow> w = firstWindow(p, g);  // tried: not measured yet
     g.direct_s = 0.01;
     g.tail_s = 0.02;
     // The rung in force measured after the first window, then a window of probe_every.
@@ -645,21 +649,19 @@ TEST_SUITE("auto") {
       CAPTURE(sidecar_compute);
       PolicyEngine p(autoConfig("direct,none"), "{}", nullptr);
       GlobalStats g = stats(1.25e10, 1e-5, 0.05);
-      for (uint64_t s = 0; s < 2; ++s) run(p, "a", s, g);
-      auto w = p.directWindowAfter(1);
-      REQUIRE(w);
+      const auto w = firstWindow(p, g);
       g.direct_s = 0.02;
       g.tail_s = 0.02;
-      run(p, "a", w->until, g);  // the window's last iteration: compute 0.05
+      run(p, "a", w.until, g);  // the window's last iteration: compute 0.05
       g.compute_s = sidecar_compute;
       g.overlap_s = sidecar_compute / 2;
-      for (uint64_t s = w->until + 1; s < w->until + 4; ++s) run(p, "a", s, g);
+      for (uint64_t s = w.until + 1; s < w.until + 4; ++s) run(p, "a", s, g);
       const boost::json::object st = p.stateJson();
       const auto& layer = st.at("tensors").at("a").at("auto").as_object();
       CHECK(layer.at("compute_by").as_array().at(0).to_number<double>() == doctest::Approx(0.05));
       CHECK(layer.at("compute_by").as_array().at(1).to_number<double>() ==
             doctest::Approx(sidecar_compute));
-      CHECK(p.directWindowAfter(w->until + 3).has_value() == (sidecar_compute > 0.05));
+      CHECK(p.directWindowAfter(w.until + 3).has_value() == (sidecar_compute > 0.05));
     }
   }
 
