@@ -5,17 +5,20 @@
 #   1. a link check: one TCP bulk transfer, to show the qdisc really limits;
 #   2. bench/exchange_vs_gloo.py, dense: torch.distributed gloo allreduce and
 #      `lightwire bench exchange --codec none`;
-#   3. `lightwire bench exchange --codec dgc --density 0.01`.
+#   3. `lightwire bench exchange --codec dgc --density 0.01` (the ring's sparse allgather);
+#   4. with --sparse-allreduce, the same through the sparse allreduce (`--sparse allreduce`).
 # Then it prints, against the ring bound of the link (2(W-1)·4N bytes / rate per step), measured /
 # bound for gloo and dense lightwire, and gloo's seconds per step / dgc's. Figures only; it never
 # passes or fails on time. Method and figures: bench/README.md. Needs root (CAP_NET_ADMIN).
 #
 #   bench/netns_exchange.sh [--rate 1gbit] [--world-size 4] [--elements 25000000] [--steps 3]
-#                           [--quick] [--json]
+#                           [--quick] [--sparse-allreduce] [--json]
 #
 #   --rate R      tc rate: NUMBER followed by bit, kbit, mbit, gbit, tbit (bits/s, powers of 1000)
 #                 or bps, kbps, mbps, gbps, tbps (bytes/s); "unlimited": no qdisc (for comparison)
 #   --quick       4000000 elements (unless --elements is given)
+#   --sparse-allreduce  also dgc through the sparse allreduce (peer.sparse), and its step against
+#                 the allgather's
 #   --json        also print one JSON object with every figure (last line of stdout)
 #
 # $LIGHTWIRE_BIN: the executable (default build-release/proxy/lightwire); $PYTHON: the interpreter
@@ -26,7 +29,7 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "netns_exchange: $*" >&2; exit 2; }
 log() { echo "netns_exchange: $*" >&2; }
 
-rate=1gbit world=4 elements="" steps=3 quick=0 json=0
+rate=1gbit world=4 elements="" steps=3 quick=0 json=0 sparse_allreduce=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rate) rate="${2:?--rate needs a value}"; shift 2 ;;
@@ -34,6 +37,7 @@ while [[ $# -gt 0 ]]; do
     --elements) elements="${2:?--elements needs a value}"; shift 2 ;;
     --steps) steps="${2:?--steps needs a value}"; shift 2 ;;
     --quick) quick=1; shift ;;
+    --sparse-allreduce) sparse_allreduce=1; shift ;;
     --json) json=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $1" ;;
@@ -185,6 +189,12 @@ tail -n 1 "$work/dense.out" >"$work/dense.json"
 # 3. dgc at density 0.01.
 phase dgc "$BIN" bench exchange --world-size "$world" --codec dgc --density 0.01 \
   --elements "$elements" --steps "$steps" --json >"$work/dgc.json"
+# 4. dgc through the sparse allreduce.
+secs[dgc-allreduce]="-"
+if ((sparse_allreduce)); then
+  phase dgc-allreduce "$BIN" bench exchange --world-size "$world" --codec dgc --density 0.01 \
+    --elements "$elements" --steps "$steps" --sparse allreduce --json >"$work/dgc-allreduce.json"
+fi
 
 in_ns tc -s qdisc show dev lo | sed 's/^/  /' >&2
 
@@ -192,19 +202,22 @@ in_ns tc -s qdisc show dev lo | sed 's/^/  /' >&2
 "$PY" - "$work" "$world" "$elements" "$steps" "$rate" "$rate_Bps" "$json" \
   "${secs[link-check]} ${bytes[link-check]} ${drops[link-check]}" \
   "${secs[dense]} ${bytes[dense]} ${drops[dense]}" \
-  "${secs[dgc]} ${bytes[dgc]} ${drops[dgc]}" <<'EOF'
+  "${secs[dgc]} ${bytes[dgc]} ${drops[dgc]}" \
+  "${secs[dgc-allreduce]} ${bytes[dgc-allreduce]:-0} ${drops[dgc-allreduce]:-0}" <<'EOF'
 import json, os, sys
 work, W, N, K, rate, R, want_json = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
     int(sys.argv[4]), sys.argv[5], float(sys.argv[6]), sys.argv[7] == "1"
 ph = {}
-for name, v in zip(("link-check", "dense", "dgc"), sys.argv[8:11]):
+for name, v in zip(("link-check", "dense", "dgc", "dgc-allreduce"), sys.argv[8:12]):
     s, b, d = v.split()
-    ph[name] = {"seconds": float(s), "qdisc_bytes": int(b), "qdisc_drops": int(d)}
+    if s != "-":
+        ph[name] = {"seconds": float(s), "qdisc_bytes": int(b), "qdisc_drops": int(d)}
 load = lambda f: json.load(open(os.path.join(work, f)))
 link = load("linkcheck.json")
 dense = load("dense.json")
 gloo, none = dense["gloo"], dense["lightwire"][0]
 dgc = load("dgc.json")
+dgc_ar = load("dgc-allreduce.json") if "dgc-allreduce" in ph else None
 B = 4 * N
 ring_bytes = 2 * (W - 1) * B  # every rank sends 2(W-1)/W·B; all W share the one link
 bound = ring_bytes / R if R else None
@@ -224,14 +237,17 @@ print()
 hdr = f"{'':24} {'s/step':>9} {'algbw GB/s':>10} {'wire MB/rank':>12} {'link s':>8} {'/ bound':>8} {'x gloo':>7}"
 print(hdr)
 rows = []
-for name, r, wire in (("gloo allreduce (dense)", gloo, None),
-                      ("lightwire none (dense)", none, none["wire_bytes_per_rank"]),
-                      ("lightwire dgc 0.01", dgc, dgc["wire_bytes_per_rank"])):
+table = [("gloo allreduce (dense)", gloo, None),
+         ("lightwire none (dense)", none, none["wire_bytes_per_rank"]),
+         ("lightwire dgc 0.01", dgc, dgc["wire_bytes_per_rank"])]
+if dgc_ar:
+    table.append(("dgc 0.01 allreduce", dgc_ar, dgc_ar["wire_bytes_per_rank"]))
+for name, r, wire in table:
     sps = r["seconds_per_step"]
     # The link time of what this row sends: W ranks' wire bytes through one link (dense rows: the
     # ring bound; gloo's wire bytes are not reported, the ring's are assumed).
     link_s = (W * wire / R if wire is not None else bound) if R else None
-    vs_bound = sps / bound if bound and name != "lightwire dgc 0.01" else None
+    vs_bound = sps / bound if bound and "dgc" not in name else None
     x = gloo["seconds_per_step"] / sps
     rows.append({"name": name, "seconds_per_step": sps, "algbw_gbps": r["algbw_gbps"],
                  "wire_bytes_per_rank": wire, "link_seconds": link_s,
@@ -245,7 +261,9 @@ print()
 K1 = K + 1
 gloo_link = None
 if R:
-    for name in ("dense", "dgc"):
+    for name in ("dense", "dgc", "dgc-allreduce"):
+        if name not in ph:
+            continue
         p = ph[name]
         print(f"phase {name}: {p['seconds']:.1f} s, lo qdisc sent {p['qdisc_bytes'] / 1e6:.1f} MB "
               f"({p['qdisc_bytes'] / K1 / 1e6:.1f} MB per step over {K1} steps incl. warm-up"
@@ -276,12 +294,17 @@ if R:
     targets.append(("dgc 0.01 >= 25 x faster per step than gloo's dense allreduce",
                     f"{x:.1f} x", x >= 25))
     note = "" if R == 125e6 else " (they are stated for 1 Gbit/s)"
+    if dgc_ar:
+        x = sps / dgc_ar["seconds_per_step"]
+        targets.append(("dgc 0.01: the sparse allreduce's step >= 3 x faster than the allgather's",
+                        f"{x:.2f} x", x >= 3))
     for t, v, ok in targets:
         print(f"target{note}: {t}: {v}: {'met' if ok else 'NOT met'}")
 if want_json:
     print(json.dumps({"rate": rate, "rate_bytes_per_s": R or None, "world_size": W, "elements": N,
                       "steps": K, "ring_bound_s": bound,
                       "link_check": {**link, "bytes_per_s": link_Bps}, "phases": ph,
-                      "gloo": gloo, "gloo_link_bytes_per_step_estimated": gloo_link, "lightwire_none": none, "lightwire_dgc": dgc, "rows": rows,
+                      "gloo": gloo, "gloo_link_bytes_per_step_estimated": gloo_link, "lightwire_none": none, "lightwire_dgc": dgc,
+                      "lightwire_dgc_allreduce": dgc_ar, "rows": rows,
                       "targets": [{"target": t, "value": v, "met": ok} for t, v, ok in targets]}))
 EOF

@@ -148,6 +148,11 @@ Status Codec::finishStep(const StepContext&, const Chunking&,
   return Status::ok();
 }
 
+Status Codec::settleChunk(const StepContext&, const Chunking&, size_t, std::span<const uint8_t>,
+                          std::span<const uint8_t>, CodecState&) const {
+  return Status::ok();
+}
+
 size_t WorkspaceCarver::bytesFor(std::initializer_list<size_t> sizes) {
   size_t total = 0;
   for (size_t s : sizes) total += (s + 63) & ~size_t{63};

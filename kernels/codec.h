@@ -110,6 +110,10 @@ struct StepContext {
   CpuStream* stream = nullptr;      // execution context; null = calling thread only
   std::span<const uint64_t> shape;  // the trainer's tensor shape when known (PowerSGD's matrix
                                     // view); empty = unknown, the tensor is flat
+  // Global selection (Codec::selectsGlobally, docs/exchange.md "Sparse allreduce"): encodeChunk
+  // leaves the effect of sending (the residual's, dgc's masking) to settleChunk, which applies it
+  // to the elements the global selection kept.
+  bool defer_sent = false;
 };
 
 /// Persistent per-tensor codec state, double-buffered: `current` is what the last committed step
@@ -231,6 +235,24 @@ class Codec {
                             std::span<const std::span<const uint8_t>> reduced_rounds, float weight,
                             ConstTensor input, CodecState& state,
                             std::span<std::byte> workspace) const;
+
+  /// Whether the sparse allreduce may carry this codec (docs/exchange.md "Sparse allreduce"): a
+  /// selection codec whose summed contributions can be selected again (topk, dgc).
+  virtual bool selectsGlobally() const { return false; }
+  /// Selection codecs: k, the elements one step of a tensor of n elements selects at `density`
+  /// (the step's override, StepContext::density; nullopt: the codec's own). Others: n.
+  virtual size_t selectionCount(size_t n, std::optional<double> /*density*/) const { return n; }
+
+  /// Global selection: after encodeChunk(...) with ctx.defer_sent, applies to state.next() what
+  /// sending would have applied — to the entries of `sent` (this sidecar's payload of the chunk)
+  /// that `selected` (the chunk's global selection, a payload of this codec) also holds: the
+  /// error-feedback residual gives up their values, dgc's velocity too and its momentum is
+  /// cleared there. What was sent but not selected stays in the state, as if never sent. With
+  /// every sent entry selected the state is bit for bit what encodeChunk alone prepares. Never
+  /// touches state.current(). The default (stateless codecs): nothing to do.
+  virtual Status settleChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
+                             std::span<const uint8_t> sent, std::span<const uint8_t> selected,
+                             CodecState& state) const;
 
  protected:
   /// analyze() and encodeChunk() after their argument checks: implementations may rely on

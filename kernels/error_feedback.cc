@@ -6,6 +6,7 @@
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
 #include "kernels/registry.h"
+#include "kernels/select.h"
 
 namespace lightwire::kernels {
 namespace {
@@ -55,12 +56,28 @@ class ErrorFeedbackCodec final : public Codec {
                             ConstTensor{a, chunking.elements, DType::kF32}, none, workspace, out);
     if (!size) return size;
     out[4] = static_cast<uint8_t>(input.dtype);  // the header names what the trainer handed in
+    if (ctx.defer_sent) return size;             // settleChunk applies what the selection kept
     // e' = a - decoded: decoding with weight -1 subtracts exactly what the payload carries.
     Status s = inner_->decodeChunk(out.first(*size), -1.0f, a + chunking.begin(chunk),
                                    chunking.size(chunk));
     if (!s.isOk())
       return internalError("error feedback could not decode its own payload: " + s.message());
     return size;
+  }
+
+  bool selectsGlobally() const override { return inner_->selectsGlobally(); }
+  size_t selectionCount(size_t n, std::optional<double> density) const override {
+    return inner_->selectionCount(n, density);
+  }
+
+  /// e' = a − value for the sent entries the global selection kept: the same arithmetic as the
+  /// decode with weight −1 above, on those entries only.
+  Status settleChunk(const StepContext&, const Chunking& chunking, size_t chunk,
+                     std::span<const uint8_t> sent, std::span<const uint8_t> selected,
+                     CodecState& state) const override {
+    float* a = state.next() + chunking.begin(chunk);
+    return forEachSettled(traits().id, sent, selected, chunking.size(chunk),
+                          [&](size_t i, float value) { a[i] = a[i] + -1.0f * value; });
   }
 
   /// out = x + e, exactly as a_i of doAnalyze (determinism.md §4.6); the prepared residual is 0.

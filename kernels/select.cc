@@ -693,6 +693,40 @@ Result<SparseLayout> parseSparsePayload(std::span<const uint8_t> payload, CodecI
   return layout;
 }
 
+namespace {
+
+/// Calls fn(j, i) for entry j of a parsed sparse layout (not the `none` escape), index i, in
+/// order, until fn returns false. Indices are not checked against the chunk.
+/// Gap j sits at stream bits [j·w, j·w + w). With nnz >= 8 the value bytes that follow the gaps
+/// (>= 16) keep an 8-byte load at any gap's first byte inside the payload, so gaps are read with
+/// one unaligned load each; shorter payloads use the byte-wise BitReader.
+template <typename Fn>
+void forEachGapIndex(const SparseLayout& layout, Fn&& fn) {
+  const uint64_t nnz = layout.nnz;
+  const unsigned w = layout.w;
+  const uint8_t* gaps = layout.gaps;
+  const uint64_t gap_mask = w == 32 ? 0xFFFFFFFFull : ((uint64_t{1} << w) - 1);
+  uint64_t next = 0;
+  if (nnz >= 8) {
+    for (uint64_t j = 0, bit = 0; j < nnz; ++j, bit += w) {
+      uint64_t word;
+      std::memcpy(&word, gaps + bit / 8, sizeof word);
+      const uint64_t i = next + ((word >> (bit % 8)) & gap_mask);
+      if (!fn(j, i)) return;
+      next = i + 1;
+    }
+  } else {
+    BitReader reader(gaps);
+    for (uint64_t j = 0; j < nnz; ++j) {
+      const uint64_t i = next + reader.get(w);
+      if (!fn(j, i)) return;
+      next = i + 1;
+    }
+  }
+}
+
+}  // namespace
+
 Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, float weight,
                            float* out, size_t out_elements) {
   auto layout = parseSparsePayload(payload, codec, out_elements);
@@ -700,33 +734,7 @@ Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, floa
   if (layout->dense) return decodeDenseF32(payload, layout->header, weight, out);
   const std::string name = codecIdName(codec);
   const uint64_t n = layout->header.elements, nnz = layout->nnz;
-  const unsigned w = layout->w;
-  const uint8_t* gaps = layout->gaps;
-
-  // Gap j sits at stream bits [j·w, j·w + w). With nnz >= 8 the value bytes that follow the gaps
-  // (>= 16) keep an 8-byte load at any gap's first byte inside the payload, so gaps are read
-  // with one unaligned load each; shorter payloads use the byte-wise BitReader.
-  const uint64_t gap_mask = w == 32 ? 0xFFFFFFFFull : ((uint64_t{1} << w) - 1);
-  const bool wide = nnz >= 8;
-  auto forEachIndex = [&](auto&& fn) {
-    uint64_t next = 0;
-    if (wide) {
-      for (uint64_t j = 0, bit = 0; j < nnz; ++j, bit += w) {
-        uint64_t word;
-        std::memcpy(&word, gaps + bit / 8, sizeof word);
-        const uint64_t i = next + ((word >> (bit % 8)) & gap_mask);
-        if (!fn(j, i)) return;
-        next = i + 1;
-      }
-    } else {
-      BitReader reader(gaps);
-      for (uint64_t j = 0; j < nnz; ++j) {
-        const uint64_t i = next + reader.get(w);
-        if (!fn(j, i)) return;
-        next = i + 1;
-      }
-    }
-  };
+  auto forEachIndex = [&](auto&& fn) { forEachGapIndex(*layout, fn); };
 
   // First pass: every index must be < n. Gaps are non-negative, so indices strictly increase
   // and only the last one needs the check; the message names the first entry outside.
@@ -758,6 +766,92 @@ Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, floa
       out[i] = out[i] + weight * loadF32(vals + 4 * j);
       return true;
     });
+  }
+  return Status::ok();
+}
+
+Status readSparseEntries(std::span<const uint8_t> payload, CodecId codec, size_t out_elements,
+                         std::vector<uint32_t>& indices, std::vector<float>& values) {
+  auto layout = parseSparsePayload(payload, codec, out_elements);
+  if (!layout) return layout.status();
+  indices.clear();
+  values.clear();
+  const uint64_t n = layout->header.elements;
+  if (layout->dense) {
+    const uint8_t* vals = payload.data() + kHeaderBytes;
+    indices.resize(n);
+    values.resize(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      indices[i] = static_cast<uint32_t>(i);
+      values[i] = loadF32(vals + 4 * i);
+    }
+    return Status::ok();
+  }
+  indices.reserve(layout->nnz);
+  values.reserve(layout->nnz);
+  uint64_t bad = 0;
+  forEachGapIndex(*layout, [&](uint64_t, uint64_t i) {
+    if (i >= n) {
+      bad = i + 1;
+      return false;
+    }
+    indices.push_back(static_cast<uint32_t>(i));
+    return true;
+  });
+  if (bad != 0) {
+    return dataLoss(codecIdName(codec) + " payload index " + std::to_string(bad - 1) +
+                    " is outside the chunk of " + std::to_string(n) + " elements");
+  }
+  const uint8_t* vals = layout->values;
+  for (uint64_t j = 0; j < layout->nnz; ++j) {
+    values.push_back(layout->value_bytes == 2 ? halfToFloat(loadU16(vals + 2 * j))
+                                              : loadF32(vals + 4 * j));
+  }
+  return Status::ok();
+}
+
+Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, size_t k,
+                                    std::vector<uint64_t>& scratch, std::span<uint8_t> out) {
+  const size_t len = sums.size();
+  if (len > size_t{0xFFFFFFFFu}) return internalError("global selection of 2^32 or more elements");
+  // Candidates as composite keys: key(sum) in the high word, the complement of the index in the
+  // low one, so that a larger composite is a larger key, then a lower index.
+  scratch.clear();
+  for (size_t i = 0; i < len; ++i) {
+    const uint32_t key = magnitudeKey(sums[i]);
+    if (key == 0) continue;  // +-0: nothing to carry
+    scratch.push_back((uint64_t{key} << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i)));
+  }
+  if (scratch.size() > k) {
+    std::nth_element(scratch.begin(), scratch.begin() + static_cast<std::ptrdiff_t>(k),
+                     scratch.end(), std::greater<uint64_t>());
+    scratch.resize(k);
+  }
+  std::vector<uint32_t> list(scratch.size());
+  for (size_t j = 0; j < scratch.size(); ++j) {
+    list[j] = 0xFFFFFFFFu - static_cast<uint32_t>(scratch[j]);
+  }
+  std::sort(list.begin(), list.end());
+  auto written =
+      writeSparsePayloadFromList(codec, DType::kF32, DType::kF32, list,
+                                 ConstTensor{sums.data(), len, DType::kF32}, 0, len, nullptr, out);
+  if (!written) return written.status();
+  return written->bytes;
+}
+
+Status forEachSettled(CodecId codec, std::span<const uint8_t> sent,
+                      std::span<const uint8_t> selected, size_t len,
+                      const std::function<void(size_t, float)>& fn) {
+  thread_local std::vector<uint32_t> sent_idx, sel_idx;
+  thread_local std::vector<float> sent_val, sel_val;
+  LW_RETURN_IF_ERROR(readSparseEntries(sent, codec, len, sent_idx, sent_val));
+  LW_RETURN_IF_ERROR(readSparseEntries(selected, codec, len, sel_idx, sel_val));
+  // Both ascending: one merge.
+  size_t b = 0;
+  for (size_t a = 0; a < sent_idx.size(); ++a) {
+    while (b < sel_idx.size() && sel_idx[b] < sent_idx[a]) ++b;
+    if (b == sel_idx.size()) break;
+    if (sel_idx[b] == sent_idx[a]) fn(sent_idx[a], sent_val[a]);
   }
   return Status::ok();
 }

@@ -17,6 +17,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/codec.h"
 #include "kernels/dtype.h"
@@ -207,5 +208,27 @@ Result<SparseLayout> parseSparsePayload(std::span<const uint8_t> payload, CodecI
 /// weight · value_j to out[i_j]. On error `out` is untouched.
 Status decodeSparsePayload(std::span<const uint8_t> payload, CodecId codec, float weight,
                            float* out, size_t out_elements);
+
+/// The entries of a sparse payload of codec `codec` for a chunk of `out_elements`, validated as
+/// decodeSparsePayload validates: chunk-local indices (ascending) and their values as decoded
+/// (fp16 widened); the `none` escape lists every element. Replaces the vectors' contents.
+Status readSparseEntries(std::span<const uint8_t> payload, CodecId codec, size_t out_elements,
+                         std::vector<uint32_t>& indices, std::vector<float>& values);
+
+/// The global selection of one chunk (docs/exchange.md "Sparse allreduce"): of the summed
+/// contributions sums[0, len), the k entries with the largest keys among those not +-0 (ties: the
+/// lower index; a non-finite sum has the largest keys, so the result carries it), written as a
+/// sparse payload of codec `codec` with fp32 values (header dtype fp32). `scratch` is reused
+/// across calls. `out` must hold sparseMaxPayloadBytes(len, kF32). Returns the payload size.
+Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, size_t k,
+                                    std::vector<uint64_t>& scratch, std::span<uint8_t> out);
+
+/// The entries `sent` (this sidecar's payload of a chunk) shares with `selected` (the chunk's
+/// global selection), both sparse payloads of codec `codec` for a chunk of `len` elements, in
+/// index order: fn(chunk-local index, value as sent). What a selection codec settles after a
+/// global selection (Codec::settleChunk).
+Status forEachSettled(CodecId codec, std::span<const uint8_t> sent,
+                      std::span<const uint8_t> selected, size_t len,
+                      const std::function<void(size_t, float)>& fn);
 
 }  // namespace lightwire::kernels

@@ -200,7 +200,8 @@ class DgcCodec final : public Codec {
     if (!written) return written.status();
 
     // 6. Momentum factor masking of what was sent (the value as decoded). Without momentum there
-    // is no u' to mask.
+    // is no u' to mask. Under a global selection settleChunk masks what the selection kept.
+    if (ctx.defer_sent) return written->bytes;
     const bool f16 = config_.sparse_values == DType::kF16;
     const bool momentum = hasMomentum();
     const uint32_t* sent = indices.data() + written->first;
@@ -224,6 +225,27 @@ class DgcCodec final : public Codec {
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
                      size_t out_elements) const override {
     return decodeSparsePayload(payload, CodecId::kDgc, weight, out, out_elements);
+  }
+
+  bool selectsGlobally() const override { return true; }
+  size_t selectionCount(size_t n, std::optional<double> density) const override {
+    return selectionSize(n, density.value_or(density_));
+  }
+
+  /// Step 6 of doEncodeChunk for the sent entries the global selection kept: v' −= the value as
+  /// sent (as decoded, the same value the masking subtracts), u' = 0.
+  Status settleChunk(const StepContext&, const Chunking& chunking, size_t chunk,
+                     std::span<const uint8_t> sent, std::span<const uint8_t> selected,
+                     CodecState& state) const override {
+    const size_t n = chunking.elements, begin = chunking.begin(chunk);
+    if (n == 0) return Status::ok();
+    float* un = hasMomentum() ? state.next() : nullptr;
+    float* vn = hasMomentum() ? un + n : state.next();
+    return forEachSettled(CodecId::kDgc, sent, selected, chunking.size(chunk),
+                          [&](size_t i, float value) {
+                            vn[begin + i] = vn[begin + i] - value;
+                            if (un != nullptr) un[begin + i] = 0.0f;
+                          });
   }
 
   /// Steps 1–3 of doAnalyze (clipping, momentum correction, accumulation), bit for bit, then

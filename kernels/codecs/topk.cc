@@ -30,6 +30,10 @@ class TopkCodec final : public Codec {
 
   const CodecTraits& traits() const override { return kTopkTraits; }
   const CodecConfig& config() const override { return config_; }
+  bool selectsGlobally() const override { return true; }
+  size_t selectionCount(size_t n, std::optional<double> density) const override {
+    return selectionSize(n, density.value_or(density_));
+  }
   size_t workspaceBytes(const Chunking& c) const override {
     return SelectWorkspace::bytes(c.elements);
   }

@@ -156,12 +156,15 @@ struct ServeConfig {
     /// "host:port" of every rank, index = rank. One address with "{rank}" in it is a template
     /// that buildServeConfig expands to world_size addresses.
     std::vector<std::string> peers;
-    std::string secret;              // job secret (HMAC key); required when world_size > 1
-    std::string secret_file;         // file holding `secret`, read by buildServeConfig ("" = none)
-    double timeout_s = 30;           // deadline of one exchange
-    uint64_t checksum_every = 100;   // compare result checksums every N steps (0 = never)
-    std::string transport = "tcp";   // tcp | ucx
-    std::string topology = "ring";   // ring | ps
+    std::string secret;             // job secret (HMAC key); required when world_size > 1
+    std::string secret_file;        // file holding `secret`, read by buildServeConfig ("" = none)
+    double timeout_s = 30;          // deadline of one exchange
+    uint64_t checksum_every = 100;  // compare result checksums every N steps (0 = never)
+    std::string transport = "tcp";  // tcp | ucx
+    std::string topology = "ring";  // ring | ps
+    // allgather | allreduce: how the ring exchanges topk and dgc (docs/exchange.md "Sparse
+    // allreduce"): every rank's selection to every rank, or a global selection of their sums.
+    std::string sparse = "allgather";
     uint32_t ps_rank = 0;            // the parameter-server sidecar (topology ps)
     std::string synchrony = "sync";  // sync | bounded-staleness (topology ps only)
     uint32_t staleness = 2;          // bounded-staleness: a sidecar runs at most S steps ahead

@@ -51,6 +51,13 @@ struct ExchangeRound {
   // Set by the exchange: how many sidecars' contributions the returned payloads hold (0 = all of
   // worldSize(); fewer under bounded staleness, where the result is their mean).
   uint32_t contributors = 0;
+  // Set by the pipeline (docs/exchange.md "Sparse allreduce"): the codec selects globally
+  // (Codec::selectsGlobally) and this sidecar encoded with StepContext::defer_sent, so the
+  // exchange must return, for every chunk, exactly one payload: the chunk's global selection of
+  // every sidecar's summed contributions (the sums of at most select_count(c) entries), which
+  // the pipeline settles its state with. Only for exchanges that say selectsGlobally().
+  bool select_globally = false;
+  std::function<size_t(size_t)> select_count;
   // Set by the exchange: the returned payloads are plain fp32 arrays (codec `none`), not the
   // codec's payloads (a sparse allgather switched to a dense allreduce because it was smaller).
   bool dense = false;
@@ -103,6 +110,8 @@ class Exchange {
     }
     return out;
   }
+  /// Whether run() can return a global selection (ExchangeRound::select_globally).
+  virtual bool selectsGlobally() const { return false; }
   /// Whether run() takes this sidecar's payloads chunk by chunk through ExchangeRound::encode
   /// (compression overlapping the exchange) rather than all compressed beforehand.
   virtual bool encodesLazily() const { return false; }
@@ -126,6 +135,8 @@ class Exchange {
 class LocalExchange final : public Exchange {
  public:
   unsigned worldSize() const override { return 1; }
+  // One sidecar: its own selection is the global one.
+  bool selectsGlobally() const override { return true; }
   Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override {
     std::vector<std::vector<std::span<const uint8_t>>> out(round.payloads.size());
     for (size_t c = 0; c < round.payloads.size(); ++c) out[c].push_back(round.payloads[c]);

@@ -1,6 +1,7 @@
 #include "proxy/peer/collective.h"
 
 #include "kernels/registry.h"
+#include "kernels/select.h"
 #include "proxy/peer/mailbox.h"
 
 #include <spdlog/spdlog.h>
@@ -21,6 +22,8 @@ constexpr uint8_t kPhaseGather = 1;
 constexpr uint8_t kPhaseChecksum = 2;
 constexpr uint8_t kPhaseStats = 3;   // a rank's policy statistics record, to every other rank
 constexpr uint8_t kPhaseBucket = 4;  // a rank's bucket header (layout hash), to every other rank
+constexpr uint8_t kPhaseContribute = 5;  // sparse allreduce: a rank's payload, to the chunk's owner
+constexpr uint8_t kPhaseSelected = 6;    // ... the owner's global selection, to every other rank
 constexpr size_t kBucketHeaderBytes = 12;  // u64 layout hash, u32 layers (little-endian)
 
 /// The key of `origin`'s statistics record of a step (round 0, chunk 0).
@@ -248,10 +251,19 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
   }
   // Which collective each tensor takes; the sparse ones that would move more bytes gathered than
   // a dense allreduce go dense (their own payloads decoded, summed as codec `none`).
-  std::vector<Item> reduce, gather;
+  std::vector<Item> reduce, gather, select;
   for (Item& it : items) {
     const auto& traits = it.r->codec.traits();
-    if (traits.summable || traits.rounds > 1) {
+    if (it.r->select_globally) {
+      if (!it.r->codec.selectsGlobally() || !it.r->select_count || it.r->round != 0) {
+        if (st.isOk()) {
+          st = internalError("tensor '" + it.r->tensor + "': codec " + traits.name +
+                             " cannot be selected globally");
+        }
+        continue;
+      }
+      select.push_back(it);
+    } else if (traits.summable || traits.rounds > 1) {
       reduce.push_back(it);
     } else if (denseIsSmaller(*it.r)) {
       auto dense = denseRound(*it.r);
@@ -265,10 +277,12 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     }
   }
   // by_origin[k][c][o]: rank o's payload of chunk c of gather[k]; reduced[k]: reduce[k]'s sums.
-  std::vector<Spans> by_origin, reduced;
-  // The gathers' own payloads go out first, then (once every rank's layout is known to be this
-  // one's) the allreduces run, then the gathers' hops.
+  std::vector<Spans> by_origin, reduced, selected;
+  // The gathers' and the sparse allreduces' own payloads go out first, then (once every rank's
+  // layout is known to be this one's) the allreduces run, then the owners' selections, then the
+  // gathers' hops.
   if (st.isOk()) st = gatherPost(gather, by_origin);
+  if (st.isOk()) st = sparsePost(select);
   if (st.isOk() && bucket) st = checkBucket(*bucket, step);
   if (st.isOk()) {
     auto sums = allreduce(reduce);
@@ -276,6 +290,14 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
       reduced = std::move(*sums);
     } else {
       st = sums.status();
+    }
+  }
+  if (st.isOk()) {
+    auto got = sparseReduce(select);
+    if (got) {
+      selected = std::move(*got);
+    } else {
+      st = got.status();
     }
   }
   if (st.isOk()) st = gatherReceive(gather, by_origin);
@@ -298,10 +320,12 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
   // In the order given: each tensor's sums, or every rank's payloads (decoded in rank order: the
   // same arithmetic on every rank).
   std::vector<Spans> out(n);
-  size_t next_reduce = 0, next_gather = 0;
+  size_t next_reduce = 0, next_gather = 0, next_select = 0;
   for (size_t i = 0; i < n; ++i) {
     if (next_gather < gather.size() && gather[next_gather].r == rounds[i]) {
       out[i] = std::move(by_origin[next_gather++]);
+    } else if (next_select < select.size() && select[next_select].r == rounds[i]) {
+      out[i] = std::move(selected[next_select++]);
     } else {
       out[i] = std::move(reduced[next_reduce++]);
     }
@@ -529,6 +553,101 @@ Status RingExchange::checkBucket(const BucketTag& bucket, uint64_t step) {
       "bucket '{}' step {}: this sidecar's layout is {:016x} ({} layers), {}: every trainer of the "
       "job must send a bucket with the same layout (docs/api.md \"Layouts: one tensor per layer\")",
       bucket.name, step, bucket.layout_hash, bucket.layers, differ));
+}
+
+Status RingExchange::sparsePost(std::span<const Item> items) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  for (const Item& it : items) {
+    const ExchangeRound& r = *it.r;
+    for (size_t c = 0; c < r.chunking.count(); ++c) {
+      const uint32_t owner = static_cast<uint32_t>(c % w);
+      if (owner == me) continue;
+      auto own = r.payload(c);  // compressed now: the previous chunk is on its way meanwhile
+      if (!own) return own.status();
+      LW_RETURN_IF_ERROR(
+          transport_.post(owner, FrameType::kData,
+                          keyOf(it.tensor, r, kPhaseContribute, static_cast<uint32_t>(c), me),
+                          static_cast<uint8_t>(r.codec.traits().id), *own, deadline_));
+    }
+  }
+  return Status::ok();
+}
+
+Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<const Item> items) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  std::vector<Spans> out(items.size());
+  // The owned chunks: every rank's contribution, summed in rank order (decoded with weight 1),
+  // then the chunk's share of the global selection, to every other rank.
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    ExchangeRound& r = *it.r;
+    const size_t chunks = r.chunking.count(), n = r.chunking.elements;
+    out[i].resize(chunks);
+    const size_t k = r.select_count(n);
+    for (size_t c = me; c < chunks; c += w) {
+      const size_t begin = r.chunking.begin(c), len = r.chunking.size(c);
+      select_sums_.resize(len);
+      for (uint32_t k_rank = 0; k_rank < w; ++k_rank) {
+        std::span<const uint8_t> contribution;
+        if (k_rank == me) {
+          auto own = r.payload(c);
+          if (!own) return own.status();
+          contribution = *own;
+        } else {
+          auto got = transport_.receive(
+              k_rank, keyOf(it.tensor, r, kPhaseContribute, static_cast<uint32_t>(c), k_rank),
+              deadline_);
+          if (!got) return got.status();
+          contribution = keep(std::move(got->payload));
+        }
+        const Status s = k_rank == 0
+                             ? r.codec.decodeChunkInto(contribution, 1.0f, select_sums_.data(), len)
+                             : r.codec.decodeChunk(contribution, 1.0f, select_sums_.data(), len);
+        if (!s.isOk()) {
+          return dataLoss("chunk " + std::to_string(c) + " of '" + r.tensor + "' from rank " +
+                          std::to_string(k_rank) + ": " + s.message());
+        }
+      }
+      // The chunk's share of k: floor(k·end/n) − floor(k·begin/n), so that the shares add up to k.
+      const auto share = [&](size_t at) {
+        return n == 0 ? size_t{0}
+                      : static_cast<size_t>((static_cast<unsigned __int128>(k) * at) / n);
+      };
+      const size_t k_c = share(begin + len) - share(begin);
+      std::vector<uint8_t>& sel =
+          sumBuffer(kernels::sparseMaxPayloadBytes(len, kernels::DType::kF32));
+      auto size = kernels::writeGlobalSelection(r.codec.traits().id, select_sums_, k_c,
+                                                select_scratch_, sel);
+      if (!size)
+        return internalError("selecting chunk " + std::to_string(c) + " of '" + r.tensor +
+                             "': " + size.status().message());
+      const std::span<const uint8_t> result(sel.data(), *size);
+      out[i][c].push_back(result);
+      for (uint32_t k_rank = 0; k_rank < w; ++k_rank) {
+        if (k_rank == me) continue;
+        LW_RETURN_IF_ERROR(
+            transport_.post(k_rank, FrameType::kData,
+                            keyOf(it.tensor, r, kPhaseSelected, static_cast<uint32_t>(c), me),
+                            static_cast<uint8_t>(r.codec.traits().id), result, deadline_));
+      }
+      if (r.on_chunk) LW_RETURN_IF_ERROR(r.on_chunk(c, out[i][c]));
+    }
+  }
+  // The other owners' selections.
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    ExchangeRound& r = *it.r;
+    for (size_t c = 0; c < r.chunking.count(); ++c) {
+      const uint32_t owner = static_cast<uint32_t>(c % w);
+      if (owner == me) continue;
+      auto got = transport_.receive(
+          owner, keyOf(it.tensor, r, kPhaseSelected, static_cast<uint32_t>(c), owner), deadline_);
+      if (!got) return got.status();
+      out[i][c].push_back(keep(std::move(got->payload)));
+      if (r.on_chunk) LW_RETURN_IF_ERROR(r.on_chunk(c, out[i][c]));
+    }
+  }
+  return out;
 }
 
 Status RingExchange::gatherPost(std::span<const Item> items, std::vector<Spans>& by_origin) {

@@ -7,6 +7,9 @@
 //     each rank adding its own payload (addPayloads, in that fixed order), and the owner's final
 //     sum travels on around the ring to everyone (reduce-scatter, then allgather). Every rank
 //     decodes the same bytes, so results are bitwise identical.
+//   - selection codecs asked for a global selection (ExchangeRound::select_globally): a sparse
+//     allreduce — each rank's payload of chunk c to the chunk's owner, which sums them in rank
+//     order and sends the chunk's share of the global top-k to every rank (sparsePost/Reduce);
 //   - other codecs (sparse, quantised): a ring allgather; every rank decodes all W payloads of a
 //     chunk in rank order (again the same arithmetic everywhere) — unless gathering would move
 //     more bytes than a dense ring allreduce (W × nominal payload > 2 × dense chunk): then every
@@ -50,6 +53,7 @@ class RingExchange final : public Exchange {
   Result<std::vector<std::vector<std::vector<std::span<const uint8_t>>>>> runAll(
       std::span<ExchangeRound* const> rounds, const BucketTag* bucket) override;
   bool encodesLazily() const override { return true; }
+  bool selectsGlobally() const override { return true; }
   Result<std::vector<uint32_t>> compareResults(const std::string& tensor, uint64_t step,
                                                uint64_t checksum) override;
   void abort(const std::string& tensor, uint64_t step, const std::string& reason) override;
@@ -68,6 +72,14 @@ class RingExchange final : public Exchange {
   /// others' received hop by hop (gatherReceive); by_origin[item][chunk][rank].
   Status gatherPost(std::span<const Item> items, std::vector<Spans>& by_origin);
   Status gatherReceive(std::span<const Item> items, std::vector<Spans>& by_origin);
+  /// The sparse allreduce (docs/exchange.md "Sparse allreduce") of every item's chunks (rounds
+  /// with select_globally): each rank's payload of chunk c goes to the chunk's owner (rank
+  /// c mod W, phase 5), which sums every rank's in rank order, selects the chunk's share of the
+  /// global top-k and sends that selection to every other rank (phase 6). sparsePost() posts this
+  /// rank's contributions; sparseReduce() reduces and selects the owned chunks and receives the
+  /// others' selections: out[item][chunk] = {the selection}.
+  Status sparsePost(std::span<const Item> items);
+  Result<std::vector<Spans>> sparseReduce(std::span<const Item> items);
   /// The bucket's header (its layout hash and layer count) to every other rank, and every other
   /// rank's received and compared with this one's.
   Status postBucket(const BucketTag& bucket, uint64_t step);
@@ -104,6 +116,8 @@ class RingExchange final : public Exchange {
   std::deque<std::vector<std::vector<uint8_t>>> dense_payloads_;
   std::deque<std::vector<std::span<const uint8_t>>> dense_spans_;
   std::deque<ExchangeRound> dense_rounds_;
+  std::vector<float> select_sums_;                      // sparseReduce(): one owned chunk's sums
+  std::vector<uint64_t> select_scratch_;                // ... and its candidates
   std::vector<std::pair<uint64_t, uint64_t>> buckets_;  // (bucket key, step) of the step's headers
   uint8_t header_[12] = {};                             // this rank's bucket header (posted)
 };

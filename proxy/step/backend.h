@@ -62,6 +62,17 @@ class StepBackend {
                                                        size_t chunk, int round,
                                                        std::span<const uint8_t> previous,
                                                        std::vector<uint8_t>& out) = 0;
+  /// Global selection (docs/exchange.md "Sparse allreduce"): whether this backend settles chunks
+  /// (settleChunk); the pipeline asks the exchange for a sparse allreduce only then.
+  virtual bool settlesChunks() const { return false; }
+  /// Codec::settleChunk with the step codec and the tensor's state: chunk `chunk` was encoded with
+  /// ctx.defer_sent, `sent` is its payload, `selected` the chunk's global selection.
+  virtual Status settleChunk(const kernels::StepContext& /*ctx*/,
+                             const kernels::Chunking& /*chunking*/, size_t /*chunk*/,
+                             std::span<const uint8_t> /*sent*/,
+                             std::span<const uint8_t> /*selected*/) {
+    return failedPrecondition("this backend does not settle a global selection");
+  }
   /// The input values of chunk `chunk` on the host (cosine sampling); may use `scratch`.
   virtual Result<const float*> chunkInput(const kernels::Chunking& chunking, size_t chunk,
                                           std::vector<float>& scratch) = 0;

@@ -212,6 +212,16 @@ Result<std::span<const uint8_t>> HostBackend::encodeChunk(const kernels::StepCon
   return std::span<const uint8_t>(out.data(), *size);
 }
 
+Status HostBackend::settleChunk(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
+                                size_t chunk, std::span<const uint8_t> sent,
+                                std::span<const uint8_t> selected) {
+  if (auto st = stepCodec().settleChunk(ctx, chunking, chunk, sent, selected, stepState());
+      !st.isOk()) {
+    return internalError("settling chunk " + std::to_string(chunk) + ": " + st.message());
+  }
+  return Status::ok();
+}
+
 Result<const float*> HostBackend::chunkInput(const kernels::Chunking& chunking, size_t chunk,
                                              std::vector<float>& /*scratch*/) {
   return input_ + chunking.begin(chunk);

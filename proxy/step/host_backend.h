@@ -47,6 +47,10 @@ class HostBackend final : public StepBackend {
                                                const kernels::Chunking& chunking, size_t chunk,
                                                int round, std::span<const uint8_t> previous,
                                                std::vector<uint8_t>& out) override;
+  bool settlesChunks() const override { return true; }
+  Status settleChunk(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
+                     size_t chunk, std::span<const uint8_t> sent,
+                     std::span<const uint8_t> selected) override;
   Result<const float*> chunkInput(const kernels::Chunking& chunking, size_t chunk,
                                   std::vector<float>& scratch) override;
   Status prepareResult(bool in_place) override;

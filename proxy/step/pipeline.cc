@@ -28,11 +28,12 @@ double& duration(StepFigures& fig, metrics::Stage stage) {
 }  // namespace
 
 size_t ringChunkElements(const kernels::Codec& codec, size_t n, size_t chunk_elements,
-                         uint32_t world) {
+                         uint32_t world, bool global_select) {
   const auto& traits = codec.traits();
   const bool elementwise =
       traits.summable && !traits.sparse && traits.rounds == 1 && !traits.single_chunk;
-  if (!elementwise || world < 2 || n <= kRingSplitMinElements || chunk_elements == 0) {
+  if (!(elementwise || global_select) || world < 2 || n <= kRingSplitMinElements ||
+      chunk_elements == 0) {
     return chunk_elements;
   }
   const size_t share = std::max<size_t>(kRingSplitMinElements, (n + world - 1) / world);
@@ -448,10 +449,18 @@ StepPipeline::Stage StepPipeline::prepare() {
       ctx_.density = *d;
     }
   }
-  chunking_ = kernels::chunkingFor(
-      codec, n_,
-      ringChunkElements(codec, n_, options.chunk_elements, engine_.exchange_.worldSize()));
   dense_step_ = plan_.mode == StepMode::kBypass || plan_.mode == StepMode::kFullSync;
+  // A sparse allreduce (docs/exchange.md "Sparse allreduce") where everything allows it: the
+  // codec selects, the exchange and the backend (the host's) do their part, and there is more
+  // than one sidecar. Encoding defers the effect of sending to the settling after the exchange.
+  select_globally_ = options.sparse_allreduce && !dense_step_ && codec.selectsGlobally() &&
+                     engine_.exchange_.selectsGlobally() && engine_.exchange_.worldSize() > 1 &&
+                     backend_->settlesChunks();
+  ctx_.defer_sent = select_globally_;
+  chunking_ =
+      kernels::chunkingFor(codec, n_,
+                           ringChunkElements(codec, n_, options.chunk_elements,
+                                             engine_.exchange_.worldSize(), select_globally_));
   // PowerSGD's start step (docs/policies.md "Schedules"): dense until then, the state untouched,
   // so that the factorisation starts from a gradient past the first, fastest-changing steps.
   if (codec.traits().id == kernels::CodecId::kPowersgd && step_ < options.powersgd_start_step &&
@@ -587,6 +596,10 @@ StepPipeline::Stage StepPipeline::openRound(int r) {
                     lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine_)});
   ExchangeRound& er = *round_;
   er.density = ctx_.density;
+  if (select_globally_) {
+    er.select_globally = true;
+    er.select_count = [this](size_t n) { return step_codec_->selectionCount(n, ctx_.density); };
+  }
   if (rounds_ == 1 && backend_->decodesDuringExchange()) {
     // A chunk whose payloads are final is decoded at once, while later chunks still travel.
     er.on_chunk = [this, chunks, &exchange](
@@ -651,6 +664,24 @@ StepPipeline::Stage StepPipeline::closeRound(
     round_payloads_.push_back((*got)[0][0]);
   } else {
     reduced_ = std::move(*got);
+  }
+  return select_globally_ ? settle() : std::nullopt;
+}
+
+// A global selection (docs/exchange.md "Sparse allreduce"): each chunk's state gives up what this
+// sidecar sent and the selection kept; the rest stays in it (state.next() only: a step that fails
+// later commits nothing).
+StepPipeline::Stage StepPipeline::settle() {
+  for (size_t c = 0; c < chunking_.count(); ++c) {
+    if (c >= reduced_.size() || reduced_[c].size() != 1) {
+      return Stop{StepError::kInternal,
+                  "a sparse allreduce returned other than one selection for "
+                  "chunk " +
+                      std::to_string(c)};
+    }
+    if (auto st = backend_->settleChunk(ctx_, chunking_, c, mine_[c], reduced_[c][0]); !st.isOk()) {
+      return Stop{StepError::kExchangeFailed, st.message()};
+    }
   }
   return std::nullopt;
 }

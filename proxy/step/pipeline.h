@@ -36,10 +36,12 @@ std::optional<CosineTerms> cosineTerms(const kernels::Codec& codec,
 /// does not depend on where the chunks end) of more than kRingSplitMinElements elements gets at
 /// least `world` chunks — at most ⌈n / world⌉ elements each, never fewer than
 /// kRingSplitMinElements — so that every rank owns a chunk of the ring and no layer is one serial
-/// chain of 2(W − 1) hops.
+/// chain of 2(W − 1) hops. A sparse allreduce (`global_select`) is split the same way, so that
+/// every rank owns a region of the index space (the chunks' boundaries are part of its result:
+/// each chunk keeps its share of k).
 constexpr size_t kRingSplitMinElements = size_t{1} << 16;
 size_t ringChunkElements(const kernels::Codec& codec, size_t n, size_t chunk_elements,
-                         uint32_t world);
+                         uint32_t world, bool global_select = false);
 
 /// One step of one tensor through its stages. Lives for one step on the thread that runs it (the
 /// engine's, or a submitting one for small steps); the tensor is the engine thread's meanwhile.
@@ -90,6 +92,7 @@ class StepPipeline {
   Stage afterExchange();
   Stage exchangeRound(int round);
   Result<std::span<const uint8_t>> encode(int round, size_t chunk);
+  Stage settle();
   Stage decode();
   Stage guard();
   Stage policies();
@@ -123,7 +126,8 @@ class StepPipeline {
   std::unique_ptr<StepBackend> backend_;
   kernels::StepContext ctx_;
   kernels::Chunking chunking_;
-  bool dense_step_ = false;                     // bypass and full sync: codec `none`
+  bool dense_step_ = false;       // bypass and full sync: codec `none`
+  bool select_globally_ = false;  // a sparse allreduce: encoded with defer_sent, settled after
   const kernels::Codec* step_codec_ = nullptr;  // the codec this step encodes with
   std::vector<uint8_t> record_;                 // this sidecar's statistics record
   std::vector<std::vector<uint8_t>> stats_in_;

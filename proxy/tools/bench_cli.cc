@@ -236,7 +236,8 @@ void addBenchExchange(CLI::App& bench, const char* argv0, int& rc) {
   struct State {
     BenchCodecFlags xf;
     int x_world = 0, x_steps = 5;
-    std::string x_transport = "tcp", x_topology = "ring";
+    std::string x_transport = "tcp", x_topology = "ring", x_sparse = "allgather";
+    uint64_t x_warmup = 0;
   };
   auto state = std::make_shared<State>();
   BenchCodecFlags& xf = state->xf;
@@ -280,6 +281,15 @@ void addBenchExchange(CLI::App& bench, const char* argv0, int& rc) {
       ->check(CLI::IsMember({"tcp", "ucx"}));
   exchange->add_option("--topology", x_topology, "ring, or ps (parameter server: rank 0)")
       ->check(CLI::IsMember({"ring", "ps"}));
+  exchange
+      ->add_option("--sparse", state->x_sparse,
+                   "How the ring exchanges topk and dgc: allgather or allreduce (peer.sparse)")
+      ->check(CLI::IsMember({"allgather", "allreduce"}));
+  exchange
+      ->add_option("--warmup-steps", state->x_warmup,
+                   "The sidecars' DGC warm-up (schedule.warmup_steps; default 0: topk and dgc send "
+                   "at their own density from the first step)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 40));
 
   exchange->callback([state, argv0, &rc] {
     BenchCodecFlags& xf = state->xf;
@@ -300,6 +310,8 @@ void addBenchExchange(CLI::App& bench, const char* argv0, int& rc) {
     xs.json = xf.json;
     xs.transport = state->x_transport;
     xs.topology = state->x_topology;
+    xs.sparse = state->x_sparse;
+    xs.warmup_steps = state->x_warmup;
     auto param = [&](const char* flag, const std::string& value) {
       xs.codec_args.push_back(std::string("--") + flag);
       xs.codec_args.push_back(value);

@@ -172,6 +172,8 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
                 "--codec",          s.codec,
                 "--transport",      s.transport,
                 "--topology",       s.topology,
+                "--sparse",         s.sparse,
+                "--warmup-steps",   std::to_string(s.warmup_steps),
                 "--max-body-bytes", max_body};
       o.args.insert(o.args.end(), s.codec_args.begin(), s.codec_args.end());
       o.env = {{"LIGHTWIRE_PEER__SECRET", secret}};
@@ -330,6 +332,8 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
         {"threads_per_sidecar", 1},
         {"transport", s.transport + " loopback"},
         {"topology", s.topology},
+        {"sparse", s.sparse},
+        {"warmup_steps", s.warmup_steps},
         {"raw_bytes", bytes},
         {"seconds_per_step", sps},
         {"seconds_per_step_min", *std::min_element(step_s.begin(), step_s.end())},
@@ -344,8 +348,10 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
     } else {
       std::string p;
       for (const auto& [k, v] : s.codec_params) p += " " + k + "=" + v;
-      std::printf("world size %d, codec %s%s, %zu fp32 elements (%.1f MB), median of %d steps\n", W,
-                  s.codec.c_str(), p.c_str(), N, static_cast<double>(bytes) / 1e6, K);
+      std::printf(
+          "world size %d, codec %s%s, %zu fp32 elements (%.1f MB), sparse %s, median of %d "
+          "steps\n",
+          W, s.codec.c_str(), p.c_str(), N, static_cast<double>(bytes) / 1e6, s.sparse.c_str(), K);
       std::printf("seconds_per_step      %10.4f  (min %.4f, max %.4f)\n", sps,
                   result["seconds_per_step_min"].as_double(),
                   result["seconds_per_step_max"].as_double());

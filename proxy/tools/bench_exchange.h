@@ -22,9 +22,11 @@ struct ExchangeBenchSettings {
   /// The same parameters for the report (flag name without dashes, value).
   std::vector<std::pair<std::string, std::string>> codec_params;
   size_t elements = 0;
-  int steps = 5;                  // timed steps (one more, untimed, runs first)
-  std::string transport = "tcp";  // peer.transport of every sidecar: tcp | ucx
-  std::string topology = "ring";  // peer.topology: ring | ps (server rank 0)
+  int steps = 5;                     // timed steps (one more, untimed, runs first)
+  std::string transport = "tcp";     // peer.transport of every sidecar: tcp | ucx
+  std::string topology = "ring";     // peer.topology: ring | ps (server rank 0)
+  std::string sparse = "allgather";  // peer.sparse: allgather | allreduce
+  uint64_t warmup_steps = 0;  // schedule.warmup_steps (0: the codec's own density from the start)
   bool json = false;
 };
 

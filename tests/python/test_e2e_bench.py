@@ -153,6 +153,28 @@ def test_hook_cost_bench_smoke(tmp_path):
     assert "median of 1 interleaved repetitions" in r.stdout
 
 
+def test_noise_scale_bench_smoke(tmp_path):
+    """bench/e2e/noise_scale.py at smoke size: per layer and window the noise ratio (between 1 and
+    W in expectation, for independent ranks), QSGD's relative error and the predicted steps factors
+    (at least 1; 4 bits above 8 bits)."""
+    out = tmp_path / "noise.json"
+    r = subprocess.run([PYTHON, os.path.join(REPO, "bench", "e2e", "noise_scale.py"), "--size",
+                        "smoke", "--steps", "3", "--window", "2", "--world-size", "2", "--json",
+                        str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [t["task"] for t in data["tasks"]] == ["mlp", "lm"]
+    for t in data["tasks"]:
+        assert [w["last_step"] for w in t["windows"]] == [2, 3], t["windows"]
+        for w in t["windows"]:
+            assert 1 <= w["weighted"]["qsgd8_factor"] < w["weighted"]["qsgd4_factor"], w["weighted"]
+            for row in w["layers"]:
+                if row["noise_ratio"] is None:  # a layer whose gradient is exactly zero
+                    continue
+                assert row["noise_ratio"] >= 1 - 1e-9, row
+                assert row["qsgd4_factor"] >= row["qsgd8_factor"] >= 1, row
+
+
 def test_memory_bench_smoke():
     """bench/memory.py at a tiny size: a row per codec and path with its fields; the shared-memory
     path maps the trainer's segment (RssShmem) and the HTTP path does not. The figures themselves

@@ -208,6 +208,7 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"state.keep_trainer", {"2", "7", "1000000"}},
       {"state.fresh", {"TRUE", "off", "yes"}},
       {"peer.topology", {"ps", "ring", "ps"}},
+      {"peer.sparse", {"allreduce", "allgather", "allreduce"}},
       {"peer.ps_rank", {"1", "2", "3"}},
       {"peer.synchrony", {"bounded-staleness", "sync", "bounded-staleness"}},
       {"peer.staleness", {"1", "4", "9"}},
@@ -815,6 +816,16 @@ TEST_CASE("config: membership keys agree with each other; the job secret is neve
                                                  {"peer.secret", "x"},
                                                  {"peer.synchrony", "bounded-staleness"}}));
   CHECK(contains(stale_ring.message(), "needs peer.topology ps"));
+  const auto sparse_ps = checkMembership(build({{"world_size", "2"},
+                                                {"peer.peers", "a:1,b:2"},
+                                                {"peer.secret", "x"},
+                                                {"peer.topology", "ps"},
+                                                {"peer.sparse", "allreduce"}}));
+  CHECK(contains(sparse_ps.message(), "peer.sparse allreduce needs peer.topology ring"));
+  const auto bad_sparse =
+      buildServeConfig(std::nullopt, {}, flagsOf({{"peer.sparse", "allscatter"}}), nullptr);
+  REQUIRE_FALSE(bad_sparse.isOk());
+  CHECK(contains(bad_sparse.status().message(), "allgather, allreduce"));
   const auto both = checkMembership(build({{"world_size", "2"},
                                            {"peer.peers", "a:1,b:2"},
                                            {"peer.secret", "x"},

@@ -1016,6 +1016,10 @@ TEST_CASE("ring chunking: elementwise codecs give every rank a chunk of a tensor
   CHECK(ringChunkElements(*none, kRingSplitMinElements, mi, 4) == mi);      // small: as configured
   CHECK(ringChunkElements(*none, mi, mi, 1) == mi);  // one rank: nothing to share
   CHECK(ringChunkElements(*topk, mi, mi, 4) == mi);  // selection is per chunk
+  // A sparse allreduce gives every rank a region of the index space, as elementwise codecs.
+  CHECK(ringChunkElements(*topk, mi, mi, 4, /*global_select=*/true) == mi / 4);
+  CHECK(ringChunkElements(*topk, 100000, mi, 4, true) == kRingSplitMinElements);
+  CHECK(ringChunkElements(*topk, mi, mi, 1, true) == mi);
   CHECK(ringChunkElements(*qsgd, mi, mi, 4) == mi);
 }
 

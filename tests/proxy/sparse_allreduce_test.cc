@@ -1,0 +1,401 @@
+// The sparse allreduce (docs/exchange.md "Sparse allreduce") over real TcpTransports on loopback:
+// each chunk's owner sums every rank's selection in rank order and keeps the chunk's share of the
+// global top-k; the results against a plain computation of that rule, bitwise identical on every
+// rank; the state settled by the global selection (error feedback and dgc); conservation over
+// many steps; a silent rank failing the step on every rank within the deadline.
+
+#include <doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/codec.h"
+#include "kernels/registry.h"
+#include "kernels/select.h"
+#include "proxy/peer/collective.h"
+#include "tests/proxy/peer_mesh.h"
+
+namespace lightwire::proxy::peer {
+namespace {
+
+using namespace lightwire::proxy::peer::testing;  // NOLINT(google-build-using-namespace)
+using SparseInputs = std::function<std::vector<float>(uint32_t rank, uint64_t step)>;
+
+/// What one rank ends a step with.
+struct SparseRankStep {
+  bool ok = false;
+  std::string error;
+  std::vector<std::vector<uint8_t>> sent;      // its payload of every chunk
+  std::vector<std::vector<uint8_t>> selected;  // every chunk's global selection
+  std::vector<float> sums;                     // the selections decoded with weight 1
+  std::vector<float> state;                    // its codec state after the step (committed)
+};
+
+/// Runs `steps` steps of `codec` through the sparse allreduce on every rank of `mesh` (ranks in
+/// `silent` take no part), each rank's state carried from step to step (committed after each
+/// successful one). Returns [step][rank].
+std::vector<std::vector<SparseRankStep>> runSparse(
+    Mesh& mesh, const kernels::Codec& codec, size_t n, size_t chunk, const SparseInputs& inputs,
+    uint64_t steps = 1, std::vector<uint32_t> silent = {},
+    std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+  const uint32_t w = static_cast<uint32_t>(mesh.transports.size());
+  const kernels::Chunking chunking = kernels::chunkingFor(codec, n, chunk);
+  std::vector<std::future<std::vector<SparseRankStep>>> futures;
+  for (uint32_t r = 0; r < w; ++r) {
+    if (std::find(silent.begin(), silent.end(), r) != silent.end()) continue;
+    futures.push_back(std::async(std::launch::async, [&, r] {
+      RingExchange ring(*mesh.transports[r], timeout);
+      kernels::CodecState state(codec.stateFloats(n));
+      std::vector<SparseRankStep> out;
+      for (uint64_t step = 1; step <= steps; ++step) {
+        SparseRankStep s;
+        const auto x = inputs(r, step);
+        kernels::StepContext ctx;
+        ctx.rank = r;
+        ctx.step = step;
+        ctx.defer_sent = true;
+        auto payloads =
+            kernels::encodeTensor(codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, state);
+        REQUIRE_MESSAGE(payloads.isOk(), payloads.status().message());
+        s.sent = *payloads;
+        std::vector<std::span<const uint8_t>> mine(payloads->begin(), payloads->end());
+        const std::string name = "t";
+        ExchangeRound round{name, step, 0, codec, chunking, mine};
+        round.select_globally = true;
+        round.select_count = [&](size_t elements) {
+          return codec.selectionCount(elements, std::nullopt);
+        };
+        std::vector<int> calls(chunking.count(), 0);
+        round.on_chunk = [&](size_t c, std::span<const std::span<const uint8_t>> list) {
+          ++calls.at(c);
+          return list.size() == 1 ? Status::ok() : internalError("not one selection");
+        };
+        auto got = ring.run(round);
+        if (!got) {
+          s.error = got.status().message();
+          s.state.assign(state.currentSpan().begin(), state.currentSpan().end());
+          ring.stepDone(name, step);
+          out.push_back(std::move(s));
+          break;
+        }
+        s.ok = true;
+        s.sums.assign(n, 0.0f);
+        REQUIRE(got->size() == chunking.count());
+        for (size_t c = 0; c < got->size(); ++c) {
+          REQUIRE(calls[c] == 1);
+          REQUIRE((*got)[c].size() == 1);
+          const auto sel = (*got)[c][0];
+          s.selected.emplace_back(sel.begin(), sel.end());
+          REQUIRE(codec.decodeChunk(sel, 1.0f, s.sums.data() + chunking.begin(c), chunking.size(c))
+                      .isOk());
+          REQUIRE(codec.settleChunk(ctx, chunking, c, mine[c], sel, state).isOk());
+        }
+        ring.stepDone(name, step);
+        state.commit();
+        s.state.assign(state.currentSpan().begin(), state.currentSpan().end());
+        out.push_back(std::move(s));
+      }
+      return out;
+    }));
+  }
+  std::vector<std::vector<SparseRankStep>> by_rank;
+  for (auto& f : futures) by_rank.push_back(f.get());
+  std::vector<std::vector<SparseRankStep>> by_step;
+  for (size_t r = 0; r < by_rank.size(); ++r) {
+    for (size_t s = 0; s < by_rank[r].size(); ++s) {
+      if (by_step.size() <= s) by_step.resize(s + 1);
+      by_step[s].push_back(std::move(by_rank[r][s]));
+    }
+  }
+  return by_step;
+}
+
+bool identicalBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+/// The rule of docs/exchange.md "Sparse allreduce", computed plainly: chunk c's sums of every
+/// rank's payload in rank order (weight 1), of which the k_c = floor(k·end/n) − floor(k·begin/n)
+/// entries with the largest magnitude keys (ties: lower index; ±0 never) are kept.
+std::vector<float> sparseReference(const kernels::Codec& codec, const kernels::Chunking& chunking,
+                                   const std::vector<SparseRankStep>& ranks) {
+  const size_t n = chunking.elements;
+  const size_t k = codec.selectionCount(n, std::nullopt);
+  std::vector<float> out(n, 0.0f);
+  for (size_t c = 0; c < chunking.count(); ++c) {
+    const size_t begin = chunking.begin(c), len = chunking.size(c);
+    std::vector<float> sum(len, 0.0f);
+    for (const SparseRankStep& r : ranks) {
+      REQUIRE(codec.decodeChunk(r.sent[c], 1.0f, sum.data(), len).isOk());
+    }
+    std::vector<size_t> order;
+    for (size_t i = 0; i < len; ++i) {
+      if (kernels::magnitudeKey(sum[i]) != 0) order.push_back(i);
+    }
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      const uint32_t ka = kernels::magnitudeKey(sum[a]), kb = kernels::magnitudeKey(sum[b]);
+      return ka != kb ? ka > kb : a < b;
+    });
+    const size_t k_c = k * (begin + len) / n - k * begin / n;
+    for (size_t j = 0; j < std::min(k_c, order.size()); ++j) {
+      out[begin + order[j]] = sum[order[j]];
+    }
+  }
+  return out;
+}
+
+std::vector<float> sparseInput(uint32_t rank, uint64_t step, size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    v[i] = std::sin(0.001f * static_cast<float>(i * (rank + 2)) + static_cast<float>(step)) *
+           (1.0f + static_cast<float>((i * 7919 + rank * 104729 + step * 31) % 1000) * 0.002f);
+  }
+  return v;
+}
+
+/// fn(mesh, w, codec) for every world size of `worlds` (a fresh mesh each) and topk and dgc (error
+/// feedback; dgc without momentum correction) at `density`.
+template <typename Fn>
+void overMeshesAndCodecs(std::initializer_list<uint32_t> worlds, double density, Fn fn) {
+  for (uint32_t w : worlds) {
+    CAPTURE(w);
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    for (const char* name : {"topk", "dgc"}) {
+      CAPTURE(name);
+      auto codec = kernels::createCodec({.name = name, .density = density});
+      REQUIRE(codec.isOk());
+      fn(mesh, w, **codec);
+    }
+  }
+}
+
+TEST_CASE("sparse allreduce: the global selection of the summed contributions, on every rank") {
+  overMeshesAndCodecs(
+      {2u, 3u, 5u, 8u}, 0.02, [](Mesh& mesh, uint32_t w, const kernels::Codec& codec) {
+        const size_t n = 12000, chunk = 1000;
+        const auto steps = runSparse(mesh, codec, n, chunk,
+                                     [&](uint32_t r, uint64_t s) { return sparseInput(r, s, n); });
+        REQUIRE(steps.size() == 1);
+        const auto& ranks = steps[0];
+        REQUIRE(ranks.size() == w);
+        const kernels::Chunking chunking = kernels::chunkingFor(codec, n, chunk);
+        const auto want = sparseReference(codec, chunking, ranks);
+        const size_t k = codec.selectionCount(n, std::nullopt);
+        size_t nnz = 0;
+        for (float v : want) nnz += v != 0.0f;
+        CHECK(nnz <= k);
+        CHECK(nnz > 0);
+        for (uint32_t r = 0; r < w; ++r) {
+          CAPTURE(r);
+          REQUIRE(ranks[r].ok);
+          CHECK(identicalBits(ranks[r].sums, want));
+          CHECK(ranks[r].selected == ranks[0].selected);
+        }
+      });
+}
+
+TEST_CASE("sparse allreduce: what a rank sent and the selection dropped stays in its state") {
+  const uint32_t w = 3;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  const size_t n = 6000, chunk = 2000;
+  for (double momentum : {0.0, 0.9}) {
+    CAPTURE(momentum);
+    // Error feedback (topk) and dgc's velocity (with and without momentum correction): the first
+    // step's accumulation is the input, so an element keeps it unless this rank sent it and the
+    // selection kept it; dgc's momentum is cleared exactly there.
+    for (const char* name : {"topk", "dgc"}) {
+      if (momentum > 0 && std::string(name) == "topk") continue;
+      CAPTURE(name);
+      auto codec = kernels::createCodec({.name = name, .density = 0.01, .momentum = momentum});
+      REQUIRE(codec.isOk());
+      const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
+      const auto steps = runSparse(mesh, **codec, n, chunk,
+                                   [&](uint32_t r, uint64_t s) { return sparseInput(r, s, n); });
+      const auto& ranks = steps[0];
+      size_t dropped = 0;
+      for (uint32_t r = 0; r < w; ++r) {
+        CAPTURE(r);
+        REQUIRE(ranks[r].ok);
+        const auto x = sparseInput(r, 1, n);
+        std::vector<char> sent(n, 0), kept(n, 0);
+        for (size_t c = 0; c < chunking.count(); ++c) {
+          std::vector<uint32_t> idx;
+          std::vector<float> val;
+          REQUIRE(kernels::readSparseEntries(ranks[r].sent[c], (*codec)->traits().id,
+                                             chunking.size(c), idx, val)
+                      .isOk());
+          for (uint32_t i : idx) sent[chunking.begin(c) + i] = 1;
+          REQUIRE(kernels::readSparseEntries(ranks[r].selected[c], (*codec)->traits().id,
+                                             chunking.size(c), idx, val)
+                      .isOk());
+          for (uint32_t i : idx) kept[chunking.begin(c) + i] = 1;
+        }
+        const float* v = ranks[r].state.data() + (momentum > 0 ? n : 0);  // dgc: u then v
+        for (size_t i = 0; i < n; ++i) {
+          const bool gone = sent[i] && kept[i];
+          dropped += sent[i] && !kept[i];
+          REQUIRE(v[i] == (gone ? 0.0f : x[i]));
+          if (momentum > 0) REQUIRE(ranks[r].state[i] == (gone ? 0.0f : x[i]));
+        }
+      }
+      CHECK(dropped > 0);  // the ranks' selections differ: some of what was sent was dropped
+    }
+  }
+}
+
+TEST_CASE("sparse allreduce: a selection that keeps everything sent settles as the encode would") {
+  // One rank sends nothing (all zeros), another's values dominate every chunk, at most the chunk's
+  // share of k of them: the global selection keeps all it sends, so its state equals an encode
+  // without deferral.
+  const uint32_t w = 3;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  const size_t n = 4000, chunk = 1000;
+  // Rank 1: 50 large values in every chunk (the chunk's share of k = 200), the rest tiny.
+  auto inputs = [&](uint32_t r, uint64_t s) {
+    std::vector<float> v = sparseInput(r, s, n);
+    for (size_t i = 0; i < n; ++i) {
+      v[i] = r == 0 ? 0.0f : r == 1 ? v[i] * (i % 20 == 3 ? 1e6f : 1e-3f) : v[i];
+    }
+    return v;
+  };
+  for (double momentum : {0.0, 0.9}) {
+    auto codec = kernels::createCodec({.name = "dgc", .density = 0.05, .momentum = momentum});
+    REQUIRE(codec.isOk());
+    const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
+    const auto steps = runSparse(mesh, **codec, n, chunk, inputs, 3);
+    REQUIRE(steps.size() == 3);
+    kernels::CodecState plain((*codec)->stateFloats(n));
+    for (uint64_t s = 1; s <= 3; ++s) {
+      CAPTURE(s);
+      const auto x = inputs(1, s);
+      kernels::StepContext ctx;
+      ctx.rank = 1;
+      ctx.step = s;
+      auto p =
+          kernels::encodeTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, plain);
+      REQUIRE(p.isOk());
+      plain.commit();
+      const auto& ranks = steps[s - 1];
+      REQUIRE(ranks.size() == w);
+      CHECK(*p == ranks[1].sent);
+      const std::vector<float> want(plain.currentSpan().begin(), plain.currentSpan().end());
+      CHECK(identicalBits(ranks[1].state, want));
+      // Rank 0 sent nothing; its zero inputs leave its state zero.
+      for (float v : ranks[0].state) REQUIRE(v == 0.0f);
+    }
+  }
+}
+
+TEST_CASE("sparse allreduce: ties, empty chunks, one owner's region, non-finite sums") {
+  const uint32_t w = 3;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  auto codec = kernels::createCodec({.name = "topk", .density = 0.01, .error_feedback = false});
+  REQUIRE(codec.isOk());
+  const size_t n = 3000, chunk = 1000;
+  const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
+  SUBCASE("ties break by the lower index") {
+    // Every rank has the same magnitude everywhere in chunk 1: its 10 lowest indices win.
+    const auto steps = runSparse(mesh, **codec, n, chunk, [&](uint32_t r, uint64_t) {
+      std::vector<float> v(n, 0.0f);
+      for (size_t i = 1000; i < 2000; ++i) v[i] = (i + r) % 2 ? 1.0f : -1.0f;
+      return v;
+    });
+    const auto want = sparseReference(**codec, chunking, steps[0]);
+    for (const auto& r : steps[0]) CHECK(identicalBits(r.sums, want));
+  }
+  SUBCASE("every selected index in one owner's region; the other chunks are empty") {
+    const auto steps = runSparse(mesh, **codec, n, chunk, [&](uint32_t r, uint64_t) {
+      std::vector<float> v(n, 0.0f);
+      for (size_t i = 2000; i < 3000; ++i) v[i] = static_cast<float>(i % 37 + r);
+      return v;
+    });
+    const auto want = sparseReference(**codec, chunking, steps[0]);
+    for (const auto& r : steps[0]) {
+      CHECK(identicalBits(r.sums, want));
+      for (size_t i = 0; i < 2000; ++i) REQUIRE(r.sums[i] == 0.0f);
+      size_t nnz = 0;
+      for (size_t i = 2000; i < 3000; ++i) nnz += r.sums[i] != 0.0f;
+      CHECK(nnz == 10);  // chunk 2's share of k = 30
+    }
+  }
+  SUBCASE("a non-finite sum is selected: every rank's result carries it") {
+    const auto steps = runSparse(mesh, **codec, n, chunk, [&](uint32_t r, uint64_t) {
+      std::vector<float> v = sparseInput(r, 1, n);
+      if (r == 2) v[1500] = std::numeric_limits<float>::infinity();
+      return v;
+    });
+    for (const auto& r : steps[0]) {
+      REQUIRE(r.ok);
+      CHECK(std::isinf(r.sums[1500]));
+    }
+  }
+}
+
+TEST_CASE("sparse allreduce: conservation of error feedback over many steps") {
+  // Over S steps: the sum of the results' sums plus every rank's final residual is the sum of
+  // every rank's inputs (fp32 rounding aside: relative 1e-5 of the total magnitude).
+  overMeshesAndCodecs({2u, 5u}, 0.03, [](Mesh& mesh, uint32_t w, const kernels::Codec& codec) {
+    const size_t n = 5000, chunk = 1000;
+    const uint64_t s_count = 20;
+    const auto steps = runSparse(
+        mesh, codec, n, chunk, [&](uint32_t r, uint64_t s) { return sparseInput(r, s, n); },
+        s_count);
+    REQUIRE(steps.size() == s_count);
+    std::vector<double> inputs(n, 0.0), outputs(n, 0.0);
+    double scale = 0.0;
+    for (uint64_t s = 1; s <= s_count; ++s) {
+      for (uint32_t r = 0; r < w; ++r) {
+        const auto x = sparseInput(r, s, n);
+        for (size_t i = 0; i < n; ++i) {
+          inputs[i] += x[i];
+          scale += std::fabs(x[i]);
+        }
+      }
+      for (size_t i = 0; i < n; ++i) outputs[i] += steps[s - 1][0].sums[i];
+    }
+    for (uint32_t r = 0; r < w; ++r) {
+      for (size_t i = 0; i < n; ++i) outputs[i] += steps[s_count - 1][r].state[i];
+    }
+    double err = 0.0;
+    for (size_t i = 0; i < n; ++i) err += std::fabs(inputs[i] - outputs[i]);
+    CHECK(err <= 1e-5 * scale);
+  });
+}
+
+TEST_CASE("sparse allreduce: a silent rank fails the step on every other rank, state unchanged") {
+  const uint32_t w = 3;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  auto codec = kernels::createCodec({.name = "dgc", .density = 0.05, .momentum = 0.9});
+  REQUIRE(codec.isOk());
+  const size_t n = 3000, chunk = 1000;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto steps = runSparse(
+      mesh, **codec, n, chunk, [&](uint32_t r, uint64_t s) { return sparseInput(r, s, n); }, 1, {2},
+      std::chrono::milliseconds(400));
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  REQUIRE(steps.size() == 1);
+  REQUIRE(steps[0].size() == 2);
+  for (const auto& r : steps[0]) {
+    CHECK_FALSE(r.ok);
+    CHECK_MESSAGE(r.error.find("2") != std::string::npos, r.error);
+    for (float v : r.state) REQUIRE(v == 0.0f);  // nothing committed
+  }
+}
+
+}  // namespace
+}  // namespace lightwire::proxy::peer
