@@ -206,6 +206,12 @@ std::vector<uint8_t> PolicyEngine::record(StepStats local) const {
   return encodeStats(local);
 }
 
+void PolicyEngine::note(uint64_t step, const std::string& tensor, std::string kind,
+                        std::string detail) {
+  std::lock_guard lock(mu_);
+  log(step, tensor, std::move(kind), std::move(detail));
+}
+
 void PolicyEngine::log(uint64_t step, const std::string& tensor, std::string kind,
                        std::string detail) {
   Decision d{next_seq_++, step, tensor, std::move(kind), std::move(detail)};

@@ -176,6 +176,9 @@ class PolicyEngine {
   bool bypassActive(uint64_t step) const;
   /// Status: config, bypass, settings history, baselines, decision log (last entries).
   boost::json::object statusJson() const;
+  /// Adds an entry to the decision log for a choice made elsewhere from what every rank knows
+  /// alike (the step engine's collective per layer, peer.sparse auto).
+  void note(uint64_t step, const std::string& tensor, std::string kind, std::string detail);
   /// The decision log (for tests and `lightwire status`).
   std::vector<Decision> decisions() const;
   /// Everything decisions depend on, as JSON (checkpoints, and the job state a rejoining sidecar

@@ -136,6 +136,14 @@ EXTRA_CONFIGS = [
      ["--codec", "none"] + POLICIES_OFF),
     ("lightwire_fp16_serial", "lightwire fp16 (one bucket at a time)", "lightwire", "serial",
      ["--codec", "fp16"] + POLICIES_OFF),
+    # The sparse allreduce (docs/exchange.md "Sparse allreduce"): each chunk's owner keeps its
+    # share of a global top-k of the summed selections (at most k entries, traffic flat in W)
+    # instead of every rank's selection reaching every rank (up to W x k).
+    ("lightwire_dgc_allreduce", "lightwire dgc 1 % (momentum correction, sparse allreduce)",
+     "lightwire", None, ["--codec", "dgc", "--density", "0.01", "--sparse", "allreduce"]
+     + DGC_MOMENTUM + POLICIES_OFF),
+    ("lightwire_topk_allreduce", "lightwire topk 1 % (sparse allreduce)", "lightwire", None,
+     ["--codec", "topk", "--density", "0.01", "--sparse", "allreduce"] + POLICIES_OFF),
     ("lightwire_dgc_warmup100", "lightwire dgc 1 % (momentum correction, warm-up 100)",
      "lightwire", None, ["--codec", "dgc", "--density", "0.01", "--warmup-steps", "100"]
      + DGC_MOMENTUM + POLICIES_OFF),
@@ -153,7 +161,7 @@ TTA_CONFIGS.append("lightwire_dgc_flat")
 # compressed codecs whose time to accuracy is in question, one seed each for the others.
 TTA_SEEDS = {"ddp": "all", "lightwire_dgc": "all", "lightwire_topk": "all",
              "lightwire_qsgd4": "all", "lightwire_powersgd4": "all", "lightwire_auto": "all",
-             "lightwire_auto_dgcm": "all", "*": "first"}
+             "lightwire_auto_dgcm": "all", "lightwire_dgc_allreduce": "all", "*": "first"}
 # Per task, where it differs (task name -> rules as TTA_SEEDS's, which win over those). None
 # now: under AdamW (the LM) dgc's momentum correction is Adam's first moment with
 # lightwire.torch.AdamW (docs/codecs.md "Adam with sparse codecs"), so lightwire_dgc is the dgc

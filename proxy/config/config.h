@@ -162,8 +162,9 @@ struct ServeConfig {
     uint64_t checksum_every = 100;  // compare result checksums every N steps (0 = never)
     std::string transport = "tcp";  // tcp | ucx
     std::string topology = "ring";  // ring | ps
-    // allgather | allreduce: how the ring exchanges topk and dgc (docs/exchange.md "Sparse
-    // allreduce"): every rank's selection to every rank, or a global selection of their sums.
+    // allgather | allreduce | auto: how the ring exchanges topk and dgc (docs/exchange.md "Sparse
+    // allreduce"): every rank's selection to every rank, a global selection of their sums, or
+    // per layer whichever moves fewer bytes.
     std::string sparse = "allgather";
     uint32_t ps_rank = 0;            // the parameter-server sidecar (topology ps)
     std::string synchrony = "sync";  // sync | bounded-staleness (topology ps only)

@@ -249,10 +249,10 @@ Status checkMembership(const ServeConfig& c) {
     return invalidArgument("peer.ps_rank " + std::to_string(p.ps_rank) +
                            " is not below world_size " + std::to_string(p.world_size));
   }
-  if (p.sparse == "allreduce" && p.topology != "ring") {
-    return invalidArgument(
-        "peer.sparse allreduce needs peer.topology ring (the parameter server re-selects what it "
-        "sums itself)");
+  if (p.sparse != "allgather" && p.topology != "ring") {
+    return invalidArgument("peer.sparse " + p.sparse +
+                           " needs peer.topology ring (the parameter server re-selects what it "
+                           "sums itself)");
   }
   if (p.synchrony == "bounded-staleness" && p.topology != "ps") {
     return invalidArgument("peer.synchrony bounded-staleness needs peer.topology ps");

@@ -406,7 +406,9 @@ EngineOptions engineOptions(const ServeConfig& config, unsigned threads,
   eo.seed = jobSeed(config);
   eo.rank = config.peer.rank;
   eo.checksum_every = config.peer.checksum_every;
-  eo.sparse_allreduce = config.peer.sparse == "allreduce";
+  eo.sparse = config.peer.sparse == "allreduce" ? EngineOptions::Sparse::kAllreduce
+              : config.peer.sparse == "auto"    ? EngineOptions::Sparse::kAuto
+                                                : EngineOptions::Sparse::kAllgather;
   eo.warmup_steps = config.policies.warmup_steps;
   eo.powersgd_start_step = config.policies.powersgd_start_step;
   eo.max_state_bytes = config.limits.max_state_bytes;

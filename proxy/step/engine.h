@@ -57,9 +57,11 @@ struct EngineOptions {
   uint32_t seed = 0;  // Philox key word 0 (job seed: the same on every sidecar of a job)
   uint32_t rank = 0;  // this sidecar's rank: its per-rank random streams (qsgd rounding, ...)
   uint64_t checksum_every = 100;  // compare result checksums every N steps of a tensor (0 = off)
-  // topk and dgc through a sparse allreduce (docs/exchange.md "Sparse allreduce") where the
-  // exchange, the backend (the host's) and the step allow it; else the allgather.
-  bool sparse_allreduce = false;
+  // How topk and dgc are exchanged (peer.sparse, docs/exchange.md "Sparse allreduce"): the ring
+  // allgather, the sparse allreduce (where the exchange, the backend — the host's — and the step
+  // allow it), or per layer whichever moves fewer bytes (auto).
+  enum class Sparse { kAllgather, kAllreduce, kAuto };
+  Sparse sparse = Sparse::kAllgather;
   // DGC warm-up (docs/policies.md): over a tensor's first warmup_steps steps, selection codecs
   // send at least 25 %, 6.25 %, 1.5625 %, 0.39 %, 0.098 % (five equal stages), then their own
   // density.

@@ -40,6 +40,17 @@ size_t ringChunkElements(const kernels::Codec& codec, size_t n, size_t chunk_ele
   return std::min(chunk_elements, share);
 }
 
+bool sparseAllreduceIsSmaller(const kernels::Codec& codec, size_t n, uint32_t world,
+                              std::optional<double> density) {
+  // Per rank: the allgather sends (W − 1) selections, or 2(W − 1)/W dense tensors once it switches
+  // to the dense allreduce (W · selection > 2 · dense); the sparse allreduce 2(W − 1)/W
+  // selections. So the sparse allreduce moves fewer from W = 3 on, while a selection is smaller
+  // than the dense tensor. Nominal sizes (the configuration's), never the data's.
+  if (world < 3) return false;
+  const auto selection = codec.nominalPayloadBytes(n, density);
+  return selection && *selection < kernels::noneCodec().maxPayloadBytes(n);
+}
+
 std::optional<CosineTerms> cosineTerms(const kernels::Codec& codec,
                                        std::span<const uint8_t> payload, const float* original,
                                        size_t len, std::vector<float>& scratch) {
@@ -206,9 +217,27 @@ StepPipeline::Stage StepPipeline::beforeExchange() {
 }
 
 StepPipeline::Stage StepPipeline::afterExchange() {
+  noteSparseChoice();
   if (auto stop = decode()) return stop;
   if (auto stop = guard()) return stop;
   return policies();
+}
+
+// peer.sparse auto: a layer's collective moved (a schedule's density changed the sizes, or its
+// first step): into the decision log (identical on every rank: the choice is the configuration's),
+// or the log without policies. Steps after the exchange run in bucket order on one thread.
+void StepPipeline::noteSparseChoice() {
+  if (!sparse_choice_ || t_.sparse_allreduce == sparse_choice_) return;
+  t_.sparse_allreduce = sparse_choice_;
+  const std::string detail =
+      fmt::format("{} ({} selecting {} of {} elements, {} sidecars; peer.sparse auto)",
+                  *sparse_choice_ ? "sparse allreduce" : "allgather", step_codec_->traits().name,
+                  step_codec_->selectionCount(n_, ctx_.density), n_, engine_.exchange_.worldSize());
+  if (policy_) {
+    policy_->note(step_, t_.name, "exchange", detail);
+  } else {
+    spdlog::info("tensor '{}' step {}: exchange: {}", t_.name, step_, detail);
+  }
 }
 
 StepOutcome StepPipeline::stopped(Stop stop) {
@@ -453,9 +482,15 @@ StepPipeline::Stage StepPipeline::prepare() {
   // A sparse allreduce (docs/exchange.md "Sparse allreduce") where everything allows it: the
   // codec selects, the exchange and the backend (the host's) do their part, and there is more
   // than one sidecar. Encoding defers the effect of sending to the settling after the exchange.
-  select_globally_ = options.sparse_allreduce && !dense_step_ && codec.selectsGlobally() &&
-                     engine_.exchange_.selectsGlobally() && engine_.exchange_.worldSize() > 1 &&
+  const uint32_t world = engine_.exchange_.worldSize();
+  select_globally_ = options.sparse != EngineOptions::Sparse::kAllgather && !dense_step_ &&
+                     codec.selectsGlobally() && engine_.exchange_.selectsGlobally() && world > 1 &&
                      backend_->settlesChunks();
+  sparse_choice_.reset();
+  if (select_globally_ && options.sparse == EngineOptions::Sparse::kAuto) {
+    select_globally_ = sparseAllreduceIsSmaller(codec, n_, world, ctx_.density);
+    sparse_choice_ = select_globally_;
+  }
   ctx_.defer_sent = select_globally_;
   chunking_ =
       kernels::chunkingFor(codec, n_,

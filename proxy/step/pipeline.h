@@ -43,6 +43,13 @@ constexpr size_t kRingSplitMinElements = size_t{1} << 16;
 size_t ringChunkElements(const kernels::Codec& codec, size_t n, size_t chunk_elements,
                          uint32_t world, bool global_select = false);
 
+/// peer.sparse auto (docs/exchange.md "Sparse allreduce"): whether the sparse allreduce of a
+/// selection codec's layer of `n` elements among `world` sidecars moves fewer bytes per rank than
+/// the allgather (or the dense allreduce it switches to), by the codec's nominal payload size at
+/// the step's `density` — from the configuration only, so every rank decides alike.
+bool sparseAllreduceIsSmaller(const kernels::Codec& codec, size_t n, uint32_t world,
+                              std::optional<double> density);
+
 /// One step of one tensor through its stages. Lives for one step on the thread that runs it (the
 /// engine's, or a submitting one for small steps); the tensor is the engine thread's meanwhile.
 class StepPipeline {
@@ -93,6 +100,7 @@ class StepPipeline {
   Stage exchangeRound(int round);
   Result<std::span<const uint8_t>> encode(int round, size_t chunk);
   Stage settle();
+  void noteSparseChoice();
   Stage decode();
   Stage guard();
   Stage policies();
@@ -126,8 +134,9 @@ class StepPipeline {
   std::unique_ptr<StepBackend> backend_;
   kernels::StepContext ctx_;
   kernels::Chunking chunking_;
-  bool dense_step_ = false;       // bypass and full sync: codec `none`
-  bool select_globally_ = false;  // a sparse allreduce: encoded with defer_sent, settled after
+  bool dense_step_ = false;            // bypass and full sync: codec `none`
+  bool select_globally_ = false;       // a sparse allreduce: encoded with defer_sent, settled after
+  std::optional<bool> sparse_choice_;  // peer.sparse auto: this step's choice (when it had one)
   const kernels::Codec* step_codec_ = nullptr;  // the codec this step encodes with
   std::vector<uint8_t> record_;                 // this sidecar's statistics record
   std::vector<std::vector<uint8_t>> stats_in_;

@@ -58,6 +58,7 @@ struct StepEngine::Tensor {
   std::vector<float> original;           // cosine sampling on the GPU backend: the chunk's input
   std::optional<CosineTerms> cos;        // of the last committed compressed step
   std::optional<double> residual_norm2;  // of the state, last measured
+  std::optional<bool> sparse_allreduce;  // peer.sparse auto: the last choice (logged when it moves)
   // The GPU backend (gpu_backend.h): the tensor's device resources, and whether its committed
   // codec state is there (then `state` is empty) rather than in `state`.
   std::shared_ptr<gpu::TensorGpu> gpu;

@@ -245,8 +245,11 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
       if (step > 0) step_s.push_back(seconds(*std::max_element(done.begin(), done.end()) - t0));
       if (step == 0 || step == K) {
         try {
+          // A connection of its own each time: the control connections sit idle through the
+          // timed steps, longer than the sidecars' keep-alive timeout when steps are slow.
           for (int r = 0; r < W; ++r) {
-            (step == 0 ? sent_before : sent_after)[r] = wireBytesSent(*control[r]);
+            Client fresh(sidecars[r]->socket());
+            (step == 0 ? sent_before : sent_after)[r] = wireBytesSent(fresh);
           }
         } catch (const std::exception& e) {
           fail(-1, std::string("reading /metrics: ") + e.what());

@@ -1020,6 +1020,13 @@ TEST_CASE("ring chunking: elementwise codecs give every rank a chunk of a tensor
   CHECK(ringChunkElements(*topk, mi, mi, 4, /*global_select=*/true) == mi / 4);
   CHECK(ringChunkElements(*topk, 100000, mi, 4, true) == kRingSplitMinElements);
   CHECK(ringChunkElements(*topk, mi, mi, 1, true) == mi);
+  // peer.sparse auto: the sparse allreduce from 3 sidecars on, while a selection is smaller
+  // than the dense layer (nominal sizes).
+  using lightwire::proxy::sparseAllreduceIsSmaller;
+  CHECK_FALSE(sparseAllreduceIsSmaller(*topk, mi, 2, std::nullopt));  // equal bytes: the allgather
+  CHECK(sparseAllreduceIsSmaller(*topk, mi, 3, std::nullopt));
+  CHECK(sparseAllreduceIsSmaller(*topk, mi, 64, 0.25));       // a warm-up density
+  CHECK_FALSE(sparseAllreduceIsSmaller(*topk, mi, 16, 0.9));  // dense is smaller
   CHECK(ringChunkElements(*qsgd, mi, mi, 4) == mi);
 }
 
