@@ -839,6 +839,28 @@ Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, 
   return written->bytes;
 }
 
+size_t selectionShare(size_t k, size_t n, size_t begin, size_t end) {
+  if (n == 0) return 0;
+  auto at = [&](size_t x) {
+    return static_cast<size_t>((static_cast<unsigned __int128>(k) * x) / n);
+  };
+  return at(end) - at(begin);
+}
+
+Result<size_t> reduceSelectChunk(const Codec& codec,
+                                 std::span<const std::span<const uint8_t>> contributions,
+                                 size_t len, size_t k_c, std::vector<float>& sums,
+                                 std::vector<uint64_t>& scratch, std::span<uint8_t> out) {
+  sums.assign(len, 0.0f);
+  for (size_t r = 0; r < contributions.size(); ++r) {
+    const Status s = r == 0 ? codec.decodeChunkInto(contributions[r], 1.0f, sums.data(), len)
+                            : codec.decodeChunk(contributions[r], 1.0f, sums.data(), len);
+    if (!s.isOk())
+      return Status(s.code(), "payload of rank " + std::to_string(r) + ": " + s.message());
+  }
+  return writeGlobalSelection(codec.traits().id, sums, k_c, scratch, out);
+}
+
 Status forEachSettled(CodecId codec, std::span<const uint8_t> sent,
                       std::span<const uint8_t> selected, size_t len,
                       const std::function<void(size_t, float)>& fn) {

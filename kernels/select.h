@@ -223,6 +223,20 @@ Status readSparseEntries(std::span<const uint8_t> payload, CodecId codec, size_t
 Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, size_t k,
                                     std::vector<uint64_t>& scratch, std::span<uint8_t> out);
 
+/// The share of k of the region [begin, end) of a tensor of n elements in a global selection:
+/// floor(k·end/n) − floor(k·begin/n), so that the shares of a tensor's chunks add up to k.
+size_t selectionShare(size_t k, size_t n, size_t begin, size_t end);
+
+/// The owner's rule of the sparse allreduce for one chunk of `len` elements (docs/determinism.md
+/// "4.6b Global selection"): every rank's payload of it (`codec`'s; in rank order) decoded with
+/// weight 1 into fp32 sums from +0, then writeGlobalSelection() of `k_c` entries into `out`.
+/// `sums` and `scratch` are reused across calls. An error names the position of the payload in
+/// `contributions` that does not decode.
+Result<size_t> reduceSelectChunk(const Codec& codec,
+                                 std::span<const std::span<const uint8_t>> contributions,
+                                 size_t len, size_t k_c, std::vector<float>& sums,
+                                 std::vector<uint64_t>& scratch, std::span<uint8_t> out);
+
 /// The entries `sent` (this sidecar's payload of a chunk) shares with `selected` (the chunk's
 /// global selection), both sparse payloads of codec `codec` for a chunk of `len` elements, in
 /// index order: fn(chunk-local index, value as sent). What a selection codec settles after a

@@ -586,41 +586,29 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
     const size_t k = r.select_count(n);
     for (size_t c = me; c < chunks; c += w) {
       const size_t begin = r.chunking.begin(c), len = r.chunking.size(c);
-      select_sums_.resize(len);
+      std::vector<std::span<const uint8_t>> contributions(w);
       for (uint32_t k_rank = 0; k_rank < w; ++k_rank) {
-        std::span<const uint8_t> contribution;
         if (k_rank == me) {
           auto own = r.payload(c);
           if (!own) return own.status();
-          contribution = *own;
+          contributions[k_rank] = *own;
         } else {
           auto got = transport_.receive(
               k_rank, keyOf(it.tensor, r, kPhaseContribute, static_cast<uint32_t>(c), k_rank),
               deadline_);
           if (!got) return got.status();
-          contribution = keep(std::move(got->payload));
-        }
-        const Status s = k_rank == 0
-                             ? r.codec.decodeChunkInto(contribution, 1.0f, select_sums_.data(), len)
-                             : r.codec.decodeChunk(contribution, 1.0f, select_sums_.data(), len);
-        if (!s.isOk()) {
-          return dataLoss("chunk " + std::to_string(c) + " of '" + r.tensor + "' from rank " +
-                          std::to_string(k_rank) + ": " + s.message());
+          contributions[k_rank] = keep(std::move(got->payload));
         }
       }
-      // The chunk's share of k: floor(k·end/n) − floor(k·begin/n), so that the shares add up to k.
-      const auto share = [&](size_t at) {
-        return n == 0 ? size_t{0}
-                      : static_cast<size_t>((static_cast<unsigned __int128>(k) * at) / n);
-      };
-      const size_t k_c = share(begin + len) - share(begin);
       std::vector<uint8_t>& sel =
           sumBuffer(kernels::sparseMaxPayloadBytes(len, kernels::DType::kF32));
-      auto size = kernels::writeGlobalSelection(r.codec.traits().id, select_sums_, k_c,
-                                                select_scratch_, sel);
-      if (!size)
-        return internalError("selecting chunk " + std::to_string(c) + " of '" + r.tensor +
-                             "': " + size.status().message());
+      auto size = kernels::reduceSelectChunk(r.codec, contributions, len,
+                                             kernels::selectionShare(k, n, begin, begin + len),
+                                             select_sums_, select_scratch_, sel);
+      if (!size) {
+        return dataLoss("chunk " + std::to_string(c) + " of '" + r.tensor +
+                        "': " + size.status().message());
+      }
       const std::span<const uint8_t> result(sel.data(), *size);
       out[i][c].push_back(result);
       for (uint32_t k_rank = 0; k_rank < w; ++k_rank) {

@@ -23,6 +23,7 @@
 #include "kernels/parallel.h"
 #include "kernels/philox.h"
 #include "kernels/registry.h"
+#include "kernels/select.h"
 #include "kernels/simd/targets.h"
 #include "tests/kernels/golden_manifest.h"
 
@@ -219,8 +220,115 @@ std::vector<std::string> runMultiRoundCase(const json::object& c, unsigned threa
   return errors;
 }
 
+// A global-selection case (the sparse allreduce's owner frames, docs/determinism.md "4.6b Global
+// selection"): `global_world` ranks, each with its own state; per step every rank encodes its
+// input with the effect of sending deferred, each chunk's selection is the owner's rule
+// (reduceSelectChunk) over the ranks' payloads in rank order, the selections are decoded with the
+// step's weight, and every rank settles its state with its own payloads and the selections.
+// Checks every rank's payloads, every selection and the decoded result against the golden files.
+std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) {
+  std::vector<std::string> errors;
+  auto fail = [&](const std::string& m) { errors.push_back(m); };
+  const CodecConfig config = configFrom(c.at("config").as_object());
+  const std::string tensor(c.at("tensor_name").as_string());
+  const size_t n = static_cast<size_t>(c.at("elements").to_number<uint64_t>());
+  const size_t world = static_cast<size_t>(c.at("global_world").to_number<uint64_t>());
+  const size_t requested = static_cast<size_t>(c.at("chunk_elements").to_number<uint64_t>());
+  auto made = createCodec(config);
+  if (!made.isOk()) return {"createCodec failed: " + made.status().message()};
+  const Codec& codec = **made;
+  if (!codec.selectsGlobally()) return {"codec does not select globally"};
+  const Chunking chunking = Chunking::make(n, requested, codec.chunkAlignment());
+  CpuStream stream(threads);
+  std::vector<CodecState> states;
+  for (size_t r = 0; r < world; ++r) states.emplace_back(codec.stateFloats(n));
+  std::vector<std::byte> ws(codec.workspaceBytes(chunking));
+  std::vector<float> sums;
+  std::vector<uint64_t> scratch;
+  for (const json::value& sv : c.at("steps").as_array()) {
+    const json::object& s = sv.as_object();
+    const uint64_t step_no = s.at("step").to_number<uint64_t>();
+    const std::string where = "step " + std::to_string(step_no) + ": ";
+    const float weight = static_cast<float>(toDouble(s.at("weight")));
+    const auto& in_files = s.at("inputs").as_array();
+    const auto& sent_files = s.at("sent").as_array();
+    const auto& sent_sizes = s.at("sent_sizes").as_array();
+    if (in_files.size() != world || sent_files.size() != world || sent_sizes.size() != world) {
+      return {where + "manifest does not match global_world"};
+    }
+    std::vector<StepContext> ctx(world);
+    std::vector<std::vector<std::vector<uint8_t>>> golden_sent(world);
+    for (size_t r = 0; r < world; ++r) {
+      ctx[r].seed = static_cast<uint32_t>(c.at("seed").to_number<uint64_t>());
+      ctx[r].name_key = tensorNameKey(tensor);
+      ctx[r].step = step_no;
+      ctx[r].rank = static_cast<uint32_t>(r);
+      ctx[r].stream = &stream;
+      ctx[r].defer_sent = true;
+      std::vector<uint8_t> raw;
+      if (!readFile(std::string(in_files[r].as_string()), raw) || raw.size() != 4 * n) {
+        return {where + "cannot read input of rank " + std::to_string(r)};
+      }
+      raw.resize(raw.size() + 4);  // never empty
+      auto p = encodeTensor(codec, ctx[r], chunking, ConstTensor{raw.data(), n}, states[r]);
+      if (!p.isOk()) return {where + "encoding failed: " + p.status().message()};
+      if (!splitPayloads(std::string(sent_files[r].as_string()), sent_sizes[r].as_array(),
+                         golden_sent[r]) ||
+          golden_sent[r].size() != chunking.count()) {
+        return {where + "cannot read the payloads of rank " + std::to_string(r)};
+      }
+      for (size_t ch = 0; ch < chunking.count(); ++ch) {
+        if ((*p)[ch] != golden_sent[r][ch]) {
+          fail(where + "rank " + std::to_string(r) + ": payload of chunk " + std::to_string(ch) +
+               " differs (size " + std::to_string((*p)[ch].size()) + ", golden " +
+               std::to_string(golden_sent[r][ch].size()) + ")");
+        }
+      }
+    }
+    std::vector<std::vector<uint8_t>> golden_sel;
+    if (!splitPayloads(std::string(s.at("selected").as_string()), s.at("selected_sizes").as_array(),
+                       golden_sel) ||
+        golden_sel.size() != chunking.count()) {
+      return {where + "cannot read the selections"};
+    }
+    const size_t k = codec.selectionCount(n, std::nullopt);
+    std::vector<float> out(n, 0.0f);
+    for (size_t ch = 0; ch < chunking.count(); ++ch) {
+      const size_t begin = chunking.begin(ch), len = chunking.size(ch);
+      // The golden payloads (one mismatch above does not hide one here).
+      std::vector<std::span<const uint8_t>> contributions;
+      for (size_t r = 0; r < world; ++r) contributions.emplace_back(golden_sent[r][ch]);
+      std::vector<uint8_t> sel(sparseMaxPayloadBytes(len, DType::kF32));
+      auto size = reduceSelectChunk(codec, contributions, len,
+                                    selectionShare(k, n, begin, begin + len), sums, scratch, sel);
+      if (!size.isOk()) return {where + "reduceSelectChunk failed: " + size.status().message()};
+      sel.resize(*size);
+      if (sel != golden_sel[ch])
+        fail(where + "selection of chunk " + std::to_string(ch) + " differs");
+      if (const auto st = codec.decodeChunk(golden_sel[ch], weight, out.data() + begin, len);
+          !st.isOk()) {
+        return {where + "decoding a selection failed: " + st.message()};
+      }
+      for (size_t r = 0; r < world; ++r) {
+        const auto st =
+            codec.settleChunk(ctx[r], chunking, ch, golden_sent[r][ch], golden_sel[ch], states[r]);
+        if (!st.isOk()) return {where + "settleChunk failed: " + st.message()};
+      }
+    }
+    std::vector<uint8_t> dec_raw;
+    if (!readFile(std::string(s.at("decoded").as_string()), dec_raw) || dec_raw.size() != 4 * n) {
+      return {where + "cannot read decoded file"};
+    }
+    if (std::memcmp(dec_raw.data(), out.data(), 4 * n) != 0) fail(where + "decoded result differs");
+    if (!errors.empty()) return errors;  // later steps depend on this one's state
+    for (auto& st : states) st.commit();
+  }
+  return errors;
+}
+
 std::vector<std::string> runCase(const json::object& c, unsigned threads) {
   if (c.if_contains("world") != nullptr) return runMultiRoundCase(c, threads);
+  if (c.if_contains("global_world") != nullptr) return runGlobalCase(c, threads);
   std::vector<std::string> errors;
   auto fail = [&](const std::string& m) { errors.push_back(m); };
 

@@ -598,15 +598,18 @@ class Codec:
         self.v = np.zeros(n, dtype=np.float32)          # dgc accumulated residual
 
     # -- one step ---------------------------------------------------------------------------------
-    def step(self, raw, dtype, chunking, seed, name, step, rank, step_density):
-        """Returns (payloads per chunk, info). Commits the prepared state (the step succeeds)."""
+    def step(self, raw, dtype, chunking, seed, name, step, rank, step_density, defer_sent=False):
+        """Returns (payloads per chunk, info). Commits the prepared state (the step succeeds).
+        defer_sent (a global selection, determinism §4.6b): the effect of sending is left out and
+        the state is committed by settle() instead."""
         cfg = self.cfg
         dcode = DTYPE_CODE[dtype]
         x = widen(raw, dtype)
         info = {}
         with np.errstate(all="ignore"):
             if cfg["name"] == "dgc":
-                return self._dgc(x, dcode, chunking, seed, name, step, rank, step_density, info)
+                return self._dgc(x, dcode, chunking, seed, name, step, rank, step_density, info,
+                                 defer_sent)
             if self.ef:
                 a = _f32(x + self.e)
                 # "exactly as if a were the input": a is fp32, so casts convert it (not as-is)
@@ -616,7 +619,9 @@ class Codec:
                 raw_for_inner, dtype_for_inner = raw, dtype
             payloads = self._inner(a, raw_for_inner, dtype_for_inner, dcode, chunking, seed, name,
                                    step, rank, step_density, info)
-            if self.ef:
+            if self.ef and defer_sent:
+                self._deferred = ("ef", a)
+            elif self.ef:
                 decoded = np.zeros(self.n, dtype=np.float32)
                 self.decode(payloads, chunking, F32(1.0), decoded)
                 self.e = _f32(a + _f32(F32(-1.0) * decoded))
@@ -807,7 +812,8 @@ class Codec:
         info["escaped_chunks"] = escaped
         return out
 
-    def _dgc(self, x, dcode, chunking, seed, name, step, rank, step_density, info):
+    def _dgc(self, x, dcode, chunking, seed, name, step, rank, step_density, info,
+             defer_sent=False):
         cfg = self.cfg
         n = self.n
         # 1. clipping
@@ -837,6 +843,9 @@ class Codec:
         info["nnz"] = int(len(sel))
         # 5. payload carries v'_i for i in S
         payloads = self._sparse_chunks(6, v2, sel, dcode, chunking)
+        if defer_sent:
+            self._deferred = ("dgc", u2, v2)
+            return payloads, info
         # 6. masking: v'_i = v'_i - value_i (as decoded), u'_i = 0
         v2 = v2.copy()
         u2 = u2.copy()
@@ -853,11 +862,81 @@ class Codec:
         self.u, self.v = u2, v2
         return payloads, info
 
+    # -- global selection (determinism §4.6b) ---------------------------------------------------
+    def settle(self, own_payloads, selected, chunking):
+        """After step(..., defer_sent=True): every entry of this rank's payload of a chunk that
+        the chunk's global selection also holds gives up its value as sent (error feedback: e' =
+        a + ((-1) * value); dgc: v' = v' - value, u' = 0); the rest stays. Commits."""
+        cid = CODEC_ID[self.cfg["name"]]
+        kind = self._deferred[0]
+        if kind == "ef":
+            e = self._deferred[1].copy()
+        else:
+            u2, v2 = self._deferred[1].copy(), self._deferred[2].copy()
+        with np.errstate(all="ignore"):
+            for (b, m), own, sel in zip(chunking, own_payloads, selected):
+                oi, ov = sparse_entries(own, cid, m)
+                si, _ = sparse_entries(sel, cid, m)
+                keep = np.isin(oi, si)
+                idx, vals = b + oi[keep], ov[keep]
+                if kind == "ef":
+                    e[idx] = _f32(e[idx] + _f32(F32(-1.0) * vals))
+                else:
+                    v2[idx] = _f32(v2[idx] - vals)
+                    u2[idx] = F32(0.0)
+        if kind == "ef":
+            self.e = e
+        else:
+            self.u, self.v = u2, v2
+        self._deferred = None
+
     # -- decoding ---------------------------------------------------------------------------------
     def decode(self, payloads, chunking, weight, out):
         cid = CODEC_ID[self.cfg["name"]]
         for (b, m), p in zip(chunking, payloads):
             decode_payload(p, cid, weight, out, b, m)
+
+
+def sparse_entries(payload, expected_codec_id, n_chunk):
+    """The (chunk-local indices, fp32 values as decoded) of a sparse payload, in index order; the
+    `none` escape lists every element."""
+    p = payload
+    cid, flags = p[3], p[5]
+    assert cid in (expected_codec_id, 0)
+    if cid == 0:
+        return np.arange(n_chunk, dtype=np.int64), np.frombuffer(p[16:], dtype="<f4").astype(
+            np.float32)
+    body = p[16:]
+    nnz, w = struct.unpack_from("<IB", body, 0)
+    G = ((nnz * w + 7) // 8 + 3) // 4 * 4
+    gaps, _ = unpack_bits(body[8:8 + G], nnz, w)
+    idx = np.cumsum(np.array(gaps, dtype=np.int64) + 1) - 1
+    vb = body[8 + G:]
+    if flags == 1:
+        vals = f16_to_f32_array(np.frombuffer(vb, dtype="<u2")[:nnz])
+    else:
+        vals = np.frombuffer(vb, dtype="<f4")[:nnz].astype(np.float32)
+    return idx, np.asarray(vals, dtype=np.float32)
+
+
+def selection_share(k, n, begin, end):
+    """The share of k of the region [begin, end): floor(k end / n) - floor(k begin / n)."""
+    return 0 if n == 0 else k * end // n - k * begin // n
+
+
+def global_selection(codec_id, contributions, n_chunk, k_c):
+    """The owner's rule of the sparse allreduce (determinism §4.6b): the ranks' payloads of a
+    chunk decoded with weight 1 in rank order into zeros (fp32), the k_c entries of largest key
+    among those whose key is not 0 (ties: the lower index), as a sparse payload of the codec with
+    fp32 values (header dtype fp32)."""
+    sums = np.zeros(n_chunk, dtype=np.float32)
+    for p in contributions:
+        decode_payload(p, codec_id, F32(1.0), sums, 0, n_chunk)
+    keys = key_of(sums)
+    cand = np.nonzero(keys != 0)[0]
+    chosen = np.sort(cand[np.lexsort((cand, -keys[cand]))][:k_c])
+    return sparse_payload(codec_id, DTYPE_CODE["fp32"], n_chunk, [int(i) for i in chosen],
+                          [int(u) for u in bits_of(sums[chosen])], False)
 
 
 def add_payloads(codec_name, a, b):

@@ -24,6 +24,14 @@ reduced payload of every round (s<j>.round<q>.reduced: the rank payloads added i
 ((p0 + p1) + p2) ...) and the decoded result (s<j>.decoded, dense, the same on every rank); every
 rank finishes its step from the reduced payloads before the next step (tests/kernels/multirank.h).
 
+Global-selection cases (the sparse allreduce, docs/determinism.md "4.6b Global selection"; the
+case has "global_world") hold per step one input per rank (s<j>.r<rank>.in), every rank's
+payloads encoded with the effect of sending deferred (s<j>.r<rank>.payload, chunk after chunk),
+each chunk's global selection (s<j>.selected, chunk after chunk: the owner's sums of the ranks'
+payloads in rank order, its share of k by key) and the selections decoded with the step's weight
+(s<j>.decoded, dense); every rank then settles its state with its own payloads and the
+selections before the next step.
+
 Doubles of the codec config and the fp32 weights are written as decimal strings (Python repr,
 shortest round-trip) so that a correctly rounded strtod reproduces them exactly.
 
@@ -406,7 +414,126 @@ def cases(log):
                   [Step(dx, 0, input_of=0, input_case="dgc_clip_reduction_order_a")], chunk=3000,
                   tensor="probe", note="clip_norm / N lies just below an fp32 rounding boundary"))
     C.extend(cases_issue3(log))
+    C.extend(global_cases())
     return C
+
+
+def global_cases():
+    """The sparse allreduce's owner frames (determinism §4.6b), W = 2, 3, 4."""
+    def ranks(seed, w, n, scale=1.0):
+        return [gaussian(seed + 17 * r, n, scale * (1 + r)) for r in range(w)]
+    C = []
+    # topk with error feedback, 3 ranks, 3 chunks, 3 steps: the residual of what the selection
+    # dropped reaches the next steps' payloads.
+    C.append(gs_case("global_topk_ef_w3", cfg("topk", density=0.02), 1000,
+                     [GSStep(ranks(900 + j, 3, 3000), j) for j in range(3)]))
+    # dgc with momentum correction and fp16 values, 4 ranks: one rank sends nothing in step 1,
+    # every large value of step 2 lies in one owner's region, and step 3 has ties of magnitude
+    # across ranks and within chunks.
+    n = 4096
+    quiet = ranks(920, 4, n)
+    quiet[2] = np.zeros(n, dtype=np.float32)
+    region = ranks(930, 4, n, 1e-3)
+    for r in range(4):
+        region[r][1024:2048] = gaussian(940 + r, 1024, 10.0)
+    ties = [np.where(np.arange(n) % 3 == r % 3, F32(2.0), F32(-2.0)).astype(np.float32)
+            for r in range(4)]
+    C.append(gs_case("global_dgc_m09_f16_w4", cfg("dgc", density=0.05, momentum=0.9,
+                                                  sparse_values="fp16"), 1024,
+                     [GSStep(quiet, 1), GSStep(region, 2), GSStep(ties, 3)]))
+    # dgc without momentum, 2 ranks, a non-finite value: it is selected (largest key) and reaches
+    # the result.
+    nf = ranks(950, 2, 2500)
+    nf[1][1234] = F32(np.inf)
+    C.append(gs_case("global_dgc_m0_nonfinite_w2", cfg("dgc", density=0.01), 800,
+                     [GSStep(ranks(960, 2, 2500), 0), GSStep(nf, 1)]))
+    return C
+
+
+class GSStep:
+    """One step of a global-selection case: one fp32 input per rank."""
+
+    def __init__(self, inputs, step):
+        self.inputs = inputs
+        self.step = step
+
+
+def gs_case(name, config, chunk, steps, tensor="layer.0.weight", seed=0, note=""):
+    world = len(steps[0].inputs)
+    n = len(steps[0].inputs[0])
+    return dict(name=name, config=config, dtype="fp32", steps=steps, tensor=tensor, seed=seed,
+                n=n, note=note, world=world, chunk=chunk, global_selection=True)
+
+
+def run_gs_case(c, outdir, log, written):
+    """W ranks: each encodes with the effect of sending deferred; each chunk's owner sums the
+    ranks' payloads in rank order and keeps its share of k (lwref.global_selection); the
+    selections are decoded with weight 1/W; every rank settles its state."""
+    config, n, world = c["config"], c["n"], c["world"]
+    chunking = lwref.chunk_ranges(n, c["chunk"], lwref.codec_alignment(config))
+    cid = lwref.CODEC_ID[config["name"]]
+    codecs = [lwref.Codec(config, n) for _ in range(world)]
+    weight = F32(1.0) / F32(world)
+    os.makedirs(os.path.join(outdir, c["name"]), exist_ok=True)
+
+    def put(nm, data):
+        with open(os.path.join(outdir, nm), "wb") as fh:
+            fh.write(data)
+        written[nm] = data
+
+    steps_json = []
+    for j, st in enumerate(c["steps"]):
+        in_names, sent_names, sent_sizes, sent = [], [], [], []
+        for rk, x in enumerate(st.inputs):
+            nm = "%s/s%d.r%d.in" % (c["name"], j, rk)
+            put(nm, raw_bytes(x, "fp32"))
+            in_names.append(nm)
+            payloads, info = codecs[rk].step(x, "fp32", chunking, c["seed"], c["tensor"],
+                                             st.step, rk, None, defer_sent=True)
+            nm = "%s/s%d.r%d.payload" % (c["name"], j, rk)
+            put(nm, b"".join(payloads))
+            sent_names.append(nm)
+            sent_sizes.append([len(p) for p in payloads])
+            sent.append(payloads)
+        k = lwref.selection_size(n, lwref.effective_density(config, None))
+        selected = [lwref.global_selection(cid, [sent[rk][ci] for rk in range(world)], m,
+                                           lwref.selection_share(k, n, b, b + m))
+                    for ci, (b, m) in enumerate(chunking)]
+        sel_name = "%s/s%d.selected" % (c["name"], j)
+        put(sel_name, b"".join(selected))
+        out = np.zeros(n, dtype=np.float32)
+        for (b, m), p in zip(chunking, selected):
+            lwref.decode_payload(p, cid, weight, out, b, m)
+        dec_name = "%s/s%d.decoded" % (c["name"], j)
+        put(dec_name, out.astype("<f4").tobytes())
+        for rk in range(world):
+            codecs[rk].settle(sent[rk], selected, chunking)
+        nnz = sum(lwref.sparse_entries(p, cid, m)[0].size for p, (_, m) in zip(selected, chunking))
+        steps_json.append({
+            "step": st.step, "weight": repr(float(weight)), "density": None, "inputs": in_names,
+            "sent": sent_names, "sent_sizes": sent_sizes, "selected": sel_name,
+            "selected_sizes": [len(p) for p in selected], "decoded": dec_name,
+            "decoded_format": "dense", "info": {"k": k, "selected": int(nnz)}})
+        log("    step %d: k %d, selected %d, payloads %s bytes per rank" % (
+            st.step, k, nnz, [sum(sz) for sz in sent_sizes]))
+    cj = {
+        "name": c["name"],
+        "config": {
+            "name": config["name"], "density": repr(float(config["density"])), "ratio": None,
+            "bits": config["bits"], "bucket_size": config["bucket_size"],
+            "momentum": repr(float(config["momentum"])),
+            "clip_norm": repr(float(config["clip_norm"])),
+            "sample_fraction": repr(float(config["sample_fraction"])),
+            "sparse_values": config["sparse_values"], "error_feedback": config["error_feedback"],
+            "threshold": None, "approx_rank": config["approx_rank"],
+        },
+        "tensor_name": c["tensor"], "seed": c["seed"], "rank": 0, "dtype": "fp32",
+        "elements": n, "chunk_elements": c["chunk"], "chunk_sizes": [m for _, m in chunking],
+        "global_world": world, "steps": steps_json,
+    }
+    if c["note"]:
+        cj["note"] = c["note"]
+    return cj
 
 
 def with_nonfinite(x, at):
@@ -1193,6 +1320,8 @@ def generate(outdir, log):
                                                    c["dtype"], len(c["steps"])))
         if c.get("multiround"):
             manifest["cases"].append(run_mr_case(c, outdir, log, written))
+        elif c.get("global_selection"):
+            manifest["cases"].append(run_gs_case(c, outdir, log, written))
         else:
             manifest["cases"].append(run_case(c, outdir, log, written))
         log("    %.2fs" % (time.time() - t0))
