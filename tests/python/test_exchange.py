@@ -90,8 +90,11 @@ def ring_sum(codec, payloads, c):
 class Reference(object):
     """What every sidecar of a W-rank job must return, step after step (state committed)."""
 
-    def __init__(self, cfg, world, local_trainers, n=N, chunk=CHUNK, job_id=JOB, name=TENSOR, shape=None):
+    def __init__(self, cfg, world, local_trainers, n=N, chunk=CHUNK, job_id=JOB, name=TENSOR, shape=None,
+                 sparse="allgather"):
         self.cfg, self.W, self.lt, self.n = cfg, world, local_trainers, n
+        # peer.sparse allreduce (topk, dgc): each chunk's global selection (determinism §4.6b)
+        self.select_globally = sparse == "allreduce" and cfg["name"] in ("topk", "dgc") and world > 1
         self.seed = job_seed(job_id)
         self.name = name
         self.shape = shape
@@ -117,9 +120,20 @@ class Reference(object):
             for r in range(W):
                 self.ranks[r].finish(red0, red1, self.weight)
             return out
-        payloads = [self.ranks[r].step(inputs[r], "fp32", self.chunking, self.seed, self.name, step, r, None)[0]
+        payloads = [self.ranks[r].step(inputs[r], "fp32", self.chunking, self.seed, self.name, step, r, None,
+                                       defer_sent=self.select_globally)[0]
                     for r in range(W)]
         cid = lwref.CODEC_ID[codec]
+        if self.select_globally:
+            k = lwref.selection_size(self.n, lwref.effective_density(self.cfg, None))
+            selected = [lwref.global_selection(cid, [p[c] for p in payloads], m,
+                                               lwref.selection_share(k, self.n, b, b + m))
+                        for c, (b, m) in enumerate(self.chunking)]
+            for (b, m), p in zip(self.chunking, selected):
+                lwref.decode_payload(p, cid, self.weight, out, b, m)
+            for r in range(W):
+                self.ranks[r].settle(payloads[r], selected, self.chunking)
+            return out
         for c, (b, m) in enumerate(self.chunking):
             if codec in SUMMABLE:
                 lwref.decode_payload(ring_sum(codec, [p[c] for p in payloads], c), cid, self.weight, out, b, m)

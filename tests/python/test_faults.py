@@ -188,18 +188,20 @@ def script_result(proc, timeout):
 # ------------------------------------------------------------------------------------------------
 # 1. kill -9 of one of 3 sidecars mid-step
 # ------------------------------------------------------------------------------------------------
-def test_kill9_mid_step_fails_survivors_keeps_their_state_then_rejoins(cluster_factory):
+@pytest.mark.parametrize("sparse", ["allgather", "allreduce"])
+def test_kill9_mid_step_fails_survivors_keeps_their_state_then_rejoins(cluster_factory, sparse):
     """Ranks 0 and 1 are inside the exchange of step 1 (their first frames are out) when rank 2 is
     killed with SIGKILL: both fail at once (well within the deadline) with 502 naming rank 2,
     stay alive, count the failed step, and commit nothing: with topk and error feedback, step 2
     after rank 2's restart (same rank, flags and port; fresh codec state) gives exactly what a job
     that never attempted step 1 gives -- and not what it would give had the survivors committed
-    their step-1 residuals."""
+    their step-1 residuals. Through the ring allgather and the sparse allreduce (whose settled
+    residuals must not be committed either)."""
     n, chunk, W = 12000, 4096, 3
-    cl = cluster_factory(W, codec="topk", codec_args=["--density", "0.05"], chunk_elements=chunk,
-                         peer_timeout=PEER_TIMEOUT)
+    cl = cluster_factory(W, codec="topk", codec_args=["--density", "0.05", "--sparse", sparse],
+                         chunk_elements=chunk, peer_timeout=PEER_TIMEOUT)
     cfg = ref_cfg("topk", density=0.05)
-    ref = Reference(cfg, W, 1, n=n, chunk=chunk)
+    ref = Reference(cfg, W, 1, n=n, chunk=chunk, sparse=sparse)
     step_ok(cl, ref, 0, n)
     failed0 = [failed_steps(cl[r]) for r in range(W)]
     since = [sent_bytes(cl[r]) for r in range(W)]
@@ -221,7 +223,8 @@ def test_kill9_mid_step_fails_survivors_keeps_their_state_then_rejoins(cluster_f
     # What the survivors would return had they committed step 1 (the test's teeth).
     committed = copy.deepcopy(ref)
     for r in (0, 1):
-        committed.ranks[r].step(trainer_input(W, r, 0, 1, n), "fp32", ref.chunking, ref.seed, TENSOR, 1, r, None)
+        committed.ranks[r].step(trainer_input(W, r, 0, 1, n), "fp32", ref.chunking, ref.seed, TENSOR, 1, r,
+                                None)
     inputs2 = [trainer_input(W, r, 0, 2, n) for r in range(W)]
     want2 = step_ok(cl, ref, 2, n)
     assert not np.array_equal(want2, committed.step(inputs2, 2)), "the check cannot tell the states apart"
