@@ -83,20 +83,23 @@ std::vector<std::vector<SparseRankStep>> runSparse(
           out.push_back(std::move(s));
           break;
         }
-        s.ok = true;
+        // As the step pipeline: each selection decoded (validated) and settled into the
+        // prepared state; the first error fails the step, which commits nothing.
         s.sums.assign(n, 0.0f);
         REQUIRE(got->size() == chunking.count());
-        for (size_t c = 0; c < got->size(); ++c) {
+        Status st = Status::ok();
+        for (size_t c = 0; c < got->size() && st.isOk(); ++c) {
           REQUIRE(calls[c] == 1);
           REQUIRE((*got)[c].size() == 1);
           const auto sel = (*got)[c][0];
           s.selected.emplace_back(sel.begin(), sel.end());
-          REQUIRE(codec.decodeChunk(sel, 1.0f, s.sums.data() + chunking.begin(c), chunking.size(c))
-                      .isOk());
-          REQUIRE(codec.settleChunk(ctx, chunking, c, mine[c], sel, state).isOk());
+          st = codec.decodeChunk(sel, 1.0f, s.sums.data() + chunking.begin(c), chunking.size(c));
+          if (st.isOk()) st = codec.settleChunk(ctx, chunking, c, mine[c], sel, state);
         }
         ring.stepDone(name, step);
-        state.commit();
+        s.ok = st.isOk();
+        s.error = st.message();
+        if (s.ok) state.commit();
         s.state.assign(state.currentSpan().begin(), state.currentSpan().end());
         out.push_back(std::move(s));
       }
@@ -394,6 +397,94 @@ TEST_CASE("sparse allreduce: a silent rank fails the step on every other rank, s
     CHECK_FALSE(r.ok);
     CHECK_MESSAGE(r.error.find("2") != std::string::npos, r.error);
     for (float v : r.state) REQUIRE(v == 0.0f);  // nothing committed
+  }
+}
+
+}  // namespace
+}  // namespace lightwire::proxy::peer
+
+namespace lightwire::proxy::peer {
+namespace {
+
+/// Sends `payload` from `t` (rank 2 of a test mesh) to `dst` as frame (tensor "t", step 1, round
+/// 0, `phase`, `chunk`, origin 2).
+void sendAsRank2(Transport& t, uint32_t dst, uint8_t phase, uint32_t chunk,
+                 const std::vector<uint8_t>& payload, uint8_t codec_id) {
+  FrameKey k;
+  k.tensor = tensorKey("t");
+  k.step = 1;
+  k.phase = phase;
+  k.chunk = chunk;
+  k.origin = 2;
+  REQUIRE(t.send(dst, FrameType::kData, k, codec_id, payload,
+                 std::chrono::steady_clock::now() + std::chrono::seconds(2))
+              .isOk());
+}
+
+TEST_CASE(
+    "sparse allreduce: a peer's malformed contribution or selection fails the step on every "
+    "rank, naming it, nothing committed") {
+  // Rank 2 speaks the protocol wrongly and runs nothing else; ranks 0 and 1 fail step 1 before
+  // their deadline (the abort of the rank that found it) and keep their state.
+  const uint32_t w = 3;
+  const size_t n = 3000, chunk = 1000;  // chunk c belongs to rank c mod 3
+  auto codec = kernels::createCodec({.name = "topk", .density = 0.05});
+  REQUIRE(codec.isOk());
+  const uint8_t id = static_cast<uint8_t>((*codec)->traits().id);
+  const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
+  SUBCASE("a contribution that does not decode") {
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    sendAsRank2(*mesh.transports[2], 0, 5, 0, std::vector<uint8_t>(40, 0x5A), id);
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto steps = runSparse(
+        mesh, **codec, n, chunk, [&](uint32_t r, uint64_t s) { return sparseInput(r, s, n); }, 1,
+        {2}, std::chrono::milliseconds(4000));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(3500));
+    for (const auto& r : steps.at(0)) {
+      CHECK_FALSE(r.ok);
+      CHECK_MESSAGE(r.error.find("chunk 0 of 't': payload of rank 2") != std::string::npos,
+                    r.error);
+      for (float v : r.state) REQUIRE(v == 0.0f);
+    }
+  }
+  SUBCASE("a selection that does not decode (of another chunk size)") {
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    // Rank 2's real contributions to owners 0 and 1; as the owner of chunk 2, a selection of
+    // 1008 elements (the chunk has 1000), one entry beyond the chunk.
+    const auto x = sparseInput(2, 1, n);
+    kernels::CodecState state((*codec)->stateFloats(n));
+    kernels::StepContext ctx;
+    ctx.rank = 2;
+    ctx.step = 1;
+    ctx.defer_sent = true;
+    auto p =
+        kernels::encodeTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, state);
+    REQUIRE(p.isOk());
+    sendAsRank2(*mesh.transports[2], 0, 5, 0, (*p)[0], id);
+    sendAsRank2(*mesh.transports[2], 1, 5, 1, (*p)[1], id);
+    std::vector<float> bad(chunk + 8, 0.0f);
+    bad[chunk + 3] = 1.0f;
+    std::vector<uint8_t> sel(kernels::sparseMaxPayloadBytes(chunk + 8, kernels::DType::kF32));
+    std::vector<uint64_t> scratch;
+    auto size = kernels::writeGlobalSelection((*codec)->traits().id, bad, 1, scratch, sel);
+    REQUIRE(size.isOk());
+    sel.resize(*size);
+    // The header says chunk + 8 elements: the decoder of a 1000-element chunk refuses it.
+    for (uint32_t dst = 0; dst < 2; ++dst) sendAsRank2(*mesh.transports[2], dst, 6, 2, sel, id);
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto steps = runSparse(
+        mesh, **codec, n, chunk, [&](uint32_t r, uint64_t s) { return sparseInput(r, s, n); }, 1,
+        {2}, std::chrono::milliseconds(4000));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(3500));
+    for (const auto& r : steps.at(0)) {
+      CHECK_FALSE(r.ok);
+      CHECK_MESSAGE(r.error.find("holds 1008 elements") != std::string::npos, r.error);
+      for (float v : r.state) REQUIRE(v == 0.0f);
+    }
   }
 }
 
