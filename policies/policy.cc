@@ -1236,6 +1236,14 @@ Status PolicyEngine::restoreState(const json::value& v) {
         r.error = "tensor '" + std::string(name) + "': auto rung out of this sidecar's ladder (" +
                   std::to_string(rungs) + " rungs): compression.auto.ladder differs";
       }
+      // Per-rung figures: one per rung at most (an older version's state may hold fewer: the
+      // rungs it did not know stay unmeasured).
+      if ((a.measured.size() > rungs || a.compute_by.size() > rungs) && r.error.empty()) {
+        r.error = "tensor '" + std::string(name) + "': auto 'measured' and 'compute_by' hold " +
+                  std::to_string(a.measured.size()) + " and " +
+                  std::to_string(a.compute_by.size()) + " entries, more than this sidecar's " +
+                  std::to_string(rungs) + " rungs: compression.auto.ladder differs";
+      }
     }
     tensors[std::string(name)] = ts;
   }

@@ -40,18 +40,18 @@ def trainer(rank, world, way, store, steps, size, queue):
     # A file store (no port to race for); gloo's pairs still connect over the loopback.
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
     task = tasks.make_task("mlp", size=size, seed=0)
+    import worker
     ddp = torch.nn.parallel.DistributedDataParallel(task.model())
-    if way == "python_hook":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    elif way == "lightwire_direct":
-        import lightwire
-        from lightwire.torch import LightwireHookState, ddp_comm_hook
-        # No sidecar: every step is in the direct window, which the hook never asks one about.
-        state = LightwireHookState(client=lightwire.Client(socket_path="/nonexistent"),
-                                   process_group=dist.group.WORLD, module=ddp, per_layer=True)
+    # The hooks as the e2e rows register them (worker.attach_hook): PyTorch's allreduce_hook, or
+    # the lightwire hook per layer with no sidecar — every step in a direct window, about which
+    # the hook never asks one.
+    spec = {"ddp": {"kind": "ddp"},
+            "python_hook": {"kind": "torch_hook", "hook": "allreduce"},
+            "lightwire_direct": {"kind": "lightwire", "hook": None,
+                                 "sockets": ["/nonexistent"] * world}}[way]
+    state = worker.attach_hook(spec, ddp, dist)
+    if state is not None:
         state._direct = (0, 1 << 62)
-        ddp.register_comm_hook(state, ddp_comm_hook)
     opt = task.optimizer(ddp.parameters())
     seconds = []
     cpu0 = time.process_time()

@@ -781,6 +781,19 @@ TEST_SUITE("auto") {
       CHECK(st.message().find("compute_by") != std::string::npos);
       CHECK(boost::json::serialize(same.stateJson()) == pristine);
     }
+    // Per-rung figures for more rungs than the ladder has: refused, nothing changed.
+    for (const char* key : {"measured", "compute_by"}) {
+      CAPTURE(key);
+      boost::json::object w = p.stateJson();
+      auto& a = w["tensors"].as_object()["w"].as_object()["auto"].as_object();
+      boost::json::array longer = a.at(key).as_array();
+      longer.push_back(-1.0);
+      a[key] = longer;
+      st = same.restoreState(w);
+      CHECK_FALSE(st.isOk());
+      CHECK(st.message().find("more than this sidecar's") != std::string::npos);
+      CHECK(boost::json::serialize(same.stateJson()) == pristine);
+    }
     // A layer's recent link readings that are not up to 3 pairs [s/byte > 0, latency >= 0]:
     // refused, nothing changed.
     for (const char* bad : {"[[1e-9, 0], [1e-9, 0], [1e-9, 0], [1e-9, 0]]", "[[0, 0]]",
