@@ -10,15 +10,20 @@
 //     decoded;
 //   - the parameter server's other path: the chunks decoded into a dense sum that is re-compressed
 //     with the server's codec (momentum and clipping off), whose payloads must decode again;
+//   - the sparse allreduce (selection codecs, mode bit 4): each chunk's list as every rank's
+//     contribution to its owner, summed and selected (kernels::reduceSelectChunk), and the list's
+//     last payload as an owner's selection that this sidecar settles its state with, its first
+//     as this sidecar's own payload (Codec::settleChunk);
 //   - PowerSGD (two rounds): the reduced round-0 payload is the `previous` of this sidecar's
 //     round-1 encode, then decodeRounds() and finishStep() take both reduced rounds.
 // Properties checked besides ASan/UBSan: a decoder that fails leaves its output untouched
-// (docs/wire-format.md), a sum fits its buffer, and what our own encoders produce decodes.
+// (docs/wire-format.md), a sum fits its buffer, what our own encoders produce decodes, an owner's
+// selection decodes and holds at most its share of k, and settling that fails changes no state.
 //
 // Input: u8 codec (fuzz_util.h codecConfigs()), u8 mode (bit 0 add the payloads, bit 1 server
-// re-compression, bit 2 dense sums, bit 3 a shape follows), u32 elements (at most 2^18), u32
-// requested chunk size, [u32 rows, u32 cols], u64 step, then up to 16 pieces (u32 length, bytes):
-// payload i belongs to chunk i % chunks (PowerSGD: to round i % 2).
+// re-compression, bit 2 dense sums, bit 3 a shape follows, bit 4 the sparse allreduce), u32
+// elements (at most 2^18), u32 requested chunk size, [u32 rows, u32 cols], u64 step, then up to 16
+// pieces (u32 length, bytes): payload i belongs to chunk i % chunks (PowerSGD: to round i % 2).
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -26,6 +31,7 @@
 
 #include "kernels/philox.h"
 #include "kernels/registry.h"
+#include "kernels/select.h"
 #include "tests/fuzz/targets.h"
 
 namespace lightwire::fuzz::payload {
@@ -42,7 +48,7 @@ constexpr uint32_t kMaxElements = uint32_t{1} << 18;
 constexpr size_t kMaxChunks = 64;
 constexpr size_t kMaxPayloads = 16;
 
-constexpr uint8_t kAdd = 1, kRecompress = 2, kDense = 4, kShape = 8;
+constexpr uint8_t kAdd = 1, kRecompress = 2, kDense = 4, kShape = 8, kGlobal = 16;
 
 using Span = std::span<const uint8_t>;
 
@@ -141,6 +147,38 @@ std::optional<Span> addAll(const Codec& codec, const std::vector<Span>& list, si
   return acc;
 }
 
+/// The sparse allreduce of chunk c (docs/determinism.md "4.6b Global selection"): `list` as every
+/// rank's contribution to the chunk's owner, and its last payload as an owner's selection that
+/// this sidecar (whose own payload is the first) settles a fresh state with.
+void globalSelect(const Parsed& p, const Codec& codec, const Chunking& chunking, size_t c,
+                  const std::vector<Span>& list) {
+  const size_t begin = chunking.begin(c), len = chunking.size(c);
+  const size_t k_c =
+      kernels::selectionShare(codec.selectionCount(p.n, std::nullopt), p.n, begin, begin + len);
+  std::vector<float> sums;
+  std::vector<uint64_t> scratch;
+  std::vector<uint8_t> sel(kernels::sparseMaxPayloadBytes(len, DType::kF32));
+  if (auto size = kernels::reduceSelectChunk(codec, list, len, k_c, sums, scratch, sel)) {
+    check(*size <= sel.size(), "a selection past its buffer");
+    sel.resize(*size);
+    std::vector<uint32_t> idx;
+    std::vector<float> val;
+    check(kernels::readSparseEntries(sel, codec.traits().id, len, idx, val).isOk(),
+          "an owner's selection does not decode");
+    check(idx.size() <= k_c, "a selection holds more than its share of k");
+  }
+  CodecState state(codec.stateFloats(p.n));
+  if (state.floats() == 0) return;
+  const std::vector<float> fill = pattern(state.floats(), static_cast<uint32_t>(p.step));
+  std::memcpy(state.next(), fill.data(), 4 * fill.size());
+  const Status s =
+      codec.settleChunk(contextFor(p, 0), chunking, c, list.front(), list.back(), state);
+  if (!s.isOk()) {
+    check(std::memcmp(state.next(), fill.data(), 4 * fill.size()) == 0,
+          "settling refused a payload (" + s.message() + ") but changed the state");
+  }
+}
+
 /// The server re-compresses the dense sum; its own payloads must decode.
 void recompress(const Parsed& p, const Chunking& chunking, const std::vector<float>& sum) {
   const Codec& server = serverCodecAt(p.config);
@@ -185,6 +223,9 @@ void singleRound(const Parsed& p, const Codec& codec) {
       }
     }
     std::copy(dense.begin(), dense.end(), sum.begin() + static_cast<std::ptrdiff_t>(begin));
+    if ((p.mode & kGlobal) && !(p.mode & kDense) && codec.selectsGlobally()) {
+      globalSelect(p, codec, chunking, c, list);
+    }
     if (p.mode & kAdd) {
       std::vector<std::vector<uint8_t>> held;
       if (auto total = addAll(codec, list, len, held)) {
@@ -314,6 +355,10 @@ void seeds(Seeds& out) {
       }
       const uint8_t mode = codec.traits().summable ? kAdd : kRecompress;
       out.emplace_back(name + "_n" + std::to_string(n), encode(i, mode, n, chunk, {}, 3, payloads));
+      if (codec.selectsGlobally()) {  // the same payloads through the sparse allreduce
+        out.emplace_back(name + "_global_n" + std::to_string(n),
+                         encode(i, kGlobal, n, chunk, {}, 3, payloads));
+      }
     }
   }
   // Found by fuzzing: an empty PowerSGD tensor whose zero dimension comes second was refused.
