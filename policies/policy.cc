@@ -206,10 +206,14 @@ std::vector<uint8_t> PolicyEngine::record(StepStats local) const {
   return encodeStats(local);
 }
 
-void PolicyEngine::note(uint64_t step, const std::string& tensor, std::string kind,
-                        std::string detail) {
+void PolicyEngine::noteExchange(uint64_t step, const std::string& tensor, bool sparse_allreduce,
+                                const std::string& detail) {
   std::lock_guard lock(mu_);
-  log(step, tensor, std::move(kind), std::move(detail));
+  TensorState& ts = tensors_[tensor];
+  const int now = sparse_allreduce ? 1 : 0;
+  if (ts.exchange == now) return;
+  ts.exchange = now;
+  log(step, tensor, "exchange", detail);
 }
 
 void PolicyEngine::log(uint64_t step, const std::string& tensor, std::string kind,
@@ -986,6 +990,7 @@ json::object PolicyEngine::stateJson() const {
     json::object& to = tensors[name].as_object();
     if (t.last_step) to["last_step"] = *t.last_step;
     if (t.lossless) to["lossless"] = true;
+    if (t.exchange >= 0) to["exchange"] = t.exchange == 1 ? "allreduce" : "allgather";
     if (t.autos.active) {
       const auto& a = t.autos;
       to["auto"] = json::object{
@@ -1156,6 +1161,15 @@ Status PolicyEngine::restoreState(const json::value& v) {
     if (!(ts.adaptive_scale > 0) && r.error.empty()) r.error = "adaptive_scale must be > 0";
     if (t.contains("last_step")) ts.last_step = r.u64(t, "last_step");
     if (t.contains("lossless")) ts.lossless = r.boolean(t, "lossless");
+    if (const auto* x = t.if_contains("exchange")) {  // absent: no choice made yet
+      const auto* xs = x->if_string();
+      if (xs && (*xs == "allreduce" || *xs == "allgather")) {
+        ts.exchange = *xs == "allreduce" ? 1 : 0;
+      } else if (r.error.empty()) {
+        r.error =
+            "tensor '" + std::string(name) + "': 'exchange' must be \"allgather\" or \"allreduce\"";
+      }
+    }
     if (const auto* av = t.if_contains("auto")) {
       const auto& ao = av->is_object() ? av->as_object() : json::object();
       if (!av->is_object() && r.error.empty()) r.error = "'auto' must be an object";

@@ -176,9 +176,12 @@ class PolicyEngine {
   bool bypassActive(uint64_t step) const;
   /// Status: config, bypass, settings history, baselines, decision log (last entries).
   boost::json::object statusJson() const;
-  /// Adds an entry to the decision log for a choice made elsewhere from what every rank knows
-  /// alike (the step engine's collective per layer, peer.sparse auto).
-  void note(uint64_t step, const std::string& tensor, std::string kind, std::string detail);
+  /// peer.sparse auto (docs/exchange.md "Sparse allreduce"): the collective the step engine chose
+  /// for this step of a layer, from what every rank knows alike. Kept in the policy state (so a
+  /// sidecar that took the state from its peers logs what they log); a move — or the layer's
+  /// first choice — is an `exchange` entry of the decision log with `detail`.
+  void noteExchange(uint64_t step, const std::string& tensor, bool sparse_allreduce,
+                    const std::string& detail);
   /// The decision log (for tests and `lightwire status`).
   std::vector<Decision> decisions() const;
   /// Everything decisions depend on, as JSON (checkpoints, and the job state a rejoining sidecar
@@ -204,6 +207,9 @@ class PolicyEngine {
     bool has_loss_step = false;
     std::optional<uint64_t> last_step;  // the last step updated
     bool lossless = false;              // its last step's plan was codec none, every step
+    // peer.sparse auto: its collective at its last compressed selection step (-1: none yet, 0:
+    // the allgather, 1: the sparse allreduce); a move is logged (noteExchange).
+    int exchange = -1;
     // `codec: auto` (policies/auto.h).
     struct Auto {
       bool active = false;

@@ -224,17 +224,19 @@ StepPipeline::Stage StepPipeline::afterExchange() {
 }
 
 // peer.sparse auto: a layer's collective moved (a schedule's density changed the sizes, or its
-// first step): into the decision log (identical on every rank: the choice is the configuration's),
-// or the log without policies. Steps after the exchange run in bucket order on one thread.
+// first step): into the decision log (identical on every rank: the choice is the configuration's,
+// and the last one is policy state, which a rejoining sidecar takes from its peers), or the log
+// without policies. Steps after the exchange run in bucket order on one thread.
 void StepPipeline::noteSparseChoice() {
-  if (!sparse_choice_ || t_.sparse_allreduce == sparse_choice_) return;
+  if (!sparse_choice_) return;
+  if (!policy_ && t_.sparse_allreduce == sparse_choice_) return;
   t_.sparse_allreduce = sparse_choice_;
   const std::string detail =
       fmt::format("{} ({} selecting {} of {} elements, {} sidecars; peer.sparse auto)",
                   *sparse_choice_ ? "sparse allreduce" : "allgather", step_codec_->traits().name,
                   step_codec_->selectionCount(n_, ctx_.density), n_, engine_.exchange_.worldSize());
   if (policy_) {
-    policy_->note(step_, t_.name, "exchange", detail);
+    policy_->noteExchange(step_, t_.name, *sparse_choice_, detail);
   } else {
     spdlog::info("tensor '{}' step {}: exchange: {}", t_.name, step_, detail);
   }

@@ -337,6 +337,39 @@ TEST_SUITE("policies") {
       CHECK(boost::json::value(a.stateJson()) == before);
     }
   }
+
+  TEST_CASE(
+      "peer.sparse auto: a layer's collective is logged when first chosen and when it moves; "
+      "the last choice is policy state") {
+    PolicyEngine a(quick(), "{}", nullptr);
+    auto exchanges = [](const PolicyEngine& p) {
+      std::vector<std::pair<uint64_t, std::string>> out;
+      for (const auto& d : p.decisions()) {
+        if (d.kind == "exchange") out.emplace_back(d.step, d.detail);
+      }
+      return out;
+    };
+    a.noteExchange(0, "w", true, "sparse allreduce (0)");
+    a.noteExchange(1, "w", true, "sparse allreduce (1)");
+    a.noteExchange(2, "w", false, "allgather (2)");
+    using Log = std::vector<std::pair<uint64_t, std::string>>;
+    CHECK(exchanges(a) == Log{{0, "sparse allreduce (0)"}, {2, "allgather (2)"}});
+    // A sidecar that took the state logs a move only, as its peers do.
+    PolicyEngine b(quick(), "{}", nullptr);
+    REQUIRE(b.restoreState(a.stateJson()).isOk());
+    b.noteExchange(3, "w", false, "allgather (3)");
+    b.noteExchange(4, "w", true, "sparse allreduce (4)");
+    CHECK(exchanges(b) ==
+          Log{{0, "sparse allreduce (0)"}, {2, "allgather (2)"}, {4, "sparse allreduce (4)"}});
+    // A bad value: refused, nothing changed.
+    boost::json::object bad = a.stateJson();
+    bad["tensors"].as_object()["w"].as_object()["exchange"] = "scatter";
+    const std::string before = boost::json::serialize(b.stateJson());
+    const auto st = b.restoreState(bad);
+    CHECK_FALSE(st.isOk());
+    CHECK(st.message().find("'exchange' must be") != std::string::npos);
+    CHECK(boost::json::serialize(b.stateJson()) == before);
+  }
 }
 
 }  // namespace
