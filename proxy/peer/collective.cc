@@ -555,12 +555,23 @@ Status RingExchange::checkBucket(const BucketTag& bucket, uint64_t step) {
       bucket.name, step, bucket.layout_hash, bucket.layers, differ));
 }
 
+namespace {
+
+/// The owner of chunk c of a sparse allreduce: rank (c + tensor key) mod W, so that the one-chunk
+/// layers of a bucket (below 64 Ki elements) spread over the ranks instead of all falling to
+/// rank 0.
+uint32_t selectionOwner(uint64_t tensor, size_t c, uint32_t w) {
+  return static_cast<uint32_t>((tensor % w + c % w) % w);
+}
+
+}  // namespace
+
 Status RingExchange::sparsePost(std::span<const Item> items) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
   for (const Item& it : items) {
     const ExchangeRound& r = *it.r;
     for (size_t c = 0; c < r.chunking.count(); ++c) {
-      const uint32_t owner = static_cast<uint32_t>(c % w);
+      const uint32_t owner = selectionOwner(it.tensor, c, w);
       if (owner == me) continue;
       auto own = r.payload(c);  // compressed now: the previous chunk is on its way meanwhile
       if (!own) return own.status();
@@ -584,7 +595,8 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
     const size_t chunks = r.chunking.count(), n = r.chunking.elements;
     out[i].resize(chunks);
     const size_t k = r.select_count(n);
-    for (size_t c = me; c < chunks; c += w) {
+    for (size_t c = 0; c < chunks; ++c) {
+      if (selectionOwner(it.tensor, c, w) != me) continue;
       const size_t begin = r.chunking.begin(c), len = r.chunking.size(c);
       std::vector<std::span<const uint8_t>> contributions(w);
       for (uint32_t k_rank = 0; k_rank < w; ++k_rank) {
@@ -626,7 +638,7 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
     const Item& it = items[i];
     ExchangeRound& r = *it.r;
     for (size_t c = 0; c < r.chunking.count(); ++c) {
-      const uint32_t owner = static_cast<uint32_t>(c % w);
+      const uint32_t owner = selectionOwner(it.tensor, c, w);
       if (owner == me) continue;
       auto got = transport_.receive(
           owner, keyOf(it.tensor, r, kPhaseSelected, static_cast<uint32_t>(c), owner), deadline_);

@@ -74,10 +74,10 @@ class RingExchange final : public Exchange {
   Status gatherReceive(std::span<const Item> items, std::vector<Spans>& by_origin);
   /// The sparse allreduce (docs/exchange.md "Sparse allreduce") of every item's chunks (rounds
   /// with select_globally): each rank's payload of chunk c goes to the chunk's owner (rank
-  /// c mod W, phase 5), which sums every rank's in rank order, selects the chunk's share of the
-  /// global top-k and sends that selection to every other rank (phase 6). sparsePost() posts this
-  /// rank's contributions; sparseReduce() reduces and selects the owned chunks and receives the
-  /// others' selections: out[item][chunk] = {the selection}.
+  /// (c + the tensor's key) mod W, phase 5), which sums every rank's in rank order, selects the
+  /// chunk's share of the global top-k and sends that selection to every other rank (phase 6).
+  /// sparsePost() posts this rank's contributions; sparseReduce() reduces and selects the owned
+  /// chunks and receives the others' selections: out[item][chunk] = {the selection}.
   Status sparsePost(std::span<const Item> items);
   Result<std::vector<Spans>> sparseReduce(std::span<const Item> items);
   /// The bucket's header (its layout hash and layer count) to every other rank, and every other

@@ -427,7 +427,11 @@ TEST_CASE(
   // Rank 2 speaks the protocol wrongly and runs nothing else; ranks 0 and 1 fail step 1 before
   // their deadline (the abort of the rank that found it) and keep their state.
   const uint32_t w = 3;
-  const size_t n = 3000, chunk = 1000;  // chunk c belongs to rank c mod 3
+  const size_t n = 3000, chunk = 1000;
+  // Chunk c of tensor "t" belongs to rank (c + its key) mod 3 (docs/exchange.md): the chunk of
+  // each rank.
+  const uint32_t shift = static_cast<uint32_t>(tensorKey("t") % w);
+  auto chunkOf = [&](uint32_t rank) { return (rank + w - shift) % w; };
   auto codec = kernels::createCodec({.name = "topk", .density = 0.05});
   REQUIRE(codec.isOk());
   const uint8_t id = static_cast<uint8_t>((*codec)->traits().id);
@@ -436,7 +440,7 @@ TEST_CASE(
     Mesh mesh(w);
     mesh.startAll();
     REQUIRE(mesh.allConnected());
-    sendAsRank2(*mesh.transports[2], 0, 5, 0, std::vector<uint8_t>(40, 0x5A), id);
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), std::vector<uint8_t>(40, 0x5A), id);
     const auto t0 = std::chrono::steady_clock::now();
     const auto steps = runSparse(
         mesh, **codec, n, chunk, [&](uint32_t r, uint64_t s) { return sparseInput(r, s, n); }, 1,
@@ -444,7 +448,8 @@ TEST_CASE(
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(3500));
     for (const auto& r : steps.at(0)) {
       CHECK_FALSE(r.ok);
-      CHECK_MESSAGE(r.error.find("chunk 0 of 't': payload of rank 2") != std::string::npos,
+      CHECK_MESSAGE(r.error.find("chunk " + std::to_string(chunkOf(0)) +
+                                 " of 't': payload of rank 2") != std::string::npos,
                     r.error);
       for (float v : r.state) REQUIRE(v == 0.0f);
     }
@@ -453,7 +458,7 @@ TEST_CASE(
     Mesh mesh(w);
     mesh.startAll();
     REQUIRE(mesh.allConnected());
-    // Rank 2's real contributions to owners 0 and 1; as the owner of chunk 2, a selection of
+    // Rank 2's real contributions to owners 0 and 1; as the owner of its chunk, a selection of
     // 1008 elements (the chunk has 1000), one entry beyond the chunk.
     const auto x = sparseInput(2, 1, n);
     kernels::CodecState state((*codec)->stateFloats(n));
@@ -464,8 +469,8 @@ TEST_CASE(
     auto p =
         kernels::encodeTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, state);
     REQUIRE(p.isOk());
-    sendAsRank2(*mesh.transports[2], 0, 5, 0, (*p)[0], id);
-    sendAsRank2(*mesh.transports[2], 1, 5, 1, (*p)[1], id);
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), (*p)[chunkOf(0)], id);
+    sendAsRank2(*mesh.transports[2], 1, 5, chunkOf(1), (*p)[chunkOf(1)], id);
     std::vector<float> bad(chunk + 8, 0.0f);
     bad[chunk + 3] = 1.0f;
     std::vector<uint8_t> sel(kernels::sparseMaxPayloadBytes(chunk + 8, kernels::DType::kF32));
@@ -474,7 +479,9 @@ TEST_CASE(
     REQUIRE(size.isOk());
     sel.resize(*size);
     // The header says chunk + 8 elements: the decoder of a 1000-element chunk refuses it.
-    for (uint32_t dst = 0; dst < 2; ++dst) sendAsRank2(*mesh.transports[2], dst, 6, 2, sel, id);
+    for (uint32_t dst = 0; dst < 2; ++dst) {
+      sendAsRank2(*mesh.transports[2], dst, 6, chunkOf(2), sel, id);
+    }
     const auto t0 = std::chrono::steady_clock::now();
     const auto steps = runSparse(
         mesh, **codec, n, chunk, [&](uint32_t r, uint64_t s) { return sparseInput(r, s, n); }, 1,
