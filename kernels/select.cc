@@ -827,7 +827,9 @@ Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, 
                      scratch.end(), std::greater<uint64_t>());
     scratch.resize(k);
   }
-  std::vector<uint32_t> list(scratch.size());
+  // The selected indices, ascending (a buffer kept per thread: no allocation per chunk).
+  thread_local std::vector<uint32_t> list;
+  list.resize(scratch.size());
   for (size_t j = 0; j < scratch.size(); ++j) {
     list[j] = 0xFFFFFFFFu - static_cast<uint32_t>(scratch[j]);
   }

@@ -207,13 +207,13 @@ std::vector<uint8_t> PolicyEngine::record(StepStats local) const {
 }
 
 void PolicyEngine::noteExchange(uint64_t step, const std::string& tensor, bool sparse_allreduce,
-                                const std::string& detail) {
+                                const std::function<std::string()>& detail) {
   std::lock_guard lock(mu_);
   TensorState& ts = tensors_[tensor];
   const int now = sparse_allreduce ? 1 : 0;
   if (ts.exchange == now) return;
   ts.exchange = now;
-  log(step, tensor, "exchange", detail);
+  log(step, tensor, "exchange", detail());
 }
 
 void PolicyEngine::log(uint64_t step, const std::string& tensor, std::string kind,

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -179,9 +180,9 @@ class PolicyEngine {
   /// peer.sparse auto (docs/exchange.md "Sparse allreduce"): the collective the step engine chose
   /// for this step of a layer, from what every rank knows alike. Kept in the policy state (so a
   /// sidecar that took the state from its peers logs what they log); a move — or the layer's
-  /// first choice — is an `exchange` entry of the decision log with `detail`.
+  /// first choice — is an `exchange` entry of the decision log with `detail()` (made only then).
   void noteExchange(uint64_t step, const std::string& tensor, bool sparse_allreduce,
-                    const std::string& detail);
+                    const std::function<std::string()>& detail);
   /// The decision log (for tests and `lightwire status`).
   std::vector<Decision> decisions() const;
   /// Everything decisions depend on, as JSON (checkpoints, and the job state a rejoining sidecar

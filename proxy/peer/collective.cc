@@ -255,7 +255,7 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
   for (Item& it : items) {
     const auto& traits = it.r->codec.traits();
     if (it.r->select_globally) {
-      if (!it.r->codec.selectsGlobally() || !it.r->select_count || it.r->round != 0) {
+      if (!it.r->codec.selectsGlobally() || it.r->round != 0) {
         if (st.isOk()) {
           st = internalError("tensor '" + it.r->tensor + "': codec " + traits.name +
                              " cannot be selected globally");
@@ -594,11 +594,11 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
     ExchangeRound& r = *it.r;
     const size_t chunks = r.chunking.count(), n = r.chunking.elements;
     out[i].resize(chunks);
-    const size_t k = r.select_count(n);
+    const size_t k = r.codec.selectionCount(n, r.density);
+    std::vector<std::span<const uint8_t>> contributions(w);
     for (size_t c = 0; c < chunks; ++c) {
       if (selectionOwner(it.tensor, c, w) != me) continue;
       const size_t begin = r.chunking.begin(c), len = r.chunking.size(c);
-      std::vector<std::span<const uint8_t>> contributions(w);
       for (uint32_t k_rank = 0; k_rank < w; ++k_rank) {
         if (k_rank == me) {
           auto own = r.payload(c);

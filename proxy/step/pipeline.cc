@@ -231,14 +231,16 @@ void StepPipeline::noteSparseChoice() {
   if (!sparse_choice_) return;
   if (!policy_ && t_.sparse_allreduce == sparse_choice_) return;
   t_.sparse_allreduce = sparse_choice_;
-  const std::string detail =
-      fmt::format("{} ({} selecting {} of {} elements, {} sidecars; peer.sparse auto)",
-                  *sparse_choice_ ? "sparse allreduce" : "allgather", step_codec_->traits().name,
-                  step_codec_->selectionCount(n_, ctx_.density), n_, engine_.exchange_.worldSize());
+  auto detail = [this] {
+    return fmt::format("{} ({} selecting {} of {} elements, {} sidecars; peer.sparse auto)",
+                       *sparse_choice_ ? "sparse allreduce" : "allgather",
+                       step_codec_->traits().name, step_codec_->selectionCount(n_, ctx_.density),
+                       n_, engine_.exchange_.worldSize());
+  };
   if (policy_) {
     policy_->noteExchange(step_, t_.name, *sparse_choice_, detail);
   } else {
-    spdlog::info("tensor '{}' step {}: exchange: {}", t_.name, step_, detail);
+    spdlog::info("tensor '{}' step {}: exchange: {}", t_.name, step_, detail());
   }
 }
 
@@ -494,10 +496,8 @@ StepPipeline::Stage StepPipeline::prepare() {
     sparse_choice_ = select_globally_;
   }
   ctx_.defer_sent = select_globally_;
-  chunking_ =
-      kernels::chunkingFor(codec, n_,
-                           ringChunkElements(codec, n_, options.chunk_elements,
-                                             engine_.exchange_.worldSize(), select_globally_));
+  chunking_ = kernels::chunkingFor(
+      codec, n_, ringChunkElements(codec, n_, options.chunk_elements, world, select_globally_));
   // PowerSGD's start step (docs/policies.md "Schedules"): dense until then, the state untouched,
   // so that the factorisation starts from a gradient past the first, fastest-changing steps.
   if (codec.traits().id == kernels::CodecId::kPowersgd && step_ < options.powersgd_start_step &&
@@ -633,10 +633,7 @@ StepPipeline::Stage StepPipeline::openRound(int r) {
                     lazy ? std::span<const std::span<const uint8_t>>{} : std::span(mine_)});
   ExchangeRound& er = *round_;
   er.density = ctx_.density;
-  if (select_globally_) {
-    er.select_globally = true;
-    er.select_count = [this](size_t n) { return step_codec_->selectionCount(n, ctx_.density); };
-  }
+  er.select_globally = select_globally_;
   if (rounds_ == 1 && backend_->decodesDuringExchange()) {
     // A chunk whose payloads are final is decoded at once, while later chunks still travel.
     er.on_chunk = [this, chunks, &exchange](

@@ -349,16 +349,16 @@ TEST_SUITE("policies") {
       }
       return out;
     };
-    a.noteExchange(0, "w", true, "sparse allreduce (0)");
-    a.noteExchange(1, "w", true, "sparse allreduce (1)");
-    a.noteExchange(2, "w", false, "allgather (2)");
+    a.noteExchange(0, "w", true, [] { return std::string("sparse allreduce (0)"); });
+    a.noteExchange(1, "w", true, [] { return std::string("sparse allreduce (1)"); });
+    a.noteExchange(2, "w", false, [] { return std::string("allgather (2)"); });
     using Log = std::vector<std::pair<uint64_t, std::string>>;
     CHECK(exchanges(a) == Log{{0, "sparse allreduce (0)"}, {2, "allgather (2)"}});
     // A sidecar that took the state logs a move only, as its peers do.
     PolicyEngine b(quick(), "{}", nullptr);
     REQUIRE(b.restoreState(a.stateJson()).isOk());
-    b.noteExchange(3, "w", false, "allgather (3)");
-    b.noteExchange(4, "w", true, "sparse allreduce (4)");
+    b.noteExchange(3, "w", false, [] { return std::string("allgather (3)"); });
+    b.noteExchange(4, "w", true, [] { return std::string("sparse allreduce (4)"); });
     CHECK(exchanges(b) ==
           Log{{0, "sparse allreduce (0)"}, {2, "allgather (2)"}, {4, "sparse allreduce (4)"}});
     // A bad value: refused, nothing changed.

@@ -29,28 +29,37 @@ def _gradient(rank, step):
     return (g.standard_normal(N) * (1 + rank)).astype(np.float32)
 
 
-def _run(cluster):
-    """Every rank's results, [step][rank], and every rank's status after the steps."""
+def _emit_all(cluster, steps, gradient, timeout):
+    """One thread per rank sends gradient(rank, step) for steps 0..steps-1 over HTTP; returns
+    every rank's results, [step][rank]."""
     import lightwire
-    out = [[None] * WORLD for _ in range(STEPS)]
+    world = cluster.world_size
+    out = [[None] * world for _ in range(steps)]
     errors = []
 
     def trainer(rank):
-        c = lightwire.Client(socket_path=cluster[rank].socket, timeout=(2.0, 20.0))
+        c = lightwire.Client(socket_path=cluster[rank].socket, timeout=(2.0, timeout / 2))
         try:
-            for step in range(STEPS):
-                out[step][rank] = c.emit_gradient(_gradient(rank, step), name="w", step=step)
+            for step in range(steps):
+                out[step][rank] = c.emit_gradient(gradient(rank, step), name="w", step=step)
         except Exception as e:  # noqa: BLE001 -- reported below
             errors.append("rank %d: %r" % (rank, e))
         finally:
             c.close()
 
-    threads = [threading.Thread(target=trainer, args=(r,)) for r in range(WORLD)]
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(timeout)
     assert not errors, "%s\n%s" % (errors, cluster.stderr())
+    return out
+
+
+def _run(cluster):
+    """Every rank's results, [step][rank], and every rank's status after the steps."""
+    import lightwire
+    out = _emit_all(cluster, STEPS, _gradient, 120)
     statuses = []
     for rank in range(WORLD):
         c = lightwire.Client(socket_path=cluster[rank].socket, timeout=(2.0, 20.0))
@@ -166,32 +175,13 @@ def _sent_bytes(cluster, rank):
 def _bytes_per_rank(tmp_path_factory, world, mode, n=200000, steps=3):
     """Wire bytes each rank sent per step (mean over ranks) for topk 1 % among `world` sidecars,
     and every rank's result of the last step."""
-    import lightwire
     cl = Cluster(tmp_path_factory, world, codec="topk", codec_args=ARGS + ["--sparse", mode],
                  chunk_elements=1 << 20, peer_timeout=30, job_id="scale-%d-%s" % (world, mode))
     try:
         cl.start()
         before = [_sent_bytes(cl, r) for r in range(world)]
-        results = [None] * world
-        errors = []
-
-        def trainer(rank):
-            c = lightwire.Client(socket_path=cl[rank].socket, timeout=(2.0, 60.0))
-            try:
-                for step in range(steps):
-                    g = np.random.default_rng(7 * step + rank).standard_normal(n).astype(np.float32)
-                    results[rank] = c.emit_gradient(g, name="w", step=step)
-            except Exception as e:  # noqa: BLE001 -- reported below
-                errors.append("rank %d: %r" % (rank, e))
-            finally:
-                c.close()
-
-        threads = [threading.Thread(target=trainer, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors, "%s\n%s" % (errors, cl.stderr())
+        results = _emit_all(cl, steps, lambda rank, step: np.random.default_rng(
+            7 * step + rank).standard_normal(n).astype(np.float32), 300)[-1]
         after = [_sent_bytes(cl, r) for r in range(world)]
         cl.stop()
     finally:
