@@ -89,6 +89,10 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                               .Help("Compressed bytes sent to and received from peers.")
                               .Register(*r)
                               .Add({{"direction", "received"}})),
+      data_frames_sent(counterFamily(*r, "lightwire_peer_data_frames_sent_total",
+                                     "DATA frames written to peers (payloads, statistics, "
+                                     "bucket headers, checksums).")
+                           .Add({})),
       steps_ok(counterFamily(*r, "lightwire_steps_total", "Steps completed, by result.")
                    .Add({{"result", "ok"}})),
       steps_failed(counterFamily(*r, "lightwire_steps_total", "Steps completed, by result.")

@@ -52,6 +52,9 @@ class Metrics {
   // lightwire_wire_bytes_total{direction}: compressed bytes sent / received.
   prometheus::Counter& wire_bytes_sent;
   prometheus::Counter& wire_bytes_received;
+  // lightwire_peer_data_frames_sent_total: DATA frames written to peers (payloads, statistics,
+  // bucket headers, checksums).
+  prometheus::Counter& data_frames_sent;
   // lightwire_steps_total{result}.
   prometheus::Counter& steps_ok;
   prometheus::Counter& steps_failed;

@@ -70,6 +70,50 @@ class Reader {
   size_t pos_ = 0;
 };
 
+/// The value checks a record and a fold share.
+bool validSeconds(double v) { return v >= 0 && std::isfinite(v); }
+bool validLink(double bps, double lat) {
+  return bps > 0 && std::isfinite(bps) && validSeconds(lat);
+}
+bool validTiming(double compute, double overlap) {
+  return validSeconds(compute) && overlap >= 0 && overlap <= compute;
+}
+bool validMomentum(double m) { return m > 0 && m < 1; }
+
+void writeRequest(Writer& w, const Request& r, bool with_origin) {
+  w.le<uint8_t>(static_cast<uint8_t>(r.kind));
+  w.le<uint64_t>(r.id);
+  w.le<uint64_t>(r.step);
+  if (with_origin) w.le<uint32_t>(r.origin);
+  w.le<uint32_t>(static_cast<uint32_t>(r.body.size()));
+  w.bytes(r.body.data(), r.body.size());
+}
+
+/// One request as writeRequest() wrote it, checked; `what` names the container in errors.
+Status readRequest(Reader& r, Request& q, bool with_origin, const char* what) {
+  uint8_t kind = 0;
+  uint32_t len = 0;
+  if (!r.le(kind) || !r.le(q.id) || !r.le(q.step) || (with_origin && !r.le(q.origin)) ||
+      !r.le(len)) {
+    return invalidArgument(std::string(what) + " is truncated");
+  }
+  if (kind != 1 && kind != 2) {
+    return invalidArgument(std::string(what) + ": unknown request kind " + std::to_string(kind));
+  }
+  q.kind = static_cast<Request::Kind>(kind);
+  if (len > kMaxBodyBytes) return invalidArgument(std::string(what) + ": request body too long");
+  if (q.kind == Request::Kind::kCheckpoint && len != 0) {
+    return invalidArgument(std::string(what) + ": a checkpoint request has no body");
+  }
+  if (!r.str(q.body, len)) return invalidArgument(std::string(what) + " is truncated");
+  if (q.kind == Request::Kind::kSettings && !isJsonObject(q.body)) {
+    // Every rank keeps the settings in its history, its status, its checkpoints and the job
+    // state it tells rejoining peers, all JSON: bytes that are not would make those unreadable.
+    return invalidArgument(std::string(what) + ": a settings request's body is not a JSON object");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 std::optional<double> GlobalStats::cosine() const {
@@ -116,13 +160,7 @@ std::vector<uint8_t> encodeStats(const StepStats& s) {
   w.f64(s.tail_s.value_or(0.0));
   w.f64(s.momentum.value_or(0.0));
   w.le<uint32_t>(static_cast<uint32_t>(s.requests.size()));
-  for (const auto& r : s.requests) {
-    w.le<uint8_t>(static_cast<uint8_t>(r.kind));
-    w.le<uint64_t>(r.id);
-    w.le<uint64_t>(r.step);
-    w.le<uint32_t>(static_cast<uint32_t>(r.body.size()));
-    w.bytes(r.body.data(), r.body.size());
-  }
+  for (const auto& r : s.requests) writeRequest(w, r, false);
   return std::move(w.out);
 }
 
@@ -173,20 +211,20 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
     for (auto [bit, v, out] :
          {std::tuple{16, direct, &s.direct_s}, std::tuple{32, tail, &s.tail_s}}) {
       if ((flags & bit) == 0) continue;
-      if (!(v >= 0 && std::isfinite(v))) {
+      if (!validSeconds(v)) {
         return invalidArgument("statistics record: direct and tail seconds must be finite, >= 0");
       }
       *out = v;
     }
     if (flags & 4) {
-      if (!(bps > 0 && std::isfinite(bps)) || !(lat >= 0 && std::isfinite(lat))) {
+      if (!validLink(bps, lat)) {
         return invalidArgument("statistics record: link figures must be finite, bandwidth > 0");
       }
       s.link_bytes_per_s = bps;
       s.link_latency_s = lat;
     }
     if (flags & 8) {
-      if (!(compute >= 0 && std::isfinite(compute)) || !(overlap >= 0 && overlap <= compute)) {
+      if (!validTiming(compute, overlap)) {
         return invalidArgument(
             "statistics record: compute and overlap must be finite, 0 <= overlap <= compute");
       }
@@ -198,7 +236,7 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
     double m = 0;
     if (!r.f64(m)) return truncated();
     if (flags & 64) {
-      if (!(m > 0 && m < 1)) {
+      if (!validMomentum(m)) {
         return invalidArgument("statistics record: the declared momentum must lie in (0, 1)");
       }
       s.momentum = m;
@@ -212,23 +250,7 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
   }
   for (uint32_t i = 0; i < count; ++i) {
     Request q;
-    uint8_t kind = 0;
-    uint32_t len = 0;
-    if (!r.le(kind) || !r.le(q.id) || !r.le(q.step) || !r.le(len)) return truncated();
-    if (kind != 1 && kind != 2) {
-      return invalidArgument("statistics record: unknown request kind " + std::to_string(kind));
-    }
-    q.kind = static_cast<Request::Kind>(kind);
-    if (len > kMaxBodyBytes) return invalidArgument("statistics record: request body too long");
-    if (q.kind == Request::Kind::kCheckpoint && len != 0) {
-      return invalidArgument("statistics record: a checkpoint request has no body");
-    }
-    if (!r.str(q.body, len)) return truncated();
-    if (q.kind == Request::Kind::kSettings && !isJsonObject(q.body)) {
-      // Every rank keeps the settings in its history, its status, its checkpoints and the job
-      // state it tells rejoining peers, all JSON: bytes that are not would make those unreadable.
-      return invalidArgument("statistics record: a settings request's body is not a JSON object");
-    }
+    LW_RETURN_IF_ERROR(readRequest(r, q, false, "statistics record"));
     s.requests.push_back(std::move(q));
   }
   if (r.left() != 0) return invalidArgument("statistics record: trailing bytes");
@@ -241,62 +263,239 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) {
-  GlobalStats g;
-  bool momentum_agreed = true;  // every record so far declared the same momentum
-  std::vector<double> computes, overlaps;
-  for (size_t rank = 0; rank < records.size(); ++rank) {
-    if (records[rank].empty()) continue;
-    auto s = decodeStats(records[rank]);
-    if (!s) return invalidArgument("rank " + std::to_string(rank) + ": " + s.status().message());
-    ++g.ranks;
-    g.grad_norm2 += s->grad_norm2;
-    g.nonfinite += s->nonfinite;
-    g.elements += s->elements;
-    g.small += s->small;
-    g.residual_norm2 += s->residual_norm2;
-    if (s->cos_dot) {
-      ++g.cos_ranks;
-      g.cos_dot += *s->cos_dot;
-      g.cos_c2 += *s->cos_c2;
-      g.cos_g2 += *s->cos_g2;
-    }
-    if (s->loss && std::isfinite(*s->loss)) {
-      ++g.loss_ranks;
-      g.loss_sum += *s->loss;
-      g.loss_step = std::max(g.loss_step, s->loss_step);
-    }
-    if (s->link_bytes_per_s) {
-      // The fastest link any rank measured: an exchange is collective, so every rank's time
-      // holds the slowest hop, and what differs between ranks is how long each waited for the
-      // others to arrive (docs/policies.md "The inputs, identical on every rank").
-      g.link_bytes_per_s = std::max(g.link_bytes_per_s.value_or(0.0), *s->link_bytes_per_s);
-      g.link_latency_s = std::min(g.link_latency_s.value_or(INFINITY), *s->link_latency_s);
-    }
-    if (s->direct_s) g.direct_s = std::max(g.direct_s.value_or(0.0), *s->direct_s);
-    if (s->tail_s) g.tail_s = std::max(g.tail_s.value_or(0.0), *s->tail_s);
-    if (s->compute_s) {
-      computes.push_back(*s->compute_s);
-      overlaps.push_back(*s->overlap_s);
-    }
-    if (!s->momentum || (g.momentum && *g.momentum != *s->momentum)) momentum_agreed = false;
-    if (s->momentum && !g.momentum) g.momentum = s->momentum;
-    g.resumed_from.push_back(s->resumed_from);
-    for (auto& q : s->requests) {
-      q.origin = static_cast<uint32_t>(rank);
-      g.requests.push_back(std::move(q));
-    }
+namespace {
+
+constexpr uint8_t kPartialMagic[4] = {'L', 'W', 'P', '1'};
+constexpr uint32_t kMaxRanks = 1u << 16;  // = proxy's largest world size
+
+/// Folds one decoded record of `rank` into `p` (rank order: the caller checks it).
+void foldInto(PartialStats& p, StepStats s, uint32_t rank) {
+  GlobalStats& g = p.g;
+  ++g.ranks;
+  g.grad_norm2 += s.grad_norm2;
+  g.nonfinite += s.nonfinite;
+  g.elements += s.elements;
+  g.small += s.small;
+  g.residual_norm2 += s.residual_norm2;
+  if (s.cos_dot) {
+    ++g.cos_ranks;
+    g.cos_dot += *s.cos_dot;
+    g.cos_c2 += *s.cos_c2;
+    g.cos_g2 += *s.cos_g2;
   }
-  if (!momentum_agreed) g.momentum.reset();
+  if (s.loss && std::isfinite(*s.loss)) {
+    ++g.loss_ranks;
+    g.loss_sum += *s.loss;
+    g.loss_step = std::max(g.loss_step, s.loss_step);
+  }
+  if (s.link_bytes_per_s) {
+    // The fastest link any rank measured: an exchange is collective, so every rank's time
+    // holds the slowest hop, and what differs between ranks is how long each waited for the
+    // others to arrive (docs/policies.md "The inputs, identical on every rank").
+    g.link_bytes_per_s = std::max(g.link_bytes_per_s.value_or(0.0), *s.link_bytes_per_s);
+    g.link_latency_s = std::min(g.link_latency_s.value_or(INFINITY), *s.link_latency_s);
+  }
+  if (s.direct_s) g.direct_s = std::max(g.direct_s.value_or(0.0), *s.direct_s);
+  if (s.tail_s) g.tail_s = std::max(g.tail_s.value_or(0.0), *s.tail_s);
+  if (s.compute_s) {
+    p.computes.push_back(*s.compute_s);
+    p.overlaps.push_back(*s.overlap_s);
+  }
+  if (!s.momentum || (g.momentum && *g.momentum != *s.momentum)) p.momentum_agreed = false;
+  if (s.momentum && !g.momentum) g.momentum = s.momentum;
+  g.resumed_from.push_back(s.resumed_from);
+  for (auto& q : s.requests) {
+    q.origin = rank;
+    g.requests.push_back(std::move(q));
+  }
+  p.next_rank = rank + 1;
+}
+
+GlobalStats finish(PartialStats p) {
+  GlobalStats g = std::move(p.g);
+  if (!p.momentum_agreed) g.momentum.reset();
   // The compute (and overlap) as the median of what the ranks reported: each rank's figure
   // swings from step to step (the trainers share the cores; one evaluates), and the least of
   // them all is biased low by that noise — on the MLP at 10 Gbit/s it read half the compute
   // and made a lossy rung look twice as cheap as it is.
-  if (!computes.empty()) {
-    g.compute_s = median(computes);
-    g.overlap_s = median(overlaps);
+  if (!p.computes.empty()) {
+    g.compute_s = median(std::move(p.computes));
+    g.overlap_s = median(std::move(p.overlaps));
   }
   return g;
+}
+
+std::vector<uint8_t> encodePartial(const PartialStats& p) {
+  const GlobalStats& g = p.g;
+  Writer w;
+  w.bytes(kPartialMagic, 4);
+  w.le<uint32_t>(g.ranks);
+  w.le<uint32_t>(p.next_rank);
+  const bool link = g.link_bytes_per_s.has_value();
+  w.le<uint8_t>(static_cast<uint8_t>((link ? 1 : 0) | (g.direct_s ? 2 : 0) | (g.tail_s ? 4 : 0) |
+                                     (g.momentum ? 8 : 0) | (p.momentum_agreed ? 16 : 0)));
+  w.f64(g.grad_norm2);
+  w.le<uint64_t>(g.nonfinite);
+  w.le<uint64_t>(g.elements);
+  w.le<uint64_t>(g.small);
+  w.f64(g.residual_norm2);
+  w.le<uint32_t>(g.cos_ranks);
+  w.f64(g.cos_dot);
+  w.f64(g.cos_c2);
+  w.f64(g.cos_g2);
+  w.le<uint32_t>(g.loss_ranks);
+  w.f64(g.loss_sum);
+  w.le<uint64_t>(g.loss_step);
+  w.f64(link ? *g.link_bytes_per_s : 0.0);
+  w.f64(link ? *g.link_latency_s : 0.0);
+  w.f64(g.direct_s.value_or(0.0));
+  w.f64(g.tail_s.value_or(0.0));
+  w.f64(g.momentum.value_or(0.0));
+  // Resume marks as runs of equal values (every rank's is normally the same: one run).
+  std::vector<std::pair<uint64_t, uint32_t>> runs;  // (value + 1 or 0, count)
+  for (const auto& r : g.resumed_from) {
+    const uint64_t v = r ? *r + 1 : 0;
+    if (!runs.empty() && runs.back().first == v) {
+      ++runs.back().second;
+    } else {
+      runs.emplace_back(v, 1);
+    }
+  }
+  w.le<uint32_t>(static_cast<uint32_t>(runs.size()));
+  for (const auto& [v, n] : runs) {
+    w.le<uint64_t>(v);
+    w.le<uint32_t>(n);
+  }
+  w.le<uint32_t>(static_cast<uint32_t>(p.computes.size()));
+  for (size_t i = 0; i < p.computes.size(); ++i) {
+    w.f64(p.computes[i]);
+    w.f64(p.overlaps[i]);
+  }
+  w.le<uint32_t>(static_cast<uint32_t>(g.requests.size()));
+  for (const auto& q : g.requests) writeRequest(w, q, true);
+  return std::move(w.out);
+}
+
+Result<PartialStats> decodePartial(std::span<const uint8_t> bytes) {
+  const char* what = "partial statistics";
+  auto bad = [&](const std::string& why) {
+    return invalidArgument(std::string(what) + ": " + why);
+  };
+  const auto truncated = [&] { return invalidArgument(std::string(what) + " are truncated"); };
+  if (bytes.size() < 4 || std::memcmp(bytes.data(), kPartialMagic, 4) != 0) {
+    return invalidArgument("not partial statistics (bad magic)");
+  }
+  Reader r(bytes.subspan(4));
+  PartialStats p;
+  GlobalStats& g = p.g;
+  uint8_t flags = 0;
+  double bps = 0, lat = 0, direct = 0, tail = 0, m = 0;
+  if (!r.le(g.ranks) || !r.le(p.next_rank) || !r.le(flags) || !r.f64(g.grad_norm2) ||
+      !r.le(g.nonfinite) || !r.le(g.elements) || !r.le(g.small) || !r.f64(g.residual_norm2) ||
+      !r.le(g.cos_ranks) || !r.f64(g.cos_dot) || !r.f64(g.cos_c2) || !r.f64(g.cos_g2) ||
+      !r.le(g.loss_ranks) || !r.f64(g.loss_sum) || !r.le(g.loss_step) || !r.f64(bps) ||
+      !r.f64(lat) || !r.f64(direct) || !r.f64(tail) || !r.f64(m)) {
+    return truncated();
+  }
+  if ((flags & ~31) != 0) return bad("unknown flags");
+  if (g.ranks > p.next_rank || p.next_rank > kMaxRanks) return bad("more records than ranks");
+  if (g.cos_ranks > g.ranks || g.loss_ranks > g.ranks) return bad("counts exceed the records");
+  if (g.nonfinite > g.elements || g.small > g.elements) {
+    return bad("counts exceed the element count");
+  }
+  if (flags & 1) {
+    if (!validLink(bps, lat)) return bad("link figures must be finite, bandwidth > 0");
+    g.link_bytes_per_s = bps;
+    g.link_latency_s = lat;
+  }
+  for (auto [bit, v, out] : {std::tuple{2, direct, &g.direct_s}, std::tuple{4, tail, &g.tail_s}}) {
+    if ((flags & bit) == 0) continue;
+    if (!validSeconds(v)) return bad("direct and tail seconds must be finite, >= 0");
+    *out = v;
+  }
+  if (flags & 8) {
+    if (!validMomentum(m)) return bad("the declared momentum must lie in (0, 1)");
+    g.momentum = m;
+  }
+  p.momentum_agreed = (flags & 16) != 0;
+  uint32_t runs = 0;
+  if (!r.le(runs)) return truncated();
+  if (runs > g.ranks) return bad("more resume runs than records");
+  for (uint32_t i = 0; i < runs; ++i) {
+    uint64_t v = 0;
+    uint32_t n = 0;
+    if (!r.le(v) || !r.le(n)) return truncated();
+    if (n == 0 || n > g.ranks - g.resumed_from.size()) return bad("resume runs do not add up");
+    const std::optional<uint64_t> mark = v ? std::optional<uint64_t>(v - 1) : std::nullopt;
+    g.resumed_from.insert(g.resumed_from.end(), n, mark);
+  }
+  if (g.resumed_from.size() != g.ranks) return bad("resume runs do not add up");
+  uint32_t computes = 0;
+  if (!r.le(computes)) return truncated();
+  if (computes > g.ranks) return bad("more compute figures than records");
+  for (uint32_t i = 0; i < computes; ++i) {
+    double c = 0, o = 0;
+    if (!r.f64(c) || !r.f64(o)) return truncated();
+    if (!validTiming(c, o)) {
+      return bad("compute and overlap must be finite, 0 <= overlap <= compute");
+    }
+    p.computes.push_back(c);
+    p.overlaps.push_back(o);
+  }
+  uint32_t count = 0;
+  if (!r.le(count)) return truncated();
+  if (uint64_t{count} > uint64_t{kMaxRequests} * g.ranks) {
+    return bad(std::to_string(count) + " requests (at most " + std::to_string(kMaxRequests) +
+               " per record)");
+  }
+  for (uint32_t i = 0; i < count; ++i) {
+    Request q;
+    LW_RETURN_IF_ERROR(readRequest(r, q, true, what));
+    if (q.origin >= p.next_rank || (!g.requests.empty() && q.origin < g.requests.back().origin)) {
+      return bad("requests out of rank order");
+    }
+    g.requests.push_back(std::move(q));
+  }
+  if (r.left() != 0) return bad("trailing bytes");
+  return p;
+}
+
+}  // namespace
+
+Result<std::vector<uint8_t>> foldStats(std::span<const uint8_t> partial,
+                                       std::span<const uint8_t> record, uint32_t rank) {
+  PartialStats p;
+  if (!partial.empty()) {
+    auto got = decodePartial(partial);
+    if (!got) return got.status();
+    p = std::move(*got);
+  }
+  if (rank < p.next_rank || rank >= kMaxRanks) {
+    return invalidArgument("the record of rank " + std::to_string(rank) +
+                           " comes after ranks up to " + std::to_string(p.next_rank) +
+                           ": records fold in rank order");
+  }
+  auto s = decodeStats(record);
+  if (!s) return invalidArgument("rank " + std::to_string(rank) + ": " + s.status().message());
+  foldInto(p, std::move(*s), rank);
+  return encodePartial(p);
+}
+
+Result<GlobalStats> finishStats(std::span<const uint8_t> partial) {
+  auto p = decodePartial(partial);
+  if (!p) return p.status();
+  return finish(std::move(*p));
+}
+
+Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records) {
+  PartialStats p;
+  for (size_t rank = 0; rank < records.size(); ++rank) {
+    if (records[rank].empty()) continue;
+    auto s = decodeStats(records[rank]);
+    if (!s) return invalidArgument("rank " + std::to_string(rank) + ": " + s.status().message());
+    foldInto(p, std::move(*s), static_cast<uint32_t>(rank));
+  }
+  return finish(std::move(p));
 }
 
 std::optional<std::string> resumeMismatch(const GlobalStats& g) {

@@ -102,6 +102,27 @@ double median(std::vector<double> v);
 /// Decodes and sums the records (index = rank; empty entries are ranks without a record). Errors
 /// name the rank whose record is malformed.
 Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records);
+
+/// The records of some ranks folded in rank order (docs/policies.md "Statistics: what every rank
+/// knows about a step"): the sums so far, in the order aggregate() adds them, and the parts
+/// that stay per rank — resume marks (as runs of equal values), compute and overlap figures
+/// (their medians are taken at the end), requests with their origin. What the `ring` topology
+/// passes along the ring instead of every record to every rank (docs/exchange.md).
+struct PartialStats {
+  GlobalStats g;                           // compute_s / overlap_s unset until finished
+  uint32_t next_rank = 0;                  // records of ranks below this are folded (or absent)
+  bool momentum_agreed = true;             // every record so far declared the same momentum
+  std::vector<double> computes, overlaps;  // per record with timing, rank order
+};
+
+/// Folds `rank`'s record into `partial` (empty: nothing folded yet), both as bytes: the
+/// encoded partial of the records so far and this one. Ranks must come in increasing order.
+/// Errors: a malformed partial or record (the record's naming the rank), a rank out of order.
+/// Folding every rank's record one after the other and finishing gives exactly aggregate().
+Result<std::vector<uint8_t>> foldStats(std::span<const uint8_t> partial,
+                                       std::span<const uint8_t> record, uint32_t rank);
+/// The aggregate of a fold (strictly parsed; the medians taken).
+Result<GlobalStats> finishStats(std::span<const uint8_t> partial);
 /// When the records disagree about the step their sidecars resumed from (POST /v1/resume): what
 /// to tell the trainers (the step fails on every rank alike).
 std::optional<std::string> resumeMismatch(const GlobalStats& g);

@@ -63,12 +63,21 @@ struct ExchangeRound {
   bool dense = false;
   // Policy statistics (docs/policies.md): this sidecar's statistics record of the step (opaque
   // bytes, at most kMaxStatsBytes; given in round 0 only, empty = none). The exchange delivers
-  // every sidecar's record to every sidecar within the step's own exchange (frames posted with the
-  // step's first data frames, received once its data is in: no extra round trip) and fills
-  // `stats_in`, index = rank; an entry stays empty for a rank whose record is not part of the step
-  // (not a contributor under bounded staleness). Every rank gets the same records.
+  // every sidecar's record, or their fold, to every sidecar within the step's own exchange and
+  // fills `stats_in`: either every record, index = rank (an entry stays empty for a rank whose
+  // record is not part of the step: not a contributor under bounded staleness), or — with
+  // `stats_folded` set — one entry, every rank's record folded in rank order by `stats_fold`.
+  // Every rank gets the same bytes.
   std::span<const uint8_t> stats_out;
+  // Folds `rank`'s record into the fold of the records of the ranks before it (empty: none yet);
+  // given with stats_out (policies::foldStats). An exchange that folds calls it with every rank's
+  // record in rank order, each rank folding its own (docs/exchange.md "Policy statistics").
+  using StatsFold = Result<std::vector<uint8_t>> (*)(std::span<const uint8_t> partial,
+                                                     std::span<const uint8_t> record,
+                                                     uint32_t rank);
+  StatsFold stats_fold = nullptr;
   std::vector<std::vector<uint8_t>> stats_in;
+  bool stats_folded = false;
 
   Result<std::span<const uint8_t>> payload(size_t chunk) const {
     if (encode) return encode(chunk);
@@ -141,6 +150,7 @@ class LocalExchange final : public Exchange {
     std::vector<std::vector<std::span<const uint8_t>>> out(round.payloads.size());
     for (size_t c = 0; c < round.payloads.size(); ++c) out[c].push_back(round.payloads[c]);
     round.stats_in.clear();
+    round.stats_folded = false;
     if (!round.stats_out.empty()) {
       round.stats_in.emplace_back(round.stats_out.begin(), round.stats_out.end());
     }

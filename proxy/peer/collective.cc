@@ -20,21 +20,14 @@ using Spans = std::vector<std::vector<std::span<const uint8_t>>>;
 constexpr uint8_t kPhaseReduce = 0;
 constexpr uint8_t kPhaseGather = 1;
 constexpr uint8_t kPhaseChecksum = 2;
-constexpr uint8_t kPhaseStats = 3;   // a rank's policy statistics record, to every other rank
+constexpr uint8_t kPhaseStats = 3;   // the statistics of the ranks so far (chunk 0), of all (1)
 constexpr uint8_t kPhaseBucket = 4;  // a rank's bucket header (layout hash), to every other rank
 constexpr uint8_t kPhaseContribute = 5;  // sparse allreduce: a rank's payload, to the chunk's owner
 constexpr uint8_t kPhaseSelected = 6;    // ... the owner's global selection, to every other rank
+constexpr uint8_t kPhaseWaiting = 9;     // a rank still waiting at half the deadline, and on whom
 constexpr size_t kBucketHeaderBytes = 12;  // u64 layout hash, u32 layers (little-endian)
-
-/// The key of `origin`'s statistics record of a step (round 0, chunk 0).
-FrameKey statsKey(uint64_t tensor, uint64_t step, uint32_t origin) {
-  FrameKey k;
-  k.tensor = tensor;
-  k.step = step;
-  k.phase = kPhaseStats;
-  k.origin = origin;
-  return k;
-}
+constexpr uint32_t kChainPartial = 0;      // statistics frame chunk: the fold of ranks 0..sender
+constexpr uint32_t kChainFinal = 1;        // ... the fold of every rank
 
 FrameKey keyOf(uint64_t tensor, const ExchangeRound& r, uint8_t phase, uint32_t chunk,
                uint32_t origin) {
@@ -48,38 +41,48 @@ FrameKey keyOf(uint64_t tensor, const ExchangeRound& r, uint8_t phase, uint32_t 
   return k;
 }
 
-/// A ring exchange that fails at its deadline blames the rank it was waiting for: its ring
-/// predecessor, which may be healthy and waiting itself for a silent rank further up the ring (and
-/// whose deadline passes a moment later). Every rank posts its statistics record of a step to every
-/// other rank before any data frame, so the ranks other than the predecessor whose record has not
-/// arrived have not started the step: they are named too (docs/exchange.md "Failure": the error
-/// names the silent peer). The records found are consumed (the step fails anyway).
-Status nameSilentRanks(Transport& t, Status failed, uint64_t tensor, uint64_t step,
-                       Clock::time_point deadline) {
-  if (Clock::now() < deadline) return failed;  // a lost peer or an abort: its message says why
-  const uint32_t w = t.worldSize(), me = t.rank(), prev = (me + w - 1) % w;
-  std::vector<uint32_t> silent;
-  for (uint32_t k = 0; k < w; ++k) {
-    if (k == me || k == prev) continue;
-    auto got = t.receive(k, statsKey(tensor, step, k), Clock::now());
-    if (got) {
-      t.recycle(std::move(got->payload));
-      continue;
-    }
-    // An abort fails every receive of the step: the aborting rank's reason is the one to give.
-    if (got.status().code() == StatusCode::kAborted) return failed;
-    silent.push_back(k);
-  }
-  if (silent.empty()) return failed;
-  std::string names = silent.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < silent.size(); ++i) {
-    names += (i ? ", " : "") + std::to_string(silent[i]);
-  }
-  return Status(failed.code(), failed.message() + "; nothing of this step came from " + names +
-                                   " (silent, or it has not started the step)");
+void putU32(std::vector<uint8_t>& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
 }
 
 }  // namespace
+
+std::vector<uint8_t> packStatsEntries(const std::vector<std::vector<uint8_t>>& entries) {
+  std::vector<uint8_t> out;
+  putU32(out, static_cast<uint32_t>(entries.size()));
+  for (const auto& e : entries) {
+    putU32(out, static_cast<uint32_t>(e.size()));
+    out.insert(out.end(), e.begin(), e.end());
+  }
+  return out;
+}
+
+Result<std::vector<std::span<const uint8_t>>> unpackStatsEntries(std::span<const uint8_t> bytes,
+                                                                 size_t expected) {
+  size_t pos = 0;
+  auto u32 = [&](uint32_t& v) {
+    if (bytes.size() - pos < 4) return false;
+    v = 0;
+    for (int i = 0; i < 4; ++i) v |= uint32_t{bytes[pos + static_cast<size_t>(i)]} << (8 * i);
+    pos += 4;
+    return true;
+  };
+  uint32_t count = 0;
+  if (!u32(count)) return dataLoss("truncated");
+  if (count != expected) {
+    return dataLoss(std::to_string(count) + " tensors' statistics, this pass has " +
+                    std::to_string(expected));
+  }
+  std::vector<std::span<const uint8_t>> out;
+  for (uint32_t i = 0; i < count; ++i) {
+    uint32_t len = 0;
+    if (!u32(len) || bytes.size() - pos < len) return dataLoss("truncated");
+    out.push_back(bytes.subspan(pos, len));
+    pos += len;
+  }
+  if (pos != bytes.size()) return dataLoss("trailing bytes");
+  return out;
+}
 
 uint64_t tensorKey(const std::string& name) { return XXH3_64bits(name.data(), name.size()); }
 
@@ -164,42 +167,174 @@ void RingExchange::stepDone(const std::string& tensor, uint64_t step) {
   dense_inputs_.clear();
 }
 
-Status RingExchange::postStats(const ExchangeRound& r, uint64_t tensor) {
+FrameKey RingExchange::chainKey(uint32_t chunk, uint32_t origin) const {
+  FrameKey k = chain_.key;
+  k.chunk = chunk;
+  k.origin = origin;
+  return k;
+}
+
+Status RingExchange::statsBegin(std::span<const Item> items, uint64_t step) {
+  chain_.rounds.clear();
+  chain_.wait = Chain::Wait::kNothing;
+  chain_.final.clear();
+  for (const Item& it : items) {
+    if (it.r->round != 0 || it.r->stats_out.empty()) continue;
+    if (!it.r->stats_fold) {
+      return internalError("tensor '" + it.r->tensor + "': a statistics record without a fold");
+    }
+    if (chain_.rounds.empty()) {
+      chain_.key = FrameKey{};
+      chain_.key.tensor = it.tensor;
+      chain_.key.step = step;
+      chain_.key.phase = kPhaseStats;
+    }
+    chain_.rounds.push_back(it.r);
+  }
+  if (chain_.rounds.empty()) return Status::ok();
+  if (transport_.rank() != 0) {
+    chain_.wait = Chain::Wait::kPartial;
+    return Status::ok();
+  }
+  return statsFold({});  // rank 0 starts the chain
+}
+
+Status RingExchange::statsFold(std::span<const uint8_t> received) {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank(), next = (me + 1) % w;
+  const uint32_t prev = (me + w - 1) % w;
+  const size_t n = chain_.rounds.size();
+  std::vector<std::span<const uint8_t>> partials(n);
+  if (me != 0) {
+    auto got = unpackStatsEntries(received, n);
+    if (!got) {
+      return dataLoss("the statistics of ranks 0 to " + std::to_string(prev) + " from rank " +
+                      std::to_string(prev) + ": " + got.status().message());
+    }
+    partials = std::move(*got);
+  }
+  std::vector<std::vector<uint8_t>> folded(n);
+  for (size_t i = 0; i < n; ++i) {
+    const ExchangeRound& r = *chain_.rounds[i];
+    auto f = r.stats_fold(partials[i], r.stats_out, me);
+    if (!f) {
+      return dataLoss("the statistics of tensor '" + r.tensor + "'" +
+                      (me != 0 ? " from rank " + std::to_string(prev) : std::string()) + ": " +
+                      f.status().message());
+    }
+    folded[i] = std::move(*f);
+  }
+  chain_.out = packStatsEntries(folded);  // lent to post() until the flush
+  if (me + 1 == w) {
+    chain_.final = std::move(folded);
+    chain_.wait = Chain::Wait::kNothing;
+    if (w == 1) return Status::ok();
+    return transport_.post(next, FrameType::kData, chainKey(kChainFinal, me), 0, chain_.out,
+                           deadline_);
+  }
+  chain_.wait = Chain::Wait::kFinal;
+  return transport_.post(next, FrameType::kData, chainKey(kChainPartial, me), 0, chain_.out,
+                         deadline_);
+}
+
+Status RingExchange::statsAdvance(bool block) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
-  for (uint32_t k = 0; k < w; ++k) {
-    if (k == me) continue;
-    // r.stats_out is the engine's and stays valid during run(), so until the flush.
-    LW_RETURN_IF_ERROR(transport_.post(k, FrameType::kData, statsKey(tensor, r.step, me), 0,
-                                       r.stats_out, deadline_));
+  const uint32_t next = (me + 1) % w, prev = (me + w - 1) % w;
+  while (chain_.wait != Chain::Wait::kNothing) {
+    const bool partial = chain_.wait == Chain::Wait::kPartial;
+    const FrameKey key = chainKey(partial ? kChainPartial : kChainFinal, prev);
+    auto got = block ? waitFor(prev, key) : transport_.receive(prev, key, Clock::now());
+    if (!got) {
+      if (!block) return Status::ok();  // not there yet: the next wait tries again
+      return Status(got.status().code(),
+                    std::string("waiting for the statistics of ") +
+                        (partial ? "ranks 0 to " + std::to_string(prev) : "every rank") +
+                        " from rank " + std::to_string(prev) + ": " + got.status().message());
+    }
+    const auto bytes = keep(std::move(got->payload));
+    if (partial) {
+      LW_RETURN_IF_ERROR(statsFold(bytes));
+      continue;
+    }
+    auto entries = unpackStatsEntries(bytes, chain_.rounds.size());
+    if (!entries) {
+      return dataLoss("the statistics of every rank from rank " + std::to_string(prev) + ": " +
+                      entries.status().message());
+    }
+    for (const auto& e : *entries) chain_.final.emplace_back(e.begin(), e.end());
+    chain_.wait = Chain::Wait::kNothing;
+    if (next + 1 != w) {  // rank W-1 made it
+      LW_RETURN_IF_ERROR(
+          transport_.post(next, FrameType::kData, chainKey(kChainFinal, me), 0, bytes, deadline_));
+    }
   }
   return Status::ok();
 }
 
-Status RingExchange::receiveStats(ExchangeRound& r, uint64_t tensor) {
-  const uint32_t w = transport_.worldSize(), me = transport_.rank();
-  std::vector<std::vector<uint8_t>> in(w);
-  in[me].assign(r.stats_out.begin(), r.stats_out.end());
-  for (uint32_t k = 0; k < w; ++k) {
-    if (k == me) continue;
-    auto got = transport_.receive(k, statsKey(tensor, r.step, k), deadline_);
-    if (!got) {
-      return Status(got.status().code(), "waiting for the statistics record of rank " +
-                                             std::to_string(k) + ": " + got.status().message());
-    }
-    const size_t bytes = got->payload.size();
-    if (bytes == 0 || bytes > kMaxStatsBytes) {
-      transport_.recycle(std::move(got->payload));
-      return dataLoss("the statistics record of rank " + std::to_string(k) +
-                      (bytes == 0 ? std::string(" is empty")
-                                  : " has " + std::to_string(bytes) + " bytes, more than " +
-                                        std::to_string(kMaxStatsBytes)));
-    }
-    // A copy: the received buffer may be a recycled one much larger than the record.
-    in[k].assign(got->payload.begin(), got->payload.end());
-    transport_.recycle(std::move(got->payload));
+Result<Frame> RingExchange::take(uint32_t src, const FrameKey& key) {
+  LW_RETURN_IF_ERROR(statsAdvance(false));
+  return waitFor(src, key);
+}
+
+Result<Frame> RingExchange::waitFor(uint32_t src, const FrameKey& key) {
+  waiting_on_ = src;
+  if (Clock::now() < halfway_) {
+    auto got = transport_.receive(src, key, halfway_);
+    if (got || Clock::now() < halfway_) return got;
   }
-  r.stats_in = std::move(in);
-  return Status::ok();
+  if (!told_waiting_[src] && Clock::now() < deadline_) {
+    // Still waiting at half the deadline: every peer is told on whom (docs/exchange.md
+    // "Failure"), so a rank whose deadline passes can follow the waits to the silent rank.
+    told_waiting_[src] = 1;
+    const uint32_t w = transport_.worldSize(), me = transport_.rank();
+    auto& note = waiting_notes_.emplace_back();
+    putU32(note, src);
+    FrameKey k = pass_key_;
+    k.phase = kPhaseWaiting;
+    k.chunk = notes_sent_++;
+    k.origin = me;
+    for (uint32_t r = 0; r < w; ++r) {
+      if (r != me) (void)transport_.post(r, FrameType::kData, k, 0, note, deadline_);
+    }
+  }
+  return transport_.receive(src, key, deadline_);
+}
+
+Status RingExchange::nameSilent(Status failed) {
+  if (Clock::now() < deadline_ || !waiting_on_) return failed;
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  // The last rank each rank said it was waiting on (its notes come in order, chunk 0, 1, ...).
+  auto waitsOn = [&](uint32_t rank) -> std::optional<uint32_t> {
+    std::optional<uint32_t> on;
+    FrameKey k = pass_key_;
+    k.phase = kPhaseWaiting;
+    k.origin = rank;
+    for (k.chunk = 0; k.chunk < w; ++k.chunk) {
+      auto got = transport_.receive(rank, k, Clock::now());
+      if (!got) break;
+      if (got->payload.size() == 4) {
+        uint32_t v = 0;
+        for (int i = 0; i < 4; ++i) v |= uint32_t{got->payload[static_cast<size_t>(i)]} << (8 * i);
+        if (v < w) on = v;
+      }
+      transport_.recycle(std::move(got->payload));
+    }
+    return on;
+  };
+  std::vector<char> seen(w, 0);
+  seen[me] = 1;
+  std::vector<uint32_t> path{*waiting_on_};
+  seen[*waiting_on_] = 1;
+  for (auto on = waitsOn(path.back()); on && !seen[*on]; on = waitsOn(path.back())) {
+    seen[*on] = 1;
+    path.push_back(*on);
+  }
+  if (path.size() < 2) return failed;
+  std::string chain;
+  for (size_t i = 0; i + 1 < path.size(); ++i) {
+    chain += fmt::format("{}rank {} waits for rank {}", i ? ", " : "", path[i], path[i + 1]);
+  }
+  return Status(failed.code(), failed.message() + "; " + chain + ", which has not answered " +
+                                   "(silent, or it has not started the step)");
 }
 
 Result<Spans> RingExchange::run(ExchangeRound& r) {
@@ -211,17 +346,27 @@ Result<Spans> RingExchange::run(ExchangeRound& r) {
 
 Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> rounds,
                                                 const BucketTag* bucket) {
-  deadline_ = Clock::now() + timeout_;
+  const auto start = Clock::now();
+  deadline_ = start + timeout_;
+  halfway_ = start + timeout_ / 2;
   const size_t n = rounds.size();
+  waiting_on_.reset();
+  told_waiting_.assign(transport_.worldSize(), 0);
+  waiting_notes_.clear();
+  notes_sent_ = 0;
   std::vector<Item> items(n);
   for (size_t i = 0; i < n; ++i) {
     ExchangeRound& r = *rounds[i];
     items[i] = {&r, tensorKey(r.tensor)};
     if (r.round == 0) transport_.beginStep(items[i].tensor, r.step);
     r.stats_in.clear();
+    r.stats_folded = false;
   }
   // Every tensor of the pass fails with the first error, and is aborted on every peer.
   const uint64_t step = n > 0 ? rounds[0]->step : 0;
+  pass_key_ = FrameKey{};
+  pass_key_.tensor = n > 0 ? items[0].tensor : 0;
+  pass_key_.step = step;
   if (bucket) {
     buckets_.emplace_back(tensorKey(bucket->name), step);
     transport_.beginStep(buckets_.back().first, step);
@@ -232,23 +377,18 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     return s;
   };
   // Statistics records (round 0): expected from every rank iff this rank has one (the engine
-  // gives every rank of a job one, or none). Posted before any data frame, received after the data.
-  auto hasStats = [](const ExchangeRound& r) { return r.round == 0 && !r.stats_out.empty(); };
-  const Item* first_stats = nullptr;
+  // gives every rank of a job one, or none). Folded along the ring: rank 0 starts at once, the
+  // others as the data exchange waits (take()) and after it.
   for (const Item& it : items) {
-    if (!hasStats(*it.r)) continue;
-    if (it.r->stats_out.size() > kMaxStatsBytes) {
+    if (it.r->round == 0 && it.r->stats_out.size() > kMaxStatsBytes) {
       return failAll(invalidArgument("this sidecar's statistics record has " +
                                      std::to_string(it.r->stats_out.size()) + " bytes, more than " +
                                      std::to_string(kMaxStatsBytes) + " (tensor '" + it.r->tensor +
                                      "')"));
     }
-    if (!first_stats) first_stats = &it;
   }
   Status st = bucket ? postBucket(*bucket, step) : Status::ok();
-  for (const Item& it : items) {
-    if (st.isOk() && hasStats(*it.r)) st = postStats(*it.r, it.tensor);
-  }
+  if (st.isOk()) st = statsBegin(items, step);
   // Which collective each tensor takes; the sparse ones that would move more bytes gathered than
   // a dense allreduce go dense (their own payloads decoded, summed as codec `none`).
   std::vector<Item> reduce, gather, select;
@@ -301,21 +441,14 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     }
   }
   if (st.isOk()) st = gatherReceive(gather, by_origin);
-  // Frames were post()ed: they reference this step's payloads (and the records) until flushed,
-  // success or not.
+  if (st.isOk()) st = statsAdvance(true);  // what is left of the statistics' way round
+  // Frames were post()ed: they reference this step's payloads (and the statistics) until
+  // flushed, success or not.
   const Status flushed = transport_.flush(deadline_);
-  if (!st.isOk() || !flushed.isOk()) {
-    const Status failed = !st.isOk() ? st : flushed;
-    return failAll(first_stats ? nameSilentRanks(transport_, failed, first_stats->tensor,
-                                                 first_stats->r->step, deadline_)
-                               : failed);
-  }
-  for (const Item& it : items) {
-    if (!hasStats(*it.r)) continue;
-    if (auto s = receiveStats(*it.r, it.tensor); !s.isOk()) {
-      for (const Item& other : items) other.r->stats_in.clear();
-      return failAll(s);
-    }
+  if (!st.isOk() || !flushed.isOk()) return failAll(nameSilent(!st.isOk() ? st : flushed));
+  for (size_t i = 0; i < chain_.rounds.size(); ++i) {
+    chain_.rounds[i]->stats_in.push_back(std::move(chain_.final[i]));
+    chain_.rounds[i]->stats_folded = true;
   }
   // In the order given: each tensor's sums, or every rank's payloads (decoded in rank order: the
   // same arithmetic on every rank).
@@ -445,8 +578,7 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
       if (!p) return p.status();
       own = *p;
     }
-    auto got =
-        transport_.receive(prev, key(it, kPhaseReduce, c, static_cast<uint32_t>(c % w)), deadline);
+    auto got = take(prev, key(it, kPhaseReduce, c, static_cast<uint32_t>(c % w)));
     if (!got) return got.status();
     std::vector<uint8_t>& sum = sumBuffer(r.codec.maxPayloadBytes(r.chunking.size(c)));
     auto size = raw != nullptr ? kernels::addDenseValues(got->payload, raw, r.chunking.size(c), sum)
@@ -488,7 +620,7 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
   for (const auto& [i, c] : order) {
     const Item& it = items[i];
     const uint32_t owner = static_cast<uint32_t>(c % w);
-    auto got = transport_.receive(prev, key(it, kPhaseGather, c, owner), deadline);
+    auto got = take(prev, key(it, kPhaseGather, c, owner));
     if (!got) return got.status();
     const auto sum = keep(std::move(got->payload));
     out[i][c].push_back(sum);
@@ -524,7 +656,7 @@ Status RingExchange::checkBucket(const BucketTag& bucket, uint64_t step) {
     k.step = step;
     k.phase = kPhaseBucket;
     k.origin = r;
-    auto got = transport_.receive(r, k, deadline_);
+    auto got = take(r, k);
     if (!got) {
       return Status(got.status().code(), "waiting for rank " + std::to_string(r) +
                                              "'s layout of bucket '" + bucket.name +
@@ -605,9 +737,8 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
           if (!own) return own.status();
           contributions[k_rank] = *own;
         } else {
-          auto got = transport_.receive(
-              k_rank, keyOf(it.tensor, r, kPhaseContribute, static_cast<uint32_t>(c), k_rank),
-              deadline_);
+          auto got =
+              take(k_rank, keyOf(it.tensor, r, kPhaseContribute, static_cast<uint32_t>(c), k_rank));
           if (!got) return got.status();
           contributions[k_rank] = keep(std::move(got->payload));
         }
@@ -640,8 +771,7 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
     for (size_t c = 0; c < r.chunking.count(); ++c) {
       const uint32_t owner = selectionOwner(it.tensor, c, w);
       if (owner == me) continue;
-      auto got = transport_.receive(
-          owner, keyOf(it.tensor, r, kPhaseSelected, static_cast<uint32_t>(c), owner), deadline_);
+      auto got = take(owner, keyOf(it.tensor, r, kPhaseSelected, static_cast<uint32_t>(c), owner));
       if (!got) return got.status();
       out[i][c].push_back(keep(std::move(got->payload)));
       if (r.on_chunk) LW_RETURN_IF_ERROR(r.on_chunk(c, out[i][c]));
@@ -684,7 +814,7 @@ Status RingExchange::gatherReceive(std::span<const Item> items, std::vector<Span
       for (size_t c = 0; c < r.chunking.count(); ++c) {
         const FrameKey k =
             keyOf(items[i].tensor, r, kPhaseGather, static_cast<uint32_t>(c), origin);
-        auto got = transport_.receive(prev, k, deadline_);
+        auto got = take(prev, k);
         if (!got) return got.status();
         by_origin[i][c][origin] = keep(std::move(got->payload));
         if (h + 1 < w) {

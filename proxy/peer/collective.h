@@ -15,11 +15,13 @@
 //     more bytes than a dense ring allreduce (W × nominal payload > 2 × dense chunk): then every
 //     rank decodes its own payloads and the decoded fp32 chunks are ring-allreduced instead.
 //
-// Policy statistics records (ExchangeRound::stats_out, round 0): every rank posts its record to
-// every other rank (the transports are a full mesh) before its first data frame, frame phase 3
-// (chunk 0, origin = the sender), and receives every other rank's once its data exchange is done,
-// so every rank holds the same stats_in. Records are expected from every rank iff this rank has
-// one: every rank of a job sends one, or none (the engine guarantees it).
+// Policy statistics records (ExchangeRound::stats_out, round 0) are folded along the ring in rank
+// order (ExchangeRound::stats_fold): rank 0's fold goes to rank 1, which folds its own in, and so
+// on to rank W-1, whose fold of every record travels on around the ring to rank W-2 — 2(W-1)
+// frames per pass in all, at most two sent per rank, every rank ending with the same bytes
+// (stats_in, stats_folded). They move whenever the data exchange waits, and what is left after it.
+// Records are expected from every rank iff this rank has one: every rank of a job sends one, or
+// none (the engine guarantees it).
 //
 // Every wait has the exchange deadline; a failure (a peer down or silent, a malformed frame, a
 // payload that does not add up) fails the step here and is sent to every peer as an abort, so
@@ -29,6 +31,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "proxy/exchange/exchange.h"
@@ -85,11 +88,26 @@ class RingExchange final : public Exchange {
   Status postBucket(const BucketTag& bucket, uint64_t step);
   Status checkBucket(const BucketTag& bucket, uint64_t step);
   Status fail(uint64_t tensor, uint64_t step, Status s);
-  /// Policy statistics (round 0, ExchangeRound::stats_out non-empty): posts this rank's record
-  /// to every other rank (before any data frame), and receives every other rank's once the data
-  /// is in (checked: non-empty, at most kMaxStatsBytes), filling r.stats_in.
-  Status postStats(const ExchangeRound& r, uint64_t tensor);
-  Status receiveStats(ExchangeRound& r, uint64_t tensor);
+  /// Policy statistics (round 0, ExchangeRound::stats_out non-empty), folded along the ring
+  /// (docs/exchange.md "Policy statistics"): rank r receives the fold of ranks 0..r-1 from its
+  /// predecessor, folds its own record of every tensor of the pass in (ExchangeRound::stats_fold)
+  /// and passes it on (frame phase 3, chunk 0); rank W-1's fold is every rank's, and travels on
+  /// around the ring to rank W-2 (chunk 1). statsBegin() sets the pass up (rank 0 folds and posts
+  /// at once); statsAdvance() goes as far as what has arrived allows (block: to the end, or the
+  /// deadline); statsFold() folds this rank's records into the received partials and posts them.
+  Status statsBegin(std::span<const Item> items, uint64_t step);
+  Status statsAdvance(bool block);
+  Status statsFold(std::span<const uint8_t> received);
+  FrameKey chainKey(uint32_t chunk, uint32_t origin) const;
+  /// Every wait of a pass for a frame from `src`: first the statistics moved on as far as they
+  /// can (take() only), then the frame waited for until the deadline. A wait still blocked at
+  /// half the deadline tells every peer on whom it waits (frame phase 9, once per peer waited
+  /// on), so that nameSilent() can follow the waits to the rank that holds the ring up.
+  Result<Frame> take(uint32_t src, const FrameKey& key);
+  Result<Frame> waitFor(uint32_t src, const FrameKey& key);
+  /// A pass failed at its deadline: `failed`, plus the ranks the waits lead to ("rank 0 waits for
+  /// rank 2, which has not answered").
+  Status nameSilent(Status failed);
 
   /// Sparse and quantised codecs: whether a dense ring allreduce of the decoded chunks moves
   /// fewer bytes than gathering every rank's payloads (then denseAllreduce() runs instead).
@@ -116,13 +134,35 @@ class RingExchange final : public Exchange {
   std::deque<std::vector<std::vector<uint8_t>>> dense_payloads_;
   std::deque<std::vector<std::span<const uint8_t>>> dense_spans_;
   std::deque<ExchangeRound> dense_rounds_;
-  std::vector<float> select_sums_;                      // sparseReduce(): one owned chunk's sums
-  std::vector<uint64_t> select_scratch_;                // ... and its candidates
+  std::vector<float> select_sums_;        // sparseReduce(): one owned chunk's sums
+  std::vector<uint64_t> select_scratch_;  // ... and its candidates
+  // The statistics' way round the ring in the pass in progress.
+  struct Chain {
+    enum class Wait { kNothing, kPartial, kFinal };
+    std::vector<ExchangeRound*> rounds;       // the pass's rounds with a record, in pass order
+    FrameKey key;                             // phase 3 of the first one's tensor and step
+    Wait wait = Wait::kNothing;               // what this rank waits for from its predecessor
+    std::vector<uint8_t> out;                 // this rank's fold, posted (lent until the flush)
+    std::vector<std::vector<uint8_t>> final;  // every rank's fold, per round
+  } chain_;
+  std::chrono::steady_clock::time_point halfway_;   // of the exchange in progress
+  std::optional<uint32_t> waiting_on_;              // the rank the last wait was for
+  FrameKey pass_key_;                               // the pass's first tensor and step
+  std::vector<char> told_waiting_;                  // per rank: the peers were told we wait on it
+  std::deque<std::vector<uint8_t>> waiting_notes_;  // posted (lent until the flush)
+  uint32_t notes_sent_ = 0;
   std::vector<std::pair<uint64_t, uint64_t>> buckets_;  // (bucket key, step) of the step's headers
   uint8_t header_[12] = {};                             // this rank's bucket header (posted)
 };
 
 /// XXH3-64 of a tensor name: the `tensor` field of frames.
 uint64_t tensorKey(const std::string& name);
+
+/// The body of a `ring` statistics frame (phase 3; docs/peer-protocol.md): one fold per tensor of
+/// the pass with a record, in pass order — u32 count | per fold: u32 length | bytes.
+std::vector<uint8_t> packStatsEntries(const std::vector<std::vector<uint8_t>>& folds);
+/// The folds of such a body, which must hold `expected` of them (views into `bytes`).
+Result<std::vector<std::span<const uint8_t>>> unpackStatsEntries(std::span<const uint8_t> bytes,
+                                                                 size_t expected);
 
 }  // namespace lightwire::proxy::peer

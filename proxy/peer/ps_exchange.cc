@@ -194,6 +194,7 @@ Result<PsExchange::Spans> PsExchange::run(ExchangeRound& r) {
                                    "twice)"));
   }
   r.stats_in.clear();
+  r.stats_folded = false;
   if (carriesStats(r) && r.stats_out.size() > kMaxStatsBytes) {
     return fail(tensor, r.step,
                 invalidArgument("this sidecar's statistics record has " +

@@ -276,6 +276,7 @@ bool PeerSession::keepAlive(const std::shared_ptr<Link>& link, Clock::time_point
 // --- sending -------------------------------------------------------------------------------------
 
 void PeerSession::complete(const std::shared_ptr<SendOp>& op, std::string error) {
+  if (error.empty() && op->data) metrics_.data_frames_sent.Increment();
   std::lock_guard lock(mutex());
   op->done = true;
   op->error = std::move(error);
@@ -299,6 +300,7 @@ Result<std::shared_ptr<SendOp>> PeerSession::queueFrame(uint32_t dst, FrameType 
   op->header = header(type, key, codec, payload);
   op->payload = payload;
   op->dst = dst;
+  op->data = type == FrameType::kData;
   {
     std::lock_guard lock(mutex());
     op->link = links_[dst];

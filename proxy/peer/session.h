@@ -45,6 +45,7 @@ struct SendOp {
   std::shared_ptr<Link> link;
   std::function<void(bool)> on_sent;  // link thread, once handed over (ok?), before completion
   uint32_t dst = kNoPeer;
+  bool data = false;  // a DATA frame (lightwire_peer_data_frames_sent_total)
   bool done = false;
   bool timed_out = false;  // its deadline passed (dropped from a queue, or its link closed)
   std::string error;       // empty: sent

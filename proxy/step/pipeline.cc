@@ -659,7 +659,10 @@ StepPipeline::Stage StepPipeline::openRound(int r) {
       er.raw = [this, in](size_t c) { return in + chunking_.begin(c); };
     }
   }
-  if (r == 0) er.stats_out = record_;
+  if (r == 0) {
+    er.stats_out = record_;
+    er.stats_fold = &policies::foldStats;
+  }
   round_started_ = Clock::now();
   return std::nullopt;
 }
@@ -669,7 +672,10 @@ StepPipeline::Stage StepPipeline::closeRound(
   const size_t chunks = chunking_.count();
   const bool lazy = engine_.exchange_.encodesLazily();
   ExchangeRound& er = *round_;
-  if (r == 0) stats_in_ = std::move(er.stats_in);
+  if (r == 0) {
+    stats_in_ = std::move(er.stats_in);
+    stats_folded_ = er.stats_folded;
+  }
   const double round_us = microsSince(round_started_);
   if (!got) return Stop{StepError::kExchangeFailed, got.status().message()};
   // Every chunk's state update happens in its encode: none may be left out — but a chunk the
@@ -769,7 +775,11 @@ StepPipeline::Stage StepPipeline::guard() {
 // are saved first, with the state as it stood before this step.
 StepPipeline::Stage StepPipeline::policies() {
   if (!policy_) return std::nullopt;
-  auto g = policies::aggregate(stats_in_);
+  auto g = !stats_folded_          ? policies::aggregate(stats_in_)
+           : stats_in_.size() == 1 ? policies::finishStats(stats_in_[0])
+                                   : Result<policies::GlobalStats>(internalError(
+                                         "the exchange folded the statistics into " +
+                                         std::to_string(stats_in_.size()) + " entries, not 1"));
   if (!g) return Stop{StepError::kExchangeFailed, "statistics: " + g.status().message()};
   if (auto m = policies::resumeMismatch(*g)) {
     // POST /v1/resume reached some sidecars only: the others resume from the same step now

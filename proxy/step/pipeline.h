@@ -140,6 +140,7 @@ class StepPipeline {
   const kernels::Codec* step_codec_ = nullptr;  // the codec this step encodes with
   std::vector<uint8_t> record_;                 // this sidecar's statistics record
   std::vector<std::vector<uint8_t>> stats_in_;
+  bool stats_folded_ = false;       // stats_in_ is one fold of every rank's record (ExchangeRound)
   std::optional<CosineTerms> cos_;  // of this step, measured on one chunk while it is encoded
   // The exchange rounds.
   int rounds_ = 1;

@@ -98,19 +98,33 @@ std::string randomSecret() {
   return s;
 }
 
-/// lightwire_wire_bytes_total{direction="sent"} from a sidecar's /metrics.
-double wireBytesSent(Client& c) {
+/// What a sidecar has sent its peers so far, from its /metrics.
+struct Sent {
+  double bytes = 0;   // lightwire_wire_bytes_total{direction="sent"}
+  double frames = 0;  // lightwire_peer_data_frames_sent_total
+};
+
+Sent sentBy(Client& c) {
   const auto r = c.request(http::verb::get, "/metrics");
   expectOk(r, "GET /metrics");
   std::istringstream in(r.body());
   std::string line;
+  std::optional<double> bytes, frames;
+  auto value = [&] { return std::strtod(line.c_str() + line.rfind(' ') + 1, nullptr); };
   while (std::getline(in, line)) {
-    if (line.rfind("lightwire_wire_bytes_total{", 0) != 0) continue;
-    if (line.find("direction=\"sent\"") == std::string::npos) continue;
-    const auto brace = line.find('}');
-    return std::strtod(line.c_str() + brace + 1, nullptr);
+    if (line.rfind("lightwire_wire_bytes_total{", 0) == 0 &&
+        line.find("direction=\"sent\"") != std::string::npos) {
+      bytes = value();
+    } else if (line.rfind("lightwire_peer_data_frames_sent_total ", 0) == 0) {
+      frames = value();
+    }
   }
-  throw std::runtime_error("/metrics has no lightwire_wire_bytes_total{direction=\"sent\"}");
+  if (!bytes || !frames) {
+    throw std::runtime_error(
+        "/metrics lacks lightwire_wire_bytes_total{direction=\"sent\"} or "
+        "lightwire_peer_data_frames_sent_total");
+  }
+  return {*bytes, *frames};
 }
 
 /// Deterministic input of one rank: uniform in [-1, 1) from SplitMix64, different per rank.
@@ -218,7 +232,7 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
     // K + 1 steps, the first untimed; a barrier before and after each. The barrier's completion
     // (run by one thread while the others wait) takes the time and reads the metrics.
     std::vector<double> step_s;
-    std::vector<double> sent_before(W), sent_after(W);
+    std::vector<Sent> sent_before(W), sent_after(W);
     std::vector<std::vector<boost::json::object>> replies(W);
     std::vector<Clock::time_point> done(W);
     Clock::time_point t0;
@@ -249,7 +263,7 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
           // timed steps, longer than the sidecars' keep-alive timeout when steps are slow.
           for (int r = 0; r < W; ++r) {
             Client fresh(sidecars[r]->socket());
-            (step == 0 ? sent_before : sent_after)[r] = wireBytesSent(fresh);
+            (step == 0 ? sent_before : sent_after)[r] = sentBy(fresh);
           }
         } catch (const std::exception& e) {
           fail(-1, std::string("reading /metrics: ") + e.what());
@@ -301,9 +315,13 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
 
     // Figures.
     const double sps = median(step_s);
-    double sent = 0;
-    for (int r = 0; r < W; ++r) sent += sent_after[r] - sent_before[r];
+    double sent = 0, frames = 0;
+    for (int r = 0; r < W; ++r) {
+      sent += sent_after[r].bytes - sent_before[r].bytes;
+      frames += sent_after[r].frames - sent_before[r].frames;
+    }
     const double wire_per_rank = sent / W / K;
+    const double frames_per_step = frames / K;  // every rank's together
     std::vector<double> ratios;
     boost::json::object stages;
     for (const char* stage : kStages) {
@@ -343,6 +361,7 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
         {"seconds_per_step_max", *std::max_element(step_s.begin(), step_s.end())},
         {"algbw_gbps", static_cast<double>(bytes) / sps / 1e9},
         {"wire_bytes_per_rank", wire_per_rank},
+        {"data_frames_per_step", frames_per_step},
         {"compression_ratio", ratio},
         {"raw_vs_wire_per_rank", static_cast<double>(bytes) / wire_per_rank},
         {"stage_ms", stages}};
@@ -361,6 +380,9 @@ int runExchangeBench(const ExchangeBenchSettings& s) {
       std::printf("algbw_gbps            %10.3f\n", result["algbw_gbps"].as_double());
       std::printf("wire_bytes_per_rank   %10.0f  (raw tensor %zu bytes: raw / wire %.2f)\n",
                   wire_per_rank, bytes, result["raw_vs_wire_per_rank"].as_double());
+      std::printf(
+          "data_frames_per_step  %10.1f  (every rank's DATA frames: payloads, statistics)\n",
+          frames_per_step);
       std::printf("compression_ratio     %10.2f  (the codec's raw / payload bytes)\n", ratio);
       std::printf("stage ms (rank mean)  ");
       for (const char* stage : kStages) {

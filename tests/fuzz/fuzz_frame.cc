@@ -12,6 +12,7 @@
 #include <string>
 
 #include "policies/stats.h"
+#include "proxy/peer/collective.h"
 #include "proxy/peer/frame.h"
 #include "proxy/peer/ps_exchange.h"
 #include "proxy/step/engine.h"
@@ -66,7 +67,9 @@ void body(const FrameHeader& h, Span payload, uint32_t world, uint32_t own) {
       return;
     }
     case FrameType::kData:
-      if (h.codec == 0 && (h.key.phase == kRingStats || h.key.phase == kPsStats)) {
+      if (h.codec == 0 && h.key.phase == kRingStats) {
+        statsFolds(payload);
+      } else if (h.codec == 0 && h.key.phase == kPsStats) {
         statsRecord(payload);
       } else if (h.key.phase == kPsStatsAll) {
         auto records = parsePsStats(payload, world);
@@ -186,7 +189,12 @@ void seeds(Seeds& out) {
   const std::vector<uint8_t> record = policies::encodeStats(st);
   FrameKey skey = key;
   skey.phase = kRingStats;
-  out.emplace_back("data_stats", frameSeed(world, 1, 0, FrameType::kData, skey, 0, 0, record));
+  auto fold0 = policies::foldStats({}, record, 0);
+  auto fold1 = policies::foldStats(*fold0, record, 1);
+  out.emplace_back("data_stats", frameSeed(world, 1, 0, FrameType::kData, skey, 0, 0,
+                                           proxy::peer::packStatsEntries({*fold0, *fold1})));
+  skey.phase = kPsStats;
+  out.emplace_back("data_ps_record", frameSeed(world, 1, 0, FrameType::kData, skey, 0, 0, record));
   skey.phase = kPsStatsAll;
   out.emplace_back("data_ps_stats",
                    frameSeed(world, 1, 0, FrameType::kData, skey, 0, 0,

@@ -4,12 +4,14 @@
 // (peer_bodies.h stepRecords: aggregate, resume check, the policy's decisions, agreed settings
 // parsed and used), and at the end the policy state written and read back.
 //
-// Input: u8 mode (bit 0: a run of steps), then either one record (the rest), or u8 world size
-// (1 + x % 8) and up to 8 pieces (u32 length, bytes), one broadcast per step.
+// Input: u8 mode (bit 1: the rest is the body of a `ring` statistics frame, folds of records
+// (peer_bodies.h statsFolds); else bit 0: a run of steps), then either one record (the rest), or
+// u8 world size (1 + x % 8) and up to 8 pieces (u32 length, bytes), one broadcast per step.
 #include <boost/json/serialize.hpp>
 
 #include "policies/stats.h"
 #include "proxy/config/config.h"
+#include "proxy/peer/collective.h"
 #include "proxy/peer/ps_exchange.h"
 #include "tests/fuzz/peer_bodies.h"
 #include "tests/fuzz/targets.h"
@@ -18,6 +20,7 @@ namespace lightwire::fuzz::stats {
 namespace {
 
 constexpr uint8_t kSteps = 1;
+constexpr uint8_t kFolds = 2;  // a `ring` statistics frame's body: folds of records
 
 using policies::Request;
 using policies::StepStats;
@@ -45,7 +48,12 @@ std::vector<uint8_t> stepsSeed(uint32_t world, const std::vector<std::vector<Ste
 
 int run(const uint8_t* data, size_t size) {
   Reader in(data, size);
-  if (!(in.u8() & kSteps)) {
+  const uint8_t mode = in.u8();
+  if (mode & kFolds) {
+    statsFolds(in.rest());
+    return 0;
+  }
+  if (!(mode & kSteps)) {
     statsRecord(in.rest());
     return 0;
   }
@@ -73,6 +81,17 @@ void seeds(Seeds& out) {
   Writer bare;
   bare.u8(0).bytes(policies::encodeStats(StepStats{.elements = 1}));
   out.emplace_back("record_bare", bare.take());
+  // The folds a ring's statistics frame carries: ranks 0..2 of one tensor, rank 0 of another.
+  std::vector<uint8_t> fold;
+  for (uint32_t r = 0; r < 3; ++r) {
+    StepStats s = r == 1 ? full : healthy(1.0 + r);
+    s.resumed_from = 4;
+    fold = *policies::foldStats(fold, policies::encodeStats(s), r);
+  }
+  Writer folds;
+  folds.u8(kFolds).bytes(proxy::peer::packStatsEntries(
+      {fold, *policies::foldStats({}, policies::encodeStats(healthy(3.0)), 0)}));
+  out.emplace_back("folds", folds.take());
 
   // Steady steps, then a norm explosion (anomaly: bypass), then NaN on one rank.
   std::vector<std::vector<StepStats>> steps;

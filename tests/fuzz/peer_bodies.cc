@@ -9,6 +9,7 @@
 #include "kernels/registry.h"
 #include "policies/stats.h"
 #include "proxy/config/config.h"
+#include "proxy/peer/collective.h"
 #include "proxy/peer/ps_exchange.h"
 #include "proxy/server/control_api.h"
 #include "proxy/step/engine.h"
@@ -57,10 +58,33 @@ void statsRecord(Span record) {
   (void)policies::decodeStats(record);
 }
 
+void statsFolds(Span body) {
+  if (body.size() < 4) return;
+  const uint32_t count = uint32_t{body[0]} | uint32_t{body[1]} << 8 | uint32_t{body[2]} << 16 |
+                         uint32_t{body[3]} << 24;
+  auto folds = proxy::peer::unpackStatsEntries(body, count);
+  if (!folds) return;
+  const std::vector<uint8_t> mine = policies::encodeStats(policies::StepStats{.elements = 1});
+  uint64_t step = 1;
+  for (Span fold : *folds) {
+    // As the next rank of the ring folds its own record in, and as every rank finishes it.
+    (void)policies::foldStats(fold, mine, 0xFFFF);
+    auto g = policies::finishStats(fold);
+    if (!g) continue;
+    auto policy = fuzzPolicy();
+    stepAggregate(*g, step++, *policy);
+  }
+}
+
 void stepRecords(const std::vector<std::vector<uint8_t>>& records, uint64_t step,
                  policies::PolicyEngine& policy) {
   auto g = policies::aggregate(records);
-  if (!g) return;
+  if (g) stepAggregate(*g, step, policy);
+}
+
+void stepAggregate(const policies::GlobalStats& aggregate, uint64_t step,
+                   policies::PolicyEngine& policy) {
+  const policies::GlobalStats* g = &aggregate;
   if (policies::resumeMismatch(*g)) return;
   (void)g->cosine();
   (void)g->loss();

@@ -23,8 +23,13 @@ std::unique_ptr<policies::PolicyEngine> fuzzPolicy();
 /// states (at most 2^16), as the step engine would; PowerSGD's rounds are the `payload` target's.
 void codecPayload(uint8_t codec, Span payload);
 
-/// One statistics record (ring phase 3, ps phase 7): size check and decodeStats().
+/// One statistics record (ps phase 7): size check and decodeStats().
 void statsRecord(Span record);
+
+/// A `ring` statistics frame's body (phase 3): unpackStatsEntries(), then each fold as the next
+/// rank takes it (foldStats() of a record into it) and as every rank finishes it (finishStats(),
+/// then stepAggregate()).
+void statsFolds(Span body);
 
 /// The step's records from every rank (ring: gathered; ps phase 8: parsePsStats()), as the step
 /// engine takes them after step `step` of a tensor: aggregate(), resumeMismatch(), the policy's
@@ -32,6 +37,8 @@ void statsRecord(Span record);
 /// agreed JSON, its chooser, createCodec() of what it chooses) and the policy state read back.
 void stepRecords(const std::vector<std::vector<uint8_t>>& records, uint64_t step,
                  policies::PolicyEngine& policy);
+/// stepRecords() from the aggregate on.
+void stepAggregate(const policies::GlobalStats& g, uint64_t step, policies::PolicyEngine& policy);
 
 /// Steps 1, 2, ... (at most 8) of one tensor, each the parameter server's broadcast of the step's
 /// records (a piece of `in`: parsePsStats(), then stepRecords()); one that does not parse fails

@@ -3,6 +3,7 @@
 
 #include <doctest/doctest.h>
 
+#include <bit>
 #include <cmath>
 
 namespace lightwire::policies {
@@ -26,7 +27,135 @@ StepStats sampleStats() {
   return s;
 }
 
+/// Every field of two aggregates, doubles compared by their bits.
+void checkSame(const GlobalStats& a, const GlobalStats& b) {
+  auto bits = [](std::optional<double> v) {
+    return v ? std::optional<uint64_t>(std::bit_cast<uint64_t>(*v)) : std::nullopt;
+  };
+  CHECK(a.ranks == b.ranks);
+  CHECK(bits(a.grad_norm2) == bits(b.grad_norm2));
+  CHECK(a.nonfinite == b.nonfinite);
+  CHECK(a.elements == b.elements);
+  CHECK(a.small == b.small);
+  CHECK(bits(a.residual_norm2) == bits(b.residual_norm2));
+  CHECK(a.cos_ranks == b.cos_ranks);
+  CHECK(bits(a.cos_dot) == bits(b.cos_dot));
+  CHECK(bits(a.cos_c2) == bits(b.cos_c2));
+  CHECK(bits(a.cos_g2) == bits(b.cos_g2));
+  CHECK(a.loss_ranks == b.loss_ranks);
+  CHECK(bits(a.loss_sum) == bits(b.loss_sum));
+  CHECK(a.loss_step == b.loss_step);
+  CHECK(a.resumed_from == b.resumed_from);
+  CHECK(a.requests == b.requests);
+  CHECK(bits(a.link_bytes_per_s) == bits(b.link_bytes_per_s));
+  CHECK(bits(a.link_latency_s) == bits(b.link_latency_s));
+  CHECK(bits(a.compute_s) == bits(b.compute_s));
+  CHECK(bits(a.overlap_s) == bits(b.overlap_s));
+  CHECK(bits(a.direct_s) == bits(b.direct_s));
+  CHECK(bits(a.tail_s) == bits(b.tail_s));
+  CHECK(bits(a.momentum) == bits(b.momentum));
+}
+
+/// Rank r's record of a w-rank job: every field set on some ranks, values whose sums round.
+std::vector<uint8_t> variedRecord(uint32_t r, uint32_t w) {
+  StepStats s;
+  s.grad_norm2 = 0.1 * (r + 1) + 1e-17 * r;
+  s.elements = 1000;
+  s.nonfinite = r % 3 == 0 ? 1 : 0;
+  s.small = r;
+  s.residual_norm2 = 1.0 / (r + 3);
+  if (r % 2 == 0) {
+    s.cos_dot = 0.3 + r;
+    s.cos_c2 = 0.7 * r + 0.1;
+    s.cos_g2 = 1.1 * r + 0.2;
+  }
+  if (r % 4 != 1) {
+    s.loss = 2.0 / 3.0 + r;
+    s.loss_step = 40 + r % 2;
+  }
+  if (r != w / 2) s.resumed_from = 17;
+  if (r % 3 != 2) {
+    s.link_bytes_per_s = 1e8 + r;
+    s.link_latency_s = 1e-4 / (r + 1);
+  }
+  if (r % 5 != 4) {
+    s.compute_s = 0.01 * ((r * 7) % 11 + 1);
+    s.overlap_s = *s.compute_s / 2;
+  }
+  if (r % 2) s.direct_s = 0.001 * r;
+  s.tail_s = 0.002 * r;
+  s.momentum = 0.9;
+  if (r == 1) s.requests.push_back({Request::Kind::kSettings, 3, 0, R"({"default":{}})"});
+  if (r + 1 == w) s.requests.push_back({Request::Kind::kCheckpoint, 9, 40, ""});
+  return encodeStats(s);
+}
+
 TEST_SUITE("stats") {
+  TEST_CASE("folding the records in rank order, as bytes, gives exactly the aggregate") {
+    for (uint32_t w : {1u, 2u, 3u, 7u, 16u, 64u}) {
+      CAPTURE(w);
+      std::vector<std::vector<uint8_t>> records;
+      std::vector<uint8_t> partial;
+      for (uint32_t r = 0; r < w; ++r) {
+        records.push_back(variedRecord(r, w));
+        auto f = foldStats(partial, records.back(), r);
+        REQUIRE_MESSAGE(f, f.status().message());
+        partial = std::move(*f);
+      }
+      auto folded = finishStats(partial);
+      REQUIRE_MESSAGE(folded, folded.status().message());
+      auto all = aggregate(records);
+      REQUIRE(all);
+      checkSame(*folded, *all);
+      CHECK(folded->requests.size() == (w > 1 ? 2u : 1u));
+      // What travels stays small: the sums, one resume run per change, 16 bytes of compute
+      // figures per rank, the requests (here: about 100 bytes).
+      CHECK(partial.size() <= 256 + 16 * w + 3 * 12 + 100);
+    }
+    // Ranks without a record (bounded staleness) are skipped alike.
+    const std::vector<std::vector<uint8_t>> gappy = {variedRecord(0, 4), {}, variedRecord(2, 4)};
+    auto p0 = foldStats({}, gappy[0], 0);
+    REQUIRE(p0);
+    auto p2 = foldStats(*p0, gappy[2], 2);
+    REQUIRE(p2);
+    checkSame(*finishStats(*p2), *aggregate(gappy));
+  }
+
+  TEST_CASE("a fold refuses ranks out of order, bad records and malformed partials") {
+    auto p1 = foldStats({}, variedRecord(1, 4), 1);
+    REQUIRE(p1);
+    for (uint32_t r : {0u, 1u}) {
+      auto again = foldStats(*p1, variedRecord(r, 4), r);
+      REQUIRE_FALSE(again);
+      CHECK(again.status().message().find("rank order") != std::string::npos);
+    }
+    auto bad_record = foldStats(*p1, std::vector<uint8_t>{1, 2, 3}, 2);
+    REQUIRE_FALSE(bad_record);
+    CHECK(bad_record.status().message().find("rank 2") != std::string::npos);
+    // Every truncation of a partial, a trailing byte, and garbage.
+    auto p2 = foldStats(*p1, variedRecord(2, 4), 2);
+    REQUIRE(p2);
+    for (size_t len = 0; len < p2->size(); ++len) {
+      CAPTURE(len);
+      CHECK_FALSE(finishStats(std::span<const uint8_t>(p2->data(), len)));
+      if (len > 0) {  // empty: nothing folded yet
+        CHECK_FALSE(foldStats(std::span<const uint8_t>(p2->data(), len), variedRecord(3, 4), 3));
+      }
+    }
+    auto longer = *p2;
+    longer.push_back(0);
+    CHECK_FALSE(finishStats(longer));
+    CHECK_FALSE(finishStats(std::vector<uint8_t>(200, 0xAB)));
+    // Hostile counts: more records than ranks, more nonfinite values than elements.
+    auto more = *p2;
+    more[4] = 9;  // ranks: 9 records folded, the next rank 3
+    CHECK_FALSE(finishStats(more));
+    auto counts = *p2;
+    const size_t nonfinite_at = 4 + 4 + 4 + 1 + 8;
+    for (size_t i = 0; i < 8; ++i) counts[nonfinite_at + i] = 0xFF;
+    CHECK_FALSE(finishStats(counts));
+  }
+
   TEST_CASE("a record round-trips exactly") {
     const StepStats s = sampleStats();
     auto back = decodeStats(encodeStats(s));

@@ -262,6 +262,7 @@ std::vector<std::vector<std::vector<float>>> exchangeBucket(
         ExchangeRound& round = rounds.emplace_back(
             ExchangeRound{tensors[t].name, step, 0, *codecs[t], chunkings[t], mine[t]});
         round.stats_out = records[t];
+        round.stats_fold = &testing::keepAllFold;
       }
       std::vector<std::vector<std::vector<std::span<const uint8_t>>>> got;
       if (together) {
@@ -291,11 +292,13 @@ std::vector<std::vector<std::vector<float>>> exchangeBucket(
                         .isOk());
           }
         }
-        // The records every rank got for this tensor, appended as bytes.
-        REQUIRE(rounds[t].stats_in.size() == w);
+        // The records every rank got for this tensor (folded along the ring), appended as bytes.
+        REQUIRE(rounds[t].stats_folded);
+        REQUIRE(rounds[t].stats_in.size() == 1);
+        const auto kept = testing::keptRecords(rounds[t].stats_in[0], w);
         for (uint32_t k = 0; k < w; ++k) {
-          REQUIRE(rounds[t].stats_in[k] == statsOf(k, step + t));
-          v.push_back(static_cast<float>(rounds[t].stats_in[k].size()));
+          REQUIRE(kept[k] == statsOf(k, step + t));
+          v.push_back(static_cast<float>(kept[k].size()));
         }
         v.push_back(rounds[t].dense ? 1.0f : 0.0f);
         out.push_back(std::move(v));
@@ -600,6 +603,7 @@ std::vector<StatsRun> runWithStats(
         std::vector<std::span<const uint8_t>> mine(bufs.begin(), bufs.end());
         ExchangeRound er{name, step, round, codec, chunking, mine};
         if (round == 0 && !stats.empty()) er.stats_out = stats[r];
+        er.stats_fold = &testing::keepAllFold;
         er.stats_in.push_back({1, 2, 3});  // stale: run() clears it
         auto got = ring.run(er);
         if (!got) {
@@ -612,7 +616,10 @@ std::vector<StatsRun> runWithStats(
           run.dense = er.dense;
           for (const auto& list : *got) run.per_chunk.push_back(list.size());
         }
-        run.stats_in.push_back(er.stats_in);
+        // Folded along the ring (one entry) when there were records: every rank's, by rank.
+        CHECK(er.stats_folded == !er.stats_in.empty());
+        run.stats_in.push_back(er.stats_in.empty() ? std::vector<Bytes>{}
+                                                   : testing::keptRecords(er.stats_in.at(0), w));
         run.reduced.emplace_back((*got)[0][0].begin(), (*got)[0][0].end());
         previous = run.reduced.back();
       }
@@ -680,54 +687,136 @@ TEST_CASE("ring statistics records: every rank gets every rank's record, on ever
   }
 }
 
-/// Rank `bad` sends every other rank a statistics frame of `bytes` bytes for step `step` through
-/// the transport itself (as a hostile or broken peer would), then runs the step without a record.
-std::function<void(uint32_t, Transport&)> injectRecord(uint32_t bad, uint64_t step, size_t bytes) {
+TEST_CASE("ring statistics: 2(W-1) frames per pass in all, at most two sent per rank") {
+  // The same step with and without records on every path: the difference in DATA frames is the
+  // statistics' way round the ring (docs/exchange.md "Policy statistics records").
+  const std::vector<std::pair<kernels::CodecConfig, size_t>> paths = {
+      {{.name = "none"}, 1024},
+      {{.name = "topk", .density = 0.1, .error_feedback = false}, 2048},
+      {{.name = "powersgd", .approx_rank = 1}, 1 << 20}};
+  for (const uint32_t w : {2u, 3u, 5u}) {
+    CAPTURE(w);
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    uint64_t step = 20;
+    for (const auto& [cfg, chunk] : paths) {
+      CAPTURE(cfg.name);
+      std::vector<std::vector<double>> sent(2, std::vector<double>(w));  // [with stats][rank]
+      for (const bool with_stats : {false, true}) {
+        std::vector<Bytes> stats;
+        for (uint32_t r = 0; with_stats && r < w; ++r) stats.push_back(statsOf(r, step));
+        std::vector<double> before(w);
+        for (uint32_t r = 0; r < w; ++r) {
+          before[r] = metricValue(*mesh.metrics[r], "lightwire_peer_data_frames_sent_total");
+        }
+        const auto runs = runWithStats(mesh, cfg, 4096, chunk, ++step, stats);
+        for (uint32_t r = 0; r < w; ++r) {
+          REQUIRE_MESSAGE(runs[r].ok, runs[r].error);
+          sent[with_stats][r] =
+              metricValue(*mesh.metrics[r], "lightwire_peer_data_frames_sent_total") - before[r];
+        }
+      }
+      double extra = 0;
+      for (uint32_t r = 0; r < w; ++r) {
+        CAPTURE(r);
+        const double mine = sent[1][r] - sent[0][r];
+        CHECK(mine == (r + 2 >= w ? 1.0 : 2.0));  // ranks W-2 and W-1 send one each
+        extra += mine;
+      }
+      CHECK(extra == 2.0 * (w - 1));
+    }
+  }
+}
+
+TEST_CASE("ring: a rank whose deadline passes follows the waits to the silent rank") {
+  // Rank 2 of 4 never starts the step. Rank 3 waits on it; rank 0 on rank 3; rank 1 on rank 0.
+  // At half the deadline each tells the others on whom it waits, so every error names rank 2.
+  const uint32_t w = 4;
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  for (const bool with_stats : {true, false}) {
+    CAPTURE(with_stats);
+    const uint64_t step = with_stats ? 30 : 31;
+    std::vector<std::future<std::string>> errors;
+    for (uint32_t r : {0u, 1u, 3u}) {
+      errors.push_back(std::async(std::launch::async, [&, r] {
+        auto made = kernels::createCodec({.name = "none"});
+        REQUIRE(made.isOk());
+        const kernels::Chunking chunking = kernels::chunkingFor(**made, 4000, 1000);
+        std::vector<Bytes> bufs;
+        const auto x = tensorOf(r, 4000);
+        kernels::CodecState state;
+        kernels::StepContext ctx;
+        auto p = kernels::encodeTensor(**made, ctx, chunking, kernels::ConstTensor{x.data(), 4000},
+                                       state);
+        REQUIRE(p.isOk());
+        std::vector<std::span<const uint8_t>> mine(p->begin(), p->end());
+        RingExchange ring(*mesh.transports[r], std::chrono::milliseconds(1200));
+        ExchangeRound er{"s", step, 0, **made, chunking, mine};
+        const Bytes record = statsOf(r, step);
+        if (with_stats) {
+          er.stats_out = record;
+          er.stats_fold = &testing::keepAllFold;
+        }
+        auto got = ring.run(er);
+        std::string error = got ? std::string() : got.status().message();
+        if (!got) ring.abort("s", step, error);
+        ring.stepDone("s", step);
+        return error;
+      }));
+    }
+    for (auto& f : errors) {
+      const std::string e = f.get();
+      CAPTURE(e);
+      CHECK(e.find("rank 2") != std::string::npos);
+    }
+  }
+}
+
+/// Rank `bad` (the last) sends rank 0, its successor, a statistics frame of every rank's fold
+/// (frame phase 3, chunk 1) of `bytes` bytes for step `step` through the transport itself (as a
+/// hostile or broken peer would), then runs the step without a record.
+std::function<void(uint32_t, Transport&)> injectFold(uint32_t bad, uint64_t step, size_t bytes) {
   return [=](uint32_t r, Transport& t) {
     if (r != bad) return;
     FrameKey k;
     k.tensor = tensorKey("s");
     k.step = step;
-    k.phase = 3;  // docs/exchange.md: statistics records
+    k.phase = 3;  // docs/exchange.md: statistics
+    k.chunk = 1;  // every rank's fold
     k.origin = bad;
-    const Bytes record(bytes, 0xAB);
-    for (uint32_t dst = 0; dst < t.worldSize(); ++dst) {
-      if (dst == bad) continue;
-      REQUIRE(t.send(dst, FrameType::kData, k, 0, record, Clock::now() + std::chrono::seconds(2))
-                  .isOk());
-    }
+    const Bytes fold(bytes, 0xAB);
+    REQUIRE(t.send(0, FrameType::kData, k, 0, fold, Clock::now() + std::chrono::seconds(2)).isOk());
   };
 }
 
-TEST_CASE("ring statistics records: an oversized or empty record fails the step, naming the rank") {
+TEST_CASE(
+    "ring statistics: a malformed fold from the predecessor fails the step, naming the rank") {
   const uint32_t w = 3;
   Mesh mesh(w);
   mesh.startAll();
   REQUIRE(mesh.allConnected());
-  struct Case {
-    const char* codec;
-    size_t bytes;
-    std::string want;
-  };
-  const std::string too_big = "statistics record of rank 2 has 65537 bytes, more than 65536";
-  const std::string empty = "statistics record of rank 2 is empty";
   uint64_t step = 10;
-  for (const Case& c : {Case{"none", kMaxStatsBytes + 1, too_big}, Case{"none", 0, empty},
-                        Case{"topk", kMaxStatsBytes + 1, too_big}}) {
-    CAPTURE(c.codec);
-    CAPTURE(c.bytes);
+  for (const auto& [codec, bytes] : {std::pair{"none", kMaxStatsBytes + 1}, std::pair{"none", 0ul},
+                                     std::pair{"topk", size_t{9}}}) {
+    CAPTURE(codec);
+    CAPTURE(bytes);
     ++step;
-    const kernels::CodecConfig cfg{.name = c.codec, .density = 0.1, .error_feedback = false};
-    // Ranks 0 and 1 give records; rank 2 sends them a bad one through its transport and runs the
-    // step without a record of its own (so it expects none).
+    const kernels::CodecConfig cfg{.name = codec, .density = 0.1, .error_feedback = false};
+    // Ranks 0 and 1 give records; rank 2 sends rank 0 a bad fold through its transport and runs
+    // the step without a record of its own (so it expects none).
     const std::vector<Bytes> stats = {statsOf(0, step), statsOf(1, step), {}};
-    const auto runs = runWithStats(mesh, cfg, 3000, 1024, step, stats,
-                                   injectRecord(2, step, c.bytes), std::chrono::milliseconds(3000));
+    const auto runs = runWithStats(mesh, cfg, 3000, 1024, step, stats, injectFold(2, step, bytes),
+                                   std::chrono::milliseconds(3000));
     for (uint32_t r = 0; r < 2; ++r) {
       CAPTURE(r);
       CHECK_FALSE(runs[r].ok);
-      // Its own check, or the abort of the other honest rank carrying the same reason.
-      CHECK_MESSAGE(runs[r].error.find(c.want) != std::string::npos, runs[r].error);
+      // Rank 0's own check, or its abort at rank 1 carrying the same reason.
+      CHECK_MESSAGE(
+          runs[r].error.find("the statistics of every rank from rank 2: ") != std::string::npos,
+          runs[r].error);
     }
   }
 }
@@ -763,7 +852,10 @@ TEST_CASE("ring statistics records: a rank that sends none fails the others at t
   for (uint32_t r = 0; r < 2; ++r) {
     CAPTURE(r);
     CHECK_FALSE(runs[r].ok);
-    CHECK_MESSAGE(runs[r].error.find("statistics record of rank 2") != std::string::npos,
+    // Rank 0 waits for every rank's fold from rank 2, rank 1 for it from rank 0 (or takes rank
+    // 0's abort).
+    CHECK_MESSAGE(runs[r].error.find("waiting for the statistics of every rank from rank") !=
+                      std::string::npos,
                   runs[r].error);
   }
 }

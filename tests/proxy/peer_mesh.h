@@ -188,4 +188,51 @@ inline std::vector<uint8_t> statsOf(uint32_t rank, uint64_t step) {
   return b;
 }
 
+/// A statistics fold for exchange tests (ExchangeRound::stats_fold), which keeps every record:
+/// the partial is a list of (u32 rank, u32 length, record), ranks increasing. Refuses a partial
+/// that is not such a list and a rank out of order, as the policies' fold does.
+inline Result<std::vector<uint8_t>> keepAllFold(std::span<const uint8_t> partial,
+                                                std::span<const uint8_t> record, uint32_t rank) {
+  auto u32 = [](std::span<const uint8_t> b, size_t at) {
+    uint32_t v = 0;
+    for (size_t i = 0; i < 4; ++i) v |= uint32_t{b[at + i]} << (8 * i);
+    return v;
+  };
+  size_t pos = 0;
+  int64_t last = -1;
+  while (pos < partial.size()) {
+    if (partial.size() - pos < 8) return invalidArgument("kept records: truncated");
+    const uint32_t r = u32(partial, pos), len = u32(partial, pos + 4);
+    if (static_cast<int64_t>(r) <= last || partial.size() - pos - 8 < len) {
+      return invalidArgument("kept records: malformed");
+    }
+    last = r;
+    pos += 8 + len;
+  }
+  if (static_cast<int64_t>(rank) <= last) return invalidArgument("kept records: out of order");
+  std::vector<uint8_t> out(partial.begin(), partial.end());
+  for (uint32_t v : {rank, static_cast<uint32_t>(record.size())}) {
+    for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+  }
+  out.insert(out.end(), record.begin(), record.end());
+  return out;
+}
+
+/// The records keepAllFold() kept, index = rank (`w` entries; empty for a rank without one).
+inline std::vector<std::vector<uint8_t>> keptRecords(std::span<const uint8_t> partial, uint32_t w) {
+  std::vector<std::vector<uint8_t>> out(w);
+  for (size_t pos = 0; pos + 8 <= partial.size();) {
+    uint32_t r = 0, len = 0;
+    for (size_t i = 0; i < 4; ++i) {
+      r |= uint32_t{partial[pos + i]} << (8 * i);
+      len |= uint32_t{partial[pos + 4 + i]} << (8 * i);
+    }
+    REQUIRE(r < w);
+    out[r].assign(partial.begin() + static_cast<std::ptrdiff_t>(pos + 8),
+                  partial.begin() + static_cast<std::ptrdiff_t>(pos + 8 + len));
+    pos += 8 + len;
+  }
+  return out;
+}
+
 }  // namespace lightwire::proxy::peer::testing
