@@ -242,7 +242,14 @@ Status RingExchange::statsAdvance(bool block) {
   while (chain_.wait != Chain::Wait::kNothing) {
     const bool partial = chain_.wait == Chain::Wait::kPartial;
     const FrameKey key = chainKey(partial ? kChainPartial : kChainFinal, prev);
-    auto got = block ? waitFor(prev, key) : transport_.receive(prev, key, Clock::now());
+    Result<Frame> got = internalError("not received");
+    if (!block) {
+      got = transport_.receive(prev, key, Clock::now());
+    } else if (auto waited = waitFor(prev, key, nullptr); !waited) {
+      got = waited.status();
+    } else {
+      got = std::move(**waited);  // no wake: a frame
+    }
     if (!got) {
       if (!block) return Status::ok();  // not there yet: the next wait tries again
       return Status(got.status().code(),
@@ -271,14 +278,33 @@ Status RingExchange::statsAdvance(bool block) {
 }
 
 Result<Frame> RingExchange::take(uint32_t src, const FrameKey& key) {
-  LW_RETURN_IF_ERROR(statsAdvance(false));
-  return waitFor(src, key);
+  const uint32_t w = transport_.worldSize(), prev = (transport_.rank() + w - 1) % w;
+  for (;;) {
+    LW_RETURN_IF_ERROR(statsAdvance(false));
+    // While the statistics wait for their frame from the predecessor, its arrival ends this
+    // wait too: it is passed on at once, and the wait resumes.
+    std::optional<Wake> wake;
+    if (chain_.wait != Chain::Wait::kNothing) {
+      wake = Wake{
+          prev, chainKey(chain_.wait == Chain::Wait::kPartial ? kChainPartial : kChainFinal, prev)};
+    }
+    auto got = waitFor(src, key, wake ? &*wake : nullptr);
+    if (!got) return got.status();
+    if (*got) return std::move(**got);
+  }
 }
 
-Result<Frame> RingExchange::waitFor(uint32_t src, const FrameKey& key) {
+Result<std::optional<Frame>> RingExchange::waitFor(uint32_t src, const FrameKey& key,
+                                                   const Wake* wake) {
   waiting_on_ = src;
+  auto receive = [&](Clock::time_point until) -> Result<std::optional<Frame>> {
+    if (wake) return transport_.receiveOrWake(src, key, *wake, until);
+    auto got = transport_.receive(src, key, until);
+    if (!got) return got.status();
+    return std::optional<Frame>(std::move(*got));
+  };
   if (Clock::now() < halfway_) {
-    auto got = transport_.receive(src, key, halfway_);
+    auto got = receive(halfway_);
     if (got || Clock::now() < halfway_) return got;
   }
   if (!told_waiting_[src] && Clock::now() < deadline_) {
@@ -296,13 +322,14 @@ Result<Frame> RingExchange::waitFor(uint32_t src, const FrameKey& key) {
       if (r != me) (void)transport_.post(r, FrameType::kData, k, 0, note, deadline_);
     }
   }
-  return transport_.receive(src, key, deadline_);
+  return receive(deadline_);
 }
 
 Status RingExchange::nameSilent(Status failed) {
   if (Clock::now() < deadline_ || !waiting_on_) return failed;
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
   // The last rank each rank said it was waiting on (its notes come in order, chunk 0, 1, ...).
+  std::optional<Status> aborted;  // a peer gave the step up meanwhile: its reason names more
   auto waitsOn = [&](uint32_t rank) -> std::optional<uint32_t> {
     std::optional<uint32_t> on;
     FrameKey k = pass_key_;
@@ -310,6 +337,7 @@ Status RingExchange::nameSilent(Status failed) {
     k.origin = rank;
     for (k.chunk = 0; k.chunk < w; ++k.chunk) {
       auto got = transport_.receive(rank, k, Clock::now());
+      if (!got && got.status().code() == StatusCode::kAborted) aborted = got.status();
       if (!got) break;
       if (got->payload.size() == 4) {
         uint32_t v = 0;
@@ -328,6 +356,7 @@ Status RingExchange::nameSilent(Status failed) {
     seen[*on] = 1;
     path.push_back(*on);
   }
+  if (aborted) return Status(failed.code(), failed.message() + "; " + aborted->message());
   if (path.size() < 2) return failed;
   std::string chain;
   for (size_t i = 0; i + 1 < path.size(); ++i) {

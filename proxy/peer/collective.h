@@ -17,11 +17,11 @@
 //
 // Policy statistics records (ExchangeRound::stats_out, round 0) are folded along the ring in rank
 // order (ExchangeRound::stats_fold): rank 0's fold goes to rank 1, which folds its own in, and so
-// on to rank W-1, whose fold of every record travels on around the ring to rank W-2 — 2(W-1)
-// frames per pass in all, at most two sent per rank, every rank ending with the same bytes
-// (stats_in, stats_folded). They move whenever the data exchange waits, and what is left after it.
-// Records are expected from every rank iff this rank has one: every rank of a job sends one, or
-// none (the engine guarantees it).
+// on to rank W-1, whose fold of every record travels on around the ring both ways, meeting
+// halfway — 2(W-1) frames per pass in all, at most two sent per rank, every rank ending with the
+// same bytes (stats_in, stats_folded). They move whenever the data exchange waits, and what is left
+// after it. Records are expected from every rank iff this rank has one: every rank of a job sends
+// one, or none (the engine guarantees it).
 //
 // Every wait has the exchange deadline; a failure (a peer down or silent, a malformed frame, a
 // payload that does not add up) fails the step here and is sent to every peer as an abort, so
@@ -92,19 +92,24 @@ class RingExchange final : public Exchange {
   /// (docs/exchange.md "Policy statistics"): rank r receives the fold of ranks 0..r-1 from its
   /// predecessor, folds its own record of every tensor of the pass in (ExchangeRound::stats_fold)
   /// and passes it on (frame phase 3, chunk 0); rank W-1's fold is every rank's, and travels on
-  /// around the ring to rank W-2 (chunk 1). statsBegin() sets the pass up (rank 0 folds and posts
-  /// at once); statsAdvance() goes as far as what has arrived allows (block: to the end, or the
-  /// deadline); statsFold() folds this rank's records into the received partials and posts them.
+  /// around the ring both ways, to ranks 0, 1, ... and W-2, W-3, ..., meeting halfway (chunk 1).
+  /// statsBegin() sets the pass up (rank 0 folds and posts at once); statsAdvance() goes as far as
+  /// what has arrived allows (block: to the end, or the deadline); statsFold() folds this rank's
+  /// records into the received partials and posts them.
   Status statsBegin(std::span<const Item> items, uint64_t step);
   Status statsAdvance(bool block);
   Status statsFold(std::span<const uint8_t> received);
   FrameKey chainKey(uint32_t chunk, uint32_t origin) const;
+  /// The rank the statistics' next frame comes from (Chain::wait not kNothing).
+  uint32_t chainFrom() const;
   /// Every wait of a pass for a frame from `src`: first the statistics moved on as far as they
-  /// can (take() only), then the frame waited for until the deadline. A wait still blocked at
+  /// can (take() only), then the frame waited for until the deadline — woken whenever the
+  /// statistics' next frame arrives, to pass it on at once. A wait still blocked at
   /// half the deadline tells every peer on whom it waits (frame phase 9, once per peer waited
   /// on), so that nameSilent() can follow the waits to the rank that holds the ring up.
   Result<Frame> take(uint32_t src, const FrameKey& key);
-  Result<Frame> waitFor(uint32_t src, const FrameKey& key);
+  /// The wait itself: the frame, or nullopt when `wake` (optional) arrived first.
+  Result<std::optional<Frame>> waitFor(uint32_t src, const FrameKey& key, const Wake* wake);
   /// A pass failed at its deadline: `failed`, plus the ranks the waits lead to ("rank 0 waits for
   /// rank 2, which has not answered").
   Status nameSilent(Status failed);

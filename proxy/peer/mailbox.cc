@@ -132,10 +132,20 @@ void PeerMailboxes::deliverAbort(uint32_t src, uint64_t tensor, uint64_t step, s
 
 Result<Frame> PeerMailboxes::receive(uint32_t src, const FrameKey& key,
                                      Clock::time_point deadline) {
+  auto got = receiveOrWake(src, key, nullptr, deadline);
+  if (!got) return got.status();
+  return std::move(**got);
+}
+
+Result<std::optional<Frame>> PeerMailboxes::receiveOrWake(uint32_t src, const FrameKey& key,
+                                                          const Wake* wake,
+                                                          Clock::time_point deadline) {
   std::unique_lock lock(mu_);
-  if (src >= world_size_ || src == self_) {
-    return invalidArgument(fmt::format("peer: cannot receive from rank {} (we are rank {} of {})",
-                                       src, self_, world_size_));
+  for (uint32_t r : {src, wake ? wake->src : src}) {
+    if (r >= world_size_ || r == self_) {
+      return invalidArgument(fmt::format("peer: cannot receive from rank {} (we are rank {} of {})",
+                                         r, self_, world_size_));
+    }
   }
   Slot& slot = peers_[src];
   const uint64_t generation = slot.generation;
@@ -155,8 +165,9 @@ Result<Frame> PeerMailboxes::receive(uint32_t src, const FrameKey& key,
       it->second.pop_front();
       if (it->second.empty()) slot.mailbox.erase(it);
       releaseLocked(slot, f.payload.size());
-      return f;
+      return std::optional<Frame>(std::move(f));
     }
+    if (wake && peers_[wake->src].mailbox.count(wake->key) != 0) return std::optional<Frame>();
     if (!slot.up || slot.generation != generation) {
       return Status(
           StatusCode::kUnavailable,

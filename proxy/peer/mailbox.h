@@ -87,6 +87,10 @@ class PeerMailboxes {
   /// Transport::receive() once started: the frame `key` from `src`, or an abort of its step from
   /// any rank, or the loss of `src`, or the deadline.
   Result<Frame> receive(uint32_t src, const FrameKey& key, Clock::time_point deadline);
+  /// receive(), which also returns — nullopt, the frame left kept — as soon as the frame
+  /// `wake->key` from `wake->src` is kept (Transport::receiveOrWake).
+  Result<std::optional<Frame>> receiveOrWake(uint32_t src, const FrameKey& key, const Wake* wake,
+                                             Clock::time_point deadline);
   /// Drops kept frames and aborts of (tensor, steps <= step). An abort of such a step that
   /// arrives later is stale (the step is over here) and dropped, until beginStep() of that step.
   void discard(uint64_t tensor, uint64_t step);

@@ -373,6 +373,13 @@ Result<Frame> PeerSession::receive(uint32_t src, const FrameKey& key, Clock::tim
   return mail_.receive(src, key, deadline);
 }
 
+Result<std::optional<Frame>> PeerSession::receiveOrWake(uint32_t src, const FrameKey& key,
+                                                        const Wake& wake,
+                                                        Clock::time_point deadline) {
+  if (!started_) return failedPrecondition("peer: receive before start()");
+  return mail_.receiveOrWake(src, key, &wake, deadline);
+}
+
 std::vector<std::shared_ptr<Link>> PeerSession::upLinks() const {
   std::vector<std::shared_ptr<Link>> up;
   std::lock_guard lock(mutex());
@@ -435,6 +442,12 @@ void SessionTransport::recycle(std::vector<uint8_t> buffer) {
 Result<Frame> SessionTransport::receive(uint32_t src, const FrameKey& key,
                                         std::chrono::steady_clock::time_point deadline) {
   return session_.receive(src, key, deadline);
+}
+
+Result<std::optional<Frame>> SessionTransport::receiveOrWake(
+    uint32_t src, const FrameKey& key, const Wake& wake,
+    std::chrono::steady_clock::time_point deadline) {
+  return session_.receiveOrWake(src, key, wake, deadline);
 }
 
 void SessionTransport::abortStep(uint64_t tensor, uint64_t step, const std::string& reason) {

@@ -208,6 +208,8 @@ class PeerSession {
               std::span<const uint8_t> payload);
   Status flush(Clock::time_point deadline);
   Result<Frame> receive(uint32_t src, const FrameKey& key, Clock::time_point deadline);
+  Result<std::optional<Frame>> receiveOrWake(uint32_t src, const FrameKey& key, const Wake& wake,
+                                             Clock::time_point deadline);
   void abortStep(uint64_t tensor, uint64_t step, const std::string& reason);
   void broadcastState();
   void setJobState(std::function<std::vector<uint8_t>()> provide,
@@ -267,6 +269,9 @@ class SessionTransport : public Transport {
   void recycle(std::vector<uint8_t> buffer) override;
   Result<Frame> receive(uint32_t src, const FrameKey& key,
                         std::chrono::steady_clock::time_point deadline) override;
+  Result<std::optional<Frame>> receiveOrWake(
+      uint32_t src, const FrameKey& key, const Wake& wake,
+      std::chrono::steady_clock::time_point deadline) override;
   void abortStep(uint64_t tensor, uint64_t step, const std::string& reason) override;
   void discard(uint64_t tensor, uint64_t step) override;
   void beginStep(uint64_t tensor, uint64_t step) override;

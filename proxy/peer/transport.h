@@ -53,6 +53,12 @@ struct Frame {
   std::vector<uint8_t> payload;
 };
 
+/// A frame whose arrival ends a wait early (Transport::receiveOrWake).
+struct Wake {
+  uint32_t src = 0;
+  FrameKey key;
+};
+
 /// Membership of one job, as configured (docs/exchange.md "Membership").
 struct Membership {
   std::string job_id;
@@ -111,6 +117,17 @@ class Transport {
   /// malformed frame (naming the peer).
   virtual Result<Frame> receive(uint32_t src, const FrameKey& key,
                                 std::chrono::steady_clock::time_point deadline) = 0;
+  /// receive(), which also returns as soon as the frame `wake.key` from `wake.src` has arrived:
+  /// then nullopt, and that frame stays kept for a receive() of its own. For a collective with
+  /// a second frame to pass on whenever it comes (docs/exchange.md "Policy statistics
+  /// records"). This default never wakes.
+  virtual Result<std::optional<Frame>> receiveOrWake(
+      uint32_t src, const FrameKey& key, const Wake& /*wake*/,
+      std::chrono::steady_clock::time_point deadline) {
+    auto got = receive(src, key, deadline);
+    if (!got) return got.status();
+    return std::optional<Frame>(std::move(*got));
+  }
 
   /// Tells every peer that (tensor, step) failed here, so they fail it at once rather than at
   /// their deadline. Best effort.

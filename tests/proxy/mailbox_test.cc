@@ -1,8 +1,9 @@
 // PeerMailboxes (proxy/peer/mailbox.h): aborts against kept frames, stale aborts after a step is
-// over here, and their accounting.
+// over here, and their accounting; waits that a second frame may end.
 #include <doctest.h>
 
 #include <chrono>
+#include <thread>
 
 #include "proxy/peer/mailbox.h"
 
@@ -56,6 +57,41 @@ TEST_CASE("mailbox: an abort wins over a frame the aborting rank sent before giv
   // Other steps are not affected.
   mail.frame(7, 4);
   CHECK(mail.receive(7, 4));
+}
+
+TEST_CASE("mailbox: a wait that may be woken returns its frame, or nothing when the other came") {
+  Mail mail;
+  const Wake wake{1, keyOf(9, 3)};
+  // The frame waited for wins when both are there; the wake frame stays kept.
+  mail.frame(7, 3);
+  mail.frame(9, 3);
+  auto got = mail.m.receiveOrWake(1, keyOf(7, 3), &wake, Clock::now());
+  REQUIRE(got);
+  REQUIRE(got->has_value());
+  CHECK((*got)->key.tensor == 7);
+  // Only the wake frame: nothing, at once, and it is still there to be received.
+  const auto t0 = Clock::now();
+  auto woken = mail.m.receiveOrWake(1, keyOf(7, 4), &wake, t0 + std::chrono::seconds(5));
+  REQUIRE(woken);
+  CHECK_FALSE(woken->has_value());
+  CHECK(Clock::now() - t0 < std::chrono::seconds(4));
+  CHECK(mail.receive(9, 3));
+  // Neither: the deadline, as receive(); a frame arriving later ends the wait.
+  CHECK_FALSE(
+      mail.m.receiveOrWake(1, keyOf(7, 4), &wake, Clock::now() + std::chrono::milliseconds(20)));
+  std::thread later([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    mail.frame(9, 3);
+  });
+  auto late = mail.m.receiveOrWake(1, keyOf(7, 4), &wake, Clock::now() + std::chrono::seconds(5));
+  later.join();
+  REQUIRE(late);
+  CHECK_FALSE(late->has_value());
+  // An abort of the step still wins.
+  mail.abort(7, 4);
+  auto aborted = mail.m.receiveOrWake(1, keyOf(7, 4), &wake, Clock::now());
+  REQUIRE_FALSE(aborted);
+  CHECK(aborted.status().code() == StatusCode::kAborted);
 }
 
 TEST_CASE("mailbox: a late abort of a step over here is dropped until the step starts again") {
