@@ -242,6 +242,10 @@ class Codec {
   /// Selection codecs: k, the elements one step of a tensor of n elements selects at `density`
   /// (the step's override, StepContext::density; nullopt: the codec's own). Others: n.
   virtual size_t selectionCount(size_t n, std::optional<double> /*density*/) const { return n; }
+  /// The global selection's floor (docs/determinism.md "4.6b Global selection"): an owner keeps
+  /// only summed entries whose magnitude key is at least this, for `world` sidecars. 0: none (topk
+  /// and dgc keep a count); threshold: key(fl32(W · τ)) — the mean's magnitude at least τ.
+  virtual uint32_t globalMinKey(uint32_t /*world*/) const { return 0; }
 
   /// Global selection: after encodeChunk(...) with ctx.defer_sent, applies to state.next() what
   /// sending would have applied — to the entries of `sent` (this sidecar's payload of the chunk)

@@ -69,6 +69,7 @@ class ErrorFeedbackCodec final : public Codec {
   size_t selectionCount(size_t n, std::optional<double> density) const override {
     return inner_->selectionCount(n, density);
   }
+  uint32_t globalMinKey(uint32_t world) const override { return inner_->globalMinKey(world); }
 
   /// e' = a − value for the sent entries the global selection kept: the same arithmetic as the
   /// decode with weight −1 above, on those entries only.

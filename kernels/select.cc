@@ -811,15 +811,17 @@ Status readSparseEntries(std::span<const uint8_t> payload, CodecId codec, size_t
 }
 
 Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, size_t k,
-                                    std::vector<uint64_t>& scratch, std::span<uint8_t> out) {
+                                    uint32_t min_key, std::vector<uint64_t>& scratch,
+                                    std::span<uint8_t> out) {
   const size_t len = sums.size();
   if (len > size_t{0xFFFFFFFFu}) return internalError("global selection of 2^32 or more elements");
   // Candidates as composite keys: key(sum) in the high word, the complement of the index in the
   // low one, so that a larger composite is a larger key, then a lower index.
   scratch.clear();
+  const uint32_t floor = std::max(min_key, uint32_t{1});  // +-0 (key 0): nothing to carry
   for (size_t i = 0; i < len; ++i) {
     const uint32_t key = magnitudeKey(sums[i]);
-    if (key == 0) continue;  // +-0: nothing to carry
+    if (key < floor) continue;
     scratch.push_back((uint64_t{key} << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i)));
   }
   if (scratch.size() > k) {
@@ -851,7 +853,7 @@ size_t selectionShare(size_t k, size_t n, size_t begin, size_t end) {
 
 Result<size_t> reduceSelectChunk(const Codec& codec,
                                  std::span<const std::span<const uint8_t>> contributions,
-                                 size_t len, size_t k_c, std::vector<float>& sums,
+                                 size_t len, size_t k_c, uint32_t min_key, std::vector<float>& sums,
                                  std::vector<uint64_t>& scratch, std::span<uint8_t> out) {
   sums.assign(len, 0.0f);
   for (size_t r = 0; r < contributions.size(); ++r) {
@@ -860,7 +862,7 @@ Result<size_t> reduceSelectChunk(const Codec& codec,
     if (!s.isOk())
       return Status(s.code(), "payload of rank " + std::to_string(r) + ": " + s.message());
   }
-  return writeGlobalSelection(codec.traits().id, sums, k_c, scratch, out);
+  return writeGlobalSelection(codec.traits().id, sums, k_c, min_key, scratch, out);
 }
 
 Status forEachSettled(CodecId codec, std::span<const uint8_t> sent,

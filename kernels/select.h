@@ -216,12 +216,14 @@ Status readSparseEntries(std::span<const uint8_t> payload, CodecId codec, size_t
                          std::vector<uint32_t>& indices, std::vector<float>& values);
 
 /// The global selection of one chunk (docs/exchange.md "Sparse allreduce"): of the summed
-/// contributions sums[0, len), the k entries with the largest keys among those not +-0 (ties: the
-/// lower index; a non-finite sum has the largest keys, so the result carries it), written as a
-/// sparse payload of codec `codec` with fp32 values (header dtype fp32). `scratch` is reused
-/// across calls. `out` must hold sparseMaxPayloadBytes(len, kF32). Returns the payload size.
+/// contributions sums[0, len), the k entries with the largest keys among those whose key is at
+/// least max(min_key, 1) — never +-0 (ties: the lower index; a non-finite sum has the largest
+/// keys, so the result carries it), written as a sparse payload of codec `codec` with fp32
+/// values (header dtype fp32). `scratch` is reused across calls. `out` must hold
+/// sparseMaxPayloadBytes(len, kF32). Returns the payload size.
 Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, size_t k,
-                                    std::vector<uint64_t>& scratch, std::span<uint8_t> out);
+                                    uint32_t min_key, std::vector<uint64_t>& scratch,
+                                    std::span<uint8_t> out);
 
 /// The share of k of the region [begin, end) of a tensor of n elements in a global selection:
 /// floor(k·end/n) − floor(k·begin/n), so that the shares of a tensor's chunks add up to k.
@@ -229,12 +231,12 @@ size_t selectionShare(size_t k, size_t n, size_t begin, size_t end);
 
 /// The owner's rule of the sparse allreduce for one chunk of `len` elements (docs/determinism.md
 /// "4.6b Global selection"): every rank's payload of it (`codec`'s; in rank order) decoded with
-/// weight 1 into fp32 sums from +0, then writeGlobalSelection() of `k_c` entries into `out`.
-/// `sums` and `scratch` are reused across calls. An error names the position of the payload in
-/// `contributions` that does not decode.
+/// weight 1 into fp32 sums from +0, then writeGlobalSelection() of `k_c` entries of at least
+/// `min_key` (Codec::globalMinKey) into `out`. `sums` and `scratch` are reused across calls. An
+/// error names the position of the payload in `contributions` that does not decode.
 Result<size_t> reduceSelectChunk(const Codec& codec,
                                  std::span<const std::span<const uint8_t>> contributions,
-                                 size_t len, size_t k_c, std::vector<float>& sums,
+                                 size_t len, size_t k_c, uint32_t min_key, std::vector<float>& sums,
                                  std::vector<uint64_t>& scratch, std::span<uint8_t> out);
 
 /// The entries `sent` (this sidecar's payload of a chunk) shares with `selected` (the chunk's

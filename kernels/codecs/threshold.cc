@@ -26,7 +26,7 @@ constexpr CodecTraits kThresholdTraits{.id = CodecId::kThreshold,
 
 class ThresholdCodec final : public Codec {
  public:
-  ThresholdCodec(const CodecConfig& c, float tau) : config_(c) {
+  ThresholdCodec(const CodecConfig& c, float tau) : config_(c), tau_(tau) {
     // min_magnitude (§4.2) only ever raises the key threshold.
     plan_.threshold = std::max(magnitudeKey(tau), minMagnitudeKey(c.min_magnitude));
     plan_.tie_end = std::numeric_limits<uint64_t>::max();  // every key == threshold is taken
@@ -35,6 +35,12 @@ class ThresholdCodec final : public Codec {
 
   const CodecTraits& traits() const override { return kThresholdTraits; }
   const CodecConfig& config() const override { return config_; }
+  // The sparse allreduce: an owner keeps the summed entries whose mean reaches τ (|Σ| >= W·τ in
+  // fp32), how many there are; what a rank sent and that drops stays in its error feedback.
+  bool selectsGlobally() const override { return true; }
+  uint32_t globalMinKey(uint32_t world) const override {
+    return std::max(magnitudeKey(static_cast<float>(world) * tau_), uint32_t{1});
+  }
   size_t workspaceBytes(const Chunking& c) const override {
     return WorkspaceCarver::bytesFor({c.elements * sizeof(uint32_t)});
   }
@@ -69,6 +75,7 @@ class ThresholdCodec final : public Codec {
 
  private:
   CodecConfig config_;
+  float tau_;
   SelectionPlan plan_;
 };
 

@@ -450,13 +450,13 @@ void addExchangeKeys(KeyAdder& add) {
       oneOf({"ring", "ps"}, &C::Peer::topology),
       [](const C& c) { return json::value(c.peer.topology); });
   add("peer.sparse", "--sparse", "allgather | allreduce | auto", "allgather",
-      "How the ring exchanges topk and dgc: allgather (every rank's selection to every rank: the "
-      "result has up to W x k entries, a rank's traffic grows with W), allreduce (each chunk's "
-      "owner sums the selections and keeps the chunk's share of a global top-k: at most k "
-      "entries, traffic independent of W; what a rank sent but the global selection dropped "
-      "stays in its residual) or auto (per layer and step, whichever moves fewer bytes by the "
-      "configuration: allreduce from 3 sidecars on while a selection is smaller than the dense "
-      "layer)",
+      "How the ring exchanges topk, dgc and threshold: allgather (every rank's selection to "
+      "every rank: the result has up to W x k entries, a rank's traffic grows with W), allreduce "
+      "(each chunk's owner sums the selections and keeps the chunk's share of a global top-k, or "
+      "for threshold the sums whose mean reaches it: at most k entries, traffic independent of "
+      "W; what a rank sent but the global selection dropped stays in its residual) or auto (per "
+      "layer and step, whichever moves fewer bytes by the configuration: allreduce from 3 "
+      "sidecars on while a selection is smaller than the dense layer; threshold from 3 on)",
       oneOf({"allgather", "allreduce", "auto"}, &C::Peer::sparse),
       [](const C& c) { return json::value(c.peer.sparse); });
   add("peer.ps_rank", "--ps-rank", "integer 0..65535", "0",

@@ -774,9 +774,9 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
       }
       std::vector<uint8_t>& sel =
           sumBuffer(kernels::sparseMaxPayloadBytes(len, kernels::DType::kF32));
-      auto size = kernels::reduceSelectChunk(r.codec, contributions, len,
-                                             kernels::selectionShare(k, n, begin, begin + len),
-                                             select_sums_, select_scratch_, sel);
+      auto size = kernels::reduceSelectChunk(
+          r.codec, contributions, len, kernels::selectionShare(k, n, begin, begin + len),
+          r.codec.globalMinKey(w), select_sums_, select_scratch_, sel);
       if (!size) {
         return dataLoss("chunk " + std::to_string(c) + " of '" + r.tensor +
                         "': " + size.status().message());

@@ -47,6 +47,11 @@ bool sparseAllreduceIsSmaller(const kernels::Codec& codec, size_t n, uint32_t wo
   // selections. So the sparse allreduce moves fewer from W = 3 on, while a selection is smaller
   // than the dense tensor. Nominal sizes (the configuration's), never the data's.
   if (world < 3) return false;
+  // `threshold`, whose selection size is not known ahead: the sparse allreduce too. Per rank it
+  // sends its one selection (spread over the owners) and receives the global selection's shares,
+  // which hold only the entries whose mean reaches the threshold — not more than one rank's
+  // selection unless the ranks agree on more — against W − 1 selections gathered.
+  if (codec.globalMinKey(world) != 0) return true;
   const auto selection = codec.nominalPayloadBytes(n, density);
   return selection && *selection < kernels::noneCodec().maxPayloadBytes(n);
 }
@@ -232,10 +237,15 @@ void StepPipeline::noteSparseChoice() {
   if (!policy_ && t_.sparse_allreduce == sparse_choice_) return;
   t_.sparse_allreduce = sparse_choice_;
   auto detail = [this] {
-    return fmt::format("{} ({} selecting {} of {} elements, {} sidecars; peer.sparse auto)",
-                       *sparse_choice_ ? "sparse allreduce" : "allgather",
-                       step_codec_->traits().name, step_codec_->selectionCount(n_, ctx_.density),
-                       n_, engine_.exchange_.worldSize());
+    const uint32_t world = engine_.exchange_.worldSize();
+    const std::string selecting =
+        step_codec_->globalMinKey(world) != 0
+            ? fmt::format("{} keeping the entries whose mean reaches its threshold, of {} elements",
+                          step_codec_->traits().name, n_)
+            : fmt::format("{} selecting {} of {} elements", step_codec_->traits().name,
+                          step_codec_->selectionCount(n_, ctx_.density), n_);
+    return fmt::format("{} ({}, {} sidecars; peer.sparse auto)",
+                       *sparse_choice_ ? "sparse allreduce" : "allgather", selecting, world);
   };
   if (policy_) {
     policy_->noteExchange(step_, t_.name, *sparse_choice_, detail);

@@ -46,7 +46,8 @@ size_t ringChunkElements(const kernels::Codec& codec, size_t n, size_t chunk_ele
 /// peer.sparse auto (docs/exchange.md "Sparse allreduce"): whether the sparse allreduce of a
 /// selection codec's layer of `n` elements among `world` sidecars moves fewer bytes per rank than
 /// the allgather (or the dense allreduce it switches to), by the codec's nominal payload size at
-/// the step's `density` — from the configuration only, so every rank decides alike.
+/// the step's `density` — from the configuration only, so every rank decides alike (threshold,
+/// whose size is not known ahead: from 3 sidecars on).
 bool sparseAllreduceIsSmaller(const kernels::Codec& codec, size_t n, uint32_t world,
                               std::optional<double> density);
 

@@ -282,8 +282,9 @@ void addBenchExchange(CLI::App& bench, const char* argv0, int& rc) {
   exchange->add_option("--topology", x_topology, "ring, or ps (parameter server: rank 0)")
       ->check(CLI::IsMember({"ring", "ps"}));
   exchange
-      ->add_option("--sparse", state->x_sparse,
-                   "How the ring exchanges topk and dgc: allgather or allreduce (peer.sparse)")
+      ->add_option(
+          "--sparse", state->x_sparse,
+          "How the ring exchanges topk, dgc and threshold: allgather or allreduce (peer.sparse)")
       ->check(CLI::IsMember({"allgather", "allreduce"}));
   exchange
       ->add_option("--warmup-steps", state->x_warmup,

@@ -158,7 +158,8 @@ void globalSelect(const Parsed& p, const Codec& codec, const Chunking& chunking,
   std::vector<float> sums;
   std::vector<uint64_t> scratch;
   std::vector<uint8_t> sel(kernels::sparseMaxPayloadBytes(len, DType::kF32));
-  if (auto size = kernels::reduceSelectChunk(codec, list, len, k_c, sums, scratch, sel)) {
+  const uint32_t min_key = codec.globalMinKey(static_cast<uint32_t>(list.size()));
+  if (auto size = kernels::reduceSelectChunk(codec, list, len, k_c, min_key, sums, scratch, sel)) {
     check(*size <= sel.size(), "a selection past its buffer");
     sel.resize(*size);
     std::vector<uint32_t> idx;
@@ -166,6 +167,9 @@ void globalSelect(const Parsed& p, const Codec& codec, const Chunking& chunking,
     check(kernels::readSparseEntries(sel, codec.traits().id, len, idx, val).isOk(),
           "an owner's selection does not decode");
     check(idx.size() <= k_c, "a selection holds more than its share of k");
+    for (float v : val) {
+      check(kernels::magnitudeKey(v) >= min_key, "a selection holds an entry below its floor");
+    }
   }
   CodecState state(codec.stateFloats(p.n));
   if (state.floats() == 0) return;

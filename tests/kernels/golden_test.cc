@@ -299,8 +299,9 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
       std::vector<std::span<const uint8_t>> contributions;
       for (size_t r = 0; r < world; ++r) contributions.emplace_back(golden_sent[r][ch]);
       std::vector<uint8_t> sel(sparseMaxPayloadBytes(len, DType::kF32));
-      auto size = reduceSelectChunk(codec, contributions, len,
-                                    selectionShare(k, n, begin, begin + len), sums, scratch, sel);
+      auto size =
+          reduceSelectChunk(codec, contributions, len, selectionShare(k, n, begin, begin + len),
+                            codec.globalMinKey(static_cast<uint32_t>(world)), sums, scratch, sel);
       if (!size.isOk()) return {where + "reduceSelectChunk failed: " + size.status().message()};
       sel.resize(*size);
       if (sel != golden_sel[ch])

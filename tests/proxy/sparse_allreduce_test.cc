@@ -1,8 +1,9 @@
 // The sparse allreduce (docs/exchange.md "Sparse allreduce") over real TcpTransports on loopback:
 // each chunk's owner sums every rank's selection in rank order and keeps the chunk's share of the
-// global top-k; the results against a plain computation of that rule, bitwise identical on every
-// rank; the state settled by the global selection (error feedback and dgc); conservation over
-// many steps; a silent rank failing the step on every rank within the deadline.
+// global top-k (threshold: the sums whose mean reaches τ); the results against a plain computation
+// of that rule, bitwise identical on every rank; the state settled by the global selection (error
+// feedback and dgc); conservation over many steps; a silent rank failing the step on every rank
+// within the deadline.
 
 #include <doctest.h>
 
@@ -126,6 +127,9 @@ std::vector<float> sparseReference(const kernels::Codec& codec, const kernels::C
                                    const std::vector<SparseRankStep>& ranks) {
   const size_t n = chunking.elements;
   const size_t k = codec.selectionCount(n, std::nullopt);
+  // threshold: only the sums whose mean reaches τ, |Σ| >= fl32(W·τ) (Codec::globalMinKey).
+  const uint32_t floor =
+      std::max(codec.globalMinKey(static_cast<uint32_t>(ranks.size())), uint32_t{1});
   std::vector<float> out(n, 0.0f);
   for (size_t c = 0; c < chunking.count(); ++c) {
     const size_t begin = chunking.begin(c), len = chunking.size(c);
@@ -135,7 +139,7 @@ std::vector<float> sparseReference(const kernels::Codec& codec, const kernels::C
     }
     std::vector<size_t> order;
     for (size_t i = 0; i < len; ++i) {
-      if (kernels::magnitudeKey(sum[i]) != 0) order.push_back(i);
+      if (kernels::magnitudeKey(sum[i]) >= floor) order.push_back(i);
     }
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
       const uint32_t ka = kernels::magnitudeKey(sum[a]), kb = kernels::magnitudeKey(sum[b]);
@@ -158,8 +162,17 @@ std::vector<float> sparseInput(uint32_t rank, uint64_t step, size_t n) {
   return v;
 }
 
-/// fn(mesh, w, codec) for every world size of `worlds` (a fresh mesh each) and topk and dgc (error
-/// feedback; dgc without momentum correction) at `density`.
+/// The selection codecs of the sparse allreduce with error feedback (dgc without momentum
+/// correction): topk and dgc at `density`, threshold at τ = 1 (about a third of sparseInput's
+/// values locally; the global floor W·τ keeps fewer).
+std::vector<kernels::CodecConfig> selectionConfigs(double density, double momentum = 0.0) {
+  return {{.name = "topk", .density = density},
+          {.name = "dgc", .density = density, .momentum = momentum},
+          {.name = "threshold", .threshold = 1.0}};
+}
+
+/// fn(mesh, w, codec) for every world size of `worlds` (a fresh mesh each) and every selection
+/// codec (selectionConfigs) at `density`.
 template <typename Fn>
 void overMeshesAndCodecs(std::initializer_list<uint32_t> worlds, double density, Fn fn) {
   for (uint32_t w : worlds) {
@@ -167,9 +180,9 @@ void overMeshesAndCodecs(std::initializer_list<uint32_t> worlds, double density,
     Mesh mesh(w);
     mesh.startAll();
     REQUIRE(mesh.allConnected());
-    for (const char* name : {"topk", "dgc"}) {
-      CAPTURE(name);
-      auto codec = kernels::createCodec({.name = name, .density = density});
+    for (const auto& config : selectionConfigs(density)) {
+      CAPTURE(config.name);
+      auto codec = kernels::createCodec(config);
       REQUIRE(codec.isOk());
       fn(mesh, w, **codec);
     }
@@ -209,13 +222,13 @@ TEST_CASE("sparse allreduce: what a rank sent and the selection dropped stays in
   const size_t n = 6000, chunk = 2000;
   for (double momentum : {0.0, 0.9}) {
     CAPTURE(momentum);
-    // Error feedback (topk) and dgc's velocity (with and without momentum correction): the first
-    // step's accumulation is the input, so an element keeps it unless this rank sent it and the
-    // selection kept it; dgc's momentum is cleared exactly there.
-    for (const char* name : {"topk", "dgc"}) {
-      if (momentum > 0 && std::string(name) == "topk") continue;
-      CAPTURE(name);
-      auto codec = kernels::createCodec({.name = name, .density = 0.01, .momentum = momentum});
+    // Error feedback (topk, threshold) and dgc's velocity (with and without momentum
+    // correction): the first step's accumulation is the input, so an element keeps it unless
+    // this rank sent it and the selection kept it; dgc's momentum is cleared exactly there.
+    for (const auto& config : selectionConfigs(0.01, momentum)) {
+      if (momentum > 0 && config.name != "dgc") continue;
+      CAPTURE(config.name);
+      auto codec = kernels::createCodec(config);
       REQUIRE(codec.isOk());
       const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
       const auto steps = runSparse(mesh, **codec, n, chunk,
@@ -475,7 +488,7 @@ TEST_CASE(
     bad[chunk + 3] = 1.0f;
     std::vector<uint8_t> sel(kernels::sparseMaxPayloadBytes(chunk + 8, kernels::DType::kF32));
     std::vector<uint64_t> scratch;
-    auto size = kernels::writeGlobalSelection((*codec)->traits().id, bad, 1, scratch, sel);
+    auto size = kernels::writeGlobalSelection((*codec)->traits().id, bad, 1, 0, scratch, sel);
     REQUIRE(size.isOk());
     sel.resize(*size);
     // The header says chunk + 8 elements: the decoder of a 1000-element chunk refuses it.

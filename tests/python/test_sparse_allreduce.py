@@ -70,6 +70,24 @@ def _run(cluster):
     return out, statuses
 
 
+def _owner_sums(acc, sent, begin, end):
+    """A chunk owner's sums: every rank's sent values of [begin, end) in rank order from +0."""
+    s = np.zeros(end - begin, np.float32)
+    for r in range(WORLD):
+        m = sent[r][begin:end]
+        s[m] = s[m] + acc[r][begin:end][m]
+    return s
+
+
+def _settle(residual, acc, sent, kept):
+    """Each rank's residual: its acc, less the values it sent that the selection kept."""
+    for r in range(WORLD):
+        e = acc[r].copy()
+        gone = sent[r] & kept
+        e[gone] = e[gone] - acc[r][gone]
+        residual[r] = e
+
+
 def _reference():
     """The rule, plainly: per step, per rank acc = g + e (fp32) and its exact top-k; per chunk the
     sum of the selected values in rank order from +0 (fp32), the k_c = floor(k end / n) -
@@ -91,20 +109,13 @@ def _reference():
         kept = np.zeros(N, bool)
         for begin in range(0, N, CHUNK):
             end = min(N, begin + CHUNK)
-            s = np.zeros(end - begin, np.float32)
-            for r in range(WORLD):
-                m = sent[r][begin:end]
-                s[m] = s[m] + acc[r][begin:end][m]
+            s = _owner_sums(acc, sent, begin, end)
             k_c = k * end // N - k * begin // N
             cand = np.nonzero(s != 0)[0]
             cand = cand[np.lexsort((cand, -np.abs(s[cand]).astype(np.float64)))][:k_c]
             kept[begin + cand] = True
             result[begin + cand] = np.float32(0) + w * s[cand]
-        for r in range(WORLD):
-            e = acc[r].copy()
-            gone = sent[r] & kept
-            e[gone] = e[gone] - acc[r][gone]
-            residual[r] = e
+        _settle(residual, acc, sent, kept)
         results.append(result)
     return results, k
 
@@ -209,3 +220,62 @@ def test_scale_smoke_16_sidecars(tmp_path_factory):
           % (small, large, gathered))
     assert large <= 2 * small
     assert gathered > 3 * large
+
+
+TAU = 2.0  # threshold: about 4.6 % of a standard normal's values, more on the larger ranks
+
+
+def _threshold_reference():
+    """threshold's rule, plainly: per rank acc = g + e (fp32), the entries with |acc| >= tau
+    sent; per chunk the sums of the sent values in rank order from +0 (fp32), of which those with
+    |sum| >= fl32(W * tau) are kept (the mean reaches tau), however many; the result is +0 +
+    (1/W) * sum there; e = acc, less the values sent and kept."""
+    w = np.float32(1.0) / np.float32(WORLD)
+    floor = np.float32(WORLD) * np.float32(TAU)
+    residual = [np.zeros(N, np.float32) for _ in range(WORLD)]
+    results, counts = [], []
+    for step in range(STEPS):
+        acc = [(_gradient(r, step) + residual[r]).astype(np.float32) for r in range(WORLD)]
+        sent = [np.abs(a) >= np.float32(TAU) for a in acc]
+        result = np.zeros(N, np.float32)
+        kept = np.zeros(N, bool)
+        for begin in range(0, N, CHUNK):
+            end = min(N, begin + CHUNK)
+            s = _owner_sums(acc, sent, begin, end)
+            keep = np.nonzero((np.abs(s) >= floor) & (s != 0))[0]
+            kept[begin + keep] = True
+            result[begin + keep] = np.float32(0) + w * s[keep]
+        _settle(residual, acc, sent, kept)
+        results.append(result)
+        counts.append((int(sum(np.count_nonzero(m) for m in sent)), int(np.count_nonzero(kept))))
+    return results, counts
+
+
+def test_threshold_keeps_the_sums_whose_mean_reaches_it(tmp_path_factory):
+    """threshold through the sparse allreduce (`--sparse auto`: taken from 3 sidecars on, since
+    its size is not known ahead): every owner keeps the sums whose mean reaches tau, bit for bit
+    against the rule above on every rank, fewer entries than the ranks sent; auto's choice in the
+    decision log."""
+    ok, reason = _serve_available()
+    if not ok:
+        pytest.skip(reason)
+    args = [a for a in ARGS if a not in ("--density", str(DENSITY))]
+    cl = Cluster(tmp_path_factory, WORLD, codec="threshold",
+                 codec_args=args + ["--threshold", str(TAU), "--sparse", "auto"],
+                 chunk_elements=CHUNK, peer_timeout=10, job_id="sparse-threshold")
+    try:
+        cl.start()
+        out, statuses = _run(cl)
+        cl.stop()
+    finally:
+        cl.kill_all()
+    want, counts = _threshold_reference()
+    for step in range(STEPS):
+        for rank in range(WORLD):
+            got = np.asarray(out[step][rank], np.float32)
+            assert got.tobytes() == want[step].tobytes(), (step, rank, np.nonzero(got != want[step])[0][:10])
+        sent, kept = counts[step]
+        assert 0 < kept < sent, counts
+    detail = [d["detail"] for d in statuses[0]["policies"]["log"] if d["kind"] == "exchange"]
+    assert detail and detail[0].startswith(
+        "sparse allreduce (threshold keeping the entries whose mean reaches its threshold"), detail

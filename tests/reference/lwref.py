@@ -924,16 +924,26 @@ def selection_share(k, n, begin, end):
     return 0 if n == 0 else k * end // n - k * begin // n
 
 
-def global_selection(codec_id, contributions, n_chunk, k_c):
+def global_min_key(cfg, world):
+    """The global selection's floor (determinism §4.6b): threshold, the key of fl32(W * tau) (the
+    mean's magnitude at least tau; at least 1); topk and dgc, 0 (they keep a count)."""
+    if cfg["name"] != "threshold":
+        return 0
+    with np.errstate(all="ignore"):
+        t = np.array([F32(world) * to_f32(cfg["threshold"])], dtype=np.float32)
+    return max(int(key_of(t)[0]), 1)
+
+
+def global_selection(codec_id, contributions, n_chunk, k_c, min_key=0):
     """The owner's rule of the sparse allreduce (determinism §4.6b): the ranks' payloads of a
     chunk decoded with weight 1 in rank order into zeros (fp32), the k_c entries of largest key
-    among those whose key is not 0 (ties: the lower index), as a sparse payload of the codec with
-    fp32 values (header dtype fp32)."""
+    among those whose key is at least max(min_key, 1) (ties: the lower index), as a sparse payload
+    of the codec with fp32 values (header dtype fp32)."""
     sums = np.zeros(n_chunk, dtype=np.float32)
     for p in contributions:
         decode_payload(p, codec_id, F32(1.0), sums, 0, n_chunk)
     keys = key_of(sums)
-    cand = np.nonzero(keys != 0)[0]
+    cand = np.nonzero(keys >= max(min_key, 1))[0]
     chosen = np.sort(cand[np.lexsort((cand, -keys[cand]))][:k_c])
     return sparse_payload(codec_id, DTYPE_CODE["fp32"], n_chunk, [int(i) for i in chosen],
                           [int(u) for u in bits_of(sums[chosen])], False)

@@ -419,7 +419,8 @@ def cases(log):
 
 
 def global_cases():
-    """The sparse allreduce's owner frames (determinism §4.6b), W = 2, 3, 4."""
+    """The sparse allreduce's owner frames (determinism §4.6b), W = 2, 3, 4; topk, dgc,
+    threshold."""
     def ranks(seed, w, n, scale=1.0):
         return [gaussian(seed + 17 * r, n, scale * (1 + r)) for r in range(w)]
     C = []
@@ -447,6 +448,11 @@ def global_cases():
     nf[1][1234] = F32(np.inf)
     C.append(gs_case("global_dgc_m0_nonfinite_w2", cfg("dgc", density=0.01), 800,
                      [GSStep(ranks(960, 2, 2500), 0), GSStep(nf, 1)]))
+    # threshold with error feedback, 3 ranks: the owner keeps the sums whose mean reaches tau
+    # (|sum| >= fl32(3 tau)), however many; what a rank sent and that drops stays in its
+    # residual, which grows until the next steps send it.
+    C.append(gs_case("global_threshold_ef_w3", cfg("threshold", threshold=2.0), 1000,
+                     [GSStep(ranks(970 + j, 3, 3000), j) for j in range(3)]))
     return C
 
 
@@ -467,7 +473,8 @@ def gs_case(name, config, chunk, steps, tensor="layer.0.weight", seed=0, note=""
 
 def run_gs_case(c, outdir, log, written):
     """W ranks: each encodes with the effect of sending deferred; each chunk's owner sums the
-    ranks' payloads in rank order and keeps its share of k (lwref.global_selection); the
+    ranks' payloads in rank order and keeps its share of k, or (threshold) the sums of at least
+    its floor (lwref.global_selection); the
     selections are decoded with weight 1/W; every rank settles its state."""
     config, n, world = c["config"], c["n"], c["world"]
     chunking = lwref.chunk_ranges(n, c["chunk"], lwref.codec_alignment(config))
@@ -495,9 +502,12 @@ def run_gs_case(c, outdir, log, written):
             sent_names.append(nm)
             sent_sizes.append([len(p) for p in payloads])
             sent.append(payloads)
-        k = lwref.selection_size(n, lwref.effective_density(config, None))
+        # threshold keeps no count (every entry of at least its floor).
+        k = n if config["name"] == "threshold" else lwref.selection_size(
+            n, lwref.effective_density(config, None))
+        floor = lwref.global_min_key(config, world)
         selected = [lwref.global_selection(cid, [sent[rk][ci] for rk in range(world)], m,
-                                           lwref.selection_share(k, n, b, b + m))
+                                           lwref.selection_share(k, n, b, b + m), floor)
                     for ci, (b, m) in enumerate(chunking)]
         sel_name = "%s/s%d.selected" % (c["name"], j)
         put(sel_name, b"".join(selected))
@@ -519,13 +529,16 @@ def run_gs_case(c, outdir, log, written):
     cj = {
         "name": c["name"],
         "config": {
-            "name": config["name"], "density": repr(float(config["density"])), "ratio": None,
+            "name": config["name"],
+            "density": None if config["density"] is None else repr(float(config["density"])),
+            "ratio": None,
             "bits": config["bits"], "bucket_size": config["bucket_size"],
             "momentum": repr(float(config["momentum"])),
             "clip_norm": repr(float(config["clip_norm"])),
             "sample_fraction": repr(float(config["sample_fraction"])),
             "sparse_values": config["sparse_values"], "error_feedback": config["error_feedback"],
-            "threshold": None, "approx_rank": config["approx_rank"],
+            "threshold": None if config["threshold"] is None else repr(float(config["threshold"])),
+            "approx_rank": config["approx_rank"],
         },
         "tensor_name": c["tensor"], "seed": c["seed"], "rank": 0, "dtype": "fp32",
         "elements": n, "chunk_elements": c["chunk"], "chunk_sizes": [m for _, m in chunking],

@@ -1027,6 +1027,10 @@ TEST_CASE("ring chunking: elementwise codecs give every rank a chunk of a tensor
   CHECK(sparseAllreduceIsSmaller(*topk, mi, 3, std::nullopt));
   CHECK(sparseAllreduceIsSmaller(*topk, mi, 64, 0.25));       // a warm-up density
   CHECK_FALSE(sparseAllreduceIsSmaller(*topk, mi, 16, 0.9));  // dense is smaller
+  // threshold: no nominal size; the sparse allreduce from 3 sidecars on.
+  const auto threshold = make({.name = "threshold", .threshold = 1.5});
+  CHECK_FALSE(sparseAllreduceIsSmaller(*threshold, mi, 2, std::nullopt));
+  CHECK(sparseAllreduceIsSmaller(*threshold, mi, 3, std::nullopt));
   CHECK(ringChunkElements(*qsgd, mi, mi, 4) == mi);
 }
 
