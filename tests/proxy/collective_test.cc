@@ -700,7 +700,9 @@ TEST_CASE("ring statistics: 2(W-1) frames per pass in all, at most two sent per 
     mesh.startAll();
     REQUIRE(mesh.allConnected());
     uint64_t step = 20;
-    for (const auto& [cfg, chunk] : paths) {
+    for (const auto& path : paths) {
+      const kernels::CodecConfig& cfg = path.first;
+      const size_t chunk = path.second;
       CAPTURE(cfg.name);
       std::vector<std::vector<double>> sent(2, std::vector<double>(w));  // [with stats][rank]
       for (const bool with_stats : {false, true}) {
@@ -800,8 +802,13 @@ TEST_CASE(
   mesh.startAll();
   REQUIRE(mesh.allConnected());
   uint64_t step = 10;
-  for (const auto& [codec, bytes] : {std::pair{"none", kMaxStatsBytes + 1}, std::pair{"none", 0ul},
-                                     std::pair{"topk", size_t{9}}}) {
+  struct Case {
+    const char* codec;
+    size_t bytes;
+  };
+  for (const Case& c : {Case{"none", kMaxStatsBytes + 1}, Case{"none", 0}, Case{"topk", 9}}) {
+    const char* codec = c.codec;
+    const size_t bytes = c.bytes;
     CAPTURE(codec);
     CAPTURE(bytes);
     ++step;
