@@ -843,26 +843,41 @@ Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, 
   return written->bytes;
 }
 
-size_t selectionShare(size_t k, size_t n, size_t begin, size_t end) {
-  if (n == 0) return 0;
-  auto at = [&](size_t x) {
-    return static_cast<size_t>((static_cast<unsigned __int128>(k) * x) / n);
-  };
-  return at(end) - at(begin);
+Result<size_t> sparseEntryCount(std::span<const uint8_t> payload, CodecId codec, size_t len) {
+  auto layout = parseSparsePayload(payload, codec, len);
+  if (!layout) return layout.status();
+  return static_cast<size_t>(layout->dense ? layout->header.elements : layout->nnz);
 }
 
 Result<size_t> reduceSelectChunk(const Codec& codec,
                                  std::span<const std::span<const uint8_t>> contributions,
-                                 size_t len, size_t k_c, uint32_t min_key, std::vector<float>& sums,
+                                 size_t len, std::vector<float>& sums,
                                  std::vector<uint64_t>& scratch, std::span<uint8_t> out) {
+  const size_t world = contributions.size();
+  if (world == 0) return internalError("a global selection of no contributions");
+  const uint32_t min_key = codec.globalMinKey(static_cast<uint32_t>(world));
+  // The chunk's share: the ranks' mean count of entries sent for it (threshold: no count).
+  size_t share = len;
+  if (min_key == 0) {
+    uint64_t entries = 0;
+    for (size_t r = 0; r < world; ++r) {
+      auto count = sparseEntryCount(contributions[r], codec.traits().id, len);
+      if (!count) {
+        return Status(count.status().code(),
+                      "payload of rank " + std::to_string(r) + ": " + count.status().message());
+      }
+      entries += *count;
+    }
+    share = static_cast<size_t>(entries / world);
+  }
   sums.assign(len, 0.0f);
-  for (size_t r = 0; r < contributions.size(); ++r) {
+  for (size_t r = 0; r < world; ++r) {
     const Status s = r == 0 ? codec.decodeChunkInto(contributions[r], 1.0f, sums.data(), len)
                             : codec.decodeChunk(contributions[r], 1.0f, sums.data(), len);
     if (!s.isOk())
       return Status(s.code(), "payload of rank " + std::to_string(r) + ": " + s.message());
   }
-  return writeGlobalSelection(codec.traits().id, sums, k_c, min_key, scratch, out);
+  return writeGlobalSelection(codec.traits().id, sums, share, min_key, scratch, out);
 }
 
 Status forEachSettled(CodecId codec, std::span<const uint8_t> sent,

@@ -225,18 +225,20 @@ Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, 
                                     uint32_t min_key, std::vector<uint64_t>& scratch,
                                     std::span<uint8_t> out);
 
-/// The share of k of the region [begin, end) of a tensor of n elements in a global selection:
-/// floor(k·end/n) − floor(k·begin/n), so that the shares of a tensor's chunks add up to k.
-size_t selectionShare(size_t k, size_t n, size_t begin, size_t end);
+/// The number of entries of a sparse payload of `codec` for a chunk of `len` elements (its nnz;
+/// a dense escape: every element), from its header, checked as decoding checks it.
+Result<size_t> sparseEntryCount(std::span<const uint8_t> payload, CodecId codec, size_t len);
 
 /// The owner's rule of the sparse allreduce for one chunk of `len` elements (docs/determinism.md
-/// "4.6b Global selection"): every rank's payload of it (`codec`'s; in rank order) decoded with
-/// weight 1 into fp32 sums from +0, then writeGlobalSelection() of `k_c` entries of at least
-/// `min_key` (Codec::globalMinKey) into `out`. `sums` and `scratch` are reused across calls. An
-/// error names the position of the payload in `contributions` that does not decode.
+/// "4.6b Global selection"): every rank's payload of it (`codec`'s; in rank order, one per rank)
+/// decoded with weight 1 into fp32 sums from +0, then writeGlobalSelection() into `out` of
+/// k_c = ⌊(the entries of every payload) / W⌋ entries — the ranks' mean count for the chunk — or,
+/// for a codec with a floor (Codec::globalMinKey: threshold), every sum of at least the floor.
+/// `sums` and `scratch` are reused across calls. An error names the position of the payload in
+/// `contributions` that does not decode.
 Result<size_t> reduceSelectChunk(const Codec& codec,
                                  std::span<const std::span<const uint8_t>> contributions,
-                                 size_t len, size_t k_c, uint32_t min_key, std::vector<float>& sums,
+                                 size_t len, std::vector<float>& sums,
                                  std::vector<uint64_t>& scratch, std::span<uint8_t> out);
 
 /// The entries `sent` (this sidecar's payload of a chunk) shares with `selected` (the chunk's

@@ -753,13 +753,12 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
     ExchangeRound& r = *it.r;
-    const size_t chunks = r.chunking.count(), n = r.chunking.elements;
+    const size_t chunks = r.chunking.count();
     out[i].resize(chunks);
-    const size_t k = r.codec.selectionCount(n, r.density);
     std::vector<std::span<const uint8_t>> contributions(w);
     for (size_t c = 0; c < chunks; ++c) {
       if (selectionOwner(it.tensor, c, w) != me) continue;
-      const size_t begin = r.chunking.begin(c), len = r.chunking.size(c);
+      const size_t len = r.chunking.size(c);
       for (uint32_t k_rank = 0; k_rank < w; ++k_rank) {
         if (k_rank == me) {
           auto own = r.payload(c);
@@ -774,9 +773,8 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
       }
       std::vector<uint8_t>& sel =
           sumBuffer(kernels::sparseMaxPayloadBytes(len, kernels::DType::kF32));
-      auto size = kernels::reduceSelectChunk(
-          r.codec, contributions, len, kernels::selectionShare(k, n, begin, begin + len),
-          r.codec.globalMinKey(w), select_sums_, select_scratch_, sel);
+      auto size = kernels::reduceSelectChunk(r.codec, contributions, len, select_sums_,
+                                             select_scratch_, sel);
       if (!size) {
         return dataLoss("chunk " + std::to_string(c) + " of '" + r.tensor +
                         "': " + size.status().message());

@@ -9,7 +9,8 @@
 //     decodes the same bytes, so results are bitwise identical.
 //   - selection codecs asked for a global selection (ExchangeRound::select_globally): a sparse
 //     allreduce — each rank's payload of chunk c to the chunk's owner, which sums them in rank
-//     order and sends the chunk's share of the global top-k to every rank (sparsePost/Reduce);
+//     order and sends the largest sums, as many as the ranks sent for the chunk on average, to
+//     every rank (sparsePost/Reduce);
 //   - other codecs (sparse, quantised): a ring allgather; every rank decodes all W payloads of a
 //     chunk in rank order (again the same arithmetic everywhere) — unless gathering would move
 //     more bytes than a dense ring allreduce (W × nominal payload > 2 × dense chunk): then every
@@ -78,7 +79,8 @@ class RingExchange final : public Exchange {
   /// The sparse allreduce (docs/exchange.md "Sparse allreduce") of every item's chunks (rounds
   /// with select_globally): each rank's payload of chunk c goes to the chunk's owner (rank
   /// (c + the tensor's key) mod W, phase 5), which sums every rank's in rank order, selects the
-  /// chunk's share of the global top-k and sends that selection to every other rank (phase 6).
+  /// largest sums (kernels::reduceSelectChunk) and sends that selection to every other rank
+  /// (phase 6).
   /// sparsePost() posts this rank's contributions; sparseReduce() reduces and selects the owned
   /// chunks and receives the others' selections: out[item][chunk] = {the selection}.
   Status sparsePost(std::span<const Item> items);

@@ -152,21 +152,29 @@ std::optional<Span> addAll(const Codec& codec, const std::vector<Span>& list, si
 /// this sidecar (whose own payload is the first) settles a fresh state with.
 void globalSelect(const Parsed& p, const Codec& codec, const Chunking& chunking, size_t c,
                   const std::vector<Span>& list) {
-  const size_t begin = chunking.begin(c), len = chunking.size(c);
-  const size_t k_c =
-      kernels::selectionShare(codec.selectionCount(p.n, std::nullopt), p.n, begin, begin + len);
+  const size_t len = chunking.size(c);
+  // The share: the contributions' mean count of entries (threshold: every sum of its floor).
+  const uint32_t min_key = codec.globalMinKey(static_cast<uint32_t>(list.size()));
+  size_t k_c = len;
+  if (min_key == 0) {
+    uint64_t entries = 0;
+    for (Span q : list) {
+      auto count = kernels::sparseEntryCount(q, codec.traits().id, len);
+      entries += count ? *count : 0;
+    }
+    k_c = static_cast<size_t>(entries / list.size());
+  }
   std::vector<float> sums;
   std::vector<uint64_t> scratch;
   std::vector<uint8_t> sel(kernels::sparseMaxPayloadBytes(len, DType::kF32));
-  const uint32_t min_key = codec.globalMinKey(static_cast<uint32_t>(list.size()));
-  if (auto size = kernels::reduceSelectChunk(codec, list, len, k_c, min_key, sums, scratch, sel)) {
+  if (auto size = kernels::reduceSelectChunk(codec, list, len, sums, scratch, sel)) {
     check(*size <= sel.size(), "a selection past its buffer");
     sel.resize(*size);
     std::vector<uint32_t> idx;
     std::vector<float> val;
     check(kernels::readSparseEntries(sel, codec.traits().id, len, idx, val).isOk(),
           "an owner's selection does not decode");
-    check(idx.size() <= k_c, "a selection holds more than its share of k");
+    check(idx.size() <= k_c, "a selection holds more than its share");
     for (float v : val) {
       check(kernels::magnitudeKey(v) >= min_key, "a selection holds an entry below its floor");
     }

@@ -291,7 +291,6 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
         golden_sel.size() != chunking.count()) {
       return {where + "cannot read the selections"};
     }
-    const size_t k = codec.selectionCount(n, std::nullopt);
     std::vector<float> out(n, 0.0f);
     for (size_t ch = 0; ch < chunking.count(); ++ch) {
       const size_t begin = chunking.begin(ch), len = chunking.size(ch);
@@ -299,9 +298,7 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
       std::vector<std::span<const uint8_t>> contributions;
       for (size_t r = 0; r < world; ++r) contributions.emplace_back(golden_sent[r][ch]);
       std::vector<uint8_t> sel(sparseMaxPayloadBytes(len, DType::kF32));
-      auto size =
-          reduceSelectChunk(codec, contributions, len, selectionShare(k, n, begin, begin + len),
-                            codec.globalMinKey(static_cast<uint32_t>(world)), sums, scratch, sel);
+      auto size = reduceSelectChunk(codec, contributions, len, sums, scratch, sel);
       if (!size.isOk()) return {where + "reduceSelectChunk failed: " + size.status().message()};
       sel.resize(*size);
       if (sel != golden_sel[ch])

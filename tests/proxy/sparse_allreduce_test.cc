@@ -1,9 +1,9 @@
 // The sparse allreduce (docs/exchange.md "Sparse allreduce") over real TcpTransports on loopback:
-// each chunk's owner sums every rank's selection in rank order and keeps the chunk's share of the
-// global top-k (threshold: the sums whose mean reaches τ); the results against a plain computation
-// of that rule, bitwise identical on every rank; the state settled by the global selection (error
-// feedback and dgc); conservation over many steps; a silent rank failing the step on every rank
-// within the deadline.
+// each chunk's owner sums every rank's selection in rank order and keeps as many of the largest
+// sums as the ranks sent for it on average (threshold: the sums whose mean reaches τ); the results
+// against a plain computation of that rule, bitwise identical on every rank; the state settled by
+// the global selection (error feedback and dgc); conservation over many steps; a silent rank
+// failing the step on every rank within the deadline.
 
 #include <doctest.h>
 
@@ -121,21 +121,26 @@ bool identicalBits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 /// The rule of docs/exchange.md "Sparse allreduce", computed plainly: chunk c's sums of every
-/// rank's payload in rank order (weight 1), of which the k_c = floor(k·end/n) − floor(k·begin/n)
-/// entries with the largest magnitude keys (ties: lower index; ±0 never) are kept.
+/// rank's payload in rank order (weight 1), of which the k_c = ⌊(entries the ranks sent for the
+/// chunk) / W⌋ entries with the largest magnitude keys (ties: lower index; ±0 never) are kept —
+/// threshold: every sum whose mean reaches τ, |Σ| >= fl32(W·τ) (Codec::globalMinKey).
 std::vector<float> sparseReference(const kernels::Codec& codec, const kernels::Chunking& chunking,
                                    const std::vector<SparseRankStep>& ranks) {
   const size_t n = chunking.elements;
-  const size_t k = codec.selectionCount(n, std::nullopt);
-  // threshold: only the sums whose mean reaches τ, |Σ| >= fl32(W·τ) (Codec::globalMinKey).
-  const uint32_t floor =
-      std::max(codec.globalMinKey(static_cast<uint32_t>(ranks.size())), uint32_t{1});
+  const uint32_t w = static_cast<uint32_t>(ranks.size());
+  const uint32_t min_key = codec.globalMinKey(w);
+  const uint32_t floor = std::max(min_key, uint32_t{1});
   std::vector<float> out(n, 0.0f);
   for (size_t c = 0; c < chunking.count(); ++c) {
     const size_t begin = chunking.begin(c), len = chunking.size(c);
     std::vector<float> sum(len, 0.0f);
+    size_t entries = 0;
     for (const SparseRankStep& r : ranks) {
       REQUIRE(codec.decodeChunk(r.sent[c], 1.0f, sum.data(), len).isOk());
+      std::vector<uint32_t> idx;
+      std::vector<float> val;
+      REQUIRE(kernels::readSparseEntries(r.sent[c], codec.traits().id, len, idx, val).isOk());
+      entries += idx.size();
     }
     std::vector<size_t> order;
     for (size_t i = 0; i < len; ++i) {
@@ -145,7 +150,7 @@ std::vector<float> sparseReference(const kernels::Codec& codec, const kernels::C
       const uint32_t ka = kernels::magnitudeKey(sum[a]), kb = kernels::magnitudeKey(sum[b]);
       return ka != kb ? ka > kb : a < b;
     });
-    const size_t k_c = k * (begin + len) / n - k * begin / n;
+    const size_t k_c = min_key != 0 ? len : entries / w;
     for (size_t j = 0; j < std::min(k_c, order.size()); ++j) {
       out[begin + order[j]] = sum[order[j]];
     }
@@ -266,46 +271,45 @@ TEST_CASE("sparse allreduce: what a rank sent and the selection dropped stays in
 }
 
 TEST_CASE("sparse allreduce: a selection that keeps everything sent settles as the encode would") {
-  // One rank sends nothing (all zeros), another's values dominate every chunk, at most the chunk's
-  // share of k of them: the global selection keeps all it sends, so its state equals an encode
-  // without deferral.
+  // Every rank's large values lie at the same 50 places of every chunk (k = 200 of 4000: exactly
+  // the ranks' selections), so each chunk's share — the ranks' mean count, 50 — keeps all that
+  // every rank sent: each state equals an encode without deferral.
   const uint32_t w = 3;
   Mesh mesh(w);
   mesh.startAll();
   REQUIRE(mesh.allConnected());
   const size_t n = 4000, chunk = 1000;
-  // Rank 1: 50 large values in every chunk (the chunk's share of k = 200), the rest tiny.
   auto inputs = [&](uint32_t r, uint64_t s) {
     std::vector<float> v = sparseInput(r, s, n);
-    for (size_t i = 0; i < n; ++i) {
-      v[i] = r == 0 ? 0.0f : r == 1 ? v[i] * (i % 20 == 3 ? 1e6f : 1e-3f) : v[i];
-    }
+    for (size_t i = 0; i < n; ++i) v[i] *= i % 20 == 3 ? 1e6f : 1e-3f;
     return v;
   };
   for (double momentum : {0.0, 0.9}) {
+    CAPTURE(momentum);
     auto codec = kernels::createCodec({.name = "dgc", .density = 0.05, .momentum = momentum});
     REQUIRE(codec.isOk());
     const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
     const auto steps = runSparse(mesh, **codec, n, chunk, inputs, 3);
     REQUIRE(steps.size() == 3);
-    kernels::CodecState plain((*codec)->stateFloats(n));
-    for (uint64_t s = 1; s <= 3; ++s) {
-      CAPTURE(s);
-      const auto x = inputs(1, s);
-      kernels::StepContext ctx;
-      ctx.rank = 1;
-      ctx.step = s;
-      auto p =
-          kernels::encodeTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, plain);
-      REQUIRE(p.isOk());
-      plain.commit();
-      const auto& ranks = steps[s - 1];
-      REQUIRE(ranks.size() == w);
-      CHECK(*p == ranks[1].sent);
-      const std::vector<float> want(plain.currentSpan().begin(), plain.currentSpan().end());
-      CHECK(identicalBits(ranks[1].state, want));
-      // Rank 0 sent nothing; its zero inputs leave its state zero.
-      for (float v : ranks[0].state) REQUIRE(v == 0.0f);
+    for (uint32_t r = 0; r < w; ++r) {
+      CAPTURE(r);
+      kernels::CodecState plain((*codec)->stateFloats(n));
+      for (uint64_t s = 1; s <= 3; ++s) {
+        CAPTURE(s);
+        const auto x = inputs(r, s);
+        kernels::StepContext ctx;
+        ctx.rank = r;
+        ctx.step = s;
+        auto p =
+            kernels::encodeTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, plain);
+        REQUIRE(p.isOk());
+        plain.commit();
+        const auto& ranks = steps[s - 1];
+        REQUIRE(ranks.size() == w);
+        CHECK(*p == ranks[r].sent);
+        const std::vector<float> want(plain.currentSpan().begin(), plain.currentSpan().end());
+        CHECK(identicalBits(ranks[r].state, want));
+      }
     }
   }
 }
@@ -341,7 +345,9 @@ TEST_CASE("sparse allreduce: ties, empty chunks, one owner's region, non-finite 
       for (size_t i = 0; i < 2000; ++i) REQUIRE(r.sums[i] == 0.0f);
       size_t nnz = 0;
       for (size_t i = 2000; i < 3000; ++i) nnz += r.sums[i] != 0.0f;
-      CHECK(nnz == 10);  // chunk 2's share of k = 30
+      // Every rank sent all of its k = 30 there: the ranks' mean count, 30 (a share by the
+      // region's length would have kept 10).
+      CHECK(nnz == 30);
     }
   }
   SUBCASE("a non-finite sum is selected: every rank's result carries it") {

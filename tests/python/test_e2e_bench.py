@@ -175,6 +175,24 @@ def test_noise_scale_bench_smoke(tmp_path):
                 assert row["qsgd4_factor"] >= row["qsgd8_factor"] >= 1, row
 
 
+def test_region_shares_bench_smoke(tmp_path):
+    """bench/e2e/region_shares.py, 2 steps of the MLP at W = 2: per layer of several regions and
+    per share rule the share of the global top-k the regions kept and of its magnitude, in (0, 1]."""
+    out = tmp_path / "regions.json"
+    r = subprocess.run([PYTHON, os.path.join(REPO, "bench", "e2e", "region_shares.py"), "--tasks",
+                        "mlp", "--world-size", "2", "--steps", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [(t["task"], t["world_size"]) for t in data] == [("mlp", 2)]
+    assert data[0]["layers"], data
+    for row in data[0]["layers"]:
+        assert row["regions"] > 1, row
+        for rule in ("sent", "length"):
+            assert 0 < row[rule]["overlap_min"] <= row[rule]["overlap"] <= 1, row
+            assert 0 < row[rule]["mass_min"] <= row[rule]["mass"] <= 1 + 1e-9, row
+
+
 def test_memory_bench_smoke():
     """bench/memory.py at a tiny size: a row per codec and path with its fields; the shared-memory
     path maps the trainer's segment (RssShmem) and the HTTP path does not. The figures themselves

@@ -2,7 +2,7 @@
 one job (`--sparse allreduce`), topk 1 % with error feedback, a trainer each sending its gradient
 over HTTP for several steps. Every rank's result against an independent implementation of the rule
 written here with numpy (each rank's exact top-k of gradient + residual; each chunk's owner sums
-the selections in rank order, keeps the chunk's share of k by magnitude; what a rank sent and the
+the selections in rank order, keeps by magnitude as many as the ranks sent for it on average; what a rank sent and the
 selection dropped stays in its residual) -- bit for bit, identical on every rank, at most k
 non-zeros; `--sparse auto` takes it here (3 sidecars, 1 %: the smaller) and logs the choice in every
 sidecar's decision log; and the same job with `--sparse allgather` for the contrast (up to W x
@@ -90,9 +90,9 @@ def _settle(residual, acc, sent, kept):
 
 def _reference():
     """The rule, plainly: per step, per rank acc = g + e (fp32) and its exact top-k; per chunk the
-    sum of the selected values in rank order from +0 (fp32), the k_c = floor(k end / n) -
-    floor(k begin / n) largest magnitudes (ties: the lower index) kept; the result is +0 + (1/W)
-    * sum there (fp32); e = acc, less the values sent and kept."""
+    sum of the selected values in rank order from +0 (fp32), the k_c = floor(the entries the
+    ranks sent for the chunk / W) largest magnitudes (ties: the lower index) kept; the result is
+    +0 + (1/W) * sum there (fp32); e = acc, less the values sent and kept."""
     k = max(1, min(N, int(np.floor(DENSITY * N + 0.5))))
     w = np.float32(1.0) / np.float32(WORLD)
     residual = [np.zeros(N, np.float32) for _ in range(WORLD)]
@@ -110,7 +110,7 @@ def _reference():
         for begin in range(0, N, CHUNK):
             end = min(N, begin + CHUNK)
             s = _owner_sums(acc, sent, begin, end)
-            k_c = k * end // N - k * begin // N
+            k_c = sum(int(np.count_nonzero(sent[r][begin:end])) for r in range(WORLD)) // WORLD
             cand = np.nonzero(s != 0)[0]
             cand = cand[np.lexsort((cand, -np.abs(s[cand]).astype(np.float64)))][:k_c]
             kept[begin + cand] = True

@@ -919,11 +919,6 @@ def sparse_entries(payload, expected_codec_id, n_chunk):
     return idx, np.asarray(vals, dtype=np.float32)
 
 
-def selection_share(k, n, begin, end):
-    """The share of k of the region [begin, end): floor(k end / n) - floor(k begin / n)."""
-    return 0 if n == 0 else k * end // n - k * begin // n
-
-
 def global_min_key(cfg, world):
     """The global selection's floor (determinism §4.6b): threshold, the key of fl32(W * tau) (the
     mean's magnitude at least tau; at least 1); topk and dgc, 0 (they keep a count)."""
@@ -934,14 +929,20 @@ def global_min_key(cfg, world):
     return max(int(key_of(t)[0]), 1)
 
 
-def global_selection(codec_id, contributions, n_chunk, k_c, min_key=0):
+def global_selection(codec_id, contributions, n_chunk, min_key=0):
     """The owner's rule of the sparse allreduce (determinism §4.6b): the ranks' payloads of a
-    chunk decoded with weight 1 in rank order into zeros (fp32), the k_c entries of largest key
-    among those whose key is at least max(min_key, 1) (ties: the lower index), as a sparse payload
-    of the codec with fp32 values (header dtype fp32)."""
+    chunk decoded with weight 1 in rank order into zeros (fp32); of the sums whose key is at least
+    max(min_key, 1), the k_c of largest key (ties: the lower index) -- k_c the ranks' mean count of
+    entries sent for the chunk, floor(sum of their entries / W), or every one when min_key is set
+    (threshold) -- as a sparse payload of the codec with fp32 values (header dtype fp32)."""
     sums = np.zeros(n_chunk, dtype=np.float32)
     for p in contributions:
         decode_payload(p, codec_id, F32(1.0), sums, 0, n_chunk)
+    if min_key:
+        k_c = n_chunk
+    else:
+        k_c = sum(sparse_entries(p, codec_id, n_chunk)[0].size for p in contributions) // len(
+            contributions)
     keys = key_of(sums)
     cand = np.nonzero(keys >= max(min_key, 1))[0]
     chosen = np.sort(cand[np.lexsort((cand, -keys[cand]))][:k_c])

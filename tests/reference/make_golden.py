@@ -473,8 +473,8 @@ def gs_case(name, config, chunk, steps, tensor="layer.0.weight", seed=0, note=""
 
 def run_gs_case(c, outdir, log, written):
     """W ranks: each encodes with the effect of sending deferred; each chunk's owner sums the
-    ranks' payloads in rank order and keeps its share of k, or (threshold) the sums of at least
-    its floor (lwref.global_selection); the
+    ranks' payloads in rank order and keeps the ranks' mean count of entries for it, or
+    (threshold) the sums of at least its floor (lwref.global_selection); the
     selections are decoded with weight 1/W; every rank settles its state."""
     config, n, world = c["config"], c["n"], c["world"]
     chunking = lwref.chunk_ranges(n, c["chunk"], lwref.codec_alignment(config))
@@ -506,8 +506,7 @@ def run_gs_case(c, outdir, log, written):
         k = n if config["name"] == "threshold" else lwref.selection_size(
             n, lwref.effective_density(config, None))
         floor = lwref.global_min_key(config, world)
-        selected = [lwref.global_selection(cid, [sent[rk][ci] for rk in range(world)], m,
-                                           lwref.selection_share(k, n, b, b + m), floor)
+        selected = [lwref.global_selection(cid, [sent[rk][ci] for rk in range(world)], m, floor)
                     for ci, (b, m) in enumerate(chunking)]
         sel_name = "%s/s%d.selected" % (c["name"], j)
         put(sel_name, b"".join(selected))
