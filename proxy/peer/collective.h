@@ -18,8 +18,8 @@
 //
 // Policy statistics records (ExchangeRound::stats_out, round 0) are folded along the ring in rank
 // order (ExchangeRound::stats_fold): rank 0's fold goes to rank 1, which folds its own in, and so
-// on to rank W-1, whose fold of every record travels on around the ring both ways, meeting
-// halfway — 2(W-1) frames per pass in all, at most two sent per rank, every rank ending with the
+// on to rank W-1, whose fold of every record travels on around the ring to rank W-2 — 2(W-1)
+// frames per pass in all, at most two sent per rank, every rank ending with the
 // same bytes (stats_in, stats_folded). They move whenever the data exchange waits, and what is left
 // after it. Records are expected from every rank iff this rank has one: every rank of a job sends
 // one, or none (the engine guarantees it).
@@ -94,7 +94,7 @@ class RingExchange final : public Exchange {
   /// (docs/exchange.md "Policy statistics"): rank r receives the fold of ranks 0..r-1 from its
   /// predecessor, folds its own record of every tensor of the pass in (ExchangeRound::stats_fold)
   /// and passes it on (frame phase 3, chunk 0); rank W-1's fold is every rank's, and travels on
-  /// around the ring both ways, to ranks 0, 1, ... and W-2, W-3, ..., meeting halfway (chunk 1).
+  /// around the ring, to ranks 0, 1, ..., W-2 (chunk 1).
   /// statsBegin() sets the pass up (rank 0 folds and posts at once); statsAdvance() goes as far as
   /// what has arrived allows (block: to the end, or the deadline); statsFold() folds this rank's
   /// records into the received partials and posts them.
@@ -102,8 +102,6 @@ class RingExchange final : public Exchange {
   Status statsAdvance(bool block);
   Status statsFold(std::span<const uint8_t> received);
   FrameKey chainKey(uint32_t chunk, uint32_t origin) const;
-  /// The rank the statistics' next frame comes from (Chain::wait not kNothing).
-  uint32_t chainFrom() const;
   /// Every wait of a pass for a frame from `src`: first the statistics moved on as far as they
   /// can (take() only), then the frame waited for until the deadline — woken whenever the
   /// statistics' next frame arrives, to pass it on at once. A wait still blocked at
