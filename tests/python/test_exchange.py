@@ -125,9 +125,8 @@ class Reference(object):
                     for r in range(W)]
         cid = lwref.CODEC_ID[codec]
         if self.select_globally:
-            k = lwref.selection_size(self.n, lwref.effective_density(self.cfg, None))
-            selected = [lwref.global_selection(cid, [p[c] for p in payloads], m,
-                                               lwref.selection_share(k, self.n, b, b + m))
+            floor = lwref.global_min_key(self.cfg, W)
+            selected = [lwref.global_selection(cid, [p[c] for p in payloads], m, floor)
                         for c, (b, m) in enumerate(self.chunking)]
             for (b, m), p in zip(self.chunking, selected):
                 lwref.decode_payload(p, cid, self.weight, out, b, m)
