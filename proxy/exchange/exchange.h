@@ -54,9 +54,8 @@ struct ExchangeRound {
   // Set by the pipeline (docs/exchange.md "Sparse allreduce"): the codec selects globally
   // (Codec::selectsGlobally) and this sidecar encoded with StepContext::defer_sent, so the
   // exchange must return, for every chunk, exactly one payload: the chunk's global selection of
-  // every sidecar's summed contributions (its share of codec.selectionCount(n, density)
-  // entries), which the pipeline settles its state with. Only for exchanges that say
-  // selectsGlobally().
+  // every sidecar's summed contributions (the owner's rule, kernels::reduceSelectChunk), which
+  // the pipeline settles its state with. Only for exchanges that say selectsGlobally().
   bool select_globally = false;
   // Set by the exchange: the returned payloads are plain fp32 arrays (codec `none`), not the
   // codec's payloads (a sparse allgather switched to a dense allreduce because it was smaller).
