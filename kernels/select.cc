@@ -849,26 +849,56 @@ Result<size_t> sparseEntryCount(std::span<const uint8_t> payload, CodecId codec,
   return static_cast<size_t>(layout->dense ? layout->header.elements : layout->nnz);
 }
 
+Result<uint64_t> sparseLayerEntries(std::span<const std::span<const uint8_t>> payloads,
+                                    CodecId codec, const Chunking& chunking) {
+  if (payloads.size() != chunking.count()) {
+    return internalError("sparseLayerEntries: " + std::to_string(payloads.size()) +
+                         " payloads for " + std::to_string(chunking.count()) + " chunks");
+  }
+  uint64_t entries = 0;
+  for (size_t c = 0; c < payloads.size(); ++c) {
+    auto count = sparseEntryCount(payloads[c], codec, chunking.size(c));
+    if (!count) return count.status();
+    entries += *count;
+  }
+  return entries;
+}
+
 Result<size_t> reduceSelectChunk(const Codec& codec,
                                  std::span<const std::span<const uint8_t>> contributions,
-                                 size_t len, std::vector<float>& sums,
+                                 size_t len, const LayerCounts& layer, std::vector<float>& sums,
                                  std::vector<uint64_t>& scratch, std::span<uint8_t> out) {
   const size_t world = contributions.size();
   if (world == 0) return internalError("a global selection of no contributions");
   const uint32_t min_key = codec.globalMinKey(static_cast<uint32_t>(world));
-  // The chunk's share: the ranks' mean count of entries sent for it (threshold: no count).
+  // The chunk's share of k: its part of the entries the ranks sent for the layer (threshold: no
+  // count).
   size_t share = len;
   if (min_key == 0) {
-    uint64_t entries = 0;
+    if (layer.entries.size() != world) {
+      return internalError("a global selection of " + std::to_string(world) +
+                           " contributions with the layer counts of " +
+                           std::to_string(layer.entries.size()) + " ranks");
+    }
+    uint64_t chunk_entries = 0, layer_entries = 0;
     for (size_t r = 0; r < world; ++r) {
       auto count = sparseEntryCount(contributions[r], codec.traits().id, len);
       if (!count) {
         return Status(count.status().code(),
                       "payload of rank " + std::to_string(r) + ": " + count.status().message());
       }
-      entries += *count;
+      if (*count > layer.entries[r]) {
+        return dataLoss("payload of rank " + std::to_string(r) + " holds " +
+                        std::to_string(*count) + " entries, more than the " +
+                        std::to_string(layer.entries[r]) + " its rank sent for the whole layer");
+      }
+      chunk_entries += *count;
+      layer_entries += layer.entries[r];
     }
-    share = static_cast<size_t>(entries / world);
+    const uint64_t cap = std::min<uint64_t>(layer.k, layer_entries / world);
+    share = layer_entries == 0 ? 0
+                               : static_cast<size_t>(static_cast<unsigned __int128>(chunk_entries) *
+                                                     cap / layer_entries);
   }
   sums.assign(len, 0.0f);
   for (size_t r = 0; r < world; ++r) {

@@ -229,16 +229,32 @@ Result<size_t> writeGlobalSelection(CodecId codec, std::span<const float> sums, 
 /// a dense escape: every element), from its header, checked as decoding checks it.
 Result<size_t> sparseEntryCount(std::span<const uint8_t> payload, CodecId codec, size_t len);
 
+/// What the owner's rule needs of a whole layer beyond its chunk (docs/determinism.md "4.6b
+/// Global selection"): k, the codec's selection count for the layer at the step's density
+/// (Codec::selectionCount), and `entries`, per rank in rank order, the entries of all of that
+/// rank's payloads of the layer (sparseLayerEntries; the contribution frames carry it).
+struct LayerCounts {
+  size_t k = 0;
+  std::span<const uint64_t> entries;
+};
+
+/// The entries of a rank's payloads of a layer, one per chunk of `chunking`: the sum of their
+/// sparseEntryCount()s.
+Result<uint64_t> sparseLayerEntries(std::span<const std::span<const uint8_t>> payloads,
+                                    CodecId codec, const Chunking& chunking);
+
 /// The owner's rule of the sparse allreduce for one chunk of `len` elements (docs/determinism.md
 /// "4.6b Global selection"): every rank's payload of it (`codec`'s; in rank order, one per rank)
-/// decoded with weight 1 into fp32 sums from +0, then writeGlobalSelection() into `out` of
-/// k_c = ⌊(the entries of every payload) / W⌋ entries — the ranks' mean count for the chunk — or,
-/// for a codec with a floor (Codec::globalMinKey: threshold), every sum of at least the floor.
-/// `sums` and `scratch` are reused across calls. An error names the position of the payload in
-/// `contributions` that does not decode.
+/// decoded with weight 1 into fp32 sums from +0, then writeGlobalSelection() into `out` of the
+/// chunk's share k_c = ⌊D_c · K / D⌋ entries — D_c the entries of the W payloads of the chunk, D
+/// those of the W ranks' payloads of the whole layer (`layer.entries`), K = min(k, ⌊D / W⌋) — so
+/// the shares of a layer's chunks add up to at most k; or, for a codec with a floor
+/// (Codec::globalMinKey: threshold), every sum of at least the floor (`layer` unused). `sums` and
+/// `scratch` are reused across calls. An error names the position of the payload in
+/// `contributions` that does not decode, or whose entries exceed its rank's count of the layer.
 Result<size_t> reduceSelectChunk(const Codec& codec,
                                  std::span<const std::span<const uint8_t>> contributions,
-                                 size_t len, std::vector<float>& sums,
+                                 size_t len, const LayerCounts& layer, std::vector<float>& sums,
                                  std::vector<uint64_t>& scratch, std::span<uint8_t> out);
 
 /// The entries `sent` (this sidecar's payload of a chunk) shares with `selected` (the chunk's

@@ -6,7 +6,8 @@ the allgather").
 The sparse allreduce (docs/exchange.md "Sparse allreduce") cuts a layer into regions (the ring's
 chunks: ceil(n / W) elements, at least 64 Ki, at most compression.chunk_elements), and each
 region's owner keeps the largest of its summed values — how many is its share:
-  - `sent` (what the sidecars do): the ranks' mean count of entries sent for the region;
+  - `sent` (what the sidecars do): the region's part of k by the entries the ranks sent for it,
+    which with topk (every rank sends exactly k) is their mean count for the region;
   - `length`: k · length / n, the same fraction of every region (the first rule built).
 Where a layer's large values crowd into some regions, `length` keeps smaller ones elsewhere
 instead.

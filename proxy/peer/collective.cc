@@ -28,6 +28,9 @@ constexpr uint8_t kPhaseWaiting = 9;     // a rank still waiting at half the dea
 constexpr size_t kBucketHeaderBytes = 12;  // u64 layout hash, u32 layers (little-endian)
 constexpr uint32_t kChainPartial = 0;      // statistics frame chunk: the fold of ranks 0..sender
 constexpr uint32_t kChainFinal = 1;        // ... the fold of every rank
+// A contribution frame's body: the sender's entries of the whole layer (u64, little-endian), then
+// its payload of the chunk.
+constexpr size_t kContributionCountBytes = 8;
 
 FrameKey keyOf(uint64_t tensor, const ExchangeRound& r, uint8_t phase, uint32_t chunk,
                uint32_t origin) {
@@ -447,11 +450,19 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
   }
   // by_origin[k][c][o]: rank o's payload of chunk c of gather[k]; reduced[k]: reduce[k]'s sums.
   std::vector<Spans> by_origin, reduced, selected;
+  std::vector<uint64_t> select_entries;  // this rank's entries of each of select's layers
   // The gathers' and the sparse allreduces' own payloads go out first, then (once every rank's
   // layout is known to be this one's) the allreduces run, then the owners' selections, then the
   // gathers' hops.
   if (st.isOk()) st = gatherPost(gather, by_origin);
-  if (st.isOk()) st = sparsePost(select);
+  if (st.isOk()) {
+    auto entries = sparsePost(select);
+    if (entries) {
+      select_entries = std::move(*entries);
+    } else {
+      st = entries.status();
+    }
+  }
   if (st.isOk() && bucket) st = checkBucket(*bucket, step);
   if (st.isOk()) {
     auto sums = allreduce(reduce);
@@ -462,7 +473,7 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     }
   }
   if (st.isOk()) {
-    auto got = sparseReduce(select);
+    auto got = sparseReduce(select, select_entries);
     if (got) {
       selected = std::move(*got);
     } else {
@@ -727,25 +738,42 @@ uint32_t selectionOwner(uint64_t tensor, size_t c, uint32_t w) {
 
 }  // namespace
 
-Status RingExchange::sparsePost(std::span<const Item> items) {
+Result<std::vector<uint64_t>> RingExchange::sparsePost(std::span<const Item> items) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
-  for (const Item& it : items) {
-    const ExchangeRound& r = *it.r;
+  std::vector<uint64_t> entries(items.size(), 0);
+  std::vector<std::span<const uint8_t>> own;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const ExchangeRound& r = *items[i].r;
+    // Every chunk compressed first: each contribution carries the rank's entries of the whole
+    // layer, which the owners' shares need (docs/exchange.md "Sparse allreduce").
+    own.clear();
     for (size_t c = 0; c < r.chunking.count(); ++c) {
-      const uint32_t owner = selectionOwner(it.tensor, c, w);
+      auto p = r.payload(c);
+      if (!p) return p.status();
+      own.push_back(*p);
+    }
+    auto counted = kernels::sparseLayerEntries(own, r.codec.traits().id, r.chunking);
+    if (!counted) return counted.status();
+    entries[i] = *counted;
+    for (size_t c = 0; c < r.chunking.count(); ++c) {
+      const uint32_t owner = selectionOwner(items[i].tensor, c, w);
       if (owner == me) continue;
-      auto own = r.payload(c);  // compressed now: the previous chunk is on its way meanwhile
-      if (!own) return own.status();
+      std::vector<uint8_t>& body = sumBuffer(kContributionCountBytes + own[c].size());
+      kernels::storeU64(body.data(), entries[i]);
+      if (!own[c].empty()) {
+        std::memcpy(body.data() + kContributionCountBytes, own[c].data(), own[c].size());
+      }
       LW_RETURN_IF_ERROR(
           transport_.post(owner, FrameType::kData,
-                          keyOf(it.tensor, r, kPhaseContribute, static_cast<uint32_t>(c), me),
-                          static_cast<uint8_t>(r.codec.traits().id), *own, deadline_));
+                          keyOf(items[i].tensor, r, kPhaseContribute, static_cast<uint32_t>(c), me),
+                          static_cast<uint8_t>(r.codec.traits().id), body, deadline_));
     }
   }
-  return Status::ok();
+  return entries;
 }
 
-Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<const Item> items) {
+Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(
+    std::span<const Item> items, std::span<const uint64_t> own_entries) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
   std::vector<Spans> out(items.size());
   // The owned chunks: every rank's contribution, summed in rank order (decoded with weight 1),
@@ -753,9 +781,11 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
     ExchangeRound& r = *it.r;
-    const size_t chunks = r.chunking.count();
+    const size_t chunks = r.chunking.count(), n = r.chunking.elements;
     out[i].resize(chunks);
     std::vector<std::span<const uint8_t>> contributions(w);
+    std::vector<uint64_t> entries(w);
+    const kernels::LayerCounts layer{r.codec.selectionCount(n, r.density), entries};
     for (size_t c = 0; c < chunks; ++c) {
       if (selectionOwner(it.tensor, c, w) != me) continue;
       const size_t len = r.chunking.size(c);
@@ -764,16 +794,31 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(std::span<co
           auto own = r.payload(c);
           if (!own) return own.status();
           contributions[k_rank] = *own;
-        } else {
-          auto got =
-              take(k_rank, keyOf(it.tensor, r, kPhaseContribute, static_cast<uint32_t>(c), k_rank));
-          if (!got) return got.status();
-          contributions[k_rank] = keep(std::move(got->payload));
+          entries[k_rank] = own_entries[i];
+          continue;
         }
+        auto got =
+            take(k_rank, keyOf(it.tensor, r, kPhaseContribute, static_cast<uint32_t>(c), k_rank));
+        if (!got) return got.status();
+        const std::span<const uint8_t> body = keep(std::move(got->payload));
+        // The rank's entries of the layer: at most one per element (the dense escape).
+        const uint64_t declared =
+            body.size() < kContributionCountBytes ? 0 : kernels::loadU64(body.data());
+        if (body.size() < kContributionCountBytes || declared > n) {
+          return dataLoss("rank " + std::to_string(k_rank) + "'s contribution to chunk " +
+                          std::to_string(c) + " of '" + r.tensor + "' " +
+                          (body.size() < kContributionCountBytes
+                               ? "is " + std::to_string(body.size()) +
+                                     " bytes, shorter than its 8-byte count of entries"
+                               : "declares " + std::to_string(declared) +
+                                     " entries for a layer of " + std::to_string(n) + " elements"));
+        }
+        entries[k_rank] = declared;
+        contributions[k_rank] = body.subspan(kContributionCountBytes);
       }
       std::vector<uint8_t>& sel =
           sumBuffer(kernels::sparseMaxPayloadBytes(len, kernels::DType::kF32));
-      auto size = kernels::reduceSelectChunk(r.codec, contributions, len, select_sums_,
+      auto size = kernels::reduceSelectChunk(r.codec, contributions, len, layer, select_sums_,
                                              select_scratch_, sel);
       if (!size) {
         return dataLoss("chunk " + std::to_string(c) + " of '" + r.tensor +

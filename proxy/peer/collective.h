@@ -81,10 +81,13 @@ class RingExchange final : public Exchange {
   /// (c + the tensor's key) mod W, phase 5), which sums every rank's in rank order, selects the
   /// largest sums (kernels::reduceSelectChunk) and sends that selection to every other rank
   /// (phase 6).
-  /// sparsePost() posts this rank's contributions; sparseReduce() reduces and selects the owned
-  /// chunks and receives the others' selections: out[item][chunk] = {the selection}.
-  Status sparsePost(std::span<const Item> items);
-  Result<std::vector<Spans>> sparseReduce(std::span<const Item> items);
+  /// sparsePost() posts this rank's contributions, each with the rank's entries of the whole
+  /// layer, and returns those counts per item; sparseReduce() reduces and selects the owned
+  /// chunks (the owner's rule needs every rank's count) and receives the others' selections:
+  /// out[item][chunk] = {the selection}.
+  Result<std::vector<uint64_t>> sparsePost(std::span<const Item> items);
+  Result<std::vector<Spans>> sparseReduce(std::span<const Item> items,
+                                          std::span<const uint64_t> own_entries);
   /// The bucket's header (its layout hash and layer count) to every other rank, and every other
   /// rank's received and compared with this one's.
   Status postBucket(const BucketTag& bucket, uint64_t step);

@@ -153,21 +153,29 @@ std::optional<Span> addAll(const Codec& codec, const std::vector<Span>& list, si
 void globalSelect(const Parsed& p, const Codec& codec, const Chunking& chunking, size_t c,
                   const std::vector<Span>& list) {
   const size_t len = chunking.size(c);
-  // The share: the contributions' mean count of entries (threshold: every sum of its floor).
+  // The share: the chunk's part of k by the entries sent (threshold: every sum of its floor).
+  // Each rank declares its payload's entries as its whole layer's, plus the step's number: a
+  // layer whose other chunks held that many more.
   const uint32_t min_key = codec.globalMinKey(static_cast<uint32_t>(list.size()));
+  const size_t k = codec.selectionCount(p.n, std::nullopt);
+  std::vector<uint64_t> entries;
+  uint64_t chunk_entries = 0, layer_entries = 0;
+  for (Span q : list) {
+    auto count = kernels::sparseEntryCount(q, codec.traits().id, len);
+    chunk_entries += count ? *count : 0;
+    entries.push_back((count ? *count : 0) + p.step % 7);
+    layer_entries += entries.back();
+  }
   size_t k_c = len;
   if (min_key == 0) {
-    uint64_t entries = 0;
-    for (Span q : list) {
-      auto count = kernels::sparseEntryCount(q, codec.traits().id, len);
-      entries += count ? *count : 0;
-    }
-    k_c = static_cast<size_t>(entries / list.size());
+    const uint64_t cap = std::min<uint64_t>(k, layer_entries / list.size());
+    k_c = layer_entries == 0 ? 0 : static_cast<size_t>(chunk_entries * cap / layer_entries);
   }
   std::vector<float> sums;
   std::vector<uint64_t> scratch;
   std::vector<uint8_t> sel(kernels::sparseMaxPayloadBytes(len, DType::kF32));
-  if (auto size = kernels::reduceSelectChunk(codec, list, len, sums, scratch, sel)) {
+  const kernels::LayerCounts layer{k, entries};
+  if (auto size = kernels::reduceSelectChunk(codec, list, len, layer, sums, scratch, sel)) {
     check(*size <= sel.size(), "a selection past its buffer");
     sel.resize(*size);
     std::vector<uint32_t> idx;
@@ -175,6 +183,7 @@ void globalSelect(const Parsed& p, const Codec& codec, const Chunking& chunking,
     check(kernels::readSparseEntries(sel, codec.traits().id, len, idx, val).isOk(),
           "an owner's selection does not decode");
     check(idx.size() <= k_c, "a selection holds more than its share");
+    if (min_key == 0) check(idx.size() <= k, "a selection holds more than k");
     for (float v : val) {
       check(kernels::magnitudeKey(v) >= min_key, "a selection holds an entry below its floor");
     }

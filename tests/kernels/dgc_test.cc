@@ -20,6 +20,7 @@
 #include "kernels/payload.h"
 #include "kernels/philox.h"
 #include "kernels/registry.h"
+#include "kernels/select.h"
 
 namespace lightwire::kernels {
 namespace {
@@ -726,6 +727,68 @@ TEST_CASE("dgc with bf16 input and clipping equals dgc with the widened fp32 inp
     b.commit();
     CHECK(sameBits(a.currentSpan(), b.currentSpan()));
   }
+}
+
+// The sparse allreduce's owner rule (docs/determinism.md "4.6b Global selection"): dgc's ranks
+// send 0.8k to 1.3k entries each, and the chunks' shares of the summed selections still add up to
+// at most k — each chunk's share is its part of the entries the ranks sent for the whole layer.
+TEST_CASE("global selection: a layer's shares add up to at most k when the ranks sent more") {
+  const auto codec = makeDgc(DgcSettings{});
+  const size_t len = 50;
+  std::vector<float> sums;
+  std::vector<uint64_t> scratch;
+  // Payloads of dgc (fp32 values) holding the given entries of a chunk of `len` elements.
+  auto payload = [&](std::vector<std::pair<uint32_t, float>> entries) {
+    std::vector<float> dense(len, 0.0f);
+    for (auto [i, v] : entries) dense[i] = v;
+    Bytes out(sparseMaxPayloadBytes(len, DType::kF32));
+    auto size = writeGlobalSelection(CodecId::kDgc, dense, entries.size(), 0, scratch, out);
+    REQUIRE(size.isOk());
+    out.resize(*size);
+    return out;
+  };
+  // Rank 0 sent 4 entries, all in chunk 0; rank 1 sent 6, 3 in each chunk; k = 3.
+  const Bytes r0c0 = payload({{1, 4.0f}, {2, 3.0f}, {3, 2.0f}, {4, 1.0f}});
+  const Bytes r0c1 = payload({});
+  const Bytes r1c0 = payload({{1, 0.5f}, {7, 5.0f}, {9, 0.25f}});
+  const Bytes r1c1 = payload({{0, 9.0f}, {1, 8.0f}, {2, 7.0f}});
+  const std::vector<uint64_t> entries{4, 6};
+  const LayerCounts layer{3, entries};
+  auto select = [&](const Bytes& a, const Bytes& b, const LayerCounts& counts) {
+    const std::vector<std::span<const uint8_t>> contributions{a, b};
+    Bytes out(sparseMaxPayloadBytes(len, DType::kF32));
+    auto size = reduceSelectChunk(*codec, contributions, len, counts, sums, scratch, out);
+    std::vector<uint32_t> idx;
+    std::vector<float> val;
+    if (size.isOk()) {
+      out.resize(*size);
+      REQUIRE(readSparseEntries(out, CodecId::kDgc, len, idx, val).isOk());
+    }
+    return std::make_pair(size.status(), idx);
+  };
+  // Chunk 0: 7 of the 10 entries, ⌊7 · min(3, 5) / 10⌋ = 2 (the ranks' mean count would be 3).
+  const auto c0 = select(r0c0, r1c0, layer);
+  REQUIRE(c0.first.isOk());
+  CHECK(c0.second == std::vector<uint32_t>{1, 7});  // sums 4.5 and 5
+  // Chunk 1: 3 of 10, ⌊3 · 3 / 10⌋ = 0 (the mean count: 1).
+  const auto c1 = select(r0c1, r1c1, layer);
+  REQUIRE(c1.first.isOk());
+  CHECK(c1.second.empty());
+  // Ranks that sent fewer than k in all keep their mean count: ⌊7 · ⌊10 / 2⌋ / 10⌋ = 3.
+  const std::vector<uint64_t> many_k{4, 6};
+  const auto c0_large_k = select(r0c0, r1c0, LayerCounts{100, many_k});
+  REQUIRE(c0_large_k.first.isOk());
+  CHECK(c0_large_k.second == std::vector<uint32_t>{1, 2, 7});
+  // A payload holding more entries than its rank declared for the layer is refused.
+  const std::vector<uint64_t> short_count{3, 6};
+  const auto refused = select(r0c0, r1c0, LayerCounts{3, short_count});
+  CHECK(refused.first.code() == StatusCode::kDataLoss);
+  CHECK(refused.first.message().find("rank 0") != std::string::npos);
+  // Nothing sent anywhere: nothing selected.
+  const std::vector<uint64_t> none{0, 0};
+  const auto empty = select(r0c1, r0c1, LayerCounts{3, none});
+  REQUIRE(empty.first.isOk());
+  CHECK(empty.second.empty());
 }
 
 }  // namespace

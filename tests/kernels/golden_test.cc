@@ -291,6 +291,16 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
         golden_sel.size() != chunking.count()) {
       return {where + "cannot read the selections"};
     }
+    // Every rank's entries of the layer, as its contribution frames carry them.
+    std::vector<uint64_t> entries(world);
+    for (size_t r = 0; r < world; ++r) {
+      const std::vector<std::span<const uint8_t>> own(golden_sent[r].begin(), golden_sent[r].end());
+      auto counted = sparseLayerEntries(own, codec.traits().id, chunking);
+      if (!counted.isOk())
+        return {where + "counting entries failed: " + counted.status().message()};
+      entries[r] = *counted;
+    }
+    const LayerCounts layer{codec.selectionCount(n, std::nullopt), entries};
     std::vector<float> out(n, 0.0f);
     for (size_t ch = 0; ch < chunking.count(); ++ch) {
       const size_t begin = chunking.begin(ch), len = chunking.size(ch);
@@ -298,7 +308,7 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
       std::vector<std::span<const uint8_t>> contributions;
       for (size_t r = 0; r < world; ++r) contributions.emplace_back(golden_sent[r][ch]);
       std::vector<uint8_t> sel(sparseMaxPayloadBytes(len, DType::kF32));
-      auto size = reduceSelectChunk(codec, contributions, len, sums, scratch, sel);
+      auto size = reduceSelectChunk(codec, contributions, len, layer, sums, scratch, sel);
       if (!size.isOk()) return {where + "reduceSelectChunk failed: " + size.status().message()};
       sel.resize(*size);
       if (sel != golden_sel[ch])

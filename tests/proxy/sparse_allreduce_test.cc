@@ -1,9 +1,9 @@
 // The sparse allreduce (docs/exchange.md "Sparse allreduce") over real TcpTransports on loopback:
-// each chunk's owner sums every rank's selection in rank order and keeps as many of the largest
-// sums as the ranks sent for it on average (threshold: the sums whose mean reaches τ); the results
-// against a plain computation of that rule, bitwise identical on every rank; the state settled by
-// the global selection (error feedback and dgc); conservation over many steps; a silent rank
-// failing the step on every rank within the deadline.
+// each chunk's owner sums every rank's selection in rank order and keeps the largest sums, its
+// share of k by the entries the ranks sent for it (threshold: the sums whose mean reaches τ); the
+// results against a plain computation of that rule, bitwise identical on every rank; the state
+// settled by the global selection (error feedback and dgc); conservation over many steps; a
+// silent rank failing the step on every rank within the deadline.
 
 #include <doctest.h>
 
@@ -121,15 +121,28 @@ bool identicalBits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 /// The rule of docs/exchange.md "Sparse allreduce", computed plainly: chunk c's sums of every
-/// rank's payload in rank order (weight 1), of which the k_c = ⌊(entries the ranks sent for the
-/// chunk) / W⌋ entries with the largest magnitude keys (ties: lower index; ±0 never) are kept —
-/// threshold: every sum whose mean reaches τ, |Σ| >= fl32(W·τ) (Codec::globalMinKey).
+/// rank's payload in rank order (weight 1), of which the k_c = ⌊D_c · min(k, ⌊D / W⌋) / D⌋ entries
+/// with the largest magnitude keys (ties: lower index; ±0 never) are kept — D_c the entries the
+/// ranks sent for the chunk, D for the whole layer; threshold: every sum whose mean reaches τ,
+/// |Σ| >= fl32(W·τ) (Codec::globalMinKey).
 std::vector<float> sparseReference(const kernels::Codec& codec, const kernels::Chunking& chunking,
                                    const std::vector<SparseRankStep>& ranks) {
   const size_t n = chunking.elements;
   const uint32_t w = static_cast<uint32_t>(ranks.size());
   const uint32_t min_key = codec.globalMinKey(w);
   const uint32_t floor = std::max(min_key, uint32_t{1});
+  auto entriesOf = [&](const std::vector<uint8_t>& payload, size_t len) {
+    std::vector<uint32_t> idx;
+    std::vector<float> val;
+    REQUIRE(kernels::readSparseEntries(payload, codec.traits().id, len, idx, val).isOk());
+    return idx.size();
+  };
+  size_t layer_entries = 0;
+  for (const SparseRankStep& r : ranks) {
+    for (size_t c = 0; c < chunking.count(); ++c)
+      layer_entries += entriesOf(r.sent[c], chunking.size(c));
+  }
+  const size_t cap = std::min(codec.selectionCount(n, std::nullopt), layer_entries / w);
   std::vector<float> out(n, 0.0f);
   for (size_t c = 0; c < chunking.count(); ++c) {
     const size_t begin = chunking.begin(c), len = chunking.size(c);
@@ -137,10 +150,7 @@ std::vector<float> sparseReference(const kernels::Codec& codec, const kernels::C
     size_t entries = 0;
     for (const SparseRankStep& r : ranks) {
       REQUIRE(codec.decodeChunk(r.sent[c], 1.0f, sum.data(), len).isOk());
-      std::vector<uint32_t> idx;
-      std::vector<float> val;
-      REQUIRE(kernels::readSparseEntries(r.sent[c], codec.traits().id, len, idx, val).isOk());
-      entries += idx.size();
+      entries += entriesOf(r.sent[c], len);
     }
     std::vector<size_t> order;
     for (size_t i = 0; i < len; ++i) {
@@ -150,7 +160,7 @@ std::vector<float> sparseReference(const kernels::Codec& codec, const kernels::C
       const uint32_t ka = kernels::magnitudeKey(sum[a]), kb = kernels::magnitudeKey(sum[b]);
       return ka != kb ? ka > kb : a < b;
     });
-    const size_t k_c = min_key != 0 ? len : entries / w;
+    const size_t k_c = min_key != 0 ? len : layer_entries == 0 ? 0 : entries * cap / layer_entries;
     for (size_t j = 0; j < std::min(k_c, order.size()); ++j) {
       out[begin + order[j]] = sum[order[j]];
     }
@@ -437,6 +447,15 @@ void sendAsRank2(Transport& t, uint32_t dst, uint8_t phase, uint32_t chunk,
               .isOk());
 }
 
+/// A contribution frame's body (docs/exchange.md "Sparse allreduce"): the sender's entries of the
+/// layer (u64, little-endian), then its payload of the chunk.
+std::vector<uint8_t> contribution(uint64_t entries, const std::vector<uint8_t>& payload) {
+  std::vector<uint8_t> body(8 + payload.size());
+  kernels::storeU64(body.data(), entries);
+  std::copy(payload.begin(), payload.end(), body.begin() + 8);
+  return body;
+}
+
 TEST_CASE(
     "sparse allreduce: a peer's malformed contribution or selection fails the step on every "
     "rank, naming it, nothing committed") {
@@ -466,12 +485,46 @@ TEST_CASE(
       for (float v : r.state) REQUIRE(v == 0.0f);
     }
   };
+  // Rank 2's real payloads of step 1 (what it would send).
+  const auto x = sparseInput(2, 1, n);
+  kernels::CodecState state((*codec)->stateFloats(n));
+  kernels::StepContext ctx;
+  ctx.rank = 2;
+  ctx.step = 1;
+  ctx.defer_sent = true;
+  auto p = kernels::encodeTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, state);
+  REQUIRE(p.isOk());
+  const std::vector<uint8_t>& real0 = (*p)[chunkOf(0)];
+  const uint64_t k = (*codec)->selectionCount(n, std::nullopt);  // topk: its entries of the layer
   SUBCASE("a contribution that does not decode") {
     Mesh mesh(w);
     mesh.startAll();
     REQUIRE(mesh.allConnected());
-    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), std::vector<uint8_t>(40, 0x5A), id);
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0),
+                contribution(k, std::vector<uint8_t>(40, 0x5A)), id);
     failsOnRanks01(mesh, "chunk " + std::to_string(chunkOf(0)) + " of 't': payload of rank 2");
+  }
+  SUBCASE("a contribution shorter than its count of entries") {
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), std::vector<uint8_t>(5, 0), id);
+    failsOnRanks01(mesh, "rank 2's contribution to chunk " + std::to_string(chunkOf(0)) +
+                             " of 't' is 5 bytes, shorter than its 8-byte count");
+  }
+  SUBCASE("a contribution declaring more entries than the layer has elements") {
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), contribution(~uint64_t{0}, real0), id);
+    failsOnRanks01(mesh, "declares 18446744073709551615 entries for a layer of 3000 elements");
+  }
+  SUBCASE("a contribution holding more entries than its rank declared for the layer") {
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), contribution(1, real0), id);
+    failsOnRanks01(mesh, "payload of rank 2 holds");
   }
   SUBCASE("a selection that does not decode (of another chunk size)") {
     Mesh mesh(w);
@@ -479,17 +532,8 @@ TEST_CASE(
     REQUIRE(mesh.allConnected());
     // Rank 2's real contributions to owners 0 and 1; as the owner of its chunk, a selection of
     // 1008 elements (the chunk has 1000), one entry beyond the chunk.
-    const auto x = sparseInput(2, 1, n);
-    kernels::CodecState state((*codec)->stateFloats(n));
-    kernels::StepContext ctx;
-    ctx.rank = 2;
-    ctx.step = 1;
-    ctx.defer_sent = true;
-    auto p =
-        kernels::encodeTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, state);
-    REQUIRE(p.isOk());
-    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), (*p)[chunkOf(0)], id);
-    sendAsRank2(*mesh.transports[2], 1, 5, chunkOf(1), (*p)[chunkOf(1)], id);
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), contribution(k, real0), id);
+    sendAsRank2(*mesh.transports[2], 1, 5, chunkOf(1), contribution(k, (*p)[chunkOf(1)]), id);
     std::vector<float> bad(chunk + 8, 0.0f);
     bad[chunk + 3] = 1.0f;
     std::vector<uint8_t> sel(kernels::sparseMaxPayloadBytes(chunk + 8, kernels::DType::kF32));

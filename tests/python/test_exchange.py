@@ -126,7 +126,9 @@ class Reference(object):
         cid = lwref.CODEC_ID[codec]
         if self.select_globally:
             floor = lwref.global_min_key(self.cfg, W)
-            selected = [lwref.global_selection(cid, [p[c] for p in payloads], m, floor)
+            k = 0 if floor else lwref.selection_size(self.n, lwref.effective_density(self.cfg, None))
+            entries = [lwref.layer_entries(p, cid, self.chunking) for p in payloads]
+            selected = [lwref.global_selection(cid, [p[c] for p in payloads], m, floor, k, entries)
                         for c, (b, m) in enumerate(self.chunking)]
             for (b, m), p in zip(self.chunking, selected):
                 lwref.decode_payload(p, cid, self.weight, out, b, m)

@@ -929,20 +929,31 @@ def global_min_key(cfg, world):
     return max(int(key_of(t)[0]), 1)
 
 
-def global_selection(codec_id, contributions, n_chunk, min_key=0):
+def layer_entries(payloads, codec_id, chunking):
+    """The entries of one rank's payloads of a layer (one per chunk of `chunking`): what its
+    contribution frames carry (determinism §4.6b)."""
+    return sum(sparse_entries(p, codec_id, m)[0].size for p, (_, m) in zip(payloads, chunking))
+
+
+def global_selection(codec_id, contributions, n_chunk, min_key=0, k=0, entries=()):
     """The owner's rule of the sparse allreduce (determinism §4.6b): the ranks' payloads of a
     chunk decoded with weight 1 in rank order into zeros (fp32); of the sums whose key is at least
-    max(min_key, 1), the k_c of largest key (ties: the lower index) -- k_c the ranks' mean count of
-    entries sent for the chunk, floor(sum of their entries / W), or every one when min_key is set
-    (threshold) -- as a sparse payload of the codec with fp32 values (header dtype fp32)."""
+    max(min_key, 1), the k_c of largest key (ties: the lower index) -- or every one when min_key
+    is set (threshold). k_c = floor(D_c * K / D): D_c the entries of the ranks' payloads of the
+    chunk, D the sum of `entries` (each rank's entries of the whole layer, layer_entries), K =
+    min(k, floor(D / W)), k the codec's selection count for the layer. The result is a sparse
+    payload of the codec with fp32 values (header dtype fp32)."""
     sums = np.zeros(n_chunk, dtype=np.float32)
     for p in contributions:
         decode_payload(p, codec_id, F32(1.0), sums, 0, n_chunk)
     if min_key:
         k_c = n_chunk
     else:
-        k_c = sum(sparse_entries(p, codec_id, n_chunk)[0].size for p in contributions) // len(
-            contributions)
+        assert len(entries) == len(contributions)
+        d_c = sum(sparse_entries(p, codec_id, n_chunk)[0].size for p in contributions)
+        d = sum(entries)
+        cap = min(k, d // len(contributions))
+        k_c = d_c * cap // d if d else 0
     keys = key_of(sums)
     cand = np.nonzero(keys >= max(min_key, 1))[0]
     chosen = np.sort(cand[np.lexsort((cand, -keys[cand]))][:k_c])

@@ -419,8 +419,8 @@ def cases(log):
 
 
 def global_cases():
-    """The sparse allreduce's owner frames (determinism §4.6b), W = 2, 3, 4; topk, dgc,
-    threshold."""
+    """The sparse allreduce's owner frames (determinism §4.6b), W = 2, 3, 4; topk, dgc (exact
+    and sampled selections), threshold."""
     def ranks(seed, w, n, scale=1.0):
         return [gaussian(seed + 17 * r, n, scale * (1 + r)) for r in range(w)]
     C = []
@@ -448,6 +448,11 @@ def global_cases():
     nf[1][1234] = F32(np.inf)
     C.append(gs_case("global_dgc_m0_nonfinite_w2", cfg("dgc", density=0.01), 800,
                      [GSStep(ranks(960, 2, 2500), 0), GSStep(nf, 1)]))
+    # dgc's sampled selection (over 32 Ki elements), 3 ranks, 4 chunks: in step 0 the ranks send
+    # 330, 426 and 394 entries for k = 330, so the shares are cut to add up to k (their mean
+    # count would give 383); in step 1, residuals carried, 309, 295 and 389.
+    C.append(gs_case("global_dgc_sampled_cap_w3", cfg("dgc", density=0.01), 8250,
+                     [GSStep(ranks(981, 3, 33000), 0), GSStep(ranks(980, 3, 33000), 1)]))
     # threshold with error feedback, 3 ranks: the owner keeps the sums whose mean reaches tau
     # (|sum| >= fl32(3 tau)), however many; what a rank sent and that drops stays in its
     # residual, which grows until the next steps send it.
@@ -473,8 +478,8 @@ def gs_case(name, config, chunk, steps, tensor="layer.0.weight", seed=0, note=""
 
 def run_gs_case(c, outdir, log, written):
     """W ranks: each encodes with the effect of sending deferred; each chunk's owner sums the
-    ranks' payloads in rank order and keeps the ranks' mean count of entries for it, or
-    (threshold) the sums of at least its floor (lwref.global_selection); the
+    ranks' payloads in rank order and keeps its share of k by the entries the ranks sent for it,
+    or (threshold) the sums of at least its floor (lwref.global_selection); the
     selections are decoded with weight 1/W; every rank settles its state."""
     config, n, world = c["config"], c["n"], c["world"]
     chunking = lwref.chunk_ranges(n, c["chunk"], lwref.codec_alignment(config))
@@ -506,7 +511,9 @@ def run_gs_case(c, outdir, log, written):
         k = n if config["name"] == "threshold" else lwref.selection_size(
             n, lwref.effective_density(config, None))
         floor = lwref.global_min_key(config, world)
-        selected = [lwref.global_selection(cid, [sent[rk][ci] for rk in range(world)], m, floor)
+        entries = [lwref.layer_entries(sent[rk], cid, chunking) for rk in range(world)]
+        selected = [lwref.global_selection(cid, [sent[rk][ci] for rk in range(world)], m, floor,
+                                           k, entries)
                     for ci, (b, m) in enumerate(chunking)]
         sel_name = "%s/s%d.selected" % (c["name"], j)
         put(sel_name, b"".join(selected))
@@ -523,8 +530,8 @@ def run_gs_case(c, outdir, log, written):
             "sent": sent_names, "sent_sizes": sent_sizes, "selected": sel_name,
             "selected_sizes": [len(p) for p in selected], "decoded": dec_name,
             "decoded_format": "dense", "info": {"k": k, "selected": int(nnz)}})
-        log("    step %d: k %d, selected %d, payloads %s bytes per rank" % (
-            st.step, k, nnz, [sum(sz) for sz in sent_sizes]))
+        log("    step %d: k %d, selected %d, entries sent %s, payloads %s bytes per rank" % (
+            st.step, k, nnz, entries, [sum(sz) for sz in sent_sizes]))
     cj = {
         "name": c["name"],
         "config": {
