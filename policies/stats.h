@@ -107,7 +107,7 @@ Result<GlobalStats> aggregate(const std::vector<std::vector<uint8_t>>& records);
 /// knows about a step"): the sums so far, in the order aggregate() adds them, and the parts
 /// that stay per rank — resume marks (as runs of equal values), compute and overlap figures
 /// (their medians are taken at the end), requests with their origin. What the `ring` topology
-/// passes along the ring instead of every record to every rank (docs/exchange.md).
+/// passes round the ring instead of every record to every rank (docs/exchange.md).
 struct PartialStats {
   GlobalStats g;                           // compute_s / overlap_s unset until finished
   uint32_t next_rank = 0;                  // records of ranks below this are folded (or absent)

@@ -26,8 +26,8 @@ constexpr uint8_t kPhaseContribute = 5;  // sparse allreduce: a rank's payload, 
 constexpr uint8_t kPhaseSelected = 6;    // ... the owner's global selection, to every other rank
 constexpr uint8_t kPhaseWaiting = 9;     // a rank still waiting at half the deadline, and on whom
 constexpr size_t kBucketHeaderBytes = 12;  // u64 layout hash, u32 layers (little-endian)
-constexpr uint32_t kChainPartial = 0;      // statistics frame chunk: the fold of ranks 0..sender
-constexpr uint32_t kChainFinal = 1;        // ... the fold of every rank
+constexpr uint32_t kStatsRecords = 0;      // statistics frame chunk: the sender's records, to 0
+constexpr uint32_t kStatsFinal = 1;        // ... the fold of every rank's, from rank 0 both ways
 // A contribution frame's body: the sender's entries of the whole layer (u64, little-endian), then
 // its payload of the chunk.
 constexpr size_t kContributionCountBytes = 8;
@@ -195,102 +195,135 @@ Status RingExchange::statsBegin(std::span<const Item> items, uint64_t step) {
     chain_.rounds.push_back(it.r);
   }
   if (chain_.rounds.empty()) return Status::ok();
-  if (transport_.rank() != 0) {
-    chain_.wait = Chain::Wait::kPartial;
-    return Status::ok();
-  }
-  return statsFold({});  // rank 0 starts the chain
-}
-
-Status RingExchange::statsFold(std::span<const uint8_t> received) {
-  const uint32_t w = transport_.worldSize(), me = transport_.rank(), next = (me + 1) % w;
-  const uint32_t prev = (me + w - 1) % w;
-  const size_t n = chain_.rounds.size();
-  std::vector<std::span<const uint8_t>> partials(n);
-  if (me != 0) {
-    auto got = unpackStatsEntries(received, n);
-    if (!got) {
-      return dataLoss("the statistics of ranks 0 to " + std::to_string(prev) + " from rank " +
-                      std::to_string(prev) + ": " + got.status().message());
-    }
-    partials = std::move(*got);
-  }
-  std::vector<std::vector<uint8_t>> folded(n);
-  for (size_t i = 0; i < n; ++i) {
-    const ExchangeRound& r = *chain_.rounds[i];
-    auto f = r.stats_fold(partials[i], r.stats_out, me);
-    if (!f) {
-      return dataLoss("the statistics of tensor '" + r.tensor + "'" +
-                      (me != 0 ? " from rank " + std::to_string(prev) : std::string()) + ": " +
-                      f.status().message());
-    }
-    folded[i] = std::move(*f);
-  }
-  chain_.out = packStatsEntries(folded);  // lent to post() until the flush
-  if (me + 1 == w) {
-    chain_.final = std::move(folded);
-    chain_.wait = Chain::Wait::kNothing;
-    if (w == 1) return Status::ok();
-    return transport_.post(next, FrameType::kData, chainKey(kChainFinal, me), 0, chain_.out,
+  std::vector<std::span<const uint8_t>> own;
+  for (const ExchangeRound* r : chain_.rounds) own.push_back(r->stats_out);
+  const uint32_t me = transport_.rank();
+  if (me != 0) {  // our records to rank 0, at once; then the fold of all, once it is made
+    std::vector<std::vector<uint8_t>> records;
+    for (auto rec : own) records.emplace_back(rec.begin(), rec.end());
+    chain_.out = packStatsEntries(records);  // lent to post() until the flush
+    chain_.wait = Chain::Wait::kFinal;
+    return transport_.post(0, FrameType::kData, chainKey(kStatsRecords, me), 0, chain_.out,
                            deadline_);
   }
-  chain_.wait = Chain::Wait::kFinal;
-  return transport_.post(next, FrameType::kData, chainKey(kChainPartial, me), 0, chain_.out,
-                         deadline_);
+  chain_.partial.assign(chain_.rounds.size(), {});
+  return statsFold(0, own);  // rank 0 folds, its own record first
+}
+
+namespace {
+
+// The fold of every rank's records leaves rank 0 both ways round the ring and stops where the
+// two ways meet (docs/exchange.md "Policy statistics"): ranks 1 .. m receive it from their
+// predecessor, ranks W-1 .. m+1 from their successor, m = ⌈(W-1)/2⌉.
+uint32_t meeting(uint32_t w) { return w / 2; }  // ⌈(W-1)/2⌉
+uint32_t finalSource(uint32_t me, uint32_t w) { return me <= meeting(w) ? me - 1 : (me + 1) % w; }
+/// Where a rank other than 0 passes the fold of all on (none: where the ways meet).
+std::optional<uint32_t> finalNext(uint32_t me, uint32_t w) {
+  const uint32_t m = meeting(w);
+  if (me < m) return me + 1;
+  if (me > m + 1) return me - 1;
+  return std::nullopt;
+}
+
+}  // namespace
+
+Status RingExchange::statsFold(uint32_t rank, std::span<const std::span<const uint8_t>> records) {
+  const uint32_t w = transport_.worldSize();
+  for (size_t i = 0; i < chain_.rounds.size(); ++i) {
+    const ExchangeRound& r = *chain_.rounds[i];
+    auto f = r.stats_fold(chain_.partial[i], records[i], rank);
+    if (!f) {
+      return dataLoss("the statistics record of rank " + std::to_string(rank) + " (tensor '" +
+                      r.tensor + "'): " + f.status().message());
+    }
+    chain_.partial[i] = std::move(*f);
+  }
+  chain_.next = rank + 1;
+  if (chain_.next < w) {
+    chain_.wait = Chain::Wait::kRecords;
+    return Status::ok();
+  }
+  // Every rank's records folded: the fold of all, both ways round.
+  chain_.final = std::move(chain_.partial);
+  chain_.wait = Chain::Wait::kNothing;
+  chain_.out = packStatsEntries(chain_.final);  // lent to post() until the flush
+  if (w > 1) {
+    LW_RETURN_IF_ERROR(
+        transport_.post(1, FrameType::kData, chainKey(kStatsFinal, 0), 0, chain_.out, deadline_));
+  }
+  if (w - 1 > meeting(w)) {  // W >= 3: the other way too
+    LW_RETURN_IF_ERROR(transport_.post(w - 1, FrameType::kData, chainKey(kStatsFinal, 0), 0,
+                                       chain_.out, deadline_));
+  }
+  return Status::ok();
+}
+
+std::optional<Wake> RingExchange::statsAwaited() const {
+  const uint32_t w = transport_.worldSize(), me = transport_.rank();
+  switch (chain_.wait) {
+    case Chain::Wait::kRecords:
+      return Wake{chain_.next, chainKey(kStatsRecords, chain_.next)};
+    case Chain::Wait::kFinal: {
+      const uint32_t src = finalSource(me, w);
+      return Wake{src, chainKey(kStatsFinal, src)};
+    }
+    case Chain::Wait::kNothing:
+      break;
+  }
+  return std::nullopt;
 }
 
 Status RingExchange::statsAdvance(bool block) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
-  const uint32_t next = (me + 1) % w, prev = (me + w - 1) % w;
-  while (chain_.wait != Chain::Wait::kNothing) {
-    const bool partial = chain_.wait == Chain::Wait::kPartial;
-    const FrameKey key = chainKey(partial ? kChainPartial : kChainFinal, prev);
+  while (auto awaited = statsAwaited()) {
+    const bool records = chain_.wait == Chain::Wait::kRecords;
+    const uint32_t src = awaited->src;
     Result<Frame> got = internalError("not received");
     if (!block) {
-      got = transport_.receive(prev, key, Clock::now());
-    } else if (auto waited = waitFor(prev, key, nullptr); !waited) {
+      got = transport_.receive(src, awaited->key, Clock::now());
+    } else if (auto waited = waitFor(src, awaited->key, nullptr); !waited) {
       got = waited.status();
     } else {
       got = std::move(**waited);  // no wake: a frame
     }
     if (!got) {
       if (!block) return Status::ok();  // not there yet: the next wait tries again
-      return Status(got.status().code(),
-                    std::string("waiting for the statistics of ") +
-                        (partial ? "ranks 0 to " + std::to_string(prev) : "every rank") +
-                        " from rank " + std::to_string(prev) + ": " + got.status().message());
+      return Status(
+          got.status().code(),
+          (records ? "waiting for rank " + std::to_string(src) + "'s statistics record"
+                   : "waiting for the statistics of every rank from rank " + std::to_string(src)) +
+              ": " + got.status().message());
     }
     const auto bytes = keep(std::move(got->payload));
-    if (partial) {
-      LW_RETURN_IF_ERROR(statsFold(bytes));
+    auto entries = unpackStatsEntries(bytes, chain_.rounds.size());
+    if (records) {
+      if (!entries) {
+        return dataLoss("the statistics record of rank " + std::to_string(src) + ": " +
+                        entries.status().message());
+      }
+      LW_RETURN_IF_ERROR(statsFold(src, *entries));
       continue;
     }
-    auto entries = unpackStatsEntries(bytes, chain_.rounds.size());
     if (!entries) {
-      return dataLoss("the statistics of every rank from rank " + std::to_string(prev) + ": " +
+      return dataLoss("the statistics of every rank from rank " + std::to_string(src) + ": " +
                       entries.status().message());
     }
     for (const auto& e : *entries) chain_.final.emplace_back(e.begin(), e.end());
     chain_.wait = Chain::Wait::kNothing;
-    if (next + 1 != w) {  // rank W-1 made it
+    if (auto to = finalNext(me, w)) {
       LW_RETURN_IF_ERROR(
-          transport_.post(next, FrameType::kData, chainKey(kChainFinal, me), 0, bytes, deadline_));
+          transport_.post(*to, FrameType::kData, chainKey(kStatsFinal, me), 0, bytes, deadline_));
     }
   }
   return Status::ok();
 }
 
 Result<Frame> RingExchange::take(uint32_t src, const FrameKey& key) {
-  const uint32_t w = transport_.worldSize(), prev = (transport_.rank() + w - 1) % w;
   for (;;) {
     LW_RETURN_IF_ERROR(statsAdvance(false));
-    // While the statistics wait for their frame from the predecessor, its arrival ends this
-    // wait too: it is passed on at once, and the wait resumes.
-    std::optional<Wake> wake;
-    if (chain_.wait != Chain::Wait::kNothing) {
-      wake = Wake{
-          prev, chainKey(chain_.wait == Chain::Wait::kPartial ? kChainPartial : kChainFinal, prev)};
-    }
+    // While the statistics wait for a frame, its arrival ends this wait too: it is folded or
+    // passed on at once, and the wait resumes.
+    const std::optional<Wake> wake = statsAwaited();
     auto got = waitFor(src, key, wake ? &*wake : nullptr);
     if (!got) return got.status();
     if (*got) return std::move(**got);
@@ -409,8 +442,9 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     return s;
   };
   // Statistics records (round 0): expected from every rank iff this rank has one (the engine
-  // gives every rank of a job one, or none). Folded along the ring: rank 0 starts at once, the
-  // others as the data exchange waits (take()) and after it.
+  // gives every rank of a job one, or none). Every rank's go to rank 0 at once, which folds them
+  // as they arrive — while the data exchange waits (take()), and after it — and sends the fold of
+  // all both ways round the ring.
   for (const Item& it : items) {
     if (it.r->round == 0 && it.r->stats_out.size() > kMaxStatsBytes) {
       return failAll(invalidArgument("this sidecar's statistics record has " +

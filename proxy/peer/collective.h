@@ -9,20 +9,20 @@
 //     decodes the same bytes, so results are bitwise identical.
 //   - selection codecs asked for a global selection (ExchangeRound::select_globally): a sparse
 //     allreduce — each rank's payload of chunk c to the chunk's owner, which sums them in rank
-//     order and sends the largest sums, as many as the ranks sent for the chunk on average, to
+//     order and sends the largest sums, its share of k by the entries the ranks sent for it, to
 //     every rank (sparsePost/Reduce);
 //   - other codecs (sparse, quantised): a ring allgather; every rank decodes all W payloads of a
 //     chunk in rank order (again the same arithmetic everywhere) — unless gathering would move
 //     more bytes than a dense ring allreduce (W × nominal payload > 2 × dense chunk): then every
 //     rank decodes its own payloads and the decoded fp32 chunks are ring-allreduced instead.
 //
-// Policy statistics records (ExchangeRound::stats_out, round 0) are folded along the ring in rank
-// order (ExchangeRound::stats_fold): rank 0's fold goes to rank 1, which folds its own in, and so
-// on to rank W-1, whose fold of every record travels on around the ring to rank W-2 — 2(W-1)
-// frames per pass in all, at most two sent per rank, every rank ending with the
-// same bytes (stats_in, stats_folded). They move whenever the data exchange waits, and what is left
-// after it. Records are expected from every rank iff this rank has one: every rank of a job sends
-// one, or none (the engine guarantees it).
+// Policy statistics records (ExchangeRound::stats_out, round 0) go from every rank to rank 0,
+// which folds them in rank order (ExchangeRound::stats_fold) and sends the fold of all both ways
+// round the ring to where the ways meet — 2(W-1) frames per pass in all, at most two sent per
+// rank, 1 + ⌈(W-1)/2⌉ hops, every rank ending with the same bytes (stats_in, stats_folded). They
+// move whenever the data exchange waits, and what is left after it. Records are expected from
+// every rank iff this rank has one: every rank of a job sends one, or none (the engine
+// guarantees it).
 //
 // Every wait has the exchange deadline; a failure (a peer down or silent, a malformed frame, a
 // payload that does not add up) fails the step here and is sent to every peer as an abort, so
@@ -93,17 +93,20 @@ class RingExchange final : public Exchange {
   Status postBucket(const BucketTag& bucket, uint64_t step);
   Status checkBucket(const BucketTag& bucket, uint64_t step);
   Status fail(uint64_t tensor, uint64_t step, Status s);
-  /// Policy statistics (round 0, ExchangeRound::stats_out non-empty), folded along the ring
-  /// (docs/exchange.md "Policy statistics"): rank r receives the fold of ranks 0..r-1 from its
-  /// predecessor, folds its own record of every tensor of the pass in (ExchangeRound::stats_fold)
-  /// and passes it on (frame phase 3, chunk 0); rank W-1's fold is every rank's, and travels on
-  /// around the ring, to ranks 0, 1, ..., W-2 (chunk 1).
-  /// statsBegin() sets the pass up (rank 0 folds and posts at once); statsAdvance() goes as far as
-  /// what has arrived allows (block: to the end, or the deadline); statsFold() folds this rank's
-  /// records into the received partials and posts them.
+  /// Policy statistics (round 0, ExchangeRound::stats_out non-empty; docs/exchange.md "Policy
+  /// statistics"): every other rank posts its records of the pass (every tensor's with one) to
+  /// rank 0 at once (frame phase 3, chunk 0); rank 0 folds them in rank order
+  /// (ExchangeRound::stats_fold) as they arrive and sends the fold of all both ways round the
+  /// ring (chunk 1): ranks 1 .. ⌈(W-1)/2⌉ pass it on to their successor, ranks W-1 .. ⌈(W-1)/2⌉+1
+  /// to their predecessor, until the two ways meet.
+  /// statsBegin() sets the pass up (posts the records; rank 0 folds its own); statsAdvance() goes
+  /// as far as what has arrived allows (block: to the end, or the deadline); statsFold() folds
+  /// rank `rank`'s records in (rank 0), sending the fold of all after the last; statsAwaited()
+  /// is the frame the statistics wait for now, if any.
   Status statsBegin(std::span<const Item> items, uint64_t step);
   Status statsAdvance(bool block);
-  Status statsFold(std::span<const uint8_t> received);
+  Status statsFold(uint32_t rank, std::span<const std::span<const uint8_t>> records);
+  std::optional<Wake> statsAwaited() const;
   FrameKey chainKey(uint32_t chunk, uint32_t origin) const;
   /// Every wait of a pass for a frame from `src`: first the statistics moved on as far as they
   /// can (take() only), then the frame waited for until the deadline — woken whenever the
@@ -146,12 +149,14 @@ class RingExchange final : public Exchange {
   std::vector<uint64_t> select_scratch_;  // ... and its candidates
   // The statistics' way round the ring in the pass in progress.
   struct Chain {
-    enum class Wait { kNothing, kPartial, kFinal };
-    std::vector<ExchangeRound*> rounds;       // the pass's rounds with a record, in pass order
-    FrameKey key;                             // phase 3 of the first one's tensor and step
-    Wait wait = Wait::kNothing;               // what this rank waits for from its predecessor
-    std::vector<uint8_t> out;                 // this rank's fold, posted (lent until the flush)
-    std::vector<std::vector<uint8_t>> final;  // every rank's fold, per round
+    enum class Wait { kNothing, kRecords, kFinal };
+    std::vector<ExchangeRound*> rounds;         // the pass's rounds with a record, in pass order
+    FrameKey key;                               // phase 3 of the first one's tensor and step
+    Wait wait = Wait::kNothing;                 // rank 0: the next rank's records; others: the fold
+    uint32_t next = 0;                          // rank 0: the rank whose records it folds next
+    std::vector<std::vector<uint8_t>> partial;  // rank 0: the fold of ranks 0 .. next-1, per round
+    std::vector<uint8_t> out;                   // what this rank posted (lent until the flush)
+    std::vector<std::vector<uint8_t>> final;    // every rank's fold, per round
   } chain_;
   std::chrono::steady_clock::time_point halfway_;   // of the exchange in progress
   std::optional<uint32_t> waiting_on_;              // the rank the last wait was for

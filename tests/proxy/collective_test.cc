@@ -778,54 +778,63 @@ TEST_CASE("ring: a rank whose deadline passes follows the waits to the silent ra
   }
 }
 
-/// Rank `bad` (the last) sends rank 0, its successor, a statistics frame of every rank's fold
-/// (frame phase 3, chunk 1) of `bytes` bytes for step `step` through the transport itself (as a
-/// hostile or broken peer would), then runs the step without a record.
-std::function<void(uint32_t, Transport&)> injectFold(uint32_t bad, uint64_t step, size_t bytes) {
+/// Rank `bad` sends rank `to` a statistics frame (phase 3; chunk 0: its records, to rank 0; chunk
+/// 1: the fold of every rank's) of `bytes` bytes for step `step` through the transport itself (as
+/// a hostile or broken peer would), then runs the step without a record.
+std::function<void(uint32_t, Transport&)> injectStats(uint32_t bad, uint32_t to, uint32_t chunk,
+                                                      uint64_t step, size_t bytes) {
   return [=](uint32_t r, Transport& t) {
     if (r != bad) return;
     FrameKey k;
     k.tensor = tensorKey("s");
     k.step = step;
     k.phase = 3;  // docs/exchange.md: statistics
-    k.chunk = 1;  // every rank's fold
+    k.chunk = chunk;
     k.origin = bad;
-    const Bytes fold(bytes, 0xAB);
-    REQUIRE(t.send(0, FrameType::kData, k, 0, fold, Clock::now() + std::chrono::seconds(2)).isOk());
+    const Bytes body(bytes, 0xAB);
+    REQUIRE(
+        t.send(to, FrameType::kData, k, 0, body, Clock::now() + std::chrono::seconds(2)).isOk());
   };
 }
 
-TEST_CASE(
-    "ring statistics: a malformed fold from the predecessor fails the step, naming the rank") {
-  const uint32_t w = 3;
-  Mesh mesh(w);
-  mesh.startAll();
-  REQUIRE(mesh.allConnected());
+TEST_CASE("ring statistics: a malformed statistics frame fails the step, naming its sender") {
   uint64_t step = 10;
   struct Case {
     const char* codec;
     size_t bytes;
   };
-  for (const Case& c : {Case{"none", kMaxStatsBytes + 1}, Case{"none", 0}, Case{"topk", 9}}) {
-    const char* codec = c.codec;
-    const size_t bytes = c.bytes;
-    CAPTURE(codec);
-    CAPTURE(bytes);
-    ++step;
-    const kernels::CodecConfig cfg{.name = codec, .density = 0.1, .error_feedback = false};
-    // Ranks 0 and 1 give records; rank 2 sends rank 0 a bad fold through its transport and runs
-    // the step without a record of its own (so it expects none).
-    const std::vector<Bytes> stats = {statsOf(0, step), statsOf(1, step), {}};
-    const auto runs = runWithStats(mesh, cfg, 3000, 1024, step, stats, injectFold(2, step, bytes),
-                                   std::chrono::milliseconds(3000));
-    for (uint32_t r = 0; r < 2; ++r) {
-      CAPTURE(r);
-      CHECK_FALSE(runs[r].ok);
-      // Rank 0's own check, or its abort at rank 1 carrying the same reason.
-      CHECK_MESSAGE(
-          runs[r].error.find("the statistics of every rank from rank 2: ") != std::string::npos,
-          runs[r].error);
+  // Rank `bad` sends rank `to` a bad frame (records to rank 0, or the fold of all) through its
+  // transport and runs the step without a record of its own (so it expects none); every other
+  // rank fails with `message` (its own check, or the abort of the rank that made it).
+  auto check = [&](uint32_t w, uint32_t bad, uint32_t to, uint32_t chunk,
+                   const std::string& message) {
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    for (const Case& c : {Case{"none", kMaxStatsBytes + 1}, Case{"none", 0}, Case{"topk", 9}}) {
+      const char* codec = c.codec;
+      const size_t bytes = c.bytes;
+      CAPTURE(codec);
+      CAPTURE(bytes);
+      ++step;
+      const kernels::CodecConfig cfg{.name = codec, .density = 0.1, .error_feedback = false};
+      std::vector<Bytes> stats;
+      for (uint32_t r = 0; r < w; ++r) stats.push_back(r == bad ? Bytes{} : statsOf(r, step));
+      const auto runs =
+          runWithStats(mesh, cfg, 3000, 1024, step, stats, injectStats(bad, to, chunk, step, bytes),
+                       std::chrono::milliseconds(3000));
+      for (uint32_t r = 0; r < w; ++r) {
+        if (r == bad) continue;
+        CAPTURE(r);
+        CHECK_FALSE(runs[r].ok);
+        CHECK_MESSAGE(runs[r].error.find(message) != std::string::npos, runs[r].error);
+      }
     }
+  };
+  SUBCASE("records to rank 0") { check(3, 2, 0, 0, "the statistics record of rank 2: "); }
+  // W = 4: rank 0 sends the fold to ranks 1 and 3, rank 1 passes it on to rank 2.
+  SUBCASE("the fold of every rank's") {
+    check(4, 1, 2, 1, "the statistics of every rank from rank 1: ");
   }
 }
 
@@ -860,10 +869,13 @@ TEST_CASE("ring statistics records: a rank that sends none fails the others at t
   for (uint32_t r = 0; r < 2; ++r) {
     CAPTURE(r);
     CHECK_FALSE(runs[r].ok);
-    // Rank 0 waits for every rank's fold from rank 2, rank 1 for it from rank 0 (or takes rank
+    // Rank 0 waits for rank 2's records, rank 1 for the fold of all from rank 0 (or takes rank
     // 0's abort).
-    CHECK_MESSAGE(runs[r].error.find("waiting for the statistics of every rank from rank") !=
-                      std::string::npos,
+    const bool named =
+        runs[r].error.find("waiting for rank 2's statistics record") != std::string::npos;
+    CHECK_MESSAGE((named || (r == 1 && runs[r].error.find(
+                                           "waiting for the statistics of every rank from rank "
+                                           "0") != std::string::npos)),
                   runs[r].error);
   }
 }
