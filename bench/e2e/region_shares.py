@@ -17,7 +17,11 @@ W ranks train the task in one process (each its own batch), each with topk's err
 step applies the `sent` rule's selection, settling each rank's residual with it. At every step
 and for every layer of more than one region it also takes, from the same sums, the global top-k
 of the whole layer and the `length` rule's selection, and prints per rule the element-weighted
-share of the global selection kept (overlap) and of its summed magnitude (mass).
+share of the global selection kept (overlap) and of its summed magnitude (mass). It also
+counts, per step, the entries every rank moves (in and out) with the region owners the sidecars
+assign (rank (XXH3-64 of the layer's name + region) mod W; here the parameter's name) and prints
+how much busier the busiest rank is than the mean one: what balancing the regions by the observed
+index distribution could gain.
 
     $PYTHON bench/e2e/region_shares.py [--tasks mlp,lm] [--world-size 4,16] [--steps 30]
         [--density 0.01] [--chunk-elements 1048576] [--json FILE]
@@ -30,6 +34,8 @@ import json
 import math
 import os
 import sys
+
+import xxhash
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -67,7 +73,9 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
     totals = {rule: {"overlap": 0.0, "mass": 0.0} for rule in RULES}
     elements = 0
     per_layer = {}
+    imbalance = []  # per step: the largest rank's entries moved over the mean rank's
     for step in range(steps):
+        moved = [0] * world
         grads = []
         for r in range(world):
             model.zero_grad()
@@ -86,13 +94,35 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
                 sums[sent[r]] += acc[r][sent[r]]
             regs = regions(n, world, chunk_elements)
 
+            # Entries each rank sent for each region; the layer's cap K = min(k, D // W).
+            counts = [[int(sent[r, b:e].sum().item()) for b, e in regs] for r in range(world)]
+            layer_d = sum(map(sum, counts))
+            cap = min(k, layer_d // world)
+
+            def sent_share(c):
+                d_c = sum(counts[r][c] for r in range(world))
+                return d_c * cap // layer_d if layer_d else 0
+
+            # The entries each rank moves (in and out) for this layer: region c's owner, rank
+            # (key + c) mod W, receives the others' contributions and sends its share to each.
+            key = xxhash.xxh3_64_intdigest(name.encode())
+            for c in range(len(regs)):
+                owner = (key % world + c % world) % world
+                share = sent_share(c)
+                for r in range(world):
+                    if r == owner:
+                        moved[r] += sum(counts[q][c] for q in range(world) if q != r)
+                        moved[r] += share * (world - 1)
+                    else:
+                        moved[r] += counts[r][c] + share
+
             def keep(rule):
                 kept = torch.zeros(n, dtype=torch.bool)
-                for b, e in regs:
+                for c, (b, e) in enumerate(regs):
                     if rule == "length":
                         share = k * e // n - k * b // n
                     else:
-                        share = int(sent[:, b:e].sum().item()) // world
+                        share = sent_share(c)
                     nz = int((sums[b:e] != 0).sum().item())
                     kept[b + top(sums[b:e], min(share, nz))] = True
                 return kept
@@ -120,6 +150,7 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
             mean = torch.where(kept["sent"], sums / world, torch.zeros(n))
             p.grad = mean.view_as(p)
         opt.step()
+        imbalance.append(max(moved) * world / max(1, sum(moved)))
     layers = []
     for n, v in per_layer.items():
         row = {"layer": n, "elements": v["elements"], "regions": v["regions"]}
@@ -130,7 +161,9 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
                          "mass_min": min(v[rule]["mass"])}
         layers.append(row)
     result = {"task": task_name, "world_size": world, "steps": steps, "density": density,
-              "layers": layers}
+              "layers": layers,
+              "owner_load": {"max_over_mean": sum(imbalance) / len(imbalance),
+                             "max_over_mean_worst": max(imbalance)}}
     for rule in RULES:
         result[rule] = {key: totals[rule][key] / elements if elements else None
                         for key in ("overlap", "mass")}
@@ -141,6 +174,10 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
           % (task_name, world, steps, density, 100 * (result["sent"]["overlap"] or 0),
              100 * (result["sent"]["mass"] or 0), 100 * (result["length"]["overlap"] or 0),
              100 * (result["length"]["mass"] or 0)), flush=True)
+    print("  entries a rank moves (in and out) per step, the busiest rank against the mean: "
+          "%.2f on average over the steps, at most %.2f" % (result["owner_load"]["max_over_mean"],
+                                                          result["owner_load"]["max_over_mean_worst"]),
+          flush=True)
     for r in layers:
         print("  %-34s %8d elements, %2d regions: by counts overlap %.3f mass %.4f; by length "
               "overlap %.3f mass %.4f" % (r["layer"], r["elements"], r["regions"],

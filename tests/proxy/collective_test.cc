@@ -694,7 +694,7 @@ TEST_CASE("ring statistics: 2(W-1) frames per pass in all, at most two sent per 
       {{.name = "none"}, 1024},
       {{.name = "topk", .density = 0.1, .error_feedback = false}, 2048},
       {{.name = "powersgd", .approx_rank = 1}, 1 << 20}};
-  for (const uint32_t w : {2u, 3u, 5u}) {
+  for (const uint32_t w : {2u, 3u, 5u, 8u}) {  // 5, 8: the fold both ways round
     CAPTURE(w);
     Mesh mesh(w);
     mesh.startAll();
@@ -715,6 +715,7 @@ TEST_CASE("ring statistics: 2(W-1) frames per pass in all, at most two sent per 
         const auto runs = runWithStats(mesh, cfg, 4096, chunk, ++step, stats);
         for (uint32_t r = 0; r < w; ++r) {
           REQUIRE_MESSAGE(runs[r].ok, runs[r].error);
+          if (with_stats) CHECK(runs[r].stats_in.at(0) == stats);  // every rank's, by rank
           sent[with_stats][r] =
               metricValue(*mesh.metrics[r], "lightwire_peer_data_frames_sent_total") - before[r];
         }
