@@ -452,9 +452,9 @@ void addExchangeKeys(KeyAdder& add) {
   add("peer.sparse", "--sparse", "allgather | allreduce | auto", "allgather",
       "How the ring exchanges topk, dgc and threshold: allgather (every rank's selection to "
       "every rank: the result has up to W x k entries, a rank's traffic grows with W), allreduce "
-      "(each chunk's owner sums the selections and keeps the largest, as many as the ranks sent "
-      "for the chunk on average, or for threshold the sums whose mean reaches it: about k "
-      "entries, traffic independent of W; what a rank sent but the global selection dropped "
+      "(each chunk's owner sums the selections and keeps the largest, its share of k by the "
+      "entries the ranks sent for the chunk, or for threshold the sums whose mean reaches it: at "
+      "most k entries, traffic independent of W; what a rank sent but the global selection dropped "
       "stays in its residual) or auto (per "
       "layer and step, whichever moves fewer bytes by the configuration: allreduce from 3 "
       "sidecars on while a selection is smaller than the dense layer; threshold from 3 on)",

@@ -2,8 +2,9 @@
 one job (`--sparse allreduce`), topk 1 % with error feedback, a trainer each sending its gradient
 over HTTP for several steps. Every rank's result against an independent implementation of the rule
 written here with numpy (each rank's exact top-k of gradient + residual; each chunk's owner sums
-the selections in rank order, keeps by magnitude as many as the ranks sent for it on average; what a rank sent and the
-selection dropped stays in its residual) -- bit for bit, identical on every rank, at most k
+the selections in rank order, keeps by magnitude its share of k by the entries the ranks sent for
+it -- with topk's exact k per rank, as many as they sent for it on average; what a rank sent and
+the selection dropped stays in its residual) -- bit for bit, identical on every rank, at most k
 non-zeros; `--sparse auto` takes it here (3 sidecars, 1 %: the smaller) and logs the choice in every
 sidecar's decision log; and the same job with `--sparse allgather` for the contrast (up to W x
 k)."""
