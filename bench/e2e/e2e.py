@@ -142,6 +142,11 @@ EXTRA_CONFIGS = [
     ("lightwire_dgc_allreduce", "lightwire dgc 1 % (momentum correction, sparse allreduce)",
      "lightwire", None, ["--codec", "dgc", "--density", "0.01", "--sparse", "allreduce"]
      + DGC_MOMENTUM + POLICIES_OFF),
+    # The sparse allreduce keeping 4k entries a step, about what the allgather's union of 4 ranks'
+    # 1 % selections holds: whether a gap to the allgather is the entries a step or the algorithm.
+    ("lightwire_dgc4_allreduce", "lightwire dgc 4 % (momentum correction, sparse allreduce)",
+     "lightwire", None, ["--codec", "dgc", "--density", "0.04", "--sparse", "allreduce"]
+     + DGC_MOMENTUM + POLICIES_OFF),
     ("lightwire_topk_allreduce", "lightwire topk 1 % (sparse allreduce)", "lightwire", None,
      ["--codec", "topk", "--density", "0.01", "--sparse", "allreduce"] + POLICIES_OFF),
     ("lightwire_dgc_warmup100", "lightwire dgc 1 % (momentum correction, warm-up 100)",
