@@ -166,7 +166,8 @@ TTA_CONFIGS.append("lightwire_dgc_flat")
 # compressed codecs whose time to accuracy is in question, one seed each for the others.
 TTA_SEEDS = {"ddp": "all", "lightwire_dgc": "all", "lightwire_topk": "all",
              "lightwire_qsgd4": "all", "lightwire_powersgd4": "all", "lightwire_auto": "all",
-             "lightwire_auto_dgcm": "all", "lightwire_dgc_allreduce": "all", "*": "first"}
+             "lightwire_auto_dgcm": "all", "lightwire_dgc_allreduce": "all",
+             "lightwire_dgc4_allreduce": "all", "*": "first"}
 # Per task, where it differs (task name -> rules as TTA_SEEDS's, which win over those). None
 # now: under AdamW (the LM) dgc's momentum correction is Adam's first moment with
 # lightwire.torch.AdamW (docs/codecs.md "Adam with sparse codecs"), so lightwire_dgc is the dgc
