@@ -488,32 +488,19 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
   // The gathers' and the sparse allreduces' own payloads go out first, then (once every rank's
   // layout is known to be this one's) the allreduces run, then the owners' selections, then the
   // gathers' hops.
-  if (st.isOk()) st = gatherPost(gather, by_origin);
-  if (st.isOk()) {
-    auto entries = sparsePost(select);
-    if (entries) {
-      select_entries = std::move(*entries);
-    } else {
-      st = entries.status();
-    }
-  }
-  if (st.isOk() && bucket) st = checkBucket(*bucket, step);
-  if (st.isOk()) {
-    auto sums = allreduce(reduce);
-    if (sums) {
-      reduced = std::move(*sums);
-    } else {
-      st = sums.status();
-    }
-  }
-  if (st.isOk()) {
-    auto got = sparseReduce(select, select_entries);
+  // A stage's result into `out`, or its error into `st`.
+  auto into = [&st](auto got, auto& out) {
     if (got) {
-      selected = std::move(*got);
+      out = std::move(*got);
     } else {
       st = got.status();
     }
-  }
+  };
+  if (st.isOk()) st = gatherPost(gather, by_origin);
+  if (st.isOk()) into(sparsePost(select), select_entries);
+  if (st.isOk() && bucket) st = checkBucket(*bucket, step);
+  if (st.isOk()) into(allreduce(reduce), reduced);
+  if (st.isOk()) into(sparseReduce(select, select_entries), selected);
   if (st.isOk()) st = gatherReceive(gather, by_origin);
   if (st.isOk()) st = statsAdvance(true);  // what is left of the statistics' way round
   // Frames were post()ed: they reference this step's payloads (and the statistics) until
