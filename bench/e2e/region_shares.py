@@ -18,10 +18,14 @@ step applies the `sent` rule's selection, settling each rank's residual with it.
 and for every layer of more than one region it also takes, from the same sums, the global top-k
 of the whole layer and the `length` rule's selection, and prints per rule the element-weighted
 share of the global selection kept (overlap) and of its summed magnitude (mass). It also
-counts, per step, the entries every rank moves (in and out) with the region owners the sidecars
-assign (rank (XXH3-64 of the layer's name + region) mod W; here the parameter's name) and prints
-how much busier the busiest rank is than the mean one: what balancing the regions by the observed
-index distribution could gain.
+counts, per step, the entries every rank moves (in and out) under three assignments of the
+regions to owners, and prints how much busier the busiest rank is than the mean one:
+  - `hash`: rank (XXH3-64 of the layer's name + region) mod W (here the parameter's name), what
+    the sidecars do outside a bucket and in a bucket's first pass;
+  - `length`: the model's regions balanced by their lengths (the layout alone);
+  - `previous`: the regions balanced by the entries of their previous step's selections (the
+    first step: by length), what the sidecars do in a bucket (docs/exchange.md "Which rank owns a
+    region"; here the whole model as one bucket).
 
     $PYTHON bench/e2e/region_shares.py [--tasks mlp,lm] [--world-size 4,16] [--steps 30]
         [--density 0.01] [--chunk-elements 1048576] [--json FILE]
@@ -59,6 +63,19 @@ def top(values, k):
 
 
 RULES = ("sent", "length")
+OWNER_RULES = ("hash", "length", "previous")
+
+
+def balance(weights, world):
+    """Owners by longest-processing-time: the units by weight, largest first (ties: in order),
+    each to the rank with the least weight so far (ties: the lowest rank)."""
+    load = [0] * world
+    owner = [0] * len(weights)
+    for u in sorted(range(len(weights)), key=lambda u: (-weights[u], u)):
+        r = min(range(world), key=lambda q: (load[q], q))
+        owner[u] = r
+        load[r] += weights[u] + 1
+    return owner
 
 
 def run(task_name, world, steps, density, chunk_elements, seed, out):
@@ -73,9 +90,20 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
     totals = {rule: {"overlap": 0.0, "mass": 0.0} for rule in RULES}
     elements = 0
     per_layer = {}
-    imbalance = []  # per step: the largest rank's entries moved over the mean rank's
+    # per owner rule, per step: the largest rank's entries moved over the mean rank's
+    imbalance = {rule: [] for rule in OWNER_RULES}
+    prev_shares = None  # the previous step's selected entries per (layer, region)
+    units = [(i, c, e - b) for i, (_, p) in enumerate(named)
+             for c, (b, e) in enumerate(regions(p.numel(), world, chunk_elements))]
+    by_length = balance([u[2] for u in units], world)
     for step in range(steps):
-        moved = [0] * world
+        moved = {rule: [0] * world for rule in OWNER_RULES}
+        by_prev = (balance([prev_shares[(i, c)] for i, c, _ in units], world)
+                   if prev_shares is not None else by_length)
+        owners = {"hash": None,
+                  "length": {(i, c): o for (i, c, _), o in zip(units, by_length)},
+                  "previous": {(i, c): o for (i, c, _), o in zip(units, by_prev)}}
+        shares_now = {}
         grads = []
         for r in range(world):
             model.zero_grad()
@@ -107,14 +135,17 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
             # (key + c) mod W, receives the others' contributions and sends its share to each.
             key = xxhash.xxh3_64_intdigest(name.encode())
             for c in range(len(regs)):
-                owner = (key % world + c % world) % world
                 share = sent_share(c)
-                for r in range(world):
-                    if r == owner:
-                        moved[r] += sum(counts[q][c] for q in range(world) if q != r)
-                        moved[r] += share * (world - 1)
-                    else:
-                        moved[r] += counts[r][c] + share
+                shares_now[(i, c)] = share
+                for rule in OWNER_RULES:
+                    owner = ((key % world + c % world) % world if owners[rule] is None
+                             else owners[rule][(i, c)])
+                    for r in range(world):
+                        if r == owner:
+                            moved[rule][r] += sum(counts[q][c] for q in range(world) if q != r)
+                            moved[rule][r] += share * (world - 1)
+                        else:
+                            moved[rule][r] += counts[r][c] + share
 
             def keep(rule):
                 kept = torch.zeros(n, dtype=torch.bool)
@@ -150,7 +181,9 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
             mean = torch.where(kept["sent"], sums / world, torch.zeros(n))
             p.grad = mean.view_as(p)
         opt.step()
-        imbalance.append(max(moved) * world / max(1, sum(moved)))
+        prev_shares = shares_now
+        for rule in OWNER_RULES:
+            imbalance[rule].append(max(moved[rule]) * world / max(1, sum(moved[rule])))
     layers = []
     for n, v in per_layer.items():
         row = {"layer": n, "elements": v["elements"], "regions": v["regions"]}
@@ -162,8 +195,8 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
         layers.append(row)
     result = {"task": task_name, "world_size": world, "steps": steps, "density": density,
               "layers": layers,
-              "owner_load": {"max_over_mean": sum(imbalance) / len(imbalance),
-                             "max_over_mean_worst": max(imbalance)}}
+              "owner_load": {rule: {"max_over_mean": sum(v) / len(v), "max_over_mean_worst": max(v)}
+                             for rule, v in imbalance.items()}}
     for rule in RULES:
         result[rule] = {key: totals[rule][key] / elements if elements else None
                         for key in ("overlap", "mass")}
@@ -174,10 +207,11 @@ def run(task_name, world, steps, density, chunk_elements, seed, out):
           % (task_name, world, steps, density, 100 * (result["sent"]["overlap"] or 0),
              100 * (result["sent"]["mass"] or 0), 100 * (result["length"]["overlap"] or 0),
              100 * (result["length"]["mass"] or 0)), flush=True)
-    print("  entries a rank moves (in and out) per step, the busiest rank against the mean: "
-          "%.2f on average over the steps, at most %.2f" % (result["owner_load"]["max_over_mean"],
-                                                          result["owner_load"]["max_over_mean_worst"]),
-          flush=True)
+    for rule in OWNER_RULES:
+        print("  entries a rank moves (in and out) per step, owners by %s, the busiest rank against "
+              "the mean: %.2f on average over the steps, at most %.2f"
+              % (rule, result["owner_load"][rule]["max_over_mean"],
+                 result["owner_load"][rule]["max_over_mean_worst"]), flush=True)
     for r in layers:
         print("  %-34s %8d elements, %2d regions: by counts overlap %.3f mass %.4f; by length "
               "overlap %.3f mass %.4f" % (r["layer"], r["elements"], r["regions"],

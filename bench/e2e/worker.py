@@ -91,6 +91,19 @@ def attach_hook(spec, ddp, dist):
     return None
 
 
+def sidecar_wire_bytes(hook_state):
+    """This rank's sidecar's lightwire_wire_bytes_total (sent, received), from its /metrics."""
+    if hook_state is None:
+        return (0.0, 0.0)
+    sent = received = 0.0
+    for line in hook_state.client.metrics().splitlines():
+        if line.startswith('lightwire_wire_bytes_total{direction="sent"}'):
+            sent = float(line.split()[-1])
+        elif line.startswith('lightwire_wire_bytes_total{direction="received"}'):
+            received = float(line.split()[-1])
+    return (sent, received)
+
+
 def train(rank, spec, out_path):
     import torch
     import torch.distributed as dist
@@ -150,6 +163,7 @@ def train(rank, spec, out_path):
     dist.barrier()
     tx0 = lo_tx_bytes() if rank == EVAL_RANK else 0
     elements0 = (hook_state.sidecar_elements, hook_state.dense_elements) if hook_state else None
+    wire0 = sidecar_wire_bytes(hook_state)
     cpu = 0.0  # this process's CPU time (every thread: gloo's, the hook's) in the timed steps
     # What carried each step (rank 0, lightwire rows): the process group in a direct window
     # (codec auto), the sidecars (with the share of elements they sent dense), or a fallback.
@@ -216,6 +230,13 @@ def train(rank, spec, out_path):
     dist.all_gather(gathered, mine)
     cpu_all = torch.tensor([cpu], dtype=torch.float64)
     dist.all_reduce(cpu_all)
+    # Every sidecar's own bytes over the timed steps (sent, received): how evenly the ranks work.
+    wire = None
+    if hook_state is not None:
+        mine = torch.tensor([b - a for a, b in zip(wire0, sidecar_wire_bytes(hook_state))],
+                            dtype=torch.float64)
+        wire = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(wire, mine)
     dist.barrier()
     if rank == EVAL_RANK:
         tx = lo_tx_bytes() - tx0
@@ -249,6 +270,8 @@ def train(rank, spec, out_path):
                                      if total else None)
             reply = hook_state.last_reply or {}
             result["sidecar"] = {k: reply.get(k) for k in ("codec", "ratio", "mode", "device")}
+            result["sidecar_wire_bytes"] = {"sent": [float(t[0]) for t in wire],
+                                            "received": [float(t[1]) for t in wire]}
         with open(out_path + ".tmp", "w") as f:
             json.dump(result, f)
         os.replace(out_path + ".tmp", out_path)  # whole, for the parent watching for it

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <queue>
 #include <string>
 
 namespace lightwire::proxy::peer {
@@ -25,7 +26,11 @@ constexpr uint8_t kPhaseBucket = 4;  // a rank's bucket header (layout hash), to
 constexpr uint8_t kPhaseContribute = 5;  // sparse allreduce: a rank's payload, to the chunk's owner
 constexpr uint8_t kPhaseSelected = 6;    // ... the owner's global selection, to every other rank
 constexpr uint8_t kPhaseWaiting = 9;     // a rank still waiting at half the deadline, and on whom
-constexpr size_t kBucketHeaderBytes = 12;  // u64 layout hash, u32 layers (little-endian)
+// u64 layout hash, u32 layers, u64 owners proposed (XXH3-64 of them; 0: none), little-endian
+constexpr size_t kBucketHeaderBytes = 20;
+// Buckets whose last selections a rank keeps as the weights of their next pass's owners; beyond
+// it the one measured longest ago is forgotten (its next pass takes rank (c + h) mod W).
+constexpr size_t kMaxBalanced = 4096;
 constexpr uint32_t kStatsRecords = 0;      // statistics frame chunk: the sender's records, to 0
 constexpr uint32_t kStatsFinal = 1;        // ... the fold of every rank's, from rank 0 both ways
 // A contribution frame's body: the sender's entries of the whole layer (u64, little-endian), then
@@ -453,6 +458,17 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
                                      "')"));
     }
   }
+  // The sparse allreduce's owners, proposed in the bucket's header.
+  {
+    std::vector<Item> selecting;
+    for (const Item& it : items) {
+      if (it.r->select_globally && it.r->codec.selectsGlobally() && it.r->round == 0) {
+        selecting.push_back(it);
+      }
+    }
+    planOwners(selecting, bucket, step);
+  }
+  bucket_checked_ = false;
   Status st = bucket ? postBucket(*bucket, step) : Status::ok();
   if (st.isOk()) st = statsBegin(items, step);
   // Which collective each tensor takes; the sparse ones that would move more bytes gathered than
@@ -497,8 +513,8 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     }
   };
   if (st.isOk()) st = gatherPost(gather, by_origin);
-  if (st.isOk()) into(sparsePost(select), select_entries);
-  if (st.isOk() && bucket) st = checkBucket(*bucket, step);
+  if (st.isOk()) into(sparsePost(select, bucket, step), select_entries);
+  if (st.isOk() && bucket && !bucket_checked_) st = checkBucket(*bucket, step);
   if (st.isOk()) into(allreduce(reduce), reduced);
   if (st.isOk()) into(sparseReduce(select, select_entries), selected);
   if (st.isOk()) st = gatherReceive(gather, by_origin);
@@ -511,6 +527,7 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
     chain_.rounds[i]->stats_in.push_back(std::move(chain_.final[i]));
     chain_.rounds[i]->stats_folded = true;
   }
+  if (bucket) rememberSelections(select, selected, *bucket, step);
   // In the order given: each tensor's sums, or every rank's payloads (decoded in rank order: the
   // same arithmetic on every rank).
   std::vector<Spans> out(n);
@@ -695,6 +712,7 @@ Status RingExchange::postBucket(const BucketTag& bucket, uint64_t step) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
   for (int i = 0; i < 8; ++i) header_[i] = static_cast<uint8_t>(bucket.layout_hash >> (8 * i));
   for (int i = 0; i < 4; ++i) header_[8 + i] = static_cast<uint8_t>(bucket.layers >> (8 * i));
+  kernels::storeU64(header_ + 12, proposal_);
   FrameKey k;
   k.tensor = tensorKey(bucket.name);
   k.step = step;
@@ -710,6 +728,8 @@ Status RingExchange::postBucket(const BucketTag& bucket, uint64_t step) {
 Status RingExchange::checkBucket(const BucketTag& bucket, uint64_t step) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
   std::string differ;
+  bool agreed = proposal_ != 0;
+  bucket_checked_ = true;
   for (uint32_t r = 0; r < w; ++r) {
     if (r == me) continue;
     FrameKey k;
@@ -735,12 +755,16 @@ Status RingExchange::checkBucket(const BucketTag& bucket, uint64_t step) {
     uint32_t layers = 0;
     for (int i = 0; i < 8; ++i) hash |= uint64_t{b[static_cast<size_t>(i)]} << (8 * i);
     for (int i = 0; i < 4; ++i) layers |= uint32_t{b[static_cast<size_t>(8 + i)]} << (8 * i);
+    // Balanced owners only when every rank proposed the same ones: every rank sees every header,
+    // so every rank decides alike.
+    if (kernels::loadU64(b.data() + 12) != proposal_) agreed = false;
     transport_.recycle(std::move(b));
     if (hash != bucket.layout_hash || layers != bucket.layers) {
       differ += fmt::format("{}rank {} has layout {:016x} ({} layers)", differ.empty() ? "" : ", ",
                             r, hash, layers);
     }
   }
+  balanced_ = agreed;
   if (differ.empty()) return Status::ok();
   return failedPrecondition(fmt::format(
       "bucket '{}' step {}: this sidecar's layout is {:016x} ({} layers), {}: every trainer of the "
@@ -750,45 +774,144 @@ Status RingExchange::checkBucket(const BucketTag& bucket, uint64_t step) {
 
 namespace {
 
-/// The owner of chunk c of a sparse allreduce: rank (c + tensor key) mod W, so that the one-chunk
-/// layers of a bucket (below 64 Ki elements) spread over the ranks instead of all falling to
-/// rank 0.
+/// The owner of chunk c of a sparse allreduce without balanced owners: rank (c + tensor key) mod
+/// W, so that the one-chunk layers of a bucket (below 64 Ki elements) spread over the ranks
+/// instead of all falling to rank 0.
 uint32_t selectionOwner(uint64_t tensor, size_t c, uint32_t w) {
   return static_cast<uint32_t>((tensor % w + c % w) % w);
 }
 
 }  // namespace
 
-Result<std::vector<uint64_t>> RingExchange::sparsePost(std::span<const Item> items) {
-  const uint32_t w = transport_.worldSize(), me = transport_.rank();
-  std::vector<uint64_t> entries(items.size(), 0);
-  std::vector<std::span<const uint8_t>> own;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const ExchangeRound& r = *items[i].r;
-    // Every chunk compressed first: each contribution carries the rank's entries of the whole
-    // layer, which the owners' shares need (docs/exchange.md "Sparse allreduce").
-    own.clear();
-    for (size_t c = 0; c < r.chunking.count(); ++c) {
-      auto p = r.payload(c);
-      if (!p) return p.status();
-      own.push_back(*p);
+std::vector<uint32_t> balanceOwners(std::span<const uint64_t> weights, uint32_t world) {
+  std::vector<uint32_t> owners(weights.size(), 0);
+  if (world == 0) return owners;
+  std::vector<size_t> order(weights.size());
+  for (size_t u = 0; u < order.size(); ++u) order[u] = u;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return weights[a] > weights[b]; });
+  // (load, rank): the least loaded rank on top, the lower rank among equals.
+  using Load = std::pair<uint64_t, uint32_t>;
+  std::priority_queue<Load, std::vector<Load>, std::greater<>> ranks;
+  for (uint32_t r = 0; r < world; ++r) ranks.emplace(0, r);
+  for (size_t u : order) {
+    auto [load, r] = ranks.top();
+    ranks.pop();
+    owners[u] = r;
+    ranks.emplace(load + weights[u] + 1, r);
+  }
+  return owners;
+}
+
+void RingExchange::planOwners(std::span<const Item> select, const BucketTag* bucket,
+                              uint64_t step) {
+  const uint32_t w = transport_.worldSize();
+  unit_base_.clear();
+  fallback_owners_.clear();
+  balanced_owners_.clear();
+  proposal_ = 0;
+  balanced_ = false;
+  std::vector<uint64_t> sig{w};
+  for (const Item& it : select) {
+    unit_base_.push_back(fallback_owners_.size());
+    for (size_t c = 0; c < it.r->chunking.count(); ++c) {
+      fallback_owners_.push_back(selectionOwner(it.tensor, c, w));
     }
-    auto counted = kernels::sparseLayerEntries(own, r.codec.traits().id, r.chunking);
-    if (!counted) return counted.status();
-    entries[i] = *counted;
+    sig.push_back(it.tensor);
+    sig.push_back(it.r->chunking.count());
+  }
+  if (!bucket || select.empty() || w < 2) return;
+  const auto found = balance_.find(tensorKey(bucket->name));
+  const uint64_t signature = XXH3_64bits(sig.data(), sig.size() * sizeof(uint64_t));
+  if (found == balance_.end() || found->second.signature != signature ||
+      found->second.step >= step || found->second.weights.size() != fallback_owners_.size()) {
+    return;
+  }
+  balanced_owners_ = balanceOwners(found->second.weights, w);
+  std::vector<uint8_t> bytes(balanced_owners_.size() * 4);
+  for (size_t u = 0; u < balanced_owners_.size(); ++u) {
+    for (int b = 0; b < 4; ++b) bytes[u * 4 + b] = static_cast<uint8_t>(balanced_owners_[u] >> (8 * b));
+  }
+  proposal_ = std::max<uint64_t>(XXH3_64bits(bytes.data(), bytes.size()), 1);
+}
+
+void RingExchange::rememberSelections(std::span<const Item> select,
+                                      const std::vector<Spans>& selected, const BucketTag& bucket,
+                                      uint64_t step) {
+  const uint64_t key = tensorKey(bucket.name);
+  if (select.empty() || transport_.worldSize() < 2) return;
+  std::vector<uint64_t> sig{transport_.worldSize()};
+  std::vector<uint64_t> weights;
+  weights.reserve(fallback_owners_.size());
+  for (size_t i = 0; i < select.size(); ++i) {
+    const ExchangeRound& r = *select[i].r;
+    sig.push_back(select[i].tensor);
+    sig.push_back(r.chunking.count());
     for (size_t c = 0; c < r.chunking.count(); ++c) {
-      const uint32_t owner = selectionOwner(items[i].tensor, c, w);
-      if (owner == me) continue;
-      std::vector<uint8_t>& body = sumBuffer(kContributionCountBytes + own[c].size());
-      kernels::storeU64(body.data(), entries[i]);
-      if (!own[c].empty()) {
-        std::memcpy(body.data() + kContributionCountBytes, own[c].data(), own[c].size());
+      // Every rank holds the same selection bytes; one it cannot count (the step fails when it
+      // is decoded) leaves the bucket without weights.
+      auto count = selected[i][c].size() == 1
+                       ? kernels::sparseEntryCount(selected[i][c][0], r.codec.traits().id,
+                                                   r.chunking.size(c))
+                       : Result<size_t>(internalError("not one selection"));
+      if (!count) {
+        balance_.erase(key);
+        return;
       }
+      weights.push_back(*count);
+    }
+  }
+  if (balance_.size() >= kMaxBalanced && balance_.find(key) == balance_.end()) {
+    balance_.erase(std::min_element(balance_.begin(), balance_.end(), [](const auto& a,
+                                                                          const auto& b) {
+      return a.second.step < b.second.step;
+    }));
+  }
+  balance_[key] = Balance{XXH3_64bits(sig.data(), sig.size() * sizeof(uint64_t)), step,
+                          std::move(weights)};
+}
+
+Result<std::vector<uint64_t>> RingExchange::sparsePost(std::span<const Item> items,
+                                                       const BucketTag* bucket, uint64_t step) {
+  const uint32_t me = transport_.rank();
+  std::vector<uint64_t> entries(items.size(), 0);
+  std::vector<std::vector<std::span<const uint8_t>>> own(items.size());
+  auto post = [&](size_t i) -> Status {
+    const ExchangeRound& r = *items[i].r;
+    for (size_t c = 0; c < r.chunking.count(); ++c) {
+      const uint32_t owner = ownerOf(i, c);
+      if (owner == me) continue;
+      const std::span<const uint8_t> mine = own[i][c];
+      std::vector<uint8_t>& body = sumBuffer(kContributionCountBytes + mine.size());
+      kernels::storeU64(body.data(), entries[i]);
+      if (!mine.empty()) std::memcpy(body.data() + kContributionCountBytes, mine.data(), mine.size());
       LW_RETURN_IF_ERROR(
           transport_.post(owner, FrameType::kData,
                           keyOf(items[i].tensor, r, kPhaseContribute, static_cast<uint32_t>(c), me),
                           static_cast<uint8_t>(r.codec.traits().id), body, deadline_));
     }
+    return Status::ok();
+  };
+  // Balanced owners proposed: known once every rank's header is (docs/exchange.md "Which rank
+  // owns a region"), so every layer is compressed before the first contribution goes out.
+  const bool await_owners = proposal_ != 0 && bucket != nullptr;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const ExchangeRound& r = *items[i].r;
+    // Every chunk compressed first: each contribution carries the rank's entries of the whole
+    // layer, which the owners' shares need (docs/exchange.md "Sparse allreduce").
+    for (size_t c = 0; c < r.chunking.count(); ++c) {
+      auto p = r.payload(c);
+      if (!p) return p.status();
+      own[i].push_back(*p);
+    }
+    auto counted = kernels::sparseLayerEntries(own[i], r.codec.traits().id, r.chunking);
+    if (!counted) return counted.status();
+    entries[i] = *counted;
+    if (!await_owners) LW_RETURN_IF_ERROR(post(i));
+  }
+  if (await_owners) {
+    LW_RETURN_IF_ERROR(checkBucket(*bucket, step));
+    for (size_t i = 0; i < items.size(); ++i) LW_RETURN_IF_ERROR(post(i));
   }
   return entries;
 }
@@ -808,7 +931,7 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(
     std::vector<uint64_t> entries(w);
     const kernels::LayerCounts layer{r.codec.selectionCount(n, r.density), entries};
     for (size_t c = 0; c < chunks; ++c) {
-      if (selectionOwner(it.tensor, c, w) != me) continue;
+      if (ownerOf(i, c) != me) continue;
       const size_t len = r.chunking.size(c);
       for (uint32_t k_rank = 0; k_rank < w; ++k_rank) {
         if (k_rank == me) {
@@ -862,7 +985,7 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(
     const Item& it = items[i];
     ExchangeRound& r = *it.r;
     for (size_t c = 0; c < r.chunking.count(); ++c) {
-      const uint32_t owner = selectionOwner(it.tensor, c, w);
+      const uint32_t owner = ownerOf(i, c);
       if (owner == me) continue;
       auto got = take(owner, keyOf(it.tensor, r, kPhaseSelected, static_cast<uint32_t>(c), owner));
       if (!got) return got.status();

@@ -10,7 +10,8 @@
 //   - selection codecs asked for a global selection (ExchangeRound::select_globally): a sparse
 //     allreduce — each rank's payload of chunk c to the chunk's owner, which sums them in rank
 //     order and sends the largest sums, its share of k by the entries the ranks sent for it, to
-//     every rank (sparsePost/Reduce);
+//     every rank (sparsePost/Reduce); in a bucket, the owners balanced by the sizes of the
+//     bucket's previous selections when every rank proposed the same (planOwners);
 //   - other codecs (sparse, quantised): a ring allgather; every rank decodes all W payloads of a
 //     chunk in rank order (again the same arithmetic everywhere) — unless gathering would move
 //     more bytes than a dense ring allreduce (W × nominal payload > 2 × dense chunk): then every
@@ -33,6 +34,7 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include "proxy/exchange/exchange.h"
@@ -62,6 +64,13 @@ class RingExchange final : public Exchange {
                                                uint64_t checksum) override;
   void abort(const std::string& tensor, uint64_t step, const std::string& reason) override;
   void stepDone(const std::string& tensor, uint64_t step) override;
+  /// The owner of every region of the last pass's sparse allreduce (its globally selected
+  /// rounds' chunks, in pass order), and whether they were the balanced owners every rank
+  /// proposed (docs/exchange.md "Which rank owns a region") rather than rank (c + h) mod W.
+  const std::vector<uint32_t>& sparseOwners() const {
+    return balanced_ ? balanced_owners_ : fallback_owners_;
+  }
+  bool sparseOwnersBalanced() const { return balanced_; }
 
  private:
   using Spans = std::vector<std::vector<std::span<const uint8_t>>>;
@@ -77,19 +86,37 @@ class RingExchange final : public Exchange {
   Status gatherPost(std::span<const Item> items, std::vector<Spans>& by_origin);
   Status gatherReceive(std::span<const Item> items, std::vector<Spans>& by_origin);
   /// The sparse allreduce (docs/exchange.md "Sparse allreduce") of every item's chunks (rounds
-  /// with select_globally): each rank's payload of chunk c goes to the chunk's owner (rank
-  /// (c + the tensor's key) mod W, phase 5), which sums every rank's in rank order, selects the
+  /// with select_globally): each rank's payload of chunk c goes to the chunk's owner (ownerOf,
+  /// phase 5), which sums every rank's in rank order, selects the
   /// largest sums (kernels::reduceSelectChunk) and sends that selection to every other rank
   /// (phase 6).
   /// sparsePost() posts this rank's contributions, each with the rank's entries of the whole
   /// layer, and returns those counts per item; sparseReduce() reduces and selects the owned
   /// chunks (the owner's rule needs every rank's count) and receives the others' selections:
   /// out[item][chunk] = {the selection}.
-  Result<std::vector<uint64_t>> sparsePost(std::span<const Item> items);
+  /// With balanced owners proposed (planOwners), every layer is compressed before the first
+  /// contribution goes out, and the bucket's headers are checked in between (checkBucket): the
+  /// owners are known once every rank's proposal is.
+  Result<std::vector<uint64_t>> sparsePost(std::span<const Item> items, const BucketTag* bucket,
+                                           uint64_t step);
   Result<std::vector<Spans>> sparseReduce(std::span<const Item> items,
                                           std::span<const uint64_t> own_entries);
-  /// The bucket's header (its layout hash and layer count) to every other rank, and every other
-  /// rank's received and compared with this one's.
+  /// The owners of the pass's regions (`select`: its globally selected rounds): rank (c + h)
+  /// mod W; and, in a bucket whose previous pass on this rank left the sizes of its global
+  /// selections (same rounds, same chunks, same W), those sizes balanced over the ranks
+  /// (balanceOwners), proposed in the bucket's header as their hash (proposal_).
+  void planOwners(std::span<const Item> select, const BucketTag* bucket, uint64_t step);
+  /// After a pass that succeeded here: the entries of each region's global selection, the
+  /// weights of the bucket's next pass.
+  void rememberSelections(std::span<const Item> select, const std::vector<Spans>& selected,
+                          const BucketTag& bucket, uint64_t step);
+  /// The owner of chunk `chunk` of select item `item` in the pass in progress.
+  uint32_t ownerOf(size_t item, size_t chunk) const {
+    return sparseOwners()[unit_base_[item] + chunk];
+  }
+  /// The bucket's header (its layout hash, layer count and owners proposed) to every other rank,
+  /// and every other rank's received and compared with this one's: a layout that differs fails
+  /// the pass; the proposed owners are taken when every rank proposed the same (balanced_).
   Status postBucket(const BucketTag& bucket, uint64_t step);
   Status checkBucket(const BucketTag& bucket, uint64_t step);
   Status fail(uint64_t tensor, uint64_t step, Status s);
@@ -165,8 +192,26 @@ class RingExchange final : public Exchange {
   std::deque<std::vector<uint8_t>> waiting_notes_;  // posted (lent until the flush)
   uint32_t notes_sent_ = 0;
   std::vector<std::pair<uint64_t, uint64_t>> buckets_;  // (bucket key, step) of the step's headers
-  uint8_t header_[12] = {};                             // this rank's bucket header (posted)
+  uint8_t header_[20] = {};                             // this rank's bucket header (posted)
+  bool bucket_checked_ = false;                         // the pass's headers were compared
+  // The sparse allreduce's owners (planOwners): per unit (a select round's chunk, pass order).
+  struct Balance {
+    uint64_t signature = 0;         // the units measured: the rounds' keys and chunks, and W
+    uint64_t step = 0;              // of the pass measured
+    std::vector<uint64_t> weights;  // per unit: the entries of its global selection
+  };
+  std::unordered_map<uint64_t, Balance> balance_;  // by bucket key (at most kMaxBalanced)
+  std::vector<size_t> unit_base_;                  // per select round: its first unit
+  std::vector<uint32_t> fallback_owners_, balanced_owners_;
+  uint64_t proposal_ = 0;  // XXH3-64 of balanced_owners_, in this rank's header (0: none)
+  bool balanced_ = false;  // the pass's owners are balanced_owners_ (every rank proposed them)
 };
+
+/// The owners of `weights.size()` regions among `world` ranks, balanced by weight (longest
+/// processing time first): the regions by weight, largest first (ties: the earlier one), each to
+/// the rank with the least load so far (ties: the lower rank), a region adding its weight + 1
+/// (so that empty regions spread too). docs/exchange.md "Which rank owns a region".
+std::vector<uint32_t> balanceOwners(std::span<const uint64_t> weights, uint32_t world);
 
 /// XXH3-64 of a tensor name: the `tensor` field of frames.
 uint64_t tensorKey(const std::string& name);

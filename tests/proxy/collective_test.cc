@@ -492,7 +492,7 @@ TEST_CASE("ring runAll: a bucket header of the wrong size fails the bucket on ev
     REQUIRE_FALSE(failed[r].isOk());
     CHECK_MESSAGE(lightwire::testing::contains(failed[r].message(),
                                                "rank 2's header of bucket 'bucket.x' has 5 bytes, "
-                                               "not 12"),
+                                               "not 20"),
                   failed[r].message());
   }
   CHECK(Clock::now() - t0 < std::chrono::milliseconds(6000));  // the abort, not the deadline

@@ -10,8 +10,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <future>
 #include <limits>
+#include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -454,6 +457,168 @@ std::vector<uint8_t> contribution(uint64_t entries, const std::vector<uint8_t>& 
   kernels::storeU64(body.data(), entries);
   std::copy(payload.begin(), payload.end(), body.begin() + 8);
   return body;
+}
+
+TEST_CASE("balanceOwners: largest weight first, each to the least loaded rank") {
+  // Loads after each: u0 (10) → r0 11; u4 (8) → r1 9; u1, u2, u3 (1 each) → r2 2, 4, 6; u5 (0) →
+  // r2 7.
+  const std::vector<uint64_t> w = {10, 1, 1, 1, 8, 0};
+  CHECK(balanceOwners(w, 3) == std::vector<uint32_t>{0, 2, 2, 2, 1, 2});
+  CHECK(balanceOwners(w, 1) == std::vector<uint32_t>(6, 0));
+  CHECK(balanceOwners({}, 4).empty());
+  // Empty regions spread too (each counts 1): round robin.
+  CHECK(balanceOwners(std::vector<uint64_t>(5, 0), 2) == std::vector<uint32_t>{0, 1, 0, 1, 0});
+}
+
+/// One rank's step of a bucket of layers through RingExchange::runAll.
+struct BucketRankStep {
+  bool ok = false;
+  std::string error;
+  std::vector<SparseRankStep> layers;  // per layer: sent, selected, sums
+  std::vector<uint32_t> owners;        // the pass's owner of every region
+  bool balanced = false;
+};
+
+/// `steps` steps of a bucket of one-chunk-or-more layers (`names`, n elements each) of `codec`
+/// through the sparse allreduce, as the step pipeline runs them. The ranks in `fresh` start a new
+/// RingExchange before step `fresh_step` (a restarted sidecar: no memory of the earlier passes).
+/// Returns [step][rank].
+std::vector<std::vector<BucketRankStep>> runSparseBucket(
+    Mesh& mesh, const kernels::Codec& codec, const std::vector<std::string>& names, size_t n,
+    size_t chunk, uint64_t steps, std::vector<uint32_t> fresh = {}, uint64_t fresh_step = 0) {
+  const uint32_t w = static_cast<uint32_t>(mesh.transports.size());
+  const kernels::Chunking chunking = kernels::chunkingFor(codec, n, chunk);
+  std::vector<std::future<std::vector<BucketRankStep>>> futures;
+  for (uint32_t r = 0; r < w; ++r) {
+    futures.push_back(std::async(std::launch::async, [&, r] {
+      auto ring = std::make_unique<RingExchange>(*mesh.transports[r], std::chrono::seconds(5));
+      std::vector<kernels::CodecState> states;
+      for (size_t l = 0; l < names.size(); ++l) states.emplace_back(codec.stateFloats(n));
+      const BucketTag tag{"bucket.0", 0x51d3c0ffee000001ull, static_cast<uint32_t>(names.size())};
+      std::vector<BucketRankStep> out;
+      for (uint64_t step = 1; step <= steps; ++step) {
+        if (step == fresh_step && std::find(fresh.begin(), fresh.end(), r) != fresh.end()) {
+          ring = std::make_unique<RingExchange>(*mesh.transports[r], std::chrono::seconds(5));
+        }
+        BucketRankStep s;
+        s.layers.resize(names.size());
+        std::vector<std::vector<std::span<const uint8_t>>> mine(names.size());
+        std::deque<ExchangeRound> rounds;
+        std::vector<ExchangeRound*> all;
+        kernels::StepContext ctx;
+        ctx.rank = r;
+        ctx.step = step;
+        ctx.defer_sent = true;
+        for (size_t l = 0; l < names.size(); ++l) {
+          const auto x = sparseInput(r + static_cast<uint32_t>(l) * 7, step, n);
+          auto payloads = kernels::encodeTensor(codec, ctx, chunking,
+                                                kernels::ConstTensor{x.data(), n}, states[l]);
+          REQUIRE(payloads.isOk());
+          s.layers[l].sent = *payloads;
+          mine[l].assign(s.layers[l].sent.begin(), s.layers[l].sent.end());
+          ExchangeRound& round = rounds.emplace_back(
+              ExchangeRound{names[l], step, 0, codec, chunking, mine[l]});
+          round.select_globally = true;
+          all.push_back(&round);
+        }
+        auto got = ring->runAll(all, &tag);
+        s.owners = ring->sparseOwners();
+        s.balanced = ring->sparseOwnersBalanced();
+        s.ok = got.isOk();
+        if (!got) s.error = got.status().message();
+        for (size_t l = 0; l < names.size() && s.ok; ++l) {
+          auto& layer = s.layers[l];
+          layer.sums.assign(n, 0.0f);
+          for (size_t c = 0; c < chunking.count(); ++c) {
+            REQUIRE((*got)[l][c].size() == 1);
+            const auto sel = (*got)[l][c][0];
+            layer.selected.emplace_back(sel.begin(), sel.end());
+            REQUIRE(codec.decodeChunk(sel, 1.0f, layer.sums.data() + chunking.begin(c),
+                                      chunking.size(c))
+                        .isOk());
+            REQUIRE(codec.settleChunk(ctx, chunking, c, mine[l][c], sel, states[l]).isOk());
+          }
+          states[l].commit();
+        }
+        for (const auto& name : names) ring->stepDone(name, step);
+        out.push_back(std::move(s));
+      }
+      return out;
+    }));
+  }
+  std::vector<std::vector<BucketRankStep>> by_step(steps);
+  for (auto& f : futures) {
+    auto ranks = f.get();
+    for (uint64_t s = 0; s < steps; ++s) by_step[s].push_back(std::move(ranks[s]));
+  }
+  return by_step;
+}
+
+TEST_CASE(
+    "sparse allreduce: a bucket's regions balanced over the owners by its previous selections, "
+    "the same results") {
+  const uint32_t w = 3;
+  const size_t n = 1000, chunk = 1000;
+  // Six layers of one region each whose keys are ≡ 0 mod 3: by rank (c + h) mod W every region
+  // falls to rank 0.
+  std::vector<std::string> names;
+  for (int i = 0; names.size() < 6; ++i) {
+    const std::string name = "layers." + std::to_string(i) + ".weight";
+    if (tensorKey(name) % w == 0) names.push_back(name);
+  }
+  auto codec = kernels::createCodec({.name = "topk", .density = 0.05});
+  REQUIRE(codec.isOk());
+  const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
+  REQUIRE(chunking.count() == 1);
+  Mesh mesh(w);
+  mesh.startAll();
+  REQUIRE(mesh.allConnected());
+  // Rank 1 restarts (a fresh exchange, no weights) before step 4.
+  const auto steps = runSparseBucket(mesh, **codec, names, n, chunk, 5, {1}, 4);
+  for (size_t s = 0; s < steps.size(); ++s) {
+    CAPTURE(s + 1);
+    const auto& ranks = steps[s];
+    for (const auto& r : ranks) REQUIRE_MESSAGE(r.ok, r.error);
+    // The pass's owners: the same on every rank; balanced from step 2 on, except the step the
+    // restarted rank had no weights for (every rank then takes rank (c + h) mod W).
+    const bool expect_balanced = s + 1 >= 2 && s + 1 != 4;
+    for (const auto& r : ranks) {
+      CHECK(r.balanced == expect_balanced);
+      CHECK(r.owners == ranks[0].owners);
+    }
+    std::vector<uint64_t> load(w, 0);
+    for (uint32_t o : ranks[0].owners) ++load[o];
+    if (!expect_balanced) {
+      CHECK(load == std::vector<uint64_t>{names.size(), 0, 0});
+    } else {
+      CHECK(load == std::vector<uint64_t>(w, 2));
+      // Balanced by the previous step's selections: each region's entries, largest first.
+      std::vector<uint64_t> weights;
+      for (const auto& layer : steps[s - 1][0].layers) {
+        for (size_t c = 0; c < chunking.count(); ++c) {
+          auto count = kernels::sparseEntryCount(layer.selected[c], (*codec)->traits().id,
+                                                 chunking.size(c));
+          REQUIRE(count.isOk());
+          weights.push_back(*count);
+        }
+      }
+      CHECK(ranks[0].owners == balanceOwners(weights, w));
+      std::vector<uint64_t> moved(w, 0);
+      for (size_t u = 0; u < weights.size(); ++u) moved[ranks[0].owners[u]] += weights[u];
+      const uint64_t total = std::accumulate(weights.begin(), weights.end(), uint64_t{0});
+      // Within one region's entries of the mean.
+      CHECK(*std::max_element(moved.begin(), moved.end()) <=
+            total / w + *std::max_element(weights.begin(), weights.end()));
+    }
+    // Whoever owns a region, the result is the rule's, bitwise, on every rank.
+    for (size_t l = 0; l < names.size(); ++l) {
+      CAPTURE(names[l]);
+      std::vector<SparseRankStep> layer;
+      for (const auto& r : ranks) layer.push_back(r.layers[l]);
+      const auto want = sparseReference(**codec, chunking, layer);
+      for (const auto& r : ranks) CHECK(identicalBits(r.layers[l].sums, want));
+    }
+  }
 }
 
 TEST_CASE(
