@@ -31,8 +31,8 @@ constexpr size_t kBucketHeaderBytes = 20;
 // Buckets whose last selections a rank keeps as the weights of their next pass's owners; beyond
 // it the one measured longest ago is forgotten (its next pass takes rank (c + h) mod W).
 constexpr size_t kMaxBalanced = 4096;
-constexpr uint32_t kStatsRecords = 0;      // statistics frame chunk: the sender's records, to 0
-constexpr uint32_t kStatsFinal = 1;        // ... the fold of every rank's, from rank 0 both ways
+constexpr uint32_t kStatsRecords = 0;  // statistics frame chunk: the sender's records, to 0
+constexpr uint32_t kStatsFinal = 1;    // ... the fold of every rank's, from rank 0 both ways
 // A contribution frame's body: the sender's entries of the whole layer (u64, little-endian), then
 // its payload of the chunk.
 constexpr size_t kContributionCountBytes = 8;
@@ -783,6 +783,15 @@ uint32_t selectionOwner(uint64_t tensor, size_t c, uint32_t w) {
 
 }  // namespace
 
+uint64_t RingExchange::regionsSignature(std::span<const Item> select) const {
+  std::vector<uint64_t> sig{transport_.worldSize()};
+  for (const Item& it : select) {
+    sig.push_back(it.tensor);
+    sig.push_back(it.r->chunking.count());
+  }
+  return XXH3_64bits(sig.data(), sig.size() * sizeof(uint64_t));
+}
+
 std::vector<uint32_t> balanceOwners(std::span<const uint64_t> weights, uint32_t world) {
   std::vector<uint32_t> owners(weights.size(), 0);
   if (world == 0) return owners;
@@ -811,26 +820,23 @@ void RingExchange::planOwners(std::span<const Item> select, const BucketTag* buc
   balanced_owners_.clear();
   proposal_ = 0;
   balanced_ = false;
-  std::vector<uint64_t> sig{w};
   for (const Item& it : select) {
     unit_base_.push_back(fallback_owners_.size());
     for (size_t c = 0; c < it.r->chunking.count(); ++c) {
       fallback_owners_.push_back(selectionOwner(it.tensor, c, w));
     }
-    sig.push_back(it.tensor);
-    sig.push_back(it.r->chunking.count());
   }
   if (!bucket || select.empty() || w < 2) return;
   const auto found = balance_.find(tensorKey(bucket->name));
-  const uint64_t signature = XXH3_64bits(sig.data(), sig.size() * sizeof(uint64_t));
-  if (found == balance_.end() || found->second.signature != signature ||
+  if (found == balance_.end() || found->second.signature != regionsSignature(select) ||
       found->second.step >= step || found->second.weights.size() != fallback_owners_.size()) {
     return;
   }
   balanced_owners_ = balanceOwners(found->second.weights, w);
   std::vector<uint8_t> bytes(balanced_owners_.size() * 4);
   for (size_t u = 0; u < balanced_owners_.size(); ++u) {
-    for (int b = 0; b < 4; ++b) bytes[u * 4 + b] = static_cast<uint8_t>(balanced_owners_[u] >> (8 * b));
+    for (int b = 0; b < 4; ++b)
+      bytes[u * 4 + b] = static_cast<uint8_t>(balanced_owners_[u] >> (8 * b));
   }
   proposal_ = std::max<uint64_t>(XXH3_64bits(bytes.data(), bytes.size()), 1);
 }
@@ -840,13 +846,10 @@ void RingExchange::rememberSelections(std::span<const Item> select,
                                       uint64_t step) {
   const uint64_t key = tensorKey(bucket.name);
   if (select.empty() || transport_.worldSize() < 2) return;
-  std::vector<uint64_t> sig{transport_.worldSize()};
   std::vector<uint64_t> weights;
   weights.reserve(fallback_owners_.size());
   for (size_t i = 0; i < select.size(); ++i) {
     const ExchangeRound& r = *select[i].r;
-    sig.push_back(select[i].tensor);
-    sig.push_back(r.chunking.count());
     for (size_t c = 0; c < r.chunking.count(); ++c) {
       // Every rank holds the same selection bytes; one it cannot count (the step fails when it
       // is decoded) leaves the bucket without weights.
@@ -862,13 +865,11 @@ void RingExchange::rememberSelections(std::span<const Item> select,
     }
   }
   if (balance_.size() >= kMaxBalanced && balance_.find(key) == balance_.end()) {
-    balance_.erase(std::min_element(balance_.begin(), balance_.end(), [](const auto& a,
-                                                                          const auto& b) {
-      return a.second.step < b.second.step;
-    }));
+    balance_.erase(std::min_element(
+        balance_.begin(), balance_.end(),
+        [](const auto& a, const auto& b) { return a.second.step < b.second.step; }));
   }
-  balance_[key] = Balance{XXH3_64bits(sig.data(), sig.size() * sizeof(uint64_t)), step,
-                          std::move(weights)};
+  balance_[key] = Balance{regionsSignature(select), step, std::move(weights)};
 }
 
 Result<std::vector<uint64_t>> RingExchange::sparsePost(std::span<const Item> items,
@@ -884,7 +885,8 @@ Result<std::vector<uint64_t>> RingExchange::sparsePost(std::span<const Item> ite
       const std::span<const uint8_t> mine = own[i][c];
       std::vector<uint8_t>& body = sumBuffer(kContributionCountBytes + mine.size());
       kernels::storeU64(body.data(), entries[i]);
-      if (!mine.empty()) std::memcpy(body.data() + kContributionCountBytes, mine.data(), mine.size());
+      if (!mine.empty())
+        std::memcpy(body.data() + kContributionCountBytes, mine.data(), mine.size());
       LW_RETURN_IF_ERROR(
           transport_.post(owner, FrameType::kData,
                           keyOf(items[i].tensor, r, kPhaseContribute, static_cast<uint32_t>(c), me),

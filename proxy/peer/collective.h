@@ -110,6 +110,8 @@ class RingExchange final : public Exchange {
   /// weights of the bucket's next pass.
   void rememberSelections(std::span<const Item> select, const std::vector<Spans>& selected,
                           const BucketTag& bucket, uint64_t step);
+  /// XXH3-64 of the regions of a pass's select rounds: W, and each round's key and chunk count.
+  uint64_t regionsSignature(std::span<const Item> select) const;
   /// The owner of chunk `chunk` of select item `item` in the pass in progress.
   uint32_t ownerOf(size_t item, size_t chunk) const {
     return sparseOwners()[unit_base_[item] + chunk];

@@ -483,9 +483,11 @@ struct BucketRankStep {
 /// through the sparse allreduce, as the step pipeline runs them. The ranks in `fresh` start a new
 /// RingExchange before step `fresh_step` (a restarted sidecar: no memory of the earlier passes).
 /// Returns [step][rank].
-std::vector<std::vector<BucketRankStep>> runSparseBucket(
-    Mesh& mesh, const kernels::Codec& codec, const std::vector<std::string>& names, size_t n,
-    size_t chunk, uint64_t steps, std::vector<uint32_t> fresh = {}, uint64_t fresh_step = 0) {
+std::vector<std::vector<BucketRankStep>> runSparseBucket(Mesh& mesh, const kernels::Codec& codec,
+                                                         const std::vector<std::string>& names,
+                                                         size_t n, size_t chunk, uint64_t steps,
+                                                         std::vector<uint32_t> fresh = {},
+                                                         uint64_t fresh_step = 0) {
   const uint32_t w = static_cast<uint32_t>(mesh.transports.size());
   const kernels::Chunking chunking = kernels::chunkingFor(codec, n, chunk);
   std::vector<std::future<std::vector<BucketRankStep>>> futures;
@@ -516,8 +518,8 @@ std::vector<std::vector<BucketRankStep>> runSparseBucket(
           REQUIRE(payloads.isOk());
           s.layers[l].sent = *payloads;
           mine[l].assign(s.layers[l].sent.begin(), s.layers[l].sent.end());
-          ExchangeRound& round = rounds.emplace_back(
-              ExchangeRound{names[l], step, 0, codec, chunking, mine[l]});
+          ExchangeRound& round =
+              rounds.emplace_back(ExchangeRound{names[l], step, 0, codec, chunking, mine[l]});
           round.select_globally = true;
           all.push_back(&round);
         }
@@ -533,9 +535,10 @@ std::vector<std::vector<BucketRankStep>> runSparseBucket(
             REQUIRE((*got)[l][c].size() == 1);
             const auto sel = (*got)[l][c][0];
             layer.selected.emplace_back(sel.begin(), sel.end());
-            REQUIRE(codec.decodeChunk(sel, 1.0f, layer.sums.data() + chunking.begin(c),
-                                      chunking.size(c))
-                        .isOk());
+            REQUIRE(
+                codec
+                    .decodeChunk(sel, 1.0f, layer.sums.data() + chunking.begin(c), chunking.size(c))
+                    .isOk());
             REQUIRE(codec.settleChunk(ctx, chunking, c, mine[l][c], sel, states[l]).isOk());
           }
           states[l].commit();
@@ -596,8 +599,8 @@ TEST_CASE(
       std::vector<uint64_t> weights;
       for (const auto& layer : steps[s - 1][0].layers) {
         for (size_t c = 0; c < chunking.count(); ++c) {
-          auto count = kernels::sparseEntryCount(layer.selected[c], (*codec)->traits().id,
-                                                 chunking.size(c));
+          auto count =
+              kernels::sparseEntryCount(layer.selected[c], (*codec)->traits().id, chunking.size(c));
           REQUIRE(count.isOk());
           weights.push_back(*count);
         }
