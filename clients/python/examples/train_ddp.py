@@ -6,7 +6,12 @@ memory, one copy in). With one socket all trainers share one sidecar (local trai
 node); with one socket per trainer each trainer has its own sidecar (one node each, the sidecars
 exchange over TCP). Rank 0 prints a line every --every steps: loss, accuracy, the codec, its
 compression ratio, the bytes sent per step and the step time. With --compare the same training
-then runs as plain DDP (no compression) and the two are compared. Usage (sidecars running):
+then runs as plain DDP (no compression) and the two are compared. With --to-baseline-loss, plain
+DDP runs first (--steps) and lightwire then trains until its loss reaches DDP's final loss (the
+mean of the last 20 steps' losses; at most 3 × --steps): the summary says how much sooner it got
+there, and how many bytes per step each sent. --hidden sets the width of the MLP's two hidden
+layers (256: 85 k parameters; 1024: 1.1 M, a gradient that a 1 Gbit/s link feels). Usage
+(sidecars running):
 
     PYTHONPATH=clients/python python3 clients/python/examples/train_ddp.py --sockets A[,B,...]
 
@@ -53,7 +58,30 @@ def codec_summary(reply):
     return " + ".join("%s %d" % (c, n) for c, n in sorted(count.items()))
 
 
-def train(rank, args, init_method, sockets, results, world_size=None):
+def make_model(hidden):
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, 8))
+
+
+WINDOW = 20  # losses in the running mean that --to-baseline-loss compares
+
+
+def lo_tx_bytes():
+    """Bytes sent on the loopback so far: in a network namespace of the run's own (the demo's
+    limited link), every byte the job put on the wire."""
+    with open("/sys/class/net/lo/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def first_reached(losses, target):
+    """The first step (1-based) whose running mean of the last WINDOW losses is at most target."""
+    for i in range(WINDOW, len(losses) + 1):
+        if sum(losses[i - WINDOW:i]) / WINDOW <= target:
+            return i
+    return None
+
+
+def train(rank, args, init_method, sockets, results, world_size=None, target=None):
     if init_method == "env://":
         os.environ.setdefault("LOCAL_RANK", "0")  # torchrun sets it: the trainer's index on the node
     else:
@@ -62,8 +90,7 @@ def train(rank, args, init_method, sockets, results, world_size=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank,
                             world_size=world_size or args.trainers)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                          nn.Linear(256, 8))
+    model = make_model(args.hidden)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
     state = None
     if sockets:
@@ -83,10 +110,14 @@ def train(rank, args, init_method, sockets, results, world_size=None):
     x, y = make_data(seed=rank)
     loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(100 + rank)
+    tx0 = lo_tx_bytes()
     t0 = t_window = time.monotonic()
     wire = raw = 0
     label = "lightwire" if sockets else "plain DDP"
-    for step in range(1, args.steps + 1):
+    losses, times = [], []
+    shown = 0.0  # seconds spent on the progress lines (their accuracy): not training
+    steps = args.steps if target is None else 3 * args.steps
+    for step in range(1, steps + 1):
         idx = torch.randint(0, x.shape[0], (args.batch,), generator=g)
         opt.zero_grad()
         loss = loss_fn(ddp(x[idx]), y[idx])
@@ -98,7 +129,16 @@ def train(rank, args, init_method, sockets, results, world_size=None):
         if state is not None:
             # The loss feeds the sidecars' rollback policy (docs/policies.md).
             state.client.report(step, loss=loss.item(), trainer=0)
+        losses.append(loss.item())
+        times.append(time.monotonic() - t0 - shown)
+        if target is not None and step % 5 == 0:
+            # Rank 0 decides whether the target is reached; every rank stops after the same step.
+            flag = torch.tensor([1 if rank == 0 and first_reached(losses, target) else 0])
+            dist.broadcast(flag, src=0)
+            if flag.item():
+                break
         if rank == 0 and args.every and (step % args.every == 0 or step == 1):
+            t_shown = time.monotonic()
             with torch.no_grad():
                 acc = (ddp(x).argmax(1) == y).float().mean().item()
             now = time.monotonic()
@@ -111,6 +151,7 @@ def train(rank, args, init_method, sockets, results, world_size=None):
                   f"codec {codec_summary(r):14s}  mode {r.get('mode', '-'):10s}  "
                   f"ratio {r.get('ratio', 1.0):6.1f}  "
                   f"payload/step {r.get('wire_bytes', 0):8d} B  step {ms:6.1f} ms", flush=True)
+            shown += time.monotonic() - t_shown
     if rank == 0 and state is not None:
         # Next to torch.save: every sidecar keeps its codec and policy state as of this step.
         reply = save_state(state.last_step, hook_state=state)
@@ -121,19 +162,22 @@ def train(rank, args, init_method, sockets, results, world_size=None):
             acc = (ddp(x).argmax(1) == y).float().mean().item()
         results.put({"label": label, "loss": loss.item(), "acc": acc,
                      "seconds": time.monotonic() - t0, "raw": raw, "wire": wire,
-                     "fallbacks": state.fallbacks if state else 0})
+                     "fallbacks": state.fallbacks if state else 0, "losses": losses,
+                     "tx": lo_tx_bytes() - tx0,
+                     "times": times, "steps": len(losses),
+                     "dense": sum(q.numel() * q.element_size() for q in model.parameters())})
     dist.barrier()
     if state:
         state.close()  # releases and unlinks the shared-memory segments
     dist.destroy_process_group()
 
 
-def run(args, sockets):
+def run(args, sockets, target=None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init = "file://" + os.path.join(d, "store")
-        procs = [ctx.Process(target=train, args=(r, args, init, sockets, results))
+        procs = [ctx.Process(target=train, args=(r, args, init, sockets, results, None, target))
                  for r in range(args.trainers)]
         for p in procs:
             p.start()
@@ -175,7 +219,10 @@ def main():
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--hidden", type=int, default=256, help="width of the two hidden layers")
     p.add_argument("--compare", action="store_true", help="then train plain DDP and compare")
+    p.add_argument("--to-baseline-loss", action="store_true",
+                   help="plain DDP first; then lightwire until it reaches DDP's final loss")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for the sidecar's GET /readyz")
     args = p.parse_args()
@@ -186,6 +233,8 @@ def main():
         raise SystemExit("give --sockets (or LIGHTWIRE_SOCKET)")
     if len(sockets) not in (1, args.trainers):
         raise SystemExit("--sockets: one socket, or one per trainer")
+    if args.to_baseline_loss:
+        return to_baseline_loss(args, sockets)
     ours = run(args, sockets)
     rows = [ours]
     if args.compare:
@@ -194,10 +243,7 @@ def main():
     print("\n%-10s %10s %8s %10s %14s %10s" % ("run", "final loss", "acc", "time s",
                                                "payload/step B", "fallbacks"))
     for r in rows:
-        per_step = r["wire"] / args.steps if r["wire"] else r["raw"] / args.steps
-        dense = sum(p.numel() * 4 for p in nn.Sequential(
-            nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 8)).parameters())
-        sent = per_step if r["label"] == "lightwire" else dense
+        sent = r["wire"] / r["steps"] if r["label"] == "lightwire" else r["dense"]
         print("%-10s %10.4f %8.3f %10.1f %14d %10d" % (r["label"], r["loss"], r["acc"],
                                                         r["seconds"], sent, r["fallbacks"]))
     if ours["raw"]:
@@ -205,5 +251,40 @@ def main():
               % (ours["raw"] / max(ours["wire"], 1)))
 
 
+def to_baseline_loss(args, sockets):
+    """Plain DDP for --steps, then lightwire until its loss reaches DDP's final loss."""
+    print("plain DDP (the baseline: every gradient sent dense over gloo), %d steps:" % args.steps,
+          flush=True)
+    ddp = run(args, [])
+    target = sum(ddp["losses"][-WINDOW:]) / WINDOW
+    ddp_step = first_reached(ddp["losses"], target)
+    ddp_s = ddp["times"][ddp_step - 1]
+    print("\nplain DDP's final loss: %.4f (mean of its last %d steps), first reached at step %d "
+          "after %.1f s" % (target, WINDOW, ddp_step, ddp_s), flush=True)
+    print("\nlightwire, until its loss reaches %.4f (at most %d steps):" % (target, 3 * args.steps),
+          flush=True)
+    ours = run(args, sockets, target=target)
+    ours_step = first_reached(ours["losses"], target)
+    # Every byte on the namespace's link (the job's only traffic), per node and step.
+    sent = {r["label"]: r["tx"] / max(r["steps"], 1) / args.trainers for r in (ddp, ours)}
+    per_step = sent["lightwire"]
+    print("\n%-10s %22s %12s %18s" % ("run", "reached %.4f at step" % target, "after s",
+                                       "sent B/node/step"))
+    print("%-10s %22d %12.1f %18d" % ("plain DDP", ddp_step, ddp_s, sent["plain DDP"]))
+    if ours_step is None:
+        print("%-10s %22s %12s %18d" % ("lightwire", "not within %d" % ours["steps"], "-",
+                                        per_step))
+        print("\nlightwire did not reach plain DDP's final loss within %d steps (its loss: %.4f)"
+              % (ours["steps"], sum(ours["losses"][-WINDOW:]) / WINDOW))
+        return 1
+    ours_s = ours["times"][ours_step - 1]
+    print("%-10s %22d %12.1f %18d" % ("lightwire", ours_step, ours_s, per_step))
+    print("\nlightwire reached plain DDP's final loss %.1fx sooner (%.1f s against %.1f s), "
+          "sending %.0fx fewer bytes per step%s" % (
+              ddp_s / ours_s, ours_s, ddp_s, sent["plain DDP"] / max(per_step, 1),
+              (", %d fallbacks" % ours["fallbacks"]) if ours["fallbacks"] else ""))
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
