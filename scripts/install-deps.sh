@@ -27,14 +27,16 @@ build=(
   meson ninja-build pkg-config g++
   libboost1.81-dev libboost-json1.81-dev prometheus-cpp-dev libyaml-cpp-dev libcli11-dev
   libspdlog-dev libxxhash-dev libssl-dev libhwy-dev librandom123-dev libucx-dev
+  # the unit tests are built with everything else (meson needs doctest's headers to configure)
+  doctest-dev
 )
 
 tests=(
-  # tests (doctest; the numpy reference implementation behind the golden payloads; the Python
+  # tests (the numpy reference implementation behind the golden payloads; the Python
   # client's tests and the demo's trainer: PyTorch and pytest). OpenBLAS: Debian's torch and
   # numpy link libblas.so.3, which is otherwise the reference BLAS (about 5 GFLOPS a core against
   # OpenBLAS's 30: the trainers of the demo and of bench/e2e spend 5-7 times longer per step)
-  doctest-dev python3-numpy python3-xxhash python3-torch python3-pytest libopenblas0-pthread
+  python3-numpy python3-xxhash python3-torch python3-pytest libopenblas0-pthread
   # source formatting check (.clang-format)
   clang-format
   # the asan build (scripts/build.sh asan) and its libFuzzer targets (tests/fuzz): clang and its
@@ -51,9 +53,9 @@ tests=(
   # reads the Kubernetes manifests and the compose file (tests/python/test_deploy.py,
   # scripts/check-image.py)
   docker-compose python3-yaml
-  # the image emulation (scripts/check-image.py): a Debian 12 root file system to run the
-  # Dockerfile's stages in
-  debootstrap
+  # the image emulation (scripts/check-image.py) and the container test's base image: a Debian 12
+  # root file system; the real engine the container test starts (tests/python/test_containers.py)
+  debootstrap docker.io
   # peer TLS tests with real sidecars make their CA and certificates with the openssl command,
   # as docs/peer-protocol.md shows
   openssl

@@ -265,6 +265,20 @@ def free_tcp_port():
     raise RuntimeError("no free loopback port in [%d, %d)" % (first, lo))
 
 
+def poll_until(what, pred, timeout, every=0.05, diag=lambda: ""):
+    """Polls pred() until it returns something true (returned); fails the test after `timeout`
+    seconds, naming `what` (and diag(), when it says something)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            more = diag()
+            pytest.fail("%s: not within %.0f s%s" % (what, timeout, "\n" + more if more else ""))
+        time.sleep(every)
+
+
 def readyz(client):
     """(status, body text) of GET /readyz; (None, reason) when the sidecar cannot be reached."""
     import lightwire

@@ -165,9 +165,17 @@ def mounts(c):
 
 def test_dockerfile_stages_build_as_ci_does():
     stages = dockerfile_stages()
-    assert list(stages) == ["build", "sidecar", "trainer"]
-    for name, stage in stages.items():
-        assert stage[0] == ("FROM", "debian:12"), (name, stage[0])
+    assert list(stages) == ["build", "build-cpu", "prebuilt", "binary", "sidecar", "trainer"]
+    for name in ("build", "build-cpu", "sidecar", "trainer"):
+        assert stages[name][0] == ("FROM", "debian:12"), (name, stages[name][0])
+    # The sidecar's binary comes from the stage LW_BINARY names: `build` by default (CUDA),
+    # `build-cpu`, or `prebuilt` (the context's release binary, what the container test uses).
+    assert stages["binary"][0] == ("FROM", "build") and len(stages["binary"]) == 1
+    assert stages["prebuilt"] == [("FROM", "scratch"), (
+        "COPY", "build-release/proxy/lightwire /src/build-release/proxy/lightwire")]
+    cpu = " ".join(instr(stages["build-cpu"], "RUN"))
+    assert "bash scripts/install-deps.sh build" in cpu
+    assert "bash scripts/build.sh release build-release" in cpu and "nvidia" not in cpu
     build = " ".join(instr(stages["build"], "RUN"))
     # NVIDIA's CUDA repository for Debian 12, then the same scripts as CI.
     assert "developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/cuda-keyring" in build
@@ -186,14 +194,17 @@ def test_dockerfile_stages_build_as_ci_does():
                 assert words[0][len("--from="):] in stages
                 continue
             for src in words[:-1]:
-                if src != ".":
+                if name == "prebuilt":
+                    # Re-included by .dockerignore; built by the test command before the tests.
+                    assert "!" + src in ignored, src
+                elif src != ".":
                     assert os.path.exists(os.path.join(REPO, src)), (name, src)
                     assert not src.startswith("build"), src
     # The runtime stage installs exactly install-deps.sh's runtime list.
     sidecar = stages["sidecar"]
     assert any("install-deps.sh runtime" in r for r in instr(sidecar, "RUN"))
     assert instr(sidecar, "COPY")[-1] == (
-        "--from=build /src/build-release/proxy/lightwire /usr/local/bin/lightwire")
+        "--from=binary /src/build-release/proxy/lightwire /usr/local/bin/lightwire")
 
 
 def test_sidecar_image_runs_unprivileged_with_a_healthcheck():
@@ -305,11 +316,17 @@ def test_compose_wires_trainers_to_their_sidecars():
         assert side["build"]["target"] in stages and trainer["build"]["target"] in stages
         assert side["environment"]["LIGHTWIRE_RANK"] == str(rank)
         assert side["environment"]["LIGHTWIRE_PEER__SECRET"] == "s3cret-for-tests"
-        assert side["ipc"] == "shareable"
-        shm = side["shm_size"]
+        # The node's IPC (shm, CUDA IPC) and PID namespaces belong to neither the sidecar nor
+        # the trainer but to node-N, which only sleeps: a sidecar's crash leaves both to the
+        # trainer (tests/python/test_containers.py kills one).
+        node = svc["node-%d" % rank]
+        assert node["ipc"] == "shareable" and node["entrypoint"] == ["sleep", "infinity"]
+        assert node["init"] is True and node["network_mode"] == "none"
+        shm = node["shm_size"]
         assert re.fullmatch(r"\d+gb", str(shm)) and int(str(shm)[:-2]) >= 1, shm
-        # The trainer joins its sidecar's IPC (shm, CUDA IPC) and PID namespaces.
-        assert trainer["ipc"] == "service:" + host and trainer["pid"] == "service:" + host
+        for c in (side, trainer):
+            assert c["ipc"] == "service:node-%d" % rank and c["pid"] == "service:node-%d" % rank
+            assert "node-%d" % rank in c["depends_on"]
         vol = lambda s: {v.split(":")[1]: v.split(":")[0] for v in s["volumes"]}
         assert vol(side)[sock_dir] == vol(trainer)[sock_dir] == "socket-%d" % rank
         assert vol(side)["/etc/lightwire/lightwire.yaml"] == os.path.join(

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import CLIENT_DIR
+from conftest import CLIENT_DIR, poll_until
 from fault_relay import FaultRelay
 from test_exchange import TENSOR, lwref, Reference, assert_bitwise, ref_cfg, run_trainers, trainer_input
 
@@ -63,15 +63,8 @@ def sent_bytes(sc):
 
 def wait_until(pred, timeout, what, cluster=None):
     """Polls pred() until it returns something true (returned); fails after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail("%s: not within %.0f s%s" % (what, timeout, "" if cluster is None else
-                                                       "; stderr:\n" + cluster.stderr()))
-        time.sleep(0.05)
+    return poll_until(what, pred, timeout, diag=lambda: "" if cluster is None else
+                      "stderr:\n" + cluster.stderr())
 
 
 def tensor_status(sc, name=TENSOR):

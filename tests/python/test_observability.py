@@ -25,7 +25,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import REPO, free_tcp_port, metric_total, tls_flags
+from conftest import REPO, free_tcp_port, metric_total, poll_until, tls_flags
 
 yaml = pytest.importorskip("yaml")
 
@@ -432,14 +432,7 @@ def train(cl, steps=STEPS, pause=STEP_PAUSE, nan_step=NAN_STEP):
 
 
 def wait_until(what, cond, timeout, diag=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            pytest.fail("%s not within %.0f s%s" % (what, timeout, diag()))
-        time.sleep(0.2)
+    return poll_until(what, cond, timeout, every=0.2, diag=diag)
 
 
 def test_dashboard_and_alerts_against_prometheus(cluster_factory, prometheus_factory, promtool,

@@ -127,8 +127,12 @@ def train(rank, args, init_method, sockets, results, world_size=None, target=Non
             wire += state.last_reply.get("wire_bytes", 0)
             raw += state.last_reply.get("raw_bytes", 0)
         if state is not None:
-            # The loss feeds the sidecars' rollback policy (docs/policies.md).
-            state.client.report(step, loss=loss.item(), trainer=0)
+            # The loss feeds the sidecars' rollback policy (docs/policies.md). A sidecar that is
+            # away (restarting) misses it: training goes on, as the hook's fallback does.
+            try:
+                state.client.report(step, loss=loss.item(), trainer=0)
+            except lightwire.LightwireError:
+                pass
         losses.append(loss.item())
         times.append(time.monotonic() - t0 - shown)
         if target is not None and step % 5 == 0:
@@ -154,9 +158,12 @@ def train(rank, args, init_method, sockets, results, world_size=None, target=Non
             shown += time.monotonic() - t_shown
     if rank == 0 and state is not None:
         # Next to torch.save: every sidecar keeps its codec and policy state as of this step.
-        reply = save_state(state.last_step, hook_state=state)
-        print(f"{label:9s}  sidecar state saved with the model: {reply.get('path')} "
-              f"(peers: {reply.get('peers')})", flush=True)
+        try:
+            reply = save_state(state.last_step, hook_state=state)
+            print(f"{label:9s}  sidecar state saved with the model: {reply.get('path')} "
+                  f"(peers: {reply.get('peers')})", flush=True)
+        except lightwire.LightwireError as e:
+            print(f"{label:9s}  sidecar state not saved: {e}", flush=True)
     if rank == 0:
         with torch.no_grad():
             acc = (ddp(x).argmax(1) == y).float().mean().item()
