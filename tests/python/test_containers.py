@@ -100,8 +100,17 @@ class Stack(object):
         os.chmod(self.conf, 0o755)
         for name in os.listdir(self.conf):
             os.chmod(os.path.join(self.conf, name), 0o644)
+        # The job secret as a file only the sidecars' user reads (as the pods mount it).
+        self.secret = "container-test-%d-%s" % (os.getpid(), os.urandom(8).hex())
+        self.secret_file = os.path.join(self.conf, "peer-secret")
+        with open(self.secret_file, "w") as f:
+            f.write(self.secret)
+        os.chown(self.secret_file, 10001, 10001)
+        os.chmod(self.secret_file, 0o400)
         self.env = {
-            "LIGHTWIRE_SECRET": "container-test-%d" % os.getpid(),
+            # docker/compose.yml wants it set; the test override reads the secret from the file.
+            "LIGHTWIRE_SECRET": "unused",
+            "LW_SECRET_FILE": self.secret_file,
             "LIGHTWIRE_DEMO_STEPS": str(steps),
             "LW_PEER_PORT_0": str(self.peer0), "LW_PEER_PORT_1": str(self.peer1),
             "LW_ADMIN_PORT_0": str(self.admin0), "LW_ADMIN_PORT_1": str(self.admin1),
@@ -173,11 +182,21 @@ def test_compose_stack_trains_and_prometheus_sees_it(stack):
     for service in ("lightwire-0", "lightwire-1"):
         wait_until("%s healthy" % service,
                    lambda: s.inspect(service, "{{.State.Health.Status}}") == "healthy", 120)
-        # The sidecar process runs as the image's user.
+        # The sidecar process runs as the image's user, on a read-only root file system, with the
+        # job secret from its file and nowhere in its environment (the peers connected: the two
+        # files agree).
         pid = int(s.inspect(service, "{{.State.Pid}}"))
         with open("/proc/%d/status" % pid) as f:
             uid = re.search(r"^Uid:\s+(\d+)", f.read(), re.M).group(1)
         assert uid == "10001"
+        assert s.inspect(service, "{{.HostConfig.ReadonlyRootfs}}") == "true"
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            environ = f.read()
+        assert s.secret.encode() not in environ
+        assert b"LIGHTWIRE_PEER__SECRET_FILE=/run/secrets/lightwire/peer-secret" in environ
+        r = s.engine.docker("exec", s.container(service), "/bin/sh", "-c",
+                            "touch /usr/local/bin/x 2>&1; echo $?", check=False)
+        assert "Read-only file system" in r.stdout, r.stdout
     if FULL:
         crash_and_restart(s)
         stop_and_start(s)
