@@ -57,6 +57,8 @@ print(max(int(bps * 0.002), 262144))' "$rate")
       "compression cannot pay on an unlimited loopback; see bench/README.md for limited links" >&2
     rate=unlimited
   fi
+else
+  echo "demo: the link is not limited (LW_DEMO_RATE=unlimited): compression cannot pay here" >&2
 fi
 # One BLAS thread per trainer process (the trainers set torch.set_num_threads(1), which Debian's
 # torch does not pass on to OpenBLAS): four trainers share the cores.
