@@ -458,33 +458,27 @@ Result<std::vector<Spans>> RingExchange::runAll(std::span<ExchangeRound* const> 
                                      "')"));
     }
   }
-  // The sparse allreduce's owners, proposed in the bucket's header.
-  {
-    std::vector<Item> selecting;
-    for (const Item& it : items) {
-      if (it.r->select_globally && it.r->codec.selectsGlobally() && it.r->round == 0) {
-        selecting.push_back(it);
-      }
+  // The sparse allreduce's rounds, and their owners, proposed in the bucket's header.
+  std::vector<Item> reduce, gather, select;
+  for (const Item& it : items) {
+    if (it.r->select_globally && it.r->codec.selectsGlobally() && it.r->round == 0) {
+      select.push_back(it);
     }
-    planOwners(selecting, bucket, step);
   }
+  planOwners(select, bucket, step);
   bucket_checked_ = false;
   Status st = bucket ? postBucket(*bucket, step) : Status::ok();
   if (st.isOk()) st = statsBegin(items, step);
-  // Which collective each tensor takes; the sparse ones that would move more bytes gathered than
-  // a dense allreduce go dense (their own payloads decoded, summed as codec `none`).
-  std::vector<Item> reduce, gather, select;
+  // Which collective each other tensor takes; the sparse ones that would move more bytes gathered
+  // than a dense allreduce go dense (their own payloads decoded, summed as codec `none`).
   for (Item& it : items) {
     const auto& traits = it.r->codec.traits();
     if (it.r->select_globally) {
-      if (!it.r->codec.selectsGlobally() || it.r->round != 0) {
-        if (st.isOk()) {
-          st = internalError("tensor '" + it.r->tensor + "': codec " + traits.name +
-                             " cannot be selected globally");
-        }
-        continue;
+      if ((!it.r->codec.selectsGlobally() || it.r->round != 0) && st.isOk()) {
+        st = internalError("tensor '" + it.r->tensor + "': codec " + traits.name +
+                           " cannot be selected globally");
       }
-      select.push_back(it);
+      continue;  // in `select` when it can be
     } else if (traits.summable || traits.rounds > 1) {
       reduce.push_back(it);
     } else if (denseIsSmaller(*it.r)) {
@@ -710,8 +704,8 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
 
 Status RingExchange::postBucket(const BucketTag& bucket, uint64_t step) {
   const uint32_t w = transport_.worldSize(), me = transport_.rank();
-  for (int i = 0; i < 8; ++i) header_[i] = static_cast<uint8_t>(bucket.layout_hash >> (8 * i));
-  for (int i = 0; i < 4; ++i) header_[8 + i] = static_cast<uint8_t>(bucket.layers >> (8 * i));
+  kernels::storeU64(header_, bucket.layout_hash);
+  kernels::storeU32(header_ + 8, bucket.layers);
   kernels::storeU64(header_ + 12, proposal_);
   FrameKey k;
   k.tensor = tensorKey(bucket.name);
@@ -751,10 +745,8 @@ Status RingExchange::checkBucket(const BucketTag& bucket, uint64_t step) {
                       "' has " + std::to_string(size) + " bytes, not " +
                       std::to_string(kBucketHeaderBytes));
     }
-    uint64_t hash = 0;
-    uint32_t layers = 0;
-    for (int i = 0; i < 8; ++i) hash |= uint64_t{b[static_cast<size_t>(i)]} << (8 * i);
-    for (int i = 0; i < 4; ++i) layers |= uint32_t{b[static_cast<size_t>(8 + i)]} << (8 * i);
+    const uint64_t hash = kernels::loadU64(b.data());
+    const uint32_t layers = kernels::loadU32(b.data() + 8);
     // Balanced owners only when every rank proposed the same ones: every rank sees every header,
     // so every rank decides alike.
     if (kernels::loadU64(b.data() + 12) != proposal_) agreed = false;
@@ -835,8 +827,7 @@ void RingExchange::planOwners(std::span<const Item> select, const BucketTag* buc
   balanced_owners_ = balanceOwners(found->second.weights, w);
   std::vector<uint8_t> bytes(balanced_owners_.size() * 4);
   for (size_t u = 0; u < balanced_owners_.size(); ++u) {
-    for (int b = 0; b < 4; ++b)
-      bytes[u * 4 + b] = static_cast<uint8_t>(balanced_owners_[u] >> (8 * b));
+    kernels::storeU32(bytes.data() + u * 4, balanced_owners_[u]);
   }
   proposal_ = std::max<uint64_t>(XXH3_64bits(bytes.data(), bytes.size()), 1);
 }

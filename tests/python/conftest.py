@@ -291,11 +291,13 @@ def readyz(client):
         return e.status, "%s: %s" % (e.error, e.message)
 
 
-def metric_total(text, name):
-    """Sum of every sample of metric `name` (any labels) in a Prometheus exposition."""
+def metric_total(text, name, labels=""):
+    """Sum of every sample of metric `name` in a Prometheus exposition (those whose label set
+    contains the text `labels`, e.g. 'result="ok"'; any labels by default)."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {"):
+        if (line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {")
+                and labels in line):
             total += float(line.rsplit(None, 1)[1])
     return total
 

@@ -32,7 +32,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import containers  # noqa: E402
-from conftest import poll_until  # noqa: E402
+from conftest import metric_total as metric, poll_until  # noqa: E402
 
 FULL = os.environ.get("LW_CONTAINER_SCENARIO") == "full"
 FILES = [os.path.join(REPO, "docker", "compose.yml"),
@@ -56,15 +56,6 @@ def wait_until(what, pred, timeout, every=1.0):
 def http_json(url, timeout=5):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read().decode())
-
-
-def metric(text, name, labels=""):
-    """The sum of a metric's samples whose label set contains `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and labels in line and not line.startswith("#"):
-            total += float(line.split()[-1])
-    return total
 
 
 @pytest.fixture(scope="module")

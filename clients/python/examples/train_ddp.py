@@ -136,8 +136,10 @@ def train(rank, args, init_method, sockets, results, world_size=None, target=Non
         losses.append(loss.item())
         times.append(time.monotonic() - t0 - shown)
         if target is not None and step % 5 == 0:
-            # Rank 0 decides whether the target is reached; every rank stops after the same step.
-            flag = torch.tensor([1 if rank == 0 and first_reached(losses, target) else 0])
+            # Rank 0 decides whether the target is reached (by the windows ending since the last
+            # check: the earlier ones were checked then); every rank stops after the same step.
+            recent = losses[-(WINDOW + 4):]
+            flag = torch.tensor([1 if rank == 0 and first_reached(recent, target) else 0])
             dist.broadcast(flag, src=0)
             if flag.item():
                 break
