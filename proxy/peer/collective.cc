@@ -25,7 +25,8 @@ constexpr uint8_t kPhaseStats = 3;   // the statistics of the ranks so far (chun
 constexpr uint8_t kPhaseBucket = 4;  // a rank's bucket header (layout hash), to every other rank
 constexpr uint8_t kPhaseContribute = 5;  // sparse allreduce: a rank's payload, to the chunk's owner
 constexpr uint8_t kPhaseSelected = 6;    // ... the owner's global selection, to every other rank
-constexpr uint8_t kPhaseWaiting = 9;     // a rank still waiting at half the deadline, and on whom
+constexpr uint8_t kPhaseCount = 7;  // ... a rank's entries of a layer of several regions, to owners
+constexpr uint8_t kPhaseWaiting = 9;  // a rank still waiting at half the deadline, and on whom
 // u64 layout hash, u32 layers, u64 owners proposed (XXH3-64 of them; 0: none), little-endian
 constexpr size_t kBucketHeaderBytes = 20;
 // Buckets whose last selections a rank keeps as the weights of their next pass's owners; beyond
@@ -33,8 +34,8 @@ constexpr size_t kBucketHeaderBytes = 20;
 constexpr size_t kMaxBalanced = 4096;
 constexpr uint32_t kStatsRecords = 0;  // statistics frame chunk: the sender's records, to 0
 constexpr uint32_t kStatsFinal = 1;    // ... the fold of every rank's, from rank 0 both ways
-// A contribution frame's body: the sender's entries of the whole layer (u64, little-endian), then
-// its payload of the chunk.
+// A rank's entries of a whole layer (u64, little-endian): the first bytes of a contribution to a
+// layer of one region (its payload of the chunk follows), the body of a count frame otherwise.
 constexpr size_t kContributionCountBytes = 8;
 
 FrameKey keyOf(uint64_t tensor, const ExchangeRound& r, uint8_t phase, uint32_t chunk,
@@ -868,43 +869,74 @@ Result<std::vector<uint64_t>> RingExchange::sparsePost(std::span<const Item> ite
   const uint32_t me = transport_.rank();
   std::vector<uint64_t> entries(items.size(), 0);
   std::vector<std::vector<std::span<const uint8_t>>> own(items.size());
-  auto post = [&](size_t i) -> Status {
+  // A layer of one region sends its rank's entries of the layer in the contribution's first 8
+  // bytes; a layer of several sends each chunk's payload as soon as it is compressed and the
+  // count after its last chunk, in a frame of its own to each owner (docs/exchange.md "Sparse
+  // allreduce").
+  auto postChunk = [&](size_t i, size_t c) -> Status {
     const ExchangeRound& r = *items[i].r;
+    const uint32_t owner = ownerOf(i, c);
+    if (owner == me) return Status::ok();
+    std::span<const uint8_t> body = own[i][c];
+    if (r.chunking.count() == 1) {
+      std::vector<uint8_t>& b = sumBuffer(kContributionCountBytes + body.size());
+      kernels::storeU64(b.data(), entries[i]);
+      if (!body.empty()) std::memcpy(b.data() + kContributionCountBytes, body.data(), body.size());
+      body = b;
+    }
+    return transport_.post(
+        owner, FrameType::kData,
+        keyOf(items[i].tensor, r, kPhaseContribute, static_cast<uint32_t>(c), me),
+        static_cast<uint8_t>(r.codec.traits().id), body, deadline_);
+  };
+  auto postCount = [&](size_t i) -> Status {
+    const ExchangeRound& r = *items[i].r;
+    std::vector<uint8_t>& b = sumBuffer(kContributionCountBytes);
+    kernels::storeU64(b.data(), entries[i]);
+    std::vector<uint8_t> told(transport_.worldSize(), 0);
     for (size_t c = 0; c < r.chunking.count(); ++c) {
       const uint32_t owner = ownerOf(i, c);
-      if (owner == me) continue;
-      const std::span<const uint8_t> mine = own[i][c];
-      std::vector<uint8_t>& body = sumBuffer(kContributionCountBytes + mine.size());
-      kernels::storeU64(body.data(), entries[i]);
-      if (!mine.empty())
-        std::memcpy(body.data() + kContributionCountBytes, mine.data(), mine.size());
-      LW_RETURN_IF_ERROR(
-          transport_.post(owner, FrameType::kData,
-                          keyOf(items[i].tensor, r, kPhaseContribute, static_cast<uint32_t>(c), me),
-                          static_cast<uint8_t>(r.codec.traits().id), body, deadline_));
+      if (owner == me || told[owner]) continue;
+      told[owner] = 1;
+      LW_RETURN_IF_ERROR(transport_.post(
+          owner, FrameType::kData, keyOf(items[i].tensor, r, kPhaseCount, 0, me), 0, b, deadline_));
     }
     return Status::ok();
   };
+  auto postLayer = [&](size_t i) -> Status {
+    for (size_t c = 0; c < items[i].r->chunking.count(); ++c) LW_RETURN_IF_ERROR(postChunk(i, c));
+    return items[i].r->chunking.count() > 1 ? postCount(i) : Status::ok();
+  };
   // Balanced owners proposed: known once every rank's header is (docs/exchange.md "Which rank
-  // owns a region"), so every layer is compressed before the first contribution goes out.
-  const bool await_owners = proposal_ != 0 && bucket != nullptr;
+  // owns a region"). The layers of one region before the first of several are compressed while
+  // the headers travel; from that layer on, chunks go out as they are compressed.
+  bool owners_known = proposal_ == 0 || bucket == nullptr;
+  size_t posted = 0;  // layers whose contributions are out
   for (size_t i = 0; i < items.size(); ++i) {
     const ExchangeRound& r = *items[i].r;
-    // Every chunk compressed first: each contribution carries the rank's entries of the whole
-    // layer, which the owners' shares need (docs/exchange.md "Sparse allreduce").
+    const bool streamed = r.chunking.count() > 1;
+    if (streamed && !owners_known) {
+      LW_RETURN_IF_ERROR(checkBucket(*bucket, step));
+      owners_known = true;
+      for (; posted < i; ++posted) LW_RETURN_IF_ERROR(postLayer(posted));
+    }
     for (size_t c = 0; c < r.chunking.count(); ++c) {
       auto p = r.payload(c);
       if (!p) return p.status();
       own[i].push_back(*p);
+      if (streamed) LW_RETURN_IF_ERROR(postChunk(i, c));
     }
     auto counted = kernels::sparseLayerEntries(own[i], r.codec.traits().id, r.chunking);
     if (!counted) return counted.status();
     entries[i] = *counted;
-    if (!await_owners) LW_RETURN_IF_ERROR(post(i));
+    if (owners_known) {
+      LW_RETURN_IF_ERROR(streamed ? postCount(i) : postChunk(i, 0));
+      posted = i + 1;
+    }
   }
-  if (await_owners) {
+  if (!owners_known) {
     LW_RETURN_IF_ERROR(checkBucket(*bucket, step));
-    for (size_t i = 0; i < items.size(); ++i) LW_RETURN_IF_ERROR(post(i));
+    for (; posted < items.size(); ++posted) LW_RETURN_IF_ERROR(postLayer(posted));
   }
   return entries;
 }
@@ -922,7 +954,24 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(
     out[i].resize(chunks);
     std::vector<std::span<const uint8_t>> contributions(w);
     std::vector<uint64_t> entries(w);
+    std::vector<uint8_t> counted(w, 0);  // a layer of several regions: the rank's count taken
     const kernels::LayerCounts layer{r.codec.selectionCount(n, r.density), entries};
+    // The rank's entries of the layer: at most one per element (the dense escape).
+    auto declare = [&](uint32_t k_rank, std::span<const uint8_t> body,
+                       const std::string& what) -> Status {
+      const uint64_t declared =
+          body.size() < kContributionCountBytes ? 0 : kernels::loadU64(body.data());
+      if (body.size() >= kContributionCountBytes && declared <= n) {
+        entries[k_rank] = declared;
+        return Status::ok();
+      }
+      return dataLoss("rank " + std::to_string(k_rank) + "'s " + what + " of '" + r.tensor + "' " +
+                      (body.size() < kContributionCountBytes
+                           ? "is " + std::to_string(body.size()) +
+                                 " bytes, shorter than its 8-byte count of entries"
+                           : "declares " + std::to_string(declared) + " entries for a layer of " +
+                                 std::to_string(n) + " elements"));
+    };
     for (size_t c = 0; c < chunks; ++c) {
       if (ownerOf(i, c) != me) continue;
       const size_t len = r.chunking.size(c);
@@ -934,23 +983,26 @@ Result<std::vector<RingExchange::Spans>> RingExchange::sparseReduce(
           entries[k_rank] = own_entries[i];
           continue;
         }
+        if (chunks > 1 && !counted[k_rank]) {
+          auto got = take(k_rank, keyOf(it.tensor, r, kPhaseCount, 0, k_rank));
+          if (!got) return got.status();
+          const std::span<const uint8_t> body = keep(std::move(got->payload));
+          if (body.size() != kContributionCountBytes) {
+            return dataLoss("rank " + std::to_string(k_rank) + "'s count of entries of '" +
+                            r.tensor + "' is " + std::to_string(body.size()) + " bytes, not 8");
+          }
+          LW_RETURN_IF_ERROR(declare(k_rank, body, "count of entries"));
+          counted[k_rank] = 1;
+        }
         auto got =
             take(k_rank, keyOf(it.tensor, r, kPhaseContribute, static_cast<uint32_t>(c), k_rank));
         if (!got) return got.status();
         const std::span<const uint8_t> body = keep(std::move(got->payload));
-        // The rank's entries of the layer: at most one per element (the dense escape).
-        const uint64_t declared =
-            body.size() < kContributionCountBytes ? 0 : kernels::loadU64(body.data());
-        if (body.size() < kContributionCountBytes || declared > n) {
-          return dataLoss("rank " + std::to_string(k_rank) + "'s contribution to chunk " +
-                          std::to_string(c) + " of '" + r.tensor + "' " +
-                          (body.size() < kContributionCountBytes
-                               ? "is " + std::to_string(body.size()) +
-                                     " bytes, shorter than its 8-byte count of entries"
-                               : "declares " + std::to_string(declared) +
-                                     " entries for a layer of " + std::to_string(n) + " elements"));
+        if (chunks > 1) {
+          contributions[k_rank] = body;
+          continue;
         }
-        entries[k_rank] = declared;
+        LW_RETURN_IF_ERROR(declare(k_rank, body, "contribution to chunk " + std::to_string(c)));
         contributions[k_rank] = body.subspan(kContributionCountBytes);
       }
       std::vector<uint8_t>& sel =

@@ -18,7 +18,7 @@ namespace lightwire::proxy::peer {
 
 inline constexpr size_t kHeaderBytes = 64;
 inline constexpr std::array<uint8_t, 4> kMagic = {'L', 'W', 'P', '1'};
-inline constexpr uint16_t kProtocolVersion = 3;
+inline constexpr uint16_t kProtocolVersion = 4;
 inline constexpr uint64_t kDefaultMaxFrameBytes = uint64_t{2} << 30;  // 2 GiB
 
 inline constexpr size_t kNonceBytes = 32;

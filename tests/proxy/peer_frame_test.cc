@@ -34,7 +34,7 @@ TEST_CASE("peer frame: header round trip, byte layout") {
   std::vector<uint8_t> payload = {1, 2, 3, 4, 5};
   auto b = sampleHeader(payload);
   CHECK(std::memcmp(b.data(), "LWP1", 4) == 0);
-  CHECK(b[4] == 3);
+  CHECK(b[4] == 4);
   CHECK(b[5] == 0);  // version u16 LE
   CHECK(b[6] == static_cast<uint8_t>(FrameType::kData));
   CHECK(b[7] == 9);
@@ -81,12 +81,17 @@ TEST_CASE("peer frame: every corrupted header field is refused, naming the peer"
   {
     auto b = good;
     poke<uint16_t>(b, 4, 1);  // a sidecar of the first version (no bucket headers)
-    expectBad(b, "protocol version 1, expected 3");
+    expectBad(b, "protocol version 1, expected 4");
   }
   {
     auto b = good;
     poke<uint16_t>(b, 4, 2);  // 12-byte bucket headers (no owners proposed)
-    expectBad(b, "protocol version 2, expected 3");
+    expectBad(b, "protocol version 2, expected 4");
+  }
+  {
+    auto b = good;
+    poke<uint16_t>(b, 4, 3);  // every contribution with its layer's count (no count frames)
+    expectBad(b, "protocol version 3, expected 4");
   }
   for (uint8_t t : {0, 11, 255}) {
     auto b = good;

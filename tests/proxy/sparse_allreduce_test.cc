@@ -435,27 +435,39 @@ TEST_CASE("sparse allreduce: a silent rank fails the step on every other rank, s
 namespace lightwire::proxy::peer {
 namespace {
 
-/// Sends `payload` from `t` (rank 2 of a test mesh) to `dst` as frame (tensor "t", step 1, round
-/// 0, `phase`, `chunk`, origin 2).
-void sendAsRank2(Transport& t, uint32_t dst, uint8_t phase, uint32_t chunk,
-                 const std::vector<uint8_t>& payload, uint8_t codec_id) {
+/// Sends `payload` from `t` (rank `origin` of a test mesh) to `dst` as frame (tensor "t", step 1,
+/// round 0, `phase`, `chunk`, origin).
+void sendAs(Transport& t, uint32_t origin, uint32_t dst, uint8_t phase, uint32_t chunk,
+            const std::vector<uint8_t>& payload, uint8_t codec_id) {
   FrameKey k;
   k.tensor = tensorKey("t");
   k.step = 1;
   k.phase = phase;
   k.chunk = chunk;
-  k.origin = 2;
+  k.origin = origin;
   REQUIRE(t.send(dst, FrameType::kData, k, codec_id, payload,
                  std::chrono::steady_clock::now() + std::chrono::seconds(2))
               .isOk());
 }
 
-/// A contribution frame's body (docs/exchange.md "Sparse allreduce"): the sender's entries of the
-/// layer (u64, little-endian), then its payload of the chunk.
+void sendAsRank2(Transport& t, uint32_t dst, uint8_t phase, uint32_t chunk,
+                 const std::vector<uint8_t>& payload, uint8_t codec_id) {
+  sendAs(t, 2, dst, phase, chunk, payload, codec_id);
+}
+
+/// A contribution frame's body to a layer of one chunk (docs/exchange.md "Sparse allreduce"): the
+/// sender's entries of the layer (u64, little-endian), then its payload of the chunk.
 std::vector<uint8_t> contribution(uint64_t entries, const std::vector<uint8_t>& payload) {
   std::vector<uint8_t> body(8 + payload.size());
   kernels::storeU64(body.data(), entries);
   std::copy(payload.begin(), payload.end(), body.begin() + 8);
+  return body;
+}
+
+/// A count frame's body (a layer of several chunks): the sender's entries of the layer.
+std::vector<uint8_t> countOf(uint64_t entries) {
+  std::vector<uint8_t> body(8);
+  kernels::storeU64(body.data(), entries);
   return body;
 }
 
@@ -479,23 +491,25 @@ struct BucketRankStep {
   bool balanced = false;
 };
 
-/// `steps` steps of a bucket of one-chunk-or-more layers (`names`, n elements each) of `codec`
-/// through the sparse allreduce, as the step pipeline runs them. The ranks in `fresh` start a new
-/// RingExchange before step `fresh_step` (a restarted sidecar: no memory of the earlier passes).
-/// Returns [step][rank].
+/// `steps` steps of a bucket of one-chunk-or-more layers (`names`, sizes[l] elements each) of
+/// `codec` through the sparse allreduce, as the step pipeline runs them. The ranks in `fresh` start
+/// a new RingExchange before step `fresh_step` (a restarted sidecar: no memory of the earlier
+/// passes). Returns [step][rank].
 std::vector<std::vector<BucketRankStep>> runSparseBucket(Mesh& mesh, const kernels::Codec& codec,
                                                          const std::vector<std::string>& names,
-                                                         size_t n, size_t chunk, uint64_t steps,
+                                                         const std::vector<size_t>& sizes,
+                                                         size_t chunk, uint64_t steps,
                                                          std::vector<uint32_t> fresh = {},
                                                          uint64_t fresh_step = 0) {
   const uint32_t w = static_cast<uint32_t>(mesh.transports.size());
-  const kernels::Chunking chunking = kernels::chunkingFor(codec, n, chunk);
+  std::vector<kernels::Chunking> chunkings;
+  for (size_t n : sizes) chunkings.push_back(kernels::chunkingFor(codec, n, chunk));
   std::vector<std::future<std::vector<BucketRankStep>>> futures;
   for (uint32_t r = 0; r < w; ++r) {
     futures.push_back(std::async(std::launch::async, [&, r] {
       auto ring = std::make_unique<RingExchange>(*mesh.transports[r], std::chrono::seconds(5));
       std::vector<kernels::CodecState> states;
-      for (size_t l = 0; l < names.size(); ++l) states.emplace_back(codec.stateFloats(n));
+      for (size_t l = 0; l < names.size(); ++l) states.emplace_back(codec.stateFloats(sizes[l]));
       const BucketTag tag{"bucket.0", 0x51d3c0ffee000001ull, static_cast<uint32_t>(names.size())};
       std::vector<BucketRankStep> out;
       for (uint64_t step = 1; step <= steps; ++step) {
@@ -512,6 +526,8 @@ std::vector<std::vector<BucketRankStep>> runSparseBucket(Mesh& mesh, const kerne
         ctx.step = step;
         ctx.defer_sent = true;
         for (size_t l = 0; l < names.size(); ++l) {
+          const size_t n = sizes[l];
+          const kernels::Chunking& chunking = chunkings[l];
           const auto x = sparseInput(r + static_cast<uint32_t>(l) * 7, step, n);
           auto payloads = kernels::encodeTensor(codec, ctx, chunking,
                                                 kernels::ConstTensor{x.data(), n}, states[l]);
@@ -529,8 +545,9 @@ std::vector<std::vector<BucketRankStep>> runSparseBucket(Mesh& mesh, const kerne
         s.ok = got.isOk();
         if (!got) s.error = got.status().message();
         for (size_t l = 0; l < names.size() && s.ok; ++l) {
+          const kernels::Chunking& chunking = chunkings[l];
           auto& layer = s.layers[l];
-          layer.sums.assign(n, 0.0f);
+          layer.sums.assign(sizes[l], 0.0f);
           for (size_t c = 0; c < chunking.count(); ++c) {
             REQUIRE((*got)[l][c].size() == 1);
             const auto sel = (*got)[l][c][0];
@@ -561,23 +578,34 @@ TEST_CASE(
     "sparse allreduce: a bucket's regions balanced over the owners by its previous selections, "
     "the same results") {
   const uint32_t w = 3;
-  const size_t n = 1000, chunk = 1000;
-  // Six layers of one region each whose keys are ≡ 0 mod 3: by rank (c + h) mod W every region
-  // falls to rank 0.
+  const size_t chunk = 1000;
+  // Six layers whose keys are ≡ 0 mod 3: by rank (c + h) mod W every layer's first region falls
+  // to rank 0.
   std::vector<std::string> names;
   for (int i = 0; names.size() < 6; ++i) {
     const std::string name = "layers." + std::to_string(i) + ".weight";
     if (tensorKey(name) % w == 0) names.push_back(name);
   }
+  // Layers of one region each; or some of three, whose chunks go out as they are compressed,
+  // after the layers of one region before them (docs/exchange.md "Which rank owns a region").
+  std::vector<size_t> sizes(names.size(), 1000);
+  SUBCASE("layers of one region") {}
+  SUBCASE("layers of one and of three regions") { sizes[1] = sizes[4] = 3000; }
+  CAPTURE(sizes[1]);
   auto codec = kernels::createCodec({.name = "topk", .density = 0.05});
   REQUIRE(codec.isOk());
-  const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
-  REQUIRE(chunking.count() == 1);
+  std::vector<kernels::Chunking> chunkings;
+  std::vector<uint32_t> rule;  // rank (c + h) mod W of every region
+  for (size_t l = 0; l < names.size(); ++l) {
+    chunkings.push_back(kernels::chunkingFor(**codec, sizes[l], chunk));
+    REQUIRE(chunkings[l].count() == sizes[l] / chunk);
+    for (size_t c = 0; c < chunkings[l].count(); ++c) rule.push_back(c % w);
+  }
   Mesh mesh(w);
   mesh.startAll();
   REQUIRE(mesh.allConnected());
   // Rank 1 restarts (a fresh exchange, no weights) before step 4.
-  const auto steps = runSparseBucket(mesh, **codec, names, n, chunk, 5, {1}, 4);
+  const auto steps = runSparseBucket(mesh, **codec, names, sizes, chunk, 5, {1}, 4);
   for (size_t s = 0; s < steps.size(); ++s) {
     CAPTURE(s + 1);
     const auto& ranks = steps[s];
@@ -589,23 +617,26 @@ TEST_CASE(
       CHECK(r.balanced == expect_balanced);
       CHECK(r.owners == ranks[0].owners);
     }
-    std::vector<uint64_t> load(w, 0);
-    for (uint32_t o : ranks[0].owners) ++load[o];
     if (!expect_balanced) {
-      CHECK(load == std::vector<uint64_t>{names.size(), 0, 0});
+      CHECK(ranks[0].owners == rule);
     } else {
-      CHECK(load == std::vector<uint64_t>(w, 2));
       // Balanced by the previous step's selections: each region's entries, largest first.
       std::vector<uint64_t> weights;
-      for (const auto& layer : steps[s - 1][0].layers) {
-        for (size_t c = 0; c < chunking.count(); ++c) {
-          auto count =
-              kernels::sparseEntryCount(layer.selected[c], (*codec)->traits().id, chunking.size(c));
+      for (size_t l = 0; l < names.size(); ++l) {
+        const auto& layer = steps[s - 1][0].layers[l];
+        for (size_t c = 0; c < chunkings[l].count(); ++c) {
+          auto count = kernels::sparseEntryCount(layer.selected[c], (*codec)->traits().id,
+                                                 chunkings[l].size(c));
           REQUIRE(count.isOk());
           weights.push_back(*count);
         }
       }
       CHECK(ranks[0].owners == balanceOwners(weights, w));
+      if (rule.size() == names.size()) {
+        std::vector<uint64_t> load(w, 0);
+        for (uint32_t o : ranks[0].owners) ++load[o];
+        CHECK(load == std::vector<uint64_t>(w, 2));
+      }
       std::vector<uint64_t> moved(w, 0);
       for (size_t u = 0; u < weights.size(); ++u) moved[ranks[0].owners[u]] += weights[u];
       const uint64_t total = std::accumulate(weights.begin(), weights.end(), uint64_t{0});
@@ -618,7 +649,7 @@ TEST_CASE(
       CAPTURE(names[l]);
       std::vector<SparseRankStep> layer;
       for (const auto& r : ranks) layer.push_back(r.layers[l]);
-      const auto want = sparseReference(**codec, chunking, layer);
+      const auto want = sparseReference(**codec, chunkings[l], layer);
       for (const auto& r : ranks) CHECK(identicalBits(r.layers[l].sums, want));
     }
   }
@@ -639,19 +670,24 @@ TEST_CASE(
   REQUIRE(codec.isOk());
   const uint8_t id = static_cast<uint8_t>((*codec)->traits().id);
   const kernels::Chunking chunking = kernels::chunkingFor(**codec, n, chunk);
-  // Step 1 on ranks 0 and 1 (rank 2 runs none): both fail before their deadline, with `message`,
-  // and keep their state.
-  auto failsOnRanks01 = [&](Mesh& mesh, const std::string& message) {
+  // Step 1 of a layer of `layer` elements on every rank but `silent` (which runs none): all fail
+  // before their deadline, with `message`, and keep their state.
+  auto failsWithout = [&](Mesh& mesh, uint32_t silent, size_t layer, const std::string& message) {
     const auto t0 = std::chrono::steady_clock::now();
     const auto steps = runSparse(
-        mesh, **codec, n, chunk, [&](uint32_t r, uint64_t s) { return sparseInput(r, s, n); }, 1,
-        {2}, std::chrono::milliseconds(4000));
+        mesh, **codec, layer, chunk,
+        [&](uint32_t r, uint64_t s) { return sparseInput(r, s, layer); }, 1, {silent},
+        std::chrono::milliseconds(4000));
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(3500));
+    REQUIRE(steps.at(0).size() == w - 1);
     for (const auto& r : steps.at(0)) {
       CHECK_FALSE(r.ok);
       CHECK_MESSAGE(r.error.find(message) != std::string::npos, r.error);
       for (float v : r.state) REQUIRE(v == 0.0f);
     }
+  };
+  auto failsOnRanks01 = [&](Mesh& mesh, const std::string& message) {
+    failsWithout(mesh, 2, n, message);
   };
   // Rank 2's real payloads of step 1 (what it would send).
   const auto x = sparseInput(2, 1, n);
@@ -664,44 +700,68 @@ TEST_CASE(
   REQUIRE(p.isOk());
   const std::vector<uint8_t>& real0 = (*p)[chunkOf(0)];
   const uint64_t k = (*codec)->selectionCount(n, std::nullopt);  // topk: its entries of the layer
+  // The layer has three chunks: rank 2 sends each chunk's payload, and its count of the layer's
+  // entries in a frame of its own (phase 7) to each owner.
   SUBCASE("a contribution that does not decode") {
     Mesh mesh(w);
     mesh.startAll();
     REQUIRE(mesh.allConnected());
-    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0),
-                contribution(k, std::vector<uint8_t>(40, 0x5A)), id);
+    sendAsRank2(*mesh.transports[2], 0, 7, 0, countOf(k), 0);
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), std::vector<uint8_t>(40, 0x5A), id);
     failsOnRanks01(mesh, "chunk " + std::to_string(chunkOf(0)) + " of 't': payload of rank 2");
   }
-  SUBCASE("a contribution shorter than its count of entries") {
+  SUBCASE("a count frame of another size") {
     Mesh mesh(w);
     mesh.startAll();
     REQUIRE(mesh.allConnected());
-    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), std::vector<uint8_t>(5, 0), id);
-    failsOnRanks01(mesh, "rank 2's contribution to chunk " + std::to_string(chunkOf(0)) +
-                             " of 't' is 5 bytes, shorter than its 8-byte count");
+    sendAsRank2(*mesh.transports[2], 0, 7, 0, std::vector<uint8_t>(5, 0), 0);
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), real0, id);
+    failsOnRanks01(mesh, "rank 2's count of entries of 't' is 5 bytes, not 8");
   }
-  SUBCASE("a contribution declaring more entries than the layer has elements") {
+  SUBCASE("a count declaring more entries than the layer has elements") {
     Mesh mesh(w);
     mesh.startAll();
     REQUIRE(mesh.allConnected());
-    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), contribution(~uint64_t{0}, real0), id);
+    sendAsRank2(*mesh.transports[2], 0, 7, 0, countOf(~uint64_t{0}), 0);
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), real0, id);
     failsOnRanks01(mesh, "declares 18446744073709551615 entries for a layer of 3000 elements");
   }
   SUBCASE("a contribution holding more entries than its rank declared for the layer") {
     Mesh mesh(w);
     mesh.startAll();
     REQUIRE(mesh.allConnected());
-    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), contribution(1, real0), id);
+    sendAsRank2(*mesh.transports[2], 0, 7, 0, countOf(1), 0);
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), real0, id);
     failsOnRanks01(mesh, "payload of rank 2 holds");
+  }
+  // A layer of one chunk: the count in the contribution's first 8 bytes. Its chunk belongs to
+  // rank `shift`; another rank speaks wrongly.
+  const uint32_t bad = (shift + 1) % w;
+  const std::string named = "rank " + std::to_string(bad) + "'s contribution to chunk 0 of 't' ";
+  SUBCASE("a layer of one chunk: a contribution shorter than its count of entries") {
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    sendAs(*mesh.transports[bad], bad, shift, 5, 0, std::vector<uint8_t>(5, 0), id);
+    failsWithout(mesh, bad, chunk, named + "is 5 bytes, shorter than its 8-byte count");
+  }
+  SUBCASE("a layer of one chunk: a contribution declaring more entries than it has elements") {
+    Mesh mesh(w);
+    mesh.startAll();
+    REQUIRE(mesh.allConnected());
+    sendAs(*mesh.transports[bad], bad, shift, 5, 0, contribution(chunk + 1, real0), id);
+    failsWithout(mesh, bad, chunk, named + "declares 1001 entries for a layer of 1000 elements");
   }
   SUBCASE("a selection that does not decode (of another chunk size)") {
     Mesh mesh(w);
     mesh.startAll();
     REQUIRE(mesh.allConnected());
-    // Rank 2's real contributions to owners 0 and 1; as the owner of its chunk, a selection of
-    // 1008 elements (the chunk has 1000), one entry beyond the chunk.
-    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), contribution(k, real0), id);
-    sendAsRank2(*mesh.transports[2], 1, 5, chunkOf(1), contribution(k, (*p)[chunkOf(1)]), id);
+    // Rank 2's real contributions (and counts) to owners 0 and 1; as the owner of its chunk, a
+    // selection of 1008 elements (the chunk has 1000), one entry beyond the chunk.
+    for (uint32_t dst = 0; dst < 2; ++dst)
+      sendAsRank2(*mesh.transports[2], dst, 7, 0, countOf(k), 0);
+    sendAsRank2(*mesh.transports[2], 0, 5, chunkOf(0), real0, id);
+    sendAsRank2(*mesh.transports[2], 1, 5, chunkOf(1), (*p)[chunkOf(1)], id);
     std::vector<float> bad(chunk + 8, 0.0f);
     bad[chunk + 3] = 1.0f;
     std::vector<uint8_t> sel(kernels::sparseMaxPayloadBytes(chunk + 8, kernels::DType::kF32));
