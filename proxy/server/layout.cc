@@ -2,6 +2,8 @@
 
 #include <xxhash.h>
 
+#include <boost/json/parse.hpp>
+
 #include <algorithm>
 #include <numeric>
 #include <set>
@@ -103,6 +105,20 @@ std::string parseLayout(const json::value& v, uint64_t elements, const std::stri
   out->entries = std::move(entries);
   out->hash = layoutHash(out->entries);
   return "";
+}
+
+std::string parseLayoutText(std::string_view text, uint64_t elements, const std::string& bucket,
+                            Layout* out) {
+  if (text.size() > kMaxLayoutBytes) {
+    return "the layout takes " + std::to_string(text.size()) + " bytes, more than " +
+           std::to_string(kMaxLayoutBytes);
+  }
+  boost::system::error_code ec;
+  json::parse_options opts;
+  opts.max_depth = 16;  // as every JSON body's (an entry's shape is at depth 3)
+  const json::value v = json::parse(text, ec, {}, opts);
+  if (ec) return "malformed layout JSON: " + ec.message();
+  return parseLayout(v, elements, bucket, out);
 }
 
 uint64_t layoutHash(const std::vector<LayoutEntry>& entries) {

@@ -26,6 +26,9 @@ inline constexpr size_t kMaxLayoutEntries = 4096;
 /// Buckets whose layout the registry keeps at most (DDP rebuilds its buckets once, after the
 /// first iteration: a job sends about twice as many bucket names as it has buckets).
 inline constexpr size_t kMaxLayouts = 65536;
+/// Bytes a layout sent as JSON text ahead of a raw body (form 1's `layout_bytes`) may take at most:
+/// room for kMaxLayoutEntries entries of the longest names and shapes (about 650 bytes each).
+inline constexpr size_t kMaxLayoutBytes = size_t{4} << 20;
 
 /// One parameter of a bucket.
 struct LayoutEntry {
@@ -49,6 +52,11 @@ struct Layout {
 /// client naming the entry (by its index and name).
 std::string parseLayout(const boost::json::value& v, uint64_t elements, const std::string& bucket,
                         Layout* out);
+
+/// parseLayout() of `text`, the layout as JSON text (form 1's body prefix, docs/api.md "Form 1:
+/// raw body"): at most kMaxLayoutBytes of UTF-8 JSON. "" or a message for the client.
+std::string parseLayoutText(std::string_view text, uint64_t elements, const std::string& bucket,
+                            Layout* out);
 
 /// XXH3-64 over every entry's name, offset and shape, in order.
 uint64_t layoutHash(const std::vector<LayoutEntry>& entries);

@@ -30,6 +30,7 @@
 #include "proxy/config/config.h"
 #include "proxy/server/control_api.h"
 #include "proxy/server/http_server.h"
+#include "proxy/server/layout.h"
 #include "proxy/step/engine.h"
 #include "tests/fuzz/peer_bodies.h"
 #include "tests/fuzz/targets.h"
@@ -289,6 +290,21 @@ void seeds(Seeds& out) {
       seed(0, {request("POST", "/v1/emit_gradient?name=w&step=1&shape=2,2", body4, raw),
                request("POST", "/v1/emit_gradient?name=w&step=2&dtype=float32", body4, raw),
                request("GET", "/v1/status")}));
+  // A bucket's layout inline (docs/api.md "Form 1: raw body"), then by its hash.
+  const std::string layout =
+      R"([{"name":"a.weight","offset":0,"shape":[3]},{"name":"a.bias","offset":3,"shape":[1]}])";
+  proxy::Layout parsed;
+  if (!proxy::parseLayoutText(layout, 4, "bucket.a", &parsed).empty()) fail("the seed's layout");
+  out.emplace_back("emit_raw_layout",
+                   seed(0, {request("POST",
+                                    "/v1/emit_gradient?name=bucket.a&step=1&layout_bytes=" +
+                                        std::to_string(layout.size()),
+                                    layout + body4, raw),
+                            request("POST",
+                                    "/v1/emit_gradient?name=bucket.a&step=2&layout_hash=" +
+                                        proxy::layoutHashText(parsed.hash),
+                                    body4, raw),
+                            request("GET", "/v1/status")}));
   out.emplace_back("emit_half",
                    seed(0, {request("POST", "/v1/emit_gradient?name=h&step=1&dtype=float16",
                                     std::string("\x00\x3c\x00\xc0\x00\x38\x00\x42", 8), raw),

@@ -94,6 +94,42 @@ class Response(object):
         return json.loads(self.body.decode("utf-8")) if self.body else {}
 
 
+class LayoutHashes(object):
+    """The layout hash a sidecar holds for each bucket name, so that a trainer sends a bucket's
+    layout once (docs/api.md "Layouts: one tensor per layer"), by either form of
+    ``emit_gradient``. Thread-safe."""
+
+    def __init__(self):
+        self._hashes = {}
+        self._lock = threading.Lock()
+        self.by_hash = True  # False: the sidecar predates layout_hash (the layout every time)
+
+    def send(self, bucket, layout, emit):
+        """One step of ``bucket``: ``emit(layout, layout_hash)`` sends the request and returns
+        ``(result, the reply's layout hash)``. It gets the layout the first time, then the hash
+        only, and the layout again when the sidecar holds none (404 ``unknown_layout``: it
+        restarted). Returns the result."""
+        with self._lock:
+            known = self._hashes.get(bucket)
+        try:
+            result, got = emit(None if known else layout, known)
+        except LightwireError as e:
+            unknown = e.status == 404 and e.error == "unknown_layout"
+            # A sidecar older than layout_hash refuses it as an unknown field or parameter.
+            older = e.status == 400 and "'layout_hash' (known:" in (e.message or "")
+            if known is None or not (unknown or older):
+                raise
+            with self._lock:
+                if older:
+                    self.by_hash = False
+                self._hashes.pop(bucket, None)
+            result, got = emit(layout, None)
+        if got and self.by_hash:
+            with self._lock:
+                self._hashes[bucket] = str(got)
+        return result
+
+
 class Client(object):
     """A client of one sidecar.
 
@@ -127,6 +163,8 @@ class Client(object):
         self._local = threading.local()
         self._all_conns = []
         self._conns_lock = threading.Lock()
+        self._layouts_sent = LayoutHashes()  # emit_layers' buckets
+        self.last_figures = None
 
     def __repr__(self):
         where = self.url if self.url else "unix:" + self.socket_path
@@ -247,10 +285,37 @@ class Client(object):
 
     # ------------------------------------------------------------------ API
 
-    def emit_gradient(self, tensor, name, step, trainer=None):
+    def emit_gradient(self, tensor, name, step, trainer=None, layout=None, layout_hash=None):
         """Form 1 (raw body): send ``tensor`` (numpy float32/float16 array, or CPU torch
         float32/float16/bfloat16 tensor) as this trainer's part of ``step`` of tensor ``name``;
-        returns the averaged tensor, of the same type, dtype and shape (a new object)."""
+        returns the averaged tensor, of the same type, dtype and shape (a new object).
+        ``last_figures`` holds the step's figures from the reply's headers.
+
+        ``layout`` (optional): ``tensor`` is a bucket of parameters, a list of
+        ``{"name", "offset", "shape"}`` (offsets in elements from the tensor's start), each
+        exchanged as a tensor of its own (docs/api.md "Layouts: one tensor per layer"); ``name``
+        then names the bucket. The layout goes ahead of the tensor's bytes in the body.
+        ``layout_hash`` (optional): instead of ``layout``, the ``last_figures["layout_hash"]`` of an
+        earlier step of this bucket name. A trainer sends the layout once, then only the hash, and
+        the layout again when the sidecar answers 404 ``unknown_layout`` (it restarted and holds
+        none): ``emit_layers`` does exactly that."""
+        out, self.last_figures = self._emit_raw(tensor, name, step, trainer, layout, layout_hash)
+        return out
+
+    def emit_layers(self, tensor, name, step, layout, trainer=None):
+        """``emit_gradient`` of a bucket whose layout is sent once: with ``layout`` the first
+        time, then with the layout hash the sidecar replied, and with ``layout`` again when the
+        sidecar holds no layout under ``name`` (it restarted: 404 ``unknown_layout``). Returns
+        the averaged tensor; ``last_figures`` as ``emit_gradient``."""
+        def emit(layout, layout_hash):
+            out, figures = self._emit_raw(tensor, name, step, trainer, layout, layout_hash)
+            self.last_figures = figures
+            return out, figures["layout_hash"]
+
+        return self._layouts_sent.send(name, layout, emit)
+
+    def _emit_raw(self, tensor, name, step, trainer, layout, layout_hash):
+        """Form 1 of ``tensor``; returns (the averaged tensor, the figures of the reply)."""
         wire = to_wire(tensor)
         params = [("name", name), ("step", int(step)), ("dtype", wire.dtype)]
         shape = wire.shape_param()
@@ -259,6 +324,18 @@ class Client(object):
         trainer = self._trainer(trainer)
         if trainer is not None:
             params.append(("trainer", int(trainer)))
+        headers = {"Content-Type": "application/octet-stream"}
+        body = wire.body
+        if layout is not None:
+            # The layout's JSON, padded with spaces to a multiple of 8 bytes so that the values
+            # after it stay aligned in the sidecar's copy of the body (no move there).
+            prefix = json.dumps(layout, separators=(",", ":")).encode("utf-8")
+            prefix += b" " * (-len(prefix) % 8)
+            params.append(("layout_bytes", len(prefix)))
+            body = [prefix, wire.body]  # sent one after the other: the tensor is not copied
+            headers["Content-Length"] = str(len(prefix) + wire.nbytes)
+        if layout_hash is not None:
+            params.append(("layout_hash", str(layout_hash)))
         path = "/v1/emit_gradient?" + "&".join("%s=%s" % (k, _q(v)) for k, v in params)
         out = {}
 
@@ -269,12 +346,11 @@ class Client(object):
             out["obj"] = obj
             return view
 
-        resp = self.request("POST", path, body=wire.body,
-                            headers={"Content-Type": "application/octet-stream"}, read_into=read_into)
+        resp = self.request("POST", path, body=body, headers=headers, read_into=read_into)
         if "obj" not in out:
             raise LightwireError(resp.status, "bad_reply",
                                  "emit_gradient reply has %d bytes, expected %d" % (len(resp.body), wire.nbytes))
-        self.last_figures = {
+        figures = {
             "codec": resp.headers.get("X-Lightwire-Codec"),
             "raw_bytes": _int_or_none(resp.headers.get("X-Lightwire-Raw-Bytes")),
             "wire_bytes": _int_or_none(resp.headers.get("X-Lightwire-Wire-Bytes")),
@@ -282,8 +358,10 @@ class Client(object):
             # None when the sidecar does not send them (Form 2's JSON reply always has them).
             "mode": resp.headers.get("X-Lightwire-Mode"),
             "settings": _int_or_none(resp.headers.get("X-Lightwire-Settings")),
+            # None unless the request carried a layout or its hash.
+            "layout_hash": resp.headers.get("X-Lightwire-Layout-Hash"),
         }
-        return out["obj"]
+        return out["obj"], figures
 
     def register_buffer(self, shm, size=None):
         """Register a shared-memory segment (a ``ShmSegment``, or an ``shm_open`` name with its
@@ -553,9 +631,16 @@ def default_client():
         return _default
 
 
-def emit_gradient(tensor, name, step, trainer=None):
+def emit_gradient(tensor, name, step, trainer=None, layout=None, layout_hash=None):
     """``default_client().emit_gradient(...)``."""
-    return default_client().emit_gradient(tensor, name=name, step=step, trainer=trainer)
+    return default_client().emit_gradient(tensor, name=name, step=step, trainer=trainer,
+                                          layout=layout, layout_hash=layout_hash)
+
+
+def emit_layers(tensor, name, step, layout, trainer=None):
+    """``default_client().emit_layers(...)``."""
+    return default_client().emit_layers(tensor, name=name, step=step, layout=layout,
+                                        trainer=trainer)
 
 
 def report(step, loss=None, fallbacks=None, trainer=None):

@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from ._errors import LightwireError, SidecarUnavailable
 from ._shm import ShmSegment
-from .client import Client
+from .client import Client, LayoutHashes
 
 log = logging.getLogger("lightwire.torch")
 
@@ -583,8 +583,7 @@ class LightwireHookState(object):
         self.per_layer = bool(per_layer)
         self._names = _parameter_names(module) if self.per_layer else {}
         self._layouts = {}         # tuple of parameter ids -> (bucket name, layout)
-        self._layout_hashes = {}   # bucket name -> the layout hash its sidecar holds
-        self._layout_by_hash = True  # False: the sidecar predates layout_hash
+        self._layouts_sent = LayoutHashes()  # the layout hash its sidecar holds, per bucket
         # Momentum (see SGD): the optimizer the trainer declared (SGD declares itself), and the
         # momentum the sidecar applies to each parameter's gradient, from the last reply naming it.
         self.optimizer = optimizer
@@ -857,33 +856,20 @@ class LightwireHookState(object):
     # ------------------------------------------------------------------ one bucket
 
     def _send(self, buffer_id, name, step, dtype, shape, layout, timing=None, place=None):
-        """Form 2 of one bucket: its layout the first time, then only its hash (the reply's
-        ``layout_hash``), and the layout again when the sidecar does not hold it (it restarted:
-        404 ``unknown_layout``)."""
-        known = self._layout_hashes.get(name) if layout is not None else None
+        """Form 2 of one bucket, its layout sent once (``LayoutHashes``: then only its hash, and
+        the layout again to a sidecar that restarted)."""
         momentum = self.declared_momentum()
-        try:
-            reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
-                                                  shape=shape, trainer=self.trainer,
-                                                  layout=None if known else layout,
-                                                  layout_hash=known, timing=timing,
-                                                  order=place, momentum=momentum)
-        except LightwireError as e:
-            unknown = e.status == 404 and e.error == "unknown_layout"
-            # A sidecar older than layout_hash refuses the field: the layout with every request.
-            older = e.status == 400 and "unknown field 'layout_hash'" in (e.message or "")
-            if known is None or not (unknown or older):
-                raise
-            if older:
-                self._layout_by_hash = False
-            self._layout_hashes.pop(name, None)
+
+        def emit(layout, layout_hash):
             reply = self.client.emit_gradient_shm(buffer_id, name=name, step=step, dtype=dtype,
                                                   shape=shape, trainer=self.trainer, layout=layout,
-                                                  timing=timing, order=place, momentum=momentum)
-        if (layout is not None and self._layout_by_hash and isinstance(reply, dict)
-                and reply.get("layout_hash")):
-            self._layout_hashes[name] = str(reply["layout_hash"])
-        return reply
+                                                  layout_hash=layout_hash, timing=timing,
+                                                  order=place, momentum=momentum)
+            return reply, reply.get("layout_hash") if isinstance(reply, dict) else None
+
+        if layout is None:
+            return emit(None, None)[0]
+        return self._layouts_sent.send(name, layout, emit)
 
     def _emit(self, slot, name, step, shape, layout=None, timing=None, place=None):
         """Runs in an HTTP thread: register if needed, then Form 2. Returns the reply."""

@@ -392,6 +392,16 @@ std::string registerShm(Client& c, const std::string& name, size_t size) {
   return std::string(parseObject(reg.body()).at("id").get_string());
 }
 
+/// Biases exchanged as they are, every other layer as fp16: a result shows which codec each
+/// layer's elements went through.
+kernels::CodecConfig biasesDense(const TensorFacts& t) {
+  const std::string_view name = t.name;
+  kernels::CodecConfig cc;
+  const bool bias = name.size() >= 5 && name.substr(name.size() - 5) == ".bias";
+  cc.name = bias ? "none" : "fp16";
+  return cc;
+}
+
 }  // namespace
 
 TEST_CASE("every step error is answered with the status and code of docs/api.md's table") {
@@ -777,15 +787,7 @@ TEST_CASE("buffers: register, bad registrations, Form 2 regions, release twice")
 
 TEST_CASE(
     "a bucket with a layout: one tensor per layer, its own codec; bad layouts change nothing") {
-  // Biases exchanged as they are, every other layer as fp16: the result shows which codec each
-  // layer's elements went through.
-  Stack s({}, {}, std::chrono::seconds(10), [](const TensorFacts& t) {
-    const std::string_view name = t.name;
-    kernels::CodecConfig cc;
-    const bool bias = name.size() >= 5 && name.substr(name.size() - 5) == ".bias";
-    cc.name = bias ? "none" : "fp16";
-    return cc;
-  });
+  Stack s({}, {}, std::chrono::seconds(10), biasesDense);
   Client c = s.unixClient();
   ClientSegment seg(4096);
   const std::string id = registerShm(c, seg.name(), 4096);
@@ -958,6 +960,153 @@ TEST_CASE(
   expectError(c.request(http::verb::post, "/v1/emit_gradient?name=bucket.a&step=9", raw, kRaw), 400,
               "invalid_argument");
   CHECK(snapshot(c) == before_hash);
+}
+
+TEST_CASE(
+    "a raw body with its layout inline: one tensor per layer, then by hash; bad layouts change "
+    "nothing") {
+  Stack s({}, {}, std::chrono::seconds(10), biasesDense);
+  Client c = s.unixClient();
+  const std::string layout = R"([{"name": "fc.weight", "offset": 0, "shape": [2, 3]},
+      {"name": "fc.bias", "offset": 6, "shape": [2]}, {"name": "out.weight", "offset": 8,
+      "shape": [4]}])";
+  std::vector<float> sent(12);
+  for (size_t i = 0; i < sent.size(); ++i) sent[i] = 0.1f * static_cast<float>(i) + 0.01f;
+  const std::string tensor = floatsBody(sent);
+  // POST of `prefix` (the layout's JSON, or nothing) and the tensor, with `query` after "step=N".
+  auto emit = [&](uint64_t step, const std::string& prefix, const std::string& query,
+                  const std::string& bucket = "bucket.r") {
+    std::string target = "/v1/emit_gradient?name=" + bucket + "&step=" + std::to_string(step);
+    if (!prefix.empty()) target += "&layout_bytes=" + std::to_string(prefix.size());
+    return c.request(http::verb::post, target + query, prefix + tensor, kRaw);
+  };
+  const std::string before = snapshot(c);
+
+  // Bad requests: 400 naming the problem, no layout registered, no step run.
+  const std::string aligned = layout + std::string(4 - layout.size() % 4, ' ');
+  const std::vector<std::pair<std::string, std::string>> bad_targets = {
+      {"layout_bytes=x", "'layout_bytes' must be an unsigned integer"},
+      {"layout_bytes=0", "'layout_bytes' must be 1 to 4194304"},
+      {"layout_bytes=4194305", "'layout_bytes' must be 1 to 4194304"},
+      {"layout_bytes=" + std::to_string(aligned.size() + tensor.size() + 1),
+       "the body has only " + std::to_string(aligned.size() + tensor.size()) + " bytes"},
+      {"layout_bytes=" + std::to_string(aligned.size()) + "&shape=5",
+       "needs 20 bytes, the body has 48 bytes after its layout"},
+      {"layout_bytes=" + std::to_string(aligned.size() + 2), "not a whole number of float32"},
+      {"layout_bytes=" + std::to_string(aligned.size() - 8), "malformed layout JSON"},
+      {"layout_bytes=" + std::to_string(aligned.size()) + "&layout_hash=xyz",
+       "query parameter 'layout_hash' must be 16 hex digits"},
+      {"layout_bytes=" + std::to_string(aligned.size()) + "&layout_hash=0123456789abcdef",
+       "query parameter 'layout_hash' '0123456789abcdef' is not the hash of the layout sent "
+       "with it"},
+      {"layout_bytes=" + std::to_string(aligned.size()) + "&layout=1", "unknown query parameter"},
+  };
+  for (const auto& bad : bad_targets) {
+    const std::string& query = bad.first;  // (not a structured binding: CAPTURE takes a lambda)
+    CAPTURE(query);
+    const Res res = c.request(http::verb::post, "/v1/emit_gradient?name=bucket.r&step=0&" + query,
+                              aligned + tensor, kRaw);
+    const std::string m = expectError(res, 400, "invalid_argument");
+    CHECK_MESSAGE(m.find(bad.second) != std::string::npos, m);
+  }
+  const std::vector<std::pair<std::string, std::string>> bad_layouts = {
+      {"[{\"name\": \"a\", \"offset\": 0, ", "malformed layout JSON"},
+      {"{\"name\": \"a\"}", "must be an array"},
+      {R"([{"name": "a", "offset": 0, "shape": [13]}])", "outside the bucket"},
+      {R"([{"name": "a", "offset": 0, "shape": [6]}, {"name": "b", "offset": 7, "shape": [4]}])",
+       "hold 10 elements"},
+      {R"([{"name": "bucket.r", "offset": 0, "shape": [12]}])", "bucket's own name"},
+      {"[{\"name\": \"a\xff\", \"offset\": 0, \"shape\": [12]}]", "malformed layout JSON"},
+  };
+  for (const auto& bad : bad_layouts) {
+    const std::string& prefix = bad.first;
+    CAPTURE(prefix);
+    const std::string m = expectError(emit(0, prefix, ""), 400, "invalid_argument");
+    CHECK_MESSAGE(m.find(bad.second) != std::string::npos, m);
+    CHECK_MESSAGE(
+        m.find("the body's first " + std::to_string(prefix.size()) + " bytes") != std::string::npos,
+        m);
+  }
+  // A layout hash of a bucket this sidecar holds no layout for: 404 unknown_layout.
+  const std::string unknown =
+      expectError(emit(0, "", "&layout_hash=0123456789abcdef"), 404, "unknown_layout");
+  CHECK(unknown.find("send the bucket with its 'layout' once") != std::string::npos);
+  CHECK(snapshot(c) == before);
+
+  // The bucket: three tensors, each with its own codec; the reply is the tensor's bytes only.
+  const Res ok = emit(0, layout, "&shape=3,4");
+  REQUIRE_MESSAGE(ok.result_int() == 200, ok.body());
+  CHECK(ok[http::field::content_type] == kRaw);
+  CHECK(ok["X-Lightwire-Codec"] == "mixed");
+  CHECK(ok["X-Lightwire-Raw-Bytes"] == "48");
+  CHECK(ok["X-Lightwire-Nonfinite"] == "0");
+  CHECK(ok["X-Lightwire-Mode"] == "compressed");
+  const std::string hash(ok["X-Lightwire-Layout-Hash"]);
+  uint64_t parsed = 0;
+  CHECK(parseLayoutHash(hash, &parsed));
+  REQUIRE(ok.body().size() == tensor.size());
+  const std::vector<float> got = bodyFloats(ok.body());
+  for (size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    if (i == 6 || i == 7) {
+      CHECK(got[i] == sent[i]);  // the bias: exact
+    } else {
+      CHECK(got[i] != sent[i]);  // fp16's rounding
+      CHECK(got[i] == doctest::Approx(sent[i]).epsilon(1e-3));
+    }
+  }
+  // /v1/status lists the layers as tensors, not the bucket.
+  std::map<std::string, uint64_t> tensors;
+  const json::value status = json::parse(c.get("/v1/status").body());
+  for (const auto& t : status.at("tensors").as_array()) {
+    tensors[std::string(t.at("name").as_string())] =
+        t.at("last_committed_step").to_number<uint64_t>();
+  }
+  CHECK(tensors ==
+        std::map<std::string, uint64_t>{{"fc.weight", 0}, {"fc.bias", 0}, {"out.weight", 0}});
+
+  // Sent once: the hash alone names it from then on; with both, the hash must be the layout's.
+  const Res by_hash = emit(1, "", "&layout_hash=" + hash);
+  REQUIRE_MESSAGE(by_hash.result_int() == 200, by_hash.body());
+  CHECK(by_hash["X-Lightwire-Layout-Hash"] == hash);
+  CHECK(bodyFloats(by_hash.body()) == got);
+  const Res both = emit(2, layout, "&layout_hash=" + hash);
+  REQUIRE_MESSAGE(both.result_int() == 200, both.body());
+  // A layout of any length: one whose values would not be aligned is as good (spaces pad JSON).
+  const Res unaligned = emit(3, layout + std::string(4 - layout.size() % 4 + 1, ' '), "");
+  REQUIRE_MESSAGE(unaligned.result_int() == 200, unaligned.body());
+  CHECK(bodyFloats(unaligned.body()) == got);
+  // The registry is the one form 2 uses: its hash is the one form 2 would reply.
+  ClientSegment seg(48);
+  const std::string id = registerShm(c, seg.name(), 48);
+  std::memcpy(seg.floats(), sent.data(), tensor.size());
+  const Res form2 = c.request(http::verb::post, "/v1/emit_gradient",
+                              R"({"buffer": ")" + id +
+                                  R"(", "name": "bucket.r", "step": 4, "shape": [12], )"
+                                  R"("layout_hash": ")" +
+                                  hash + R"("})",
+                              kJson);
+  REQUIRE_MESSAGE(form2.result_int() == 200, form2.body());
+  CHECK(parseObject(form2.body()).at("layout_hash").as_string() == hash);
+
+  // Another layout under the same bucket name, a wrong hash, a tensor part of another size: 400,
+  // and nothing runs.
+  const std::string after = snapshot(c);
+  std::string wrong = hash;
+  wrong[0] = wrong[0] == '0' ? '1' : '0';
+  const std::string other = R"([{"name": "fc.weight", "offset": 0, "shape": [6]},
+      {"name": "fc.bias", "offset": 6, "shape": [2]}, {"name": "out.weight", "offset": 8,
+      "shape": [4]}])";
+  CHECK(expectError(emit(5, other, ""), 400, "invalid_argument").find("another layout") !=
+        std::string::npos);
+  CHECK(expectError(emit(5, "", "&layout_hash=" + wrong), 400, "invalid_argument")
+            .find("was sent with layout " + hash) != std::string::npos);
+  const Res shorter =
+      c.request(http::verb::post, "/v1/emit_gradient?name=bucket.r&step=5&layout_hash=" + hash,
+                tensor.substr(0, 40), kRaw);
+  CHECK(expectError(shorter, 400, "invalid_argument").find("holds 12 elements, the request 10") !=
+        std::string::npos);
+  CHECK(snapshot(c) == after);
 }
 
 TEST_CASE(
