@@ -174,6 +174,11 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                              .Help("When this sidecar's peer TLS certificate expires (Unix time; "
                                    "only with peer.tls on).")
                              .Register(*registry_)),
+      reward_family_(BuildGauge()
+                         .Name("lightwire_reward")
+                         .Help("The job's mean reported reward, of the newest step reported "
+                               "(only once a trainer has reported one).")
+                         .Register(*registry_)),
       anomalies_family_(counterFamily(*registry_, "lightwire_anomalies_total",
                                       "Anomalies detected in the global statistics, by kind.")),
       full_syncs_family_(counterFamily(*registry_, "lightwire_full_syncs_total",
@@ -237,6 +242,8 @@ prometheus::Gauge& Metrics::peerRtt(uint32_t rank) {
 }
 
 prometheus::Gauge& Metrics::tlsCertificateExpiry() { return tls_expiry_family_.Add({}); }
+
+prometheus::Gauge& Metrics::reward() { return reward_family_.Add({}); }
 
 void Metrics::setInfo(const std::map<std::string, std::string>& labels) {
   BuildGauge()

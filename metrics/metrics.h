@@ -124,6 +124,9 @@ class Metrics {
   /// lightwire_peer_tls_certificate_expiry_timestamp_seconds: the end of validity of this
   /// sidecar's peer TLS certificate (exported only once set, i.e. with peer.tls on).
   prometheus::Gauge& tlsCertificateExpiry();
+  /// lightwire_reward: the job's mean reported reward of the newest step reported (exported only
+  /// once a trainer has reported one, POST /v1/report).
+  prometheus::Gauge& reward();
 
  private:
   explicit Metrics(std::shared_ptr<prometheus::Registry> registry);
@@ -136,6 +139,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& peer_up_family_;
   prometheus::Family<prometheus::Gauge>& peer_rtt_family_;
   prometheus::Family<prometheus::Gauge>& tls_expiry_family_;
+  prometheus::Family<prometheus::Gauge>& reward_family_;
   prometheus::Family<prometheus::Counter>& anomalies_family_;
   prometheus::Family<prometheus::Counter>& full_syncs_family_;
   prometheus::Family<prometheus::Counter>& auto_switches_family_;

@@ -71,6 +71,11 @@ std::optional<double> warmupDensity(uint64_t step, uint64_t warmup_steps) {
   return d;
 }
 
+std::optional<double> rewardDropSigma(const PolicyConfig& c) {
+  if (c.reward_drop) return std::nullopt;
+  return c.reward_drop_sigma.value_or(kRewardDropSigma);
+}
+
 Status validate(const PolicyConfig& c) {
   auto bad = [](const char* key, const std::string& what) {
     return invalidArgument(std::string(key) + " must be " + what);
@@ -82,6 +87,17 @@ Status validate(const PolicyConfig& c) {
   if (!(c.ewma_alpha > 0 && c.ewma_alpha <= 1)) return bad("policies.ewma_alpha", "in (0, 1]");
   if (!(c.cosine_drop > 0 && c.cosine_drop < 1)) return bad("policies.cosine_drop", "in (0, 1)");
   if (!(c.loss_rise > 0)) return bad("policies.loss_rise", "> 0");
+  if (c.reward_drop && !(*c.reward_drop > 0 && std::isfinite(*c.reward_drop))) {
+    return bad("policies.reward_drop", "a finite number > 0 (or unset)");
+  }
+  if (c.reward_drop_sigma && !(*c.reward_drop_sigma > 0 && std::isfinite(*c.reward_drop_sigma))) {
+    return bad("policies.reward_drop_sigma", "a finite number > 0 (or unset)");
+  }
+  if (c.reward_drop && c.reward_drop_sigma) {
+    return invalidArgument(
+        "policies.reward_drop and policies.reward_drop_sigma are both set: the reward rule takes "
+        "one form, an absolute drop or a drop of so many deviations; unset one of them");
+  }
   if (c.patience < 1) return bad("policies.patience", "at least 1");
   if (!(c.phase_factor >= 1)) return bad("schedule.phase_factor", ">= 1");
   if (!(c.adaptive_tiny > 0 && c.adaptive_tiny < 1))
@@ -201,6 +217,10 @@ std::vector<uint8_t> PolicyEngine::record(StepStats local) const {
     local.loss = loss_->sum / static_cast<double>(loss_->count);
     local.loss_step = loss_->step;
   }
+  if (reward_) {
+    local.reward = reward_->sum / static_cast<double>(reward_->count);
+    local.reward_step = reward_->step;
+  }
   local.resumed_from = resumed_from_;
   local.requests = outgoing_;
   return encodeStats(local);
@@ -316,7 +336,7 @@ void PolicyEngine::judgeGradient(const std::string& tensor, uint64_t step, const
   }
 }
 
-// Health (the cosine of compressed steps, the reported loss) and rollback. mu_ held.
+// Health (the cosine of compressed steps, the reported loss and reward) and rollback. mu_ held.
 void PolicyEngine::judgeHealth(const std::string& tensor, uint64_t step, const StepPlan& plan,
                                const GlobalStats& g, TensorState& ts, UpdateResult& out) {
   const double alpha = config_.ewma_alpha;
@@ -331,7 +351,7 @@ void PolicyEngine::judgeHealth(const std::string& tensor, uint64_t step, const S
     }
     ts.last_density = density;
   }
-  // Health: cosine of compressed steps, reported loss.
+  // Health: cosine of compressed steps, reported loss, reported reward.
   bool degraded = false;
   std::string why;
   const auto cos = g.cosine();
@@ -351,6 +371,23 @@ void PolicyEngine::judgeHealth(const std::string& tensor, uint64_t step, const S
       degraded = true;
       why += (why.empty() ? "" : "; ") + std::string("reported loss ") + fmt(*loss) +
              " against a baseline of " + fmt(ts.loss.mean);
+    }
+  }
+  // The reward (higher is better): a drop below its baseline by more than the rule allows; a rise
+  // never counts.
+  const auto reward = g.reward();
+  const bool new_reward = reward && (!ts.has_reward_step || g.reward_step > ts.last_reward_step);
+  if (new_reward) {
+    ts.has_reward_step = true;
+    ts.last_reward_step = g.reward_step;
+    if (metrics_) metrics_->reward().Set(*reward);
+    const auto sigma = rewardDropSigma(config_);
+    const double allowed = sigma ? *sigma * ts.reward.dev() : *config_.reward_drop;
+    if (ts.reward.n >= config_.baseline_steps && ts.reward.mean - *reward > allowed) {
+      degraded = true;
+      why += (why.empty() ? "" : "; ") + std::string("reported reward ") + fmt(*reward) +
+             " against a baseline of " + fmt(ts.reward.mean) + " (a drop of more than " +
+             fmt(allowed) + (sigma ? ", " + fmt(*sigma) + " deviations)" : ")");
     }
   }
   const size_t cur = currentSettingsIndex(step);
@@ -386,10 +423,11 @@ void PolicyEngine::judgeHealth(const std::string& tensor, uint64_t step, const S
   } else {
     // A step that measured no health signal (the cosine is sampled) neither breaks nor extends
     // a degraded streak.
-    const bool measured = (cos && plan.mode == StepMode::kCompressed) || new_loss;
+    const bool measured = (cos && plan.mode == StepMode::kCompressed) || new_loss || new_reward;
     if (!degraded && measured) ts.degraded = 0;
     if (cos && plan.mode == StepMode::kCompressed) ts.cosine.add(*cos, alpha);
     if (new_loss) ts.loss.add(*loss, alpha);
+    if (new_reward) ts.reward.add(*reward, alpha);
     // Settings in force long enough without degradation are known-good.
     if (!degraded && !settings_[cur].known_good &&
         step >= settings_[cur].from_step + config_.known_good_steps) {
@@ -913,22 +951,32 @@ uint64_t PolicyEngine::requestCheckpoint(uint64_t step) {
   return q.id;
 }
 
+void PolicyEngine::Reported::add(std::optional<Reported>& r, uint64_t step, double v) {
+  if (!std::isfinite(v)) return;
+  // The mean of the values of the newest step (several local trainers report one each).
+  if (!r || step > r->step) {
+    r = Reported{step, v, 1};
+  } else if (step == r->step) {
+    r->sum += v;
+    ++r->count;
+  }
+}
+
 void PolicyEngine::reportLoss(uint64_t step, double loss) {
   std::lock_guard lock(mu_);
-  if (!std::isfinite(loss)) return;
-  // The mean of the losses of the newest step (several local trainers report one each).
-  if (!loss_ || step > loss_->step) {
-    loss_ = Loss{step, loss, 1};
-  } else if (step == loss_->step) {
-    loss_->sum += loss;
-    ++loss_->count;
-  }
+  Reported::add(loss_, step, loss);
+}
+
+void PolicyEngine::reportReward(uint64_t step, double reward) {
+  std::lock_guard lock(mu_);
+  Reported::add(reward_, step, reward);
 }
 
 void PolicyEngine::setResumedFrom(uint64_t step) {
   std::lock_guard lock(mu_);
   resumed_from_ = step;
   loss_.reset();
+  reward_.reset();
 }
 
 std::optional<uint64_t> PolicyEngine::resumedFrom() const {
@@ -982,11 +1030,14 @@ json::object PolicyEngine::stateJson() const {
         {"norm", ewmaJson(t.norm.mean, t.norm.var, t.norm.n)},
         {"cosine", ewmaJson(t.cosine.mean, t.cosine.var, t.cosine.n)},
         {"loss", ewmaJson(t.loss.mean, t.loss.var, t.loss.n)},
+        {"reward", ewmaJson(t.reward.mean, t.reward.var, t.reward.n)},
         {"degraded", t.degraded},
         {"adaptive_scale", t.adaptive_scale},
         {"last_density", t.last_density},
         {"force_full_sync", t.force_full_sync},
-        {"last_loss_step", t.has_loss_step ? json::value(t.last_loss_step) : json::value(nullptr)}};
+        {"last_loss_step", t.has_loss_step ? json::value(t.last_loss_step) : json::value(nullptr)},
+        {"last_reward_step",
+         t.has_reward_step ? json::value(t.last_reward_step) : json::value(nullptr)}};
     json::object& to = tensors[name].as_object();
     if (t.last_step) to["last_step"] = *t.last_step;
     if (t.lossless) to["lossless"] = true;
@@ -1157,6 +1208,12 @@ Status PolicyEngine::restoreState(const json::value& v) {
     if (const auto* l = t.if_contains("last_loss_step"); l && !l->is_null()) {
       ts.last_loss_step = r.u64(t, "last_loss_step");
       ts.has_loss_step = true;
+    }
+    // Absent from the state of an older version: no reward reported yet.
+    if (t.contains("reward")) ts.reward = ewma(t, "reward");
+    if (const auto* l = t.if_contains("last_reward_step"); l && !l->is_null()) {
+      ts.last_reward_step = r.u64(t, "last_reward_step");
+      ts.has_reward_step = true;
     }
     if (!(ts.adaptive_scale > 0) && r.error.empty()) r.error = "adaptive_scale must be > 0";
     if (t.contains("last_step")) ts.last_step = r.u64(t, "last_step");
@@ -1342,15 +1399,20 @@ json::object PolicyEngine::statusJson() const {
   // Settings bodies can be long: status shows versions without them.
   for (auto& s : o["settings"].as_array()) s.as_object().erase("json");
   o["pending_requests"] = outgoing_.size();
-  o["config"] = json::object{{"anomaly", config_.anomaly},
-                             {"bypass_steps", config_.bypass_steps},
-                             {"full_sync_every", config_.full_sync_every},
-                             {"rollback", config_.rollback},
-                             {"warmup_steps", config_.warmup_steps},
-                             {"powersgd_start_step", config_.powersgd_start_step},
-                             {"total_steps", config_.total_steps},
-                             {"adaptive", config_.adaptive},
-                             {"min_magnitude", config_.min_magnitude}};
+  o["config"] = json::object{
+      {"anomaly", config_.anomaly},
+      {"bypass_steps", config_.bypass_steps},
+      {"full_sync_every", config_.full_sync_every},
+      {"rollback", config_.rollback},
+      {"reward_drop",
+       config_.reward_drop ? json::value(*config_.reward_drop) : json::value(nullptr)},
+      {"reward_drop_sigma",
+       rewardDropSigma(config_) ? json::value(*rewardDropSigma(config_)) : json::value(nullptr)},
+      {"warmup_steps", config_.warmup_steps},
+      {"powersgd_start_step", config_.powersgd_start_step},
+      {"total_steps", config_.total_steps},
+      {"adaptive", config_.adaptive},
+      {"min_magnitude", config_.min_magnitude}};
   // codec: auto, for people: each auto layer's rung and why.
   const AutoConfig& ac = config_.auto_codec;
   json::object layers;

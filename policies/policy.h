@@ -45,7 +45,11 @@ struct PolicyConfig {
   double cosine_drop = 0.5;  // degraded: cosine < baseline * (1 - drop) (relative: sparse codecs
                              // sit at 0.02..0.5 by nature, docs/metrics.md)
   double loss_rise = 0.5;    // degraded: loss > baseline * (1 + rise)
-  uint32_t patience = 3;     // consecutive degraded steps before a rollback
+  // Degraded: the reported reward (higher is better) dropped below its baseline by more than
+  // `reward_drop` (absolute), or by more than `reward_drop_sigma` deviations of the baseline. At
+  // most one is set; neither: kRewardDropSigma deviations (rewardDropSigma()).
+  std::optional<double> reward_drop, reward_drop_sigma;
+  uint32_t patience = 3;           // consecutive degraded steps before a rollback
   uint32_t cooldown_steps = 100;   // no further rollback for this many steps
   uint32_t known_good_steps = 50;  // settings in force this long without degradation are good
   // Schedules.
@@ -62,6 +66,11 @@ struct PolicyConfig {
   size_t decision_log = 256;          // entries kept in /v1/status
   AutoConfig auto_codec;              // compression.auto: the tensors whose codec is `auto`
 };
+
+/// The reward rule's deviations when neither policies.reward_drop nor reward_drop_sigma is set.
+inline constexpr double kRewardDropSigma = 3.0;
+/// The deviations of the reward rule in force (nullopt: its absolute form, reward_drop).
+std::optional<double> rewardDropSigma(const PolicyConfig& c);
 
 /// Checks ranges (factors > 0, alpha in (0, 1], cosine_drop in (0, 1), ...); errors name the key.
 Status validate(const PolicyConfig& c);
@@ -169,6 +178,8 @@ class PolicyEngine {
   uint64_t requestCheckpoint(uint64_t step);
   /// POST /v1/report: the trainer's loss at `step` (travels with the next records).
   void reportLoss(uint64_t step, double loss);
+  /// POST /v1/report: the trainer's reward at `step` (travels with the next records).
+  void reportReward(uint64_t step, double reward);
   /// POST /v1/resume: this sidecar resumed from `step` (told in every record from now on).
   void setResumedFrom(uint64_t step);
   std::optional<uint64_t> resumedFrom() const;
@@ -199,13 +210,15 @@ class PolicyEngine {
     double dev() const;
   };
   struct TensorState {
-    Ewma norm, cosine, loss;
+    Ewma norm, cosine, loss, reward;
     uint32_t degraded = 0;                  // consecutive degraded steps
     double adaptive_scale = 1.0;            // density multiplier of the adaptive schedule
     uint64_t force_full_sync = UINT64_MAX;  // a full-sync forced at this step
     double last_density = -2.0;  // the density override of its last compressed step (-1: none)
     uint64_t last_loss_step = 0;
     bool has_loss_step = false;
+    uint64_t last_reward_step = 0;
+    bool has_reward_step = false;
     std::optional<uint64_t> last_step;  // the last step updated
     bool lossless = false;              // its last step's plan was codec none, every step
     // peer.sparse auto: its collective at its last compressed selection step (-1: none yet, 0:
@@ -306,12 +319,14 @@ class PolicyEngine {
   // This sidecar's outgoing requests (until seen in a step's global statistics).
   std::vector<Request> outgoing_;
   uint64_t next_request_id_ = 1;
-  struct Loss {
+  // The trainers' reports of the newest step reported: their mean goes with the next records.
+  struct Reported {
     uint64_t step = 0;
     double sum = 0;
     uint64_t count = 0;
+    static void add(std::optional<Reported>& r, uint64_t step, double v);
   };
-  std::optional<Loss> loss_;
+  std::optional<Reported> loss_, reward_;
   std::optional<uint64_t> resumed_from_;
 };
 

@@ -11,7 +11,7 @@ namespace lightwire::policies {
 namespace {
 
 constexpr uint8_t kStatsMagic[4] = {'L', 'W', 'S', '1'};
-constexpr uint16_t kVersion = 3;
+constexpr uint16_t kVersion = 4;
 constexpr size_t kMaxRecordBytes = size_t{64} << 10;  // = proxy's kMaxStatsBytes
 constexpr uint32_t kMaxRequests = 16;
 constexpr size_t kMaxBodyBytes = size_t{48} << 10;
@@ -124,12 +124,21 @@ std::optional<double> GlobalStats::cosine() const {
   return std::clamp(c, -1.0, 1.0);
 }
 
-std::optional<double> GlobalStats::loss() const {
-  if (loss_ranks == 0) return std::nullopt;
-  const double mean = loss_sum / loss_ranks;  // finite losses whose sum overflowed: none
+namespace {
+
+/// The mean of `ranks` reported values summing to `sum` (finite values whose sum overflowed: none).
+std::optional<double> reportedMean(uint32_t ranks, double sum) {
+  if (ranks == 0) return std::nullopt;
+  const double mean = sum / ranks;
   if (!std::isfinite(mean)) return std::nullopt;
   return mean;
 }
+
+}  // namespace
+
+std::optional<double> GlobalStats::loss() const { return reportedMean(loss_ranks, loss_sum); }
+
+std::optional<double> GlobalStats::reward() const { return reportedMean(reward_ranks, reward_sum); }
 
 std::vector<uint8_t> encodeStats(const StepStats& s) {
   Writer w;
@@ -138,9 +147,9 @@ std::vector<uint8_t> encodeStats(const StepStats& s) {
   const bool cos = s.cos_dot && s.cos_c2 && s.cos_g2;
   const bool link = s.link_bytes_per_s && s.link_latency_s;
   const bool timing = s.compute_s && s.overlap_s;
-  w.le<uint16_t>(static_cast<uint16_t>((cos ? 1 : 0) | (s.loss ? 2 : 0) | (link ? 4 : 0) |
-                                       (timing ? 8 : 0) | (s.direct_s ? 16 : 0) |
-                                       (s.tail_s ? 32 : 0) | (s.momentum ? 64 : 0)));
+  w.le<uint16_t>(static_cast<uint16_t>(
+      (cos ? 1 : 0) | (s.loss ? 2 : 0) | (link ? 4 : 0) | (timing ? 8 : 0) | (s.direct_s ? 16 : 0) |
+      (s.tail_s ? 32 : 0) | (s.momentum ? 64 : 0) | (s.reward ? 128 : 0)));
   w.f64(s.grad_norm2);
   w.le<uint64_t>(s.nonfinite);
   w.le<uint64_t>(s.elements);
@@ -159,6 +168,8 @@ std::vector<uint8_t> encodeStats(const StepStats& s) {
   w.f64(s.direct_s.value_or(0.0));
   w.f64(s.tail_s.value_or(0.0));
   w.f64(s.momentum.value_or(0.0));
+  w.f64(s.reward.value_or(0.0));
+  w.le<uint64_t>(s.reward_step);
   w.le<uint32_t>(static_cast<uint32_t>(s.requests.size()));
   for (const auto& r : s.requests) writeRequest(w, r, false);
   return std::move(w.out);
@@ -182,7 +193,7 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
     return invalidArgument("statistics record version " + std::to_string(version) +
                            " (this sidecar reads 1 to " + std::to_string(kVersion) + ")");
   }
-  const uint16_t known = version == 1 ? 3 : version == 2 ? 63 : 127;
+  const uint16_t known = version == 1 ? 3 : version == 2 ? 63 : version == 3 ? 127 : 255;
   if ((flags & ~known) != 0) return invalidArgument("statistics record: unknown flags");
   StepStats s;
   double dot = 0, c2 = 0, g2 = 0, loss = 0;
@@ -242,6 +253,16 @@ Result<StepStats> decodeStats(std::span<const uint8_t> bytes) {
       s.momentum = m;
     }
   }
+  if (version >= 4) {
+    double reward = 0;
+    if (!r.f64(reward) || !r.le(s.reward_step)) return truncated();
+    if (flags & 128) {
+      if (!std::isfinite(reward)) {
+        return invalidArgument("statistics record: the reported reward must be finite");
+      }
+      s.reward = reward;
+    }
+  }
   uint32_t count = 0;
   if (!r.le(count)) return truncated();
   if (count > kMaxRequests) {
@@ -268,6 +289,16 @@ namespace {
 constexpr uint8_t kPartialMagic[4] = {'L', 'W', 'P', '1'};
 constexpr uint32_t kMaxRanks = 1u << 16;  // = proxy's largest world size
 
+/// Adds a rank's reported value (a loss, a reward) of step `step` to the count, sum and newest
+/// step of the fold.
+void addReported(const std::optional<double>& v, uint64_t step, uint32_t& ranks, double& sum,
+                 uint64_t& newest) {
+  if (!v || !std::isfinite(*v)) return;
+  ++ranks;
+  sum += *v;
+  newest = std::max(newest, step);
+}
+
 /// Folds one decoded record of `rank` into `p` (rank order: the caller checks it).
 void foldInto(PartialStats& p, StepStats s, uint32_t rank) {
   GlobalStats& g = p.g;
@@ -283,11 +314,8 @@ void foldInto(PartialStats& p, StepStats s, uint32_t rank) {
     g.cos_c2 += *s.cos_c2;
     g.cos_g2 += *s.cos_g2;
   }
-  if (s.loss && std::isfinite(*s.loss)) {
-    ++g.loss_ranks;
-    g.loss_sum += *s.loss;
-    g.loss_step = std::max(g.loss_step, s.loss_step);
-  }
+  addReported(s.loss, s.loss_step, g.loss_ranks, g.loss_sum, g.loss_step);
+  addReported(s.reward, s.reward_step, g.reward_ranks, g.reward_sum, g.reward_step);
   if (s.link_bytes_per_s) {
     // The fastest link any rank measured: an exchange is collective, so every rank's time
     // holds the slowest hop, and what differs between ranks is how long each waited for the
@@ -346,6 +374,9 @@ std::vector<uint8_t> encodePartial(const PartialStats& p) {
   w.le<uint32_t>(g.loss_ranks);
   w.f64(g.loss_sum);
   w.le<uint64_t>(g.loss_step);
+  w.le<uint32_t>(g.reward_ranks);
+  w.f64(g.reward_sum);
+  w.le<uint64_t>(g.reward_step);
   w.f64(link ? *g.link_bytes_per_s : 0.0);
   w.f64(link ? *g.link_latency_s : 0.0);
   w.f64(g.direct_s.value_or(0.0));
@@ -393,13 +424,16 @@ Result<PartialStats> decodePartial(std::span<const uint8_t> bytes) {
   if (!r.le(g.ranks) || !r.le(p.next_rank) || !r.le(flags) || !r.f64(g.grad_norm2) ||
       !r.le(g.nonfinite) || !r.le(g.elements) || !r.le(g.small) || !r.f64(g.residual_norm2) ||
       !r.le(g.cos_ranks) || !r.f64(g.cos_dot) || !r.f64(g.cos_c2) || !r.f64(g.cos_g2) ||
-      !r.le(g.loss_ranks) || !r.f64(g.loss_sum) || !r.le(g.loss_step) || !r.f64(bps) ||
-      !r.f64(lat) || !r.f64(direct) || !r.f64(tail) || !r.f64(m)) {
+      !r.le(g.loss_ranks) || !r.f64(g.loss_sum) || !r.le(g.loss_step) || !r.le(g.reward_ranks) ||
+      !r.f64(g.reward_sum) || !r.le(g.reward_step) || !r.f64(bps) || !r.f64(lat) ||
+      !r.f64(direct) || !r.f64(tail) || !r.f64(m)) {
     return truncated();
   }
   if ((flags & ~31) != 0) return bad("unknown flags");
   if (g.ranks > p.next_rank || p.next_rank > kMaxRanks) return bad("more records than ranks");
-  if (g.cos_ranks > g.ranks || g.loss_ranks > g.ranks) return bad("counts exceed the records");
+  if (g.cos_ranks > g.ranks || g.loss_ranks > g.ranks || g.reward_ranks > g.ranks) {
+    return bad("counts exceed the records");
+  }
   if (g.nonfinite > g.elements || g.small > g.elements) {
     return bad("counts exceed the element count");
   }

@@ -6,13 +6,15 @@
 // control requests that must reach every sidecar at an agreed step: compression settings proposed
 // through PUT /v1/config and trainer-driven checkpoints (POST /v1/checkpoint).
 //
-// Layout (little-endian): "LWS1" | u16 version (1) | u16 flags (bit 0: cosine terms valid, bit 1:
+// Layout (little-endian): "LWS1" | u16 version (4) | u16 flags (bit 0: cosine terms valid, bit 1:
 // loss valid) | f64 grad_norm2 | u64 nonfinite | u64 elements | u64 small | f64 residual_norm2 |
 // f64 cos_dot | f64 cos_c2 | f64 cos_g2 | f64 loss | u64 loss_step | u64 resumed_from (+1, 0 =
-// none) | version 2 only: f64 link bytes/s | f64 link latency s (flag bit 2: link valid) | f64
+// none) | from version 2: f64 link bytes/s | f64 link latency s (flag bit 2: link valid) | f64
 // compute s | f64 overlap s (flag bit 3: timing valid) | f64 direct s (flag bit 4) | f64 tail s
-// (flag bit 5) | u32 request count | per request: u8 kind (1 settings, 2 checkpoint) | u64 id | u64
-// step | u32 body length | body. Version 1 records (no link, no timing) are read too.
+// (flag bit 5) | from version 3: f64 declared momentum (flag bit 6) | from version 4: f64 reward |
+// u64 reward_step (flag bit 7: reward valid) | u32 request count | per request: u8 kind (1
+// settings, 2 checkpoint) | u64 id | u64 step | u32 body length | body. Records of versions 1 to 3
+// (without the parts of the later versions) are read too.
 
 #include <cstdint>
 #include <optional>
@@ -47,6 +49,8 @@ struct StepStats {
   std::optional<double> cos_dot, cos_c2, cos_g2;  // all set or none
   std::optional<double> loss;                     // the last loss the trainer reported...
   uint64_t loss_step = 0;                         // ... and its step
+  std::optional<double> reward;                   // the last reward the trainer reported...
+  uint64_t reward_step = 0;                       // ... and its step
   std::optional<uint64_t>
       resumed_from;  // the step this sidecar last resumed from (POST /v1/resume)
   // `codec: auto` (policies/auto.h): the link as this sidecar's exchange measured it, and the
@@ -73,7 +77,10 @@ struct GlobalStats {
   double cos_dot = 0, cos_c2 = 0, cos_g2 = 0;
   uint32_t loss_ranks = 0;  // records with a loss
   double loss_sum = 0;
-  uint64_t loss_step = 0;                             // the largest step of the losses reported
+  uint64_t loss_step = 0;     // the largest step of the losses reported
+  uint32_t reward_ranks = 0;  // records with a reward
+  double reward_sum = 0;
+  uint64_t reward_step = 0;                           // the largest step of the rewards reported
   std::vector<std::optional<uint64_t>> resumed_from;  // per aggregated record, rank order
   std::vector<Request> requests;                      // rank order, then the origin's order
   // `codec: auto`: the fastest link any rank measured (most bandwidth, least latency: the rank
@@ -90,6 +97,8 @@ struct GlobalStats {
   std::optional<double> cosine() const;
   /// The mean reported loss, when any rank reported one.
   std::optional<double> loss() const;
+  /// The mean reported reward, when any rank reported one.
+  std::optional<double> reward() const;
 };
 
 std::vector<uint8_t> encodeStats(const StepStats& s);

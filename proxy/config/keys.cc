@@ -558,6 +558,20 @@ void policyNumber(KeyAdder& add, std::string path, std::string flag, double P::*
       [field](const C& c) { return json::value(c.policies.*field); });
 }
 
+// An optional number field of PolicyConfig, unset by default ("" unsets it).
+void policyOptionalNumber(KeyAdder& add, std::string path, std::string flag,
+                          std::optional<double> P::*field, bool (*ok)(double), std::string type,
+                          std::string what) {
+  using C = ServeConfig;
+  std::string must = "must be a number " + type.substr(type.find(' ') + 1) + " (\"\" = unset)";
+  add(
+      std::move(path), std::move(flag), std::move(type), std::nullopt, std::move(what),
+      [field, ok, must](C& c, std::string_view s) {
+        return setOptionalNumber(s, c.policies.*field, ok, must.c_str());
+      },
+      [field](const C& c) { return optionalJson(c.policies.*field); });
+}
+
 // An unsigned field of PolicyConfig in [lo, hi] (its type's range at most).
 template <typename Field>
 void policyUnsigned(KeyAdder& add, std::string path, std::string flag, Field P::*field, uint64_t lo,
@@ -613,6 +627,17 @@ void addRollbackKeys(KeyAdder& add) {
   policyNumber(
       add, "policies.loss_rise", "--loss-rise", &P::loss_rise, [](double v) { return v > 0; },
       "number > 0", "Degraded: the reported loss is above its baseline times (1 + this)");
+  policyOptionalNumber(
+      add, "policies.reward_drop", "--reward-drop", &P::reward_drop, [](double v) { return v > 0; },
+      "number > 0",
+      "Degraded: the reported reward is below its baseline by more than this (the absolute form "
+      "of the reward rule; unset: policies.reward_drop_sigma's form)");
+  policyOptionalNumber(
+      add, "policies.reward_drop_sigma", "--reward-drop-sigma", &P::reward_drop_sigma,
+      [](double v) { return v > 0; }, "number > 0",
+      "Degraded: the reported reward is below its baseline by more than this many deviations of "
+      "the baseline (unset, and policies.reward_drop unset too: 3); not with "
+      "policies.reward_drop");
   policyUnsigned(add, "policies.patience", "--patience", &P::patience, 1, kNoMax,
                  "Consecutive degraded steps before a rollback");
   policyUnsigned(add, "policies.cooldown_steps", "--cooldown-steps", &P::cooldown_steps, 0, kNoMax,

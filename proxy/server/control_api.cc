@@ -285,6 +285,9 @@ Response ControlApi::report(RouteCall& call) {
   }
   if (policy_) {
     if (const auto* loss = kept.if_contains("loss")) policy_->reportLoss(step, loss->as_double());
+    if (const auto* reward = kept.if_contains("reward")) {
+      policy_->reportReward(step, reward->as_double());
+    }
   }
   std::lock_guard lock(mu_);
   last_report_ = std::move(kept);

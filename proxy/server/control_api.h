@@ -47,7 +47,7 @@ struct RequestTarget;  // a request's path and query parameters, parsed once (co
 class ControlApi {
  public:
   /// `policy` (may be null): PUT /v1/config proposes settings to every sidecar through it, and
-  /// reported losses feed it.
+  /// reported losses and rewards feed it.
   ControlApi(ServeConfig config, metrics::Metrics& metrics, ipc::BufferTable& buffers,
              StepEngine& engine, policies::PolicyEngine* policy = nullptr);
 

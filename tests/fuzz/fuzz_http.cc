@@ -334,9 +334,10 @@ void seeds(Seeds& out) {
                                        R"(", "device": "0000:3b:00.0", "offset": 0, "size": 4096, )"
                                        R"("event": ")" +
                                        std::string(128, '0') + R"(", "name": "bucket.0"})")}));
-  out.emplace_back("report", seed(0, {request("POST", "/v1/report",
-                                              R"({"step": 12, "trainer": 0, "loss": 0.731, )"
-                                              R"("fallbacks": 1})")}));
+  out.emplace_back("report",
+                   seed(0, {request("POST", "/v1/report",
+                                    R"({"step": 12, "trainer": 0, "loss": 0.731, "reward": -41.5, )"
+                                    R"("fallbacks": 1})")}));
   // Losses at the ends of the doubles feed the loss baseline (it must stay finite: the status
   // and the policy state are JSON).
   std::vector<std::string> losses;

@@ -69,6 +69,8 @@ void seeds(Seeds& out) {
   full.nonfinite = 0;
   full.loss = 1.25;
   full.loss_step = 9;
+  full.reward = -3.5;
+  full.reward_step = 9;
   full.resumed_from = 4;
   full.momentum = 0.9;
   const std::string settings = boost::json::serialize(proxy::toJson(proxy::CompressionConfig{
@@ -102,7 +104,7 @@ void seeds(Seeds& out) {
   steps.push_back({nan, healthy(2.0)});
   out.emplace_back("steps_anomaly", stepsSeed(2, steps));
 
-  // A settings proposal agreed, then the cosine and the loss degrade (rollback).
+  // A settings proposal agreed, then the cosine, the loss and the reward degrade (rollback).
   steps.clear();
   StepStats propose = healthy(2.0);
   propose.requests.push_back({.kind = Request::Kind::kSettings, .id = 1, .body = settings});
@@ -112,6 +114,8 @@ void seeds(Seeds& out) {
     worse.cos_dot = 0.8 / (i + 2);
     worse.loss = 1.0 + i;
     worse.loss_step = static_cast<uint64_t>(i + 1);
+    worse.reward = 10.0 - 4.0 * i;
+    worse.reward_step = static_cast<uint64_t>(i + 1);
     steps.push_back({worse, worse, healthy(2.0)});
   }
   out.emplace_back("steps_rollback", stepsSeed(3, steps));
@@ -142,6 +146,8 @@ void seeds(Seeds& out) {
     huge.cos_dot = i % 2 ? 1e247 : -1e247;
     huge.loss = i % 2 ? 1.7e308 : -1.7e308;
     huge.loss_step = static_cast<uint64_t>(i + 1);
+    huge.reward = i % 2 ? -1.7e308 : 1.7e308;
+    huge.reward_step = static_cast<uint64_t>(i + 1);
     steps.push_back({huge, healthy(1.0)});
   }
   out.emplace_back("steps_not_json", stepsSeed(2, steps));

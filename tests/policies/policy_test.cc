@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 namespace lightwire::policies {
 namespace {
@@ -30,6 +31,22 @@ GlobalStats normStats(double norm, double cosine = -2) {
     g.cos_dot = cosine;
     g.cos_c2 = 1;
     g.cos_g2 = 1;
+  }
+  return g;
+}
+
+/// normStats(1) with what both ranks reported of `step`: a loss, a reward (each the mean given).
+GlobalStats reported(uint64_t step, std::optional<double> loss, std::optional<double> reward) {
+  GlobalStats g = normStats(1);
+  if (loss) {
+    g.loss_ranks = 2;
+    g.loss_sum = 2 * *loss;
+    g.loss_step = step;
+  }
+  if (reward) {
+    g.reward_ranks = 2;
+    g.reward_sum = 2 * *reward;
+    g.reward_step = step;
   }
   return g;
 }
@@ -191,13 +208,7 @@ TEST_SUITE("policies") {
 
   TEST_CASE("rollback by reported loss; known-good settings are not rolled back past") {
     PolicyEngine p(quick(), "v0", nullptr);
-    auto withLoss = [](uint64_t step, double loss) {
-      GlobalStats g = normStats(1);
-      g.loss_ranks = 2;
-      g.loss_sum = 2 * loss;
-      g.loss_step = step;
-      return g;
-    };
+    auto withLoss = [](uint64_t step, double loss) { return reported(step, loss, std::nullopt); };
     for (uint64_t s = 0; s < 10; ++s) run(p, s, withLoss(s, 1.0));
     GlobalStats g = withLoss(10, 1.0);
     g.requests.push_back({Request::Kind::kSettings, 1, 1, "v1"});
@@ -214,6 +225,127 @@ TEST_SUITE("policies") {
     PolicyEngine q(quick(), "v0", nullptr);
     for (uint64_t s = 0; s < 10; ++s) run(q, s, withLoss(0, 1.0));
     CHECK(q.stateJson().at("tensors").at("t").at("loss").at("n").as_uint64() == 1);
+  }
+
+  TEST_CASE("rollback by reported reward: a drop beyond the rule rolls back, a rise never") {
+    auto withReward = [](uint64_t step, double reward) {
+      return reported(step, std::nullopt, reward);
+    };
+    // Settings version 1 from step 11, after a baseline of rewards around 10 (alternately 9 and
+    // 11 for the deviations' form: one deviation of about 1).
+    auto engine = [&](PolicyConfig c, bool noisy, metrics::Metrics* m = nullptr) {
+      auto p = std::make_unique<PolicyEngine>(c, "v0", m);
+      const auto base = [noisy](uint64_t s) { return noisy ? (s % 2 ? 9.0 : 11.0) : 10.0; };
+      for (uint64_t s = 0; s < 20; ++s) run(*p, s, withReward(s, base(s)));
+      GlobalStats g = withReward(20, base(20));
+      g.requests.push_back({Request::Kind::kSettings, 1, 1, "v1"});
+      run(*p, 20, g);
+      REQUIRE(p->settingsAt(21).first == 1);
+      return p;
+    };
+    auto rolledBack = [](PolicyEngine& p) {
+      const auto log = p.decisions();
+      return std::any_of(log.begin(), log.end(), [](const Decision& d) {
+        return d.kind == "rollback" || d.kind == "degraded";
+      });
+    };
+    PolicyConfig absolute = quick();
+    absolute.reward_drop = 1.0;
+    PolicyConfig sigma = quick();
+    sigma.reward_drop_sigma = 2.0;
+    PolicyConfig by_default = quick();  // neither set: 3 deviations
+    SUBCASE("an absolute drop beyond reward_drop, for patience steps: back to version 0") {
+      metrics::Metrics m;
+      auto p = engine(absolute, false, &m);
+      run(*p, 21, withReward(21, 8.5));
+      run(*p, 22, withReward(22, 8.5));
+      CHECK(p->settingsAt(23) == std::pair<uint64_t, std::string>{2, "v0"});
+      CHECK(p->decisions().back().kind == "rollback");
+      CHECK(p->decisions().back().detail.find("reported reward 8.5 against a baseline of 10 (a "
+                                              "drop of more than 1)") != std::string::npos);
+      // The job's mean reward, as a gauge.
+      CHECK(m.exposition().find("\nlightwire_reward 8.5\n") != std::string::npos);
+    }
+    SUBCASE("a drop within reward_drop, and a rise, change nothing") {
+      for (double after : {9.5, 9.0, 50.0, 1e300}) {
+        CAPTURE(after);
+        auto p = engine(absolute, false);
+        for (uint64_t s = 21; s < 26; ++s) run(*p, s, withReward(s, after));
+        CHECK(p->settingsAt(26).first == 1);
+        CHECK_FALSE(rolledBack(*p));
+      }
+    }
+    SUBCASE("the deviations' form: beyond reward_drop_sigma deviations rolls back, within not") {
+      auto p = engine(sigma, true);
+      // A reward 1 lower, as noisy as before: within 2 deviations.
+      for (uint64_t s = 21; s < 26; ++s) run(*p, s, withReward(s, s % 2 ? 8.0 : 10.0));
+      CHECK(p->settingsAt(26).first == 1);
+      CHECK_FALSE(rolledBack(*p));
+      auto q = engine(sigma, true);
+      run(*q, 21, withReward(21, 6.0));  // about 4 below: 2 deviations are about 2
+      run(*q, 22, withReward(22, 6.0));
+      CHECK(q->settingsAt(23) == std::pair<uint64_t, std::string>{2, "v0"});
+      CHECK(q->decisions().back().detail.find("2 deviations") != std::string::npos);
+      // Neither key set: 3 deviations (about 3), so 6.0 is still beyond and 7.5 is not.
+      auto d = engine(by_default, true);
+      for (uint64_t s = 21; s < 26; ++s) run(*d, s, withReward(s, 7.5));
+      CHECK_FALSE(rolledBack(*d));
+      auto e = engine(by_default, true);
+      run(*e, 21, withReward(21, 6.0));
+      run(*e, 22, withReward(22, 6.0));
+      CHECK(e->settingsAt(23).first == 2);
+      CHECK(e->decisions().back().detail.find("3 deviations") != std::string::npos);
+    }
+    SUBCASE("a reward reported once counts once; with rollback off a drop changes nothing") {
+      auto p = engine(absolute, false);
+      for (uint64_t s = 21; s < 26; ++s) run(*p, s, withReward(20, 1.0));  // step 20's, again
+      CHECK(p->settingsAt(26).first == 1);
+      PolicyConfig off = absolute;
+      off.rollback = false;  // as under bounded staleness (serve turns it off there)
+      auto q = engine(off, false);
+      for (uint64_t s = 21; s < 26; ++s) run(*q, s, withReward(s, 1.0));
+      CHECK(q->settingsAt(26).first == 1);
+      CHECK_FALSE(rolledBack(*q));
+    }
+    SUBCASE("the reward's baseline is policy state; a state without it (older) is read") {
+      auto p = engine(absolute, false);
+      const boost::json::object state = p->stateJson();
+      CHECK(state.at("tensors").at("t").at("reward").at("n").as_uint64() == 21);
+      CHECK(state.at("tensors").at("t").at("last_reward_step").as_uint64() == 20);
+      PolicyEngine q(absolute, "other", nullptr);
+      REQUIRE(q.restoreState(state).isOk());
+      run(q, 21, withReward(21, 8.5));
+      run(q, 22, withReward(22, 8.5));
+      CHECK(q.settingsAt(23).first == 2);  // decided from the restored baseline
+      boost::json::object older = state;
+      auto& t = older["tensors"].as_object()["t"].as_object();
+      t.erase("reward");
+      t.erase("last_reward_step");
+      PolicyEngine r(absolute, "other", nullptr);
+      REQUIRE(r.restoreState(older).isOk());
+      CHECK(r.stateJson().at("tensors").at("t").at("reward").at("n").as_uint64() == 0);
+    }
+  }
+
+  TEST_CASE("the reward rule's keys: one form at most, each a finite number > 0") {
+    PolicyConfig c;
+    CHECK(rewardDropSigma(c) == std::optional<double>(kRewardDropSigma));
+    c.reward_drop = 0.5;
+    CHECK(validate(c).isOk());
+    CHECK(!rewardDropSigma(c));
+    c.reward_drop_sigma = 2;
+    const Status both = validate(c);
+    CHECK(both.message().find("policies.reward_drop and policies.reward_drop_sigma are both set") !=
+          std::string::npos);
+    for (double bad : {0.0, -1.0, HUGE_VAL, std::nan("")}) {
+      CAPTURE(bad);
+      PolicyConfig d;
+      d.reward_drop = bad;
+      CHECK(validate(d).message().find("policies.reward_drop must be") != std::string::npos);
+      PolicyConfig e;
+      e.reward_drop_sigma = bad;
+      CHECK(validate(e).message().find("policies.reward_drop_sigma must be") != std::string::npos);
+    }
   }
 
   TEST_CASE("schedules: warm-up, phase, adaptive") {

@@ -21,6 +21,8 @@ StepStats sampleStats() {
   s.cos_g2 = 9;
   s.loss = 2.5;
   s.loss_step = 41;
+  s.reward = -7.25;
+  s.reward_step = 40;
   s.resumed_from = 10;
   s.requests.push_back({Request::Kind::kSettings, 3, 0, R"({"default":{"codec":"topk"}})"});
   s.requests.push_back({Request::Kind::kCheckpoint, 4, 40, ""});
@@ -45,6 +47,9 @@ void checkSame(const GlobalStats& a, const GlobalStats& b) {
   CHECK(a.loss_ranks == b.loss_ranks);
   CHECK(bits(a.loss_sum) == bits(b.loss_sum));
   CHECK(a.loss_step == b.loss_step);
+  CHECK(a.reward_ranks == b.reward_ranks);
+  CHECK(bits(a.reward_sum) == bits(b.reward_sum));
+  CHECK(a.reward_step == b.reward_step);
   CHECK(a.resumed_from == b.resumed_from);
   CHECK(a.requests == b.requests);
   CHECK(bits(a.link_bytes_per_s) == bits(b.link_bytes_per_s));
@@ -72,6 +77,10 @@ std::vector<uint8_t> variedRecord(uint32_t r, uint32_t w) {
   if (r % 4 != 1) {
     s.loss = 2.0 / 3.0 + r;
     s.loss_step = 40 + r % 2;
+  }
+  if (r % 3 != 1) {
+    s.reward = -1.0 / 3.0 - r;  // rewards may be negative
+    s.reward_step = 40 + r % 3;
   }
   if (r != w / 2) s.resumed_from = 17;
   if (r % 3 != 2) {
@@ -166,6 +175,8 @@ TEST_SUITE("stats") {
     CHECK(*back->cos_g2 == 9);
     CHECK(*back->loss == 2.5);
     CHECK(back->loss_step == 41);
+    CHECK(*back->reward == -7.25);
+    CHECK(back->reward_step == 40);
     CHECK(*back->resumed_from == 10);
     CHECK(back->requests == s.requests);
     StepStats empty;
@@ -173,6 +184,7 @@ TEST_SUITE("stats") {
     REQUIRE(e);
     CHECK(!e->cos_dot);
     CHECK(!e->loss);
+    CHECK(!e->reward);
     CHECK(!e->resumed_from);
   }
 
@@ -195,8 +207,8 @@ TEST_SUITE("stats") {
       CHECK_FALSE(decodeStats(bytes));
     }
     SUBCASE("version") {
-      bytes[4] = 4;
-      CHECK(decodeStats(bytes).status().message().find("version 4") != std::string::npos);
+      bytes[4] = 5;
+      CHECK(decodeStats(bytes).status().message().find("version 5") != std::string::npos);
       bytes[4] = 0;
       CHECK_FALSE(decodeStats(bytes));
     }
@@ -234,14 +246,43 @@ TEST_SUITE("stats") {
       REQUIRE(back.isOk());
       CHECK(*back->momentum == 0.9);
     }
+    SUBCASE("a reward that is not finite") {
+      StepStats s;
+      s.elements = 1;
+      for (double bad : {INFINITY, -INFINITY, NAN}) {
+        s.reward = bad;
+        CHECK(decodeStats(encodeStats(s)).status().message().find("reward must be finite") !=
+              std::string::npos);
+      }
+    }
+    SUBCASE("version 3 records (no reward) are read") {
+      StepStats s = sampleStats();
+      s.reward.reset();
+      s.momentum = 0.9;
+      bytes = encodeStats(s);
+      // A version 3 record is a version 4 record without the 16 bytes of the reward and its step.
+      const size_t at = 4 + 2 + 2 + 8 * 11 + 48 + 8;
+      bytes.erase(bytes.begin() + at, bytes.begin() + at + 16);
+      bytes[4] = 3;
+      auto v3 = decodeStats(bytes);
+      REQUIRE_MESSAGE(v3.isOk(), v3.status().message());
+      CHECK(*v3->momentum == 0.9);
+      CHECK(*v3->loss == 2.5);
+      CHECK_FALSE(v3->reward);
+      CHECK(v3->requests == sampleStats().requests);
+      bytes[6] |= 128;  // a reward flag in a version 3 record: unknown there
+      CHECK_FALSE(decodeStats(bytes));
+    }
     SUBCASE("version 2 records (no declared momentum) are read") {
       StepStats s = sampleStats();
       s.tail_s = 0.5;
       bytes = encodeStats(s);
-      // A version 2 record is a version 3 record without the 8 bytes of the declared momentum.
+      // A version 2 record is a version 4 record without the 8 bytes of the declared momentum and
+      // the 16 of the reward.
       const size_t at = 4 + 2 + 2 + 8 * 11 + 48;
-      bytes.erase(bytes.begin() + at, bytes.begin() + at + 8);
+      bytes.erase(bytes.begin() + at, bytes.begin() + at + 24);
       bytes[4] = 2;
+      bytes[6] &= 127;  // the reward's flag
       auto v2 = decodeStats(bytes);
       REQUIRE_MESSAGE(v2.isOk(), v2.status().message());
       CHECK(*v2->tail_s == 0.5);
@@ -252,11 +293,12 @@ TEST_SUITE("stats") {
     }
     SUBCASE("version 1 records (no link, no timing) are read") {
       bytes = encodeStats(sampleStats());
-      // A version 1 record is a version 3 record without the 48 bytes of link and timing and the
-      // 8 of the declared momentum.
+      // A version 1 record is a version 4 record without the 48 bytes of link and timing, the 8
+      // of the declared momentum and the 16 of the reward.
       const size_t at = 4 + 2 + 2 + 8 * 11;
-      bytes.erase(bytes.begin() + at, bytes.begin() + at + 56);
+      bytes.erase(bytes.begin() + at, bytes.begin() + at + 72);
       bytes[4] = 1;
+      bytes[6] &= 127;  // the reward's flag
       auto v1 = decodeStats(bytes);
       REQUIRE_MESSAGE(v1.isOk(), v1.status().message());
       CHECK_FALSE(v1->link_bytes_per_s);
@@ -372,13 +414,33 @@ TEST_SUITE("stats") {
     CHECK(*g.cosine() == 1.0);
   }
 
-  TEST_CASE("the mean loss is absent when the reported losses overflow") {
+  TEST_CASE("the mean loss and reward are absent when the reported values overflow") {
     GlobalStats g;
     g.loss_ranks = 2;
     g.loss_sum = 1.7e308;
     CHECK(*g.loss() == 0.85e308);
     g.loss_sum = HUGE_VAL;  // two finite losses of 1.7e308
     CHECK(!g.loss());
+    CHECK(!g.reward());
+    g.reward_ranks = 2;
+    g.reward_sum = -3;
+    CHECK(*g.reward() == -1.5);
+    g.reward_sum = -HUGE_VAL;
+    CHECK(!g.reward());
+  }
+
+  TEST_CASE("the mean reward is over the ranks that reported one, its step the newest") {
+    StepStats a, b, c;
+    a.reward = 2;
+    a.reward_step = 7;
+    c.reward = -5;
+    c.reward_step = 8;
+    auto g = aggregate({encodeStats(a), encodeStats(b), encodeStats(c)});
+    REQUIRE(g);
+    CHECK(g->reward_ranks == 2);
+    CHECK(*g->reward() == -1.5);
+    CHECK(g->reward_step == 8);
+    CHECK(!g->loss());
   }
 }
 

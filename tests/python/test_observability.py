@@ -183,7 +183,8 @@ def test_dashboard_shape():
                    "lightwire_cosine_similarity", "lightwire_residual_norm", "lightwire_state_bytes",
                    "lightwire_stage_duration_seconds_bucket", "lightwire_steps_total",
                    "lightwire_anomalies_total", "lightwire_rollbacks_total", "lightwire_full_syncs_total",
-                   "lightwire_bypass_active", "lightwire_peer_up", "lightwire_peer_rtt_seconds",
+                   "lightwire_bypass_active", "lightwire_reward", "lightwire_peer_up",
+                   "lightwire_peer_rtt_seconds",
                    "process_cpu_seconds_total", "process_resident_memory_bytes"):
         assert family in exprs, "no panel shows %s" % family
     assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs
@@ -396,8 +397,8 @@ def has_data(data):
 
 
 def train(cl, steps=STEPS, pause=STEP_PAUSE, nan_step=NAN_STEP):
-    """One trainer per rank (raw-body emit_gradient), both tensors every step, a loss report after
-    each step; rank 1's weight gradient holds a NaN at `nan_step`. Returns the modes seen."""
+    """One trainer per rank (raw-body emit_gradient), both tensors every step, a loss and reward
+    report after each step; rank 1's weight gradient holds a NaN at `nan_step`. Returns the modes seen."""
     world = len(cl)
     clients = [cl[r].client(timeout=(2.0, 20.0)) for r in range(world)]
     errors, modes = [], []
@@ -412,7 +413,7 @@ def train(cl, steps=STEPS, pause=STEP_PAUSE, nan_step=NAN_STEP):
                 c.emit_gradient(x, name=name, step=step)
                 if r == 0 and name == "layer.0.weight":
                     modes.append(c.last_figures.get("mode"))
-            c.report(step, loss=1.0 / (1 + step))
+            c.report(step, loss=1.0 / (1 + step), reward=0.5 * step)  # improving: no rollback
         except Exception as e:  # noqa: BLE001 - reported below with the sidecars' stderr
             errors.append("rank %d step %d: %r" % (r, step, e))
 

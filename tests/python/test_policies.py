@@ -457,9 +457,13 @@ def test_rollback_by_cosine(cluster_factory, trainers_for):
     assert "cosine" in entries(assert_same_logs(cl), "rollback")[0]["detail"]
 
 
-def test_rollback_by_loss(cluster_factory, trainers_for):
-    W, PUT = 2, 8
-    cl = make_cluster(cluster_factory, W, codec_args=["--density", "0.5"], extra=ROLLBACK_FLAGS)
+def run_reporting(cluster_factory, trainers_for, W, PUT, report, extra=()):
+    """Steps 0 .. PUT + 9 of a W-rank job (topk at density 0.5, ROLLBACK_FLAGS and `extra`),
+    settings of density 0.4 proposed before step PUT (version 1 from PUT + 1), and after each step
+    s every rank's trainer reporting `report(s, rank)` (the fields of POST /v1/report): what it
+    reports of step s travels with step s + 1. Returns the cluster and every step's outcomes."""
+    cl = make_cluster(cluster_factory, W, codec_args=["--density", "0.5"],
+                      extra=ROLLBACK_FLAGS + list(extra))
     tr = trainers_for(cl)
     clients = [cl[r].client() for r in range(W)]
     history = {}
@@ -469,18 +473,86 @@ def test_rollback_by_loss(cluster_factory, trainers_for):
             assert reply.get("applied") is False and "proposal" in reply, reply
         history[s] = res = ok(tr.step(s, grads(W, s)), cl, "step %d" % s)
         assert_same_result(res, "step %d" % s)
-        # The loss of step s, reported after it: it travels with step s + 1. From step PUT + 1
-        # (the first with version 1) the loss triples.
         for r in range(W):
-            loss = 1.0 + 0.01 * r if s <= PUT else 3.0
-            assert clients[r].report(s, loss=loss) == {}
+            assert clients[r].report(s, **report(s, r)) == {}
     for c in clients:
         c.close()
+    return cl, history
+
+
+def test_rollback_by_loss(cluster_factory, trainers_for):
+    W, PUT = 2, 8
+    # From step PUT + 1 (the first with version 1) the loss triples.
+    cl, history = run_reporting(cluster_factory, trainers_for, W, PUT,
+                                lambda s, r: {"loss": 1.0 + 0.01 * r if s <= PUT else 3.0})
     # Losses of PUT + 1, + 2, + 3 arrive with steps PUT + 2, + 3, + 4: three degraded steps,
     # then version 2 from PUT + 5.
     check_rollback(cl, history, PUT, PUT + 5, W)
     log = assert_same_logs(cl)
     assert "loss" in entries(log, "rollback")[0]["detail"], log
+
+
+@pytest.mark.parametrize("after, rolls_back", [(7.0, True), (9.5, False), (40.0, False)],
+                         ids=["drop", "drop-within", "rise"])
+def test_rollback_by_reward(cluster_factory, trainers_for, after, rolls_back):
+    """A reported reward (higher is better) that drops below its baseline by more than
+    policies.reward_drop rolls the settings back, as a loss that rises does; a smaller drop, or a
+    rise, does not (docs/policies.md "Settings versions and rollback")."""
+    W, PUT = 2, 8
+    # From step PUT + 1 (version 1) the reward moves to `after` on both ranks, from about 10.
+    cl, history = run_reporting(
+        cluster_factory, trainers_for, W, PUT,
+        lambda s, r: {"reward": (10.0 if s <= PUT else after) + 0.01 * r},
+        extra=["--reward-drop", "1"])
+    # The job's mean reward, the same on every rank: that of step PUT + 8, which travelled with
+    # the last step.
+    texts = metrics_of(cl)
+    rewards = [metric(t, "lightwire_reward") for t in texts]
+    assert rewards[0] == rewards[1] == pytest.approx(after + 0.005), rewards
+    if rolls_back:
+        # Rewards of PUT + 1, + 2, + 3 arrive with steps PUT + 2, + 3, + 4: three degraded
+        # steps, then version 2 from PUT + 5.
+        check_rollback(cl, history, PUT, PUT + 5, W)
+        rb = entries(assert_same_logs(cl), "rollback")
+        assert "reported reward" in rb[0]["detail"] and "a drop of more than 1" in rb[0]["detail"], rb
+        return
+    per = settings_per_step(history)
+    assert all(v == [0 if s <= PUT else 1] * W for s, v in per.items()), per
+    assert [metric(t, "lightwire_rollbacks_total") for t in texts] == [0.0] * W
+    log = assert_same_logs(cl)
+    assert not entries(log, "rollback") and not entries(log, "degraded"), log
+
+
+@pytest.mark.parametrize("synchrony", ["sync", "bounded-staleness"])
+def test_reward_drop_under_the_parameter_server(cluster_factory, trainers_for, synchrony):
+    """The parameter-server topology: with peer.synchrony sync a reward drop beyond
+    policies.reward_drop is judged as on the ring (here with nothing older to revert to: logged as
+    degraded); under bounded staleness rollback is off (docs/policies.md "Rollback under bounded
+    staleness: off"), so the same drop is judged by no one, and the sidecars say so at start. The
+    job's mean reward reaches lightwire_reward either way."""
+    W, DROP = 2, 8
+    cl = make_cluster(cluster_factory, W,
+                      extra=ROLLBACK_FLAGS + ["--reward-drop", "1", "--topology", "ps",
+                                              "--ps-rank", "0", "--synchrony", synchrony,
+                                              "--straggler-wait", "10"])
+    tr = trainers_for(cl)
+    clients = [cl[r].client() for r in range(W)]
+    for s in range(DROP + 8):
+        ok(tr.step(s, grads(W, s)), cl, "step %d" % s)
+        for r in range(W):
+            assert clients[r].report(s, reward=10.0 if s < DROP else 2.0) == {}
+    for c in clients:
+        c.close()
+    rewards = [metric(t, "lightwire_reward") for t in metrics_of(cl)]
+    assert rewards == [2.0] * W, rewards
+    for r in range(W):
+        log = policies_of(cl, r)["log"]
+        judged = entries(log, "degraded") + entries(log, "rollback")
+        if synchrony == "sync":
+            assert judged and "reported reward 2 against a baseline of 10" in judged[0]["detail"], log
+        else:
+            assert not judged, log
+            assert "so anomaly bypass, rollback and the adaptive schedule are off" in cl[r].stderr()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -113,9 +113,19 @@ def test_report(sidecar):
     c = sidecar.client(trainer=0)
     assert c.report(1, loss=0.5) == {}
     assert c.report(2, fallbacks=1) == {}
+    assert c.report(3, reward=-2.5) == {}  # a reward may be negative
+    assert c.status()["last_report"] == {"step": 3, "trainer": 0, "reward": -2.5}
     with pytest.raises(LightwireError) as ei:
         c.request("POST", "/v1/report", body=b"{not json", headers={"Content-Type": "application/json"})
     assert ei.value.status == 400
+    # A reward that is not a finite number: 400 naming it, and the report is not taken.
+    for body, says in [(b'{"step": 4, "reward": 1e999}', "report field 'reward' must be finite"),
+                       (b'{"step": 4, "reward": "high"}', "report field 'reward' must be a number")]:
+        with pytest.raises(LightwireError) as ei:
+            c.request("POST", "/v1/report", body=body, headers={"Content-Type": "application/json"})
+        assert (ei.value.status, ei.value.error) == (400, "invalid_argument")
+        assert says in ei.value.message, ei.value.message
+    assert c.status()["last_report"] == {"step": 3, "trainer": 0, "reward": -2.5}
 
 
 def test_two_local_trainers_get_the_mean(sidecar_factory):

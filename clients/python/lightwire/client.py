@@ -464,17 +464,21 @@ class Client(object):
             doc["name"], doc["step"] = str(name), int(step)
         return bool(self._json("POST", "/v1/cancel", doc).json().get("cancelled"))
 
-    def report(self, step, loss=None, fallbacks=None, trainer=None):
-        """``POST /v1/report``: the trainer's loss and/or fallback count for ``step``. The loss
-        travels with the sidecar's next exchanged step to every sidecar, where the mean over the
-        ranks that reported feeds the rollback policy (docs/api.md); report it after step
-        ``step`` and before the next step's gradients."""
+    def report(self, step, loss=None, fallbacks=None, trainer=None, reward=None):
+        """``POST /v1/report``: the trainer's loss, reward and/or fallback count for ``step``. The
+        loss and the reward (higher is better: a reinforcement-learning trainer's return) travel
+        with the sidecar's next exchanged step to every sidecar, where the mean over the ranks that
+        reported feeds the rollback policy (docs/api.md, docs/policies.md "Settings versions and
+        rollback"); report them after step ``step`` and before the next step's gradients. Both
+        must be finite (the sidecar answers 400 otherwise)."""
         doc = {"step": int(step)}
         trainer = self._trainer(trainer)
         if trainer is not None:
             doc["trainer"] = int(trainer)
         if loss is not None:
             doc["loss"] = float(loss)
+        if reward is not None:
+            doc["reward"] = float(reward)
         if fallbacks is not None:
             doc["fallbacks"] = int(fallbacks)
         return self._json("POST", "/v1/report", doc).json()
@@ -643,9 +647,10 @@ def emit_layers(tensor, name, step, layout, trainer=None):
                                         trainer=trainer)
 
 
-def report(step, loss=None, fallbacks=None, trainer=None):
+def report(step, loss=None, fallbacks=None, trainer=None, reward=None):
     """``default_client().report(...)``."""
-    return default_client().report(step, loss=loss, fallbacks=fallbacks, trainer=trainer)
+    return default_client().report(step, loss=loss, fallbacks=fallbacks, trainer=trainer,
+                                   reward=reward)
 
 
 def checkpoint(step):

@@ -197,6 +197,8 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"policies.rollback", {"false", "1", "no"}},
       {"policies.cosine_drop", {"0.9", "0.5", "0.1"}},
       {"policies.loss_rise", {"0.1", "1", "10"}},
+      {"policies.reward_drop", {"0.5", "2", "10"}},
+      {"policies.reward_drop_sigma", {"1", "2.5", "4"}},
       {"policies.patience", {"1", "2", "5"}},
       {"policies.cooldown_steps", {"0", "5", "7"}},
       {"policies.known_good_steps", {"0", "1", "2"}},
@@ -366,6 +368,11 @@ TEST_CASE("config: bad values name the key and the source, from every source") {
       {"policies.cosine_drop", "0", "in (0, 1)"},
       {"policies.cosine_drop", "1", "in (0, 1)"},
       {"policies.loss_rise", "0", "> 0"},
+      {"policies.reward_drop", "0", "> 0 (\"\" = unset)"},
+      {"policies.reward_drop", "-1", "> 0"},
+      {"policies.reward_drop", "inf", "> 0"},
+      {"policies.reward_drop_sigma", "0", "> 0 (\"\" = unset)"},
+      {"policies.reward_drop_sigma", "x", "> 0"},
       {"policies.patience", "0", "1..4294967295"},
       {"policies.cooldown_steps", "-1", "0..4294967295"},
       {"policies.known_good_steps", "x", "0..4294967295"},
@@ -1207,6 +1214,43 @@ TEST_CASE("config: policies::validate() runs once every source is merged") {
   auto eq = buildServeConfig(std::nullopt, {"LIGHTWIRE_SCHEDULE__ADAPTIVE_MAX_RATIO=5"},
                              flagsOf({{"schedule.adaptive_min_ratio", "5"}}), nullptr);
   CHECK_MESSAGE(eq.isOk(), eq.status().message());
+}
+
+TEST_CASE("config: the reward rule takes one form: an absolute drop or a drop of deviations") {
+  // Neither set: three deviations.
+  auto none = buildServeConfig(std::nullopt, {}, {}, nullptr);
+  REQUIRE(none.isOk());
+  CHECK(!none->policies.reward_drop);
+  CHECK(!none->policies.reward_drop_sigma);
+  CHECK(lightwire::policies::rewardDropSigma(none->policies) == std::optional<double>(3.0));
+  CHECK(at(*none, "policies.reward_drop").is_null());
+  // One set: that form.
+  auto absolute =
+      buildServeConfig(std::nullopt, {}, flagsOf({{"policies.reward_drop", "2"}}), nullptr);
+  REQUIRE(absolute.isOk());
+  CHECK(absolute->policies.reward_drop == std::optional<double>(2.0));
+  CHECK(!lightwire::policies::rewardDropSigma(absolute->policies));
+  TempDir dir;
+  const std::string file = dir.write("r.yaml", "policies:\n  reward_drop_sigma: 1.5\n");
+  auto sigma = buildServeConfig(file, {}, {}, nullptr);
+  REQUIRE(sigma.isOk());
+  CHECK(lightwire::policies::rewardDropSigma(sigma->policies) == std::optional<double>(1.5));
+  // Both: refused, naming both keys with their values and sources.
+  auto both = buildServeConfig(file, {"LIGHTWIRE_POLICIES__REWARD_DROP=0.5"}, {}, nullptr);
+  REQUIRE(!both.isOk());
+  const std::string& m = both.status().message();
+  CAPTURE(m);
+  CHECK(m.rfind("policies.reward_drop and policies.reward_drop_sigma are both set", 0) == 0);
+  CHECK(contains(m,
+                 "(policies.reward_drop 0.5 from environment LIGHTWIRE_POLICIES__REWARD_DROP; "
+                 "policies.reward_drop_sigma 1.5 from file " +
+                     file + ")"));
+  // A flag of "" unsets the one the file set: then the other form alone is fine.
+  auto unset = buildServeConfig(file, {"LIGHTWIRE_POLICIES__REWARD_DROP=0.5"},
+                                flagsOf({{"policies.reward_drop_sigma", ""}}), nullptr);
+  REQUIRE_MESSAGE(unset.isOk(), unset.status().message());
+  CHECK(unset->policies.reward_drop == std::optional<double>(0.5));
+  CHECK(!unset->policies.reward_drop_sigma);
 }
 
 TEST_CASE("config: rules match ndim; layers of a layout get the layer defaults") {
