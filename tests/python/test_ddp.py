@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 import lightwire  # noqa: E402
 import lightwire.torch as lwt  # noqa: E402
 import ddp_helpers as H  # noqa: E402
+from conftest import metric_total  # noqa: E402
 
 
 @pytest.fixture
@@ -446,3 +447,47 @@ def test_per_layer_sends_each_layout_once_and_again_to_a_restarted_sidecar(sidec
     assert sum(1 for _, _, k in sent if k == "hash") >= H.STEPS - 4
     for i, (a, b) in enumerate(zip(plain_losses[0], losses)):
         assert abs(a - b) <= 1e-5, "step %d: plain %r, hook %r" % (i, a, b)
+
+
+def test_no_sync_accumulation_sends_once_per_optimizer_step(sidecar, pg):
+    """Micro-batch accumulation: under DDP's no_sync() the hook is not called, so the sidecar
+    gets one request per bucket and optimizer step (docs/api.md "Micro-batch accumulation"), and
+    the update is the accumulated gradient's (codec none, one trainer: plain accumulation)."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    steps, micro = 5, 3
+    X, y = H.task()
+    chunks = list(zip(X.chunk(micro), y.chunk(micro)))
+
+    def run(with_hook):
+        torch.manual_seed(H.SEED)
+        net = DDP(H.model())
+        state = _state(sidecar) if with_hook else None
+        if state is not None:
+            net.register_comm_hook(state, lwt.ddp_comm_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=H.LR)
+        try:
+            for _ in range(steps):
+                opt.zero_grad()
+                for i, (xb, yb) in enumerate(chunks):
+                    if i + 1 < micro:  # forward and backward inside no_sync(): DDP decides in
+                        with net.no_sync():  # the forward whether the backward reduces
+                            (F.mse_loss(net(xb), yb) / micro).backward()
+                    else:  # the last micro-batch: DDP reduces, the hook sends
+                        (F.mse_loss(net(xb), yb) / micro).backward()
+                opt.step()
+        finally:
+            if state is not None:
+                state.close()
+        return state, torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    def emits():
+        return metric_total(sidecar.client().metrics(), "lightwire_http_requests_total",
+                            'route="/v1/emit_gradient"')
+
+    before = emits()
+    state, hooked = run(True)
+    assert state.fallbacks == 0 and state.sidecar_steps == steps
+    assert emits() - before == steps  # one bucket (a small model): one request per step
+    _, plain = run(False)
+    assert torch.allclose(hooked, plain, rtol=0, atol=1e-6), (hooked - plain).abs().max()
