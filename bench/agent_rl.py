@@ -5,7 +5,7 @@ trainers and 4 sidecars on a 1 Gbit/s link in a network namespace, every row in 
 Needs root (`ip netns`, `tc ... tbf` on the namespace's loopback, as bench/e2e/e2e.py). Figures
 only: it never passes or fails on them. Method and results: docs/agent-rl.md "Measured".
 
-    /usr/bin/python3 bench/agent_rl.py                 # every row (about 35 min on 2 cores)
+    /usr/bin/python3 bench/agent_rl.py                 # every row (about 25 min on 2 cores)
     /usr/bin/python3 bench/agent_rl.py --rows none,dgc --seeds 0
     /usr/bin/python3 bench/agent_rl.py --smoke         # tiny model, 2 trainers: that it runs
 
@@ -117,8 +117,10 @@ def row_figures(result):
 
 
 def time_to(evals, target):
-    for step, t, mean in running(evals):
-        if len(evals) >= EVAL_WINDOW and mean >= target and step > 0:
+    """(step, seconds) of the first evaluation at which the mean of the last EVAL_WINDOW
+    evaluations reaches `target` (a full window: the start's evaluation alone does not count)."""
+    for i, (step, t, mean) in enumerate(running(evals)):
+        if i + 1 >= EVAL_WINDOW and mean >= target:
             return step, t
     return None, None
 
@@ -151,7 +153,7 @@ def plot(rows, target, path_time, path_steps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="1gbit")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rows", default=",".join(r[0] for r in ROWS))
     ap.add_argument("--world-size", type=int, default=4)

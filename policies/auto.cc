@@ -293,6 +293,12 @@ std::string ladderText(const std::vector<Rung>& ladder) {
   return out;
 }
 
+bool rungStalenessSafe(const Rung& r) {
+  if (r.direct || !r.impl) return true;
+  const auto& traits = r.impl->traits();
+  return traits.rounds <= 1 && traits.staleness_safe;
+}
+
 bool rungUsable(const Rung& r, uint64_t n, const std::vector<uint64_t>& shape,
                 std::optional<double> momentum) {
   if (r.codec.momentum > 0) return momentum && *momentum == r.codec.momentum;

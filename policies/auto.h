@@ -150,6 +150,11 @@ double modelScore(const Rung& r, const AutoInputs& in);
 size_t chooseRung(const std::vector<Rung>& ladder, const std::vector<char>& usable,
                   const AutoInputs& in, double tolerance);
 
+/// Whether a parameter server under bounded staleness can close a step with rung `r`'s codec (by
+/// its traits: one round, payloads that may be summed over whoever arrived and re-compressed;
+/// docs/exchange.md "bounded-staleness"). `direct` does not go through the server: true.
+bool rungStalenessSafe(const Rung& r);
+
 /// Whether rung `r` may carry a layer of this shape (powersgd needs a matrix), the trainers having
 /// declared `momentum` (a rung with momentum correction M needs M declared by every trainer: their
 /// optimizers then leave the layer's momentum to the sidecar).

@@ -6,12 +6,14 @@
 
 #include <boost/json/serialize.hpp>
 
+#include <algorithm>
 #include <cctype>
 #include <limits>
 #include <utility>
 
 #include "kernels/codecs/powersgd_layout.h"
 #include "kernels/registry.h"
+#include "policies/auto.h"
 #include "proxy/config/config_impl.h"
 
 namespace lightwire::proxy {
@@ -256,6 +258,18 @@ Status checkMembership(const ServeConfig& c) {
   }
   if (p.synchrony == "bounded-staleness" && p.topology != "ps") {
     return invalidArgument("peer.synchrony bounded-staleness needs peer.topology ps");
+  }
+  if (p.synchrony == "bounded-staleness") {
+    const auto& ladder = c.policies.auto_codec.ladder;
+    if (std::none_of(ladder.begin(), ladder.end(), [](const policies::Rung& r) {
+          return !r.direct && policies::rungStalenessSafe(r);
+        })) {
+      return invalidArgument(
+          "compression.auto.ladder " + c.policies.auto_codec.ladder_text +
+          " has no rung a parameter server under bounded staleness can close a step with "
+          "(several rounds, or payloads scaled for one decoding: docs/exchange.md); add one such "
+          "as none, fp16, qsgd:8 or dgc:0.01");
+    }
   }
   if (p.rendezvous && !p.peers.empty()) {
     return invalidArgument("give peer.peers or peer.rendezvous, not both");

@@ -390,6 +390,22 @@ policies::PolicyConfig policyConfig(const ServeConfig& config) {
   pc.anomaly = false;
   pc.rollback = false;
   pc.adaptive = false;
+  // codec auto's ladder without the rungs the server cannot close a step with (their traits;
+  // docs/exchange.md "bounded-staleness"); the configuration rules keep at least one other.
+  auto& ladder = pc.auto_codec.ladder;
+  std::string dropped;
+  std::erase_if(ladder, [&](const policies::Rung& r) {
+    if (policies::rungStalenessSafe(r)) return false;
+    dropped += (dropped.empty() ? "" : ", ") + r.text;
+    return true;
+  });
+  if (!dropped.empty()) {
+    pc.auto_codec.ladder_text = policies::ladderText(ladder);
+    spdlog::warn(
+        "bounded staleness: codec auto's ladder leaves out {} (the parameter server cannot close "
+        "a step with them): {}",
+        dropped, pc.auto_codec.ladder_text);
+  }
   return pc;
 }
 

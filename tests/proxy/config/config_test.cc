@@ -823,6 +823,21 @@ TEST_CASE("config: membership keys agree with each other; the job secret is neve
                                                  {"peer.secret", "x"},
                                                  {"peer.synchrony", "bounded-staleness"}}));
   CHECK(contains(stale_ring.message(), "needs peer.topology ps"));
+  // codec auto's ladder under bounded staleness: at least one rung the server can close a step
+  // with, judged by the codecs' traits (powersgd: two rounds; randomk: payloads scaled once).
+  auto stale_ladder = [&](const std::string& ladder) {
+    return checkMembership(build({{"world_size", "2"},
+                                  {"peer.peers", "a:1,b:2"},
+                                  {"peer.secret", "x"},
+                                  {"peer.topology", "ps"},
+                                  {"peer.synchrony", "bounded-staleness"},
+                                  {"compression.auto.ladder", ladder}}));
+  };
+  const auto unsafe = stale_ladder("direct,powersgd:1,randomk:0.01");
+  CHECK(contains(unsafe.message(), "compression.auto.ladder direct,powersgd:1,randomk:0.01 has no "
+                                   "rung a parameter server under bounded staleness"));
+  CHECK(stale_ladder("powersgd:1,dgc:0.01").isOk());
+  CHECK(stale_ladder("powersgd:1,randomk:0.01,qsgd:4").isOk());
   const auto sparse_ps = checkMembership(build({{"world_size", "2"},
                                                 {"peer.peers", "a:1,b:2"},
                                                 {"peer.secret", "x"},
