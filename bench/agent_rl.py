@@ -5,7 +5,7 @@ trainers and 4 sidecars on a 1 Gbit/s link in a network namespace, every row in 
 Needs root (`ip netns`, `tc ... tbf` on the namespace's loopback, as bench/e2e/e2e.py). Figures
 only: it never passes or fails on them. Method and results: docs/agent-rl.md "Measured".
 
-    /usr/bin/python3 bench/agent_rl.py                 # every row (about 25 min on 2 cores)
+    /usr/bin/python3 bench/agent_rl.py                 # every row (about 17 min on 2 cores)
     /usr/bin/python3 bench/agent_rl.py --rows none,dgc --seeds 0
     /usr/bin/python3 bench/agent_rl.py --smoke         # tiny model, 2 trainers: that it runs
 
@@ -20,9 +20,10 @@ target reward is the dense rows' mean final minus max(0.01, 2 sigma) of their fi
 to target is the first evaluation at which the mean of its last 3 evaluations reaches it.
 
 Options: --rate 1gbit  --steps N  --seeds 0,1,2  --rows NAME,...  --out-dir DIR (default docs)
---results FILE (default DIR/benchmarks/agent-rl.json)  --list.  $LIGHTWIRE_BIN: the executable
-(default build-release/proxy/lightwire); $PYTHON: the trainers' interpreter (default
-/usr/bin/python3).
+--results FILE (default DIR/benchmarks/agent-rl.json)  --example-args "ARGS" (more arguments for
+every run of the example: the profile's fields, e.g. "--prompts 4 --lr 3e-4")  --list.
+$LIGHTWIRE_BIN: the executable (default build-release/proxy/lightwire); $PYTHON: the trainers'
+interpreter (default /usr/bin/python3).
 """
 
 import argparse
@@ -160,6 +161,9 @@ def main():
     ap.add_argument("--calibrate-steps", type=int, default=12)
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "docs"))
     ap.add_argument("--results")
+    ap.add_argument("--example-args", default="",
+                    help="more arguments for every run of the example (the profile's fields, "
+                         "e.g. \"--prompts 4 --lr 3e-4\")")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
@@ -181,13 +185,14 @@ def main():
         world, steps, seeds = 2, 6, seeds[:1]
         profile = ["--profile", "short", "--eval-every", "3"]
         args.calibrate_steps = 4
+    profile += args.example_args.split()
     results_path = args.results or os.path.join(args.out_dir, "benchmarks", "agent-rl.json")
     work = tempfile.mkdtemp(prefix="agent-rl-bench-")
     ns = Namespace()
     t_start = time.monotonic()
     out = {"date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"),
            "commit": git_commit(), "rate": args.rate, "world_size": world, "steps": steps,
-           "seeds": seeds, "rows": {}}
+           "seeds": seeds, "example_args": profile, "rows": {}}
     try:
         # The warm start once, outside the timed runs (the example caches it).
         subprocess.run([python, EXAMPLE, "--warm-only"] + profile, check=True,
@@ -204,7 +209,8 @@ def main():
         share = 1.0 - calib["unlimited"] / calib[args.rate]
         out["calibration"] = {"step_s_unlimited": calib["unlimited"],
                               "step_s_limited": calib[args.rate], "exchange_share": share,
-                              "params": facts["params"], "flops_per_token": facts["flops_per_token"],
+                              "params": facts["params"],
+                              "flops_per_token": facts["flops_per_token"],
                               "zero_share": facts["zero_share"]}
         log("the dense exchange is %.0f %% of a dense step at %s (%d parameters, %.1f MFLOP per "
             "token, %.2f %% of the gradient's elements exactly zero)" % (
@@ -259,7 +265,7 @@ def report(out):
         out["rate"], out["world_size"], out["steps"], out["seeds"], out["duration_s"] / 60)]
     c = out.get("calibration")
     if c:
-        lines.append("dense step %.3f s unlimited, %.3f s limited: the exchange is %.0f %% of it" % (
+        lines.append("dense step %.3f s unlimited, %.3f s limited: the exchange %.0f %% of it" % (
             c["step_s_unlimited"], c["step_s_limited"], 100 * c["exchange_share"]))
     t = out.get("target")
     if t:
