@@ -39,12 +39,13 @@ def run_example(cl, tmp_path, *extra, steps=6):
         return json.load(f), proc.stdout
 
 
-@pytest.mark.parametrize("transport,accum", [("http", 2), ("shm", 1)])
-def test_short_profile_two_trainers_two_sidecars(cluster_factory, tmp_path, transport, accum):
+@pytest.mark.parametrize("transport,accum,task", [("http", 2, "add"), ("shm", 1, "compare")])
+def test_short_profile_two_trainers_two_sidecars(cluster_factory, tmp_path, transport, accum,
+                                                 task):
     cl = cluster_factory(2, codec="dgc", codec_args=["--density", "0.05"])
     steps = 6
     result, text = run_example(cl, tmp_path, "--transport", transport, "--accum", str(accum),
-                               steps=steps)
+                               "--task", task, steps=steps)
     cfg, summary = result["config"], result["summary"]
     # The store: every task handed out once and finished once, a span per completion.
     tasks = steps * 2 * cfg["prompts"]

@@ -1,9 +1,10 @@
 """An agent-RL trainer through lightwire sidecars: GRPO-style policy gradients on a small byte-level
 language-model policy, tasks handed out and rollouts collected by a store (docs/agent-rl.md).
 
-The policy is a causal transformer over bytes. The task is addition written out in digits
-("47+38=" -> "085."), generated from fixed seeds; a completion earns the share of its characters
-that match the answer's (partial credit, so that early groups are rarely all alike). A cached,
+The policy is a causal transformer over bytes. The task (`--task`) is addition written out in
+digits ("47+38=" -> "085.") or a comparison ("47?38=" -> ">."), generated from fixed seeds; a
+completion earns the share of its characters that match the answer's (partial credit, so that
+early groups are rarely all alike). A cached,
 deterministic supervised warm start brings the policy to partial competence first; RL then
 improves it.
 
@@ -84,27 +85,34 @@ def heldout(a, b):
     return (a * 7919 + b * 104729) % 10 == 0
 
 
-def problem(rng, digits):
+def problem(rng, digits, task="add"):
     """A training problem: (prompt, answer)."""
     while True:
         a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
         if not heldout(a, b):
-            return format_problem(a, b, digits)
+            return format_problem(a, b, digits, task)
 
 
-def format_problem(a, b, digits):
+def format_problem(a, b, digits, task="add"):
+    """add: "47+38=" -> "085." (the sum, digits + 1 wide); compare: "47?38=" -> ">."."""
+    if task == "compare":
+        return "%0*d?%0*d=" % (digits, a, digits, b), "<=>"[(a > b) - (a < b) + 1] + "."
     return "%0*d+%0*d=" % (digits, a, digits, b), "%0*d." % (digits + 1, a + b)
 
 
-def eval_set(digits, n):
+def eval_set(digits, n, task="add"):
     """The fixed held-out prompts (seed-independent: every run is judged on the same ones)."""
     rng = random.Random(20261206)
     out = []
     while len(out) < n:
         a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
         if heldout(a, b):
-            out.append(format_problem(a, b, digits))
+            out.append(format_problem(a, b, digits, task))
     return out
+
+
+def answer_length(cfg):
+    return len(format_problem(0, 0, cfg["digits"], cfg["task"])[1])
 
 
 def reward(completion, answer):
@@ -231,7 +239,8 @@ def model_facts(model, ctx):
 def warm_start(cfg, cache_dir, log=print):
     """The supervised warm start's weights: trained once (one thread, fixed seeds: the same bytes
     every time) and cached under cache_dir by everything that shapes them."""
-    keys = ("d_model", "n_layer", "n_head", "digits", "warm_steps", "warm_batch", "warm_lr")
+    keys = ("d_model", "n_layer", "n_head", "digits", "task", "warm_steps", "warm_batch",
+            "warm_lr")
     spec = {k: cfg[k] for k in keys}
     spec["seed"] = cfg["warm_seed"]
     spec["version"] = 1
@@ -249,7 +258,7 @@ def warm_start(cfg, cache_dir, log=print):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["warm_lr"], weight_decay=0.0)
     t0 = time.monotonic()
     for step in range(cfg["warm_steps"]):
-        batch = [problem(rng, cfg["digits"]) for _ in range(cfg["warm_batch"])]
+        batch = [problem(rng, cfg["digits"], cfg["task"]) for _ in range(cfg["warm_batch"])]
         prompts, answers = encode([p for p, _ in batch]), encode([a for _, a in batch])
         loss = -completion_logp(model, prompts, answers).mean()
         opt.zero_grad()
@@ -365,9 +374,9 @@ def train(rank, cfg, sockets, store_url, warm_path, out_dir):
     exchange = Exchange(client, model, cfg["transport"])
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    problems = eval_set(cfg["digits"], cfg["eval_prompts"])
+    problems = eval_set(cfg["digits"], cfg["eval_prompts"], cfg["task"])
     gen = torch.Generator().manual_seed(cfg["seed"] * 7919 + rank)
-    n_new = cfg["digits"] + 2
+    n_new = answer_length(cfg)
     rows, evals = [], []
     zero_share = None
     away = 0.0  # seconds spent evaluating: not on the time axis
@@ -523,6 +532,9 @@ def main(argv=None):
     ap.add_argument("--trainers", type=int, default=2)
     ap.add_argument("--transport", choices=["http", "shm"], default="http",
                     help="the gradient as the HTTP request's body, or in shared memory")
+    ap.add_argument("--task", choices=["add", "compare"], default="add",
+                    help="add: the sum's digits (\"47+38=\" -> \"085.\"); compare: which is "
+                         "larger (\"47?38=\" -> \">.\")")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--accum", type=int, default=1,
                     help="micro-batches per optimizer step (one exchange per optimizer step)")
@@ -547,7 +559,7 @@ def main(argv=None):
         v = getattr(args, key)
         if v is not None:
             cfg[key] = v
-    cfg.update(seed=args.seed, accum=args.accum, kl=args.kl, clip=args.clip,
+    cfg.update(task=args.task, seed=args.seed, accum=args.accum, kl=args.kl, clip=args.clip,
                grad_clip=args.grad_clip,
                straggler=args.straggler, transport=args.transport, warm_seed=args.warm_seed)
     if cfg["accum"] < 1 or cfg["accum"] > cfg["prompts"] * cfg["group"]:
@@ -557,7 +569,7 @@ def main(argv=None):
     if args.warm_only:
         model, warm_path = warm_start(cfg, args.cache_dir)
         print("warm start: %s (held-out reward %.3f)" % (
-            warm_path, evaluate(model, eval_set(cfg["digits"], cfg["eval_prompts"]))))
+            warm_path, evaluate(model, eval_set(cfg["digits"], cfg["eval_prompts"], cfg["task"]))))
         return 0
     if bool(args.sockets) == bool(args.serve):
         ap.error("give the sidecars' --sockets, or --serve LIGHTWIRE to start them")
@@ -584,7 +596,7 @@ def main(argv=None):
         tasks = []
         for step in range(1, cfg["steps"] + 1):
             for _ in range(world * cfg["prompts"]):
-                p, a = problem(rng, cfg["digits"])
+                p, a = problem(rng, cfg["digits"], cfg["task"])
                 tasks.append({"step": step, "input": {"prompt": p, "answer": a}})
         algo.enqueue(tasks)
         t0 = time.monotonic()
