@@ -284,7 +284,8 @@ def make_policy(cfg):
 class Exchange(object):
     """The whole model's gradient to the sidecar, one tensor per layer: its layout (every
     parameter's name, element offset and shape) sent with the first step, then only its hash, and
-    again when the sidecar does not hold it (it restarted: 404 unknown_layout)."""
+    again when the sidecar does not hold it (it restarted: 404 unknown_layout) -- the client's
+    `emit_layers` for the HTTP body, its `LayoutHashes` for shared memory."""
 
     def __init__(self, client, model, transport, name="policy"):
         self.client = client
@@ -296,13 +297,13 @@ class Exchange(object):
                                 "shape": list(p.shape)})
             offset += p.numel()
         self.elements = offset
-        self.layout_hash = None
         self.transport = transport
         self.seg = None
         if transport == "shm":
             self.seg = lightwire.ShmSegment(4 * self.elements)
             client.register_buffer(self.seg)
             self.view = np.frombuffer(self.seg.buf, dtype=np.float32, count=self.elements)
+            self.hashes = lightwire.LayoutHashes()
         self.wire_bytes = self.raw_bytes = 0
 
     def flat_grad(self):
@@ -310,24 +311,19 @@ class Exchange(object):
 
     def average(self, step, flat):
         """The job's average of `flat` (a float32 tensor of the whole model) for `step`."""
-        for attempt in (0, 1):
-            send_layout = self.layout_hash is None or attempt == 1
-            kw = {"layout": self.layout} if send_layout else {"layout_hash": self.layout_hash}
-            try:
-                if self.transport == "shm":
-                    self.view[:] = flat.numpy()
-                    reply = self.client.emit_gradient_shm(self.seg, name=self.name, step=step,
-                                                          shape=[self.elements], **kw)
-                    out = torch.from_numpy(self.view.copy())
-                    figures = reply
-                else:
-                    out = self.client.emit_gradient(flat, name=self.name, step=step, **kw)
-                    figures = self.client.last_figures
-                break
-            except lightwire.LightwireError as e:
-                if e.error != "unknown_layout" or attempt == 1:
-                    raise
-        self.layout_hash = figures.get("layout_hash")
+        if self.transport == "shm":
+            self.view[:] = flat.numpy()
+
+            def emit(layout, layout_hash):
+                reply = self.client.emit_gradient_shm(self.seg, name=self.name, step=step,
+                                                      shape=[self.elements], layout=layout,
+                                                      layout_hash=layout_hash)
+                return reply, reply.get("layout_hash")
+            figures = self.hashes.send(self.name, self.layout, emit)
+            out = torch.from_numpy(self.view.copy())
+        else:
+            out = self.client.emit_layers(flat, name=self.name, step=step, layout=self.layout)
+            figures = self.client.last_figures
         self.wire_bytes += int(figures.get("wire_bytes") or 0)
         self.raw_bytes += int(figures.get("raw_bytes") or 0)
         return out

@@ -7,9 +7,9 @@
 
 from ._errors import LightwireError, SidecarUnavailable
 from ._shm import ShmSegment
-from .client import Client, default_client, emit_gradient, emit_layers, report
+from .client import Client, LayoutHashes, default_client, emit_gradient, emit_layers, report
 
 __version__ = "0.1.0"
 
-__all__ = ["Client", "LightwireError", "SidecarUnavailable", "ShmSegment",
+__all__ = ["Client", "LayoutHashes", "LightwireError", "SidecarUnavailable", "ShmSegment",
            "default_client", "emit_gradient", "emit_layers", "report", "__version__"]
