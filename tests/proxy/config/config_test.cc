@@ -834,8 +834,9 @@ TEST_CASE("config: membership keys agree with each other; the job secret is neve
                                   {"compression.auto.ladder", ladder}}));
   };
   const auto unsafe = stale_ladder("direct,powersgd:1,randomk:0.01");
-  CHECK(contains(unsafe.message(), "compression.auto.ladder direct,powersgd:1,randomk:0.01 has no "
-                                   "rung a parameter server under bounded staleness"));
+  CHECK(contains(unsafe.message(),
+                 "compression.auto.ladder direct,powersgd:1,randomk:0.01 has no "
+                 "rung a parameter server under bounded staleness"));
   CHECK(stale_ladder("powersgd:1,dgc:0.01").isOk());
   CHECK(stale_ladder("powersgd:1,randomk:0.01,qsgd:4").isOk());
   const auto sparse_ps = checkMembership(build({{"world_size", "2"},
