@@ -109,9 +109,9 @@ def running(evals):
 def row_figures(result):
     s = result["summary"]
     evals = result["ranks"][0]["evals"]
-    steps_t = max(r["rows"][-1]["t"] for r in result["ranks"])
     return {"final_reward": s["final_reward"], "start_reward": s["start_reward"],
-            "steps": s["steps"], "train_seconds": steps_t, "steps_per_second": s["steps"] / steps_t,
+            "steps": s["steps"], "train_seconds": s["train_seconds"],
+            "steps_per_second": s["steps_per_second"],
             "wire_bytes_per_step": s["wire_bytes_per_step"],
             "raw_bytes_per_step": s["raw_bytes_per_step"], "evals": evals,
             "median_step_s": step_seconds(result), "wall_s": result["wall_s"]}

@@ -115,3 +115,37 @@ def test_store_refuses_a_rollout_finished_twice_or_unknown():
         c.close()
     finally:
         server.close()
+
+
+def test_store_refuses_bad_bodies_and_changes_nothing():
+    import http.client
+    from agent_store import MAX_BODY
+    server = StoreServer()
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+
+        def post(path, body, length=None):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            headers = {"Content-Length": str(len(body) if length is None else length)}
+            conn.putrequest("POST", path)
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            if length is None:
+                conn.send(body)
+            resp = conn.getresponse()
+            out = (resp.status, json.loads(resp.read() or b"{}"))
+            conn.close()
+            return out
+
+        assert post("/v1/agl/rollouts", b"{not json")[0] == 400
+        assert post("/v1/agl/rollouts", b"[1, 2]")[0] == 400
+        assert post("/v1/agl/rollouts", b'{"tasks": 5}')[0] == 400
+        assert post("/v1/agl/dequeue", b'{"step": 1}')[0] == 400  # no worker_id
+        assert post("/v1/agl/nowhere", b"{}")[0] == 404
+        code, doc = post("/v1/agl/rollouts", b"", length=MAX_BODY + 1)  # refused before reading
+        assert code == 413 and "at most" in doc["error"]
+        stats = StoreClient(server.url).stats()
+        assert stats["rollouts"] == 0 and stats["spans"] == 0
+    finally:
+        server.close()
