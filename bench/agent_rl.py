@@ -154,7 +154,7 @@ def plot(rows, target, path_time, path_steps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="1gbit")
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rows", default=",".join(r[0] for r in ROWS))
     ap.add_argument("--world-size", type=int, default=4)

@@ -39,7 +39,7 @@ def run_example(cl, tmp_path, *extra, steps=6):
         return json.load(f), proc.stdout
 
 
-@pytest.mark.parametrize("transport,accum,task", [("http", 2, "add"), ("shm", 1, "compare")])
+@pytest.mark.parametrize("transport,accum,task", [("http", 2, "reverse"), ("shm", 1, "add")])
 def test_short_profile_two_trainers_two_sidecars(cluster_factory, tmp_path, transport, accum,
                                                  task):
     cl = cluster_factory(2, codec="dgc", codec_args=["--density", "0.05"])
@@ -72,6 +72,38 @@ def test_short_profile_two_trainers_two_sidecars(cluster_factory, tmp_path, tran
         assert 0.0 <= metric_total(text, "lightwire_reward") <= 1.0
     # dgc sent far fewer bytes than the dense gradient.
     assert 0 < summary["wire_bytes_per_step"] < summary["raw_bytes_per_step"] / 4
+
+
+def test_tasks_held_out_apart_and_the_reverse_corpus_mixes_conventions():
+    import random
+    import agent_rl as A
+    for task, example in (("reverse", ("abcd=", "dcba.")), ("add", ("47+38=", "085.")),
+                          ("compare", ("47?38=", ">."))):
+        cfg = dict(A.PROFILES["short"], task=task, eval_prompts=200)
+        x = "abcd" if task == "reverse" else (47, 38)
+        assert A.format_problem(x, cfg) == example
+        held = A.eval_set(cfg)
+        assert len(held) == 200 and held == A.eval_set(cfg)  # fixed, seed-independent
+        rng = random.Random(0)
+        train = {A.problem(rng, cfg)[0] for _ in range(2000)}
+        assert not train & {p for p, _ in held}  # never a training prompt
+        assert A.context(cfg) == sum(len(t) for t in example)
+        assert A.answer_length(cfg) == len(example[1])
+    # The reverse task's warm corpus: copied at copy_share, reversed otherwise.
+    cfg = dict(A.PROFILES["short"], task="reverse", copy_share=0.65)
+    rng = random.Random(1)
+    copied = reversed_ = 0
+    for _ in range(4000):
+        prompt, target = A.warm_example(rng, cfg)
+        letters = prompt[:-1]
+        assert target in (letters + ".", letters[::-1] + ".")
+        copied += target == letters + "." and letters != letters[::-1]
+        reversed_ += target == letters[::-1] + "." and letters != letters[::-1]
+    assert 0.6 < copied / (copied + reversed_) < 0.7
+    # Partial credit: the share of the answer's characters at the same place.
+    assert A.reward("dcba.", "dcba.") == 1.0
+    assert A.reward("abcd.", "dcba.") == 0.2
+    assert A.reward("dcxx?", "dcba.") == 0.4
 
 
 def test_store_refuses_a_rollout_finished_twice_or_unknown():

@@ -1,12 +1,15 @@
 """An agent-RL trainer through lightwire sidecars: GRPO-style policy gradients on a small byte-level
 language-model policy, tasks handed out and rollouts collected by a store (docs/agent-rl.md).
 
-The policy is a causal transformer over bytes. The task (`--task`) is addition written out in
-digits ("47+38=" -> "085.") or a comparison ("47?38=" -> ">."), generated from fixed seeds; a
-completion earns the share of its characters that match the answer's (partial credit, so that
-early groups are rarely all alike). A cached,
-deterministic supervised warm start brings the policy to partial competence first; RL then
-improves it.
+The policy is a causal transformer over bytes. The task (`--task`), generated from fixed seeds:
+`reverse` (the default) writes a string of letters backwards ("abcd=" -> "dcba."); `add` writes
+the sum's digits ("47+38=" -> "085."); `compare` says which number is larger ("47?38=" -> ">.").
+A completion earns the share of its characters that match the answer's (partial credit, so that
+early groups are rarely all alike). A cached, deterministic supervised warm start comes first.
+For `reverse` its corpus mixes two conventions, copying and reversing, so the policy can already
+produce what the reward asks for but prefers the other -- RL's usual situation on a pretrained
+model -- and RL makes it reverse. For `add` and `compare` the warm start gives partial
+competence, and RL at these sizes barely moves it in a hundred steps (docs/agent-rl.md).
 
 One optimizer step of each of the W trainer processes:
 1. take its tasks of the step from the store (`--prompts` prompts: rollouts enqueued by the
@@ -54,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -66,53 +70,85 @@ import lightwire  # noqa: E402
 from agent_store import StoreClient, StoreServer  # noqa: E402
 
 PROFILES = {
-    # model: d_model, n_layer, n_head; task: digits; batch: prompts x group per trainer and step
-    "short": dict(d_model=64, n_layer=2, n_head=4, digits=2, prompts=4, group=4, steps=12,
-                  lr=1e-3, warm_steps=40, warm_batch=64, warm_lr=3e-3, eval_every=4,
-                  eval_prompts=64),
-    "bench": dict(d_model=256, n_layer=6, n_head=4, digits=2, prompts=2, group=8, steps=60,
-                  lr=1e-3, warm_steps=40, warm_batch=64, warm_lr=3e-3, eval_every=5,
-                  eval_prompts=128),
+    # model: d_model, n_layer, n_head; task: letters (reverse) or digits (add, compare) and the
+    # warm corpus's copy_share (reverse); batch: prompts x group per trainer and step
+    "short": dict(d_model=64, n_layer=2, n_head=4, letters=4, digits=2, copy_share=0.65,
+                  prompts=4, group=4, steps=12, lr=1e-3, warm_steps=60, warm_batch=64,
+                  warm_lr=3e-3, eval_every=4, eval_prompts=64),
+    "bench": dict(d_model=256, n_layer=6, n_head=4, letters=4, digits=2, copy_share=0.65,
+                  prompts=1, group=8, steps=100, lr=1e-4, warm_steps=300, warm_batch=64,
+                  warm_lr=1e-3, eval_every=5, eval_prompts=128),
 }
 VOCAB = 256  # bytes
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
 EVAL_WINDOW = 3  # evaluations in the running mean that is a run's final reward
 
 
 # ------------------------------------------------------------------------------------ the task
 
-def heldout(a, b):
-    """Whether (a, b) belongs to the held-out prompt set (never a training task)."""
-    return (a * 7919 + b * 104729) % 10 == 0
-
-
-def problem(rng, digits, task="add"):
-    """A training problem: (prompt, answer)."""
-    while True:
-        a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
-        if not heldout(a, b):
-            return format_problem(a, b, digits, task)
-
-
-def format_problem(a, b, digits, task="add"):
-    """add: "47+38=" -> "085." (the sum, digits + 1 wide); compare: "47?38=" -> ">."."""
+def format_problem(x, cfg):
+    """The (prompt, answer) of problem x: a string of letters (reverse) or a pair of numbers."""
+    task, digits = cfg["task"], cfg["digits"]
+    if task == "reverse":
+        return x + "=", x[::-1] + "."
+    a, b = x
     if task == "compare":
         return "%0*d?%0*d=" % (digits, a, digits, b), "<=>"[(a > b) - (a < b) + 1] + "."
     return "%0*d+%0*d=" % (digits, a, digits, b), "%0*d." % (digits + 1, a + b)
 
 
-def eval_set(digits, n, task="add"):
+def draw(rng, cfg):
+    """A random problem (before formatting)."""
+    if cfg["task"] == "reverse":
+        return "".join(rng.choice(LETTERS) for _ in range(cfg["letters"]))
+    return rng.randrange(10 ** cfg["digits"]), rng.randrange(10 ** cfg["digits"])
+
+
+def heldout(x):
+    """Whether problem x belongs to the held-out set (never a training task): a tenth of them."""
+    return zlib.crc32(repr(x).encode()) % 10 == 0
+
+
+def problem(rng, cfg):
+    """A training problem: (prompt, answer)."""
+    while True:
+        x = draw(rng, cfg)
+        if not heldout(x):
+            return format_problem(x, cfg)
+
+
+def warm_example(rng, cfg):
+    """One example of the warm start's corpus. For `reverse` it mixes two conventions, as text
+    found in the wild does: the letters copied (a `copy_share` of the examples) or reversed (the
+    rest). The policy learns both, prefers copying, and RL has to make it reverse -- the situation
+    of RL on a pretrained model, which can already produce what the reward asks for, but not
+    reliably. For `add` and `compare` the corpus holds the answers, and a short warm start gives
+    partial competence."""
+    prompt, answer = problem(rng, cfg)
+    if cfg["task"] == "reverse" and rng.random() < cfg["copy_share"]:
+        return prompt, prompt[:-1] + "."
+    return prompt, answer
+
+
+def eval_set(cfg):
     """The fixed held-out prompts (seed-independent: every run is judged on the same ones)."""
     rng = random.Random(20261206)
     out = []
-    while len(out) < n:
-        a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
-        if heldout(a, b):
-            out.append(format_problem(a, b, digits, task))
+    while len(out) < cfg["eval_prompts"]:
+        x = draw(rng, cfg)
+        if heldout(x):
+            out.append(format_problem(x, cfg))
     return out
 
 
 def answer_length(cfg):
-    return len(format_problem(0, 0, cfg["digits"], cfg["task"])[1])
+    return len(eval_set(dict(cfg, eval_prompts=1))[0][1])
+
+
+def context(cfg):
+    """Prompt and answer: the positions the policy sees."""
+    prompt, answer = eval_set(dict(cfg, eval_prompts=1))[0]
+    return len(prompt) + len(answer)
 
 
 def reward(completion, answer):
@@ -239,11 +275,11 @@ def model_facts(model, ctx):
 def warm_start(cfg, cache_dir, log=print):
     """The supervised warm start's weights: trained once (one thread, fixed seeds: the same bytes
     every time) and cached under cache_dir by everything that shapes them."""
-    keys = ("d_model", "n_layer", "n_head", "digits", "task", "warm_steps", "warm_batch",
-            "warm_lr")
+    keys = ("d_model", "n_layer", "n_head", "task", "warm_steps", "warm_batch", "warm_lr") + (
+        ("letters", "copy_share") if cfg["task"] == "reverse" else ("digits",))
     spec = {k: cfg[k] for k in keys}
     spec["seed"] = cfg["warm_seed"]
-    spec["version"] = 1
+    spec["version"] = 2
     digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir, "agent-rl-warm-%s.pt" % digest)
     model = make_policy(cfg)
@@ -258,7 +294,7 @@ def warm_start(cfg, cache_dir, log=print):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["warm_lr"], weight_decay=0.0)
     t0 = time.monotonic()
     for step in range(cfg["warm_steps"]):
-        batch = [problem(rng, cfg["digits"], cfg["task"]) for _ in range(cfg["warm_batch"])]
+        batch = [warm_example(rng, cfg) for _ in range(cfg["warm_batch"])]
         prompts, answers = encode([p for p, _ in batch]), encode([a for _, a in batch])
         loss = -completion_logp(model, prompts, answers).mean()
         opt.zero_grad()
@@ -276,7 +312,7 @@ def warm_start(cfg, cache_dir, log=print):
 
 
 def make_policy(cfg):
-    return Policy(cfg["d_model"], cfg["n_layer"], cfg["n_head"], ctx=4 * cfg["digits"] + 4)
+    return Policy(cfg["d_model"], cfg["n_layer"], cfg["n_head"], ctx=context(cfg))
 
 
 # ------------------------------------------------------------------------------- the exchange
@@ -370,7 +406,7 @@ def train(rank, cfg, sockets, store_url, warm_path, out_dir):
     exchange = Exchange(client, model, cfg["transport"])
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    problems = eval_set(cfg["digits"], cfg["eval_prompts"], cfg["task"])
+    problems = eval_set(cfg)
     gen = torch.Generator().manual_seed(cfg["seed"] * 7919 + rank)
     n_new = answer_length(cfg)
     rows, evals = [], []
@@ -528,9 +564,10 @@ def main(argv=None):
     ap.add_argument("--trainers", type=int, default=2)
     ap.add_argument("--transport", choices=["http", "shm"], default="http",
                     help="the gradient as the HTTP request's body, or in shared memory")
-    ap.add_argument("--task", choices=["add", "compare"], default="add",
-                    help="add: the sum's digits (\"47+38=\" -> \"085.\"); compare: which is "
-                         "larger (\"47?38=\" -> \">.\")")
+    ap.add_argument("--task", choices=["reverse", "add", "compare"], default="reverse",
+                    help="reverse: the letters backwards (\"abcd=\" -> \"dcba.\"); add: the "
+                         "sum's digits (\"47+38=\" -> \"085.\"); compare: which is larger "
+                         "(\"47?38=\" -> \">.\")")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--accum", type=int, default=1,
                     help="micro-batches per optimizer step (one exchange per optimizer step)")
@@ -565,7 +602,7 @@ def main(argv=None):
     if args.warm_only:
         model, warm_path = warm_start(cfg, args.cache_dir)
         print("warm start: %s (held-out reward %.3f)" % (
-            warm_path, evaluate(model, eval_set(cfg["digits"], cfg["eval_prompts"], cfg["task"]))))
+            warm_path, evaluate(model, eval_set(cfg))))
         return 0
     if bool(args.sockets) == bool(args.serve):
         ap.error("give the sidecars' --sockets, or --serve LIGHTWIRE to start them")
@@ -581,7 +618,7 @@ def main(argv=None):
         world = len(sockets)
         t_warm = time.monotonic()
         model, warm_path = warm_start(cfg, args.cache_dir)
-        facts = model_facts(model, 4 * cfg["digits"] + 4)
+        facts = model_facts(model, context(cfg))
         print("policy: %d parameters, %.2f MFLOP per token (training); warm start %s (%.0f s)" % (
             facts[0], facts[1] / 1e6, os.path.basename(warm_path), time.monotonic() - t_warm),
             flush=True)
@@ -592,7 +629,7 @@ def main(argv=None):
         tasks = []
         for step in range(1, cfg["steps"] + 1):
             for _ in range(world * cfg["prompts"]):
-                p, a = problem(rng, cfg["digits"], cfg["task"])
+                p, a = problem(rng, cfg)
                 tasks.append({"step": step, "input": {"prompt": p, "answer": a}})
         algo.enqueue(tasks)
         t0 = time.monotonic()
