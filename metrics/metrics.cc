@@ -201,6 +201,9 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
   for (const char* kind : {"nonfinite", "explosion", "vanishing"}) anomalies(kind);
   for (const char* reason : {"periodic", "divergence", "switch"}) fullSyncs(reason);
   for (const char* limit : kLimitNames) limitHits(limit);
+  for (const char* listener : kListenerNames) {
+    for (const char* limit : kListenerLimitNames) limitHits(limit, listener);
+  }
   for (const char* reason : {"client", "owner_exited"}) buffersReleased(reason);
   for (const char* reason : {"header", "checksum", "queue"}) peerFramesRefused(reason);
   auto& stage_family = BuildHistogram()
@@ -221,8 +224,9 @@ prometheus::Counter& Metrics::httpRequests(std::string_view route, unsigned code
   return http_family_.Add({{"route", std::string(route)}, {"code", std::to_string(code)}});
 }
 
-prometheus::Counter& Metrics::limitHits(std::string_view limit) {
-  return limit_family_.Add({{"limit", std::string(limit)}});
+prometheus::Counter& Metrics::limitHits(std::string_view limit, std::string_view listener) {
+  if (listener.empty()) return limit_family_.Add({{"limit", std::string(limit)}});
+  return limit_family_.Add({{"limit", std::string(limit)}, {"listener", std::string(listener)}});
 }
 
 prometheus::Counter& Metrics::buffersReleased(std::string_view reason) {

@@ -23,19 +23,32 @@ namespace lightwire::metrics {
 enum class Stage { kIngest, kCompress, kExchange, kDecompress, kTotal };
 inline constexpr size_t kStageCount = 5;
 
-/// The `limit` labels of lightwire_limit_hits_total, created at zero when Metrics is built.
+/// The `limit` labels of lightwire_limit_hits_total without a listener, created at zero when
+/// Metrics is built.
 inline constexpr const char* kLimitNames[] = {
-    "body_bytes",           // limits.max_body_bytes (HTTP body, or a CUDA buffer's size)
-    "inflight_body_bytes",  // limits.max_inflight_body_bytes (bodies held at once)
-    "header_bytes",         // limits.max_header_bytes
-    "connections",          // limits.max_connections (a connection closed at accept)
-    "request_timeout",     // limits.idle_timeout_s ran out in the middle of a request (slow client)
+    "body_bytes",          // limits.max_body_bytes (a CUDA buffer's size; HTTP bodies: below)
     "buffers",             // limits.max_buffers
     "buffers_per_client",  // limits.max_buffers_per_client
     "pending_steps",       // limits.max_pending_steps
     "state_bytes",         // limits.max_state_bytes
     "peer_handshakes",     // connections on the peer port still in their handshake (at accept)
 };
+
+/// The `limit` labels of lightwire_limit_hits_total{limit, listener}: limits an HTTP listener
+/// enforces, counted per listener (kListenerNames), created at zero.
+inline constexpr const char* kListenerLimitNames[] = {
+    "body_bytes",              // limits.max_body_bytes
+    "inflight_body_bytes",     // limits.max_inflight_body_bytes (bodies held at once)
+    "header_bytes",            // limits.max_header_bytes
+    "connections",             // limits.<listener>.max_connections: refused with 503
+    "connections_per_source",  // limits.<listener>.max_per_source / max_per_uid: refused, 503
+    "evicted",                 // a connection without a completed request closed for a new one
+    "header_timeout",          // limits.header_timeout_s ran out (slow or silent client)
+    "body_rate",               // a body slower than limits.min_body_rate
+    "request_timeout",         // a reply not read within limits.idle_timeout_s
+    "accept_errors",           // accept() failed (out of descriptors): accepting backs off
+};
+inline constexpr const char* kListenerNames[] = {"unix", "control_tcp", "admin"};
 
 /// The registry and every family the sidecar exports. Thread-safe (prometheus-cpp's counters,
 /// gauges and histograms are; the labelled lookups below take a lock and cache children).
@@ -109,7 +122,7 @@ class Metrics {
   prometheus::Counter& httpRequests(std::string_view route, unsigned code);
   /// lightwire_limit_hits_total{limit}: requests, connections and steps refused because they hit
   /// one of the configured limits (docs/RELIABILITY.md, "Limits"). `limit` is one of kLimitNames.
-  prometheus::Counter& limitHits(std::string_view limit);
+  prometheus::Counter& limitHits(std::string_view limit, std::string_view listener = {});
   /// lightwire_buffers_released_total{reason}: registered buffers released by their client
   /// ("client") or because the process that registered them exited ("owner_exited").
   prometheus::Counter& buffersReleased(std::string_view reason);

@@ -116,17 +116,26 @@ struct ServeConfig {
   std::optional<ListenAddress> control_tcp = ListenAddress{"127.0.0.1", 4780};  // nullopt = off
   std::optional<ListenAddress> admin_listen = ListenAddress{"0.0.0.0", 4782};   // nullopt = off
 
+  /// The connection budget of one listener.
+  struct ListenerBudget {
+    int max_connections = 256;
+    int max_per_source = 0;  // a TCP source address's, or a Unix-socket uid's (0 = no cap)
+  };
   /// Resource limits of the listeners and the step engine.
   struct Limits {
     uint64_t max_body_bytes = 1073741824;
     uint64_t max_inflight_body_bytes = 0;  // bodies held at once (0 = half the memory budget)
     uint32_t max_header_bytes = 16384;
     double idle_timeout_s = 60;
+    double header_timeout_s = 10;
+    uint64_t min_body_rate = 1048576;  // bytes per second (0 = only idle_timeout_s)
     double step_timeout_s = 120;
     int max_buffers = 1024;
     int max_buffers_per_client = 256;  // per registering process (Unix socket), or TCP together
     int max_pending_steps = 4096;
-    int max_connections = 256;
+    ListenerBudget unix_socket{256, 0};
+    ListenerBudget control_tcp{256, 0};
+    ListenerBudget admin{64, 16};
     uint64_t max_state_bytes = 0;  // codec state of all tensors together (0 = no cap)
   } limits;
 

@@ -281,9 +281,23 @@ void addLimitsKeys(KeyAdder& add) {
       [](const C& c) { return json::value(c.limits.max_header_bytes); });
   add(
       "limits.idle_timeout_s", "--idle-timeout", "seconds > 0", "60",
-      "Idle keep-alive connections are closed after this",
+      "A kept-alive connection that completed a request is closed when idle this long; a reply "
+      "must be read within it",
       [](C& c, std::string_view s) { return setSeconds(s, c.limits.idle_timeout_s); },
       [](const C& c) { return json::value(c.limits.idle_timeout_s); });
+  add(
+      "limits.header_timeout_s", "--header-timeout", "seconds > 0", "10",
+      "A request's headers must arrive within this from its first byte (a new connection's: "
+      "from its accept); slower clients are cut off",
+      [](C& c, std::string_view s) { return setSeconds(s, c.limits.header_timeout_s); },
+      [](const C& c) { return json::value(c.limits.header_timeout_s); });
+  add("limits.min_body_rate", "--min-body-rate", "integer >= 0", "1048576",
+      "A request body must arrive at this average rate, bytes per second, after "
+      "limits.header_timeout_s of grace; slower clients are cut off (0 = only "
+      "limits.idle_timeout_s bounds a body)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.min_body_rate; }, 0,
+                        std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.limits.min_body_rate); });
   add(
       "limits.step_timeout_s", "--step-timeout", "seconds > 0", "120",
       "A step not complete after this fails with 504",
@@ -308,10 +322,32 @@ void addLimitsKeys(KeyAdder& add) {
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.max_state_bytes; }, 0,
                         std::numeric_limits<uint64_t>::max()),
       [](const C& c) { return json::value(c.limits.max_state_bytes); });
-  add("limits.max_connections", "--max-connections", "integer >= 1", "256",
-      "Open client connections at most, all listeners together",
-      unsignedSetter<C>([](C& c) -> int& { return c.limits.max_connections; }, 1, INT_MAX),
-      [](const C& c) { return json::value(c.limits.max_connections); });
+  // Each listener's connection budget: its own, so that exhausting one leaves the others serving.
+  using Budget = ServeConfig::ListenerBudget;
+  auto budget = [&](const std::string& listener, const std::string& flag, Budget C::Limits::*field,
+                    int connections, int per_source, const char* what, const char* source) {
+    add("limits." + listener + ".max_connections", "--" + flag + "-max-connections", "integer >= 1",
+        std::to_string(connections),
+        std::string("Open connections at most on ") + what +
+            "; when full, a new one evicts the oldest that has not completed a request, else it "
+            "is answered 503",
+        unsignedSetter<C>([field](C& c) -> int& { return (c.limits.*field).max_connections; }, 1,
+                          INT_MAX),
+        [field](const C& c) { return json::value((c.limits.*field).max_connections); });
+    add("limits." + listener + "." + (listener == "unix" ? "max_per_uid" : "max_per_source"),
+        "--" + flag + (listener == "unix" ? "-max-per-uid" : "-max-per-source"), "integer >= 0",
+        std::to_string(per_source),
+        std::string("Open connections at most from one ") + source + " on " + what +
+            " (0 = no cap)",
+        unsignedSetter<C>([field](C& c) -> int& { return (c.limits.*field).max_per_source; }, 0,
+                          INT_MAX),
+        [field](const C& c) { return json::value((c.limits.*field).max_per_source); });
+  };
+  budget("unix", "unix", &C::Limits::unix_socket, 256, 0, "the control socket",
+         "user id (SO_PEERCRED)");
+  budget("control_tcp", "control-tcp", &C::Limits::control_tcp, 256, 0, "the TCP control listener",
+         "source address");
+  budget("admin", "admin", &C::Limits::admin, 64, 16, "the admin listener", "source address");
 }
 
 // security.*: the bearer token of the control API.

@@ -121,6 +121,32 @@ bool ControlApi::tokenOk(const Request& req) const {
          CRYPTO_memcmp(got.data(), expected.data(), expected.size()) == 0;
 }
 
+HeaderVerdict ControlApi::checkHeader(const Request& header, const RequestInfo& info,
+                                      bool has_body) const {
+  HeaderVerdict v;
+  if (info.listener == ListenerKind::kAdmin) {
+    if (has_body) {
+      v.refuse = errorResponse(status::payload_too_large, "too_large",
+                               "the admin listener accepts no request bodies (it serves GET "
+                               "/healthz, /readyz, /metrics and /v1/status)",
+                               header.version(), false);
+    }
+    return v;
+  }
+  if (!info.tcp || config_.token.empty()) return v;
+  if (!tokenOk(header)) {
+    if (!has_body) return v;  // answered 401 by the route, on a connection that goes on
+    Response r = errorResponse(status::unauthorized, "unauthenticated",
+                               "the TCP control listener needs 'Authorization: Bearer <token>'",
+                               header.version(), false);
+    r.set(http::field::www_authenticate, "Bearer");
+    v.refuse = std::move(r);
+    return v;
+  }
+  v.trusted = true;
+  return v;
+}
+
 /// The routes of docs/api.md: a path template ("{id}" matches the rest of the path), the method
 /// (GET routes answer HEAD too), whether the admin listener serves it, and its handler.
 const std::vector<ControlApi::Route>& ControlApi::routes() {

@@ -55,6 +55,12 @@ class ControlApi {
   void handle(Request&& request, const RequestInfo& info, Reply reply);
   /// Counts a request the HttpServer refused itself (its onRefused hook).
   void countRefused(std::string_view target, unsigned status);
+  /// The HttpServer's check of a request's headers, before its body is read or reserved
+  /// (docs/RELIABILITY.md "Overload"): the admin listener takes no bodies (413); the TCP control
+  /// listener with a token refuses a body sent without it (401; a request without a body gets its
+  /// 401 from the route); a request with the right token marks its connection trusted (never
+  /// evicted for a new one).
+  HeaderVerdict checkHeader(const Request& header, const RequestInfo& info, bool has_body) const;
   void setListeners(BoundListeners l);
   /// After SIGTERM: /readyz answers 503, new steps are refused.
   void setStopping() { stopping_ = true; }

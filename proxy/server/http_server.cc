@@ -7,17 +7,21 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/json/serialize.hpp>
 #include <boost/json/value.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <list>
 #include <mutex>
 #include <optional>
+#include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "proxy/server/utf8.h"
@@ -53,6 +57,7 @@ struct Shared {
   Handler handler;
   HttpServer::RefusedHook on_refused;
   HttpServer::LimitHook on_limit;
+  HeaderCheck on_header;
   std::atomic<bool> stopping{false};
   std::shared_ptr<std::atomic<size_t>> connections;
   // Bytes of request bodies being read or held by a handler, all connections together
@@ -66,6 +71,87 @@ struct Shared {
 
 namespace {
 
+const char* listenerName(const RequestInfo& info) {
+  if (info.listener == ListenerKind::kAdmin) return "admin";
+  return info.tcp ? "control_tcp" : "unix";
+}
+
+}  // namespace
+
+/// The connection budget of one listener: its connections in accept order (the oldest first),
+/// each with its source and whether it may be evicted for a new one.
+struct Budget {
+  using Clock = std::chrono::steady_clock;
+  struct Entry {
+    std::string source;
+    std::function<void()> close;  // posts a close to the session's executor
+    bool trusted = false;         // completed a request, or the header check trusted it
+    bool evicted = false;
+  };
+  ListenerLimits limits;
+  std::string name;
+  std::mutex mu;
+  size_t open = 0;
+  std::unordered_map<std::string, size_t> per_source;
+  std::list<Entry> entries;
+
+  /// The outcome of admitting a connection from `source`.
+  enum class Admit { kOk, kFull, kSourceFull };
+  /// Admits a connection, evicting the oldest untrusted one when the budget is full (its close
+  /// is returned in `evict`). On kOk, `slot` is the new connection's entry.
+  Admit admit(const std::string& source, std::list<Entry>::iterator& slot,
+              std::function<void()>& evict) {
+    std::lock_guard lock(mu);
+    if (limits.max_per_source != 0) {
+      auto it = per_source.find(source);
+      if (it != per_source.end() && it->second >= limits.max_per_source) return Admit::kSourceFull;
+    }
+    if (open >= limits.max_connections) {
+      auto victim = std::find_if(entries.begin(), entries.end(),
+                                 [](const Entry& e) { return !e.trusted && !e.evicted; });
+      if (victim == entries.end()) return Admit::kFull;
+      victim->evicted = true;
+      evict = std::move(victim->close);
+      leaveLocked(*victim);
+    }
+    ++open;
+    ++per_source[source];
+    slot = entries.insert(entries.end(), Entry{source, {}, false, false});
+    return Admit::kOk;
+  }
+
+  void setCloser(std::list<Entry>::iterator slot, std::function<void()> close) {
+    std::lock_guard lock(mu);
+    slot->close = std::move(close);
+  }
+
+  size_t openNow() {
+    std::lock_guard lock(mu);
+    return open;
+  }
+
+  void trust(std::list<Entry>::iterator slot) {
+    std::lock_guard lock(mu);
+    slot->trusted = true;
+  }
+
+  /// The session of `slot` ended.
+  void remove(std::list<Entry>::iterator slot) {
+    std::lock_guard lock(mu);
+    if (!slot->evicted) leaveLocked(*slot);
+    entries.erase(slot);
+  }
+
+ private:
+  void leaveLocked(const Entry& e) {
+    --open;
+    auto it = per_source.find(e.source);
+    if (it != per_source.end() && --it->second == 0) per_source.erase(it);
+  }
+};
+
+namespace {
+
 constexpr size_t kSmallBuffer = size_t{1} << 16;  // read buffer of a connection
 constexpr size_t kLargeBuffer = size_t{1} << 20;  // ... while it reads a large body
 constexpr int kSocketBuffer = 4 << 20;            // SO_RCVBUF / SO_SNDBUF of a connection
@@ -74,24 +160,38 @@ constexpr int kSocketBuffer = 4 << 20;            // SO_RCVBUF / SO_SNDBUF of a 
 /// alive.
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(Stream stream, std::shared_ptr<Shared> shared, RequestInfo info)
-      : stream_(std::move(stream)), shared_(std::move(shared)), info_(info) {
+  Session(Stream stream, std::shared_ptr<Shared> shared, RequestInfo info,
+          std::shared_ptr<Budget> budget, std::list<Budget::Entry>::iterator slot)
+      : stream_(std::move(stream)),
+        shared_(std::move(shared)),
+        info_(info),
+        budget_(std::move(budget)),
+        slot_(slot) {
     shared_->connections->fetch_add(1);
   }
   ~Session() {
     release();
+    budget_->remove(slot_);
     shared_->connections->fetch_sub(1);
   }
 
-  void start() {
-    if (!info_.tcp) {
-      struct ucred cred {};
-      socklen_t len = sizeof cred;
-      if (::getsockopt(stream_.socket().native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) ==
-          0) {
-        info_.pid = cred.pid;
-        info_.uid = static_cast<long>(cred.uid);
+  /// The closer the budget calls to evict this session.
+  static std::function<void()> closer(const std::shared_ptr<Session>& s) {
+    std::weak_ptr<Session> weak = s;
+    return [weak] {
+      if (auto s = weak.lock()) {
+        asio::post(s->stream_.get_executor(), [s] {
+          s->limitHit("evicted");
+          s->close();
+        });
       }
+    };
+  }
+
+  void start(const std::optional<struct ucred>& cred) {
+    if (cred) {
+      info_.pid = cred->pid;
+      info_.uid = static_cast<long>(cred->uid);
     }
     buffer_.reserve(kSmallBuffer);
     std::weak_ptr<Session> weak = shared_from_this();
@@ -113,19 +213,39 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
+  /// Waits for a request's first byte (idle_timeout on a kept-alive connection that completed a
+  /// request, header_timeout on a new one), then reads its headers within header_timeout.
   void readHeader() {
     if (shared_->stopping.load()) return close();
     parser_.emplace();
     parser_->header_limit(shared_->limits.max_header_bytes);
     parser_->body_limit(shared_->limits.max_body_bytes);
-    stream_.expires_after(shared_->limits.idle_timeout);
+    if (buffer_.size() > 0) return readHeaderRest();
+    phase_ = requests_ > 0 ? Phase::kIdle : Phase::kHeader;
+    stream_.expires_after(requests_ > 0 ? shared_->limits.idle_timeout
+                                        : shared_->limits.header_timeout);
+    stream_.async_read_some(
+        buffer_.prepare(std::max<size_t>(512, buffer_.capacity() - buffer_.size())),
+        [self = shared_from_this()](beast::error_code ec, size_t n) {
+          if (ec) {
+            self->failRead(ec);
+            return;
+          }
+          self->buffer_.commit(n);
+          self->readHeaderRest();
+        });
+  }
+
+  void readHeaderRest() {
+    phase_ = Phase::kHeader;
+    stream_.expires_after(shared_->limits.header_timeout);
     http::async_read_header(
         stream_, buffer_, *parser_,
         [self = shared_from_this()](beast::error_code ec, size_t) { self->onHeader(ec); });
   }
 
   void limitHit(std::string_view limit) {
-    if (shared_->on_limit) shared_->on_limit(limit);
+    if (shared_->on_limit) shared_->on_limit(limit, listenerName(info_));
   }
 
   /// Reserves `bytes` of the in-flight body budget for this request; false when it would pass
@@ -148,11 +268,10 @@ class Session : public std::enable_shared_from_this<Session> {
 
   /// Parse errors are answered (when the connection still works) and end the connection.
   bool failRead(beast::error_code ec) {
-    // The timeout ran out in the middle of a request (a slow or stalled client), not between
-    // requests of a kept-alive connection.
-    if (ec == beast::error::timeout && (buffer_.size() > 0 || (parser_ && parser_->got_some()))) {
-      limitHit("request_timeout");
-    }
+    // A deadline ran out in the middle of a request, or before a new connection's first one (a
+    // slow or stalled client), not between requests of a kept-alive connection.
+    if (ec == beast::error::timeout && phase_ == Phase::kHeader) limitHit("header_timeout");
+    if (ec == beast::error::timeout && phase_ == Phase::kBody) limitHit("body_rate");
     if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
         ec == asio::error::operation_aborted || ec == asio::error::connection_reset ||
         ec == asio::error::eof || ec == asio::error::bad_descriptor) {
@@ -182,6 +301,22 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     const auto& req = parser_->get();
+    if (shared_->on_header) {
+      const bool has_body = !parser_->is_done();
+      HeaderVerdict verdict = shared_->on_header(req, info_, has_body);
+      if (verdict.trusted) budget_->trust(slot_);
+      if (verdict.refuse) {
+        if (shared_->on_refused) {
+          shared_->on_refused(req.target(), static_cast<unsigned>(verdict.refuse->result_int()));
+        }
+        keep_alive_ = false;
+        head_ = false;
+        busy_ = true;
+        verdict.refuse->keep_alive(false);
+        write(std::move(*verdict.refuse));
+        return;
+      }
+    }
     if (const auto len = parser_->content_length(); len && *len > shared_->limits.max_body_bytes) {
       limitHit("body_bytes");
       fail(http::status::payload_too_large, "too_large",
@@ -201,7 +336,8 @@ class Session : public std::enable_shared_from_this<Session> {
              "request bodies held at once would exceed limits.max_inflight_body_bytes (" +
                  std::to_string(shared_->limits.max_inflight_body_bytes) + " bytes; " +
                  std::to_string(in_flight) + " held, this one " + std::to_string(need) +
-                 (len ? "" : ", chunked: counted at limits.max_body_bytes") + ")");
+                 (len ? "" : ", chunked: counted at limits.max_body_bytes") + ")",
+             /*retry_after=*/true);
         return;
       }
     }
@@ -223,7 +359,21 @@ class Session : public std::enable_shared_from_this<Session> {
     readBody();
   }
 
+  /// The body has header_timeout of grace plus its length at limits.min_body_rate (a chunked
+  /// body: limits.max_body_bytes at that rate).
   void readBody() {
+    phase_ = Phase::kBody;
+    if (shared_->limits.min_body_rate == 0) {
+      stream_.expires_after(shared_->limits.idle_timeout);
+    } else {
+      const auto len = parser_->content_length();
+      const uint64_t bytes = len ? *len : shared_->limits.max_body_bytes;
+      const double seconds =
+          static_cast<double>(bytes) / static_cast<double>(shared_->limits.min_body_rate);
+      stream_.expires_after(
+          shared_->limits.header_timeout +
+          std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, 1e9) * 1000.0)));
+    }
     http::async_read(
         stream_, buffer_, *parser_,
         [self = shared_from_this()](beast::error_code ec, size_t) { self->onRead(ec); });
@@ -235,6 +385,8 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     stream_.expires_never();  // a step may wait for the node's other trainers
+    phase_ = Phase::kHandler;
+    if (requests_++ == 0) budget_->trust(slot_);  // a client that completed a request
     Request req = parser_->release();
     parser_.reset();
     keep_alive_ = req.keep_alive();
@@ -259,6 +411,7 @@ class Session : public std::enable_shared_from_this<Session> {
       r.content_length(length);
     }
     response_ = std::make_shared<Response>(std::move(r));
+    phase_ = Phase::kWrite;
     stream_.expires_after(shared_->limits.idle_timeout);  // a client that never reads is dropped
     http::async_write(
         stream_, *response_, [self = shared_from_this()](beast::error_code ec, size_t) {
@@ -278,7 +431,8 @@ class Session : public std::enable_shared_from_this<Session> {
         });
   }
 
-  void fail(http::status status, std::string_view code, const std::string& message) {
+  void fail(http::status status, std::string_view code, const std::string& message,
+            bool retry_after = false) {
     if (shared_->on_refused) {
       std::string_view target;
       if (parser_) target = parser_->get().target();  // set once the request line is parsed
@@ -287,7 +441,9 @@ class Session : public std::enable_shared_from_this<Session> {
     keep_alive_ = false;
     head_ = false;
     busy_ = true;
-    write(errorResponse(status, code, message, version_ ? version_ : 11, false));
+    Response r = errorResponse(status, code, message, version_ ? version_ : 11, false);
+    if (retry_after) r.set(http::field::retry_after, "1");
+    write(std::move(r));
   }
 
   void close() {
@@ -298,9 +454,16 @@ class Session : public std::enable_shared_from_this<Session> {
     stream_.socket().close(ignored);
   }
 
+  /// What the connection is doing: which deadline runs, and which limit a timeout hits.
+  enum class Phase { kIdle, kHeader, kBody, kHandler, kWrite };
+
   Stream stream_;
   std::shared_ptr<Shared> shared_;
   RequestInfo info_;
+  std::shared_ptr<Budget> budget_;
+  std::list<Budget::Entry>::iterator slot_;
+  Phase phase_ = Phase::kHeader;
+  uint64_t requests_ = 0;  // requests read completely on this connection
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   std::shared_ptr<Response> response_;
@@ -312,56 +475,139 @@ class Session : public std::enable_shared_from_this<Session> {
   uint64_t reserved_ = 0;  // this request's share of Shared::inflight_body
 };
 
-/// Accepts connections of one protocol and starts a Session for each.
+/// Accepts connections of one protocol, admits each into the listener's budget, and starts a
+/// Session for it.
 template <typename Protocol>
 class Listener : public std::enable_shared_from_this<Listener<Protocol>> {
  public:
-  Listener(asio::io_context& io, std::shared_ptr<Shared> shared, RequestInfo info)
-      : io_(io), acceptor_(asio::make_strand(io)), shared_(std::move(shared)), info_(info) {}
+  Listener(asio::io_context& io, std::shared_ptr<Shared> shared, RequestInfo info,
+           ListenerLimits limits)
+      : io_(io),
+        acceptor_(asio::make_strand(io)),
+        backoff_timer_(acceptor_.get_executor()),
+        shared_(std::move(shared)),
+        info_(info),
+        budget_(std::make_shared<Budget>()) {
+    budget_->limits = limits;
+    budget_->name = listenerName(info);
+    const std::string body =
+        "{\"error\":\"busy\",\"message\":\"the " + budget_->name +
+        " listener's connections are all in use by clients that completed a request "
+        "(limits." +
+        budget_->name + ".max_connections " + std::to_string(limits.max_connections) +
+        "); retry later\"}";
+    busy_ =
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: "
+        "1\r\nConnection: close\r\nContent-Length: " +
+        std::to_string(body.size()) + "\r\n\r\n" + body;
+  }
 
   typename Protocol::acceptor& acceptor() { return acceptor_; }
+  const std::shared_ptr<Budget>& budget() const { return budget_; }
 
   void accept() {
-    acceptor_.async_accept(asio::make_strand(io_), [self = this->shared_from_this()](
-                                                       beast::error_code ec,
-                                                       typename Protocol::socket socket) {
-      if (ec) {
-        if (ec == asio::error::operation_aborted || !self->acceptor_.is_open()) return;
-        self->accept();  // e.g. EMFILE: keep serving the connections we have
-        return;
-      }
-      if (self->shared_->stopping.load() ||
-          self->shared_->connections->load() >= self->shared_->limits.max_connections) {
-        // Counted before the close: a client that sees its connection refused finds the hit
-        // already in /metrics.
-        if (!self->shared_->stopping.load() && self->shared_->on_limit) {
-          self->shared_->on_limit("connections");
-        }
-        beast::error_code ignored;
-        socket.close(ignored);  // over limits.max_connections: refused at once
-      } else {
-        // Large socket buffers: a 100 MB body moves in hundreds of wake-ups, not thousands.
-        beast::error_code ignored;
-        socket.set_option(asio::socket_base::receive_buffer_size(kSocketBuffer), ignored);
-        socket.set_option(asio::socket_base::send_buffer_size(kSocketBuffer), ignored);
-        std::make_shared<Session>(Stream(std::move(socket)), self->shared_, self->info_)->start();
-      }
-      self->accept();
-    });
+    acceptor_.async_accept(
+        asio::make_strand(io_),
+        [self = this->shared_from_this()](beast::error_code ec, typename Protocol::socket socket) {
+          if (ec) {
+            if (ec == asio::error::operation_aborted || !self->acceptor_.is_open()) return;
+            // Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the connections we have keep
+            // being served; accepting again at once would spin, so wait, longer each time (10 ms to
+            // 1 s). The waiting connections stay in the kernel's backlog.
+            self->hit("accept_errors");
+            self->backoff_ = std::min(std::chrono::milliseconds(1000),
+                                      std::max(std::chrono::milliseconds(10), 2 * self->backoff_));
+            self->backoff_timer_.expires_after(self->backoff_);
+            self->backoff_timer_.async_wait([self](beast::error_code wait_ec) {
+              if (!wait_ec && self->acceptor_.is_open()) self->accept();
+            });
+            return;
+          }
+          self->backoff_ = std::chrono::milliseconds(0);
+          self->admit(std::move(socket));
+          self->accept();
+        });
   }
 
   void stop() {
     asio::post(acceptor_.get_executor(), [self = this->shared_from_this()] {
       beast::error_code ignored;
       self->acceptor_.close(ignored);
+      self->backoff_timer_.cancel();
     });
   }
 
  private:
+  void hit(std::string_view limit) {
+    // Counted before the close: a client that sees its connection refused finds the hit already
+    // in /metrics.
+    if (shared_->on_limit) shared_->on_limit(limit, budget_->name);
+  }
+
+  /// Over the budget: a 503 with Retry-After written without waiting (a new socket's send buffer
+  /// holds it), then closed. A client that has sent its request before reading may see a reset
+  /// instead.
+  void refuse(typename Protocol::socket& socket) {
+    beast::error_code ignored;
+    socket.non_blocking(true, ignored);
+    socket.write_some(asio::buffer(busy_), ignored);
+    socket.shutdown(Protocol::socket::shutdown_both, ignored);
+    socket.close(ignored);
+  }
+
+  void admit(typename Protocol::socket socket) {
+    beast::error_code ignored;
+    if (shared_->stopping.load()) {
+      socket.close(ignored);
+      return;
+    }
+    // The source: a TCP client's address, a Unix-socket client's user id.
+    std::string source;
+    std::optional<struct ucred> cred;
+    if constexpr (std::is_same_v<Protocol, unix_socket>) {
+      struct ucred c {};
+      socklen_t len = sizeof c;
+      if (::getsockopt(socket.native_handle(), SOL_SOCKET, SO_PEERCRED, &c, &len) == 0) {
+        cred = c;
+        source = "uid:" + std::to_string(c.uid);
+      }
+    } else {
+      beast::error_code ec;
+      const auto peer = socket.remote_endpoint(ec);
+      if (!ec) source = peer.address().to_string();
+    }
+    std::list<Budget::Entry>::iterator slot;
+    std::function<void()> evict;
+    switch (budget_->admit(source, slot, evict)) {
+      case Budget::Admit::kSourceFull:
+        hit("connections_per_source");
+        refuse(socket);
+        return;
+      case Budget::Admit::kFull:
+        hit("connections");
+        refuse(socket);
+        return;
+      case Budget::Admit::kOk:
+        break;
+    }
+    // Large socket buffers: a 100 MB body moves in hundreds of wake-ups, not thousands.
+    socket.set_option(asio::socket_base::receive_buffer_size(kSocketBuffer), ignored);
+    socket.set_option(asio::socket_base::send_buffer_size(kSocketBuffer), ignored);
+    auto session =
+        std::make_shared<Session>(Stream(std::move(socket)), shared_, info_, budget_, slot);
+    budget_->setCloser(slot, Session::closer(session));
+    if (evict) evict();  // the oldest connection without a completed request makes room
+    session->start(cred);
+  }
+
   asio::io_context& io_;
   typename Protocol::acceptor acceptor_;
+  asio::steady_timer backoff_timer_;
+  std::chrono::milliseconds backoff_{0};
   std::shared_ptr<Shared> shared_;
   RequestInfo info_;
+  std::shared_ptr<Budget> budget_;
+  std::string busy_;  // the 503 of a connection over the budget
 };
 
 }  // namespace
@@ -389,7 +635,21 @@ void HttpServer::onRefused(RefusedHook hook) { impl_->shared->on_refused = std::
 
 void HttpServer::onLimit(LimitHook hook) { impl_->shared->on_limit = std::move(hook); }
 
-std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind, unsigned mode) {
+void HttpServer::onHeader(HeaderCheck check) { impl_->shared->on_header = std::move(check); }
+
+size_t HttpServer::connections(std::string_view listener) const {
+  size_t n = 0;
+  for (const auto& l : impl_->tcp_listeners) {
+    if (l->budget()->name == listener) n += l->budget()->openNow();
+  }
+  for (const auto& l : impl_->unix_listeners) {
+    if (l->budget()->name == listener) n += l->budget()->openNow();
+  }
+  return n;
+}
+
+std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind, unsigned mode,
+                                   ListenerLimits budget) {
   namespace fs = std::filesystem;
   std::error_code fec;
   const fs::path p(path);
@@ -406,8 +666,8 @@ std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind, u
     }
     fs::remove(p, fec);
   }
-  auto listener =
-      std::make_shared<Listener<unix_socket>>(impl_->io, impl_->shared, RequestInfo{kind, false});
+  auto listener = std::make_shared<Listener<unix_socket>>(impl_->io, impl_->shared,
+                                                          RequestInfo{kind, false}, budget);
   beast::error_code ec;
   auto& acc = listener->acceptor();
   acc.open(unix_socket(), ec);
@@ -432,12 +692,12 @@ std::string HttpServer::listenUnix(const std::string& path, ListenerKind kind, u
 }
 
 std::string HttpServer::listenTcp(const std::string& host, uint16_t port, ListenerKind kind,
-                                  uint16_t* bound_port) {
+                                  uint16_t* bound_port, ListenerLimits budget) {
   beast::error_code ec;
   const auto address = asio::ip::make_address(host, ec);
   if (ec) return "invalid listen address '" + host + "': " + ec.message();
   auto listener =
-      std::make_shared<Listener<tcp>>(impl_->io, impl_->shared, RequestInfo{kind, true});
+      std::make_shared<Listener<tcp>>(impl_->io, impl_->shared, RequestInfo{kind, true}, budget);
   auto& acc = listener->acceptor();
   const tcp::endpoint endpoint(address, port);
   acc.open(endpoint.protocol(), ec);

@@ -287,8 +287,18 @@ std::optional<ServeConfig> loadConfig(const FlagValues& flags) {
   return std::move(*built);
 }
 
-/// The process settings a long-running sidecar wants: the heap and the open-file limit.
-void tuneProcess(const ServeConfig& config) {
+/// The listeners' connection budgets together (those that are open).
+rlim_t connectionBudgets(const ServeConfig& config) {
+  rlim_t n = 0;
+  if (!config.control_socket.empty()) n += config.limits.unix_socket.max_connections;
+  if (config.control_tcp) n += config.limits.control_tcp.max_connections;
+  if (config.admin_listen) n += config.limits.admin.max_connections;
+  return n;
+}
+
+/// The process settings a long-running sidecar wants: the heap and the open-file limit. Fails
+/// when even the hard open-file limit cannot hold the listeners' connection budgets.
+Status tuneProcess(const ServeConfig& config) {
   // Large request bodies and step buffers come and go at every step: keep freed memory in the
   // heap instead of unmapping it, so the next 100 MB body does not page-fault its way in again
   // (the resident size stays at its peak, which the largest tensors set anyway).
@@ -296,25 +306,37 @@ void tuneProcess(const ServeConfig& config) {
   mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
 
   // Every registered shared-memory buffer and every connection holds a descriptor: lift the soft
-  // limit on open files to the hard one (often 1024 and 524288), and say so when even that cannot
-  // hold the configured limits.
+  // limit on open files to the hard one (often 1024 and 524288).
   struct rlimit nofile {};
-  if (::getrlimit(RLIMIT_NOFILE, &nofile) != 0) return;
+  if (::getrlimit(RLIMIT_NOFILE, &nofile) != 0) return Status::ok();
   if (nofile.rlim_cur < nofile.rlim_max) {
     nofile.rlim_cur = nofile.rlim_max;
     ::setrlimit(RLIMIT_NOFILE, &nofile);
     ::getrlimit(RLIMIT_NOFILE, &nofile);
   }
-  const rlim_t needed = static_cast<rlim_t>(config.limits.max_buffers) +
-                        static_cast<rlim_t>(config.limits.max_connections) +
-                        static_cast<rlim_t>(2 * config.peer.world_size) + 64;
-  if (nofile.rlim_cur != RLIM_INFINITY && nofile.rlim_cur < needed) {
+  if (nofile.rlim_cur == RLIM_INFINITY) return Status::ok();
+  // The connection budgets must fit, with room for the peers and the process's own files: a
+  // budget the process cannot hold would turn into accept errors under load, not 503s.
+  const rlim_t base = static_cast<rlim_t>(2 * config.peer.world_size) + 64;
+  const rlim_t connections = connectionBudgets(config);
+  if (nofile.rlim_cur < connections + base) {
+    return failedPrecondition(fmt::format(
+        "open files are limited to {} (ulimit -n), fewer than the listeners' connection budgets "
+        "(limits.unix.max_connections + limits.control_tcp.max_connections + "
+        "limits.admin.max_connections of the listeners that are open: {}) and {} more for peers "
+        "and the process's own files need: lower the budgets or raise the limit",
+        static_cast<unsigned long long>(nofile.rlim_cur),
+        static_cast<unsigned long long>(connections), static_cast<unsigned long long>(base)));
+  }
+  const rlim_t needed = connections + base + static_cast<rlim_t>(config.limits.max_buffers);
+  if (nofile.rlim_cur < needed) {
     spdlog::warn(
-        "open files are limited to {} (ulimit -n), fewer than limits.max_buffers + "
-        "limits.max_connections + peers need ({}): registrations or connections may fail with "
-        "'too many open files'",
+        "open files are limited to {} (ulimit -n), fewer than limits.max_buffers + the "
+        "listeners' connection budgets + peers need ({}): registrations may fail with 'too many "
+        "open files'",
         static_cast<unsigned long long>(nofile.rlim_cur), static_cast<unsigned long long>(needed));
   }
+  return Status::ok();
 }
 
 /// threads 0: the CPUs this process may use (affinity mask and cgroup CPU quota), not the node's.
@@ -522,8 +544,15 @@ HttpLimits httpLimits(const ServeConfig& config) {
   limits.max_header_bytes = config.limits.max_header_bytes;
   limits.idle_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(config.limits.idle_timeout_s * 1000.0));
-  limits.max_connections = static_cast<size_t>(config.limits.max_connections);
+  limits.header_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(config.limits.header_timeout_s * 1000.0));
+  limits.min_body_rate = config.limits.min_body_rate;
   return limits;
+}
+
+ListenerLimits listenerLimits(const ServeConfig::ListenerBudget& b) {
+  return ListenerLimits{static_cast<size_t>(b.max_connections),
+                        static_cast<size_t>(b.max_per_source)};
 }
 
 /// Opens the control socket, the control TCP listener and the admin listener as configured.
@@ -531,7 +560,8 @@ Status openListeners(const ServeConfig& config, HttpServer& server, ControlApi& 
   BoundListeners bound;
   if (!config.control_socket.empty()) {
     if (std::string e = server.listenUnix(config.control_socket, ListenerKind::kControl,
-                                          config.control_socket_mode);
+                                          config.control_socket_mode,
+                                          listenerLimits(config.limits.unix_socket));
         !e.empty()) {
       return failedPrecondition("control socket: " + e);
     }
@@ -539,10 +569,12 @@ Status openListeners(const ServeConfig& config, HttpServer& server, ControlApi& 
     spdlog::info("control API on unix:{}", config.control_socket);
   }
   auto listenTcp = [&](const std::optional<ListenAddress>& a, ListenerKind kind, const char* what,
-                       std::optional<uint16_t>* bound_port) -> Status {
+                       std::optional<uint16_t>* bound_port,
+                       const ServeConfig::ListenerBudget& budget) -> Status {
     if (!a) return Status::ok();
     uint16_t port = 0;
-    if (std::string e = server.listenTcp(a->host, a->port, kind, &port); !e.empty()) {
+    if (std::string e = server.listenTcp(a->host, a->port, kind, &port, listenerLimits(budget));
+        !e.empty()) {
       return failedPrecondition(std::string(what) + " listener: " + e);
     }
     *bound_port = port;
@@ -550,9 +582,9 @@ Status openListeners(const ServeConfig& config, HttpServer& server, ControlApi& 
     return Status::ok();
   };
   LW_RETURN_IF_ERROR(listenTcp(config.control_tcp, ListenerKind::kControl, "control API",
-                               &bound.control_tcp_port));
+                               &bound.control_tcp_port, config.limits.control_tcp));
   LW_RETURN_IF_ERROR(listenTcp(config.admin_listen, ListenerKind::kAdmin, "admin (metrics, health)",
-                               &bound.admin_port));
+                               &bound.admin_port, config.limits.admin));
   api.setListeners(bound);
   return Status::ok();
 }
@@ -660,7 +692,10 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
   const std::optional<ServeConfig> loaded = loadConfig(flags);
   if (!loaded) return kExitUsage;
   const ServeConfig& config = *loaded;
-  tuneProcess(config);
+  if (auto st = tuneProcess(config); !st.isOk()) {
+    spdlog::error("{}", st.message());
+    return kExitUsage;
+  }
   const unsigned threads = codecThreads(config);
 
   metrics::Metrics metrics;
@@ -701,7 +736,12 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
                     });
   server.onRefused(
       [&api](std::string_view target, unsigned status) { api.countRefused(target, status); });
-  server.onLimit([&metrics](std::string_view limit) { metrics.limitHits(limit).Increment(); });
+  server.onLimit([&metrics](std::string_view limit, std::string_view listener) {
+    metrics.limitHits(limit, listener).Increment();
+  });
+  server.onHeader([&api](const Request& header, const RequestInfo& info, bool has_body) {
+    return api.checkHeader(header, info, has_body);
+  });
   if (auto st = openListeners(config, server, api); !st.isOk()) {
     spdlog::error("{}", st.message());
     return kExitFailure;

@@ -222,6 +222,15 @@ void addBenchIngest(CLI::App& bench, const char* argv0, int& rc) {
   ingest->add_option("--python-path", is.python_path, "Directory holding the lightwire package");
   ingest->add_flag("--no-python", no_python, "Skip the Python client");
   ingest->add_flag("--json", is.json, "One JSON object");
+  ingest
+      ->add_option("--concurrency", is.concurrency,
+                   "Load figures: clients at once, e.g. 1,8,64,256 (half on the Unix socket, half "
+                   "on TCP), 4 KiB and 4 MiB steps, against one client")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 4096));
+  ingest->add_option("--load-seconds", is.load_seconds, "Timed seconds per load cell (default 3)")
+      ->check(CLI::Range(0.5, 600.0));
+  ingest->add_flag("--load-only", is.load_only, "Only the load figures (with --concurrency)");
 
   ingest->callback([state, argv0, &rc] {
     IngestBenchSettings& is = state->is;

@@ -7,13 +7,16 @@
 #include <boost/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "proxy/tools/bench_util.h"
@@ -44,6 +47,9 @@ std::unique_ptr<bench::Sidecar> startSidecar(const std::string& exe, const std::
   sidecar->waitReady(std::chrono::seconds(10));
   return sidecar;
 }
+
+/// Thrown past the classic figures when only the load figures were asked for.
+struct SkipRest {};
 
 std::string emitTarget(uint64_t step, const char* name = "bench") {
   return std::string("/v1/emit_gradient?name=") + name + "&step=" + std::to_string(step);
@@ -94,6 +100,137 @@ std::optional<boost::json::object> pythonFigures(const IngestBenchSettings& s,
   return v.as_object();
 }
 
+/// One (clients, size) cell of the load figures.
+struct LoadCell {
+  int clients = 0;
+  size_t bytes = 0;
+  double seconds = 0;
+  uint64_t requests = 0, errors = 0;
+  std::vector<double> latencies;
+};
+
+/// `clients` keep-alive clients at once, even ones on the Unix socket and odd ones on TCP, each
+/// sending steps of `bytes` to a tensor of its own (one trainer: each step completes alone) back
+/// to back for `seconds` after a short warm-up.
+LoadCell loadCell(const std::string& socket, uint16_t port, int clients, size_t bytes,
+                  double seconds_each) {
+  LoadCell cell;
+  cell.clients = clients;
+  cell.bytes = bytes / 4 * 4;
+  std::mutex mu;
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false}, stop{false};
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(clients));
+  for (int i = 0; i < clients; ++i) {
+    threads.emplace_back([&, i] {
+      std::vector<double> lat;
+      uint64_t errors = 0;
+      try {
+        std::unique_ptr<Client> c =
+            i % 2 == 0 ? std::make_unique<Client>(socket) : std::make_unique<Client>(port);
+        std::string body(cell.bytes, '\0'), reply;
+        const std::string name = "load-" + std::to_string(bytes) + "-" + std::to_string(clients) +
+                                 "-" + std::to_string(i);  // a tensor of its own per cell
+        uint64_t step = 0;
+        for (int w = 0; w < 3; ++w) c->requestReuse(emitTarget(step++, name.c_str()), body, reply);
+        ++ready;
+        while (!go.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+        while (!stop.load()) {
+          const auto t0 = Clock::now();
+          const auto st = c->requestReuse(emitTarget(step++, name.c_str()), body, reply);
+          if (st == http::status::ok && reply.size() >= cell.bytes) {
+            lat.push_back(seconds(Clock::now() - t0));
+          } else {
+            ++errors;
+          }
+        }
+      } catch (const std::exception&) {
+        ++errors;
+        ++ready;  // counted as ready, so the others are not held up
+      }
+      std::lock_guard lock(mu);
+      cell.latencies.insert(cell.latencies.end(), lat.begin(), lat.end());
+      cell.errors += errors;
+    });
+  }
+  while (ready.load() < clients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const auto t0 = Clock::now();
+  go = true;
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds_each));
+  stop = true;
+  for (auto& t : threads) t.join();
+  cell.seconds = seconds(Clock::now() - t0);  // the last requests finish after `stop`
+  cell.requests = cell.latencies.size();
+  return cell;
+}
+
+/// The load figures: a sidecar of its own, pinned to one core, the clients to another.
+boost::json::array loadFigures(const IngestBenchSettings& s, const std::string& dir) {
+  boost::json::array out;
+  int max_clients = 1;
+  for (int c : s.concurrency) max_clients = std::max(max_clients, c);
+  cpu_set_t original;
+  CPU_ZERO(&original);
+  sched_getaffinity(0, sizeof original, &original);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c) {
+    if (CPU_ISSET(c, &original)) cpus.push_back(c);
+  }
+  bench::Sidecar::Options o;
+  o.exe = s.self_exe;
+  o.socket = dir + "/load.sock";
+  o.control_tcp = "127.0.0.1:0";
+  o.log = dir + "/load.log";
+  const std::string budget = std::to_string(max_clients + 8);
+  o.args = {"--codec",
+            "none",
+            "--max-body-bytes",
+            "2000000000",
+            "--unix-max-connections",
+            budget,
+            "--control-tcp-max-connections",
+            budget};
+  if (cpus.size() >= 2) o.cpu = cpus[0];
+  bench::Sidecar sidecar(std::move(o));
+  sidecar.waitReady(std::chrono::seconds(10));
+  uint16_t port = 0;
+  {
+    Client probe(dir + "/load.sock");
+    const auto st = probe.request(http::verb::get, "/v1/status");
+    expectOk(st, "GET /v1/status");
+    port = static_cast<uint16_t>(
+        boost::json::parse(st.body()).at("listeners").at("control_tcp_port").to_number<int>());
+  }
+  if (cpus.size() >= 2) {
+    cpu_set_t mine;
+    CPU_ZERO(&mine);
+    CPU_SET(cpus[1], &mine);
+    sched_setaffinity(0, sizeof mine, &mine);
+  }
+  for (const size_t bytes : s.load_bytes) {
+    double single_rps = 0;
+    for (const int clients : s.concurrency) {
+      std::fprintf(stderr, "lightwire bench ingest: %d client(s) at once, %zu-byte steps ...\n",
+                   clients, bytes);
+      LoadCell cell = loadCell(dir + "/load.sock", port, clients, bytes, s.load_seconds);
+      const double rps = static_cast<double>(cell.requests) / cell.seconds;
+      if (clients == 1) single_rps = rps;
+      boost::json::object row{{"clients", clients},        {"bytes", cell.bytes},
+                              {"requests", cell.requests}, {"errors", cell.errors},
+                              {"seconds", cell.seconds},   {"requests_per_s", rps}};
+      if (!cell.latencies.empty()) {
+        row["p50_us"] = percentile(cell.latencies, 0.5) * 1e6;
+        row["p99_us"] = percentile(cell.latencies, 0.99) * 1e6;
+      }
+      if (single_rps > 0) row["rps_vs_one_client"] = rps / single_rps;
+      out.push_back(std::move(row));
+    }
+  }
+  sched_setaffinity(0, sizeof original, &original);
+  return out;
+}
+
 }  // namespace
 
 int runIngestBench(const IngestBenchSettings& s) {
@@ -107,6 +244,8 @@ int runIngestBench(const IngestBenchSettings& s) {
   boost::json::object result{{"codec", "none"}, {"transport", "unix socket"}};
   int rc = 0;
   try {
+    if (!s.concurrency.empty()) result["load"] = loadFigures(s, dir);
+    if (s.load_only) throw SkipRest{};
     const auto sidecar = startSidecar(s.self_exe, socket, dir + "/sidecar.log");
     Client client(socket);
     uint64_t step = 0;
@@ -218,6 +357,7 @@ int runIngestBench(const IngestBenchSettings& s) {
         rc = 1;
       }
     }
+  } catch (const SkipRest&) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lightwire bench ingest: %s\n", e.what());
     rc = 1;
@@ -232,20 +372,37 @@ int runIngestBench(const IngestBenchSettings& s) {
       const auto* v = result.if_contains(k);
       return v ? v->to_number<double>() : 0.0;
     };
-    std::printf("4 KiB round trip, C++ client:     p50 %8.1f us   p99 %8.1f us\n",
-                num("cpp_4k_p50_us"), num("cpp_4k_p99_us"));
+    if (!s.load_only) {
+      std::printf("4 KiB round trip, C++ client:     p50 %8.1f us   p99 %8.1f us\n",
+                  num("cpp_4k_p50_us"), num("cpp_4k_p99_us"));
+    }
     if (result.contains("cpp_4k_same_core_p50_us")) {
       std::printf("  pinned to one core:             p50 %8.1f us   p99 %8.1f us\n",
                   num("cpp_4k_same_core_p50_us"), num("cpp_4k_same_core_p99_us"));
       std::printf("  pinned to two cores:            p50 %8.1f us   p99 %8.1f us\n",
                   num("cpp_4k_cross_core_p50_us"), num("cpp_4k_cross_core_p99_us"));
     }
-    if (!s.python.empty()) {
+    if (!s.python.empty() && !s.load_only) {
       std::printf("4 KiB round trip, Python client:  p50 %8.1f us   p99 %8.1f us\n",
                   num("python_4k_p50_us"), num("python_4k_p99_us"));
     }
-    std::printf("100 MB as HTTP bodies:            %6.2f GB/s\n", num("body_100mb_gbps"));
-    std::printf("100 MB through shared memory:     %6.2f GB/s\n", num("shm_100mb_gbps"));
+    if (!s.load_only) {
+      std::printf("100 MB as HTTP bodies:            %6.2f GB/s\n", num("body_100mb_gbps"));
+      std::printf("100 MB through shared memory:     %6.2f GB/s\n", num("shm_100mb_gbps"));
+    }
+    if (const auto* load = result.if_contains("load")) {
+      std::printf("clients  step bytes   requests/s  vs 1 client   p50 us     p99 us   errors\n");
+      for (const auto& v : load->as_array()) {
+        const auto& r = v.as_object();
+        auto f = [&](const char* k) {
+          const auto* x = r.if_contains(k);
+          return x ? x->to_number<double>() : 0.0;
+        };
+        std::printf("%7.0f %11.0f %12.1f %11.2fx %9.0f %10.0f %8.0f\n", f("clients"), f("bytes"),
+                    f("requests_per_s"), f("rps_vs_one_client"), f("p50_us"), f("p99_us"),
+                    f("errors"));
+      }
+    }
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);

@@ -1,12 +1,16 @@
 #include "proxy/tools/bench_util.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <boost/asio/ip/tcp.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -31,7 +35,20 @@ double percentile(std::vector<double> v, double q) {
 }
 
 Client::Client(const std::string& path) : socket_(io_) {
-  socket_.connect(unix_socket::endpoint(path));
+  const unix_socket::endpoint ep(path);
+  socket_.connect(asio::generic::stream_protocol::endpoint(ep.data(), ep.size()));
+  tune();
+}
+
+Client::Client(uint16_t port) : socket_(io_) {
+  const asio::ip::tcp::endpoint ep(asio::ip::address_v4::loopback(), port);
+  socket_.connect(asio::generic::stream_protocol::endpoint(ep.data(), ep.size()));
+  const int one = 1;
+  ::setsockopt(socket_.native_handle(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  tune();
+}
+
+void Client::tune() {
   socket_.set_option(asio::socket_base::receive_buffer_size(4 << 20));
   socket_.set_option(asio::socket_base::send_buffer_size(4 << 20));
   buffer_.reserve(size_t{1} << 20);  // Beast reads at most the free capacity per call
@@ -90,9 +107,9 @@ void expectOk(const http::response<http::string_body>& r, const char* what) {
 
 Sidecar::Sidecar(Options o) : o_(std::move(o)) {
   // Everything the child needs is built before fork(): only async-signal-safe calls after it.
-  std::vector<std::string> args = {o_.exe,          "serve", "--socket",       o_.socket,
-                                   "--control-tcp", "",      "--admin-listen", "",
-                                   "--log-level",   "warn",  "--state-dir",    ""};
+  std::vector<std::string> args = {o_.exe,          "serve",        "--socket",       o_.socket,
+                                   "--control-tcp", o_.control_tcp, "--admin-listen", "",
+                                   "--log-level",   "warn",         "--state-dir",    ""};
   args.insert(args.end(), o_.args.begin(), o_.args.end());
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <sys/types.h>
 
+#include <boost/asio/generic/stream_protocol.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
@@ -32,6 +33,8 @@ inline double median(std::vector<double> v) { return percentile(std::move(v), 0.
 class Client {
  public:
   explicit Client(const std::string& path);
+  /// On 127.0.0.1:port (the sidecar's TCP control listener).
+  explicit Client(uint16_t port);
 
   /// A request whose large body and reply reuse the caller's buffers (a benchmark client should
   /// not be the bottleneck): `body` is sent and left as it was; the reply body goes into `reply`,
@@ -44,8 +47,10 @@ class Client {
       const char* type = "application/octet-stream");
 
  private:
+  void tune();
+
   boost::asio::io_context io_;
-  boost::asio::local::stream_protocol::socket socket_;
+  boost::asio::generic::stream_protocol::socket socket_;
   boost::beast::flat_buffer buffer_;
 };
 
@@ -59,10 +64,11 @@ void expectOk(const boost::beast::http::response<boost::beast::http::string_body
 class Sidecar {
  public:
   struct Options {
-    std::string exe;     // the `lightwire` executable
-    std::string socket;  // its control Unix socket
-    std::string log;     // its stdout and stderr
-    /// Arguments after `serve --socket S --control-tcp "" --admin-listen "" --log-level warn`.
+    std::string exe;          // the `lightwire` executable
+    std::string socket;       // its control Unix socket
+    std::string control_tcp;  // its TCP control listener, host:port ("" = none)
+    std::string log;          // its stdout and stderr
+    /// Arguments after `serve --socket S --control-tcp T --admin-listen "" --log-level warn`.
     std::vector<std::string> args;
     /// Added to the inherited environment (NAME, value).
     std::vector<std::pair<std::string, std::string>> env;

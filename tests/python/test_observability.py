@@ -219,7 +219,7 @@ def test_alert_rules_shape_and_runbooks():
     assert {r["alert"] for r in rules} == {
         "LightwirePeerDown", "LightwireBypassStuck", "LightwireRollbackStorm",
         "LightwireLowCosineSimilarity", "LightwireExchangeDominatesStep", "LightwireAuthFailures",
-        "LightwireResultMismatch", "LightwirePeerCertificateExpiring"}
+        "LightwireResultMismatch", "LightwirePeerCertificateExpiring", "LightwireListenerLimits"}
     _, anchors = doc_anchors()
     for r in rules:
         assert r["labels"]["severity"] in ("critical", "warning", "info"), r["alert"]

@@ -1,5 +1,6 @@
 """The client against the real sidecar (skipped when `lightwire serve` is not built)."""
 
+import os
 import threading
 
 import numpy as np
@@ -178,3 +179,67 @@ def test_reconnects_after_idle_timeout(sidecar_factory):
     time.sleep(0.8)  # the sidecar closes the idle keep-alive connection
     assert c.emit_gradient(a, name="idle", step=1).tobytes() == a.tobytes()
     assert c._local.conn is not first
+
+
+def test_client_waits_out_a_busy_listener(sidecar_factory):
+    """A connection over the Unix socket's budget gets 503 `busy` with Retry-After; the client
+    sends the request again once a place is free, within its connect timeout."""
+    import threading
+    import time
+    sc = sidecar_factory(extra=["--unix-max-connections", "1"])
+    holder = sc.client()
+    assert holder.healthz()  # a completed request: its connection is never evicted
+    waiting = lightwire.Client(socket_path=sc.socket, timeout=(5.0, 10.0))
+    threading.Timer(1.2, holder.close).start()  # the place frees up after a while
+    t0 = time.monotonic()
+    a = np.arange(4, dtype=np.float32)
+    assert waiting.emit_gradient(a, name="busy", step=0).tobytes() == a.tobytes()
+    assert time.monotonic() - t0 >= 1.0
+    # Without a place within the connect timeout, the caller gets the refusal.
+    waiting.close()
+    holder2 = sc.client()
+    assert holder2.healthz()
+    impatient = lightwire.Client(socket_path=sc.socket, timeout=(1.5, 10.0))
+    with pytest.raises(lightwire.LightwireError) as e:
+        impatient.request("GET", "/healthz")
+    assert e.value.status == 503 and e.value.error == "busy"
+    assert "limits.unix.max_connections" in e.value.message
+    # A large body: the sidecar closes before the client has sent it all, and the client still
+    # reads the refusal rather than reporting a broken connection.
+    with pytest.raises(lightwire.LightwireError) as e:
+        impatient.emit_gradient(np.zeros(1 << 20, np.float32), name="busy", step=1)
+    assert e.value.status == 503 and e.value.error == "busy"
+    impatient.close()
+    holder2.close()
+
+
+def test_connection_budgets_over_the_open_file_limit_refuse_to_start(tmp_path):
+    import resource
+    import subprocess
+    from conftest import LIGHTWIRE_BIN
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+    sock = str(tmp_path / "lw.sock")
+    proc = subprocess.run(
+        [LIGHTWIRE_BIN, "serve", "--socket", sock,
+         "--control-tcp", "127.0.0.1:0", "--admin-listen", "", "--state-dir", ""],
+        preexec_fn=low_limit, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0
+    assert "open files are limited to 300" in proc.stderr, proc.stderr
+    assert "limits.unix.max_connections" in proc.stderr
+    assert not os.path.exists(sock)
+    # Budgets that fit start.
+    proc = subprocess.Popen(
+        [LIGHTWIRE_BIN, "serve", "--socket", sock,
+         "--control-tcp", "", "--admin-listen", "", "--state-dir", "", "--unix-max-connections",
+         "100"], preexec_fn=low_limit, stderr=subprocess.PIPE, text=True)
+    try:
+        c = lightwire.Client(socket_path=sock, timeout=(1.0, 5.0))
+        c.wait_ready(timeout=20)
+        assert c.healthz()
+        c.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)

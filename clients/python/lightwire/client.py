@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import threading
+import time
 from urllib.parse import quote, urlsplit
 
 from ._errors import LightwireError, SidecarUnavailable
@@ -78,6 +79,38 @@ def _error_from(status, body):
         pass
     text = body.decode("utf-8", "replace").strip()
     return LightwireError(status, "http_%d" % status, text or http.client.responses.get(status, ""))
+
+
+def _retry_after(resp, error):
+    """Seconds to wait before sending a refused request again, or None: only for the refusals
+    the sidecar makes before it reads a request (docs/RELIABILITY.md "Overload"), 503 `busy` and
+    429 `limit_reached`, with a Retry-After of at most 5 seconds."""
+    if (error.status, error.error) not in ((503, "busy"), (429, "limit_reached")):
+        return None
+    try:
+        wait = float(resp.getheader("Retry-After"))
+    except (TypeError, ValueError):
+        return None
+    return min(max(wait, 0.05), 5.0)
+
+
+def _read_refusal(conn):
+    """(error, seconds to wait or None) from a reply already sent on a connection whose request
+    could not be sent (the sidecar refused the connection and closed it), or None."""
+    sock = getattr(conn, "sock", None)
+    if sock is None:
+        return None
+    try:
+        sock.settimeout(0.5)
+        resp = http.client.HTTPResponse(sock, method="GET")
+        resp.begin()
+        body = resp.read()
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    if resp.status < 400:
+        return None
+    error = _error_from(resp.status, body)
+    return error, _retry_after(resp, error)
 
 
 class Response(object):
@@ -223,7 +256,10 @@ class Client(object):
             hdrs.update(headers)
         if body is not None and "Content-Length" not in hdrs:
             hdrs["Content-Length"] = str(memoryview(body).nbytes if not isinstance(body, str) else len(body.encode()))
-        for attempt in (0, 1):
+        deadline = time.monotonic() + self.connect_timeout
+        attempt = 0
+        while True:
+            attempt += 1
             conn = getattr(self._local, "conn", None)
             reused = conn is not None and getattr(self._local, "used", False)
             if conn is None:
@@ -254,9 +290,18 @@ class Client(object):
                 else:
                     self._local.used = True
             except _RETRYABLE as e:
+                refusal = None if reused else _read_refusal(conn)
                 self._drop_conn()
-                if attempt == 0 and reused:
+                if attempt == 1 and reused:
                     continue  # the sidecar closed a kept-alive connection: once more, afresh
+                if refusal is not None:
+                    # A new connection the sidecar refused before reading the request (503 busy):
+                    # its reply may still be there to read, though the send failed.
+                    error, wait = refusal
+                    if wait is not None and time.monotonic() + wait < deadline:
+                        time.sleep(wait)
+                        continue
+                    raise error from e
                 raise SidecarUnavailable("%s %s via %s: %s" % (method, path, self._where(), _describe(e))) from e
             except (socket.timeout, TimeoutError) as e:
                 self._drop_conn()
@@ -269,9 +314,16 @@ class Client(object):
                 self._drop_conn()  # e.g. KeyboardInterrupt mid-reply: the connection is unusable
                 raise
             if status >= 400:
-                raise _error_from(status, bytes(data))
+                error = _error_from(status, bytes(data))
+                wait = _retry_after(resp, error)
+                if wait is not None and time.monotonic() + wait < deadline:
+                    # Refused before the sidecar read the request (a listener's connections all
+                    # in use, or request bodies held at once at their cap): nothing happened, so
+                    # the same request again once the sidecar says, within the connect timeout.
+                    time.sleep(wait)
+                    continue
+                raise error
             return Response(status, resp.msg, data)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _where(self):
         return self.url if self.url else self.socket_path

@@ -92,7 +92,14 @@ TEST_CASE("config: defaults") {
   CHECK(c->limits.step_timeout_s == 120);
   CHECK(c->limits.max_buffers == 1024);
   CHECK(c->limits.max_pending_steps == 4096);
-  CHECK(c->limits.max_connections == 256);
+  CHECK(c->limits.header_timeout_s == 10);
+  CHECK(c->limits.min_body_rate == 1048576u);
+  CHECK(c->limits.unix_socket.max_connections == 256);
+  CHECK(c->limits.unix_socket.max_per_source == 0);
+  CHECK(c->limits.control_tcp.max_connections == 256);
+  CHECK(c->limits.control_tcp.max_per_source == 0);
+  CHECK(c->limits.admin.max_connections == 64);
+  CHECK(c->limits.admin.max_per_source == 16);
   CHECK(c->token.empty());
   CHECK(c->compression.chunk_elements == 1048576u);
   CHECK(c->compression.default_codec.name == "none");
@@ -163,7 +170,14 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"limits.max_buffers", {"2", "3", "4"}},
       {"limits.max_buffers_per_client", {"2", "3", "4"}},
       {"limits.max_pending_steps", {"2", "3", "4"}},
-      {"limits.max_connections", {"2", "3", "4"}},
+      {"limits.header_timeout_s", {"1.5", "2.5", "3.5"}},
+      {"limits.min_body_rate", {"0", "1000", "2000"}},
+      {"limits.unix.max_connections", {"2", "3", "4"}},
+      {"limits.unix.max_per_uid", {"2", "3", "4"}},
+      {"limits.control_tcp.max_connections", {"2", "3", "4"}},
+      {"limits.control_tcp.max_per_source", {"2", "3", "4"}},
+      {"limits.admin.max_connections", {"2", "3", "4"}},
+      {"limits.admin.max_per_source", {"0", "3", "4"}},
       {"limits.max_state_bytes", {"1000", "2000", "3000"}},
       {"security.token", {"tok-file", "tok-env", "tok-flag"}},
       {"compression.chunk_elements", {"2", "3", "4"}},
@@ -336,7 +350,13 @@ TEST_CASE("config: bad values name the key and the source, from every source") {
       {"limits.idle_timeout_s", "inf", "> 0"},
       {"limits.step_timeout_s", "1e300", "> 0"},
       {"limits.max_buffers", "2147483648", "1..2147483647"},
-      {"limits.max_connections", "0", "1..2147483647"},
+      {"limits.unix.max_connections", "0", "1..2147483647"},
+      {"limits.control_tcp.max_connections", "-1", "1..2147483647"},
+      {"limits.admin.max_connections", "x", "1..2147483647"},
+      {"limits.admin.max_per_source", "-1", "0..2147483647"},
+      {"limits.unix.max_per_uid", "1.5", "0..2147483647"},
+      {"limits.header_timeout_s", "0", "> 0"},
+      {"limits.min_body_rate", "-5", "integer"},
       {"compression.chunk_elements", "0", "positive integer"},
       {"compression.default.density", "2", "(0, 1]"},
       {"compression.default.density", "0", "(0, 1]"},

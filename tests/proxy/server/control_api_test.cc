@@ -4,12 +4,14 @@
 // shape and for changing nothing.
 #include <doctest.h>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -167,9 +169,16 @@ class Client {
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
     return Client(fd);
   }
-  static Client tcp(uint16_t port) {
+  /// `source`: the local address to connect from (any of 127.0.0.0/8 works on loopback).
+  static Client tcp(uint16_t port, const char* source = nullptr) {
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     REQUIRE(fd >= 0);
+    if (source != nullptr) {
+      sockaddr_in from{};
+      from.sin_family = AF_INET;
+      REQUIRE(::inet_pton(AF_INET, source, &from.sin_addr) == 1);
+      REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)) == 0);
+    }
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_port = htons(port);
@@ -256,11 +265,16 @@ class ClientSegment {
   std::byte* data_ = nullptr;
 };
 
+/// The connection budgets of the Stack's three listeners.
+struct Budgets {
+  ListenerLimits unix_socket, control_tcp, admin;
+};
+
 /// The sidecar's stack, in process: control listener on a Unix socket and TCP, admin on TCP.
 struct Stack {
   explicit Stack(ServeConfig config = {}, HttpLimits limits = {},
                  std::chrono::milliseconds step_timeout = std::chrono::seconds(10),
-                 CodecChooser chooser = nullptr)
+                 CodecChooser chooser = nullptr, Budgets budgets = {})
       : buffers(16, static_cast<size_t>(config.limits.max_buffers_per_client)),
         engine(engineOptions(config, step_timeout),
                chooser ? std::move(chooser)
@@ -273,12 +287,19 @@ struct Stack {
         }) {
     server.onRefused(
         [this](std::string_view target, unsigned status) { api.countRefused(target, status); });
-    server.onLimit([this](std::string_view limit) { metrics.limitHits(limit).Increment(); });
+    server.onLimit([this](std::string_view limit, std::string_view listener) {
+      metrics.limitHits(limit, listener).Increment();
+    });
+    server.onHeader([this](const Request& header, const RequestInfo& info, bool has_body) {
+      return api.checkHeader(header, info, has_body);
+    });
     socket_path = dir.path() + "/run/lightwire.sock";
-    REQUIRE(server.listenUnix(socket_path, ListenerKind::kControl, config.control_socket_mode) ==
+    REQUIRE(server.listenUnix(socket_path, ListenerKind::kControl, config.control_socket_mode,
+                              budgets.unix_socket) == "");
+    REQUIRE(server.listenTcp("127.0.0.1", 0, ListenerKind::kControl, &tcp_port,
+                             budgets.control_tcp) == "");
+    REQUIRE(server.listenTcp("127.0.0.1", 0, ListenerKind::kAdmin, &admin_port, budgets.admin) ==
             "");
-    REQUIRE(server.listenTcp("127.0.0.1", 0, ListenerKind::kControl, &tcp_port) == "");
-    REQUIRE(server.listenTcp("127.0.0.1", 0, ListenerKind::kAdmin, &admin_port) == "");
     REQUIRE(tcp_port != 0);
     REQUIRE(admin_port != 0);
     REQUIRE(tcp_port != admin_port);
@@ -1315,7 +1336,11 @@ TEST_CASE("a body over max_body_bytes is refused from its Content-Length, before
   const std::string metrics = s.unixClient().get("/metrics").body();
   CHECK(metrics.find(R"(lightwire_http_requests_total{code="413",route="/v1/emit_gradient"} 3)") !=
         std::string::npos);
-  CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="body_bytes"} 3)") != std::string::npos);
+  CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="body_bytes",listener="unix"} 2)") !=
+        std::string::npos);
+  CHECK(
+      metrics.find(R"(lightwire_limit_hits_total{limit="body_bytes",listener="control_tcp"} 1)") !=
+      std::string::npos);
 }
 
 TEST_CASE("headers over max_header_bytes get 431") {
@@ -1335,7 +1360,11 @@ TEST_CASE("headers over max_header_bytes get 431") {
   const std::string metrics = c.get("/metrics").body();
   CHECK(metrics.find(R"(lightwire_http_requests_total{code="431",route="/healthz"} 2)") !=
         std::string::npos);
-  CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="header_bytes"} 2)") != std::string::npos);
+  CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="header_bytes",listener="unix"} 1)") !=
+        std::string::npos);
+  CHECK(metrics.find(
+            R"(lightwire_limit_hits_total{limit="header_bytes",listener="control_tcp"} 1)") !=
+        std::string::npos);
 }
 
 TEST_CASE("bodies held at once are capped: a body that would pass the budget is 429 unread") {
@@ -1359,6 +1388,7 @@ TEST_CASE("bodies held at once are capped: a body that would pass the budget is 
   CHECK(m.find("limits.max_inflight_body_bytes (1048576 bytes; 400000 held, this one 700000)") !=
         std::string::npos);
   CHECK_FALSE(refused.keep_alive());
+  CHECK(refused[http::field::retry_after] == "1");  // nothing was read: try again shortly
   // Trainer 1's 400 000 bytes fit (800 000 held): the step completes, both get the mean.
   const Res r1 = b.request(http::verb::post, "/v1/emit_gradient?name=g&step=1&trainer=1",
                            floatsBody(std::vector<float>(kN, 3.0f)), kRaw);
@@ -1375,8 +1405,10 @@ TEST_CASE("bodies held at once are capped: a body that would pass the budget is 
   CHECK(h1.result_int() == 200);
   CHECK(d.receive().result_int() == 200);
   const std::string metrics = s.unixClient().get("/metrics").body();
-  CHECK(metrics.find(R"(lightwire_limit_hits_total{limit="inflight_body_bytes"} 1)") !=
-        std::string::npos);
+  CHECK(
+      metrics.find(
+          R"(lightwire_limit_hits_total{limit="inflight_body_bytes",listener="control_tcp"} 1)") !=
+      std::string::npos);
 }
 
 TEST_CASE("two local trainers: a second request for the same part is 409; steps do not go back") {
@@ -1477,7 +1509,12 @@ TEST_CASE("the admin listener serves health, metrics and status only") {
         std::string::npos);
   for (const char* target : {"/v1/emit_gradient?name=w&step=2", "/v1/buffers", "/v1/config"}) {
     CAPTURE(target);
-    expectError(admin.request(http::verb::post, target, floatsBody({1}), kRaw), 404, "not_found");
+    // A control route is not found there; with a body it is refused from its headers (413).
+    expectError(admin.request(http::verb::post, target), 404, "not_found");
+    Client with_body = s.adminClient();
+    expectError(with_body.request(http::verb::post, target, floatsBody({1}), kRaw), 413,
+                "too_large");
+    CHECK(with_body.closedWithin(kTimeoutMs));
   }
   const auto after = parseObject(admin.get("/v1/status").body());
   CHECK(after.at("steps").at("ok").to_number<uint64_t>() == 1);
@@ -1526,15 +1563,19 @@ TEST_CASE("a token guards TCP control requests and PUT /v1/config everywhere") {
   const std::string body = floatsBody({1, 2, 3});
   const std::map<std::string, std::string> good = {{"Authorization", "Bearer s3cret-token"}};
   const std::map<std::string, std::string> bad = {{"Authorization", "Bearer s3cret-tokeN"}};
-  Client tcp = s.tcpClient();
   for (const auto* headers :
        {&bad, static_cast<const std::map<std::string, std::string>*>(nullptr)}) {
-    const Res res = tcp.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", body, kRaw,
-                                headers ? *headers : std::map<std::string, std::string>{});
+    // A body without the token is refused from the headers, unread: the connection closes.
+    Client refused = s.tcpClient();
+    const Res res = refused.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", body, kRaw,
+                                    headers ? *headers : std::map<std::string, std::string>{});
     expectError(res, 401, "unauthenticated");
     CHECK(res.body().find("s3cret") == std::string::npos);
     CHECK(res[http::field::www_authenticate] == "Bearer");
+    CHECK(refused.closedWithin(kTimeoutMs));
   }
+  // A request without a body gets 401 on a connection that goes on.
+  Client tcp = s.tcpClient();
   expectError(tcp.get("/v1/status"), 401, "unauthenticated");
   CHECK(tcp.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", body, kRaw, good)
             .result_int() == 200);
@@ -1554,34 +1595,74 @@ TEST_CASE("a token guards TCP control requests and PUT /v1/config everywhere") {
   CHECK(admin.get("/metrics").body().find("s3cret") == std::string::npos);
 }
 
-TEST_CASE("idle clients are disconnected after idle_timeout") {
+/// Waits until the exposition holds `line` (a count follows the close that a timer caused).
+bool exposes(metrics::Metrics& m, const std::string& line, int ms = 3000) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (m.exposition().find(line) == std::string::npos) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+TEST_CASE("kept-alive clients wait idle_timeout; silent and trickling ones only header_timeout") {
   HttpLimits limits;
-  limits.idle_timeout = std::chrono::milliseconds(300);
+  limits.idle_timeout = std::chrono::milliseconds(1500);
+  limits.header_timeout = std::chrono::milliseconds(300);
   Stack s({}, limits);
   for (bool over_tcp : {false, true}) {
     CAPTURE(over_tcp);
+    // A new connection that sends nothing is a stalled client: cut by the header deadline.
     Client silent = over_tcp ? s.tcpClient() : s.unixClient();
-    const auto t0 = std::chrono::steady_clock::now();
+    auto t0 = std::chrono::steady_clock::now();
     CHECK(silent.closedWithin(3000));
-    const auto took = std::chrono::steady_clock::now() - t0;
-    CHECK(took >= std::chrono::milliseconds(250));
-    // After a request, the keep-alive connection is closed when idle as well.
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1400));
+    // After a request, the kept-alive connection may idle longer, then is closed as well.
     Client used = over_tcp ? s.tcpClient() : s.unixClient();
     CHECK(used.get("/healthz").result_int() == 200);
+    t0 = std::chrono::steady_clock::now();
+    CHECK_FALSE(used.closedWithin(800));  // past the header deadline, still open
     CHECK(used.closedWithin(3000));
+    CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(1300));
+    // Its next request trickling its headers is cut by the header deadline, not the idle one.
+    Client trickle = over_tcp ? s.tcpClient() : s.unixClient();
+    CHECK(trickle.get("/healthz").result_int() == 200);
+    trickle.sendRaw("GET /healthz HTTP/1.1\r\nHost:");
+    t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 10 && !trickle.closedWithin(100); ++i) trickle.sendRaw(" x", true);
+    CHECK(trickle.closedWithin(3000));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1400));
   }
-  // A client that sends half its headers is cut off too, and only it counts as a slow client.
-  Client half = s.unixClient();
-  half.sendRaw("GET /healthz HTTP/1.1\r\nHost:");
-  CHECK(half.closedWithin(3000));
-  // The socket closes as the timer fires; the count follows when the read completes.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
-  const std::string counted = R"(lightwire_limit_hits_total{limit="request_timeout"} 1)";
-  while (s.metrics.exposition().find(counted) == std::string::npos &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  CHECK(s.metrics.exposition().find(counted) != std::string::npos);
+  // Counted per listener: the silent and the trickling client of each; the idle ones are not.
+  CHECK(exposes(s.metrics,
+                R"(lightwire_limit_hits_total{limit="header_timeout",listener="unix"} 2)"));
+  CHECK(exposes(s.metrics,
+                R"(lightwire_limit_hits_total{limit="header_timeout",listener="control_tcp"} 2)"));
+}
+
+TEST_CASE("a body slower than min_body_rate is cut after its grace, counted") {
+  HttpLimits limits;
+  limits.header_timeout = std::chrono::milliseconds(300);
+  limits.min_body_rate = 2000;  // 1 000 bytes: 0.3 s of grace + 0.5 s
+  limits.idle_timeout = std::chrono::seconds(30);
+  Stack s({}, limits);
+  Client slow = s.unixClient();
+  slow.sendRaw(
+      "POST /v1/emit_gradient?name=w&step=1 HTTP/1.1\r\nHost: x\r\n"
+      "Content-Type: application/octet-stream\r\nContent-Length: 1000\r\n\r\n" +
+      std::string(10, 'a'));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 30 && !slow.closedWithin(100); ++i) slow.sendRaw("b", true);
+  CHECK(slow.closedWithin(3000));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(took >= std::chrono::milliseconds(600));
+  CHECK(took < std::chrono::milliseconds(2500));
+  CHECK(exposes(s.metrics, R"(lightwire_limit_hits_total{limit="body_rate",listener="unix"} 1)"));
+  // The same body at full speed is served, and nothing was left reserved.
+  Client fast = s.unixClient();
+  CHECK(fast.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", std::string(1000, '\0'),
+                     kRaw)
+            .result_int() == 200);
 }
 
 TEST_CASE("HttpServer::stop removes the socket file and refuses new connections") {
@@ -1685,18 +1766,273 @@ TEST_CASE("HEAD, pipelined requests, HTTP/1.0 and Expect: 100-continue") {
   }
 }
 
-TEST_CASE("connections over max_connections are closed at once") {
-  HttpLimits limits;
-  limits.max_connections = 2;
-  Stack s({}, limits);
-  Client a = s.unixClient(), b = s.tcpClient();
+/// A connection over its listener's budget: answered 503 `busy` with Retry-After, then closed.
+void expectBusy(Client& c) {
+  const Res r = c.receive();
+  const std::string m = expectError(r, 503, "busy");
+  CHECK(m.find("max_connections") != std::string::npos);
+  CHECK(r[http::field::retry_after] == "1");
+  CHECK(c.closedWithin(kTimeoutMs));
+}
+
+TEST_CASE("each listener has its own budget: exhausting one leaves the others serving") {
+  Budgets budgets;
+  budgets.unix_socket.max_connections = 2;
+  budgets.control_tcp.max_connections = 2;
+  budgets.admin.max_connections = 2;
+  Stack s({}, {}, std::chrono::seconds(10), nullptr, budgets);
+  // Two trainers on the Unix socket completed a request: they are never evicted.
+  Client a = s.unixClient(), b = s.unixClient();
   CHECK(a.get("/healthz").result_int() == 200);
   CHECK(b.get("/healthz").result_int() == 200);
   Client c = s.unixClient();
-  CHECK(c.closedWithin(kTimeoutMs));
+  expectBusy(c);
+  // The TCP control listener and the admin listener serve on.
+  Client t = s.tcpClient(), m = s.adminClient();
+  CHECK(t.get("/healthz").result_int() == 200);
+  CHECK(m.get("/healthz").result_int() == 200);
   CHECK(a.get("/healthz").result_int() == 200);
-  CHECK(a.get("/metrics").body().find(R"(lightwire_limit_hits_total{limit="connections"} 1)") !=
+  CHECK(b.get("/healthz").result_int() == 200);
+  CHECK(s.server.connections("unix") == 2);
+  CHECK(s.server.connections("admin") == 1);
+  const std::string text = m.get("/metrics").body();
+  CHECK(text.find(R"(lightwire_limit_hits_total{limit="connections",listener="unix"} 1)") !=
         std::string::npos);
+  CHECK(text.find(R"(lightwire_limit_hits_total{limit="connections",listener="admin"} 0)") !=
+        std::string::npos);
+}
+
+TEST_CASE("health answers with the admin listener full of stalled clients: the oldest is evicted") {
+  Budgets budgets;
+  budgets.admin.max_connections = 4;
+  HttpLimits limits;
+  limits.header_timeout = std::chrono::seconds(30);  // the stalled stay until evicted
+  Stack s({}, limits, std::chrono::seconds(10), nullptr, budgets);
+  // A scraper that completed a request: kept.
+  Client scraper = s.adminClient();
+  CHECK(scraper.get("/metrics").result_int() == 200);
+  // Three stalled clients fill the budget (one byte of headers each, or nothing at all).
+  std::vector<Client> stalled;
+  for (int i = 0; i < 3; ++i) {
+    stalled.push_back(s.adminClient());
+    if (i < 2) stalled.back().sendRaw("GET /metrics HTTP/1.1\r\nHost");
+  }
+  std::vector<Client> probes;  // kept open: each new one must make room
+  for (int probe = 0; probe < 3; ++probe) {
+    CAPTURE(probe);
+    // Each new probe evicts the oldest stalled client and is answered.
+    probes.push_back(s.adminClient());
+    CHECK(probes.back().get("/healthz").result_int() == 200);
+    CHECK(stalled[static_cast<size_t>(probe)].closedWithin(kTimeoutMs));
+  }
+  // The scraper was never evicted.
+  CHECK(scraper.get("/healthz").result_int() == 200);
+  CHECK(exposes(s.metrics, R"(lightwire_limit_hits_total{limit="evicted",listener="admin"} 3)"));
+}
+
+TEST_CASE("eviction takes a stalled request, never a trainer's kept-alive connection") {
+  Budgets budgets;
+  budgets.unix_socket.max_connections = 3;
+  HttpLimits limits;
+  limits.header_timeout = std::chrono::seconds(30);
+  Stack s({}, limits, std::chrono::seconds(10), nullptr, budgets);
+  Client stalled = s.unixClient();
+  stalled.sendRaw("POST /v1/emit_gradient?name=w&step=1 HTTP/1.1\r\nHost: x\r\n");
+  // Two trainers, newer than the stalled client, idle on keep-alive between steps.
+  Client t0 = s.unixClient(), t1 = s.unixClient();
+  CHECK(t0.get("/healthz").result_int() == 200);
+  CHECK(t1.get("/healthz").result_int() == 200);
+  Client next = s.unixClient();  // evicts the stalled one
+  CHECK(next.get("/healthz").result_int() == 200);
+  CHECK(stalled.closedWithin(kTimeoutMs));
+  // All three now completed a request: a fourth is refused, and nobody is evicted.
+  Client fourth = s.unixClient();
+  expectBusy(fourth);
+  for (Client* c : {&t0, &t1, &next}) CHECK(c->get("/healthz").result_int() == 200);
+}
+
+TEST_CASE("the TCP control listener trusts a request with the token: never evicted") {
+  ServeConfig config;
+  config.token = "tok";
+  Budgets budgets;
+  budgets.control_tcp.max_connections = 2;
+  HttpLimits limits;
+  limits.header_timeout = std::chrono::seconds(30);
+  Stack s(config, limits, std::chrono::seconds(10), nullptr, budgets);
+  const std::map<std::string, std::string> good = {{"Authorization", "Bearer tok"}};
+  // A trainer whose step is still being sent (headers with the token, body underway).
+  Client trainer = s.tcpClient();
+  trainer.sendRaw(
+      "POST /v1/emit_gradient?name=w&step=1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+      "tok\r\nContent-Type: application/octet-stream\r\nContent-Length: 8\r\n\r\n");
+  Client stalled = s.tcpClient();  // nothing sent
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  Client next = s.tcpClient();  // evicts `stalled`, not the older trainer
+  CHECK(next.request(http::verb::get, "/healthz", {}, {}, good).result_int() == 200);
+  CHECK(stalled.closedWithin(kTimeoutMs));
+  trainer.sendRaw(floatsBody({1, 2}));
+  CHECK(trainer.receive().result_int() == 200);
+}
+
+TEST_CASE("per-source caps refuse the excess from one address and admit another") {
+  Budgets budgets;
+  budgets.admin.max_per_source = 2;
+  budgets.control_tcp.max_per_source = 1;
+  Stack s({}, {}, std::chrono::seconds(10), nullptr, budgets);
+  Client a = Client::tcp(s.admin_port, "127.0.0.1"), b = Client::tcp(s.admin_port, "127.0.0.1");
+  CHECK(a.get("/healthz").result_int() == 200);
+  CHECK(b.get("/healthz").result_int() == 200);
+  Client c = Client::tcp(s.admin_port, "127.0.0.1");
+  const Res r = c.receive();
+  expectError(r, 503, "busy");
+  CHECK(c.closedWithin(kTimeoutMs));
+  Client other = Client::tcp(s.admin_port, "127.0.0.2");
+  CHECK(other.get("/healthz").result_int() == 200);
+  {
+    Client t = Client::tcp(s.tcp_port, "127.0.0.3");
+    CHECK(t.get("/healthz").result_int() == 200);
+    Client t2 = Client::tcp(s.tcp_port, "127.0.0.3");
+    expectError(t2.receive(), 503, "busy");
+  }
+  // A source's slot is free again once its connection ends.
+  bool admitted = false;
+  for (int i = 0; i < 100 && !admitted; ++i) {
+    if (s.server.connections("control_tcp") == 0) {
+      Client again = Client::tcp(s.tcp_port, "127.0.0.3");
+      admitted = again.get("/healthz").result_int() == 200;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(admitted);
+  const std::string text = other.get("/metrics").body();
+  CHECK(text.find(
+            R"(lightwire_limit_hits_total{limit="connections_per_source",listener="admin"} 1)") !=
+        std::string::npos);
+  CHECK(
+      text.find(
+          R"(lightwire_limit_hits_total{limit="connections_per_source",listener="control_tcp"} 1)") !=
+      std::string::npos);
+}
+
+/// A child process that runs `prepare` (async-signal-safe calls only), connects to the Unix
+/// socket at `path`, asks GET /healthz and exits 0 when the answer is 200. Returns its pid.
+template <typename Prepare>
+pid_t childHealthz(const std::string& path, Prepare prepare) {
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child != 0) return child;
+  if (!prepare()) _exit(2);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) _exit(3);
+  const char req[] = "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+  if (::write(fd, req, sizeof req - 1) != static_cast<ssize_t>(sizeof req - 1)) _exit(4);
+  char buf[64] = {};
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  _exit(n > 12 && std::string_view(buf, 12) == "HTTP/1.1 200" ? 0 : 5);
+}
+
+/// The exit code of a child (-1 when it did not exit normally).
+int exitCode(pid_t child) {
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST_CASE("the Unix socket caps connections per user id (SO_PEERCRED)") {
+  if (::geteuid() != 0) {
+    MESSAGE("skipped: needs root to connect as another user");
+    return;
+  }
+  ServeConfig config;
+  config.control_socket_mode = 0666;  // so that another user may connect at all
+  Budgets budgets;
+  budgets.unix_socket.max_per_source = 1;
+  Stack s(config, {}, std::chrono::seconds(10), nullptr, budgets);
+  namespace fs = std::filesystem;
+  fs::permissions(s.dir.path(),
+                  fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+  fs::permissions(s.dir.path() + "/run",
+                  fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+  Client root = s.unixClient();
+  CHECK(root.get("/healthz").result_int() == 200);
+  Client again = s.unixClient();
+  expectError(again.receive(), 503, "busy");
+  // Another user id is admitted: a child process as nobody (65534) connects and asks /healthz.
+  const pid_t child = childHealthz(s.socket_path, [] {
+    return ::setresgid(65534, 65534, 65534) == 0 && ::setresuid(65534, 65534, 65534) == 0;
+  });
+  CHECK(exitCode(child) == 0);
+}
+
+TEST_CASE("bodies are refused at header time where they do not belong, before any reservation") {
+  ServeConfig config;
+  config.token = "tok";
+  HttpLimits limits;
+  limits.max_inflight_body_bytes = 1 << 20;
+  Stack s(config, limits);
+  // The admin listener takes no bodies: a 1 GiB declaration is answered at once, 413.
+  Client admin = s.adminClient();
+  admin.sendRaw("POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n");
+  const Res r = admin.receive();
+  expectError(r, 413, "too_large");
+  CHECK(admin.closedWithin(kTimeoutMs));
+  // The token-protected TCP control listener refuses an unauthenticated body from its headers.
+  Client tcp = s.tcpClient();
+  tcp.sendRaw(
+      "POST /v1/emit_gradient?name=w&step=1 HTTP/1.1\r\nHost: x\r\n"
+      "Content-Type: application/octet-stream\r\nContent-Length: 1000000\r\n\r\n");
+  const Res u = tcp.receive();
+  expectError(u, 401, "unauthenticated");
+  CHECK(u[http::field::www_authenticate] == "Bearer");
+  CHECK(tcp.closedWithin(kTimeoutMs));
+  // Nothing was reserved: a body of the whole budget is still accepted.
+  Client ux = s.unixClient();
+  CHECK(ux.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", std::string(1 << 20, '\0'),
+                   kRaw)
+            .result_int() == 200);
+  const std::string text = ux.get("/metrics").body();
+  CHECK(
+      text.find(
+          R"(lightwire_limit_hits_total{limit="inflight_body_bytes",listener="control_tcp"} 0)") !=
+      std::string::npos);
+}
+
+TEST_CASE("accept errors back off instead of spinning") {
+  Stack s;
+  // Fill this process's descriptor table, so that accept() fails with EMFILE.
+  struct rlimit saved {};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  int highest = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    if (::fcntl(fd, F_GETFD) != -1) highest = fd;
+  }
+  struct rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(highest + 32);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  std::vector<int> filler;
+  for (int fd; (fd = ::dup(0)) >= 0;) filler.push_back(fd);
+  // A client in another process (its descriptors are its own) connects and waits for a reply.
+  const pid_t child = childHealthz(s.socket_path, [&filler] {
+    for (int fd : filler) ::close(fd);
+    return true;
+  });
+  auto hits = [&] { return s.metrics.limitHits("accept_errors", "unix").Value(); };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (hits() < 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const double during = hits();
+  for (int fd : filler) ::close(fd);
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
+  // 10 ms doubling to 1 s: a handful of tries in 1.5 s, not the thousands of a spinning loop.
+  CHECK(during >= 1);
+  CHECK(during <= 12);
+  // Descriptors free again: the waiting client is accepted and answered.
+  CHECK(exitCode(child) == 0);
 }
 
 TEST_CASE("a buffer shrunk while its step waits fails the step without touching it") {
