@@ -243,3 +243,42 @@ def test_connection_budgets_over_the_open_file_limit_refuse_to_start(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_listener_budget_keys_in_help_check_config_and_docs(tmp_path):
+    import re
+    import subprocess
+    from conftest import LIGHTWIRE_BIN, REPO
+    keys = {"limits.header_timeout_s": "--header-timeout", "limits.min_body_rate": "--min-body-rate",
+            "limits.unix.max_connections": "--unix-max-connections",
+            "limits.unix.max_per_uid": "--unix-max-per-uid",
+            "limits.control_tcp.max_connections": "--control-tcp-max-connections",
+            "limits.control_tcp.max_per_source": "--control-tcp-max-per-source",
+            "limits.admin.max_connections": "--admin-max-connections",
+            "limits.admin.max_per_source": "--admin-max-per-source"}
+    help_text = subprocess.run([LIGHTWIRE_BIN, "serve", "--help"], capture_output=True,
+                               text=True).stdout
+    with open(os.path.join(REPO, "docs", "configuration.md")) as f:
+        docs = f.read()
+    for key, flag in keys.items():
+        # The flag, then its description ending in [key, ...] on the next line.
+        assert re.search(r"  %s [^\n]*\n[^\n]*\[%s," % (re.escape(flag), re.escape(key)),
+                         help_text), key
+        assert "| `%s` |" % key in docs, key
+    good = tmp_path / "good.yaml"
+    good.write_text("limits:\n  header_timeout_s: 5\n  min_body_rate: 0\n"
+                    "  unix: {max_connections: 10, max_per_uid: 2}\n"
+                    "  control_tcp: {max_connections: 20, max_per_source: 4}\n"
+                    "  admin: {max_connections: 8, max_per_source: 2}\n")
+    r = subprocess.run([LIGHTWIRE_BIN, "serve", "--check-config", str(good)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    for body, named in (("limits:\n  admin: {max_connections: 0}\n", "limits.admin.max_connections"),
+                        ("limits:\n  unix: {max_per_uid: -1}\n", "limits.unix.max_per_uid"),
+                        ("limits:\n  header_timeout_s: 0\n", "limits.header_timeout_s"),
+                        ("limits:\n  max_connections: 5\n", "limits.max_connections")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(body)
+        r = subprocess.run([LIGHTWIRE_BIN, "serve", "--check-config", str(bad)],
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and named in r.stderr + r.stdout, (body, r.stderr)
