@@ -155,6 +155,10 @@ namespace {
 constexpr size_t kSmallBuffer = size_t{1} << 16;  // read buffer of a connection
 constexpr size_t kLargeBuffer = size_t{1} << 20;  // ... while it reads a large body
 constexpr int kSocketBuffer = 4 << 20;            // SO_RCVBUF / SO_SNDBUF of a connection
+// A body's share of limits.max_inflight_body_bytes runs this far ahead of what has arrived.
+constexpr uint64_t kReserveAhead = uint64_t{4} << 20;
+// limits.min_body_rate is checked at least every this many bytes of a body.
+constexpr uint64_t kRateStep = uint64_t{64} << 10;
 
 /// One connection: read a request, hand it to the handler, write the reply, repeat while kept
 /// alive.
@@ -222,8 +226,11 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_->body_limit(shared_->limits.max_body_bytes);
     if (buffer_.size() > 0) return readHeaderRest();
     phase_ = requests_ > 0 ? Phase::kIdle : Phase::kHeader;
-    stream_.expires_after(requests_ > 0 ? shared_->limits.idle_timeout
-                                        : shared_->limits.header_timeout);
+    if (requests_ > 0) {
+      stream_.expires_after(shared_->limits.idle_timeout);
+    } else {
+      stream_.expires_at(accepted_ + shared_->limits.header_timeout);
+    }
     stream_.async_read_some(
         buffer_.prepare(std::max<size_t>(512, buffer_.capacity() - buffer_.size())),
         [self = shared_from_this()](beast::error_code ec, size_t n) {
@@ -238,7 +245,11 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void readHeaderRest() {
     phase_ = Phase::kHeader;
-    stream_.expires_after(shared_->limits.header_timeout);
+    if (requests_ == 0) {
+      stream_.expires_at(accepted_ + shared_->limits.header_timeout);  // from the accept
+    } else {
+      stream_.expires_after(shared_->limits.header_timeout);  // from the request's first byte
+    }
     http::async_read_header(
         stream_, buffer_, *parser_,
         [self = shared_from_this()](beast::error_code ec, size_t) { self->onHeader(ec); });
@@ -257,8 +268,31 @@ class Session : public std::enable_shared_from_this<Session> {
       in_flight = cur;
       if (cap != 0 && (bytes > cap || cur > cap - bytes)) return false;
     } while (!shared_->inflight_body.compare_exchange_weak(cur, cur + bytes));
-    reserved_ = bytes;
+    reserved_ += bytes;
     return true;
+  }
+
+  /// Keeps this request's reservation at min(its body's length, what has arrived + kReserveAhead)
+  /// (a chunked body: up to limits.max_body_bytes). False, with the refusal sent, when the budget
+  /// cannot hold it.
+  bool reserveAhead(uint64_t received) {
+    const auto len = parser_->content_length();
+    const uint64_t total = len ? *len : shared_->limits.max_body_bytes;
+    const uint64_t want = std::min(total, received + kReserveAhead);
+    if (want <= reserved_) return true;
+    uint64_t in_flight = 0;
+    if (reserve(want - reserved_, in_flight)) return true;
+    limitHit("inflight_body_bytes");
+    fail(http::status::too_many_requests, "limit_reached",
+         "request bodies held at once would exceed limits.max_inflight_body_bytes (" +
+             std::to_string(shared_->limits.max_inflight_body_bytes) + " bytes; " +
+             std::to_string(in_flight) + " held, this one " + std::to_string(want) +
+             (!len          ? " so far, chunked"
+              : want < *len ? " of " + std::to_string(*len)
+                            : "") +
+             ")",
+         /*retry_after=*/true);
+    return false;
   }
 
   void release() {
@@ -272,9 +306,10 @@ class Session : public std::enable_shared_from_this<Session> {
     // slow or stalled client), not between requests of a kept-alive connection.
     if (ec == beast::error::timeout && phase_ == Phase::kHeader) limitHit("header_timeout");
     if (ec == beast::error::timeout && phase_ == Phase::kBody) limitHit("body_rate");
-    if (ec == http::error::end_of_stream || ec == beast::error::timeout ||
-        ec == asio::error::operation_aborted || ec == asio::error::connection_reset ||
-        ec == asio::error::eof || ec == asio::error::bad_descriptor) {
+    if (ec == http::error::end_of_stream || ec == http::error::partial_message ||
+        ec == beast::error::timeout || ec == asio::error::operation_aborted ||
+        ec == asio::error::connection_reset || ec == asio::error::eof ||
+        ec == asio::error::bad_descriptor) {
       close();
       return true;
     }
@@ -325,22 +360,10 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     // The body's bytes count against the budget of bodies held at once until the reply is
-    // written: its Content-Length, or for a chunked body the largest it may grow to.
-    if (!parser_->is_done()) {
-      const auto len = parser_->content_length();
-      const uint64_t need = len ? *len : shared_->limits.max_body_bytes;
-      uint64_t in_flight = 0;
-      if (need > 0 && !reserve(need, in_flight)) {
-        limitHit("inflight_body_bytes");
-        fail(http::status::too_many_requests, "limit_reached",
-             "request bodies held at once would exceed limits.max_inflight_body_bytes (" +
-                 std::to_string(shared_->limits.max_inflight_body_bytes) + " bytes; " +
-                 std::to_string(in_flight) + " held, this one " + std::to_string(need) +
-                 (len ? "" : ", chunked: counted at limits.max_body_bytes") + ")",
-             /*retry_after=*/true);
-        return;
-      }
-    }
+    // written: reserved from its Content-Length up to kReserveAhead before it is read, and
+    // kReserveAhead ahead of what has arrived as it is read (docs/RELIABILITY.md "Limits"): a
+    // client that declares a large body and sends it slowly holds little of the budget.
+    if (!parser_->is_done() && !reserveAhead(0)) return;
     // Beast reads at most the buffer's free capacity (at least 512 bytes) per system call: a large
     // body gets a large buffer, or 100 MB would take 200 000 reads.
     if (const auto len = parser_->content_length(); len && *len > kSmallBuffer) {
@@ -359,24 +382,33 @@ class Session : public std::enable_shared_from_this<Session> {
     readBody();
   }
 
-  /// The body has header_timeout of grace plus its length at limits.min_body_rate (a chunked
-  /// body: limits.max_body_bytes at that rate).
+  /// Reads the body piece by piece. Each piece has a deadline: header_timeout of grace plus, at
+  /// limits.min_body_rate, the time for what has arrived and kRateStep more, from the body's start
+  /// (a client slower than the rate on average is cut, whatever length it declared).
   void readBody() {
+    if (parser_->is_done()) return onRead({});  // no body
     phase_ = Phase::kBody;
-    if (shared_->limits.min_body_rate == 0) {
+    body_start_ = std::chrono::steady_clock::now();
+    readBodySome();
+  }
+
+  void readBodySome() {
+    const uint64_t rate = shared_->limits.min_body_rate;
+    if (rate == 0) {
       stream_.expires_after(shared_->limits.idle_timeout);
     } else {
-      const auto len = parser_->content_length();
-      const uint64_t bytes = len ? *len : shared_->limits.max_body_bytes;
       const double seconds =
-          static_cast<double>(bytes) / static_cast<double>(shared_->limits.min_body_rate);
-      stream_.expires_after(
-          shared_->limits.header_timeout +
+          static_cast<double>(parser_->get().body().size() + kRateStep) / static_cast<double>(rate);
+      stream_.expires_at(
+          body_start_ + shared_->limits.header_timeout +
           std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, 1e9) * 1000.0)));
     }
-    http::async_read(
-        stream_, buffer_, *parser_,
-        [self = shared_from_this()](beast::error_code ec, size_t) { self->onRead(ec); });
+    http::async_read_some(stream_, buffer_, *parser_,
+                          [self = shared_from_this()](beast::error_code ec, size_t) {
+                            if (ec || self->parser_->is_done()) return self->onRead(ec);
+                            if (!self->reserveAhead(self->parser_->get().body().size())) return;
+                            self->readBodySome();
+                          });
   }
 
   void onRead(beast::error_code ec) {
@@ -473,6 +505,8 @@ class Session : public std::enable_shared_from_this<Session> {
   bool closed_ = false;
   bool head_ = false;
   uint64_t reserved_ = 0;  // this request's share of Shared::inflight_body
+  std::chrono::steady_clock::time_point body_start_;
+  std::chrono::steady_clock::time_point accepted_ = std::chrono::steady_clock::now();
 };
 
 /// Accepts connections of one protocol, admits each into the listener's budget, and starts a

@@ -1640,29 +1640,74 @@ TEST_CASE("kept-alive clients wait idle_timeout; silent and trickling ones only 
                 R"(lightwire_limit_hits_total{limit="header_timeout",listener="control_tcp"} 2)"));
 }
 
-TEST_CASE("a body slower than min_body_rate is cut after its grace, counted") {
+TEST_CASE("a slow body is cut once it falls behind min_body_rate, and holds little budget") {
   HttpLimits limits;
   limits.header_timeout = std::chrono::milliseconds(300);
-  limits.min_body_rate = 2000;  // 1 000 bytes: 0.3 s of grace + 0.5 s
+  limits.min_body_rate = 1 << 20;  // checked every 64 KiB: 0.3 s of grace + 62.5 ms
+  limits.idle_timeout = std::chrono::seconds(30);
+  limits.max_inflight_body_bytes = 16 << 20;
+  Stack s({}, limits);
+  // Three clients declare 1 GiB bodies and trickle them: each holds only 4 MiB of the 16 MiB
+  // budget (the part reserved ahead of what has arrived), so a trainer's body still fits.
+  std::vector<Client> slow;
+  for (int i = 0; i < 3; ++i) {
+    slow.push_back(s.unixClient());
+    slow.back().sendRaw("POST /v1/emit_gradient?name=s" + std::to_string(i) +
+                        "&step=1 HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                        "Content-Length: 1073741824\r\n\r\n" +
+                        std::string(10, 'a'));
+  }
+  Client fast = s.unixClient();
+  CHECK(fast.request(http::verb::post, "/v1/emit_gradient?name=w&step=1",
+                     std::string(1 << 20, '\0'), kRaw)
+            .result_int() == 200);
+  // Trickling one byte every 50 ms, each is cut within the grace plus 64 KiB at the rate.
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 40; ++i) {
+    bool all = true;
+    for (auto& c : slow) {
+      if (!c.closedWithin(1)) {
+        c.sendRaw("b", true);
+        all = false;
+      }
+    }
+    if (all) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (auto& c : slow) CHECK(c.closedWithin(3000));
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1500));
+  CHECK(exposes(s.metrics, R"(lightwire_limit_hits_total{limit="body_rate",listener="unix"} 3)"));
+  // Nothing stays reserved: 6 MiB fit (not if the cut clients still held their 12 MiB).
+  CHECK(fast.request(http::verb::post, "/v1/emit_gradient?name=w&step=2",
+                     std::string(6 << 20, '\0'), kRaw)
+            .result_int() == 200);
+}
+
+TEST_CASE("a new connection's headers are due header_timeout after its accept, first byte or not") {
+  HttpLimits limits;
+  limits.header_timeout = std::chrono::milliseconds(600);
   limits.idle_timeout = std::chrono::seconds(30);
   Stack s({}, limits);
-  Client slow = s.unixClient();
-  slow.sendRaw(
-      "POST /v1/emit_gradient?name=w&step=1 HTTP/1.1\r\nHost: x\r\n"
-      "Content-Type: application/octet-stream\r\nContent-Length: 1000\r\n\r\n" +
-      std::string(10, 'a'));
+  Client late = s.tcpClient();
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < 30 && !slow.closedWithin(100); ++i) slow.sendRaw("b", true);
-  CHECK(slow.closedWithin(3000));
+  std::this_thread::sleep_for(std::chrono::milliseconds(450));  // silent for most of it
+  for (int i = 0; i < 30 && !late.closedWithin(50); ++i) late.sendRaw("G", true);
+  CHECK(late.closedWithin(3000));
   const auto took = std::chrono::steady_clock::now() - t0;
-  CHECK(took >= std::chrono::milliseconds(600));
-  CHECK(took < std::chrono::milliseconds(2500));
-  CHECK(exposes(s.metrics, R"(lightwire_limit_hits_total{limit="body_rate",listener="unix"} 1)"));
-  // The same body at full speed is served, and nothing was left reserved.
-  Client fast = s.unixClient();
-  CHECK(fast.request(http::verb::post, "/v1/emit_gradient?name=w&step=1", std::string(1000, '\0'),
-                     kRaw)
-            .result_int() == 200);
+  CHECK(took >= std::chrono::milliseconds(550));
+  CHECK(took < std::chrono::milliseconds(1000));  // not 600 ms more from the first byte
+}
+
+TEST_CASE("a client hanging up mid-request is a close, not a 400") {
+  Stack s;
+  {
+    Client gone = s.unixClient();
+    gone.sendRaw("GET /metrics HTTP/1.1\r\nHost:");
+  }
+  Client c = s.unixClient();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const std::string text = c.get("/metrics").body();
+  CHECK(text.find(R"(code="400")") == std::string::npos);
 }
 
 TEST_CASE("HttpServer::stop removes the socket file and refuses new connections") {
