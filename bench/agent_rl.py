@@ -5,7 +5,7 @@ trainers and 4 sidecars on a 1 Gbit/s link in a network namespace, every row in 
 Needs root (`ip netns`, `tc ... tbf` on the namespace's loopback, as bench/e2e/e2e.py). Figures
 only: it never passes or fails on them. Method and results: docs/agent-rl.md "Measured".
 
-    /usr/bin/python3 bench/agent_rl.py                 # every row (about 17 min on 2 cores)
+    /usr/bin/python3 bench/agent_rl.py                 # every row (about 25 min on 2 cores)
     /usr/bin/python3 bench/agent_rl.py --rows none,dgc --seeds 0
     /usr/bin/python3 bench/agent_rl.py --smoke         # tiny model, 2 trainers: that it runs
 
@@ -13,8 +13,10 @@ First the step is measured (dense, `--calibrate-steps` steps) on the unlimited a
 limited link, so the share of a dense step the exchange takes is known. Then the rows, on the
 limited link: dense (`none`) and dgc 1 % (error feedback, per layer, the sidecar's defaults) for
 every seed; qsgd 4 bits, and the parameter-server rows (sync and bounded staleness, S = 2, dgc 1 %,
-one random trainer per step twice as slow) for the first seed. Each row trains `--steps`
-optimizer steps; rank 0 evaluates the fixed held-out prompts greedily every `--eval-every` steps
+one random trainer per step twice as slow) for the first seed. A dense row trains `--steps`
+optimizer steps, the others 2 or 2.5 times as many (`--list`): about the dense rows' wall-clock
+time, so that a row that steps faster is judged after about the same training time; rank 0
+evaluates the fixed held-out prompts greedily every `--eval-every` steps
 (left out of the time axis); a row's final reward is the mean of its last 3 evaluations. The
 target reward is the dense rows' mean final minus max(0.01, 2 sigma) of their finals; a row's time
 to target is the first evaluation at which the mean of its last 3 evaluations reaches it.
@@ -49,14 +51,17 @@ DGC = ["--codec", "dgc", "--density", "0.01"]
 PS = ["--topology", "ps"]
 BOUNDED = PS + ["--synchrony", "bounded-staleness", "--staleness", "2"]
 
-# name: (label, sidecar arguments, trainer arguments, every seed?)
+# name: (label, sidecar arguments, trainer arguments, every seed?, steps as a multiple of --steps)
+# The compressed rows train more steps: about as long as a dense row in wall-clock time, so that
+# each row's final reward is taken after about the same training time (a row that steps faster
+# is not cut off before it has used the time the dense row had).
 ROWS = [
-    ("none", "dense (none)", ["--codec", "none"], [], True),
-    ("dgc", "dgc 1 %", DGC, [], True),
-    ("qsgd4", "qsgd 4 bits", ["--codec", "qsgd", "--bits", "4"], [], False),
-    ("ps_sync", "ps sync, dgc 1 %, straggler", DGC + PS, ["--straggler"], False),
+    ("none", "dense (none)", ["--codec", "none"], [], True, 1.0),
+    ("dgc", "dgc 1 %", DGC, [], True, 2.5),
+    ("qsgd4", "qsgd 4 bits", ["--codec", "qsgd", "--bits", "4"], [], False, 2.0),
+    ("ps_sync", "ps sync, dgc 1 %, straggler", DGC + PS, ["--straggler"], False, 2.0),
     ("ps_bounded", "ps bounded staleness S=2, dgc 1 %, straggler", DGC + BOUNDED,
-     ["--straggler"], False),
+     ["--straggler"], False, 2.0),
 ]
 EVAL_WINDOW = 3
 
@@ -106,6 +111,12 @@ def running(evals):
     return out
 
 
+def phase_seconds(result, key):
+    """The median over every rank's steps of one phase ("compute_s": rollouts, loss and backward;
+    "exchange_s": the sidecar's average)."""
+    return statistics.median(r[key] for rank in result["ranks"] for r in rank["rows"])
+
+
 def row_figures(result):
     s = result["summary"]
     evals = result["ranks"][0]["evals"]
@@ -114,7 +125,9 @@ def row_figures(result):
             "steps_per_second": s["steps_per_second"],
             "wire_bytes_per_step": s["wire_bytes_per_step"],
             "raw_bytes_per_step": s["raw_bytes_per_step"], "evals": evals,
-            "median_step_s": step_seconds(result), "wall_s": result["wall_s"]}
+            "median_step_s": step_seconds(result), "median_compute_s": phase_seconds(
+                result, "compute_s"), "median_exchange_s": phase_seconds(result, "exchange_s"),
+            "wall_s": result["wall_s"]}
 
 
 def time_to(evals, target):
@@ -137,7 +150,7 @@ def plot(rows, target, path_time, path_steps):
             for i, r in enumerate(runs):
                 pts = running(r["evals"])
                 ax.plot([p[key] for p in pts], [p[2] for p in pts], label=label if i == 0 else None,
-                        color="C%d" % [n for n, _, _, _, _ in ROWS].index(name), alpha=0.85,
+                        color="C%d" % [row[0] for row in ROWS].index(name), alpha=0.85,
                         linewidth=1.4)
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target reward")
@@ -168,9 +181,9 @@ def main():
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
     if args.list:
-        for name, label, sc, tr, every in ROWS:
-            print("%-11s %s  (sidecars: %s%s)" % (name, label, " ".join(sc),
-                                                  "; trainers: " + " ".join(tr) if tr else ""))
+        for name, label, sc, tr, every, factor in ROWS:
+            print("%-11s %s  (sidecars: %s%s; %g x --steps)" % (
+                name, label, " ".join(sc), "; trainers: " + " ".join(tr) if tr else "", factor))
         return 0
     if os.geteuid() != 0:
         sys.exit("bench/agent_rl.py needs root (a network namespace with a rate-limited loopback)")
@@ -204,11 +217,17 @@ def main():
                             args.calibrate_steps, work, "calibrate-" + rate,
                             profile + ["--eval-every", str(10 ** 6)])
             calib[rate] = step_seconds(r)
+            calib[rate + "_compute"] = phase_seconds(r, "compute_s")
+            calib[rate + "_exchange"] = phase_seconds(r, "exchange_s")
             facts = r["summary"]
             log("dense step, %s: %.3f s" % (rate, calib[rate]))
         share = 1.0 - calib["unlimited"] / calib[args.rate]
         out["calibration"] = {"step_s_unlimited": calib["unlimited"],
                               "step_s_limited": calib[args.rate], "exchange_share": share,
+                              "compute_s_unlimited": calib["unlimited_compute"],
+                              "exchange_s_unlimited": calib["unlimited_exchange"],
+                              "compute_s_limited": calib[args.rate + "_compute"],
+                              "exchange_s_limited": calib[args.rate + "_exchange"],
                               "params": facts["params"],
                               "flops_per_token": facts["flops_per_token"],
                               "zero_share": facts["zero_share"]}
@@ -217,22 +236,23 @@ def main():
                 100 * share, args.rate, facts["params"], facts["flops_per_token"] / 1e6,
                 100 * facts["zero_share"]))
         ns.limit(args.rate)
-        for name, label, sidecar_args, trainer_args, every in ROWS:
+        for name, label, sidecar_args, trainer_args, every, factor in ROWS:
             if name not in wanted:
                 continue
             runs = []
+            row_steps = steps if args.smoke else int(round(steps * factor))
             for seed in (seeds if every else seeds[:1]):
                 tag = "%s-seed%d" % (name, seed)
-                log("row %s (%s), seed %d ..." % (name, label, seed))
-                r = run_example(ns, binary, python, world, sidecar_args, trainer_args, seed, steps,
-                                work, tag, profile)
+                log("row %s (%s), seed %d, %d steps ..." % (name, label, seed, row_steps))
+                r = run_example(ns, binary, python, world, sidecar_args, trainer_args, seed,
+                                row_steps, work, tag, profile)
                 fig = row_figures(r)
                 log("  final reward %.3f (start %.3f), %.2f steps/s, %.0f wire bytes/step" % (
                     fig["final_reward"], fig["start_reward"], fig["steps_per_second"],
                     fig["wire_bytes_per_step"]))
                 runs.append(fig)
             out["rows"][name] = {"label": label, "sidecar_args": sidecar_args,
-                                 "trainer_args": trainer_args, "runs": runs}
+                                 "trainer_args": trainer_args, "steps": row_steps, "runs": runs}
     finally:
         ns.close()
     # The target, and each row's time to it.
@@ -267,17 +287,24 @@ def report(out):
     if c:
         lines.append("dense step %.3f s unlimited, %.3f s limited: the exchange %.0f %% of it" % (
             c["step_s_unlimited"], c["step_s_limited"], 100 * c["exchange_share"]))
+        if "compute_s_limited" in c:
+            lines.append("  trainers' own split (median): compute %.3f s, exchange call %.3f s "
+                         "unlimited; %.3f s and %.3f s limited" % (
+                             c["compute_s_unlimited"], c["exchange_s_unlimited"],
+                             c["compute_s_limited"], c["exchange_s_limited"]))
     t = out.get("target")
     if t:
         lines.append("target reward %.3f (dense mean %.3f - max(0.01, 2 x sigma %.3f))" % (
             t["reward"], t["dense_mean"], t["dense_sigma"]))
-    lines.append("%-11s %8s %8s %9s %12s %14s" % ("row", "start", "final", "steps/s",
-                                                  "wire B/step", "to target (s)"))
+    lines.append("%-11s %6s %8s %8s %9s %12s %9s %9s %14s" % (
+        "row", "steps", "start", "final", "steps/s", "wire B/step", "compute", "exchange",
+        "to target (s)"))
     for name, row in out["rows"].items():
         for r in row["runs"]:
-            lines.append("%-11s %8.3f %8.3f %9.3f %12.0f %14s" % (
-                name, r["start_reward"], r["final_reward"], r["steps_per_second"],
-                r["wire_bytes_per_step"],
+            lines.append("%-11s %6d %8.3f %8.3f %9.3f %12.0f %9.3f %9.3f %14s" % (
+                name, r["steps"], r["start_reward"], r["final_reward"], r["steps_per_second"],
+                r["wire_bytes_per_step"], r.get("median_compute_s", float("nan")),
+                r.get("median_exchange_s", float("nan")),
                 "-" if r.get("target_seconds") is None else "%.1f" % r["target_seconds"]))
     return "\n".join(lines)
 
