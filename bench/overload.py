@@ -71,7 +71,6 @@ this script die first).
 
 import argparse
 import array
-import ctypes
 import datetime
 import errno
 import heapq
@@ -98,6 +97,9 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+sys.path.insert(0, os.path.join(HERE, "soak"))
+
+from soak import signal_group, spawn as soak_spawn  # noqa: E402
 
 PROMETHEUS = os.environ.get("LIGHTWIRE_PROMETHEUS") or "/usr/bin/prometheus"
 ALERTS = os.path.join(ROOT, "docker", "prometheus", "alerts.yml")
@@ -112,8 +114,6 @@ ONE_GIB = 1 << 30
 PROBE_SOURCES = {"admin": "127.0.1.1", "control_tcp": "127.0.1.2"}
 IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-PR_SET_PDEATHSIG = 1
 
 
 def log(msg):
@@ -563,20 +563,9 @@ def _interrupt(signum, frame):
 
 
 def spawn(argv, log_path, env=None):
-    """A child in its own process group, which the kernel kills should this script die first."""
-    def setup():
-        _libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-
-    with open(log_path, "wb") as f:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True, preexec_fn=setup)
-
-
-def signal_group(proc, sig):
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """A child in its own process group, which the kernel kills should this script die first
+    (bench/soak/soak.py's, with SIGKILL)."""
+    return soak_spawn(argv, log_path, env, signal.SIGKILL)
 
 
 def stop_procs(procs, sig, timeout):
