@@ -14,18 +14,22 @@ Chunking Chunking::make(size_t n, size_t requested, size_t alignment) {
   return Chunking{n, c};
 }
 
-void CodecState::reset() {
-  std::fill(current_.begin(), current_.end(), 0.0f);
-  std::fill(next_.begin(), next_.end(), 0.0f);
-}
+void CodecState::reset() { StateBuffer(state_.size()).swap(state_); }
 
 Status CodecState::restore(std::span<const float> current) {
-  if (current.size() != current_.size()) {
-    return invalidArgument("codec state holds " + std::to_string(current_.size()) +
+  if (current.size() != state_.size()) {
+    return invalidArgument("codec state holds " + std::to_string(state_.size()) +
                            " floats, the state to restore " + std::to_string(current.size()));
   }
-  std::copy(current.begin(), current.end(), current_.begin());
+  std::copy(current.begin(), current.end(), state_.begin());
   return Status::ok();
+}
+
+float* CodecState::work(size_t floats) {
+  if (floats == 0) return nullptr;
+  if (lent_.size() >= floats) return lent_.data();
+  if (owned_work_.size() < floats) owned_work_.resize(floats);
+  return owned_work_.data();
 }
 
 Status checkTensorValues(const std::string& name, const Chunking& chunking, size_t elements,
@@ -111,12 +115,28 @@ Status Codec::flush(const StepContext& ctx, const Chunking& chunking, ConstTenso
 }
 
 Status Codec::doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
-                      CodecState& state, float* out) const {
+                      CodecState& /*state*/, float* out) const {
   parallelFor(ctx.stream, chunking.elements, size_t{1} << 16,
               [&](size_t lo, size_t hi) { widenToFloat(input.slice(lo, hi - lo), out + lo); });
-  const std::span<const float> current = state.currentSpan();
-  if (!current.empty()) std::copy(current.begin(), current.end(), state.next());
   return Status::ok();
+}
+
+Status Codec::commitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                          std::span<const std::span<const uint8_t>> sent,
+                          std::span<const std::span<const uint8_t>> selected, CodecState& state,
+                          std::span<std::byte> workspace) const {
+  LW_RETURN_IF_ERROR(checkStepArgs(chunking, input, state, workspace));
+  const std::string name = traits().name;
+  const size_t chunks = chunking.count();
+  if (sent.size() != chunks) {
+    return invalidArgument(name + ": commit with " + std::to_string(sent.size()) +
+                           " sent payloads for " + std::to_string(chunks) + " chunks");
+  }
+  if (!selected.empty() && selected.size() != chunks) {
+    return invalidArgument(name + ": commit with " + std::to_string(selected.size()) +
+                           " selections for " + std::to_string(chunks) + " chunks");
+  }
+  return doCommitState(ctx, chunking, input, sent, selected, state, workspace);
 }
 
 double Codec::residualNorm2(const CodecState&, size_t) const { return 0.0; }
@@ -148,11 +168,6 @@ Status Codec::finishStep(const StepContext&, const Chunking&,
   return Status::ok();
 }
 
-Status Codec::settleChunk(const StepContext&, const Chunking&, size_t, std::span<const uint8_t>,
-                          std::span<const uint8_t>, CodecState&) const {
-  return Status::ok();
-}
-
 size_t WorkspaceCarver::bytesFor(std::initializer_list<size_t> sizes) {
   size_t total = 0;
   for (size_t s : sizes) total += (s + 63) & ~size_t{63};
@@ -164,10 +179,22 @@ Chunking chunkingFor(const Codec& codec, size_t n, size_t requested) {
   return Chunking::make(n, requested, codec.chunkAlignment());
 }
 
-Result<std::vector<std::vector<uint8_t>>> encodeTensor(const Codec& codec, const StepContext& ctx,
-                                                       const Chunking& chunking, ConstTensor input,
-                                                       CodecState& state) {
-  std::vector<std::byte> ws(codec.workspaceBytes(chunking));
+void addWidened(CpuStream* stream, ConstTensor x, const float* e, float* out, size_t n) {
+  visitDType(x.dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    parallelFor(stream, n, size_t{1} << 16, [&](size_t lo, size_t hi) {
+      for (size_t i = lo; i < hi; ++i) out[i] = loadWidened<D>(x.data, i) + e[i];  // vectorised
+    });
+  });
+}
+
+namespace {
+
+/// analyze() and encodeChunk() of every chunk (round 0) with the workspace `ws`.
+Result<std::vector<std::vector<uint8_t>>> encodeAll(const Codec& codec, const StepContext& ctx,
+                                                    const Chunking& chunking, ConstTensor input,
+                                                    CodecState& state, std::vector<std::byte>& ws) {
+  ws.resize(codec.workspaceBytes(chunking));
   LW_RETURN_IF_ERROR(codec.analyze(ctx, chunking, input, state, ws));
   std::vector<std::vector<uint8_t>> payloads(chunking.count());
   for (size_t c = 0; c < chunking.count(); ++c) {
@@ -176,6 +203,26 @@ Result<std::vector<std::vector<uint8_t>>> encodeTensor(const Codec& codec, const
     if (!size) return size.status();
     payloads[c].resize(*size);
   }
+  return payloads;
+}
+
+}  // namespace
+
+Result<std::vector<std::vector<uint8_t>>> encodeTensor(const Codec& codec, const StepContext& ctx,
+                                                       const Chunking& chunking, ConstTensor input,
+                                                       CodecState& state) {
+  std::vector<std::byte> ws;
+  return encodeAll(codec, ctx, chunking, input, state, ws);
+}
+
+Result<std::vector<std::vector<uint8_t>>> stepTensor(const Codec& codec, const StepContext& ctx,
+                                                     const Chunking& chunking, ConstTensor input,
+                                                     CodecState& state) {
+  std::vector<std::byte> ws;
+  auto payloads = encodeAll(codec, ctx, chunking, input, state, ws);
+  if (!payloads) return payloads;
+  const std::vector<std::span<const uint8_t>> sent(payloads->begin(), payloads->end());
+  LW_RETURN_IF_ERROR(codec.commitState(ctx, chunking, input, sent, {}, state, ws));
   return payloads;
 }
 

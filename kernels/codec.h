@@ -2,26 +2,31 @@
 // The codec interface (docs/codecs.md "The codec interface"). A Codec is a configured algorithm:
 // immutable after creation and safe to share between threads. Everything that changes lives in
 // caller-owned memory:
-//   - CodecState: persistent per-tensor state (residuals, momentum), double-buffered so a step
-//     *prepares* the next state and the step's owner *commits* it only when the whole step
-//     succeeded (docs/architecture.md "Atomic steps");
+//   - CodecState: persistent per-tensor state (residuals, momentum), one copy. A step reads it
+//     and leaves it alone; commitState() applies the step to it in place once the whole step
+//     succeeded (docs/determinism.md "4.6c Atomic steps (one copy of the state)"), so a failed step
+//     changes nothing. The step's own working values (error feedback's x + e, DGC's v', PowerSGD's
+//     M) go to the state's work area, step-scoped memory the owner lends (workFloats());
 //   - a workspace sized by workspaceBytes() (no allocation on the hot path);
 //   - a CpuStream, the explicit execution context (CUDA codecs take a cudaStream_t instead).
 //
 // One step of one tensor, on the sending side:
-//   analyze(...)                      whole tensor: error feedback / momentum into next_state,
-//                                     thresholds, norms — anything that must see every chunk;
+//   analyze(...)                      whole tensor: error feedback / momentum into the work
+//                                     area, thresholds, norms — anything that must see every chunk;
 //   encodeChunk(...) for each chunk   independent per chunk (may run concurrently, or pipelined
 //                                     with sending the previous chunk);
 //   ... exchange; for multi-round codecs (rounds() > 1) encodeChunk is called again with the
 //       reduced result of the previous round ...
-//   decodeChunk(...) for every payload received: out += weight * decoded.
-//   state.commit() when the step succeeded everywhere, otherwise nothing.
+//   decodeChunk(...) for every payload received: out += weight * decoded. Once a chunk is
+//       encoded its range of the work area is free: the owner may decode the result there.
+//   commitState(...) when the step succeeded everywhere, otherwise nothing: it recomputes the
+//       new state in place from the input (which must be unchanged until then), the committed
+//       state and what this sidecar sent, with the same arithmetic as analyze() and encodeChunk().
 // Multi-round codecs decode with decodeRounds(...) (every round's reduced payload) instead of
-// decodeChunk(...), and need finishStep(...) after the last round and before state.commit().
+// decodeChunk(...), and need finishStep(...) after the last round and before commitState().
 // A full synchronisation (docs/determinism.md "4.6a Full synchronisation (flush)") replaces all of
-// that with flush(...): the dense fp32 tensor to exchange, which includes what the state held back,
-// and the state after it (committed like any step's). residualNorm2(...) tells how much the
+// that with flush(...): the dense fp32 tensor to exchange, which includes what the state held back;
+// commitFlush() then leaves the state as after a flush. residualNorm2(...) tells how much the
 // committed state holds back.
 
 #include <cstddef>
@@ -32,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/buffer.h"
 #include "kernels/dtype.h"
 #include "kernels/payload.h"
 #include "kernels/status.h"
@@ -110,33 +116,45 @@ struct StepContext {
   CpuStream* stream = nullptr;      // execution context; null = calling thread only
   std::span<const uint64_t> shape;  // the trainer's tensor shape when known (PowerSGD's matrix
                                     // view); empty = unknown, the tensor is flat
-  // Global selection (Codec::selectsGlobally, docs/exchange.md "Sparse allreduce"): encodeChunk
-  // leaves the effect of sending (the residual's, dgc's masking) to settleChunk, which applies it
-  // to the elements the global selection kept.
+  // Global selection (Codec::selectsGlobally, docs/exchange.md "Sparse allreduce"): commitState
+  // applies the effect of sending (the residual's, dgc's masking) to the entries the global
+  // selection kept, not to every entry sent.
   bool defer_sent = false;
 };
 
-/// Persistent per-tensor codec state, double-buffered: `current` is what the last committed step
-/// left, `next` is what the step in progress prepares. Not thread-safe; owned by the caller.
+/// Persistent per-tensor codec state, one copy: what the last committed step left. A step never
+/// writes it before commitState(); its working values go to the work area (work()), which the
+/// owner lends for the step (attachWork) or which the state allocates itself on first use (tests,
+/// tools). Not thread-safe; owned by the caller.
 class CodecState {
  public:
   CodecState() = default;
-  explicit CodecState(size_t floats) : current_(floats, 0.0f), next_(floats, 0.0f) {}
-  size_t floats() const { return current_.size(); }
-  size_t bytes() const { return 2 * current_.size() * sizeof(float); }
-  const float* current() const { return current_.empty() ? nullptr : current_.data(); }
-  float* next() { return next_.empty() ? nullptr : next_.data(); }
-  /// Makes the prepared state current (call once the step succeeded everywhere).
-  void commit() { current_.swap(next_); }
-  /// Forgets everything (fresh state, e.g. after a size change or a residual flush).
+  explicit CodecState(size_t floats) : state_(floats) {}  // zeros
+  size_t floats() const { return state_.size(); }
+  /// Bytes of the persistent state (the work area is step-scoped memory, not counted).
+  size_t bytes() const { return state_.size() * sizeof(float); }
+  const float* current() const { return state_.empty() ? nullptr : state_.data(); }
+  /// The committed state, for commitState() and commitFlush() only.
+  float* mutableCurrent() { return state_.empty() ? nullptr : state_.data(); }
+  /// Forgets everything (fresh state, e.g. after a size change or a residual flush): fresh
+  /// zeroed memory, resident again only where written.
   void reset();
-  std::span<const float> currentSpan() const { return current_; }
-  /// Sets the committed state to `current` (a checkpoint); `next` is untouched. Fails, changing
-  /// nothing, when current.size() != floats().
+  std::span<const float> currentSpan() const { return state_; }
+  /// Sets the committed state to `current` (a checkpoint). Fails, changing nothing, when
+  /// current.size() != floats().
   Status restore(std::span<const float> current);
 
+  /// The step's work area of at least `floats` floats: the lent one when it is large enough, else
+  /// memory the state owns (allocated once).
+  float* work(size_t floats);
+  /// Lends `area` as the work area until detachWork() (the step's owner: its result buffer).
+  void attachWork(std::span<float> area) { lent_ = area; }
+  void detachWork() { lent_ = {}; }
+
  private:
-  std::vector<float> current_, next_;
+  StateBuffer state_;
+  std::span<float> lent_;
+  std::vector<float> owned_work_;
 };
 
 /// A compression algorithm with fixed parameters. Thread-safe (const methods only).
@@ -151,6 +169,9 @@ class Codec {
   virtual size_t chunkAlignment() const { return 1; }
   /// fp32 values of persistent state for a tensor of n elements (0 = stateless).
   virtual size_t stateFloats(size_t /*n*/) const { return 0; }
+  /// fp32 values of the step's work area (CodecState::work) for n elements: n for codecs with
+  /// state (error feedback's x + e, DGC's v', PowerSGD's M), 0 for stateless ones.
+  size_t workFloats(size_t n) const { return stateFloats(n) > 0 ? n : 0; }
   /// Scratch bytes one step of a tensor with this chunking needs.
   virtual size_t workspaceBytes(const Chunking& chunking) const = 0;
   /// Upper bound of one chunk's payload size.
@@ -166,8 +187,9 @@ class Codec {
     return maxPayloadBytes(chunk_elements);
   }
 
-  /// Whole-tensor phase of a step: reads `input` and `state` (state.current()), prepares
-  /// state.next(), and leaves in `workspace` what encodeChunk needs. Never touches state.current().
+  /// Whole-tensor phase of a step: reads `input` and the committed state, writes the work area
+  /// (state.work(workFloats(n))) and leaves in `workspace` what encodeChunk needs. Never writes
+  /// the committed state.
   /// Checks the arguments every codec relies on (sizes of input, state and workspace; chunk size
   /// a multiple of chunkAlignment()), then runs doAnalyze().
   Status analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
@@ -175,11 +197,10 @@ class Codec {
 
   /// Encodes chunk `chunk` for exchange round `round` into `out` (at least
   /// maxPayloadBytes(chunking.size(chunk)) bytes) and returns the payload size. `previous` is the
-  /// reduced payload of round-1 (empty in round 0). Reads only the chunk's range of `input` and
-  /// writes only the chunk's range of state.next(), so calls for different chunks may run
-  /// concurrently after analyze() (and the error-feedback decorator may update the residual of a
-  /// chunk as soon as that chunk is encoded). Each chunk is encoded at most once per analyze()
-  /// (DGC's masking updates state.next()); concurrent calls need distinct ctx.stream values.
+  /// reduced payload of round-1 (empty in round 0). Reads only the chunk's range of `input` and of
+  /// the work area and writes neither, so calls for different chunks may run concurrently after
+  /// analyze(), and once chunk c is encoded its range of the work area may hold the result.
+  /// Concurrent calls need distinct ctx.stream values.
   /// Checks the arguments as analyze() does plus chunk, round and `out`, then runs doEncodeChunk().
   Result<size_t> encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
                              int round, std::span<const uint8_t> previous, ConstTensor input,
@@ -206,9 +227,8 @@ class Codec {
   /// out[0..chunking.elements) what a dense exchange of this step must send so that nothing this
   /// sidecar owes is lost — the input plus whatever the codec's state holds back (error-feedback
   /// residual; DGC's accumulated velocity after this step's momentum update, clipping included;
-  /// PowerSGD's error) — and prepares state.next() as the state after such a flush (residual zero;
-  /// DGC: velocity and momentum zero; PowerSGD: error zero, warm-start factor kept). Commit it as
-  /// after any step. Reads input and state.current(); never touches state.current(). Checks the
+  /// PowerSGD's error). commitFlush() leaves the state as after such a flush once the step
+  /// succeeded. Reads input and the committed state; writes neither. Checks the
   /// arguments as analyze() does (no workspace is needed) plus a non-null `out` when there are
   /// elements, then runs doFlush().
   Status flush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
@@ -229,8 +249,9 @@ class Codec {
 
   /// Called by the step's owner after the last round and before commit, with the reduced payload of
   /// every round, the same weight as decodeRounds() and the arguments analyze() had. Codecs whose
-  /// next state depends on the reduced result (PowerSGD's error and warm start) prepare
-  /// state.next() here; the default does nothing. Never touches state.current().
+  /// next state depends on the reduced result (PowerSGD's error and warm start) keep in the
+  /// workspace what commitState() needs of it; the default does nothing. Never writes the state;
+  /// the work area may already hold the result.
   virtual Status finishStep(const StepContext& ctx, const Chunking& chunking,
                             std::span<const std::span<const uint8_t>> reduced_rounds, float weight,
                             ConstTensor input, CodecState& state,
@@ -247,16 +268,31 @@ class Codec {
   /// and dgc keep a count); threshold: key(fl32(W · τ)) — the mean's magnitude at least τ.
   virtual uint32_t globalMinKey(uint32_t /*world*/) const { return 0; }
 
-  /// Global selection: after encodeChunk(...) with ctx.defer_sent, applies to state.next() what
-  /// sending would have applied — to the entries of `sent` (this sidecar's payload of the chunk)
-  /// that `selected` (the chunk's global selection, a payload of this codec) also holds: the
-  /// error-feedback residual gives up their values, dgc's velocity too and its momentum is
-  /// cleared there. What was sent but not selected stays in the state, as if never sent. With
-  /// every sent entry selected the state is bit for bit what encodeChunk alone prepares. Never
-  /// touches state.current(). The default (stateless codecs): nothing to do.
-  virtual Status settleChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
-                             std::span<const uint8_t> sent, std::span<const uint8_t> selected,
-                             CodecState& state) const;
+  /// The step succeeded everywhere: applies it to the committed state in place, with the same
+  /// arithmetic as analyze(), encodeChunk() and finishStep() (docs/determinism.md "4.7 Atomic
+  /// steps without a second copy"): error feedback's e = x + e minus what was sent, DGC's momentum
+  /// and accumulation then its masking, PowerSGD's error and warm start. `input`: the step's
+  /// input, unchanged since analyze(); `sent`: this sidecar's round-0 payload of every chunk;
+  /// `selected`: with ctx.defer_sent, the global selection of every chunk (a payload of this
+  /// codec) — then only the sent entries it also holds give up their values, the rest stays in
+  /// the state as if never sent — else empty; `workspace` as finishStep() left it (the work area
+  /// is not read). The payloads were made by this codec for this step: an error means a bug, and
+  /// the state may then be partly updated (the owner resets it). Stateless codecs: nothing.
+  Status commitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                     std::span<const std::span<const uint8_t>> sent,
+                     std::span<const std::span<const uint8_t>> selected, CodecState& state,
+                     std::span<std::byte> workspace) const;
+  /// A full synchronisation succeeded: the state as after a flush (error-feedback residual zero;
+  /// DGC: velocity and momentum zero; PowerSGD: error zero, warm-start factor kept).
+  virtual void commitFlush(CodecState& /*state*/, size_t /*n*/) const {}
+  /// Global selection: whether the sent payload and the selection of one chunk can be settled at
+  /// commit (both parse as this codec's payloads for the chunk), changing nothing. The pipeline
+  /// asks before the step may commit, so commitState() does not fail on a peer's bad selection.
+  virtual Status checkSelection(const Chunking& /*chunking*/, size_t /*chunk*/,
+                                std::span<const uint8_t> /*sent*/,
+                                std::span<const uint8_t> /*selected*/) const {
+    return Status::ok();
+  }
 
  protected:
   /// analyze() and encodeChunk() after their argument checks: implementations may rely on
@@ -271,10 +307,18 @@ class Codec {
                                        std::span<std::byte> workspace,
                                        std::span<uint8_t> out) const = 0;
   /// flush() after its argument checks (as doAnalyze's, without the workspace; `out` holds
-  /// chunking.elements floats). Default, for codecs without state: out = input (widened to fp32),
-  /// state.next() = state.current().
+  /// chunking.elements floats). Default, for codecs without state: out = input (widened to fp32).
   virtual Status doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                          CodecState& state, float* out) const;
+  /// commitState() after its argument checks (as analyze()'s, plus one sent payload per chunk and
+  /// none or one selection per chunk). Default, for codecs without state: nothing.
+  virtual Status doCommitState(const StepContext& /*ctx*/, const Chunking& /*chunking*/,
+                               ConstTensor /*input*/,
+                               std::span<const std::span<const uint8_t>> /*sent*/,
+                               std::span<const std::span<const uint8_t>> /*selected*/,
+                               CodecState& /*state*/, std::span<std::byte> /*workspace*/) const {
+    return Status::ok();
+  }
 
  private:
   Status checkStepArgs(const Chunking& chunking, ConstTensor input, const CodecState& state,
@@ -308,10 +352,21 @@ class WorkspaceCarver {
 Chunking chunkingFor(const Codec& codec, size_t n, size_t requested);
 
 /// Convenience for tests, benchmarks and the step loop: compresses a whole tensor into one
-/// payload per chunk (analyze + encodeChunk for each chunk, round 0). Allocates.
+/// payload per chunk (analyze + encodeChunk for each chunk, round 0), the state left as it was.
+/// Allocates.
 Result<std::vector<std::vector<uint8_t>>> encodeTensor(const Codec& codec, const StepContext& ctx,
                                                        const Chunking& chunking, ConstTensor input,
                                                        CodecState& state);
+
+/// encodeTensor(), then commitState() with those payloads (a single-round step that succeeded,
+/// without a global selection). Allocates.
+Result<std::vector<std::vector<uint8_t>>> stepTensor(const Codec& codec, const StepContext& ctx,
+                                                     const Chunking& chunking, ConstTensor input,
+                                                     CodecState& state);
+
+/// out[i] = x_i + e_i in fp32 (x widened), for i < n, on `stream`: error feedback's a = x + e
+/// (docs/determinism.md §4.6 step 1) and PowerSGD's M (§4.12 step 1). `out` may be `e`.
+void addWidened(CpuStream* stream, ConstTensor x, const float* e, float* out, size_t n);
 
 /// Decodes one payload per chunk into out[0..chunking.elements) with `weight`.
 Status decodeTensor(const Codec& codec, const Chunking& chunking,

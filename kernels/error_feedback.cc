@@ -1,5 +1,7 @@
 // Error feedback (docs/determinism.md §4.6) as a decorator around a codec without memory of its
-// own: the residual of what was not sent is added to the next step's input.
+// own: the residual of what was not sent is added to the next step's input. The step works on
+// a = x + e in the work area; commitState() recomputes a into the residual and takes off what was
+// sent (docs/determinism.md "4.6c Atomic steps (one copy of the state)").
 
 #include <algorithm>
 
@@ -32,15 +34,8 @@ class ErrorFeedbackCodec final : public Codec {
   Status doAnalyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                    CodecState& state, std::span<std::byte> workspace) const override {
     const size_t n = chunking.elements;
-    const float* e = state.current();
-    float* a = state.next();
-    visitDType(input.dtype, [&](auto d) {
-      constexpr DType D = decltype(d)::value;
-      auto body = [&](size_t lo, size_t hi) {  // one typed loop: vectorised by the compiler
-        for (size_t i = lo; i < hi; ++i) a[i] = loadWidened<D>(input.data, i) + e[i];
-      };
-      parallelFor(ctx.stream, n, 1 << 16, body);
-    });
+    float* a = state.work(n);
+    addWidened(ctx.stream, input, state.current(), a, n);
     CodecState none;
     return inner_->analyze(ctx, chunking, ConstTensor{a, n, DType::kF32}, none, workspace);
   }
@@ -50,19 +45,42 @@ class ErrorFeedbackCodec final : public Codec {
                                CodecState& state, std::span<std::byte> workspace,
                                std::span<uint8_t> out) const override {
     CodecState none;
-    float* a = state.next();
+    const float* a = state.work(chunking.elements);
     auto size =
         inner_->encodeChunk(ctx, chunking, chunk, round, previous,
                             ConstTensor{a, chunking.elements, DType::kF32}, none, workspace, out);
     if (!size) return size;
     out[4] = static_cast<uint8_t>(input.dtype);  // the header names what the trainer handed in
-    if (ctx.defer_sent) return size;             // settleChunk applies what the selection kept
-    // e' = a - decoded: decoding with weight -1 subtracts exactly what the payload carries.
-    Status s = inner_->decodeChunk(out.first(*size), -1.0f, a + chunking.begin(chunk),
-                                   chunking.size(chunk));
-    if (!s.isOk())
-      return internalError("error feedback could not decode its own payload: " + s.message());
     return size;
+  }
+
+  /// e = x + e (a of doAnalyze, bit for bit), then e' = a − decoded sent payload: decoding with
+  /// weight −1 subtracts exactly what the payload carries; under a global selection only the sent
+  /// entries the selection kept, with the same arithmetic on those entries.
+  Status doCommitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                       std::span<const std::span<const uint8_t>> sent,
+                       std::span<const std::span<const uint8_t>> selected, CodecState& state,
+                       std::span<std::byte>) const override {
+    const size_t n = chunking.elements;
+    float* e = state.mutableCurrent();
+    addWidened(ctx.stream, input, e, e, n);
+    std::vector<std::string> errors(sent.size());
+    parallelFor(ctx.stream, sent.size(), 1, [&](size_t lo, size_t hi) {
+      for (size_t c = lo; c < hi; ++c) {
+        float* a = e + chunking.begin(c);
+        const size_t len = chunking.size(c);
+        const Status s =
+            selected.empty()
+                ? inner_->decodeChunk(sent[c], -1.0f, a, len)
+                : forEachSettled(traits().id, sent[c], selected[c], len,
+                                 [&](size_t i, float value) { a[i] = a[i] + -1.0f * value; });
+        if (!s.isOk()) errors[c] = "chunk " + std::to_string(c) + ": " + s.message();
+      }
+    });
+    for (const auto& err : errors) {
+      if (!err.empty()) return internalError("error feedback could not settle its payload: " + err);
+    }
+    return Status::ok();
   }
 
   bool selectsGlobally() const override { return inner_->selectsGlobally(); }
@@ -71,31 +89,18 @@ class ErrorFeedbackCodec final : public Codec {
   }
   uint32_t globalMinKey(uint32_t world) const override { return inner_->globalMinKey(world); }
 
-  /// e' = a − value for the sent entries the global selection kept: the same arithmetic as the
-  /// decode with weight −1 above, on those entries only.
-  Status settleChunk(const StepContext&, const Chunking& chunking, size_t chunk,
-                     std::span<const uint8_t> sent, std::span<const uint8_t> selected,
-                     CodecState& state) const override {
-    float* a = state.next() + chunking.begin(chunk);
-    return forEachSettled(traits().id, sent, selected, chunking.size(chunk),
-                          [&](size_t i, float value) { a[i] = a[i] + -1.0f * value; });
+  Status checkSelection(const Chunking& chunking, size_t chunk, std::span<const uint8_t> sent,
+                        std::span<const uint8_t> selected) const override {
+    return forEachSettled(traits().id, sent, selected, chunking.size(chunk), [](size_t, float) {});
   }
 
-  /// out = x + e, exactly as a_i of doAnalyze (determinism.md §4.6); the prepared residual is 0.
+  /// out = x + e, exactly as a_i of doAnalyze (determinism.md §4.6); commitFlush() zeroes e.
   Status doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                  CodecState& state, float* out) const override {
-    const size_t n = chunking.elements;
-    const float* e = state.current();
-    float* en = state.next();
-    visitDType(input.dtype, [&](auto d) {
-      constexpr DType D = decltype(d)::value;
-      parallelFor(ctx.stream, n, 1 << 16, [&](size_t lo, size_t hi) {
-        for (size_t i = lo; i < hi; ++i) out[i] = loadWidened<D>(input.data, i) + e[i];
-        std::fill(en + lo, en + hi, 0.0f);
-      });
-    });
+    addWidened(ctx.stream, input, state.current(), out, chunking.elements);
     return Status::ok();
   }
+  void commitFlush(CodecState& state, size_t) const override { state.reset(); }
 
   /// Σ e_i² of the committed residual.
   double residualNorm2(const CodecState& state, size_t n) const override {

@@ -146,7 +146,7 @@ struct DgcPass {
   const float* x = nullptr;  // input
   const float* u = nullptr;  // momentum (read only when `momentum`)
   const float* v = nullptr;  // accumulated residual
-  float* un = nullptr;       // u' (written only with `momentum`; may be null without)
+  float* un = nullptr;       // u' (written only with `momentum` and when not null)
   float* vn = nullptr;       // v'
   bool clip = false;         // g = clip ? x · factor : x
   float factor = 1.0f;
@@ -155,9 +155,9 @@ struct DgcPass {
   uint32_t threshold = 0;  // list the elements with key(v') >= threshold
 };
 
-/// Runs `p` over [lo, hi): writes v' (and u' with momentum) there, and the indices i (ascending, as
-/// u32; needs hi <= 2^32) with key(v'_i) >= p.threshold to list[0, count); list must hold hi − lo
-/// entries. Returns count.
+/// Runs `p` over [lo, hi): writes v' (and u' with momentum, where un is not null) there, and the
+/// indices i (ascending, as u32; needs hi <= 2^32) with key(v'_i) >= p.threshold to list[0, count);
+/// list must hold hi − lo entries. Returns count.
 uint64_t dgcFusedPassF32(const DgcPass& p, size_t lo, size_t hi, uint32_t* list);
 
 /// Upper bound of a sparse payload for a chunk of n elements with values of type `values`.
@@ -260,7 +260,7 @@ Result<size_t> reduceSelectChunk(const Codec& codec,
 /// The entries `sent` (this sidecar's payload of a chunk) shares with `selected` (the chunk's
 /// global selection), both sparse payloads of codec `codec` for a chunk of `len` elements, in
 /// index order: fn(chunk-local index, value as sent). What a selection codec settles after a
-/// global selection (Codec::settleChunk).
+/// global selection (Codec::commitState).
 Status forEachSettled(CodecId codec, std::span<const uint8_t> sent,
                       std::span<const uint8_t> selected, size_t len,
                       const std::function<void(size_t, float)>& fn);

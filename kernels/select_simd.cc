@@ -92,7 +92,7 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
     if (p.momentum) {
       const float mu = p.m * u[i];
       const float ui = mu + g;
-      un[i] = ui;
+      if (un != nullptr) un[i] = ui;
       vi = v[i] + ui;
     } else {
       vi = v[i] + g;
@@ -106,8 +106,9 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
   // far larger than it, and only the selected ~1 % are read again).
   const size_t bytes = N * sizeof(float);
   size_t i = lo;
-  const bool stream = (!p.momentum || (reinterpret_cast<uintptr_t>(un) % bytes) ==
-                                          (reinterpret_cast<uintptr_t>(vn) % bytes)) &&
+  const bool keep_u = p.momentum && un != nullptr;
+  const bool stream = (!keep_u || (reinterpret_cast<uintptr_t>(un) % bytes) ==
+                                      (reinterpret_cast<uintptr_t>(vn) % bytes)) &&
                       reinterpret_cast<uintptr_t>(vn) % sizeof(float) == 0;
   if (stream) {
     while (i < hi && reinterpret_cast<uintptr_t>(vn + i) % bytes != 0) scalar(i++);
@@ -118,9 +119,9 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
     hn::Vec<decltype(df)> vi;
     if (p.momentum) {
       const auto ui = hn::Add(hn::Mul(vm, hn::LoadU(df, u + i)), g);
-      if (stream) {
+      if (keep_u && stream) {
         hn::Stream(ui, df, un + i);
-      } else {
+      } else if (keep_u) {
         hn::StoreU(ui, df, un + i);
       }
       vi = hn::Add(hn::LoadU(df, v + i), ui);

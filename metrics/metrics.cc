@@ -111,6 +111,11 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                       .Help("Bytes of codec state (residuals, momentum) held.")
                       .Register(*r)
                       .Add({})),
+      pool_bytes(BuildGauge()
+                     .Name("lightwire_pool_bytes")
+                     .Help("Bytes of step buffers (results, local sums) kept and lent.")
+                     .Register(*r)
+                     .Add({})),
       registered_buffers(BuildGauge()
                              .Name("lightwire_registered_buffers")
                              .Help("Shared-memory buffers registered by clients.")

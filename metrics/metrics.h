@@ -78,6 +78,8 @@ class Metrics {
   prometheus::Counter& state_resets;
   // lightwire_state_bytes: bytes of codec state held.
   prometheus::Gauge& state_bytes;
+  // lightwire_pool_bytes: bytes of step buffers (results, local sums), kept and lent.
+  prometheus::Gauge& pool_bytes;
   // lightwire_registered_buffers.
   prometheus::Gauge& registered_buffers;
   // lightwire_auth_failures_total: peer connections refused at the handshake.

@@ -1,7 +1,9 @@
 // `dgc`, Deep Gradient Compression (docs/determinism.md §4.4): local clipping, momentum
 // correction, accumulation, a sampled threshold whose count is accepted within [0.8k, 1.3k] (exact
 // top-k otherwise), and momentum factor masking. Keeps its own state (u then v with momentum, v
-// alone without), so it is never wrapped in error feedback.
+// alone without), so it is never wrapped in error feedback. A step computes v' into the work area
+// (u' is not stored); commitState() recomputes u' and v' in place and masks what was sent
+// (docs/determinism.md "4.6c Atomic steps (one copy of the state)").
 
 #include <algorithm>
 #include <array>
@@ -50,7 +52,7 @@ class DgcCodec final : public Codec {
     const size_t n = c.elements;
     return SelectWorkspace::bytes(n) +
            WorkspaceCarver::bytesFor({blocks(n) * sizeof(double), samples(n) * sizeof(uint32_t),
-                                      samples(n) * sizeof(uint32_t)});
+                                      samples(n) * sizeof(uint32_t), sizeof(Memo)});
   }
   size_t maxPayloadBytes(size_t n) const override {
     return sparseMaxPayloadBytes(n, config_.sparse_values);
@@ -76,6 +78,8 @@ class DgcCodec final : public Codec {
     const std::span<double> block_sums = carver.take<double>(blocks(n));
     const std::span<uint32_t> sample_keys = carver.take<uint32_t>(samples(n));
     const std::span<uint32_t> sample_scratch = carver.take<uint32_t>(samples(n));
+    Memo* memo = carver.take<Memo>(1).data();
+    *memo = Memo{};
     if (n == 0) {
       *ws.plan = SelectionPlan{};
       return Status::ok();
@@ -83,8 +87,7 @@ class DgcCodec final : public Codec {
 
     const float* u = hasMomentum() ? state.current() : nullptr;
     const float* v = hasMomentum() ? u + n : state.current();
-    float* un = hasMomentum() ? state.next() : nullptr;
-    float* vn = hasMomentum() ? un + n : state.next();
+    float* vn = state.work(n);  // v'; u' is not kept (commitState() recomputes it)
 
     // 1. Clipping: the canonical fp64 norm of x over the whole tensor.
     ConstTensor x = input;
@@ -103,6 +106,7 @@ class DgcCodec final : public Codec {
         factor = static_cast<float>(config_.clip_norm / norm);
       }
     }
+    *memo = Memo{clip, factor};
 
     // 2–3. Momentum correction and accumulation, in the spec's operation order (no FMA), fused
     // with the selection's first count: the sample is drawn first (v'_i of a sampled i is
@@ -112,7 +116,6 @@ class DgcCodec final : public Codec {
     DgcPass pass;
     pass.u = u;
     pass.v = v;
-    pass.un = un;
     pass.vn = vn;
     pass.clip = clip;
     pass.factor = factor;
@@ -186,9 +189,7 @@ class DgcCodec final : public Codec {
     WorkspaceCarver carver(workspace);
     const SelectWorkspace ws = SelectWorkspace::carve(carver, n);
     const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
-    float* un = hasMomentum() ? state.next() : nullptr;
-    float* vn = n == 0 ? nullptr : hasMomentum() ? un + n : state.next();
-    const ConstTensor acc{vn, n, DType::kF32};
+    const ConstTensor acc{state.work(n), n, DType::kF32};
     const bool listed = ws.plan->has_list;
     const std::span<uint32_t> indices =
         listed ? ws.slots.first(ws.plan->listed) : ws.slots.subspan(begin, len);
@@ -198,28 +199,68 @@ class DgcCodec final : public Codec {
                : writeSparsePayload(CodecId::kDgc, input.dtype, config_.sparse_values, *ws.plan,
                                     acc, begin, len, indices, ctx.stream, out);
     if (!written) return written.status();
-
-    // 6. Momentum factor masking of what was sent (the value as decoded). Without momentum there
-    // is no u' to mask. Under a global selection settleChunk masks what the selection kept.
-    if (ctx.defer_sent) return written->bytes;
-    const bool f16 = config_.sparse_values == DType::kF16;
-    const bool momentum = hasMomentum();
-    const uint32_t* sent = indices.data() + written->first;
-    const size_t base = listed ? 0 : begin;  // list entries are whole-tensor indices
-    auto mask = [&](size_t lo, size_t hi) {
-      for (size_t j = lo; j < hi; ++j) {
-        const size_t i = base + sent[j];
-        const float value = f16 ? halfToFloat(floatToHalfSaturating(vn[i])) : vn[i];
-        vn[i] = vn[i] - value;
-        if (momentum) un[i] = 0.0f;
-      }
-    };
-    if (ctx.stream != nullptr && written->nnz >= 8192) {
-      ctx.stream->parallelFor(written->nnz, 4096, mask);
-    } else {
-      mask(0, written->nnz);
-    }
     return written->bytes;
+  }
+
+  /// Steps 2–3 in place (u = u', v = v', the same arithmetic as the fused pass, with the clipping
+  /// analyze() decided), then step 6, momentum factor masking of what was sent (the value as
+  /// decoded): v −= value, u = 0 — under a global selection only where the selection kept it.
+  Status doCommitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                       std::span<const std::span<const uint8_t>> sent,
+                       std::span<const std::span<const uint8_t>> selected, CodecState& state,
+                       std::span<std::byte> workspace) const override {
+    const size_t n = chunking.elements;
+    if (n == 0) return Status::ok();
+    WorkspaceCarver carver(workspace);
+    SelectWorkspace::carve(carver, n);
+    carver.take<double>(blocks(n));
+    carver.take<uint32_t>(samples(n));
+    carver.take<uint32_t>(samples(n));
+    const Memo memo = carver.take<Memo>(1)[0];
+    const bool momentum = hasMomentum();
+    float* u = momentum ? state.mutableCurrent() : nullptr;
+    float* v = momentum ? u + n : state.mutableCurrent();
+    const float m = static_cast<float>(config_.momentum);
+    visitDType(input.dtype, [&](auto d) {
+      constexpr DType D = decltype(d)::value;
+      forEach(ctx.stream, n, [&](size_t lo, size_t hi) {
+        for (size_t i = lo; i < hi; ++i) {
+          const float xi = loadWidened<D>(input.data, i);
+          const float g = memo.clip ? xi * memo.factor : xi;
+          if (momentum) {
+            const float mu = m * u[i];
+            const float ui = mu + g;
+            u[i] = ui;
+            v[i] = v[i] + ui;
+          } else {
+            v[i] = v[i] + g;
+          }
+        }
+      });
+    });
+    std::vector<std::string> errors(sent.size());
+    forEachChunk(ctx.stream, sent.size(), [&](size_t c) {
+      const size_t begin = chunking.begin(c), len = chunking.size(c);
+      auto mask = [&](size_t i, float value) {
+        v[begin + i] = v[begin + i] - value;
+        if (u != nullptr) u[begin + i] = 0.0f;
+      };
+      Status st;
+      if (selected.empty()) {
+        // Every entry sent: its value is v'_i as sent (fp16-rounded with fp16 values).
+        std::vector<uint32_t> indices;
+        std::vector<float> values;
+        st = readSparseEntries(sent[c], CodecId::kDgc, len, indices, values);
+        for (size_t j = 0; st.isOk() && j < indices.size(); ++j) mask(indices[j], values[j]);
+      } else {
+        st = forEachSettled(CodecId::kDgc, sent[c], selected[c], len, mask);
+      }
+      if (!st.isOk()) errors[c] = "chunk " + std::to_string(c) + ": " + st.message();
+    });
+    for (const auto& err : errors) {
+      if (!err.empty()) return internalError("dgc could not settle its payload: " + err);
+    }
+    return Status::ok();
   }
 
   Status decodeChunk(std::span<const uint8_t> payload, float weight, float* out,
@@ -232,24 +273,14 @@ class DgcCodec final : public Codec {
     return selectionSize(n, density.value_or(density_));
   }
 
-  /// Step 6 of doEncodeChunk for the sent entries the global selection kept: v' −= the value as
-  /// sent (as decoded, the same value the masking subtracts), u' = 0.
-  Status settleChunk(const StepContext&, const Chunking& chunking, size_t chunk,
-                     std::span<const uint8_t> sent, std::span<const uint8_t> selected,
-                     CodecState& state) const override {
-    const size_t n = chunking.elements, begin = chunking.begin(chunk);
-    if (n == 0) return Status::ok();
-    float* un = hasMomentum() ? state.next() : nullptr;
-    float* vn = hasMomentum() ? un + n : state.next();
+  Status checkSelection(const Chunking& chunking, size_t chunk, std::span<const uint8_t> sent,
+                        std::span<const uint8_t> selected) const override {
     return forEachSettled(CodecId::kDgc, sent, selected, chunking.size(chunk),
-                          [&](size_t i, float value) {
-                            vn[begin + i] = vn[begin + i] - value;
-                            if (un != nullptr) un[begin + i] = 0.0f;
-                          });
+                          [](size_t, float) {});
   }
 
   /// Steps 1–3 of doAnalyze (clipping, momentum correction, accumulation), bit for bit, then
-  /// everything accumulated is sent: out = v'. The prepared u' and v' are zero.
+  /// everything accumulated is sent: out = v'. commitFlush() zeroes u and v.
   Status doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                  CodecState& state, float* out) const override {
     const size_t n = chunking.elements;
@@ -273,16 +304,15 @@ class DgcCodec final : public Codec {
         pass.factor = static_cast<float>(config_.clip_norm / norm);
       }
     }
-    float* next = state.next();
     visitDType(x.dtype, [&](auto d) {
       constexpr DType D = decltype(d)::value;
       forEach(ctx.stream, n, [&](size_t lo, size_t hi) {
         for (size_t i = lo; i < hi; ++i) out[i] = accumulatedAt<D>(pass, x.data, i);
       });
     });
-    std::fill(next, next + stateFloats(n), 0.0f);
     return Status::ok();
   }
+  void commitFlush(CodecState& state, size_t) const override { state.reset(); }
 
   /// Σ v_i² of the committed accumulated velocity (not the momentum u).
   double residualNorm2(const CodecState& state, size_t n) const override {
@@ -292,7 +322,21 @@ class DgcCodec final : public Codec {
   }
 
  private:
+  /// What commitState() needs of analyze(): whether it clipped, and by what factor.
+  struct Memo {
+    bool clip = false;
+    float factor = 1.0f;
+  };
+
   bool hasMomentum() const { return config_.momentum > 0.0; }
+
+  /// fn(c) for every chunk c < chunks, in parallel.
+  static void forEachChunk(CpuStream* stream, size_t chunks,
+                           const std::function<void(size_t)>& fn) {
+    parallelFor(stream, chunks, 1, [&](size_t lo, size_t hi) {
+      for (size_t c = lo; c < hi; ++c) fn(c);
+    });
+  }
   static size_t blocks(size_t n) { return (n + kReduceBlock - 1) / kReduceBlock; }
 
   /// M = max(1024, ceil(f · n)); 0 where the exact path is always taken.
@@ -331,7 +375,7 @@ class DgcCodec final : public Codec {
       if (p.momentum) {
         const float mu = p.m * p.u[i];
         const float ui = mu + g;
-        p.un[i] = ui;
+        if (p.un != nullptr) p.un[i] = ui;
         vi = p.v[i] + ui;
       } else {
         vi = p.v[i] + g;

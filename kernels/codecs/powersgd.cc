@@ -241,10 +241,12 @@ class PowerSgdCodec final : public Codec {
   size_t stateFloats(size_t n) const override {
     return n == 0 ? 0 : n + kMetaFloats + capFactor(n);
   }
-  /// One factor (Qᵀ, then P̂), and in finishStep() also the reduced Q transposed.
+  /// One factor (Qᵀ, then P̂), in finishStep() also the reduced Q transposed, and the state's
+  /// next meta block and warm-start Q (what commitState() copies into the state), then the memo.
   size_t workspaceBytes(const Chunking& c) const override {
     const size_t f = capFactor(c.elements) * sizeof(float);
-    return WorkspaceCarver::bytesFor({f, f});
+    return WorkspaceCarver::bytesFor(
+        {f, f, (kMetaFloats + capFactor(c.elements)) * sizeof(float), sizeof(Memo)});
   }
   size_t maxPayloadBytes(size_t n) const override { return kFactorOffset + 4 * capFactor(n); }
 
@@ -257,19 +259,14 @@ class PowerSgdCodec final : public Codec {
     const View v = *view;
     const size_t r = v.rank, cols = v.cols;
     const float* e = state.current();
-    float* m = state.next();
-    // M = x + e (fp32), kept in the error slot of the next state until finishStep().
-    visitDType(input.dtype, [&](auto d) {
-      constexpr DType D = decltype(d)::value;
-      parallelFor(ctx.stream, n, size_t{1} << 16, [&](size_t lo, size_t hi) {
-        for (size_t i = lo; i < hi; ++i) m[i] = loadWidened<D>(input.data, i) + e[i];
-      });
-    });
+    // M = x + e (fp32) in the work area (the encodes read it; commitState() recomputes it).
+    addWidened(ctx.stream, input, e, state.work(n), n);
     // Q: the committed warm start when it is for this view, else the shared Philox draw; a column
     // that is entirely zero is drawn again.
     const float* meta = e + n;
     const float* q_current = meta + kMetaFloats;
-    float* next_meta = m + n;
+    const Slices sl = slices(workspace, n);
+    float* next_meta = sl.next;
     float* q = next_meta + kMetaFloats;
     const bool warm = meta[0] == 1.0f && metaView(meta) == v;
     writeMeta(next_meta, v, 0.0f);
@@ -290,7 +287,7 @@ class PowerSgdCodec final : public Codec {
       }
     }
     // Qᵀ into the workspace (round 0 reads it row by row).
-    float* qt = carveFactor(workspace, n);
+    float* qt = sl.factor;
     for (size_t k = 0; k < cols; ++k) {
       for (size_t j = 0; j < r; ++j) qt[j * cols + k] = q[k * r + j];
     }
@@ -305,13 +302,14 @@ class PowerSgdCodec final : public Codec {
     if (!view) return view.status();
     const View v = *view;
     const size_t n = chunking.elements;
-    if (n > 0 && metaView(state.next() + n) != v) {
+    const Slices sl = slices(workspace, n);
+    if (n > 0 && metaView(sl.next) != v) {
       return failedPrecondition("powersgd: the matrix view differs from the one analyze() used");
     }
     const size_t r = v.rank, rows = v.rows, cols = v.cols;
     uint8_t* body = out.data() + kFactorOffset;
-    const float* m = state.next();
-    float* ws = carveFactor(workspace, n);
+    const float* m = state.work(n);
+    float* ws = sl.factor;
     if (round == 0) {
       // P[i][j] = canonical Σ_k M[i][k]·Q[k][j] over the padded row.
       parallelFor(ctx.stream, rows, 64, [&](size_t lo, size_t hi) {
@@ -395,42 +393,53 @@ class PowerSgdCodec final : public Codec {
     if (!f) return f.status();
     const auto& [p, q] = *f;
     if (n == 0) return Status::ok();
-    float* m = state.next();
-    float* meta = m + n;
+    const Slices sl = slices(workspace, n);
+    float* meta = sl.next;
     if (metaView(meta) != p.view || meta[0] != 0.0f) {
       return failedPrecondition(
           "powersgd: finishStep() needs a matching analyze() first, and runs once per step");
     }
-    WorkspaceCarver carver(workspace);
-    float* phat = carver.take<float>(capFactor(n)).data();
-    float* tt = carver.take<float>(capFactor(n)).data();
-    loadOrthonormal(p, phat);
-    loadTransposed(q, tt);
-    // e' = M − weight · (P̂·Q_sumᵀ), then Q' = weight · Q_sum (the warm start).
-    product(ctx.stream, p.view, n, phat, tt, weight, true, m);
+    // P̂ and Q_sumᵀ for commitState()'s e' = M − weight · (P̂·Q_sumᵀ); Q' = weight · Q_sum (the
+    // warm start).
+    loadOrthonormal(p, sl.factor);
+    loadTransposed(q, sl.transposed);
     float* qn = meta + kMetaFloats;
     for (size_t i = 0; i < q.count; ++i) qn[i] = weight * loadF32(q.values + 4 * i);
     writeMeta(meta, p.view, 1.0f);
+    *sl.memo = Memo{weight, q.count};
     return Status::ok();
   }
 
-  /// out = x + e (M of doAnalyze, bit for bit); the prepared error is zero and the committed
-  /// meta block and warm-start Q are kept as they are.
+  /// e' = M − weight · (P̂·Q_sumᵀ) with M = x + e recomputed in place (finishStep()'s arithmetic
+  /// of the double-buffered form, bit for bit), then the meta block and Q' of finishStep().
+  Status doCommitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                       std::span<const std::span<const uint8_t>>,
+                       std::span<const std::span<const uint8_t>>, CodecState& state,
+                       std::span<std::byte> workspace) const override {
+    const size_t n = chunking.elements;
+    if (n == 0) return Status::ok();
+    const Slices sl = slices(workspace, n);
+    if (sl.next[0] != 1.0f) {
+      return failedPrecondition("powersgd: commitState() needs finishStep() first");
+    }
+    float* e = state.mutableCurrent();
+    addWidened(ctx.stream, input, e, e, n);
+    product(ctx.stream, metaView(sl.next), n, sl.factor, sl.transposed, sl.memo->weight, true, e);
+    std::copy(sl.next, sl.next + kMetaFloats + sl.memo->q_floats, e + n);
+    return Status::ok();
+  }
+
+  /// out = x + e (M of doAnalyze, bit for bit); commitFlush() zeroes the error and keeps the
+  /// meta block and warm-start Q as they are.
   Status doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                  CodecState& state, float* out) const override {
     const size_t n = chunking.elements;
     if (n == 0) return Status::ok();
-    const float* e = state.current();
-    float* en = state.next();
-    visitDType(input.dtype, [&](auto d) {
-      constexpr DType D = decltype(d)::value;
-      parallelFor(ctx.stream, n, size_t{1} << 16, [&](size_t lo, size_t hi) {
-        for (size_t i = lo; i < hi; ++i) out[i] = loadWidened<D>(input.data, i) + e[i];
-        std::fill(en + lo, en + hi, 0.0f);
-      });
-    });
-    std::copy(e + n, e + state.floats(), en + n);
+    addWidened(ctx.stream, input, state.current(), out, n);
     return Status::ok();
+  }
+  void commitFlush(CodecState& state, size_t n) const override {
+    if (n > 0 && state.floats() >= n) std::fill_n(state.mutableCurrent(), n, 0.0f);
   }
 
   /// Σ e_i² of the committed error (not the meta block or Q).
@@ -467,9 +476,25 @@ class PowerSgdCodec final : public Codec {
   /// Room for one factor (rows·r or cols·r values) of any view of n elements.
   size_t capFactor(size_t n) const { return powersgd::capFactor(n, config_.approx_rank); }
 
-  float* carveFactor(std::span<std::byte> workspace, size_t n) const {
+  /// What commitState() needs of finishStep(): the step's weight and the floats of Q'.
+  struct Memo {
+    float weight = 0.0f;
+    size_t q_floats = 0;
+  };
+  /// The workspace: one factor (Qᵀ, then P̂), the reduced Q transposed, the next meta block and
+  /// Q', the memo.
+  struct Slices {
+    float *factor, *transposed, *next;
+    Memo* memo;
+  };
+  Slices slices(std::span<std::byte> workspace, size_t n) const {
     WorkspaceCarver carver(workspace);
-    return carver.take<float>(capFactor(n)).data();
+    Slices s;
+    s.factor = carver.take<float>(capFactor(n)).data();
+    s.transposed = carver.take<float>(capFactor(n)).data();
+    s.next = carver.take<float>(kMetaFloats + capFactor(n)).data();
+    s.memo = carver.take<Memo>(1).data();
+    return s;
   }
 
   Result<View> stepView(const StepContext& ctx, const Chunking& chunking) const {

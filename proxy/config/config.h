@@ -137,6 +137,8 @@ struct ServeConfig {
     ListenerBudget control_tcp{256, 0};
     ListenerBudget admin{64, 16};
     uint64_t max_state_bytes = 0;  // codec state of all tensors together (0 = no cap)
+    uint64_t max_pool_bytes = uint64_t{1} << 30;  // step buffers kept between steps
+    uint64_t drop_state_after_steps = 0;          // idle tensors lose their state (0 = never)
   } limits;
 
   std::string token;       // secret: "" = no bearer token

@@ -322,6 +322,18 @@ void addLimitsKeys(KeyAdder& add) {
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.max_state_bytes; }, 0,
                         std::numeric_limits<uint64_t>::max()),
       [](const C& c) { return json::value(c.limits.max_state_bytes); });
+  add("limits.drop_state_after_steps", "--drop-state-after-steps", "integer >= 0", "0",
+      "A tensor that has not stepped while another tensor completed this many later steps loses "
+      "its codec state and buffers (logged; it starts fresh if it comes back; 0 = never)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.drop_state_after_steps; }, 0,
+                        std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.limits.drop_state_after_steps); });
+  add("limits.max_pool_bytes", "--max-pool-bytes", "integer >= 0", "1073741824",
+      "Step buffers (results, local sums) kept after a step for the next steps of any tensor, in "
+      "bytes; beyond it a step's buffers are freed when it ends (0 = none kept)",
+      unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.max_pool_bytes; }, 0,
+                        std::numeric_limits<uint64_t>::max()),
+      [](const C& c) { return json::value(c.limits.max_pool_bytes); });
   // Each listener's connection budget: its own, so that exhausting one leaves the others serving.
   using Budget = ServeConfig::ListenerBudget;
   auto budget = [&](const std::string& listener, const std::string& flag, Budget C::Limits::*field,

@@ -653,7 +653,10 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
     }
     auto got = take(prev, key(it, kPhaseReduce, c, static_cast<uint32_t>(c % w)));
     if (!got) return got.status();
-    std::vector<uint8_t>& sum = sumBuffer(r.codec.maxPayloadBytes(r.chunking.size(c)));
+    // The sum has the addends' size (a summable layout is fixed by the chunk): sized by what
+    // arrived, within the codec's bound, not by the bound (PowerSGD's reserves a whole factor).
+    std::vector<uint8_t>& sum =
+        sumBuffer(std::min(r.codec.maxPayloadBytes(r.chunking.size(c)), got->payload.size()));
     auto size = raw != nullptr ? kernels::addDenseValues(got->payload, raw, r.chunking.size(c), sum)
                                : r.codec.addPayloads(got->payload, own, sum);
     if (raw != nullptr) r.raw_used[c] = 1;

@@ -108,7 +108,9 @@ struct PsExchange::ServerTensor {
 struct PsExchange::Pending {
   std::string tensor;
   uint64_t step = 0;
-  bool commit_state = false;  // the server codec's prepared state (re-compression, finite sum)
+  bool commit_state = false;  // the server codec's state (re-compression, finite sum) ...
+  kernels::StepContext ctx;   // ... from this re-compression of the sum: its context and the
+  std::vector<std::span<const uint8_t>> sent;  // payloads sent (in held_)
   bool bounded = false;
   std::vector<std::pair<uint32_t, uint64_t>> folded;  // late (rank, step) in the aggregate
   std::vector<uint32_t> ontime, missing;
@@ -140,7 +142,17 @@ void PsExchange::stepDone(const std::string& tensor, uint64_t step) {
     const bool aborted = aborted_ && aborted_->first == key && aborted_->second == step;
     ServerTensor& st = *it->second;
     if (!aborted) {
-      if (pending_->commit_state) st.state.commit();
+      if (pending_->commit_state) {
+        const kernels::ConstTensor input{st.sum.data(), pending_->chunking.elements,
+                                         kernels::DType::kF32};
+        if (auto s = st.codec->commitState(pending_->ctx, pending_->chunking, input, pending_->sent,
+                                           {}, st.state, st.workspace);
+            !s.isOk()) {
+          spdlog::error("tensor '{}' step {}: the parameter server's codec state is reset: {}",
+                        tensor, step, s.message());
+          st.state.reset();
+        }
+      }
       if (pending_->bounded) {
         std::erase_if(st.late, [&](const ServerTensor::Late& l) {
           return std::find(pending_->folded.begin(), pending_->folded.end(),
@@ -634,6 +646,8 @@ Status PsExchange::sumDense(const ExchangeRound& r, ServerTensor& st, const OnTi
         r.tensor, r.step);
   }
   pending.commit_state = finite;
+  pending.ctx = ctx;
+  pending.sent.assign(combined.begin(), combined.end());
   pending.decoder = st.codec;
   pending.chunking = r.chunking;
   return Status::ok();

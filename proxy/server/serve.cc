@@ -450,6 +450,8 @@ EngineOptions engineOptions(const ServeConfig& config, unsigned threads,
   eo.warmup_steps = config.policies.warmup_steps;
   eo.powersgd_start_step = config.policies.powersgd_start_step;
   eo.max_state_bytes = config.limits.max_state_bytes;
+  eo.max_pool_bytes = config.limits.max_pool_bytes;
+  eo.drop_state_after_steps = config.limits.drop_state_after_steps;
   eo.policy = policy;
   eo.settings = [](uint64_t version, const std::string& json) -> CodecChooser {
     boost::system::error_code ec;

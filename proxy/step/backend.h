@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/buffer.h"
 #include "kernels/codec.h"
 #include "kernels/status.h"
 #include "policies/stats.h"
@@ -61,16 +62,17 @@ class StepBackend {
                                                        const kernels::Chunking& chunking,
                                                        size_t chunk, int round,
                                                        std::span<const uint8_t> previous,
-                                                       std::vector<uint8_t>& out) = 0;
+                                                       kernels::PayloadBuffer& out) = 0;
   /// Global selection (docs/exchange.md "Sparse allreduce"): whether this backend settles chunks
-  /// (settleChunk); the pipeline asks the exchange for a sparse allreduce only then.
+  /// (the commit applies only what the selection kept); the pipeline asks the exchange for a
+  /// sparse allreduce only then.
   virtual bool settlesChunks() const { return false; }
-  /// Codec::settleChunk with the step codec and the tensor's state: chunk `chunk` was encoded with
-  /// ctx.defer_sent, `sent` is its payload, `selected` the chunk's global selection.
-  virtual Status settleChunk(const kernels::StepContext& /*ctx*/,
-                             const kernels::Chunking& /*chunking*/, size_t /*chunk*/,
-                             std::span<const uint8_t> /*sent*/,
-                             std::span<const uint8_t> /*selected*/) {
+  /// Codec::checkSelection with the step codec: chunk `chunk` was encoded with ctx.defer_sent,
+  /// `sent` is its payload, `selected` the chunk's global selection (both kept by the pipeline
+  /// until commit(), which settles them).
+  virtual Status checkSelection(const kernels::Chunking& /*chunking*/, size_t /*chunk*/,
+                                std::span<const uint8_t> /*sent*/,
+                                std::span<const uint8_t> /*selected*/) {
     return failedPrecondition("this backend does not settle a global selection");
   }
   /// The input values of chunk `chunk` on the host (cosine sampling); may use `scratch`.
@@ -81,7 +83,9 @@ class StepBackend {
   /// the GPU backend). Valid until the result is written (it may be the result's memory).
   virtual const float* hostInput() const { return nullptr; }
 
-  /// Where the result goes: the single fp32 trainer's memory when `in_place`, else a buffer.
+  /// Where the result goes: the single fp32 trainer's memory when `in_place` and the step's commit
+  /// does not read the input (the host backend's codec state is updated from it at commit), else
+  /// a buffer.
   virtual Status prepareResult(bool in_place) = 0;
   /// Whether decodeChunk() may be called from the exchange's threads while it runs, so decoding
   /// overlaps the exchange (ExchangeRound::on_chunk).
@@ -103,13 +107,22 @@ class StepBackend {
   virtual Result<bool> resultNonfinite() = 0;
   /// XXH3-64 of the result's fp32 bytes (the silent-divergence guard).
   virtual Result<uint64_t> resultChecksum() = 0;
-  /// Every trainer's tensor = the result in its dtype.
+  /// Every trainer's tensor = the result in its dtype. A backend whose commit still reads the
+  /// input where it is a trainer's own memory may leave the copy to commit(), which cannot fail.
   virtual Status writeBack() = 0;
-  /// The step succeeded: commit the codec state (when `state`) and clear what delayed sync
-  /// accumulated (when it was added). Swaps prepared state into place: it cannot fail, so the
-  /// layers of a bucket, written back first, commit all or none (docs/architecture.md "A bucket's
-  /// layers: one step").
-  virtual void commit(bool state) = 0;
+  /// What commit() applies: whether the codec state takes the step (false: a bypass, or a result
+  /// that is not finite), this sidecar's round-0 payload of every chunk, and with a global
+  /// selection each chunk's selection (else empty). The spans stay valid during commit().
+  struct Commit {
+    bool state = false;
+    std::span<const std::span<const uint8_t>> sent;
+    std::span<const std::span<const uint8_t>> selected;
+  };
+  /// The step succeeded: commit the codec state (Commit::state), finish a write-back writeBack()
+  /// left to it, and clear what delayed sync accumulated (when it was added). It cannot fail, so
+  /// the layers of a bucket, written back first, commit all or none (docs/architecture.md "A
+  /// bucket's layers: one step").
+  virtual void commit(const Commit& c) = 0;
 };
 
 }  // namespace lightwire::proxy

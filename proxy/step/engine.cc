@@ -45,6 +45,7 @@ StepEngine::StepEngine(EngineOptions options, CodecChooser chooser, metrics::Met
       metrics_(metrics),
       exchange_(exchange),
       stream_(std::max(1u, options.threads)),
+      pool_(options.max_pool_bytes),
       chooser_(std::move(chooser)) {
   thread_ = std::thread([this] { loop(); });
 }
@@ -662,6 +663,36 @@ void StepEngine::runBucketStep(std::vector<Tensor*>& tensors, uint64_t step,
   for (size_t i = 0; i < n; ++i) endStep(*tensors[i], step, parts[i], outcomes[i]);
 }
 
+void StepEngine::dropIdleStates(uint64_t step) {
+  const uint64_t after = options_.drop_state_after_steps;
+  if (after == 0) return;
+  std::lock_guard lock(mu_);
+  bool dropped = false;
+  for (auto& [name, t] : tensors_) {
+    const bool holds = t->has_state || t->gpu || !t->host.workspace.empty() ||
+                       !t->host.accum.empty() || !t->payloads.empty();
+    if (!holds || !t->last_step || *t->last_step >= step || step - *t->last_step < after) continue;
+    if (t->running || !t->pending.empty()) continue;
+    spdlog::info(
+        "tensor '{}': no step since step {}, {} steps before this one (limits.drop_state_after_"
+        "steps {}): its codec state ({} bytes) and buffers are dropped; it starts fresh if it "
+        "comes back",
+        name, *t->last_step, step - *t->last_step, after, t->state_bytes);
+    t->state = kernels::CodecState();
+    t->has_state = false;
+    t->state_on_gpu = false;
+    t->gpu.reset();
+    t->host = HostBuffers{};
+    t->payloads.clear();
+    t->state_bytes = 0;
+    dropped = true;
+  }
+  if (!dropped) return;
+  uint64_t total = 0;
+  for (const auto& [name, other] : tensors_) total += other->state_bytes;
+  metrics_.state_bytes.Set(static_cast<double>(total));
+}
+
 void StepEngine::endStep(Tensor& t, uint64_t step, Pending& p, const StepOutcome& outcome) {
   std::vector<std::pair<uint64_t, Pending>> overtaken;  // waiting steps this commit dooms
   {
@@ -694,7 +725,9 @@ void StepEngine::endStep(Tensor& t, uint64_t step, Pending& p, const StepOutcome
     uint64_t total = 0;
     for (const auto& [name, other] : tensors_) total += other->state_bytes;
     metrics_.state_bytes.Set(static_cast<double>(total));
+    metrics_.pool_bytes.Set(static_cast<double>(pool_.bytes()));
   }
+  if (outcome.ok()) dropIdleStates(step);
   if (outcome.ok()) {
     (outcome.figures.nonfinite ? metrics_.steps_nonfinite : metrics_.steps_ok).Increment();
   } else {

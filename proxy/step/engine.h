@@ -30,6 +30,7 @@
 #include "policies/policy.h"
 #include "proxy/exchange/exchange.h"
 #include "proxy/step/step.h"
+#include "proxy/step/step_pool.h"
 #include "proxy/step/tensor_facts.h"
 
 namespace lightwire::proxy {
@@ -69,7 +70,11 @@ struct EngineOptions {
   // PowerSGD start (docs/policies.md "Schedules"): a powersgd tensor's steps before this one are
   // exchanged dense (codec `none`) and leave its state as it is; compression starts here.
   uint64_t powersgd_start_step = 0;
-  uint64_t max_state_bytes = 0;  // codec state of all tensors together (0 = no cap)
+  uint64_t max_state_bytes = 0;  // codec state and step buffers together (0 = no cap)
+  uint64_t max_pool_bytes = uint64_t{1} << 30;  // step buffers kept between steps (StepPool)
+  // A tensor whose last step is this many steps behind a completed step of another tensor loses
+  // its codec state and buffers (it starts fresh if it comes back; 0 = never).
+  uint64_t drop_state_after_steps = 0;
   // Policies (docs/policies.md): null = none (every step compressed, warm-up from warmup_steps,
   // no statistics in the exchange). With them, warm-up comes from their configuration, and
   // `settings` (when set) maps agreed settings versions to choosers (else the chooser is used).
@@ -172,6 +177,8 @@ class StepEngine {
   void runBucketStep(std::vector<Tensor*>& tensors, uint64_t step, std::vector<Pending>& parts);
   /// The bookkeeping of a step that ended (ok or not) and its replies; the resume a step's
   /// statistics asked for runs after it (resumePending()).
+  /// limits.drop_state_after_steps after a step of `step` ended (engine thread).
+  void dropIdleStates(uint64_t step);
   void endStep(Tensor& t, uint64_t step, Pending& p, const StepOutcome& outcome);
   void resumePending();
   /// Why `s` cannot join its step now (kNone: it can, `why` untouched); changes nothing. `created`:
@@ -226,6 +233,7 @@ class StepEngine {
   metrics::Metrics& metrics_;
   Exchange& exchange_;
   kernels::CpuStream stream_;
+  StepPool pool_;  // the host steps' buffers of tensor size (engine thread)
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -73,7 +73,7 @@ class GpuStep final : public StepBackend {
   Result<std::span<const uint8_t>> encodeChunk(const kernels::StepContext& ctx,
                                                const kernels::Chunking& chunking, size_t chunk,
                                                int round, std::span<const uint8_t> previous,
-                                               std::vector<uint8_t>& out) override;
+                                               kernels::PayloadBuffer& out) override;
   Result<const float*> chunkInput(const kernels::Chunking& chunking, size_t chunk,
                                   std::vector<float>& scratch) override;
   Status prepareResult(bool in_place) override;
@@ -90,7 +90,7 @@ class GpuStep final : public StepBackend {
   Result<uint64_t> resultChecksum() override;
   /// Waits until the result is in place.
   Status writeBack() override;
-  void commit(bool state) override;
+  void commit(const Commit& c) override;
 
  private:
   struct Impl;

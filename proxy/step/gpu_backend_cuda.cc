@@ -369,7 +369,7 @@ Result<std::span<const uint8_t>> GpuStep::encodeChunk(const kernels::StepContext
                                                       const kernels::Chunking& chunking,
                                                       size_t chunk, int round,
                                                       std::span<const uint8_t> previous,
-                                                      std::vector<uint8_t>& out) {
+                                                      kernels::PayloadBuffer& out) {
   auto l = impl_->lock();
   Impl& s = *impl_;
   const kc::CudaCodec& codec = s.codec();
@@ -517,10 +517,10 @@ Status GpuStep::writeBack() {
   return s.sync("writing the result");
 }
 
-void GpuStep::commit(bool state) {
+void GpuStep::commit(const Commit& c) {
   auto l = impl_->lock();
   Impl& s = *impl_;
-  if (state) s.t.state_.commit();
+  if (c.state) s.t.state_.commit();
 }
 
 }  // namespace lightwire::proxy::gpu

@@ -43,7 +43,7 @@ Status GpuStep::analyze(const kernels::StepContext&, const kernels::Chunking&, b
 Result<std::span<const uint8_t>> GpuStep::encodeChunk(const kernels::StepContext&,
                                                       const kernels::Chunking&, size_t, int,
                                                       std::span<const uint8_t>,
-                                                      std::vector<uint8_t>&) {
+                                                      kernels::PayloadBuffer&) {
   return none();
 }
 Result<const float*> GpuStep::chunkInput(const kernels::Chunking&, size_t, std::vector<float>&) {
@@ -61,6 +61,6 @@ Status GpuStep::decodeRounds(const kernels::StepContext&, const kernels::Chunkin
 Result<bool> GpuStep::resultNonfinite() { return none(); }
 Result<uint64_t> GpuStep::resultChecksum() { return none(); }
 Status GpuStep::writeBack() { return none(); }
-void GpuStep::commit(bool) {}
+void GpuStep::commit(const Commit&) {}
 
 }  // namespace lightwire::proxy::gpu

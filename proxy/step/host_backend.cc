@@ -9,6 +9,8 @@
 #include "kernels/registry.h"
 #include "kernels/simd/kernels.h"
 
+#include <spdlog/spdlog.h>
+
 #include <xxh_x86dispatch.h>
 #include <xxhash.h>
 
@@ -109,15 +111,19 @@ Status StepBackend::decodeChunks(const kernels::Chunking& chunking,
 }
 
 HostBackend::HostBackend(kernels::CpuStream& stream, const kernels::Codec& codec,
-                         kernels::CodecState& state, HostBuffers& buffers,
+                         kernels::CodecState& state, HostBuffers& buffers, StepPool& pool,
                          std::vector<Contribution*> parts, size_t n, DType dtype)
     : stream_(stream),
       codec_(codec),
       state_(state),
       buf_(buffers),
+      pool_(pool),
       parts_(std::move(parts)),
       n_(n),
       dtype_(dtype) {}
+
+// The work area lent to the state is the pooled result buffer: it goes back with the backend.
+HostBackend::~HostBackend() { state_.detachWork(); }
 
 const kernels::Codec& HostBackend::stepCodec() const {
   return dense_ ? kernels::noneCodec() : codec_;
@@ -128,13 +134,13 @@ Status HostBackend::ingest() {
   if (parts_.size() == 1 && dtype_ == DType::kF32) {
     input_ = reinterpret_cast<const float*>(parts_[0]->data);
   } else {
-    buf_.sum.resize(n_);
+    float* sum = sum_buf_.get(pool_, n_);
     kernels::parallelFor(&stream_, n_, kGrain, [&](size_t lo, size_t hi) {
       for (size_t k = 0; k < parts_.size(); ++k) {
-        widenRange(dtype_, parts_[k]->data, lo, hi, buf_.sum.data(), k > 0);
+        widenRange(dtype_, parts_[k]->data, lo, hi, sum, k > 0);
       }
     });
-    input_ = buf_.sum.data();
+    input_ = sum;
   }
   // Delayed sync's accumulation exists only for tensors that accumulate (made on their first
   // accumulation); a tensor whose size changed drops what it held.
@@ -158,10 +164,10 @@ Status HostBackend::accumulate() {
 }
 
 Status HostBackend::addAccumulation() {
-  buf_.sum.resize(n_);
   const float* acc = accumulation().data();
   const float* in = input_;
-  float* sum = buf_.sum.data();
+  // The sum may be the input itself (several trainers): then the accumulation adds in place.
+  float* sum = sum_buf_.get(pool_, n_);
   kernels::parallelFor(&stream_, n_, kGrain, [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) sum[i] = in[i] + acc[i];
   });
@@ -171,11 +177,12 @@ Status HostBackend::addAccumulation() {
 }
 
 Status HostBackend::flush(const kernels::StepContext& ctx, const kernels::Chunking& chunking) {
-  buf_.flushed.resize(n_);
-  if (auto s = codec_.flush(ctx, chunking, input(), state_, buf_.flushed.data()); !s.isOk()) {
+  float* flushed = flushed_buf_.get(pool_, n_);
+  if (auto s = codec_.flush(ctx, chunking, input(), state_, flushed); !s.isOk()) {
     return internalError("flushing the codec state: " + s.message());
   }
-  input_ = buf_.flushed.data();
+  input_ = flushed;
+  flushed_ = true;
   return Status::ok();
 }
 
@@ -190,8 +197,16 @@ Result<double> HostBackend::residualNorm2() {
 Status HostBackend::analyze(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
                             bool dense) {
   dense_ = dense;
+  ctx_ = ctx;
+  chunking_ = chunking;
   const kernels::Codec& sc = stepCodec();
   buf_.workspace.resize(sc.workspaceBytes(chunking));
+  // The codec's work area is the result buffer: a chunk's range is free once it is encoded
+  // (Codec::encodeChunk), and its result is decoded there after that.
+  if (const size_t w = sc.workFloats(n_); w > 0) {
+    const size_t floats = std::max(n_, w);
+    stepState().attachWork({result_buf_.get(pool_, floats), floats});
+  }
   if (auto s = sc.analyze(ctx, chunking, input(), stepState(), buf_.workspace); !s.isOk()) {
     return internalError("compressing: " + s.message());
   }
@@ -202,7 +217,7 @@ Result<std::span<const uint8_t>> HostBackend::encodeChunk(const kernels::StepCon
                                                           const kernels::Chunking& chunking,
                                                           size_t chunk, int round,
                                                           std::span<const uint8_t> previous,
-                                                          std::vector<uint8_t>& out) {
+                                                          kernels::PayloadBuffer& out) {
   const kernels::Codec& sc = stepCodec();
   const size_t max = sc.maxPayloadBytes(chunking.size(chunk));
   if (out.size() < max) out.resize(max);
@@ -212,12 +227,11 @@ Result<std::span<const uint8_t>> HostBackend::encodeChunk(const kernels::StepCon
   return std::span<const uint8_t>(out.data(), *size);
 }
 
-Status HostBackend::settleChunk(const kernels::StepContext& ctx, const kernels::Chunking& chunking,
-                                size_t chunk, std::span<const uint8_t> sent,
-                                std::span<const uint8_t> selected) {
-  if (auto st = stepCodec().settleChunk(ctx, chunking, chunk, sent, selected, stepState());
-      !st.isOk()) {
-    return internalError("settling chunk " + std::to_string(chunk) + ": " + st.message());
+Status HostBackend::checkSelection(const kernels::Chunking& chunking, size_t chunk,
+                                   std::span<const uint8_t> sent,
+                                   std::span<const uint8_t> selected) {
+  if (auto st = stepCodec().checkSelection(chunking, chunk, sent, selected); !st.isOk()) {
+    return dataLoss("the global selection of chunk " + std::to_string(chunk) + ": " + st.message());
   }
   return Status::ok();
 }
@@ -228,12 +242,11 @@ Result<const float*> HostBackend::chunkInput(const kernels::Chunking& chunking, 
 }
 
 Status HostBackend::prepareResult(bool in_place) {
-  in_place_ = in_place;
-  if (in_place) {
+  in_place_ = in_place && !stateReadsInput();
+  if (in_place_) {
     result_ = reinterpret_cast<float*>(parts_[0]->data);
   } else {
-    buf_.result.resize(n_);
-    result_ = buf_.result.data();
+    result_ = result_buf_.get(pool_, std::max<size_t>(n_, 1));
   }
   return Status::ok();
 }
@@ -297,18 +310,45 @@ Result<uint64_t> HostBackend::resultChecksum() {
   return XXH3_64bits_dispatch(result_, n_ * sizeof(float));
 }
 
-Status HostBackend::writeBack() {
-  if (in_place_) return Status::ok();
+void HostBackend::copyResult() {
   for (auto* part : parts_) {
     kernels::parallelFor(&stream_, n_, kGrain, [&](size_t lo, size_t hi) {
       narrowRange(dtype_, result_, lo, hi, part->data);
     });
   }
+}
+
+Status HostBackend::writeBack() {
+  if (in_place_) return Status::ok();
+  // The input is a trainer's own memory and the commit reads it: the copy comes after the commit
+  // (docs/determinism.md "4.6c Atomic steps (one copy of the state)").
+  const auto* in = reinterpret_cast<const std::byte*>(input_);
+  const bool input_is_trainers = std::any_of(parts_.begin(), parts_.end(),
+                                             [&](const Contribution* p) { return p->data == in; });
+  if (stateReadsInput() && input_is_trainers) {
+    write_back_pending_ = true;
+    return Status::ok();
+  }
+  copyResult();
   return Status::ok();
 }
 
-void HostBackend::commit(bool state) {
-  if (state) state_.commit();
+void HostBackend::commit(const Commit& c) {
+  if (c.state && flushed_) {
+    codec_.commitFlush(state_, n_);
+  } else if (c.state && stateReadsInput()) {
+    if (auto st = codec_.commitState(ctx_, chunking_, input(), c.sent, c.selected, state_,
+                                     buf_.workspace);
+        !st.isOk()) {
+      // The payloads are this codec's own, made for this step: a codec bug. The state may be
+      // partly updated: it starts over rather than carry a mix.
+      spdlog::error("committing the codec state failed, the state is reset: {}", st.message());
+      state_.reset();
+    }
+  }
+  stepState().detachWork();
+  if (write_back_pending_) copyResult();
+  write_back_pending_ = false;
   if (accumulated_) std::fill(buf_.accum.begin(), buf_.accum.end(), 0.0f);
 }
 

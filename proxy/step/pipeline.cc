@@ -371,12 +371,25 @@ StepPipeline::Stage StepPipeline::makeCodec() {
 }
 
 // Fresh codec state, within limits.max_state_bytes (on the GPU backend it is made on the device).
+// The cap covers the codec state of every tensor and the step buffers of the engine's pool
+// together (docs/deploy.md "Sizing"): a tensor whose needs change (first seen, a size, dtype or
+// settings change, a rollback, an `auto` switch: each makes its state afresh here) is checked
+// against what the others hold, and refused with nothing changed.
 StepPipeline::Stage StepPipeline::makeState() {
   if (t_.has_state) return std::nullopt;
   const kernels::Codec& codec = *t_.codec;
-  const uint64_t need = 2 * uint64_t{codec.stateFloats(n_)} * sizeof(float);  // double-buffered
+  // The device keeps a second copy of the state (docs/cuda.md); the host one copy, and its steps
+  // take a result buffer (the codec's work area) and, with several trainers or a narrow dtype, a
+  // local sum from the pool.
+  const uint64_t floats = codec.stateFloats(n_);
+  const uint64_t need = (gpu_ordinal_ ? 2 : 1) * floats * sizeof(float);
+  const bool own_result =
+      floats > 0 || trainers_ > 1 || p_.dtype != kernels::DType::kF32 || codec.traits().rounds > 1;
+  const bool own_sum = trainers_ > 1 || p_.dtype != kernels::DType::kF32;
+  const uint64_t step_need =
+      gpu_ordinal_ ? 0 : ((own_result ? 1 : 0) + (own_sum ? 1 : 0)) * uint64_t{n_} * sizeof(float);
   const uint64_t cap = engine_.options_.max_state_bytes;
-  if (cap > 0 && need > 0) {
+  if (cap > 0 && need + step_need > 0) {
     uint64_t held = 0;
     {
       std::lock_guard lock(engine_.mu_);
@@ -384,12 +397,15 @@ StepPipeline::Stage StepPipeline::makeState() {
         if (other.get() != &t_) held += other->state_bytes;
       }
     }
-    if (held + need > cap) {
+    const uint64_t pooled = engine_.pool_.bytes();
+    if (held + need + std::max(pooled, step_need) > cap) {
       t_.state = kernels::CodecState();  // nothing held for it
       engine_.metrics_.limitHits("state_bytes").Increment();
       return Stop{StepError::kStateLimit,
                   "tensor '" + t_.name + "' needs " + std::to_string(need) +
-                      " bytes of codec state, other tensors hold " + std::to_string(held) +
+                      " bytes of codec state and " + std::to_string(step_need) +
+                      " bytes of step buffers; other tensors hold " + std::to_string(held) +
+                      " bytes of state and the step pool " + std::to_string(pooled) +
                       ": more than limits.max_state_bytes (" + std::to_string(cap) + ")"};
     }
   }
@@ -438,7 +454,7 @@ StepPipeline::Stage StepPipeline::begin() {
     }
   }
   backend_ = std::make_unique<HostBackend>(engine_.stream_, *t_.codec, t_.state, t_.host,
-                                           std::move(parts), n_, p_.dtype);
+                                           engine_.pool_, std::move(parts), n_, p_.dtype);
   return std::nullopt;
 }
 
@@ -718,9 +734,9 @@ StepPipeline::Stage StepPipeline::closeRound(
   return select_globally_ ? settle() : std::nullopt;
 }
 
-// A global selection (docs/exchange.md "Sparse allreduce"): each chunk's state gives up what this
-// sidecar sent and the selection kept; the rest stays in it (state.next() only: a step that fails
-// later commits nothing).
+// A global selection (docs/exchange.md "Sparse allreduce"): at commit each chunk's state gives up
+// what this sidecar sent and the selection kept; the rest stays in it. Checked here, so that the
+// commit, which cannot fail, does not meet a bad selection.
 StepPipeline::Stage StepPipeline::settle() {
   for (size_t c = 0; c < chunking_.count(); ++c) {
     if (c >= reduced_.size() || reduced_[c].size() != 1) {
@@ -729,10 +745,12 @@ StepPipeline::Stage StepPipeline::settle() {
                   "chunk " +
                       std::to_string(c)};
     }
-    if (auto st = backend_->settleChunk(ctx_, chunking_, c, mine_[c], reduced_[c][0]); !st.isOk()) {
+    if (auto st = backend_->checkSelection(chunking_, c, mine_[c], reduced_[c][0]); !st.isOk()) {
       return Stop{StepError::kExchangeFailed, st.message()};
     }
   }
+  selected_.clear();
+  for (const auto& list : reduced_) selected_.push_back(list[0]);
   return std::nullopt;
 }
 
@@ -839,14 +857,15 @@ StepPipeline::Stage StepPipeline::writeBack() {
 }
 
 // Non-finite results are returned as plain averaging would, and the state is not committed.
-// Compressed steps commit what the codec prepared; full-syncs the flushed state (prepared by the
-// flush in the tensor's own state); bypasses leave the state as it was. A commit swaps what the
-// step prepared into place and cannot fail (backend.h), so a bucket's layers commit all or none.
+// Compressed steps apply the step to the codec state in place (docs/determinism.md "4.7 Atomic
+// steps without a second copy"); full-syncs leave it as after a flush; bypasses leave the state
+// as it was. A commit cannot fail (backend.h), so a bucket's layers commit all or none.
 void StepPipeline::commit() {
-  if (nonfinite_) return;
-  backend_->commit(plan_.mode != StepMode::kBypass);
+  backend_->commit({.state = !nonfinite_ && plan_.mode != StepMode::kBypass,
+                    .sent = mine_,
+                    .selected = selected_});
   // A measured cosine goes out with the tensor's next record, once.
-  if (plan_.mode == StepMode::kCompressed) t_.cos = cos_;
+  if (!nonfinite_ && plan_.mode == StepMode::kCompressed) t_.cos = cos_;
 }
 
 void StepPipeline::record() {

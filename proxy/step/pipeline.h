@@ -150,7 +150,8 @@ class StepPipeline {
   std::vector<std::vector<std::span<const uint8_t>>> reduced_;  // per chunk: payloads to decode
   std::vector<std::span<const uint8_t>> round_payloads_;        // multi-round: reduced per round
   std::vector<std::span<const uint8_t>> mine_;                  // this round's own payloads
-  std::vector<char> encoded_;                                   // ... encoded yet
+  std::vector<std::span<const uint8_t>> selected_;  // a global selection's, per chunk (commit)
+  std::vector<char> encoded_;                       // ... encoded yet
   std::vector<char> decoded_;  // decoded during the exchange (ExchangeRound::on_chunk)
   double round_compress_us_ = 0.0, early_decode_us_ = 0.0;
   double exchange_us_ = 0.0, compress_us_ = 0.0;

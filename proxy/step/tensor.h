@@ -53,8 +53,8 @@ struct StepEngine::Tensor {
   kernels::DType state_dtype = kernels::DType::kF32;
   bool has_state = false;
   HostBuffers host;
-  std::vector<std::vector<std::vector<uint8_t>>> payloads;  // [round][chunk], reused
-  std::vector<float> scratch;                               // cosine sampling
+  std::vector<std::vector<kernels::PayloadBuffer>> payloads;  // [round][chunk], reused
+  std::vector<float> scratch;                                 // cosine sampling
   std::vector<float> original;           // cosine sampling on the GPU backend: the chunk's input
   std::optional<CosineTerms> cos;        // of the last committed compressed step
   std::optional<double> residual_norm2;  // of the state, last measured

@@ -158,6 +158,8 @@ Result<BenchResult> benchCodec(const CodecConfig& config, std::span<const float>
   // before anything is timed.
   const ConstTensor tensor{input.data(), n, DType::kF32};
   CodecState state(codec.stateFloats(n));
+  std::vector<float> work(codec.workFloats(n));  // the step's work area, as the sidecar lends it
+  state.attachWork(work);
   std::vector<std::byte> workspace(codec.workspaceBytes(chunking));
   std::vector<size_t> offsets(chunking.count() + 1, 0);
   for (size_t c = 0; c < chunking.count(); ++c) {
@@ -218,6 +220,21 @@ Result<BenchResult> benchCodec(const CodecConfig& config, std::span<const float>
   if (!compress_s) return compress_s.status();
   r.compress_s = *compress_s;
   for (size_t s : sizes) r.wire_bytes += s;
+
+  // Commit (codecs with state, one round): the last compression applied to the state in place
+  // (docs/determinism.md "4.6c Atomic steps (one copy of the state)"); a whole step is compress
+  // plus commit. Each run applies it again to the state the previous run left: the same work.
+  if (rounds == 1 && codec.stateFloats(n) > 0) {
+    note("commit");
+    std::vector<std::span<const uint8_t>> sent(chunking.count());
+    for (size_t c = 0; c < chunking.count(); ++c)
+      sent[c] = {payloads.data() + offsets[c], sizes[c]};
+    auto commit_s = medianSeconds(runs, nullptr, [&]() -> Status {
+      return codec.commitState(ctx, chunking, tensor, sent, {}, state, workspace);
+    });
+    if (!commit_s) return commit_s.status();
+    r.commit_s = *commit_s;
+  }
 
   // Decompress: every chunk's payload into a zeroed fp32 output with weight 1. decodeChunk has no
   // stream of its own; chunks write disjoint ranges, so the stream's threads take chunks.
@@ -309,6 +326,12 @@ boost::json::object BenchResult::toJson() const {
       o["torch_topk_gbps"] = gbps(*torch_topk_s);
       o["torch_topk_seconds"] = *torch_topk_s;
     }
+  }
+  if (commit_s) {
+    o["commit_gbps"] = gbps(*commit_s);
+    o["commit_seconds"] = *commit_s;
+    // The whole step on the sending side: compression and the state's commit.
+    o["step_vs_memcpy"] = memcpy_s > 0 ? memcpy_s / (compress_s + *commit_s) : 0.0;
   }
   o["compress_seconds"] = compress_s;
   o["decompress_seconds"] = decompress_s;

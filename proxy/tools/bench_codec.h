@@ -43,6 +43,7 @@ struct BenchResult {
   size_t raw_bytes = 0;   // 4 * elements
   size_t wire_bytes = 0;  // sum of the payload sizes
   double compress_s = 0, decompress_s = 0, memcpy_s = 0;
+  std::optional<double> commit_s;       // codecs with state (host, one round): commitState()
   std::optional<double> nth_element_s;  // topk, dgc: single-threaded std::nth_element
   /// "cpu", or "cuda" (bench_codec_cuda.cc): then memcpy_s is a device-to-device cudaMemcpy of the
   /// same bytes, the times are CUDA event times of the kernels, and torch_topk_s is

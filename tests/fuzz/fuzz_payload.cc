@@ -13,12 +13,14 @@
 //   - the sparse allreduce (selection codecs, mode bit 4): each chunk's list as every rank's
 //     contribution to its owner, summed and selected (kernels::reduceSelectChunk), and the list's
 //     last payload as an owner's selection that this sidecar settles its state with, its first
-//     as this sidecar's own payload (Codec::settleChunk);
+//     as this sidecar's own payload: every chunk's pair checked (Codec::checkSelection), then,
+//     when all pass, the step committed with them (Codec::commitState);
 //   - PowerSGD (two rounds): the reduced round-0 payload is the `previous` of this sidecar's
 //     round-1 encode, then decodeRounds() and finishStep() take both reduced rounds.
 // Properties checked besides ASan/UBSan: a decoder that fails leaves its output untouched
 // (docs/wire-format.md), a sum fits its buffer, what our own encoders produce decodes, an owner's
-// selection decodes and holds at most its share of k, and settling that fails changes no state.
+// selection decodes and holds at most its share of k, a selection refused by checkSelection
+// changes no state, and the commit of selections it accepted does not fail.
 //
 // Input: u8 codec (fuzz_util.h codecConfigs()), u8 mode (bit 0 add the payloads, bit 1 server
 // re-compression, bit 2 dense sums, bit 3 a shape follows, bit 4 the sparse allreduce), u32
@@ -28,6 +30,9 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels/philox.h"
 #include "kernels/registry.h"
@@ -148,8 +153,8 @@ std::optional<Span> addAll(const Codec& codec, const std::vector<Span>& list, si
 }
 
 /// The sparse allreduce of chunk c (docs/determinism.md "4.6b Global selection"): `list` as every
-/// rank's contribution to the chunk's owner, and its last payload as an owner's selection that
-/// this sidecar (whose own payload is the first) settles a fresh state with.
+/// rank's contribution to the chunk's owner (its last payload is then an owner's selection that
+/// this sidecar, whose own payload is the first, settles its state with: settle()).
 void globalSelect(const Parsed& p, const Codec& codec, const Chunking& chunking, size_t c,
                   const std::vector<Span>& list) {
   const size_t len = chunking.size(c);
@@ -188,16 +193,56 @@ void globalSelect(const Parsed& p, const Codec& codec, const Chunking& chunking,
       check(kernels::magnitudeKey(v) >= min_key, "a selection holds an entry below its floor");
     }
   }
+}
+
+/// What this sidecar sent of one chunk and the owner's selection of it.
+using Settled = std::pair<Span, Span>;
+
+/// This sidecar settles a step of the sparse allreduce, as the step engine does, into a state
+/// that holds something (pattern()): every chunk's pair (nullopt: a chunk that had no payloads,
+/// for which it sent nothing and nothing was selected) is checked first (checkSelection, which
+/// changes nothing); a step with a pair refused commits nothing, else the step on pattern(n)
+/// is committed with the pairs (commitState), which must not fail.
+void settle(const Parsed& p, const Codec& codec, const Chunking& chunking,
+            const std::vector<std::optional<Settled>>& settled) {
   CodecState state(codec.stateFloats(p.n));
   if (state.floats() == 0) return;
   const std::vector<float> fill = pattern(state.floats(), static_cast<uint32_t>(p.step));
-  std::memcpy(state.next(), fill.data(), 4 * fill.size());
-  const Status s =
-      codec.settleChunk(contextFor(p, 0), chunking, c, list.front(), list.back(), state);
-  if (!s.isOk()) {
-    check(std::memcmp(state.next(), fill.data(), 4 * fill.size()) == 0,
-          "settling refused a payload (" + s.message() + ") but changed the state");
+  check(state.restore(fill).isOk(), "restoring a state of the codec's size failed");
+  const std::string name = codec.traits().name;
+  // An empty payload of the codec (an empty selection) for every chunk that had none.
+  std::vector<std::vector<uint8_t>> empty(chunking.count());
+  std::vector<Span> sent, selected;
+  for (size_t c = 0; c < chunking.count(); ++c) {
+    if (settled[c]) {
+      sent.push_back(settled[c]->first);
+      selected.push_back(settled[c]->second);
+      const Status s = codec.checkSelection(chunking, c, sent.back(), selected.back());
+      if (!s.isOk()) {
+        check(std::memcmp(state.current(), fill.data(), 4 * fill.size()) == 0,
+              name + " refused a selection (" + s.message() + ") but changed the state");
+        return;  // the step fails: nothing is committed
+      }
+      continue;
+    }
+    const std::vector<float> zeros(chunking.size(c), 0.0f);
+    std::vector<uint64_t> scratch;
+    empty[c].resize(kernels::sparseMaxPayloadBytes(chunking.size(c), DType::kF32));
+    auto size = kernels::writeGlobalSelection(codec.traits().id, zeros, 0, 0, scratch, empty[c]);
+    check(size.isOk(), "writing an empty selection failed");
+    empty[c].resize(*size);
+    sent.push_back(empty[c]);
+    selected.push_back(empty[c]);
   }
+  StepContext ctx = contextFor(p, 0);
+  ctx.defer_sent = true;
+  const std::vector<float> x = pattern(p.n, static_cast<uint32_t>(p.step) + 1);
+  const ConstTensor input{x.data(), p.n, DType::kF32};
+  std::vector<std::byte> ws(codec.workspaceBytes(chunking));
+  const Status a = codec.analyze(ctx, chunking, input, state, ws);
+  check(a.isOk(), name + ": analyze of a valid tensor failed: " + a.message());
+  const Status s = codec.commitState(ctx, chunking, input, sent, selected, state, ws);
+  check(s.isOk(), name + ": committing selections checkSelection accepted failed: " + s.message());
 }
 
 /// The server re-compresses the dense sum; its own payloads must decode.
@@ -223,6 +268,8 @@ void singleRound(const Parsed& p, const Codec& codec) {
   const Codec& decoder = (p.mode & kDense) ? kernels::noneCodec() : codec;
   std::vector<float> sum(p.n, 0.0f);  // the parameter server's dense sum (weight 1)
   bool all_decoded = true;
+  const bool global = (p.mode & kGlobal) && !(p.mode & kDense) && codec.selectsGlobally();
+  std::vector<std::optional<Settled>> settled(chunks);  // the sparse allreduce's, per chunk
   for (size_t c = 0; c < chunks; ++c) {
     std::vector<Span> list;
     for (size_t i = c; i < p.payloads.size(); i += chunks) list.push_back(p.payloads[i]);
@@ -244,8 +291,9 @@ void singleRound(const Parsed& p, const Codec& codec) {
       }
     }
     std::copy(dense.begin(), dense.end(), sum.begin() + static_cast<std::ptrdiff_t>(begin));
-    if ((p.mode & kGlobal) && !(p.mode & kDense) && codec.selectsGlobally()) {
+    if (global) {
       globalSelect(p, codec, chunking, c, list);
+      settled[c] = Settled{list.front(), list.back()};
     }
     if (p.mode & kAdd) {
       std::vector<std::vector<uint8_t>> held;
@@ -255,6 +303,7 @@ void singleRound(const Parsed& p, const Codec& codec) {
       }
     }
   }
+  if (global) settle(p, codec, chunking, settled);
   if ((p.mode & kRecompress) && all_decoded && !(p.mode & kDense)) recompress(p, chunking, sum);
 }
 
@@ -294,7 +343,11 @@ void twoRounds(const Parsed& p, const Codec& codec) {
     return;
   }
   if (codec.finishStep(ctx, chunking, reduced, 0.5f, input, state, ws).isOk()) {
-    state.commit();
+    // `sent`: one payload of our own (multi-round codecs do not read it).
+    const std::vector<Span> sent{own};
+    const Status c = codec.commitState(ctx, chunking, input, sent, {}, state, ws);
+    check(c.isOk(),
+          "powersgd: commitState after a finishStep that succeeded failed: " + c.message());
     (void)codec.residualNorm2(state, p.n);
   }
 }

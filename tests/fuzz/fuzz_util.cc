@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <span>
+#include <vector>
 
 #include <boost/json/parse.hpp>
 #include <boost/json/serialize.hpp>
@@ -146,7 +148,7 @@ Status runStep(const kernels::Codec& codec, size_t n, uint32_t seed, kernels::Co
   const std::string name = codec.traits().name;
   if (flush) {
     LW_RETURN_IF_ERROR(codec.flush(ctx, chunking, input, state, out.data()));
-    state.commit();
+    codec.commitFlush(state, n);
     return Status::ok();
   }
   std::vector<std::byte> ws(codec.workspaceBytes(chunking));
@@ -176,7 +178,11 @@ Status runStep(const kernels::Codec& codec, size_t n, uint32_t seed, kernels::Co
     const Status f = codec.finishStep(ctx, chunking, rounds, 1.0f, input, state, ws);
     check(f.isOk(), name + ": finishStep of our own payloads failed: " + f.message());
   }
-  state.commit();
+  // Committed with round 0's payloads, one per chunk (multi-round codecs do not read them).
+  const std::vector<std::span<const uint8_t>> sent(
+      payloads.begin(), payloads.begin() + static_cast<std::ptrdiff_t>(chunking.count()));
+  const Status committed = codec.commitState(ctx, chunking, input, sent, {}, state, ws);
+  check(committed.isOk(), name + ": committing our own payloads failed: " + committed.message());
   (void)codec.residualNorm2(state, n);
   return Status::ok();
 }

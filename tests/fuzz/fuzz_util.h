@@ -150,7 +150,8 @@ const kernels::Codec& codecAt(size_t i);
 size_t codecIndex(std::string_view name);
 
 /// One step of a single-round codec on pattern(n, seed) (n = chunking.elements): every chunk's
-/// payload, the state prepared in `state`. Aborts on error (seeds are made of valid steps).
+/// payload, `state` read and left as it was (not committed). Aborts on error (seeds are made of
+/// valid steps).
 std::vector<std::vector<uint8_t>> encodePattern(const kernels::Codec& codec,
                                                 const kernels::Chunking& chunking, uint32_t seed,
                                                 const kernels::StepContext& ctx,

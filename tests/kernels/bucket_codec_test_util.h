@@ -470,11 +470,10 @@ void errorFeedback() {
     const std::vector<float> old(state.currentSpan().begin(), state.currentSpan().end());
     StepContext ctx = makeContext(s);
     const Chunking chunking = Chunking::make(n, 3000, codec->chunkAlignment());
-    auto payloads = encodeTensor(*codec, ctx, chunking, {x.data(), n, DType::kF32}, state);
+    auto payloads = stepTensor(*codec, ctx, chunking, {x.data(), n, DType::kF32}, state);
     REQUIRE(payloads.isOk());
     std::vector<float> sent(n, 0.0f);
     REQUIRE(decodeTensor(*codec, chunking, *payloads, 1.0f, sent.data()).isOk());
-    state.commit();
     const auto& now = state.currentSpan();
     size_t bad = 0;
     for (size_t i = 0; i < n; ++i) {

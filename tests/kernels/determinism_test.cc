@@ -1,5 +1,5 @@
 // Determinism contracts (docs/determinism.md §5): payload bytes independent of the thread count;
-// decoded results and prepared state independent of the chunk size; fp16/bf16 inputs equal to
+// decoded results and committed state independent of the chunk size; fp16/bf16 inputs equal to
 // their fp32 widening; lengths 0 and 1 work for every codec.
 #include <doctest.h>
 
@@ -16,7 +16,7 @@ struct Outcome {
   std::vector<float> state;
 };
 
-// Three steps with commits; returns the last step's outcome.
+// Three steps, each committed (stepTensor); returns the last step's outcome.
 Outcome run(const Codec& codec, const std::vector<std::vector<float>>& inputs, size_t chunk,
             CpuStream* stream, DType dtype = DType::kF32) {
   const size_t n = inputs[0].size();
@@ -37,12 +37,11 @@ Outcome run(const Codec& codec, const std::vector<std::vector<float>>& inputs, s
                     .rank = 2,
                     .stream = stream};
     const auto chunking = Chunking::make(n, chunk, codec.chunkAlignment());
-    auto p = encodeTensor(codec, ctx, chunking, in, state);
+    auto p = stepTensor(codec, ctx, chunking, in, state);
     REQUIRE_MESSAGE(p.isOk(), p.status().message());
     o.payloads = std::move(p).value();
     o.decoded.assign(n, 0.0f);
     REQUIRE(decodeTensor(codec, chunking, o.payloads, 0.25f, o.decoded.data()).isOk());
-    state.commit();
   }
   o.state.assign(state.currentSpan().begin(), state.currentSpan().end());
   return o;

@@ -21,6 +21,7 @@
 #include "kernels/philox.h"
 #include "kernels/registry.h"
 #include "kernels/select.h"
+#include "tests/kernels/test_util.h"
 
 namespace lightwire::kernels {
 namespace {
@@ -66,10 +67,13 @@ StepContext stepContext(uint64_t step, CpuStream* stream) {
   return ctx;
 }
 
+/// One step's payloads; with `commit` the step succeeded and is committed into `state`
+/// (stepTensor), without it `state` is left as it was.
 std::vector<Bytes> encode(const Codec& codec, const StepContext& ctx, ConstTensor x, size_t chunk,
-                          CodecState& state) {
+                          CodecState& state, bool commit = false) {
   const Chunking chunking = Chunking::make(x.elements, chunk, 1);
-  auto payloads = encodeTensor(codec, ctx, chunking, x, state);
+  auto payloads = commit ? stepTensor(codec, ctx, chunking, x, state)
+                         : encodeTensor(codec, ctx, chunking, x, state);
   REQUIRE_MESSAGE(payloads.isOk(), payloads.status().message());
   return std::move(payloads).value();
 }
@@ -251,13 +255,12 @@ void compareWithReference(const DgcSettings& settings, size_t n, int steps, size
     // Alternate large and small gradients so clipping both triggers and does not.
     const auto x = gaussian(n, 100 + s, s % 2 == 0 ? 1.0f : 0.05f);
     const StepContext ctx = stepContext(static_cast<uint64_t>(s), &stream);
-    const auto payloads = encode(*codec, ctx, ConstTensor{x.data(), n}, chunk, state);
+    const auto payloads = encode(*codec, ctx, ConstTensor{x.data(), n}, chunk, state, true);
     const Selected got = parsePayloads(payloads, n, chunk);
     const Selected want = ref.step(x, ctx);
     CAPTURE(s);
     REQUIRE(got.indices == want.indices);
     CHECK(sameBits(got.values, want.values));
-    state.commit();
     if (settings.momentum > 0.0) {  // u then v
       REQUIRE(state.floats() == 2 * n);
       CHECK(sameBits(state.currentSpan().first(n), ref.u));
@@ -444,8 +447,7 @@ TEST_CASE("dgc payload bytes and state do not depend on the thread count") {
     CpuStream stream(threads);
     CodecState state(codec->stateFloats(n));
     const auto payloads =
-        encode(*codec, stepContext(1, &stream), ConstTensor{x.data(), n}, 100000, state);
-    state.commit();
+        encode(*codec, stepContext(1, &stream), ConstTensor{x.data(), n}, 100000, state, true);
     std::vector<float> now(state.currentSpan().begin(), state.currentSpan().end());
     if (threads == 1) {
       first = payloads;
@@ -471,9 +473,8 @@ TEST_CASE("dgc decoded result and state do not depend on the chunking") {
     for (int step = 0; step < 3; ++step) {
       const auto x = gaussian(n, 60 + step);
       const auto payloads =
-          encode(*codec, stepContext(step, &stream), ConstTensor{x.data(), n}, chunk, state);
+          encode(*codec, stepContext(step, &stream), ConstTensor{x.data(), n}, chunk, state, true);
       REQUIRE(decodeTensor(*codec, Chunking::make(n, chunk, 1), payloads, 0.5f, out.data()).isOk());
-      state.commit();
     }
     std::vector<float> st(state.currentSpan().begin(), state.currentSpan().end());
     if (want_out.empty()) {
@@ -496,22 +497,26 @@ TEST_CASE("dgc prepare without commit leaves the state unchanged") {
   CodecState state(codec->stateFloats(n));
   CpuStream stream(2);
   const auto x0 = gaussian(n, 70);
-  encode(*codec, stepContext(0, &stream), ConstTensor{x0.data(), n}, 0, state);
-  state.commit();
+  encode(*codec, stepContext(0, &stream), ConstTensor{x0.data(), n}, 0, state, true);
   const std::vector<float> committed(state.currentSpan().begin(), state.currentSpan().end());
 
   const auto x1 = gaussian(n, 71);
-  const auto first =
-      encode(*codec, stepContext(1, &stream), ConstTensor{x1.data(), n}, 20000, state);
+  const ConstTensor in1{x1.data(), n};
+  const auto first = encode(*codec, stepContext(1, &stream), in1, 20000, state);
   CHECK(sameBits(state.currentSpan(), committed));
-  // The failed step is retried: it prepares the same thing again from the same current state.
-  const auto again =
-      encode(*codec, stepContext(1, &stream), ConstTensor{x1.data(), n}, 20000, state);
-  CHECK(again == first);
+  // The failed step is retried: it sends the same thing again from the same committed state.
+  const Chunking chunking = Chunking::make(n, 20000, 1);
+  auto again = testing::openStep(*codec, stepContext(1, &stream), chunking, in1, state);
+  REQUIRE(again.isOk());
+  CHECK(again->payloads == first);
   CHECK(sameBits(state.currentSpan(), committed));
-  const std::vector<float> prepared(state.next(), state.next() + 2 * n);
-  state.commit();
-  CHECK(sameBits(state.currentSpan(), prepared));
+  // Committed, it leaves the state of a run in which the step never failed.
+  REQUIRE(
+      testing::commitStep(*codec, stepContext(1, &stream), chunking, in1, *again, state).isOk());
+  CodecState clean(codec->stateFloats(n));
+  encode(*codec, stepContext(0, &stream), ConstTensor{x0.data(), n}, 0, clean, true);
+  encode(*codec, stepContext(1, &stream), in1, 20000, clean, true);
+  CHECK(sameBits(state.currentSpan(), clean.currentSpan()));
   CHECK_FALSE(sameBits(state.currentSpan(), committed));
 }
 
@@ -550,13 +555,12 @@ TEST_CASE("dgc with fp16 input equals dgc with the widened fp32 input") {
   }
   CpuStream stream(2);
   CodecState a(codec->stateFloats(n)), b(codec->stateFloats(n));
-  auto pa = encode(*codec, stepContext(0, &stream), ConstTensor{half.data(), n, DType::kF16}, 0, a);
-  auto pb = encode(*codec, stepContext(0, &stream), ConstTensor{widened.data(), n}, 0, b);
+  auto pa =
+      encode(*codec, stepContext(0, &stream), ConstTensor{half.data(), n, DType::kF16}, 0, a, true);
+  auto pb = encode(*codec, stepContext(0, &stream), ConstTensor{widened.data(), n}, 0, b, true);
   CHECK(pa[0][4] == 1);  // the header names the trainer's dtype
   pa[0][4] = 0;
   CHECK(pa == pb);
-  a.commit();
-  b.commit();
   CHECK(sameBits(a.currentSpan(), b.currentSpan()));
 }
 
@@ -719,12 +723,11 @@ TEST_CASE("dgc with bf16 input and clipping equals dgc with the widened fp32 inp
   CodecState a(codec->stateFloats(n)), b(codec->stateFloats(n));
   for (uint64_t step = 0; step < 2; ++step) {
     auto pa = encode(*codec, stepContext(step, &stream), ConstTensor{bf.data(), n, DType::kBF16},
-                     30000, a);
-    auto pb = encode(*codec, stepContext(step, &stream), ConstTensor{widened.data(), n}, 30000, b);
+                     30000, a, true);
+    auto pb =
+        encode(*codec, stepContext(step, &stream), ConstTensor{widened.data(), n}, 30000, b, true);
     for (auto& p : pa) p[4] = 0;
     CHECK(pa == pb);
-    a.commit();
-    b.commit();
     CHECK(sameBits(a.currentSpan(), b.currentSpan()));
   }
 }

@@ -9,12 +9,15 @@
 using namespace lightwire::kernels;
 
 namespace {
-// Runs one step; returns the decoded result (weight 1). Does not commit.
+// Runs one step; returns the decoded result (weight 1). With `commit` the step succeeded and the
+// state is committed (stepTensor); without, the state is left as it was (a failed step).
 std::vector<float> step(const Codec& codec, CodecState& state, const std::vector<float>& x,
-                        uint64_t step_no, size_t chunk = 0) {
+                        uint64_t step_no, size_t chunk = 0, bool commit = false) {
   StepContext ctx{.seed = 1, .name_key = tensorNameKey("w"), .step = step_no};
   auto chunking = Chunking::make(x.size(), chunk, codec.chunkAlignment());
-  auto payloads = encodeTensor(codec, ctx, chunking, {x.data(), x.size(), DType::kF32}, state);
+  const ConstTensor input{x.data(), x.size(), DType::kF32};
+  auto payloads = commit ? stepTensor(codec, ctx, chunking, input, state)
+                         : encodeTensor(codec, ctx, chunking, input, state);
   REQUIRE(payloads.isOk());
   std::vector<float> out(x.size(), 0.0f);
   REQUIRE(decodeTensor(codec, chunking, *payloads, 1.0f, out.data()).isOk());
@@ -35,8 +38,7 @@ TEST_CASE("error feedback: sent + new residual = input + old residual") {
     for (uint64_t s = 0; s < 4; ++s) {
       const auto x = testing::gaussian(n, 100 + s);
       const std::vector<float> old(state.currentSpan().begin(), state.currentSpan().end());
-      const auto sent = step(*codec, state, x, s, 3000);
-      state.commit();
+      const auto sent = step(*codec, state, x, s, 3000, /*commit=*/true);
       const auto& now = state.currentSpan();
       size_t bad = 0;
       for (size_t i = 0; i < n; ++i) {
@@ -57,9 +59,8 @@ TEST_CASE("error feedback: residuals carry what topk did not send") {
   auto codec = testing::make({.name = "topk", .density = 0.25});
   CodecState state(codec->stateFloats(4));
   std::vector<float> x = {1.0f, -4.0f, 2.0f, 3.0f};
-  auto sent = step(*codec, state, x, 0);
+  auto sent = step(*codec, state, x, 0, 0, /*commit=*/true);
   CHECK(sent == std::vector<float>{0, -4.0f, 0, 0});
-  state.commit();
   CHECK(std::vector<float>(state.currentSpan().begin(), state.currentSpan().end()) ==
         std::vector<float>{1.0f, 0.0f, 2.0f, 3.0f});
   // Next step: residual 3 + 3 = 6 wins.
@@ -73,8 +74,7 @@ TEST_CASE("prepare without commit leaves the codec state unchanged") {
     if (codec->stateFloats(5000) == 0) continue;
     CAPTURE(testing::describe(c));
     CodecState state(codec->stateFloats(5000));
-    step(*codec, state, testing::gaussian(5000, 1), 0, 1000);
-    state.commit();
+    step(*codec, state, testing::gaussian(5000, 1), 0, 1000, /*commit=*/true);
     const std::vector<float> before(state.currentSpan().begin(), state.currentSpan().end());
     CodecState copy = state;
     // Prepared but never committed: a failed step.
@@ -91,13 +91,12 @@ TEST_CASE("error feedback: fp16 sparse values saturate so the residual stays fin
   auto codec = testing::make({.name = "topk", .density = 0.5, .sparse_values = DType::kF16});
   CodecState state(codec->stateFloats(2));
   std::vector<float> x = {1.0e6f, 0.5f};
-  auto sent = step(*codec, state, x, 0);
+  auto sent = step(*codec, state, x, 0, 0, /*commit=*/true);
   CHECK(sent[0] == 65504.0f);
-  state.commit();
   CHECK(state.currentSpan()[0] == 1.0e6f - 65504.0f);
-  sent = step(*codec, state, x, 1);  // the excess keeps flowing, nothing becomes Inf or NaN
+  // The excess keeps flowing, nothing becomes Inf or NaN.
+  sent = step(*codec, state, x, 1, 0, /*commit=*/true);
   CHECK(sent[0] == 65504.0f);
-  state.commit();
   CHECK(std::isfinite(state.currentSpan()[0]));
   CHECK(std::isfinite(state.currentSpan()[1]));
 }

@@ -17,6 +17,7 @@
 #include "kernels/parallel.h"
 #include "kernels/payload.h"
 #include "kernels/registry.h"
+#include "kernels/select.h"
 #include "kernels/simd/targets.h"
 #include "tests/kernels/multirank.h"
 #include "tests/kernels/test_util.h"
@@ -118,16 +119,17 @@ std::vector<float> compressedStep(const Codec& codec, const StepContext& ctx, co
   if (codec.traits().rounds > 1) {
     std::vector<CodecState> states(1);
     states[0] = state;
-    auto step = testing::runMultiRank(codec, ctx, std::vector<ConstTensor>{x}, states, 1.0f);
+    const std::vector<ConstTensor> inputs{x};
+    auto step = testing::runMultiRank(codec, ctx, inputs, states, 1.0f);
     REQUIRE_MESSAGE(step.isOk(), step.status().message());
+    REQUIRE(testing::commitMultiRank(codec, ctx, inputs, states, *step).isOk());
     state = states[0];
     out = step->decoded[0];
   } else {
-    auto payloads = encodeTensor(codec, ctx, ch, x, state);
+    auto payloads = stepTensor(codec, ctx, ch, x, state);
     REQUIRE_MESSAGE(payloads.isOk(), payloads.status().message());
     REQUIRE(decodeTensor(codec, ch, *payloads, 1.0f, out.data()).isOk());
   }
-  state.commit();
   return out;
 }
 
@@ -204,7 +206,7 @@ TEST_CASE("flush: every codec sends input + held-back state, and leaves nothing 
         for (size_t i = 0; i < n; ++i) expect[i] = x.f32[i] + committed[i];
         CHECK(bitEqual(out, expect));
       }
-      state.commit();
+      codec->commitFlush(state, n);
       CHECK(codec->residualNorm2(state, n) == 0.0);
       if (c.name == "powersgd") {
         // Error zero; the meta block and the warm-start Q are kept.
@@ -272,8 +274,8 @@ TEST_CASE("flush: a stream gives the same bits as the calling thread") {
     REQUIRE(codec->flush(ctxFor(1), ch, x.tensor(), s1, a.data()).isOk());
     REQUIRE(codec->flush(ctxFor(1, &stream), ch, x.tensor(), s2, b.data()).isOk());
     CHECK(bitEqual(a, b));
-    s1.commit();
-    s2.commit();
+    codec->commitFlush(s1, n);
+    codec->commitFlush(s2, n);
     CHECK(bitEqual(current(s1), current(s2)));
   }
 }
@@ -301,11 +303,11 @@ TEST_CASE("flush: dgc sends exactly this step's v' (momentum, clipping), then ze
       CodecState probe = state;
       std::vector<std::byte> ws(codec->workspaceBytes(ch));
       REQUIRE(codec->analyze(ctxFor(3), ch, x.tensor(), probe, ws).isOk());
-      const float* vprime = probe.next() + (c.momentum > 0 ? n : 0);
+      const float* vprime = probe.work(n);  // v', in the work area
       std::vector<float> out(n);
       REQUIRE(codec->flush(ctxFor(3), ch, x.tensor(), state, out.data()).isOk());
       CHECK(std::memcmp(out.data(), vprime, n * sizeof(float)) == 0);
-      state.commit();
+      codec->commitFlush(state, n);
       const auto now = current(state);
       CHECK(std::all_of(now.begin(), now.end(), [](float v) { return v == 0.0f; }));
       CHECK(codec->residualNorm2(state, n) == 0.0);
@@ -341,17 +343,37 @@ TEST_CASE("flush: dgc loses nothing — what k steps and one flush sent is the s
     const Chunking ch = chunkingFor(*codec, n, 7000);
     std::vector<std::byte> ws(codec->workspaceBytes(ch));
     CodecState state(codec->stateFloats(n));
+    // An empty global selection of every chunk: a commit with it and nothing sent applies the
+    // step's momentum correction and accumulation and masks nothing.
+    std::vector<Bytes> nothing(ch.count());
+    std::vector<uint64_t> scratch;
+    for (size_t k = 0; k < ch.count(); ++k) {
+      nothing[k].resize(sparseMaxPayloadBytes(ch.size(k), DType::kF32));
+      const std::vector<float> zeros(ch.size(k), 0.0f);
+      auto size = writeGlobalSelection(CodecId::kDgc, zeros, 0, 0, scratch, nothing[k]);
+      REQUIRE(size.isOk());
+      nothing[k].resize(*size);
+    }
     std::vector<double> sent(n, 0.0), want(n, 0.0), tol(n, 0.0), mag(n, 0.0);
     const int steps = 6;
     for (int t = 0; t <= steps; ++t) {
       const std::vector<float> x = gaussian(n, 1000 + t);
       const ConstTensor xt{x.data(), n, DType::kF32};
       const StepContext ctx = ctxFor(t);
-      // This step's u' and v' as analyze() prepares them (before any masking).
+      // This step's v' as analyze() prepares it (in the work area), and u' and v' as a commit
+      // leaves them before any masking.
       CodecState probe = state;
       REQUIRE(codec->analyze(ctx, ch, xt, probe, ws).isOk());
-      const float* un = momentum ? probe.next() : nullptr;
-      const float* vn = probe.next() + (momentum ? n : 0);
+      const float* vn = probe.work(n);
+      CodecState unmasked = state;
+      StepContext deferred = ctx;
+      deferred.defer_sent = true;
+      REQUIRE(codec
+                  ->commitState(deferred, ch, xt, testing::spans(nothing), testing::spans(nothing),
+                                unmasked, ws)
+                  .isOk());
+      const float* un = momentum ? unmasked.current() : nullptr;
+      CHECK(std::memcmp(unmasked.current() + (momentum ? n : 0), vn, n * sizeof(float)) == 0);
       if (momentum && c.clip_norm == 0.0) {
         // Momentum correction, independently: u' = ((float)m · u) + x.
         const float* u = state.current();
@@ -370,20 +392,21 @@ TEST_CASE("flush: dgc loses nothing — what k steps and one flush sent is the s
       }
       std::vector<float> got(n, 0.0f);
       if (t < steps) {
+        std::vector<Bytes> payloads(ch.count());
         for (size_t k = 0; k < ch.count(); ++k) {
-          Bytes p(codec->maxPayloadBytes(ch.size(k)));
+          Bytes& p = payloads[k];
+          p.resize(codec->maxPayloadBytes(ch.size(k)));
           auto size = codec->encodeChunk(ctx, ch, k, 0, {}, xt, probe, ws, p);
           REQUIRE(size.isOk());
           p.resize(*size);
           REQUIRE(codec->decodeChunk(p, 1.0f, got.data() + ch.begin(k), ch.size(k)).isOk());
         }
-        state = probe;
-        state.commit();
+        REQUIRE(codec->commitState(ctx, ch, xt, testing::spans(payloads), {}, state, ws).isOk());
         const float* v = state.current() + (momentum ? n : 0);
         for (size_t i = 0; i < n; ++i) tol[i] += std::ldexp(std::fabs(double{v[i]}), -24);
       } else {
         REQUIRE(codec->flush(ctx, ch, xt, state, got.data()).isOk());
-        state.commit();
+        codec->commitFlush(state, n);
         CHECK(codec->residualNorm2(state, n) == 0.0);
       }
       for (size_t i = 0; i < n; ++i) sent[i] += got[i];
@@ -442,11 +465,12 @@ TEST_CASE("restore: round-trips a committed state and refuses a wrong size") {
   const std::vector<float> saved = current(state);  // a checkpoint
 
   CodecState loaded(codec->stateFloats(n));
-  std::fill(loaded.next(), loaded.next() + loaded.floats(), 3.0f);
+  float* work = loaded.work(n);
+  std::fill(work, work + n, 3.0f);
   REQUIRE(loaded.restore(saved).isOk());
   CHECK(bitEqual(current(loaded), saved));
-  CHECK(std::all_of(loaded.next(), loaded.next() + loaded.floats(),
-                    [](float v) { return v == 3.0f; }));  // next untouched
+  CHECK(loaded.work(n) == work);
+  CHECK(std::all_of(work, work + n, [](float v) { return v == 3.0f; }));  // work area untouched
   CHECK(codec->residualNorm2(loaded, n) == codec->residualNorm2(state, n));
   // The restored state continues exactly as the original.
   const std::vector<float> x = gaussian(n, 80);
@@ -530,7 +554,7 @@ TEST_CASE("min_magnitude: tiny elements are never sent and stay in the residual"
       const Input in(x, dtype);
       const Chunking ch = chunkingFor(*codec, n, 6000);
       CodecState state(codec->stateFloats(n));
-      auto payloads = encodeTensor(*codec, ctxFor(0), ch, in.tensor(), state);
+      auto payloads = stepTensor(*codec, ctxFor(0), ch, in.tensor(), state);
       REQUIRE(payloads.isOk());
       size_t nnz = 0, tiny = 0;
       for (size_t k = 0; k < ch.count(); ++k) {
@@ -542,13 +566,12 @@ TEST_CASE("min_magnitude: tiny elements are never sent and stay in the residual"
       CHECK(nnz == large.size());
       if (codec->stateFloats(n) > 0) {
         // The kept residual (EF e', dgc v') holds every tiny element as it was.
-        const float* kept = state.next() + (c.name == "dgc" && c.momentum > 0 ? n : 0);
+        const float* kept = state.current() + (c.name == "dgc" && c.momentum > 0 ? n : 0);
         size_t lost = 0;
         for (size_t i = 0; i < n; ++i) {
           if (large.count(i) == 0) lost += floatBits(kept[i]) != floatBits(in.f32[i]);
         }
         CHECK(lost == 0);
-        state.commit();
         const double r2 = codec->residualNorm2(state, n);
         double tiny2 = 0.0;
         for (size_t i = 0; i < n; ++i) {
@@ -668,13 +691,12 @@ TEST_CASE("min_magnitude: everything below it gives empty, valid payloads") {
     auto codec = make(c);
     const Chunking ch = chunkingFor(*codec, n, 300);
     CodecState state(codec->stateFloats(n));
-    auto payloads = encodeTensor(*codec, ctxFor(0), ch, {x.data(), n, DType::kF32}, state);
+    auto payloads = stepTensor(*codec, ctxFor(0), ch, {x.data(), n, DType::kF32}, state);
     REQUIRE(payloads.isOk());
     std::vector<float> out(n, 0.0f);
     REQUIRE(decodeTensor(*codec, ch, *payloads, 1.0f, out.data()).isOk());
     CHECK(std::all_of(out.begin(), out.end(), [](float v) { return v == 0.0f; }));
     for (const auto& p : *payloads) CHECK(p.size() == kHeaderBytes + 8);  // nnz = 0, w = 0
-    state.commit();
     // Everything stayed behind; a flush sends it.
     CHECK(std::fabs(codec->residualNorm2(state, n) - plainNorm2(x.data(), n)) <=
           1e-12 * plainNorm2(x.data(), n));

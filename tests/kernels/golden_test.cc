@@ -26,6 +26,7 @@
 #include "kernels/select.h"
 #include "kernels/simd/targets.h"
 #include "tests/kernels/golden_manifest.h"
+#include "tests/kernels/test_util.h"
 
 namespace json = boost::json;
 using namespace lightwire::kernels;
@@ -68,9 +69,9 @@ bool splitPayloads(const std::string& rel, const json::array& sizes,
 // A multi-round (PowerSGD) case: `world` ranks, each with its own state; per step every rank
 // analyzes its input, every round is encoded by every rank (with the previous round's reduced
 // payload) and summed with addPayloads in rank order ((p0 + p1) + p2 ...); then every rank
-// decodes the reduced payloads (decodeRounds) and prepares its next state (finishStep), as
-// tests/kernels/multirank.h does. Checks every sent payload, every reduced payload and the
-// decoded result (of every rank) against the golden files.
+// decodes the reduced payloads (decodeRounds), finishes its step (finishStep) and commits its
+// state (commitState), as tests/kernels/multirank.h does. Checks every sent payload, every reduced
+// payload and the decoded result (of every rank) against the golden files.
 std::vector<std::string> runMultiRoundCase(const json::object& c, unsigned threads) {
   std::vector<std::string> errors;
   auto fail = [&](const std::string& m) { errors.push_back(m); };
@@ -142,6 +143,7 @@ std::vector<std::string> runMultiRoundCase(const json::object& c, unsigned threa
       if (!st.isOk()) return {where + "analyze failed: " + st.message()};
     }
     std::vector<std::vector<uint8_t>> reduced;
+    std::vector<std::vector<uint8_t>> own_sent(world);  // each rank's round-0 payload
     for (int round = 0; round < rounds; ++round) {
       const std::string rw = where + "round " + std::to_string(round) + ": ";
       std::vector<uint8_t> golden_reduced;
@@ -157,6 +159,7 @@ std::vector<std::string> runMultiRoundCase(const json::object& c, unsigned threa
                                       ws[r], sent);
         if (!size.isOk()) return {rw + "encodeChunk failed: " + size.status().message()};
         sent.resize(*size);
+        if (round == 0) own_sent[r] = sent;
         std::vector<uint8_t> golden_sent;
         if (!readFile(std::string(sent_files[round].as_array()[r].as_string()), golden_sent)) {
           return {rw + "cannot read sent payload"};
@@ -215,7 +218,12 @@ std::vector<std::string> runMultiRoundCase(const json::object& c, unsigned threa
       if (!fin.isOk()) return {where + "finishStep failed: " + fin.message()};
     }
     if (!errors.empty()) return errors;  // later steps depend on this one's state
-    for (auto& st : states) st.commit();
+    for (size_t r = 0; r < world; ++r) {
+      const std::vector<std::span<const uint8_t>> sent{own_sent[r]};
+      const lightwire::Status st =
+          codec.commitState(ctxOf(r), chunking, inputs[r], sent, {}, states[r], ws[r]);
+      if (!st.isOk()) return {where + "commitState failed: " + st.message()};
+    }
   }
   return errors;
 }
@@ -224,7 +232,7 @@ std::vector<std::string> runMultiRoundCase(const json::object& c, unsigned threa
 // selection"): `global_world` ranks, each with its own state; per step every rank encodes its
 // input with the effect of sending deferred, each chunk's selection is the owner's rule
 // (reduceSelectChunk) over the ranks' payloads in rank order, the selections are decoded with the
-// step's weight, and every rank settles its state with its own payloads and the selections.
+// step's weight, and every rank commits its state with its own payloads and the selections.
 // Checks every rank's payloads, every selection and the decoded result against the golden files.
 std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) {
   std::vector<std::string> errors;
@@ -242,7 +250,6 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
   CpuStream stream(threads);
   std::vector<CodecState> states;
   for (size_t r = 0; r < world; ++r) states.emplace_back(codec.stateFloats(n));
-  std::vector<std::byte> ws(codec.workspaceBytes(chunking));
   std::vector<float> sums;
   std::vector<uint64_t> scratch;
   for (const json::value& sv : c.at("steps").as_array()) {
@@ -258,6 +265,8 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
     }
     std::vector<StepContext> ctx(world);
     std::vector<std::vector<std::vector<uint8_t>>> golden_sent(world);
+    std::vector<std::vector<uint8_t>> raw(world);  // each rank's input, kept until its commit
+    std::vector<lightwire::kernels::testing::OpenStep> open(world);
     for (size_t r = 0; r < world; ++r) {
       ctx[r].seed = static_cast<uint32_t>(c.at("seed").to_number<uint64_t>());
       ctx[r].name_key = tensorNameKey(tensor);
@@ -265,22 +274,24 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
       ctx[r].rank = static_cast<uint32_t>(r);
       ctx[r].stream = &stream;
       ctx[r].defer_sent = true;
-      std::vector<uint8_t> raw;
-      if (!readFile(std::string(in_files[r].as_string()), raw) || raw.size() != 4 * n) {
+      if (!readFile(std::string(in_files[r].as_string()), raw[r]) || raw[r].size() != 4 * n) {
         return {where + "cannot read input of rank " + std::to_string(r)};
       }
-      raw.resize(raw.size() + 4);  // never empty
-      auto p = encodeTensor(codec, ctx[r], chunking, ConstTensor{raw.data(), n}, states[r]);
-      if (!p.isOk()) return {where + "encoding failed: " + p.status().message()};
+      raw[r].resize(raw[r].size() + 4);  // never empty
+      auto opened = lightwire::kernels::testing::openStep(codec, ctx[r], chunking,
+                                                          ConstTensor{raw[r].data(), n}, states[r]);
+      if (!opened.isOk()) return {where + "encoding failed: " + opened.status().message()};
+      open[r] = std::move(opened).value();
+      const auto& p = open[r].payloads;
       if (!splitPayloads(std::string(sent_files[r].as_string()), sent_sizes[r].as_array(),
                          golden_sent[r]) ||
           golden_sent[r].size() != chunking.count()) {
         return {where + "cannot read the payloads of rank " + std::to_string(r)};
       }
       for (size_t ch = 0; ch < chunking.count(); ++ch) {
-        if ((*p)[ch] != golden_sent[r][ch]) {
+        if (p[ch] != golden_sent[r][ch]) {
           fail(where + "rank " + std::to_string(r) + ": payload of chunk " + std::to_string(ch) +
-               " differs (size " + std::to_string((*p)[ch].size()) + ", golden " +
+               " differs (size " + std::to_string(p[ch].size()) + ", golden " +
                std::to_string(golden_sent[r][ch].size()) + ")");
         }
       }
@@ -318,9 +329,8 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
         return {where + "decoding a selection failed: " + st.message()};
       }
       for (size_t r = 0; r < world; ++r) {
-        const auto st =
-            codec.settleChunk(ctx[r], chunking, ch, golden_sent[r][ch], golden_sel[ch], states[r]);
-        if (!st.isOk()) return {where + "settleChunk failed: " + st.message()};
+        const auto st = codec.checkSelection(chunking, ch, golden_sent[r][ch], golden_sel[ch]);
+        if (!st.isOk()) return {where + "checkSelection failed: " + st.message()};
       }
     }
     std::vector<uint8_t> dec_raw;
@@ -329,7 +339,14 @@ std::vector<std::string> runGlobalCase(const json::object& c, unsigned threads) 
     }
     if (std::memcmp(dec_raw.data(), out.data(), 4 * n) != 0) fail(where + "decoded result differs");
     if (!errors.empty()) return errors;  // later steps depend on this one's state
-    for (auto& st : states) st.commit();
+    const std::vector<std::span<const uint8_t>> selected(golden_sel.begin(), golden_sel.end());
+    for (size_t r = 0; r < world; ++r) {
+      const std::vector<std::span<const uint8_t>> sent(golden_sent[r].begin(),
+                                                       golden_sent[r].end());
+      const auto st = codec.commitState(ctx[r], chunking, ConstTensor{raw[r].data(), n}, sent,
+                                        selected, states[r], open[r].workspace);
+      if (!st.isOk()) return {where + "commitState failed: " + st.message()};
+    }
   }
   return errors;
 }
@@ -425,9 +442,9 @@ std::vector<std::string> runCase(const json::object& c, unsigned threads) {
       off += len;
     }
 
-    auto encoded = encodeTensor(codec, ctx, chunking, input, state);
+    auto encoded = stepTensor(codec, ctx, chunking, input, state);  // committed
     if (!encoded.isOk()) {
-      fail(where + "encodeTensor failed: " + encoded.status().message());
+      fail(where + "stepTensor failed: " + encoded.status().message());
       return errors;  // the state is no longer comparable
     }
     const auto& payloads = *encoded;
@@ -529,9 +546,9 @@ std::vector<std::string> runCase(const json::object& c, unsigned threads) {
       }
       StepContext octx = ctx;
       octx.rank = static_cast<uint32_t>(add.at("rank").to_number<uint64_t>());
-      auto oenc = encodeTensor(codec, octx, chunking, ConstTensor{odata, n, *dtype}, other_state);
+      auto oenc = stepTensor(codec, octx, chunking, ConstTensor{odata, n, *dtype}, other_state);
       if (!oenc.isOk()) {
-        fail(aw + "encodeTensor(other rank) failed: " + oenc.status().message());
+        fail(aw + "stepTensor(other rank) failed: " + oenc.status().message());
         return errors;
       }
       if (*oenc != other) fail(aw + "the other rank's payloads differ from the golden ones");
@@ -554,9 +571,7 @@ std::vector<std::string> runCase(const json::object& c, unsigned threads) {
                std::to_string(sums[k].size()) + ")");
         }
       }
-      other_state.commit();
     }
-    state.commit();
   }
   return errors;
 }

@@ -3,8 +3,11 @@
 // rank analyzes its input, then for each round r every rank encodes round r with the reduced
 // payload of round r−1 as `previous`, and the W payloads are summed with addPayloads in rank order
 // ((p0 + p1) + p2 ...), which is what an allreduce in rank order gives. Every rank then decodes
-// the reduced payloads (decodeRounds) and prepares its next state (finishStep). Commit is left to
-// the caller. Single-chunk codecs only (multi-round codecs are single_chunk).
+// the reduced payloads (decodeRounds) and keeps in its workspace what its commit needs
+// (finishStep). Commit (commitMultiRank) is left to the caller. Single-chunk codecs only
+// (multi-round codecs are single_chunk).
+#include <cstddef>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -16,10 +19,12 @@ struct MultiRankStep {
   std::vector<std::vector<uint8_t>> reduced;            // one reduced payload per round
   std::vector<std::vector<std::vector<uint8_t>>> sent;  // sent[round][rank]
   std::vector<std::vector<float>> decoded;              // per rank: 0 + weight · decoded
+  std::vector<std::vector<std::byte>> workspaces;       // per rank, as finishStep() left it
 };
 
 /// Runs one step for inputs.size() ranks (any dtype, equal sizes); states[rank] is each rank's
-/// codec state (prepared, not committed). ctx.rank is set to the rank; ctx.stream as given.
+/// codec state (read, not committed: commitMultiRank). ctx.rank is set to the rank; ctx.stream as
+/// given.
 inline Result<MultiRankStep> runMultiRank(const Codec& codec, StepContext ctx,
                                           const std::vector<ConstTensor>& inputs,
                                           std::vector<CodecState>& states, float weight) {
@@ -72,7 +77,31 @@ inline Result<MultiRankStep> runMultiRank(const Codec& codec, StepContext ctx,
     LW_RETURN_IF_ERROR(codec.finishStep(rankCtx(rank), chunking, views, weight, input(rank),
                                         states[rank], ws[rank]));
   }
+  step.workspaces = std::move(ws);
   return step;
+}
+
+/// The step succeeded on every rank: commits each rank's state (commitState() after the
+/// finishStep() of runMultiRank; `sent`: the rank's round-0 payload, which multi-round codecs do
+/// not read). `ctx`, `inputs` (unchanged since) and `states` as given to runMultiRank, `step` what
+/// it returned.
+inline Status commitMultiRank(const Codec& codec, StepContext ctx,
+                              const std::vector<ConstTensor>& inputs,
+                              std::vector<CodecState>& states, MultiRankStep& step) {
+  const size_t world = inputs.size();
+  if (world == 0 || states.size() != world || step.workspaces.size() != world ||
+      step.sent.empty() || step.sent[0].size() != world) {
+    return invalidArgument("commitMultiRank: not the step of these ranks");
+  }
+  const Chunking chunking = chunkingFor(codec, inputs[0].elements, 0);
+  for (size_t rank = 0; rank < world; ++rank) {
+    StepContext c = ctx;
+    c.rank = static_cast<uint32_t>(rank);
+    const std::vector<std::span<const uint8_t>> sent{step.sent[0][rank]};
+    LW_RETURN_IF_ERROR(codec.commitState(c, chunking, inputs[rank], sent, {}, states[rank],
+                                         step.workspaces[rank]));
+  }
+  return Status::ok();
 }
 
 /// fp32 inputs, one vector per rank.
@@ -82,6 +111,15 @@ inline Result<MultiRankStep> runMultiRank(const Codec& codec, StepContext ctx,
   std::vector<ConstTensor> tensors;
   for (const auto& x : inputs) tensors.push_back(ConstTensor{x.data(), x.size(), DType::kF32});
   return runMultiRank(codec, ctx, tensors, states, weight);
+}
+
+/// fp32 inputs, one vector per rank.
+inline Status commitMultiRank(const Codec& codec, StepContext ctx,
+                              const std::vector<std::vector<float>>& inputs,
+                              std::vector<CodecState>& states, MultiRankStep& step) {
+  std::vector<ConstTensor> tensors;
+  for (const auto& x : inputs) tensors.push_back(ConstTensor{x.data(), x.size(), DType::kF32});
+  return commitMultiRank(codec, ctx, tensors, states, step);
 }
 
 }  // namespace lightwire::kernels::testing

@@ -44,18 +44,30 @@ double relErr(const std::vector<float>& want, const std::vector<float>& got) {
   return norm(d) / norm(want);
 }
 
-/// One W = 1 step (weight 1) on x with the given shape; commits when asked.
+/// One W = 1 step (weight 1) on x with the given shape; commits when asked (else commitLater()
+/// with `out` commits it).
 std::vector<float> step(const Codec& c, const std::vector<float>& x, CodecState& state,
                         std::vector<uint64_t> shape, uint64_t step_no = 0, bool commit = true,
                         testing::MultiRankStep* out = nullptr, CpuStream* stream = nullptr) {
   StepContext ctx{.seed = 7, .name_key = 11, .step = step_no, .stream = stream, .shape = shape};
+  const std::vector<std::vector<float>> inputs{x};
   std::vector<CodecState> states{std::move(state)};
-  auto r = runMultiRank(c, ctx, {x}, states, 1.0f);
+  auto r = runMultiRank(c, ctx, inputs, states, 1.0f);
   REQUIRE_MESSAGE(r.isOk(), r.status().message());
+  if (commit) REQUIRE(testing::commitMultiRank(c, ctx, inputs, states, *r).isOk());
   state = std::move(states[0]);
-  if (commit) state.commit();
   if (out) *out = *r;
   return r->decoded[0];
+}
+
+/// Commits a step that step() left uncommitted: the same x, shape and step number, `r` its `out`.
+void commitLater(const Codec& c, const std::vector<float>& x, CodecState& state,
+                 std::vector<uint64_t> shape, uint64_t step_no, testing::MultiRankStep& r) {
+  StepContext ctx{.seed = 7, .name_key = 11, .step = step_no, .shape = shape};
+  std::vector<CodecState> states{std::move(state)};
+  const Status st = testing::commitMultiRank(c, ctx, {x}, states, r);
+  state = std::move(states[0]);
+  REQUIRE_MESSAGE(st.isOk(), st.message());
 }
 
 std::vector<float> residual(const CodecState& s, size_t n) {
@@ -127,8 +139,8 @@ TEST_CASE("powersgd: W ranks agree bitwise, and W identical ranks decode as one"
       CHECK(testing::bitEqual(r->decoded[0], r->decoded[rank]));
     }
     // The warm start agrees too; each rank's residual is its own M minus the common result.
+    REQUIRE(testing::commitMultiRank(*c, ctx, inputs, states, *r).isOk());
     for (size_t rank = 0; rank < world; ++rank) {
-      states[rank].commit();
       const auto s = states[rank].currentSpan();
       const auto s0 = states[0].currentSpan();
       CHECK(std::memcmp(s.data() + n, s0.data() + n, (s.size() - n) * 4) == 0);
@@ -151,15 +163,16 @@ TEST_CASE("powersgd: error feedback (decoded + e' = M) and atomicity of prepare"
   auto c = psgd(2);
   CodecState state(c->stateFloats(n));
   const auto x1 = gaussian(n, 1), x2 = gaussian(n, 2);
-  const auto d1 = step(*c, x1, state, {}, 0, false);
-  for (float v : state.currentSpan()) REQUIRE(v == 0.0f);  // prepared, not committed
-  state.commit();
+  testing::MultiRankStep r1, r2;
+  const auto d1 = step(*c, x1, state, {}, 0, false, &r1);
+  for (float v : state.currentSpan()) REQUIRE(v == 0.0f);  // finished, not committed
+  commitLater(*c, x1, state, {}, 0, r1);
   auto e1 = residual(state, n);
   for (size_t i = 0; i < n; ++i) CHECK(d1[i] + e1[i] == doctest::Approx(x1[i]).epsilon(1e-6));
   const std::vector<float> snapshot(state.currentSpan().begin(), state.currentSpan().end());
-  const auto d2 = step(*c, x2, state, {}, 1, false);
+  const auto d2 = step(*c, x2, state, {}, 1, false, &r2);
   CHECK(testing::bitEqual(snapshot, {state.currentSpan().begin(), state.currentSpan().end()}));
-  state.commit();
+  commitLater(*c, x2, state, {}, 1, r2);
   const auto e2 = residual(state, n);
   for (size_t i = 0; i < n; ++i) {
     CHECK(d2[i] + e2[i] == doctest::Approx(x2[i] + e1[i]).epsilon(1e-6).scale(1e-6));
@@ -171,8 +184,10 @@ TEST_CASE("powersgd: error feedback (decoded + e' = M) and atomicity of prepare"
     step(*c, x1, s, {}, 0, false, &r);
     const std::vector<std::span<const uint8_t>> v{r.reduced[0], r.reduced[1]};
     const Chunking ch = chunkingFor(*c, n, 0);
+    // Twice: the workspace of the step that finished.
+    CHECK(!c->finishStep({}, ch, v, 1.0f, ConstTensor{x1.data(), n}, s, r.workspaces[0]).isOk());
+    // Without analyze(): a fresh state and workspace.
     std::vector<std::byte> ws(c->workspaceBytes(ch));
-    CHECK(!c->finishStep({}, ch, v, 1.0f, ConstTensor{x1.data(), n}, s, ws).isOk());
     CodecState fresh(c->stateFloats(n));
     CHECK(!c->finishStep({}, ch, v, 1.0f, ConstTensor{x1.data(), n}, fresh, ws).isOk());
   }

@@ -1,7 +1,9 @@
 #pragma once
 // Helpers shared by the kernels tests.
+#include <cstddef>
 #include <cstring>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "kernels/codec.h"
@@ -25,6 +27,48 @@ inline std::unique_ptr<Codec> make(const CodecConfig& c) {
   auto r = createCodec(c);
   if (!r) throw std::runtime_error(r.status().message());
   return std::move(r).value();
+}
+
+/// Views of payloads (one per chunk), as commitState() takes them.
+inline std::vector<std::span<const uint8_t>> spans(const std::vector<std::vector<uint8_t>>& p) {
+  return {p.begin(), p.end()};
+}
+
+/// One single-round step of one tensor held open between encoding and commit, as a step's owner
+/// holds it: this sidecar's round-0 payload of every chunk and the workspace analyze() and
+/// encodeChunk() used (commitState() reads what the codec kept there).
+struct OpenStep {
+  std::vector<std::vector<uint8_t>> payloads;
+  std::vector<std::byte> workspace;
+};
+
+/// analyze() and encodeChunk() of every chunk (round 0), as encodeTensor(), keeping the workspace
+/// for commitStep(). The state is left as it was: without commitStep() the step never happened
+/// (a failed step).
+inline Result<OpenStep> openStep(const Codec& codec, const StepContext& ctx,
+                                 const Chunking& chunking, ConstTensor input, CodecState& state) {
+  OpenStep step;
+  step.workspace.resize(codec.workspaceBytes(chunking));
+  LW_RETURN_IF_ERROR(codec.analyze(ctx, chunking, input, state, step.workspace));
+  step.payloads.resize(chunking.count());
+  for (size_t c = 0; c < chunking.count(); ++c) {
+    auto& p = step.payloads[c];
+    p.resize(codec.maxPayloadBytes(chunking.size(c)));
+    auto size = codec.encodeChunk(ctx, chunking, c, 0, {}, input, state, step.workspace, p);
+    if (!size) return size.status();
+    p.resize(*size);
+  }
+  return step;
+}
+
+/// The step succeeded: commitState() with its own payloads as `sent`. `ctx`, `chunking` and
+/// `input` (unchanged since) as given to openStep(); `selected`: empty, or the global selection
+/// of every chunk (ctx.defer_sent).
+inline Status commitStep(const Codec& codec, const StepContext& ctx, const Chunking& chunking,
+                         ConstTensor input, OpenStep& step, CodecState& state,
+                         std::span<const std::span<const uint8_t>> selected = {}) {
+  return codec.commitState(ctx, chunking, input, spans(step.payloads), selected, state,
+                           step.workspace);
 }
 
 inline bool bitEqual(const std::vector<float>& a, const std::vector<float>& b) {

@@ -43,7 +43,10 @@ std::vector<Bytes> encode(const Codec& codec, const std::vector<float>& x, size_
   const Chunking chunking = Chunking::make(x.size(), chunk, codec.chunkAlignment());
   CodecState local(codec.stateFloats(x.size()));
   CodecState& state = state_in ? *state_in : local;
-  auto payloads = encodeTensor(codec, ctx, chunking, ConstTensor{x.data(), x.size()}, state);
+  // A given state carries over: the step is committed into it (stepTensor).
+  const ConstTensor input{x.data(), x.size()};
+  auto payloads = state_in ? stepTensor(codec, ctx, chunking, input, state)
+                           : encodeTensor(codec, ctx, chunking, input, state);
   REQUIRE_MESSAGE(payloads.isOk(), payloads.status().message());
   return std::move(payloads).value();
 }
@@ -209,20 +212,19 @@ TEST_CASE("threshold with default error feedback: sent + new residual = input + 
       auto x = testing::gaussian(n, 100 + s);
       x[17] = 1.0e6f;  // saturates with fp16 values: the excess stays in the residual
       const std::vector<float> old(state.currentSpan().begin(), state.currentSpan().end());
-      const auto p = encode(*codec, x, 3000, 2, &state, s);
+      const auto p = encode(*codec, x, 3000, 2, &state, s);  // committed
       const auto sent = decode(*codec, p, n, 3000);
-      const float* next = state.next();
+      const float* now = state.current();
       for (size_t i = 0; i < n; ++i) {
         const float a = x[i] + old[i];
-        REQUIRE(next[i] == a + (-1.0f * sent[i]));
+        REQUIRE(now[i] == a + (-1.0f * sent[i]));
         if (values == DType::kF32) {
           // Selection codec with fp32 values: exact split.
-          REQUIRE(next[i] + sent[i] == a);
-          REQUIRE((std::abs(a) >= 1.5f) == (next[i] == 0.0f && a != 0.0f));
+          REQUIRE(now[i] + sent[i] == a);
+          REQUIRE((std::abs(a) >= 1.5f) == (now[i] == 0.0f && a != 0.0f));
         }
       }
-      for (size_t i = 0; i < n; ++i) REQUIRE(std::isfinite(next[i]));
-      state.commit();
+      for (size_t i = 0; i < n; ++i) REQUIRE(std::isfinite(now[i]));
     }
   }
 }
@@ -233,8 +235,7 @@ TEST_CASE("threshold residual grows until it crosses the threshold") {
   const std::vector<float> x = {0.375f, 2.0f};
   std::vector<std::vector<float>> sent;
   for (uint64_t s = 0; s < 3; ++s) {
-    sent.push_back(decode(*codec, encode(*codec, x, 0, 1, &state, s), 2, 0));
-    state.commit();
+    sent.push_back(decode(*codec, encode(*codec, x, 0, 1, &state, s), 2, 0));  // committed
   }
   CHECK(sent[0] == std::vector<float>{0.0f, 2.0f});
   CHECK(sent[1] == std::vector<float>{0.0f, 2.0f});

@@ -71,7 +71,10 @@ std::vector<Bytes> encode(const Codec& codec, const std::vector<float>& x, size_
   const Chunking chunking = Chunking::make(x.size(), chunk, codec.chunkAlignment());
   CodecState local(codec.stateFloats(x.size()));
   CodecState& state = state_in ? *state_in : local;
-  auto payloads = encodeTensor(codec, ctx, chunking, ConstTensor{x.data(), x.size()}, state);
+  // A given state carries over: the step is committed into it (stepTensor).
+  const ConstTensor input{x.data(), x.size()};
+  auto payloads = state_in ? stepTensor(codec, ctx, chunking, input, state)
+                           : encodeTensor(codec, ctx, chunking, input, state);
   REQUIRE_MESSAGE(payloads.isOk(), payloads.status().message());
   return std::move(payloads).value();
 }
@@ -346,7 +349,6 @@ TEST_CASE("topk with default error feedback sends the residual next step") {
   std::vector<float> decoded(x.size(), 0.0f);
   REQUIRE(decodeTensor(**codec, Chunking::make(x.size(), 300, 1), payloads, 1.0f, decoded.data())
               .isOk());
-  state.commit();
   for (size_t i = 0; i < x.size(); ++i) CHECK(decoded[i] + state.current()[i] == x[i]);
 }
 
@@ -657,7 +659,6 @@ std::vector<Bytes> selectionPayloads(const std::vector<float>& x, unsigned threa
     CodecState state((*dgc)->stateFloats(x.size()));
     for (int step = 0; step < 2; ++step) {
       add(encode(**dgc, x, 70000, threads, &state));
-      state.commit();
     }
     for (float v : state.currentSpan()) {
       Bytes b(4);

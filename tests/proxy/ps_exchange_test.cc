@@ -67,8 +67,8 @@ struct RankPlan {
 
 using testing::statsOf;
 
-/// Runs `plans` in order on rank `rank` through `ps` (one engine thread): compress (state
-/// prepared), exchange every round, decode with weight 1/contributors, commit, stepDone.
+/// Runs `plans` in order on rank `rank` through `ps` (one engine thread): compress (the state
+/// read), exchange every round, decode with weight 1/contributors, commit, stepDone.
 std::vector<std::map<uint64_t, StepRecord>> runRank(PsExchange& ps, uint32_t rank,
                                                     const std::vector<RankPlan>& plans) {
   std::vector<std::map<uint64_t, StepRecord>> out(plans.size());
@@ -154,7 +154,9 @@ std::vector<std::map<uint64_t, StepRecord>> runRank(PsExchange& ps, uint32_t ran
                         .isOk());
           }
         }
-        state.commit();
+        // Committed from this rank's round-0 payloads (multi-round codecs do not read them).
+        const std::vector<std::span<const uint8_t>> sent(bufs[0].begin(), bufs[0].end());
+        REQUIRE(codec.commitState(ctx, chunking, input, sent, {}, state, ws).isOk());
         rec.ok = true;
       } else {
         ps.abort(plan.name, step, rec.error);
@@ -239,7 +241,8 @@ struct ServerRef {
       buf.resize(*size);
       out.push_back(std::move(buf));
     }
-    state.commit();
+    const std::vector<std::span<const uint8_t>> sent(out.begin(), out.end());
+    REQUIRE(codec->commitState(ctx, chunking, input, sent, {}, state, ws).isOk());
     return out;
   }
   std::string name;

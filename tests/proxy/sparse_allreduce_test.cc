@@ -22,6 +22,7 @@
 #include "kernels/registry.h"
 #include "kernels/select.h"
 #include "proxy/peer/collective.h"
+#include "tests/kernels/test_util.h"
 #include "tests/proxy/peer_mesh.h"
 
 namespace lightwire::proxy::peer {
@@ -63,11 +64,11 @@ std::vector<std::vector<SparseRankStep>> runSparse(
         ctx.rank = r;
         ctx.step = step;
         ctx.defer_sent = true;
-        auto payloads =
-            kernels::encodeTensor(codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, state);
-        REQUIRE_MESSAGE(payloads.isOk(), payloads.status().message());
-        s.sent = *payloads;
-        std::vector<std::span<const uint8_t>> mine(payloads->begin(), payloads->end());
+        const kernels::ConstTensor input{x.data(), n};
+        auto open = kernels::testing::openStep(codec, ctx, chunking, input, state);
+        REQUIRE_MESSAGE(open.isOk(), open.status().message());
+        s.sent = open->payloads;
+        const std::vector<std::span<const uint8_t>> mine = kernels::testing::spans(s.sent);
         const std::string name = "t";
         ExchangeRound round{name, step, 0, codec, chunking, mine};
         round.select_globally = true;
@@ -84,8 +85,9 @@ std::vector<std::vector<SparseRankStep>> runSparse(
           out.push_back(std::move(s));
           break;
         }
-        // As the step pipeline: each selection decoded (validated) and settled into the
-        // prepared state; the first error fails the step, which commits nothing.
+        // As the step pipeline: each selection decoded (validated) and checked against what was
+        // sent; the first error fails the step, which commits nothing. A step that succeeded
+        // commits the state with what was sent and the selections.
         s.sums.assign(n, 0.0f);
         REQUIRE(got->size() == chunking.count());
         Status st = Status::ok();
@@ -95,12 +97,16 @@ std::vector<std::vector<SparseRankStep>> runSparse(
           const auto sel = (*got)[c][0];
           s.selected.emplace_back(sel.begin(), sel.end());
           st = codec.decodeChunk(sel, 1.0f, s.sums.data() + chunking.begin(c), chunking.size(c));
-          if (st.isOk()) st = codec.settleChunk(ctx, chunking, c, mine[c], sel, state);
+          if (st.isOk()) st = codec.checkSelection(chunking, c, mine[c], sel);
         }
         ring.stepDone(name, step);
         s.ok = st.isOk();
         s.error = st.message();
-        if (s.ok) state.commit();
+        if (s.ok) {
+          const Status committed = kernels::testing::commitStep(
+              codec, ctx, chunking, input, *open, state, kernels::testing::spans(s.selected));
+          REQUIRE_MESSAGE(committed.isOk(), committed.message());
+        }
         s.state.assign(state.currentSpan().begin(), state.currentSpan().end());
         out.push_back(std::move(s));
       }
@@ -314,9 +320,8 @@ TEST_CASE("sparse allreduce: a selection that keeps everything sent settles as t
         ctx.rank = r;
         ctx.step = s;
         auto p =
-            kernels::encodeTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, plain);
+            kernels::stepTensor(**codec, ctx, chunking, kernels::ConstTensor{x.data(), n}, plain);
         REQUIRE(p.isOk());
-        plain.commit();
         const auto& ranks = steps[s - 1];
         REQUIRE(ranks.size() == w);
         CHECK(*p == ranks[r].sent);
@@ -525,14 +530,17 @@ std::vector<std::vector<BucketRankStep>> runSparseBucket(Mesh& mesh, const kerne
         ctx.rank = r;
         ctx.step = step;
         ctx.defer_sent = true;
+        std::vector<std::vector<float>> inputs(names.size());  // kept until the commit
+        std::vector<kernels::testing::OpenStep> open(names.size());
         for (size_t l = 0; l < names.size(); ++l) {
           const size_t n = sizes[l];
           const kernels::Chunking& chunking = chunkings[l];
-          const auto x = sparseInput(r + static_cast<uint32_t>(l) * 7, step, n);
-          auto payloads = kernels::encodeTensor(codec, ctx, chunking,
-                                                kernels::ConstTensor{x.data(), n}, states[l]);
-          REQUIRE(payloads.isOk());
-          s.layers[l].sent = *payloads;
+          inputs[l] = sparseInput(r + static_cast<uint32_t>(l) * 7, step, n);
+          auto opened = kernels::testing::openStep(
+              codec, ctx, chunking, kernels::ConstTensor{inputs[l].data(), n}, states[l]);
+          REQUIRE(opened.isOk());
+          open[l] = std::move(*opened);
+          s.layers[l].sent = open[l].payloads;
           mine[l].assign(s.layers[l].sent.begin(), s.layers[l].sent.end());
           ExchangeRound& round =
               rounds.emplace_back(ExchangeRound{names[l], step, 0, codec, chunking, mine[l]});
@@ -556,9 +564,12 @@ std::vector<std::vector<BucketRankStep>> runSparseBucket(Mesh& mesh, const kerne
                 codec
                     .decodeChunk(sel, 1.0f, layer.sums.data() + chunking.begin(c), chunking.size(c))
                     .isOk());
-            REQUIRE(codec.settleChunk(ctx, chunking, c, mine[l][c], sel, states[l]).isOk());
+            REQUIRE(codec.checkSelection(chunking, c, mine[l][c], sel).isOk());
           }
-          states[l].commit();
+          REQUIRE(kernels::testing::commitStep(
+                      codec, ctx, chunking, kernels::ConstTensor{inputs[l].data(), sizes[l]},
+                      open[l], states[l], kernels::testing::spans(layer.selected))
+                      .isOk());
         }
         for (const auto& name : names) ring->stepDone(name, step);
         out.push_back(std::move(s));

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -198,6 +199,7 @@ inline std::vector<std::vector<uint8_t>> checkCudaMatchesCpu(
       LW_STATUS_OK(gpu.flush(ctx, chunking, gin, gpu_state, gpu_out.as<float>(), stream));
       LW_CUDA_CHECK_OK(cudaStreamSynchronize(stream));
       CHECK_MESSAGE(sameBits(gpu_out.download<float>(n), cpu_out), "flush output differs");
+      cpu.commitFlush(cpu_state, n);
     } else {
       LW_STATUS_OK(cpu.analyze(ctx, chunking, cin, cpu_state, cpu_ws));
       LW_STATUS_OK(gpu.analyze(ctx, chunking, gin, gpu_state, gpu_ws.span(), stream));
@@ -230,8 +232,10 @@ inline std::vector<std::vector<uint8_t>> checkCudaMatchesCpu(
         CHECK_MESSAGE(sameBits(gpu_out.download<float>(len), cpu_out), "decoded result differs");
         last.push_back(std::move(cpu_payload));
       }
+      // The host state is committed from what was sent (the GPU's double buffer by commit()).
+      const std::vector<std::span<const uint8_t>> sent(last.begin(), last.end());
+      LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, sent, {}, cpu_state, cpu_ws));
     }
-    cpu_state.commit();
     gpu_state.commit();
     auto gpu_committed = gpu_state.download(stream);
     REQUIRE_MESSAGE(gpu_committed.isOk(), gpu_committed.status().message());

@@ -443,6 +443,7 @@ std::vector<std::vector<uint8_t>> comparePowerSgd(
                                gpu_out.as<float>(), stream));
         LW_CUDA_CHECK_OK(cudaStreamSynchronize(stream));
         CHECK_MESSAGE(sameBits(gpu_out.download<float>(n), cpu_out), "flush output differs");
+        cpu.commitFlush(cpu_states[rank], n);
       }
     } else {
       for (size_t rank = 0; rank < world; ++rank) {
@@ -452,6 +453,7 @@ std::vector<std::vector<uint8_t>> comparePowerSgd(
                                  gpu_ranks[rank].ws->span(), stream));
       }
       std::vector<std::vector<uint8_t>> cpu_reduced, gpu_reduced;
+      std::vector<std::vector<uint8_t>> cpu_round0(world);  // each rank's round-0 payload
       for (int round = 0; round < 2; ++round) {
         CAPTURE(round);
         std::vector<std::vector<uint8_t>> cpu_sent(world), gpu_sent(world);
@@ -480,6 +482,7 @@ std::vector<std::vector<uint8_t>> comparePowerSgd(
         }
         cpu_reduced.push_back(reduceInRankOrder(cpu, cpu_sent));
         gpu_reduced.push_back(reduceInRankOrder(cpu, gpu_sent));
+        if (round == 0) cpu_round0 = cpu_sent;
       }
       const std::vector<std::span<const uint8_t>> cpu_views(cpu_reduced.begin(), cpu_reduced.end());
       const std::vector<std::span<const uint8_t>> gpu_views(gpu_reduced.begin(), gpu_reduced.end());
@@ -510,13 +513,15 @@ std::vector<std::vector<uint8_t>> comparePowerSgd(
       for (size_t rank = 0; rank < world; ++rank) {
         LW_STATUS_OK(cpu.finishStep(rankCtx(rank), chunking, cpu_views, weight, cin(rank),
                                     cpu_states[rank], cpu_ws[rank]));
+        const std::vector<std::span<const uint8_t>> sent{cpu_round0[rank]};
+        LW_STATUS_OK(cpu.commitState(rankCtx(rank), chunking, cin(rank), sent, {}, cpu_states[rank],
+                                     cpu_ws[rank]));
         LW_STATUS_OK(gpu.finishStep(rankCtx(rank), chunking, gpu_views, weight, gin(rank),
                                     gpu_ranks[rank].state, gpu_ranks[rank].ws->span(), stream));
       }
     }
     for (size_t rank = 0; rank < world; ++rank) {
       CAPTURE(rank);
-      cpu_states[rank].commit();
       gpu_ranks[rank].state.commit();
       auto committed = gpu_ranks[rank].state.download(stream);
       REQUIRE_MESSAGE(committed.isOk(), committed.status().message());
@@ -947,7 +952,8 @@ TEST_CASE("powersgd cuda: hostile reduced payloads, decodeChunk and the device-s
   CHECK_FALSE((*cpu)->finishStep(ctx, chunking, views, 1.0f, cin, cs, ws).isOk());
   LW_STATUS_OK((*gpu)->finishStep(ctx, chunking, views, 1.0f, gin, gs, gws.span(), nullptr));
   LW_STATUS_OK((*gpu)->finishStep(ctx, chunking, views, 1.0f, gin, gs, gws.span(), nullptr));
-  cs.commit();
+  const std::vector<std::span<const uint8_t>> sent{reduced[0]};  // W = 1: round 0 as sent
+  LW_STATUS_OK((*cpu)->commitState(ctx, chunking, cin, sent, {}, cs, ws));
   gs.commit();
   auto committed = gs.download(nullptr);
   REQUIRE(committed.isOk());

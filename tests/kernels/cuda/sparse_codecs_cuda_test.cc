@@ -201,6 +201,7 @@ void checkNonFiniteMatchesCpu(const CodecConfig& config,
     const DeviceTensor gin{d_input.as(), n, opt.dtype};
     LW_STATUS_OK(cpu.analyze(ctx, chunking, cin, cpu_state, cpu_ws));
     LW_STATUS_OK(gpu.analyze(ctx, chunking, gin, gpu_state, gpu_ws.span(), nullptr));
+    std::vector<std::vector<uint8_t>> sent;  // the CPU payloads, for its commit
     for (size_t c = 0; c < chunking.count(); ++c) {
       CAPTURE(c);
       std::vector<uint8_t> cpu_payload(max_payload);
@@ -226,8 +227,10 @@ void checkNonFiniteMatchesCpu(const CodecConfig& config,
                                    scratch.span(), nullptr));
       LW_CUDA_CHECK_OK(cudaStreamSynchronize(nullptr));
       CHECK_MESSAGE(floatsMatch(gpu_out.download<float>(len), cpu_out), "decoded result differs");
+      sent.push_back(std::move(cpu_payload));
     }
-    cpu_state.commit();
+    const std::vector<std::span<const uint8_t>> sent_views(sent.begin(), sent.end());
+    LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, sent_views, {}, cpu_state, cpu_ws));
     gpu_state.commit();
     auto gpu_committed = gpu_state.download(nullptr);
     REQUIRE_MESSAGE(gpu_committed.isOk(), gpu_committed.status().message());

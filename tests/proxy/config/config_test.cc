@@ -179,6 +179,8 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"limits.admin.max_connections", {"2", "3", "4"}},
       {"limits.admin.max_per_source", {"0", "3", "4"}},
       {"limits.max_state_bytes", {"1000", "2000", "3000"}},
+      {"limits.max_pool_bytes", {"0", "4096", "8192"}},
+      {"limits.drop_state_after_steps", {"10", "20", "30"}},
       {"security.token", {"tok-file", "tok-env", "tok-flag"}},
       {"compression.chunk_elements", {"2", "3", "4"}},
       {"compression.layers.dense_max_ndim", {"0", "2", "3"}},

@@ -26,6 +26,7 @@
 #include "proxy/step/engine.h"
 #include "proxy/step/job_state.h"
 #include "proxy/step/pipeline.h"
+#include "proxy/step/step_test_util.h"
 
 using namespace lightwire;
 using namespace lightwire::proxy;
@@ -127,16 +128,7 @@ EngineOptions withTrainers(unsigned n) {
   return o;
 }
 
-std::vector<float> randomValues(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) {
-    x = dist(gen);
-    if (x == 0.0f) x = 1.0f;  // no -0.0: 0 + -0 is +0
-  }
-  return v;
-}
+using proxy::testing::randomValues;
 
 bool bitsEqual(const std::vector<std::byte>& a, const std::vector<std::byte>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
@@ -520,20 +512,23 @@ TEST_CASE("DGC warm-up: five stages of decreasing density, then the codec's own"
 
 TEST_CASE("limits.max_state_bytes: a tensor whose codec state would not fit fails with 507") {
   EngineOptions o = withTrainers(1);
-  // topk with error feedback keeps a residual of n floats, double-buffered: 8 n bytes.
-  o.max_state_bytes = 8 * 1000 + 8 * 500;
+  // topk with error feedback keeps a residual of n floats (one copy: 4 n bytes), and its steps a
+  // result buffer of n floats from the pool every tensor shares (the largest so far: a's).
+  o.max_state_bytes = 4 * 1000 + 4 * 500 + 4 * 1000;
   Fixture f(o, always(codecNamed("topk", 0.1)));
   CHECK(step1(f.engine, "a", 1, randomValues(1000, 1)).first.ok());
   CHECK(step1(f.engine, "b", 1, randomValues(500, 2)).first.ok());
   auto [refused, values] = step1(f.engine, "c", 1, randomValues(10, 3));
   CHECK(refused.error == StepError::kStateLimit);
-  CHECK(refused.message.find("tensor 'c' needs 80 bytes") != std::string::npos);
-  CHECK(refused.message.find("other tensors hold 12000") != std::string::npos);
+  CHECK(refused.message.find("tensor 'c' needs 40 bytes of codec state and 40 bytes of step "
+                             "buffers; other tensors hold 6000 bytes of state and the step pool "
+                             "4000") != std::string::npos);
   // What is held already goes on; a tensor that shrinks fits again.
   CHECK(step1(f.engine, "a", 2, randomValues(1000, 4)).first.ok());
   CHECK(step1(f.engine, "b", 2, randomValues(490, 5)).first.ok());
   CHECK(step1(f.engine, "c", 2, randomValues(10, 6)).first.ok());
-  CHECK(f.metrics.exposition().find("lightwire_state_bytes 12000") != std::string::npos);
+  CHECK(f.metrics.exposition().find("lightwire_state_bytes 6000") != std::string::npos);
+  CHECK(f.metrics.exposition().find("lightwire_pool_bytes 4000") != std::string::npos);
 }
 
 // --- policies (world size 1: the statistics loop back) ----------------------------------------

@@ -1,0 +1,57 @@
+#include "proxy/step/step_pool.h"
+
+#include <algorithm>
+
+namespace lightwire::proxy {
+
+std::vector<float> StepPool::take(size_t n) {
+  size_t best = kept_.size();
+  for (size_t i = 0; i < kept_.size(); ++i) {
+    const size_t cap = kept_[i].capacity();
+    if (best == kept_.size()) {
+      best = i;
+      continue;
+    }
+    const size_t cur = kept_[best].capacity();
+    const bool fits = cap >= n, cur_fits = cur >= n;
+    if (fits != cur_fits ? fits : fits ? cap < cur : cap > cur) best = i;
+  }
+  std::vector<float> b;
+  if (best < kept_.size()) {
+    b = std::move(kept_[best]);
+    kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(best));
+    kept_bytes_ -= b.capacity() * sizeof(float);
+  }
+  // Growing within the capacity writes only the growth; a shrink writes nothing.
+  b.resize(n);
+  lent_bytes_ += b.capacity() * sizeof(float);
+  peak_bytes_ = std::max(peak_bytes_, bytes());
+  return b;
+}
+
+void StepPool::give(std::vector<float>&& b) {
+  const uint64_t bytes = b.capacity() * sizeof(float);
+  lent_bytes_ -= std::min(lent_bytes_, bytes);
+  if (bytes == 0 || kept_bytes_ + bytes > keep_bytes_) return;  // freed with `b`
+  kept_bytes_ += bytes;
+  kept_.push_back(std::move(b));
+}
+
+float* PooledFloats::get(StepPool& pool, size_t n) {
+  if (pool_ != nullptr && buf_.capacity() >= n) {
+    buf_.resize(n);
+    return buf_.data();
+  }
+  release();
+  pool_ = &pool;
+  buf_ = pool.take(n);
+  return buf_.data();
+}
+
+void PooledFloats::release() {
+  if (pool_ != nullptr) pool_->give(std::move(buf_));
+  pool_ = nullptr;
+  buf_ = {};
+}
+
+}  // namespace lightwire::proxy
