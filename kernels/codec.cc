@@ -124,7 +124,7 @@ Status Codec::doFlush(const StepContext& ctx, const Chunking& chunking, ConstTen
 Status Codec::commitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                           std::span<const std::span<const uint8_t>> sent,
                           std::span<const std::span<const uint8_t>> selected, CodecState& state,
-                          std::span<std::byte> workspace) const {
+                          std::span<std::byte> workspace, WriteBack write_back) const {
   LW_RETURN_IF_ERROR(checkStepArgs(chunking, input, state, workspace));
   const std::string name = traits().name;
   const size_t chunks = chunking.count();
@@ -136,7 +136,12 @@ Status Codec::commitState(const StepContext& ctx, const Chunking& chunking, Cons
     return invalidArgument(name + ": commit with " + std::to_string(selected.size()) +
                            " selections for " + std::to_string(chunks) + " chunks");
   }
-  return doCommitState(ctx, chunking, input, sent, selected, state, workspace);
+  if (write_back && (stateFloats(chunking.elements) == 0 || write_back.from == nullptr)) {
+    return invalidArgument(name +
+                           ": a write-back in the commit needs a codec with state and a "
+                           "source");
+  }
+  return doCommitState(ctx, chunking, input, sent, selected, state, workspace, write_back);
 }
 
 double Codec::residualNorm2(const CodecState&, size_t) const { return 0.0; }
@@ -179,11 +184,20 @@ Chunking chunkingFor(const Codec& codec, size_t n, size_t requested) {
   return Chunking::make(n, requested, codec.chunkAlignment());
 }
 
-void addWidened(CpuStream* stream, ConstTensor x, const float* e, float* out, size_t n) {
+void addWidened(CpuStream* stream, ConstTensor x, const float* e, float* out, size_t n,
+                WriteBack write_back) {
   visitDType(x.dtype, [&](auto d) {
     constexpr DType D = decltype(d)::value;
     parallelFor(stream, n, size_t{1} << 16, [&](size_t lo, size_t hi) {
-      for (size_t i = lo; i < hi; ++i) out[i] = loadWidened<D>(x.data, i) + e[i];  // vectorised
+      if (!write_back) {
+        for (size_t i = lo; i < hi; ++i) out[i] = loadWidened<D>(x.data, i) + e[i];  // vectorised
+        return;
+      }
+      for (size_t i = lo; i < hi; ++i) {
+        const float xi = loadWidened<D>(x.data, i);
+        out[i] = xi + e[i];
+        write_back.to[i] = write_back.from[i];
+      }
     });
   });
 }
@@ -222,7 +236,7 @@ Result<std::vector<std::vector<uint8_t>>> stepTensor(const Codec& codec, const S
   auto payloads = encodeAll(codec, ctx, chunking, input, state, ws);
   if (!payloads) return payloads;
   const std::vector<std::span<const uint8_t>> sent(payloads->begin(), payloads->end());
-  LW_RETURN_IF_ERROR(codec.commitState(ctx, chunking, input, sent, {}, state, ws));
+  LW_RETURN_IF_ERROR(codec.commitState(ctx, chunking, input, sent, {}, state, ws, {}));
   return payloads;
 }
 

@@ -122,6 +122,16 @@ struct StepContext {
   bool defer_sent = false;
 };
 
+/// A copy commitState() makes in the pass that reads the input: to[i] = from[i] for every element
+/// i, each right after input i was read, so `to` may be the input's own memory (the host backend
+/// writes the step's result back into the trainer's buffer that held the input this way, without a
+/// pass of its own). Empty: no copy.
+struct WriteBack {
+  const float* from = nullptr;
+  float* to = nullptr;
+  explicit operator bool() const { return to != nullptr; }
+};
+
 /// Persistent per-tensor codec state, one copy: what the last committed step left. A step never
 /// writes it before commitState(); its working values go to the work area (work()), which the
 /// owner lends for the step (attachWork) or which the state allocates itself on first use (tests,
@@ -278,10 +288,11 @@ class Codec {
   /// the state as if never sent — else empty; `workspace` as finishStep() left it (the work area
   /// is not read). The payloads were made by this codec for this step: an error means a bug, and
   /// the state may then be partly updated (the owner resets it). Stateless codecs: nothing.
+  /// `write_back`: a copy made in the same pass (WriteBack; codecs with state only, input fp32).
   Status commitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                      std::span<const std::span<const uint8_t>> sent,
                      std::span<const std::span<const uint8_t>> selected, CodecState& state,
-                     std::span<std::byte> workspace) const;
+                     std::span<std::byte> workspace, WriteBack write_back = {}) const;
   /// A full synchronisation succeeded: the state as after a flush (error-feedback residual zero;
   /// DGC: velocity and momentum zero; PowerSGD: error zero, warm-start factor kept).
   virtual void commitFlush(CodecState& /*state*/, size_t /*n*/) const {}
@@ -316,7 +327,8 @@ class Codec {
                                ConstTensor /*input*/,
                                std::span<const std::span<const uint8_t>> /*sent*/,
                                std::span<const std::span<const uint8_t>> /*selected*/,
-                               CodecState& /*state*/, std::span<std::byte> /*workspace*/) const {
+                               CodecState& /*state*/, std::span<std::byte> /*workspace*/,
+                               WriteBack /*write_back*/) const {
     return Status::ok();
   }
 
@@ -365,8 +377,10 @@ Result<std::vector<std::vector<uint8_t>>> stepTensor(const Codec& codec, const S
                                                      CodecState& state);
 
 /// out[i] = x_i + e_i in fp32 (x widened), for i < n, on `stream`: error feedback's a = x + e
-/// (docs/determinism.md §4.6 step 1) and PowerSGD's M (§4.12 step 1). `out` may be `e`.
-void addWidened(CpuStream* stream, ConstTensor x, const float* e, float* out, size_t n);
+/// (docs/determinism.md §4.6 step 1) and PowerSGD's M (§4.12 step 1). `out` may be `e`; with
+/// `write_back`, its copy in the same pass (x_i read first).
+void addWidened(CpuStream* stream, ConstTensor x, const float* e, float* out, size_t n,
+                WriteBack write_back = {});
 
 /// Decodes one payload per chunk into out[0..chunking.elements) with `weight`.
 Status decodeTensor(const Codec& codec, const Chunking& chunking,

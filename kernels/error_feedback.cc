@@ -60,10 +60,10 @@ class ErrorFeedbackCodec final : public Codec {
   Status doCommitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                        std::span<const std::span<const uint8_t>> sent,
                        std::span<const std::span<const uint8_t>> selected, CodecState& state,
-                       std::span<std::byte>) const override {
+                       std::span<std::byte>, WriteBack write_back) const override {
     const size_t n = chunking.elements;
     float* e = state.mutableCurrent();
-    addWidened(ctx.stream, input, e, e, n);
+    addWidened(ctx.stream, input, e, e, n, write_back);
     std::vector<std::string> errors(sent.size());
     parallelFor(ctx.stream, sent.size(), 1, [&](size_t lo, size_t hi) {
       for (size_t c = lo; c < hi; ++c) {

@@ -208,7 +208,7 @@ class DgcCodec final : public Codec {
   Status doCommitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                        std::span<const std::span<const uint8_t>> sent,
                        std::span<const std::span<const uint8_t>> selected, CodecState& state,
-                       std::span<std::byte> workspace) const override {
+                       std::span<std::byte> workspace, WriteBack write_back) const override {
     const size_t n = chunking.elements;
     if (n == 0) return Status::ok();
     WorkspaceCarver carver(workspace);
@@ -235,6 +235,7 @@ class DgcCodec final : public Codec {
           } else {
             v[i] = v[i] + g;
           }
+          if (write_back) write_back.to[i] = write_back.from[i];  // x_i read above
         }
       });
     });

@@ -415,7 +415,7 @@ class PowerSgdCodec final : public Codec {
   Status doCommitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                        std::span<const std::span<const uint8_t>>,
                        std::span<const std::span<const uint8_t>>, CodecState& state,
-                       std::span<std::byte> workspace) const override {
+                       std::span<std::byte> workspace, WriteBack write_back) const override {
     const size_t n = chunking.elements;
     if (n == 0) return Status::ok();
     const Slices sl = slices(workspace, n);
@@ -423,7 +423,7 @@ class PowerSgdCodec final : public Codec {
       return failedPrecondition("powersgd: commitState() needs finishStep() first");
     }
     float* e = state.mutableCurrent();
-    addWidened(ctx.stream, input, e, e, n);
+    addWidened(ctx.stream, input, e, e, n, write_back);
     product(ctx.stream, metaView(sl.next), n, sl.factor, sl.transposed, sl.memo->weight, true, e);
     std::copy(sl.next, sl.next + kMetaFloats + sl.memo->q_floats, e + n);
     return Status::ok();

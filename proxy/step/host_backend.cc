@@ -337,13 +337,20 @@ void HostBackend::commit(const Commit& c) {
   if (c.state && flushed_) {
     codec_.commitFlush(state_, n_);
   } else if (c.state && stateReadsInput()) {
+    // The result goes to the trainer's buffer that holds the input in the commit's own pass.
+    kernels::WriteBack wb;
+    if (write_back_pending_ && dtype_ == DType::kF32 && parts_.size() == 1) {
+      wb = {result_, reinterpret_cast<float*>(parts_[0]->data)};
+    }
     if (auto st = codec_.commitState(ctx_, chunking_, input(), c.sent, c.selected, state_,
-                                     buf_.workspace);
+                                     buf_.workspace, wb);
         !st.isOk()) {
       // The payloads are this codec's own, made for this step: a codec bug. The state may be
       // partly updated: it starts over rather than carry a mix.
       spdlog::error("committing the codec state failed, the state is reset: {}", st.message());
       state_.reset();
+    } else if (wb) {
+      write_back_pending_ = false;
     }
   }
   stepState().detachWork();
