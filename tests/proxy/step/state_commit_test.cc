@@ -32,7 +32,7 @@ using namespace lightwire::proxy;
 
 namespace {
 
-constexpr auto kWait = std::chrono::seconds(30);
+constexpr auto kStepWait = std::chrono::seconds(30);
 
 using proxy::testing::randomValues;
 
@@ -118,7 +118,7 @@ struct Sidecar {
     auto promise = std::make_shared<std::promise<StepOutcome>>();
     auto fut = promise->get_future();
     engine.submit(std::move(c), [promise](StepOutcome o) { promise->set_value(std::move(o)); });
-    if (fut.wait_for(kWait) != std::future_status::ready) FAIL("no answer within 30 s");
+    if (fut.wait_for(kStepWait) != std::future_status::ready) FAIL("no answer within 30 s");
     return {fut.get(), *bytes};
   }
 
@@ -143,7 +143,7 @@ struct Sidecar {
   StepEngine engine;
 };
 
-std::string tempDir() {
+std::string stateTempDir() {
   char tmpl[] = "/tmp/lw-state-XXXXXX";
   REQUIRE(mkdtemp(tmpl) != nullptr);
   return tmpl;
@@ -186,7 +186,7 @@ TEST_CASE("a step that fails after compression leaves every codec's state bit fo
   for (const auto& codec : codecs) {
     CAPTURE(codec.name);
     CAPTURE(codec.momentum);
-    const std::string da = tempDir(), db = tempDir();
+    const std::string da = stateTempDir(), db = stateTempDir();
     {
       // A meets the faults; B runs only the steps that succeed. Same results, same state.
       Sidecar a(policiesEvery(4), codec, da), b(policiesEvery(4), codec, db);
@@ -198,7 +198,9 @@ TEST_CASE("a step that fails after compression leaves every codec's state bit fo
       for (uint64_t s = 1; s <= 10; ++s) {
         CAPTURE(s);
         const auto x = randomValues(n, static_cast<uint32_t>(100 + s));
-        auto [oa, ra] = a.step(s, x);
+        const auto oa_ra = a.step(s, x);
+        const StepOutcome& oa = oa_ra.first;
+        const std::vector<float>& ra = oa_ra.second;
         if (faults.count(s) > 0) {
           CHECK_FALSE(oa.ok());
           // The trainer's buffer: its gradient where the commit would have read it; a codec
@@ -206,7 +208,9 @@ TEST_CASE("a step that fails after compression leaves every codec's state bit fo
           if (has_state) CHECK(sameBits(ra, x));
           continue;
         }
-        auto [ob, rb] = b.step(s, x);
+        const auto ob_rb = b.step(s, x);
+        const StepOutcome& ob = ob_rb.first;
+        const std::vector<float>& rb = ob_rb.second;
         REQUIRE_MESSAGE(oa.ok(), oa.message);
         REQUIRE_MESSAGE(ob.ok(), ob.message);
         CHECK(oa.figures.mode == ob.figures.mode);
@@ -230,7 +234,7 @@ TEST_CASE("dgc's in-place commit equals the double-buffered form over 50 steps")
                              .momentum = 0.9,
                              .clip_norm = clip,
                              .sparse_values = kernels::DType::kF16};
-  const std::string dir = tempDir();
+  const std::string dir = stateTempDir();
   {
     Sidecar e(policiesEvery(0), codec, dir);
     // The reference: u and v, and the next state prepared beside them during the step.
@@ -239,7 +243,9 @@ TEST_CASE("dgc's in-place commit equals the double-buffered form over 50 steps")
     for (uint64_t s = 1; s <= 50; ++s) {
       CAPTURE(s);
       const auto x = randomValues(n, static_cast<uint32_t>(s), s % 3 == 0 ? 1.5f : 0.8f);
-      auto [o, r] = e.step(s, x);
+      const auto o_r = e.step(s, x);
+      const StepOutcome& o = o_r.first;
+      const std::vector<float>& r = o_r.second;
       REQUIRE_MESSAGE(o.ok(), o.message);
       REQUIRE(o.figures.codec == "dgc");
       REQUIRE(o.figures.mode == "compressed");
@@ -291,7 +297,7 @@ TEST_CASE("dgc's in-place commit equals the double-buffered form over 50 steps")
 }
 
 TEST_CASE("step buffers come from one pool: flat over 100 steps of many tensors") {
-  const std::string dir = tempDir();
+  const std::string dir = stateTempDir();
   {
     Sidecar e(policiesEvery(0), {.name = "topk", .density = 0.05}, dir);
     const size_t n = 20000;
@@ -304,8 +310,9 @@ TEST_CASE("step buffers come from one pool: flat over 100 steps of many tensors"
     };
     for (uint64_t s = 1; s <= 100; ++s) {
       for (int t = 0; t < 5; ++t) {
-        auto [o, r] =
+        const auto o_r =
             e.step(s, randomValues(n, static_cast<uint32_t>(s * 7 + t)), "t" + std::to_string(t));
+        const StepOutcome& o = o_r.first;
         REQUIRE_MESSAGE(o.ok(), o.message);
       }
       pooled.push_back(gauge("lightwire_pool_bytes"));
@@ -320,30 +327,33 @@ TEST_CASE("step buffers come from one pool: flat over 100 steps of many tensors"
 }
 
 TEST_CASE("limits.max_state_bytes counts state and step buffers; a refusal changes nothing") {
-  const std::string dir = tempDir();
+  const std::string dir = stateTempDir();
   {
     const size_t n = 10000;
     // Room for a's residual and a step buffer of n floats, not for b's of 4n.
     Sidecar e(policiesEvery(0), {.name = "topk", .density = 0.05}, dir,
               [&](EngineOptions& opt) { opt.max_state_bytes = 3 * 4 * n; });
-    auto [a1, ra1] = e.step(1, randomValues(n, 1), "a");
+    const auto a1_ra1 = e.step(1, randomValues(n, 1), "a");
+    const StepOutcome& a1 = a1_ra1.first;
     REQUIRE_MESSAGE(a1.ok(), a1.message);
     const auto before = e.state(1, "a");
-    auto [b1, rb1] = e.step(1, randomValues(4 * n, 2), "b");
+    const auto b1_rb1 = e.step(1, randomValues(4 * n, 2), "b");
+    const StepOutcome& b1 = b1_rb1.first;
     REQUIRE_FALSE(b1.ok());
     CHECK(b1.error == StepError::kStateLimit);
     CHECK(b1.message.find("tensor 'b' needs 160000 bytes of codec state and 160000 bytes of step "
                           "buffers") != std::string::npos);
     CHECK(b1.message.find("limits.max_state_bytes (120000)") != std::string::npos);
     CHECK(sameBits(e.state(1, "a"), before));
-    auto [a2, ra2] = e.step(2, randomValues(n, 3), "a");
+    const auto a2_ra2 = e.step(2, randomValues(n, 3), "a");
+    const StepOutcome& a2 = a2_ra2.first;
     CHECK_MESSAGE(a2.ok(), a2.message);
   }
   std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("limits.drop_state_after_steps: an idle tensor gives up its state") {
-  const std::string dir = tempDir();
+  const std::string dir = stateTempDir();
   {
     const size_t n = 5000;
     Sidecar e(policiesEvery(0), {.name = "dgc", .density = 0.05, .momentum = 0.9}, dir,
@@ -359,10 +369,14 @@ TEST_CASE("limits.drop_state_after_steps: an idle tensor gives up its state") {
     CHECK(text().find("\nlightwire_state_bytes 40000\n") != std::string::npos);
     // Back again: it starts fresh, as a tensor never seen (the same result as a fresh sidecar's).
     const auto x = randomValues(n, 15);
-    auto [back, r_back] = e.step(5, x, "idle");
+    const auto back_r_back = e.step(5, x, "idle");
+    const StepOutcome& back = back_r_back.first;
+    const std::vector<float>& r_back = back_r_back.second;
     REQUIRE_MESSAGE(back.ok(), back.message);
     Sidecar fresh(policiesEvery(0), {.name = "dgc", .density = 0.05, .momentum = 0.9}, dir + "-f");
-    auto [f5, r_f5] = fresh.step(5, x, "idle");
+    const auto f5_r_f5 = fresh.step(5, x, "idle");
+    const StepOutcome& f5 = f5_r_f5.first;
+    const std::vector<float>& r_f5 = f5_r_f5.second;
     REQUIRE(f5.ok());
     CHECK(sameBits(r_back, r_f5));
   }
