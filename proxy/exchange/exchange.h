@@ -35,15 +35,16 @@ struct ExchangeRound {
   // on every sidecar: a function of the step).
   std::optional<double> density;
   // Optional (set by the pipeline for single-round codecs): the exchange may call it as soon as
-  // chunk c's payloads to decode are final — the same list run() returns for c, which must stay
-  // valid — so decoding overlaps the rest of the exchange. An error fails the exchange. Chunks it
-  // was not called for are decoded after run(). Exchanges that set `contributors` below
-  // worldSize() must not call it.
+  // chunk c's payloads to decode are final, so decoding overlaps the rest of the exchange. The
+  // list is valid during the call only: the exchange may then reuse its buffers, and run() may
+  // return an empty list for c. An error fails the exchange. Chunks it was not called for are
+  // decoded after run(). Exchanges that set `contributors` below worldSize() must not call it.
   std::function<Status(size_t, std::span<const std::span<const uint8_t>>)> on_chunk;
   // Optional (set by the pipeline for host steps of codec `none` without state): chunk c's fp32
   // values, whose `none` payload is a 16-byte header and exactly those bytes. A ring position
   // that only adds its own payload to a partial sum adds these instead (the same additions in the
-  // same order: the same bytes), and never asks for the payload, so it is never copied. Valid
+  // same order: the same bytes), the first position of a chain sends them behind the header, and
+  // neither asks for the payload, so the codec never makes it. Valid
   // until the chunk's result is decoded (the pipeline may decode into the same memory).
   std::function<const float*(size_t)> raw;
   // Set by the exchange: the chunks whose payload it never asked for, because it used `raw`.

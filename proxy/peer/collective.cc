@@ -613,10 +613,33 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
     return transport_.post(next, FrameType::kData, key(it, phase, c, static_cast<uint32_t>(c % w)),
                            static_cast<uint8_t>(it.r->codec.traits().id), payload, deadline);
   };
+  // A tensor decoded chunk by chunk (on_chunk) streams: the partial sums, the owners' sums and
+  // the gathered sums go to the transport as they are sent and come back once written
+  // (postOwned, reclaimed at each chunk), so the ring holds the chunks in flight, not a step's
+  // worth of the tensor. Without on_chunk the sums must outlive the call (kept till stepDone).
+  auto postOwned = [&](const Item& it, uint8_t phase, size_t c, std::vector<uint8_t> payload) {
+    return transport_.postOwned(
+        next, FrameType::kData, key(it, phase, c, static_cast<uint32_t>(c % w)),
+        static_cast<uint8_t>(it.r->codec.traits().id), std::move(payload), deadline);
+  };
+  // Codec `none` with its values at hand (ExchangeRound::raw): a position that only adds its own
+  // payload adds the values, and the payload is never made.
+  for (const Item& it : items) {
+    if (useRaw(*it.r)) it.r->raw_used.assign(it.r->chunking.count(), 0);
+  }
   // Chains that start here go out first, every tensor's, so every rank has work in flight at once.
   for (const Item& it : items) {
     for (size_t c = 0; c < it.r->chunking.count(); ++c) {
       if (position(c) != 0) continue;
+      if (useRaw(*it.r) && it.r->on_chunk && w > 1) {  // the values' payload, made to be sent
+        const size_t len = it.r->chunking.size(c);
+        std::vector<uint8_t> own = transport_.takeBuffer(kernels::noneCodec().maxPayloadBytes(len));
+        own.resize(kernels::writeDensePayload(kernels::ConstTensor{it.r->raw(c), len}, own.data(),
+                                              nullptr));
+        it.r->raw_used[c] = 1;
+        LW_RETURN_IF_ERROR(postOwned(it, kPhaseReduce, c, std::move(own)));
+        continue;
+      }
       auto own = it.r->payload(c);  // compressed now: the previous chunk is on its way meanwhile
       if (!own) return own.status();
       LW_RETURN_IF_ERROR(send(it, kPhaseReduce, c, *own));
@@ -635,14 +658,11 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
       }
     }
   }
-  // Codec `none` with its values at hand (ExchangeRound::raw): a position that only adds its own
-  // payload adds the values, and the payload is never made.
-  for (const Item& it : items) {
-    if (useRaw(*it.r)) it.r->raw_used.assign(it.r->chunking.count(), 0);
-  }
   for (const auto& [i, c] : order) {
+    transport_.reclaim();
     const Item& it = items[i];
     ExchangeRound& r = *it.r;
+    const bool stream = static_cast<bool>(r.on_chunk);
     const uint32_t pos = position(c);
     const float* raw = useRaw(r) ? r.raw(c) : nullptr;
     std::span<const uint8_t> own;
@@ -655,8 +675,9 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
     if (!got) return got.status();
     // The sum has the addends' size (a summable layout is fixed by the chunk): sized by what
     // arrived, within the codec's bound, not by the bound (PowerSGD's reserves a whole factor).
-    std::vector<uint8_t>& sum =
-        sumBuffer(std::min(r.codec.maxPayloadBytes(r.chunking.size(c)), got->payload.size()));
+    const size_t bytes = std::min(r.codec.maxPayloadBytes(r.chunking.size(c)), got->payload.size());
+    std::vector<uint8_t> streamed = stream ? transport_.takeBuffer(bytes) : std::vector<uint8_t>{};
+    std::vector<uint8_t>& sum = stream ? streamed : sumBuffer(bytes);
     auto size = raw != nullptr ? kernels::addDenseValues(got->payload, raw, r.chunking.size(c), sum)
                                : r.codec.addPayloads(got->payload, own, sum);
     if (raw != nullptr) r.raw_used[c] = 1;
@@ -666,12 +687,19 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
                       std::to_string(prev) + " does not add up: " + size.status().message());
     }
     const std::span<const uint8_t> partial(sum.data(), *size);
-    if (pos + 1 < w) {
-      LW_RETURN_IF_ERROR(send(it, kPhaseReduce, c, partial));
-    } else {  // this rank owns chunk c: the sum is complete
+    const uint8_t phase = pos + 1 < w ? kPhaseReduce : kPhaseGather;
+    if (stream) {
+      streamed.resize(*size);  // `partial` stays valid till the next reclaim()
+      LW_RETURN_IF_ERROR(postOwned(it, phase, c, std::move(streamed)));
+    } else {
+      LW_RETURN_IF_ERROR(send(it, phase, c, partial));
+    }
+    if (phase == kPhaseGather) {  // this rank owns chunk c: the sum is complete
       out[i][c].push_back(partial);
-      LW_RETURN_IF_ERROR(send(it, kPhaseGather, c, partial));
-      if (r.on_chunk) LW_RETURN_IF_ERROR(r.on_chunk(c, out[i][c]));
+      if (stream) {
+        LW_RETURN_IF_ERROR(r.on_chunk(c, out[i][c]));
+        out[i][c].clear();  // decoded: its buffer goes back at the next reclaim()
+      }
     }
   }
   if (w == 1) {
@@ -694,15 +722,27 @@ Result<std::vector<Spans>> RingExchange::allreduce(std::span<const Item> items) 
     }
   }
   for (const auto& [i, c] : order) {
+    transport_.reclaim();
     const Item& it = items[i];
     const uint32_t owner = static_cast<uint32_t>(c % w);
     auto got = take(prev, key(it, kPhaseGather, c, owner));
     if (!got) return got.status();
-    const auto sum = keep(std::move(got->payload));
+    if (!it.r->on_chunk) {
+      const auto sum = keep(std::move(got->payload));
+      out[i][c].push_back(sum);
+      if (next != owner) LW_RETURN_IF_ERROR(send(it, kPhaseGather, c, sum));
+      continue;
+    }
+    const std::span<const uint8_t> sum = got->payload;  // valid till the next reclaim()
     out[i][c].push_back(sum);
-    if (next != owner) LW_RETURN_IF_ERROR(send(it, kPhaseGather, c, sum));
-    if (it.r->on_chunk) LW_RETURN_IF_ERROR(it.r->on_chunk(c, out[i][c]));
+    if (next != owner) {
+      LW_RETURN_IF_ERROR(postOwned(it, kPhaseGather, c, std::move(got->payload)));
+    }
+    LW_RETURN_IF_ERROR(it.r->on_chunk(c, out[i][c]));
+    out[i][c].clear();
+    if (next == owner) transport_.recycle(std::move(got->payload));
   }
+  transport_.reclaim();
   return out;
 }
 

@@ -293,12 +293,12 @@ void PeerSession::completeTimedOut(const std::shared_ptr<SendOp>& op) {
 
 Result<std::shared_ptr<SendOp>> PeerSession::queueFrame(uint32_t dst, FrameType type,
                                                         const FrameKey& key, uint8_t codec,
-                                                        std::span<const uint8_t> payload) {
+                                                        std::span<const uint8_t> payload,
+                                                        std::vector<uint8_t>* owned) {
   if (!started_) return failedPrecondition("peer: send before start()");
   LW_RETURN_IF_ERROR(mail_.checkSend(dst, type, payload.size(), options_.max_frame_bytes));
   auto op = std::make_shared<SendOp>();
   op->header = header(type, key, codec, payload);
-  op->payload = payload;
   op->dst = dst;
   op->data = type == FrameType::kData;
   {
@@ -306,6 +306,11 @@ Result<std::shared_ptr<SendOp>> PeerSession::queueFrame(uint32_t dst, FrameType 
     op->link = links_[dst];
     if (!op->link) return mail_.notConnectedLocked(dst);
   }
+  if (owned != nullptr) {  // a moved vector keeps its bytes where they were: `payload` stays valid
+    op->owned = std::move(*owned);
+    op->give_back = true;
+  }
+  op->payload = payload;
   op->link->post(op);
   return op;
 }
@@ -358,6 +363,31 @@ Status PeerSession::post(uint32_t dst, FrameType type, const FrameKey& key, uint
   return Status::ok();
 }
 
+Status PeerSession::postOwned(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                              std::vector<uint8_t> payload) {
+  const std::span<const uint8_t> bytes = payload;
+  auto op = queueFrame(dst, type, key, codec, bytes, &payload);
+  if (!op) return op.status();
+  std::lock_guard lock(posted_mu_);
+  posted_.push_back(std::move(*op));
+  return Status::ok();
+}
+
+void PeerSession::reclaim() {
+  std::vector<std::vector<uint8_t>> written;
+  {
+    std::lock_guard posted(posted_mu_);
+    std::lock_guard lock(mutex());
+    // Failed frames stay for flush(), which reports them.
+    std::erase_if(posted_, [&](std::shared_ptr<SendOp>& op) {
+      if (!op->give_back || !op->done || !op->error.empty()) return false;
+      written.push_back(std::move(op->owned));
+      return true;
+    });
+  }
+  for (auto& b : written) mail_.recycle(std::move(b));
+}
+
 Status PeerSession::flush(Clock::time_point deadline) {
   std::vector<std::shared_ptr<SendOp>> ops;
   {
@@ -365,7 +395,13 @@ Status PeerSession::flush(Clock::time_point deadline) {
     ops.swap(posted_);
   }
   if (ops.empty()) return Status::ok();
-  return awaitFrames(ops, deadline);
+  std::vector<std::shared_ptr<SendOp>> owning;
+  for (const auto& op : ops) {
+    if (op->give_back) owning.push_back(op);
+  }
+  Status st = awaitFrames(ops, deadline);
+  for (const auto& op : owning) mail_.recycle(std::move(op->owned));
+  return st;
 }
 
 Result<Frame> PeerSession::receive(uint32_t src, const FrameKey& key, Clock::time_point deadline) {
@@ -437,6 +473,18 @@ Status SessionTransport::flush(std::chrono::steady_clock::time_point deadline) {
 
 void SessionTransport::recycle(std::vector<uint8_t> buffer) {
   session_.mail().recycle(std::move(buffer));
+}
+
+Status SessionTransport::postOwned(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                                   std::vector<uint8_t> payload,
+                                   std::chrono::steady_clock::time_point /*deadline*/) {
+  return session_.postOwned(dst, type, key, codec, std::move(payload));
+}
+
+void SessionTransport::reclaim() { session_.reclaim(); }
+
+std::vector<uint8_t> SessionTransport::takeBuffer(size_t n) {
+  return session_.mail().takeBuffer(n);
 }
 
 Result<Frame> SessionTransport::receive(uint32_t src, const FrameKey& key,

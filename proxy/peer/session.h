@@ -47,6 +47,7 @@ struct SendOp {
   uint32_t dst = kNoPeer;
   bool data = false;  // a DATA frame (lightwire_peer_data_frames_sent_total)
   bool done = false;
+  bool give_back = false;  // postOwned(): `owned` goes back to the pool once written
   bool timed_out = false;  // its deadline passed (dropped from a queue, or its link closed)
   std::string error;       // empty: sent
 };
@@ -206,6 +207,9 @@ class PeerSession {
               std::span<const uint8_t> payload, Clock::time_point deadline);
   Status post(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
               std::span<const uint8_t> payload);
+  Status postOwned(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                   std::vector<uint8_t> payload);
+  void reclaim();
   Status flush(Clock::time_point deadline);
   Result<Frame> receive(uint32_t src, const FrameKey& key, Clock::time_point deadline);
   Result<std::optional<Frame>> receiveOrWake(uint32_t src, const FrameKey& key, const Wake& wake,
@@ -224,7 +228,8 @@ class PeerSession {
 
  private:
   Result<std::shared_ptr<SendOp>> queueFrame(uint32_t dst, FrameType type, const FrameKey& key,
-                                             uint8_t codec, std::span<const uint8_t> payload);
+                                             uint8_t codec, std::span<const uint8_t> payload,
+                                             std::vector<uint8_t>* owned = nullptr);
   Status awaitFrames(std::vector<std::shared_ptr<SendOp>>& ops, Clock::time_point deadline);
   void onPong(uint32_t src, const std::vector<uint8_t>& payload);
 
@@ -267,6 +272,11 @@ class SessionTransport : public Transport {
               std::chrono::steady_clock::time_point deadline) override;
   Status flush(std::chrono::steady_clock::time_point deadline) override;
   void recycle(std::vector<uint8_t> buffer) override;
+  Status postOwned(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                   std::vector<uint8_t> payload,
+                   std::chrono::steady_clock::time_point deadline) override;
+  void reclaim() override;
+  std::vector<uint8_t> takeBuffer(size_t n) override;
   Result<Frame> receive(uint32_t src, const FrameKey& key,
                         std::chrono::steady_clock::time_point deadline) override;
   Result<std::optional<Frame>> receiveOrWake(

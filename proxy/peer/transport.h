@@ -110,6 +110,18 @@ class Transport {
   /// allocation, zero-fill and page faults of a fresh buffer per frame).
   virtual void recycle(std::vector<uint8_t> /*buffer*/) {}
 
+  /// Like post(), but the frame owns `payload`: once the frame is written, the buffer goes back
+  /// to the pool recycle() fills, at the next reclaim() or flush(), so a collective holds only
+  /// the frames in flight, not a step's worth. The caller may still read the buffer (through a
+  /// span taken before the move) until it calls reclaim() or flush(); on an error it is gone.
+  virtual Status postOwned(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
+                           std::vector<uint8_t> payload,
+                           std::chrono::steady_clock::time_point deadline) = 0;
+  /// Buffers of postOwned() frames already written go back to the pool (see postOwned()).
+  virtual void reclaim() = 0;
+  /// A buffer of `n` bytes for a payload, a recycled one where one fits (its bytes unspecified).
+  virtual std::vector<uint8_t> takeBuffer(size_t n) = 0;
+
   /// Waits for the frame with `key` from `src` (data), or for an abort of (key.tensor, key.step)
   /// from any rank; frames that arrive for other keys are kept until asked for (or until their
   /// step is discarded). Errors: deadline passed (naming `src`), the peer's connection lost (or

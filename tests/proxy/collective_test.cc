@@ -57,40 +57,32 @@ std::vector<std::vector<float>> exchangeAll(M& mesh, const kernels::Codec& codec
       const std::string name = "t";
       ExchangeRound round{name, 1, 0, codec, chunking, mine};
       if (raw) round.raw = [&](size_t c) { return x.data() + chunking.begin(c); };
-      // Every chunk is announced final exactly once, with the payloads run() then returns.
-      std::vector<std::vector<std::span<const uint8_t>>> announced(chunking.count());
+      // Every chunk is announced final exactly once and decoded then: its list is valid during
+      // the call only (the allreduce gives its buffers back to the transport afterwards).
+      auto none = kernels::createCodec({.name = "none"});
+      std::vector<float> out(n, 0.0f);
       std::vector<int> calls(chunking.count(), 0);
       round.on_chunk = [&](size_t c, std::span<const std::span<const uint8_t>> list) {
         ++calls.at(c);
-        announced.at(c).assign(list.begin(), list.end());
+        const kernels::Codec& decoder = round.dense ? **none : codec;
+        for (auto p : list) {
+          const Status st = decoder.decodeChunk(p, 1.0f / static_cast<float>(w),
+                                                out.data() + chunking.begin(c), chunking.size(c));
+          if (!st.isOk()) return st;
+        }
         return Status::ok();
       };
       auto got = ring.run(round);
       REQUIRE_MESSAGE(got.isOk(), got.status().message());
-      if (raw) {  // the values were added wherever this rank only adds: not at its chains' starts
+      if (raw) {  // the values were added, or sent at their chains' starts: never a payload
         REQUIRE(round.raw_used.size() == chunking.count());
-        for (size_t c = 0; c < chunking.count(); ++c) {
-          CHECK(bool(round.raw_used[c]) == (r != (c % w + 1) % w));
-        }
+        for (size_t c = 0; c < chunking.count(); ++c) CHECK(round.raw_used[c]);
       }
+      REQUIRE(got->size() == chunking.count());
       for (size_t c = 0; c < got->size(); ++c) {
         REQUIRE(calls[c] == 1);
-        REQUIRE(announced[c].size() == (*got)[c].size());
-        for (size_t k = 0; k < announced[c].size(); ++k) {
-          REQUIRE(announced[c][k].data() == (*got)[c][k].data());
-          REQUIRE(announced[c][k].size() == (*got)[c][k].size());
-        }
-      }
-      auto none = kernels::createCodec({.name = "none"});
-      const kernels::Codec& decoder = round.dense ? **none : codec;
-      std::vector<float> out(n, 0.0f);
-      for (size_t c = 0; c < got->size(); ++c) {
-        for (auto p : (*got)[c]) {
-          REQUIRE(decoder
-                      .decodeChunk(p, 1.0f / static_cast<float>(w), out.data() + chunking.begin(c),
-                                   chunking.size(c))
-                      .isOk());
-        }
+        // An allreduce's sums went back to the transport once decoded: nothing is returned.
+        if (codec.traits().summable || round.dense) CHECK((*got)[c].empty());
       }
       ring.stepDone(name, 1);
       return out;
