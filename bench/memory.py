@@ -63,8 +63,8 @@ def isqrt_ceil(n):
     return r
 
 
-def state_bytes(row, n, rank=1):
-    """The codec state of one tensor of n elements (docs/deploy.md "Sizing")."""
+def state_bytes(row, n, shape, rank=1):
+    """The codec state of one tensor of n elements with `shape` (docs/deploy.md "Sizing")."""
     if row in ("none", "fp16", "qsgd"):
         return 0
     if row in ("topk", "dgc"):
@@ -72,8 +72,13 @@ def state_bytes(row, n, rank=1):
     if row in ("dgc-momentum", "model"):
         return 8 * n
     if row == "powersgd":
-        cap = min(n + isqrt_ceil(n), rank * n)
-        return 4 * (n + POWERSGD_META + cap)
+        if len(shape) >= 2:
+            rows = shape[0]
+            cols = n // rows
+        else:
+            cols = isqrt_ceil(n)
+            rows = -(-n // cols)
+        return 4 * (n + POWERSGD_META + cols * min(rank, rows, cols))
     raise ValueError(row)
 
 
@@ -214,7 +219,7 @@ def run_row(binary, row, n, world, steps, tensors, timeout, check_state=True, pa
         for c in clients:
             m = re.search(r"^lightwire_state_bytes(?:\{[^}]*\})? (\S+)", c.metrics(), re.M)
             states.append(float(m.group(1)) if m else 0.0)
-        expect = tensors * state_bytes(row, per)
+        expect = tensors * state_bytes(row, per, shape)
         for r, s in enumerate(states):
             if check_state and int(s) != expect:
                 raise SystemExit("memory: %s: rank %d holds %d state bytes, the formula says %d"

@@ -16,6 +16,12 @@ Chunking Chunking::make(size_t n, size_t requested, size_t alignment) {
 
 void CodecState::reset() { StateBuffer(state_.size()).swap(state_); }
 
+void CodecState::resize(size_t floats, size_t keep) {
+  StateBuffer next(floats);
+  std::copy_n(state_.data(), std::min({keep, floats, state_.size()}), next.data());
+  next.swap(state_);
+}
+
 Status CodecState::restore(std::span<const float> current) {
   if (current.size() != state_.size()) {
     return invalidArgument("codec state holds " + std::to_string(state_.size()) +
@@ -67,15 +73,16 @@ Status checkChunkAndRound(const std::string& name, const Chunking& chunking, siz
   return Status::ok();
 }
 
-Status Codec::checkTensorArgs(const Chunking& chunking, ConstTensor input,
+Status Codec::checkTensorArgs(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                               const CodecState& state) const {
   return checkTensorValues(traits().name, chunking, input.elements, input.dtype, input.data,
-                           chunkAlignment(), state.floats(), stateFloats(chunking.elements));
+                           chunkAlignment(), state.floats(),
+                           stateFloats(chunking.elements, ctx.shape));
 }
 
-Status Codec::checkStepArgs(const Chunking& chunking, ConstTensor input, const CodecState& state,
-                            std::span<std::byte> workspace) const {
-  LW_RETURN_IF_ERROR(checkTensorArgs(chunking, input, state));
+Status Codec::checkStepArgs(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                            const CodecState& state, std::span<std::byte> workspace) const {
+  LW_RETURN_IF_ERROR(checkTensorArgs(ctx, chunking, input, state));
   const std::string name = traits().name;
   if (workspace.size() < workspaceBytes(chunking)) {
     return invalidArgument(name + ": workspace of " + std::to_string(workspace.size()) +
@@ -86,7 +93,7 @@ Status Codec::checkStepArgs(const Chunking& chunking, ConstTensor input, const C
 
 Status Codec::analyze(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                       CodecState& state, std::span<std::byte> workspace) const {
-  LW_RETURN_IF_ERROR(checkStepArgs(chunking, input, state, workspace));
+  LW_RETURN_IF_ERROR(checkStepArgs(ctx, chunking, input, state, workspace));
   return doAnalyze(ctx, chunking, input, state, workspace);
 }
 
@@ -94,7 +101,7 @@ Result<size_t> Codec::encodeChunk(const StepContext& ctx, const Chunking& chunki
                                   int round, std::span<const uint8_t> previous, ConstTensor input,
                                   CodecState& state, std::span<std::byte> workspace,
                                   std::span<uint8_t> out) const {
-  LW_RETURN_IF_ERROR(checkStepArgs(chunking, input, state, workspace));
+  LW_RETURN_IF_ERROR(checkStepArgs(ctx, chunking, input, state, workspace));
   const std::string name = traits().name;
   LW_RETURN_IF_ERROR(checkChunkAndRound(name, chunking, chunk, round, traits().rounds));
   if (out.size() < maxPayloadBytes(chunking.size(chunk))) {
@@ -107,7 +114,7 @@ Result<size_t> Codec::encodeChunk(const StepContext& ctx, const Chunking& chunki
 
 Status Codec::flush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                     CodecState& state, float* out) const {
-  LW_RETURN_IF_ERROR(checkTensorArgs(chunking, input, state));
+  LW_RETURN_IF_ERROR(checkTensorArgs(ctx, chunking, input, state));
   if (chunking.elements > 0 && out == nullptr) {
     return invalidArgument(std::string(traits().name) + ": flush output is null");
   }
@@ -125,7 +132,7 @@ Status Codec::commitState(const StepContext& ctx, const Chunking& chunking, Cons
                           std::span<const std::span<const uint8_t>> sent,
                           std::span<const std::span<const uint8_t>> selected, CodecState& state,
                           std::span<std::byte> workspace, WriteBack write_back) const {
-  LW_RETURN_IF_ERROR(checkStepArgs(chunking, input, state, workspace));
+  LW_RETURN_IF_ERROR(checkStepArgs(ctx, chunking, input, state, workspace));
   const std::string name = traits().name;
   const size_t chunks = chunking.count();
   if (sent.size() != chunks) {
@@ -136,7 +143,8 @@ Status Codec::commitState(const StepContext& ctx, const Chunking& chunking, Cons
     return invalidArgument(name + ": commit with " + std::to_string(selected.size()) +
                            " selections for " + std::to_string(chunks) + " chunks");
   }
-  if (write_back && (stateFloats(chunking.elements) == 0 || write_back.from == nullptr)) {
+  if (write_back &&
+      (stateFloats(chunking.elements, ctx.shape) == 0 || write_back.from == nullptr)) {
     return invalidArgument(name +
                            ": a write-back in the commit needs a codec with state and a "
                            "source");

@@ -149,6 +149,9 @@ class CodecState {
   /// Forgets everything (fresh state, e.g. after a size change or a residual flush): fresh
   /// zeroed memory, resident again only where written.
   void reset();
+  /// `floats` values (fresh zeroed memory) whose first `keep` are the committed ones: PowerSGD's
+  /// state when the tensor's shape changes its matrix view (the error kept, the warm start not).
+  void resize(size_t floats, size_t keep);
   std::span<const float> currentSpan() const { return state_; }
   /// Sets the committed state to `current` (a checkpoint). Fails, changing nothing, when
   /// current.size() != floats().
@@ -177,8 +180,12 @@ class Codec {
 
   /// Chunk sizes must be multiples of this (QSGD: its bucket size).
   virtual size_t chunkAlignment() const { return 1; }
-  /// fp32 values of persistent state for a tensor of n elements (0 = stateless).
-  virtual size_t stateFloats(size_t /*n*/) const { return 0; }
+  /// fp32 values of persistent state for a tensor of n elements (0 = stateless) with `shape`
+  /// (StepContext::shape: the trainer's shape, empty when unknown). Only PowerSGD's depends on
+  /// the shape (its warm-start Q has the matrix view's cols · rank values).
+  virtual size_t stateFloats(size_t /*n*/, std::span<const uint64_t> /*shape*/) const { return 0; }
+  /// stateFloats() of a tensor without a shape.
+  size_t stateFloats(size_t n) const { return stateFloats(n, {}); }
   /// fp32 values of the step's work area (CodecState::work) for n elements: n for codecs with
   /// state (error feedback's x + e, DGC's v', PowerSGD's M), 0 for stateless ones.
   size_t workFloats(size_t n) const { return stateFloats(n) > 0 ? n : 0; }
@@ -333,9 +340,9 @@ class Codec {
   }
 
  private:
-  Status checkStepArgs(const Chunking& chunking, ConstTensor input, const CodecState& state,
-                       std::span<std::byte> workspace) const;
-  Status checkTensorArgs(const Chunking& chunking, ConstTensor input,
+  Status checkStepArgs(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
+                       const CodecState& state, std::span<std::byte> workspace) const;
+  Status checkTensorArgs(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                          const CodecState& state) const;
 };
 

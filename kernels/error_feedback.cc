@@ -23,7 +23,8 @@ class ErrorFeedbackCodec final : public Codec {
   const CodecTraits& traits() const override { return inner_->traits(); }
   const CodecConfig& config() const override { return config_; }
   size_t chunkAlignment() const override { return inner_->chunkAlignment(); }
-  size_t stateFloats(size_t n) const override { return n; }
+  using Codec::stateFloats;
+  size_t stateFloats(size_t n, std::span<const uint64_t>) const override { return n; }
   size_t workspaceBytes(const Chunking& c) const override { return inner_->workspaceBytes(c); }
   size_t maxPayloadBytes(size_t n) const override { return inner_->maxPayloadBytes(n); }
   std::optional<size_t> nominalPayloadBytes(size_t n,

@@ -518,7 +518,11 @@ Result<Checkpoint> decodeCheckpoint(std::span<const uint8_t> bytes,
   if (size < 8) return dataLoss(fmt::format("truncated: {} bytes, no format version", size));
   if (const uint64_t version = le(4, 4); version != kCheckpointVersion) {
     return failedPrecondition(fmt::format(
-        "format version {} is not supported (this sidecar reads {})", version, kCheckpointVersion));
+        "format version {} is not supported (this sidecar reads {}){}", version, kCheckpointVersion,
+        version > 0 && version < kCheckpointVersion
+            ? ": it was written by an older lightwire, whose codec state this one cannot use; "
+              "start without it (docs/policies.md \"Durable state: checkpoints\")"
+            : ""));
   }
   if (size < kHeaderBytes + kTrailerBytes) {
     return dataLoss(fmt::format("truncated: {} bytes, shorter than the {}-byte header and checksum",

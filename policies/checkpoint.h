@@ -23,7 +23,9 @@
 
 namespace lightwire::policies {
 
-inline constexpr uint32_t kCheckpointVersion = 1;
+// 2: PowerSGD's state holds the warm-start Q of its matrix view (cols · rank values), no longer
+// a reservation for any view of the tensor's size (docs/codecs.md "powersgd").
+inline constexpr uint32_t kCheckpointVersion = 2;
 
 /// One tensor's durable state. Plain value.
 struct CheckpointTensor {
@@ -65,7 +67,8 @@ std::string checkpointPath(const std::string& dir, const std::string& job_id, ui
 /// The serialised file (header, body, checksum) — what writeCheckpoint() writes.
 std::vector<uint8_t> encodeCheckpoint(const Checkpoint& c);
 /// Parses and checks serialised bytes (errors name what is wrong: "not a lightwire checkpoint
-/// (bad magic)", "format version 7 is not supported (this sidecar reads 1)", "truncated: ...",
+/// (bad magic)", "format version 7 is not supported (this sidecar reads 2)" (an older version
+/// says it was written by an older lightwire), "truncated: ...",
 /// "checksum mismatch: the file is corrupted", then the contents (kDataLoss), then "checkpoint is
 /// of job 'a', this sidecar runs job 'b'", "... of world size 3, this job has 4", "... of rank 1,
 /// this sidecar is rank 2", "... of step 7, not 9" (kFailedPrecondition, as is the version).

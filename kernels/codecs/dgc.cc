@@ -47,7 +47,10 @@ class DgcCodec final : public Codec {
   const CodecConfig& config() const override { return config_; }
   /// u then v with momentum; v alone without (u' would be zero everywhere: not stored, not
   /// written, which saves a quarter of the fused pass's memory traffic).
-  size_t stateFloats(size_t n) const override { return hasMomentum() ? 2 * n : n; }
+  using Codec::stateFloats;
+  size_t stateFloats(size_t n, std::span<const uint64_t>) const override {
+    return hasMomentum() ? 2 * n : n;
+  }
   size_t workspaceBytes(const Chunking& c) const override {
     const size_t n = c.elements;
     return SelectWorkspace::bytes(n) +
@@ -248,9 +251,10 @@ class DgcCodec final : public Codec {
       };
       Status st;
       if (selected.empty()) {
-        // Every entry sent: its value is v'_i as sent (fp16-rounded with fp16 values).
-        std::vector<uint32_t> indices;
-        std::vector<float> values;
+        // Every entry sent: its value is v'_i as sent (fp16-rounded with fp16 values). The
+        // entries' vectors are the thread's, reused from commit to commit.
+        thread_local std::vector<uint32_t> indices;
+        thread_local std::vector<float> values;
         st = readSparseEntries(sent[c], CodecId::kDgc, len, indices, values);
         for (size_t j = 0; st.isOk() && j < indices.size(); ++j) mask(indices[j], values[j]);
       } else {

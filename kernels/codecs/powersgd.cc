@@ -237,9 +237,11 @@ class PowerSgdCodec final : public Codec {
   const CodecTraits& traits() const override { return kPowerSgdTraits; }
   const CodecConfig& config() const override { return config_; }
 
-  /// e (n), the meta block, then room for Q (cols·r values, at most capFactor(n)).
-  size_t stateFloats(size_t n) const override {
-    return n == 0 ? 0 : n + kMetaFloats + capFactor(n);
+  /// e (n), the meta block, then the warm-start Q (cols · r values of the shape's matrix view;
+  /// a shape that does not hold n elements fails the step, its state is sized as without one).
+  using Codec::stateFloats;
+  size_t stateFloats(size_t n, std::span<const uint64_t> shape) const override {
+    return powersgd::stateFloats(n, shape, config_.approx_rank);
   }
   /// One factor (Qᵀ, then P̂), in finishStep() also the reduced Q transposed, and the state's
   /// next meta block and warm-start Q (what commitState() copies into the state), then the memo.
@@ -385,7 +387,7 @@ class PowerSgdCodec final : public Codec {
     const size_t n = chunking.elements;
     const powersgd::FinishArgs args{.input_elements = input.elements,
                                     .state_floats = state.floats(),
-                                    .state_needed = stateFloats(n),
+                                    .state_needed = stateFloats(n, ctx.shape),
                                     .workspace_bytes = workspace.size(),
                                     .workspace_needed = workspaceBytes(chunking),
                                     .workspace_null = false};
@@ -444,7 +446,7 @@ class PowerSgdCodec final : public Codec {
 
   /// Σ e_i² of the committed error (not the meta block or Q).
   double residualNorm2(const CodecState& state, size_t n) const override {
-    if (n == 0 || state.floats() != stateFloats(n)) return 0.0;
+    if (!powersgd::stateHolds(state.floats(), n, config_.approx_rank)) return 0.0;
     return canonicalSum(state.current(), n, ReduceTerm::kSquare);
   }
 

@@ -40,6 +40,27 @@ size_t capFactor(size_t n, int approx_rank) {
   return std::min<size_t>(n + isqrtCeil(n), by_rank);
 }
 
+size_t stateFloats(size_t n, std::span<const uint64_t> shape, int approx_rank) {
+  if (n == 0) return 0;
+  auto v = viewFor(shape, n, approx_rank);
+  if (!v) v = viewFor({}, n, approx_rank);
+  // A view of n elements has cols·rank <= n·rank and cols <= n; no view fails above 2^32 cols
+  // where n fits the API's limits, but the bound keeps the size defined if one did.
+  return n + kMetaFloats + (v ? static_cast<size_t>(v->cols * v->rank) : capFactor(n, approx_rank));
+}
+
+bool stateHolds(size_t floats, size_t n, int approx_rank) {
+  if (n == 0) return floats == 0;
+  if (floats < n + kMetaFloats) return false;
+  const uint64_t q = floats - n - kMetaFloats;  // Q's floats: cols · rank
+  if (floats == stateFloats(n, {}, approx_rank)) return true;
+  for (uint64_t r = 1; r <= uint64_t(approx_rank) && r <= q; ++r) {
+    if (q % r != 0 || n % (q / r) != 0) continue;
+    if (rankFor(approx_rank, n / (q / r), q / r) == r) return true;
+  }
+  return false;
+}
+
 Result<View> viewFor(std::span<const uint64_t> shape, size_t n, int approx_rank) {
   View v;
   if (shape.size() >= 2) {

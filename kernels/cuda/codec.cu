@@ -136,16 +136,16 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 }  // namespace
 
-Status CudaCodec::checkTensorArgs(const Chunking& chunking, DeviceTensor input,
-                                  const DeviceState& state) const {
+Status CudaCodec::checkTensorArgs(const StepContext& ctx, const Chunking& chunking,
+                                  DeviceTensor input, const DeviceState& state) const {
   return checkTensorValues(std::string(traits().name) + " (cuda)", chunking, input.elements,
                            input.dtype, input.data, host().chunkAlignment(), state.floats(),
-                           stateFloats(chunking.elements));
+                           stateFloats(chunking.elements, ctx.shape));
 }
 
 Status CudaCodec::analyze(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                           DeviceState& state, DeviceBytes workspace, cudaStream_t stream) const {
-  LW_RETURN_IF_ERROR(checkTensorArgs(chunking, input, state));
+  LW_RETURN_IF_ERROR(checkTensorArgs(ctx, chunking, input, state));
   if (workspace.size < workspaceBytes(chunking) ||
       (workspace.data == nullptr && workspaceBytes(chunking) > 0)) {
     return invalidArgument(std::string(traits().name) + " (cuda): workspace of " +
@@ -159,7 +159,7 @@ Status CudaCodec::encodeChunk(const StepContext& ctx, const Chunking& chunking, 
                               int round, std::span<const uint8_t> previous, DeviceTensor input,
                               DeviceState& state, DeviceBytes workspace, uint8_t* d_out,
                               uint64_t* d_size, cudaStream_t stream) const {
-  LW_RETURN_IF_ERROR(checkTensorArgs(chunking, input, state));
+  LW_RETURN_IF_ERROR(checkTensorArgs(ctx, chunking, input, state));
   const std::string name = std::string(traits().name) + " (cuda)";
   if (workspace.size < workspaceBytes(chunking) ||
       (workspace.data == nullptr && workspaceBytes(chunking) > 0)) {
@@ -205,7 +205,7 @@ Status CudaCodec::decodeChunk(std::span<const uint8_t> payload, float weight, fl
 
 Status CudaCodec::flush(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                         DeviceState& state, float* d_out, cudaStream_t stream) const {
-  LW_RETURN_IF_ERROR(checkTensorArgs(chunking, input, state));
+  LW_RETURN_IF_ERROR(checkTensorArgs(ctx, chunking, input, state));
   if (chunking.elements > 0 && d_out == nullptr) {
     return invalidArgument(std::string(traits().name) + " (cuda): flush output is null");
   }

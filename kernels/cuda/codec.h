@@ -93,7 +93,9 @@ class CudaCodec {
   virtual const Codec& host() const = 0;
   const CodecTraits& traits() const { return host().traits(); }
   const CodecConfig& config() const { return host().config(); }
-  size_t stateFloats(size_t n) const { return host().stateFloats(n); }
+  size_t stateFloats(size_t n, std::span<const uint64_t> shape = {}) const {
+    return host().stateFloats(n, shape);
+  }
   size_t maxPayloadBytes(size_t chunk_elements) const {
     return host().maxPayloadBytes(chunk_elements);
   }
@@ -183,7 +185,7 @@ class CudaCodec {
                          DeviceState& state, float* d_out, cudaStream_t stream) const;
 
  private:
-  Status checkTensorArgs(const Chunking& chunking, DeviceTensor input,
+  Status checkTensorArgs(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                          const DeviceState& state) const;
 };
 

@@ -134,6 +134,7 @@ Status StepEngine::restoreFrom(const std::string& path, std::optional<uint64_t> 
       t.has_state = !ct.codec_key.empty();
       t.config_key = ct.codec_key;
       t.state_elements = ct.elements;
+      t.state_floats = ct.state.size();
       t.state_dtype = static_cast<DType>(ct.dtype);
       t.state = kernels::CodecState(ct.state.size());
       if (!ct.state.empty()) LW_RETURN_IF_ERROR(t.state.restore(ct.state));

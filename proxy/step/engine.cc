@@ -687,9 +687,12 @@ void StepEngine::dropIdleStates(uint64_t step) {
     t->state_bytes = 0;
     dropped = true;
   }
-  if (!dropped) return;
+  if (dropped) publishStateBytes();
+}
+
+void StepEngine::publishStateBytes() {
   uint64_t total = 0;
-  for (const auto& [name, other] : tensors_) total += other->state_bytes;
+  for (const auto& [name, t] : tensors_) total += t->state_bytes;
   metrics_.state_bytes.Set(static_cast<double>(total));
 }
 
@@ -722,9 +725,7 @@ void StepEngine::endStep(Tensor& t, uint64_t step, Pending& p, const StepOutcome
     t.elements = p.elements;
     t.dtype = p.dtype;
     t.state_bytes = t.state_on_gpu ? gpu::stateBytes(t.gpu.get()) : t.state.bytes();
-    uint64_t total = 0;
-    for (const auto& [name, other] : tensors_) total += other->state_bytes;
-    metrics_.state_bytes.Set(static_cast<double>(total));
+    publishStateBytes();
     metrics_.pool_bytes.Set(static_cast<double>(pool_.bytes()));
   }
   if (outcome.ok()) dropIdleStates(step);

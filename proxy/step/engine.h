@@ -175,10 +175,12 @@ class StepEngine {
   void runStep(Tensor& t, uint64_t step, Pending& p);
   /// runStep for the layers of one bucket (their ready entries, in order).
   void runBucketStep(std::vector<Tensor*>& tensors, uint64_t step, std::vector<Pending>& parts);
-  /// The bookkeeping of a step that ended (ok or not) and its replies; the resume a step's
-  /// statistics asked for runs after it (resumePending()).
   /// limits.drop_state_after_steps after a step of `step` ended (engine thread).
   void dropIdleStates(uint64_t step);
+  /// lightwire_state_bytes: every tensor's state (mu_ held).
+  void publishStateBytes();
+  /// The bookkeeping of a step that ended (ok or not) and its replies; the resume a step's
+  /// statistics asked for runs after it (resumePending()).
   void endStep(Tensor& t, uint64_t step, Pending& p, const StepOutcome& outcome);
   void resumePending();
   /// Why `s` cannot join its step now (kNone: it can, `why` untouched); changes nothing. `created`:

@@ -46,11 +46,12 @@ class GpuStep final : public StepBackend {
   /// Prepares `tg` (created, or re-created when the device changed) for a step of `n` elements of
   /// `dtype` from `parts` on GPU `ordinal` with codec `config`, and makes the step's stream wait
   /// for every trainer's gradient. `host_state`: the tensor's committed state when it is on the
-  /// host (moved to the device when sized for this codec; fresh zeros otherwise), null when `tg`
-  /// holds it already.
+  /// host (moved to the device when sized for this codec and `shape`; fresh zeros otherwise),
+  /// null when `tg` holds it already.
   static Result<std::unique_ptr<GpuStep>> begin(std::shared_ptr<TensorGpu>& tg, int ordinal,
                                                 const kernels::CodecConfig& config,
                                                 std::span<Contribution* const> parts, size_t n,
+                                                std::span<const uint64_t> shape,
                                                 kernels::DType dtype,
                                                 const kernels::CodecState* host_state);
   ~GpuStep() override;

@@ -164,7 +164,7 @@ std::string GpuStep::deviceName() const { return "cuda:" + std::to_string(impl_-
 Result<std::unique_ptr<GpuStep>> GpuStep::begin(std::shared_ptr<TensorGpu>& tg, int ordinal,
                                                 const kernels::CodecConfig& config,
                                                 std::span<Contribution* const> parts, size_t n,
-                                                DType dtype,
+                                                std::span<const uint64_t> shape, DType dtype,
                                                 const kernels::CodecState* host_state) {
   // The tensor's resources on this GPU; `tg` is replaced only once the step has begun, so a
   // failure leaves the state where it was.
@@ -209,7 +209,7 @@ Result<std::unique_ptr<GpuStep>> GpuStep::begin(std::shared_ptr<TensorGpu>& tg, 
   }
   if (host_state != nullptr) {
     // The state moves here: the host's when it is this codec's for this size, else fresh zeros.
-    const size_t floats = t.codec_->stateFloats(n);
+    const size_t floats = t.codec_->stateFloats(n, shape);
     auto state = kc::DeviceState::create(floats);
     if (!state) return state.status();
     if (host_state->floats() == floats && floats > 0) {

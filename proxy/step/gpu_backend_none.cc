@@ -22,7 +22,8 @@ GpuStep::~GpuStep() = default;
 Result<std::unique_ptr<GpuStep>> GpuStep::begin(std::shared_ptr<TensorGpu>&, int,
                                                 const kernels::CodecConfig&,
                                                 std::span<Contribution* const>, size_t,
-                                                kernels::DType, const kernels::CodecState*) {
+                                                std::span<const uint64_t>, kernels::DType,
+                                                const kernels::CodecState*) {
   return failedPrecondition("this build has no GPU path (built without the CUDA toolkit)");
 }
 

@@ -366,6 +366,29 @@ StepPipeline::Stage StepPipeline::makeCodec() {
                  t_.name, t_.state_elements, n_, apiDTypeName(p_.dtype));
     fig.state_reset = true;
     t_.has_state = false;
+  } else if (t_.has_state && t_.state_floats != t_.codec->stateFloats(n_, p_.shape)) {
+    // PowerSGD's state ends with the warm start of its matrix view, which the shape decides: the
+    // state is made again at its new size (within the budget), its error kept and its warm start
+    // drawn afresh, as any change of view does (docs/codecs.md "powersgd").
+    if (t_.state_on_gpu) {
+      auto host = gpu::downloadState(*t_.gpu);
+      if (host) {
+        carried_ = std::move(*host);
+      } else {
+        spdlog::warn(
+            "tensor '{}' changed its shape and its codec state could not be read from "
+            "the device ({}): it starts fresh",
+            t_.name, host.status().message());
+        fig.state_reset = true;
+      }
+    } else {
+      carried_ = std::move(t_.state);
+    }
+    spdlog::info(
+        "tensor '{}' changed its shape: its codec state keeps the error, the warm start "
+        "is drawn afresh",
+        t_.name);
+    t_.has_state = false;
   }
   return std::nullopt;
 }
@@ -381,7 +404,7 @@ StepPipeline::Stage StepPipeline::makeState() {
   // The device keeps a second copy of the state (docs/cuda.md); the host one copy, and its steps
   // take a result buffer (the codec's work area) and, with several trainers or a narrow dtype, a
   // local sum from the pool.
-  const uint64_t floats = codec.stateFloats(n_);
+  const uint64_t floats = codec.stateFloats(n_, p_.shape);
   const uint64_t need = (gpu_ordinal_ ? 2 : 1) * floats * sizeof(float);
   const bool own_result =
       floats > 0 || trainers_ > 1 || p_.dtype != kernels::DType::kF32 || codec.traits().rounds > 1;
@@ -409,9 +432,16 @@ StepPipeline::Stage StepPipeline::makeState() {
                       ": more than limits.max_state_bytes (" + std::to_string(cap) + ")"};
     }
   }
-  t_.state = gpu_ordinal_ ? kernels::CodecState() : kernels::CodecState(codec.stateFloats(n_));
+  if (carried_.floats() > 0) {  // the step moves it to the device when it runs there
+    carried_.resize(floats, n_);
+    t_.state = std::move(carried_);
+    carried_ = kernels::CodecState();
+  } else {
+    t_.state = gpu_ordinal_ ? kernels::CodecState() : kernels::CodecState(floats);
+  }
   t_.state_on_gpu = false;
   t_.state_elements = n_;
+  t_.state_floats = floats;
   t_.state_dtype = p_.dtype;
   t_.has_state = true;
   if (out_.figures.state_reset) engine_.metrics_.state_resets.Increment();
@@ -423,11 +453,11 @@ StepPipeline::Stage StepPipeline::begin() {
   std::vector<Contribution*> parts;
   for (auto& part : p_.parts) parts.push_back(&*part);
   if (gpu_ordinal_) {
-    auto begun = gpu::GpuStep::begin(t_.gpu, *gpu_ordinal_, settings_.codec, parts, n_, p_.dtype,
-                                     t_.state_on_gpu ? nullptr : &t_.state);
+    auto begun = gpu::GpuStep::begin(t_.gpu, *gpu_ordinal_, settings_.codec, parts, n_, p_.shape,
+                                     p_.dtype, t_.state_on_gpu ? nullptr : &t_.state);
     if (!begun) {
       // A fresh state was never made on the host: make it afresh on the next step.
-      if (!t_.state_on_gpu && t_.state.floats() != t_.codec->stateFloats(n_)) {
+      if (!t_.state_on_gpu && t_.state.floats() != t_.state_floats) {
         t_.has_state = false;
       }
       return Stop{StepError::kDeviceError, begun.status().message()};

@@ -133,6 +133,9 @@ class StepPipeline {
   std::optional<policies::AutoStep> auto_;  // codec: auto: the rung of this step
   std::optional<int> gpu_ordinal_;  // where the GPU backend runs the step (nullopt: the host)
   std::unique_ptr<StepBackend> backend_;
+  // makeCodec() -> makeState(): the committed state, on the host, of a tensor whose shape
+  // changed its size (PowerSGD's warm start), to be made again with its error kept.
+  kernels::CodecState carried_;
   kernels::StepContext ctx_;
   kernels::Chunking chunking_;
   bool dense_step_ = false;            // bypass and full sync: codec `none`

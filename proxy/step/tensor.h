@@ -50,6 +50,7 @@ struct StepEngine::Tensor {
   std::string config_key;
   kernels::CodecState state;
   uint64_t state_elements = 0;
+  uint64_t state_floats = 0;  // the state's size when made or restored (host or device)
   kernels::DType state_dtype = kernels::DType::kF32;
   bool has_state = false;
   HostBuffers host;

@@ -128,6 +128,13 @@ std::vector<std::string> runMultiRoundCase(const json::object& c, unsigned threa
         for (const auto& d : sh->as_array()) step_shape.push_back(d.to_number<uint64_t>());
       }
     }
+    // PowerSGD's state is sized by the step's matrix view: a change of view keeps the error and
+    // draws the warm start afresh (as the engine does).
+    for (auto& st : states) {
+      if (st.floats() != codec.stateFloats(n, step_shape)) {
+        st.resize(codec.stateFloats(n, step_shape), n);
+      }
+    }
     auto ctxOf = [&](size_t r) {
       StepContext ctx;
       ctx.seed = static_cast<uint32_t>(c.at("seed").to_number<uint64_t>());

@@ -70,6 +70,11 @@ void commitLater(const Codec& c, const std::vector<float>& x, CodecState& state,
   REQUIRE_MESSAGE(st.isOk(), st.message());
 }
 
+/// The state of a tensor of n elements with `shape`: PowerSGD's is sized by its matrix view.
+CodecState stateFor(const Codec& c, size_t n, std::vector<uint64_t> shape = {}) {
+  return CodecState(c.stateFloats(n, shape));
+}
+
 std::vector<float> residual(const CodecState& s, size_t n) {
   return {s.currentSpan().begin(), s.currentSpan().begin() + n};
 }
@@ -82,7 +87,7 @@ TEST_CASE("powersgd: exact on a rank-r matrix when approx_rank >= r") {
       CAPTURE(r);
       CAPTURE(approx);
       auto c = psgd(approx);
-      CodecState state(c->stateFloats(m.size()));
+      CodecState state = stateFor(*c, m.size(), {rows, cols});
       const auto decoded = step(*c, m, state, {rows, cols});
       CHECK(relErr(m, decoded) < 1e-5);
       CHECK(norm(residual(state, m.size())) < 1e-5 * norm(m));
@@ -96,7 +101,7 @@ TEST_CASE("powersgd: the error shrinks as approx_rank grows") {
   double last = 2.0;
   for (int r : {1, 2, 4, 8, 16, 32, 48}) {
     auto c = psgd(r);
-    CodecState state(c->stateFloats(m.size()));
+    CodecState state = stateFor(*c, m.size(), {rows, cols});
     const double e = relErr(m, step(*c, m, state, {rows, cols}));
     CAPTURE(r);
     CHECK(e < last);
@@ -111,7 +116,7 @@ TEST_CASE("powersgd: warm start (a second step on the same matrix is at least as
   auto m = lowRank(rows, cols, 8, 9);
   for (size_t i = 0; i < n; ++i) m[i] *= 1.0f + 0.1f * float(i % 7);
   auto c = psgd(4);
-  CodecState state(c->stateFloats(n));
+  CodecState state = stateFor(*c, n, {rows, cols});
   const double e1 = relErr(m, step(*c, m, state, {rows, cols}, 0));
   // Feed x2 = M − e1 so that the second step's matrix x2 + e1 is M again (to fp32 rounding).
   const auto e = residual(state, n);
@@ -132,7 +137,7 @@ TEST_CASE("powersgd: W ranks agree bitwise, and W identical ranks decode as one"
     CAPTURE(world);
     std::vector<std::vector<float>> inputs;
     for (size_t rank = 0; rank < world; ++rank) inputs.push_back(gaussian(n, 50 + rank));
-    std::vector<CodecState> states(world, CodecState(c->stateFloats(n)));
+    std::vector<CodecState> states(world, stateFor(*c, n, shape));
     auto r = runMultiRank(*c, ctx, inputs, states, 1.0f / float(world));
     REQUIRE_MESSAGE(r.isOk(), r.status().message());
     for (size_t rank = 1; rank < world; ++rank) {
@@ -150,7 +155,7 @@ TEST_CASE("powersgd: W ranks agree bitwise, and W identical ranks decode as one"
     }
     // W copies of one input decode bitwise as a single rank (sums of equal payloads scale by W).
     std::vector<std::vector<float>> same(world, gaussian(n, 77));
-    std::vector<CodecState> fresh(world, CodecState(c->stateFloats(n)));
+    std::vector<CodecState> fresh(world, stateFor(*c, n, shape));
     auto s = runMultiRank(*c, ctx, same, fresh, 1.0f / float(world));
     REQUIRE(s.isOk());
     if (world == 1) single = s->decoded[0];
@@ -200,7 +205,7 @@ TEST_CASE("powersgd: payloads and results independent of the thread count") {
   const auto x = gaussian(n, 8);
   auto c = psgd(4);
   CpuStream one(1), two(2);
-  CodecState s1(c->stateFloats(n)), s2(c->stateFloats(n));
+  CodecState s1 = stateFor(*c, n, {rows, cols}), s2 = stateFor(*c, n, {rows, cols});
   testing::MultiRankStep a, b;
   const auto d1 = step(*c, x, s1, {rows, cols}, 0, true, &a, &one);
   const auto d2 = step(*c, x, s2, {rows, cols}, 0, true, &b, &two);
@@ -210,7 +215,7 @@ TEST_CASE("powersgd: payloads and results independent of the thread count") {
   const std::vector<float> c2(s2.currentSpan().begin(), s2.currentSpan().end());
   CHECK(testing::bitEqual(c1, c2));
   // And null stream (calling thread only) gives the same bytes.
-  CodecState s3(c->stateFloats(n));
+  CodecState s3 = stateFor(*c, n, {rows, cols});
   testing::MultiRankStep d;
   step(*c, x, s3, {rows, cols}, 0, true, &d, nullptr);
   CHECK(a.reduced == d.reduced);
@@ -229,7 +234,7 @@ TEST_CASE("powersgd: every SIMD target gives the same bytes") {
     auto c = psgd(k.rank);
     const auto x1 = gaussian(k.n, 21), x2 = gaussian(k.n, 22);
     auto run = [&] {
-      CodecState s(c->stateFloats(k.n));
+      CodecState s = stateFor(*c, k.n, k.shape);
       testing::MultiRankStep a, b;
       CpuStream two(2);
       step(*c, x1, s, k.shape, 0, true, &a, &two);
@@ -262,7 +267,7 @@ TEST_CASE("powersgd: shape-driven and flat views") {
   testing::MultiRankStep r;
   {  // [20, 3, 5] -> 20 x 15
     const auto x = gaussian(300, 1);
-    CodecState s(c->stateFloats(300));
+    CodecState s = stateFor(*c, 300, {20, 3, 5});
     step(*c, x, s, {20, 3, 5}, 0, true, &r);
     CHECK(dims(r.reduced[0]) == std::array<uint32_t, 3>{20, 15, 2});
     CHECK(r.reduced[0].size() == 32 + 4 * 20 * 2);
@@ -313,6 +318,65 @@ TEST_CASE("powersgd: shape-driven and flat views") {
   }
 }
 
+TEST_CASE("powersgd: the state holds the error, the meta block and its view's Q, no more") {
+  auto c = psgd(4);
+  // 2-D and 3-D shapes: rows = shape[0], cols = n / rows; Q is cols x min(4, rows, cols).
+  CHECK(c->stateFloats(600, std::vector<uint64_t>{30, 20}) == 600 + 8 + 20 * 4);
+  CHECK(c->stateFloats(600, std::vector<uint64_t>{20, 30}) == 600 + 8 + 30 * 4);
+  CHECK(c->stateFloats(300, std::vector<uint64_t>{20, 3, 5}) == 300 + 8 + 15 * 4);
+  CHECK(c->stateFloats(8200, std::vector<uint64_t>{4100, 2}) == 8200 + 8 + 2 * 2);  // rank 2
+  // No shape, one dimension, or one that does not hold n: the squarest view (300: 17 x 18).
+  CHECK(c->stateFloats(300) == 300 + 8 + 18 * 4);
+  CHECK(c->stateFloats(300, std::vector<uint64_t>{300}) == c->stateFloats(300));
+  CHECK(c->stateFloats(300, std::vector<uint64_t>{3, 4}) == c->stateFloats(300));
+  CHECK(c->stateFloats(0, std::vector<uint64_t>{5, 0}) == 0);
+  CHECK(c->stateFloats(1) == 1 + 8 + 1);
+  // The largest view a 1 GB fp32 tensor can take at rank 1: about n, not 2n.
+  const size_t big = size_t{1} << 28;
+  CHECK(psgd(1)->stateFloats(big) == big + 8 + (size_t{1} << 14));
+  // A state sized for another view is refused, naming both sizes.
+  const auto x = gaussian(600, 3);
+  CodecState wrong = stateFor(*c, 600, {20, 30});
+  const std::vector<uint64_t> shape{30, 20};
+  const StepContext ctx{.shape = shape};
+  std::vector<std::byte> ws(c->workspaceBytes(chunkingFor(*c, 600, 0)));
+  const Status st = c->analyze(ctx, chunkingFor(*c, 600, 0), ConstTensor{x.data(), 600}, wrong, ws);
+  CHECK(!st.isOk());
+  CHECK(st.message().find(std::to_string(600 + 8 + 30 * 4)) != std::string::npos);
+  CHECK(st.message().find(std::to_string(600 + 8 + 20 * 4)) != std::string::npos);
+  // residualNorm2 reads the error of a state of any view of n, and nothing of another n.
+  CodecState s = stateFor(*c, 600, {30, 20});
+  step(*c, x, s, {30, 20}, 0);
+  CHECK(c->residualNorm2(s, 600) > 0.0);
+  CHECK(c->residualNorm2(s, 601) == 0.0);
+  CHECK(c->residualNorm2(s, 599) == 0.0);
+}
+
+TEST_CASE("powersgd: a change of view keeps the error and draws the warm start afresh") {
+  // The state resized to the new view (CodecState::resize keeps the error, zeroes the rest):
+  // the step equals one from a state with the same error and no warm start.
+  auto c = psgd(2);
+  const size_t n = 600;
+  const auto x1 = gaussian(n, 31), x2 = gaussian(n, 32);
+  CodecState s = stateFor(*c, n, {30, 20});
+  step(*c, x1, s, {30, 20}, 0);
+  const auto e = residual(s, n);
+  s.resize(c->stateFloats(n, std::vector<uint64_t>{20, 30}), n);
+  CHECK(s.floats() == n + 8 + 30 * 2);
+  CHECK(testing::bitEqual(residual(s, n), e));
+  CodecState cold = stateFor(*c, n, {20, 30});
+  std::vector<float> full(cold.floats(), 0.0f);
+  std::copy(e.begin(), e.end(), full.begin());
+  REQUIRE(cold.restore(full).isOk());
+  testing::MultiRankStep a, b;
+  const auto d1 = step(*c, x2, s, {20, 30}, 1, true, &a);
+  const auto d2 = step(*c, x2, cold, {20, 30}, 1, true, &b);
+  CHECK(a.reduced == b.reduced);
+  CHECK(testing::bitEqual(d1, d2));
+  CHECK(testing::bitEqual({s.currentSpan().begin(), s.currentSpan().end()},
+                          {cold.currentSpan().begin(), cold.currentSpan().end()}));
+}
+
 TEST_CASE("powersgd: rejects chunking, decodeChunk, and bad configs") {
   auto c = psgd(2);
   const auto x = gaussian(100, 1);
@@ -348,7 +412,7 @@ TEST_CASE("powersgd: non-finite gradients propagate") {
   auto c = psgd(2);
   auto x = gaussian(400, 3);
   x[17] = std::nanf("");
-  CodecState s(c->stateFloats(400));
+  CodecState s = stateFor(*c, 400, {20, 20});
   const auto d = step(*c, x, s, {20, 20}, 0, false);
   CHECK(std::isnan(d[17]));
 }
@@ -356,7 +420,7 @@ TEST_CASE("powersgd: non-finite gradients propagate") {
 TEST_CASE("powersgd: hostile reduced payloads leave out untouched") {
   const size_t rows = 12, cols = 10, n = rows * cols;
   auto c = psgd(3);
-  CodecState s(c->stateFloats(n));
+  CodecState s = stateFor(*c, n, {rows, cols});
   testing::MultiRankStep r;
   step(*c, gaussian(n, 4), s, {rows, cols}, 0, false, &r);
   const std::vector<float> sentinel(n, 42.0f);
@@ -416,7 +480,7 @@ TEST_CASE("powersgd: hostile reduced payloads leave out untouched") {
     const StepContext ctx{.shape = shape};
     const auto x = gaussian(n, 4);
     const Chunking ch = chunkingFor(*c, n, 0);
-    CodecState st(c->stateFloats(n));
+    CodecState st = stateFor(*c, n, shape);
     std::vector<std::byte> ws(c->workspaceBytes(ch));
     REQUIRE(c->analyze(ctx, ch, ConstTensor{x.data(), n}, st, ws).isOk());
     std::vector<uint8_t> out(c->maxPayloadBytes(n));

@@ -165,7 +165,7 @@ struct Bytes {
 };
 
 /// Header (with `body_len`, by default the true length), body, XXH3-64 of the body.
-std::vector<uint8_t> seal(const std::vector<uint8_t>& body, uint32_t version = 1,
+std::vector<uint8_t> seal(const std::vector<uint8_t>& body, uint32_t version = 2,
                           std::optional<uint64_t> body_len = std::nullopt) {
   Bytes f;
   f.str("LWCK").u32(version).u64(body_len.value_or(body.size()));
@@ -257,7 +257,7 @@ TEST_SUITE("checkpoint") {
         0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // accumulator floats
         0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00, 0x40,  //   -0.0, 2.0
     };
-    std::vector<uint8_t> want = {'L', 'W', 'C', 'K', 0x01, 0x00, 0x00, 0x00};
+    std::vector<uint8_t> want = {'L', 'W', 'C', 'K', 0x02, 0x00, 0x00, 0x00};
     Bytes len;
     len.u64(body.size());
     want.insert(want.end(), len.b.begin(), len.b.end());
@@ -612,17 +612,28 @@ TEST_SUITE("checkpoint") {
       CHECK(contains(decodeError({}), "truncated"));
       CHECK(contains(decodeError({'L', 'W'}), "truncated"));
     }
-    SUBCASE("version 2 (and 0)") {
+    SUBCASE("version 3 (and 0)") {
       Bytes body;
       body.head().u32(0);
-      for (uint32_t v : {2u, 0u, 0xFFFFFFFFu}) {
+      for (uint32_t v : {3u, 0u, 0xFFFFFFFFu}) {
         Result<Checkpoint> r = decodeCheckpoint(seal(body.b, v), smallExpect());
         REQUIRE_FALSE(r.isOk());
         CHECK(r.status().code() == StatusCode::kFailedPrecondition);
         CHECK(r.status().message() ==
-              "format version " + std::to_string(v) + " is not supported (this sidecar reads 1)");
+              "format version " + std::to_string(v) + " is not supported (this sidecar reads 2)");
       }
-      CHECK(decodeCheckpoint(seal(body.b, 1), smallExpect()).isOk());
+      CHECK(decodeCheckpoint(seal(body.b, 2), smallExpect()).isOk());
+    }
+    SUBCASE("version 1: an older lightwire's file, refused saying so") {
+      Bytes body;
+      body.head().u32(0);
+      Result<Checkpoint> r = decodeCheckpoint(seal(body.b, 1), smallExpect());
+      REQUIRE_FALSE(r.isOk());
+      CHECK(r.status().code() == StatusCode::kFailedPrecondition);
+      CHECK(r.status().message() ==
+            "format version 1 is not supported (this sidecar reads 2): it was written by an "
+            "older lightwire, whose codec state this one cannot use; start without it "
+            "(docs/policies.md \"Durable state: checkpoints\")");
     }
     SUBCASE("trailing bytes after the checksum") {
       std::vector<uint8_t> bad = file;
@@ -643,9 +654,9 @@ TEST_SUITE("checkpoint") {
     SUBCASE("header body length 2^63") {
       Bytes ok;
       ok.head().u32(0);
-      CHECK(contains(decodeError(seal(ok.b, 1, kHuge)), "truncated"));
-      CHECK(contains(decodeError(seal(ok.b, 1, ~uint64_t{0})), "truncated"));
-      CHECK(contains(decodeError(seal(ok.b, 1, ok.b.size() - 1)), "trailing"));
+      CHECK(contains(decodeError(seal(ok.b, 2, kHuge)), "truncated"));
+      CHECK(contains(decodeError(seal(ok.b, 2, ~uint64_t{0})), "truncated"));
+      CHECK(contains(decodeError(seal(ok.b, 2, ok.b.size() - 1)), "trailing"));
       return;
     }
     SUBCASE("job id length beyond the body") {

@@ -501,7 +501,7 @@ class CudaPowerSgd final : public CudaCodec {
     const size_t n = chunking.elements;
     const powersgd::FinishArgs args{.input_elements = input.elements,
                                     .state_floats = state.floats(),
-                                    .state_needed = stateFloats(n),
+                                    .state_needed = stateFloats(n, ctx.shape),
                                     .workspace_bytes = workspace.size,
                                     .workspace_needed = workspaceBytes(chunking),
                                     .workspace_null = workspace.data == nullptr};
@@ -526,7 +526,7 @@ class CudaPowerSgd final : public CudaCodec {
 
   Result<double> residualNorm2(const DeviceState& state, size_t n, DeviceBytes scratch,
                                cudaStream_t stream) const override {
-    if (n == 0 || state.floats() != stateFloats(n)) return 0.0;
+    if (!powersgd::stateHolds(state.floats(), n, host_->config().approx_rank)) return 0.0;
     if (scratch.size < residualScratchBytes(n) || scratch.data == nullptr) {
       return invalidArgument("powersgd (cuda): residual norm scratch of " +
                              std::to_string(scratch.size) + " bytes, needs " +

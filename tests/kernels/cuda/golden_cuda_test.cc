@@ -220,6 +220,22 @@ std::vector<std::string> runMultiRoundCase(const json::object& c) {
         for (const auto& d : sh->as_array()) step_shape.push_back(d.to_number<uint64_t>());
       }
     }
+    // PowerSGD's state is sized by the step's matrix view: a change of view keeps the error and
+    // draws the warm start afresh (as the engine does).
+    for (auto& st : states) {
+      const size_t floats = codec.stateFloats(n, step_shape);
+      if (st.floats() == floats) continue;
+      auto old = st.download(nullptr);
+      if (!old) return {where + "state: " + old.status().message()};
+      old->resize(floats, 0.0f);
+      std::fill(old->begin() + static_cast<std::ptrdiff_t>(std::min(n, floats)), old->end(), 0.0f);
+      auto made = DeviceState::create(floats);
+      if (!made) return {where + "state: " + made.status().message()};
+      if (const auto up = made->upload(*old, nullptr); !up.isOk()) {
+        return {where + "state: " + up.message()};
+      }
+      st = std::move(*made);
+    }
     bool nan_input = false;
     for (size_t r = 0; r < world; ++r) {
       std::vector<uint8_t> raw;

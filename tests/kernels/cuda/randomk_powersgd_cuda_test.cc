@@ -389,13 +389,13 @@ std::vector<std::vector<uint8_t>> comparePowerSgd(
   cudaStream_t stream = nullptr;
   LW_CUDA_CHECK_OK(cudaStreamCreate(&stream));
 
-  std::vector<CodecState> cpu_states(world, CodecState(cpu.stateFloats(n)));
+  std::vector<CodecState> cpu_states(world, CodecState(cpu.stateFloats(n, pc.shape)));
   std::vector<std::vector<std::byte>> cpu_ws(world,
                                              std::vector<std::byte>(cpu.workspaceBytes(chunking)));
   std::vector<GpuRank> gpu_ranks;
   std::vector<std::vector<uint8_t>> last_reduced;
   for (size_t rank = 0; rank < world; ++rank) {
-    auto st = DeviceState::create(gpu.stateFloats(n));
+    auto st = DeviceState::create(gpu.stateFloats(n, pc.shape));
     REQUIRE_MESSAGE(st.isOk(), st.status().message());
     GpuRank g{std::move(*st)};
     g.ws = std::make_unique<DeviceMem>(gpu.workspaceBytes(chunking));
@@ -408,8 +408,14 @@ std::vector<std::vector<uint8_t>> comparePowerSgd(
     REQUIRE(carried_cpu->size() == world);
     REQUIRE(carried_gpu->size() == world);
     for (size_t rank = 0; rank < world; ++rank) {
-      LW_STATUS_OK(cpu_states[rank].restore(hostState((*carried_cpu)[rank])));
-      LW_STATUS_OK(gpu_ranks[rank].state.upload((*carried_gpu)[rank], stream));
+      // A change of shape resizes the state (the error kept, the warm start drawn afresh).
+      CodecState& carried = (*carried_cpu)[rank];
+      carried.resize(cpu.stateFloats(n, pc.shape), n);
+      std::vector<float>& g = (*carried_gpu)[rank];
+      g.resize(cpu.stateFloats(n, pc.shape), 0.0f);
+      std::fill(g.begin() + static_cast<std::ptrdiff_t>(std::min(n, g.size())), g.end(), 0.0f);
+      LW_STATUS_OK(cpu_states[rank].restore(hostState(carried)));
+      LW_STATUS_OK(gpu_ranks[rank].state.upload(g, stream));
     }
   }
 
@@ -695,7 +701,7 @@ constexpr float kBig = 0x1p60f;
 /// A committed powersgd state for n elements with a valid warm start Q (cols × r) for the view.
 std::vector<float> warmCheckpoint(const Codec& cpu, size_t n, uint64_t rows, uint64_t cols,
                                   uint64_t r, const std::vector<float>& q) {
-  std::vector<float> s(cpu.stateFloats(n), 0.0f);
+  std::vector<float> s(cpu.stateFloats(n, std::vector<uint64_t>{rows, cols}), 0.0f);
   REQUIRE(q.size() == cols * r);
   REQUIRE(s.size() >= n + 8 + q.size());
   const float meta[8] = {1.0f,
@@ -739,7 +745,7 @@ TEST_CASE("powersgd cuda: round 0 sums in the canonical order (accumulators, tre
     return m;
   };
   std::vector<CodecState> cs;
-  cs.emplace_back((*cpu)->stateFloats(n));
+  cs.emplace_back((*cpu)->stateFloats(n, pc.shape));
   std::vector<std::vector<float>> gs{
       warmCheckpoint(**cpu, n, rows, cols, 1, std::vector<float>(cols, 1.0f))};
   LW_STATUS_OK(cs[0].restore(gs[0]));
@@ -790,7 +796,7 @@ TEST_CASE("powersgd cuda: round 1 and the orthonormalisation sum in the canonica
   q[2 * r + 2] = 1.0f;
   q[4 * r + 3] = 1.0f;
   std::vector<CodecState> cs;
-  cs.emplace_back((*cpu)->stateFloats(n));
+  cs.emplace_back((*cpu)->stateFloats(n, pc.shape));
   std::vector<std::vector<float>> gs{warmCheckpoint(**cpu, n, rows, cols, r, q)};
   LW_STATUS_OK(cs[0].restore(gs[0]));
   pc.steps = 1;

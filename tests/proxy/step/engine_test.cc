@@ -85,7 +85,8 @@ struct Sent {
 
 /// Submits `values` (converted to `dtype`) as trainer `trainer`'s part of (name, step).
 Sent send(StepEngine& engine, const std::string& name, uint64_t step, unsigned trainer,
-          const std::vector<float>& values, DType dtype = DType::kF32) {
+          const std::vector<float>& values, DType dtype = DType::kF32,
+          std::vector<uint64_t> shape = {}) {
   const size_t width = kernels::dtypeSize(dtype);
   auto bytes = std::make_shared<std::vector<std::byte>>(values.size() * width);
   for (size_t i = 0; i < values.size(); ++i) {
@@ -103,6 +104,7 @@ Sent send(StepEngine& engine, const std::string& name, uint64_t step, unsigned t
   c.spec.trainer = trainer;
   c.spec.dtype = dtype;
   c.spec.elements = values.size();
+  c.spec.shape = std::move(shape);
   c.data = bytes->data();
   c.keep_alive = bytes;
   auto promise = std::make_shared<std::promise<StepOutcome>>();
@@ -723,6 +725,35 @@ TEST_CASE("policies: checkpoint then resume replays the same results bitwise") {
   CHECK(step1(g.engine, "w", 10, randomValues(3000, 11)).first.error == StepError::kConflict);
   CHECK_FALSE(g.engine.resume(77).isOk());
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("powersgd's state follows its shape's view; a change of view keeps the error") {
+  kernels::CodecConfig psgd = codecNamed("powersgd");
+  psgd.approx_rank = 1;
+  Fixture f(withTrainers(1), always(psgd));
+  Fixture fresh(withTrainers(1), always(psgd));
+  const auto v0 = randomValues(600, 5), v1 = randomValues(600, 6);
+  auto stateBytes = [](Fixture& fx) {
+    const std::string text = fx.metrics.exposition();
+    const auto at = text.find("\nlightwire_state_bytes ");
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + 23));
+  };
+  StepOutcome o = send(f.engine, "w", 0, 0, v0, DType::kF32, {30, 20}).get();
+  REQUIRE_MESSAGE(o.ok(), o.message);
+  CHECK(stateBytes(f) == 4.0 * (600 + 8 + 20));  // e, the meta block, Q: 20 x 1
+  Sent s1 = send(f.engine, "w", 1, 0, v1, DType::kF32, {20, 30});
+  o = s1.get();
+  REQUIRE_MESSAGE(o.ok(), o.message);
+  CHECK(stateBytes(f) == 4.0 * (600 + 8 + 30));  // Q: 30 x 1
+  CHECK(o.figures.state_reset == false);         // the error carried over
+  // A fresh state (no error) gives another result for the same input and view.
+  Sent r = send(fresh.engine, "w", 1, 0, v1, DType::kF32, {20, 30});
+  REQUIRE_MESSAGE(r.get().ok(), "fresh step");
+  CHECK(r.values(DType::kF32) != s1.values(DType::kF32));
+  // Back to the first view: the state is resized again, the step succeeds.
+  o = send(f.engine, "w", 2, 0, v0, DType::kF32, {30, 20}).get();
+  REQUIRE_MESSAGE(o.ok(), o.message);
+  CHECK(stateBytes(f) == 4.0 * (600 + 8 + 20));
 }
 
 TEST_CASE("powersgd's start step: dense steps before it leave the state untouched") {

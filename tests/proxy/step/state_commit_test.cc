@@ -13,6 +13,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "metrics/metrics.h"
 #include "policies/checkpoint.h"
 #include "policies/policy.h"
+#include "policies/stats.h"
 #include "proxy/exchange/exchange.h"
 #include "proxy/step/engine.h"
 #include "proxy/step/step_test_util.h"
@@ -49,10 +51,14 @@ bool sameBits(const std::vector<float>& a, const std::vector<float>& b) {
 
 /// The exchange of one sidecar (as LocalExchange), with a fault on chosen steps: after every chunk
 /// was compressed, the step is aborted (a peer gave up), a payload comes back corrupt (it does not
-/// decode), or the statistics record comes back truncated (the policies cannot read it).
+/// decode), the statistics record comes back truncated (the policies cannot read it), every chunk
+/// is decoded (on_chunk) and then a peer aborts, the deadline passes after the first chunk was
+/// decoded, or a peer's record says it resumed from another step than this sidecar (a resume
+/// mismatch: this sidecar's record is copied with its resume step cleared, as a peer that did not
+/// resume would send it).
 class FaultyExchange final : public Exchange {
  public:
-  enum class Fault { kAbort, kCorrupt, kBadStats };
+  enum class Fault { kAbort, kCorrupt, kBadStats, kAbortAfterDecode, kDeadline, kResumeMismatch };
   std::map<uint64_t, Fault> faults;
 
   unsigned worldSize() const override { return 1; }
@@ -65,8 +71,19 @@ class FaultyExchange final : public Exchange {
       out[c].push_back(*p);
     }
     const auto f = faults.find(r.step);
-    if (f != faults.end() && f->second == Fault::kAbort) {
-      return dataLoss("injected: a peer aborted the step");
+    const std::optional<Fault> fault =
+        f != faults.end() ? std::optional<Fault>(f->second) : std::nullopt;
+    if (fault == Fault::kAbort) return dataLoss("injected: a peer aborted the step");
+    if ((fault == Fault::kAbortAfterDecode || fault == Fault::kDeadline) && r.on_chunk) {
+      const size_t decoded = fault == Fault::kDeadline ? 1 : out.size();
+      for (size_t c = 0; c < decoded; ++c) LW_RETURN_IF_ERROR(r.on_chunk(c, out[c]));
+    }
+    if (fault == Fault::kAbortAfterDecode) {
+      return dataLoss("injected: a peer aborted the step after it was decoded");
+    }
+    if (fault == Fault::kDeadline) {
+      return Status(StatusCode::kUnavailable,
+                    "injected: the step's deadline passed (rank 1 sent nothing in time)");
     }
     if (f != faults.end() && f->second == Fault::kCorrupt) {
       corrupt_.assign(out[0][0].begin(), out[0][0].end());
@@ -77,7 +94,13 @@ class FaultyExchange final : public Exchange {
     r.stats_folded = false;
     if (!r.stats_out.empty()) {
       r.stats_in.emplace_back(r.stats_out.begin(), r.stats_out.end());
-      if (f != faults.end() && f->second == Fault::kBadStats) r.stats_in.back().resize(3);
+      if (fault == Fault::kBadStats) r.stats_in.back().resize(3);
+      if (fault == Fault::kResumeMismatch) {
+        auto peer = policies::decodeStats(r.stats_out);
+        if (!peer) return peer.status();
+        peer->resumed_from.reset();
+        r.stats_in.push_back(policies::encodeStats(*peer));
+      }
     }
     return out;
   }
@@ -181,9 +204,11 @@ TEST_CASE("a step that fails after compression leaves every codec's state bit fo
   add({.name = "powersgd", .approx_rank = 2});
   add({.name = "none"});
   const size_t n = 40000;  // > 32768: dgc samples its threshold
-  // Faults on compressed steps and on a full-sync (every 4th step).
-  const std::map<uint64_t, Fault> faults{
-      {3, Fault::kAbort}, {5, Fault::kCorrupt}, {7, Fault::kBadStats}, {8, Fault::kAbort}};
+  // Faults on compressed steps and on full-syncs (every 4th step).
+  const std::map<uint64_t, Fault> faults{{2, Fault::kAbortAfterDecode},  {3, Fault::kAbort},
+                                         {5, Fault::kCorrupt},           {6, Fault::kDeadline},
+                                         {7, Fault::kBadStats},          {8, Fault::kAbort},
+                                         {11, Fault::kAbortAfterDecode}, {12, Fault::kDeadline}};
   for (const auto& codec : codecs) {
     CAPTURE(codec.name);
     CAPTURE(codec.momentum);
@@ -196,7 +221,7 @@ TEST_CASE("a step that fails after compression leaves every codec's state bit fo
       REQUIRE(made);
       const bool has_state = (*made)->stateFloats(n) > 0;
       uint64_t last = 0;
-      for (uint64_t s = 1; s <= 10; ++s) {
+      for (uint64_t s = 1; s <= 14; ++s) {
         CAPTURE(s);
         const auto x = randomValues(n, static_cast<uint32_t>(100 + s));
         const auto oa_ra = a.step(s, x);
@@ -205,8 +230,9 @@ TEST_CASE("a step that fails after compression leaves every codec's state bit fo
         if (faults.count(s) > 0) {
           CHECK_FALSE(oa.ok());
           // The trainer's buffer: its gradient where the commit would have read it; a codec
-          // without state decodes in place (it may hold a partial result).
-          if (has_state) CHECK(sameBits(ra, x));
+          // without state, or a full-sync (every 4th step), decodes in place (it may hold a
+          // partial result).
+          if (has_state && s % 4 != 0) CHECK(sameBits(ra, x));
           continue;
         }
         const auto ob_rb = b.step(s, x);
@@ -219,6 +245,54 @@ TEST_CASE("a step that fails after compression leaves every codec's state bit fo
         last = s;
       }
       CHECK(sameBits(a.state(last), b.state(last)));
+    }
+    std::filesystem::remove_all(da);
+    std::filesystem::remove_all(db);
+  }
+}
+
+TEST_CASE("a step refused for a resume mismatch leaves the state bit for bit") {
+  // A resumed from its checkpoint of step 3 and a peer's record says it did not: the step fails on
+  // every rank with nothing committed (A itself resumes from nothing more: the step it resumed
+  // from is the newest), and A goes on as B, which never met the fault.
+  using Fault = FaultyExchange::Fault;
+  const size_t n = 40000;
+  for (const kernels::CodecConfig& codec :
+       {kernels::CodecConfig{.name = "dgc", .density = 0.05, .momentum = 0.9},
+        kernels::CodecConfig{.name = "topk", .density = 0.05},
+        kernels::CodecConfig{.name = "powersgd", .approx_rank = 2}}) {
+    CAPTURE(codec.name);
+    const std::string da = stateTempDir(), db = stateTempDir();
+    {
+      Sidecar a(policiesEvery(0), codec, da), b(policiesEvery(0), codec, db);
+      a.exchange.faults = {{4, Fault::kResumeMismatch}};
+      for (uint64_t s = 1; s <= 3; ++s) {
+        const auto x = randomValues(n, static_cast<uint32_t>(200 + s));
+        REQUIRE(a.step(s, x).first.ok());
+        REQUIRE(b.step(s, x).first.ok());
+      }
+      REQUIRE(a.engine.checkpoint(3));
+      const Status resumed = a.engine.resume(3);
+      REQUIRE_MESSAGE(resumed.isOk(), resumed.message());
+      const auto before = a.state(3);
+      const auto x4 = randomValues(n, 204);
+      const auto failed = a.step(4, x4);
+      CHECK_FALSE(failed.first.ok());
+      CHECK(failed.first.error == StepError::kResumeMismatch);
+      CHECK(failed.first.message.find("resumed") != std::string::npos);
+      CHECK(sameBits(failed.second, x4));  // the trainer's buffer still holds its gradient
+      CHECK(sameBits(a.state(3), before));
+      a.exchange.faults.clear();
+      for (uint64_t s = 4; s <= 6; ++s) {
+        CAPTURE(s);
+        const auto x = randomValues(n, static_cast<uint32_t>(200 + s));
+        const auto ra = a.step(s, x);
+        const auto rb = b.step(s, x);
+        REQUIRE_MESSAGE(ra.first.ok(), ra.first.message);
+        REQUIRE_MESSAGE(rb.first.ok(), rb.first.message);
+        CHECK(sameBits(ra.second, rb.second));
+      }
+      CHECK(sameBits(a.state(6), b.state(6)));
     }
     std::filesystem::remove_all(da);
     std::filesystem::remove_all(db);
