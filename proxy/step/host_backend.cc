@@ -131,7 +131,7 @@ const kernels::Codec& HostBackend::stepCodec() const {
 kernels::CodecState& HostBackend::stepState() { return dense_ ? no_state_ : state_; }
 
 Status HostBackend::ingest() {
-  if (parts_.size() == 1 && dtype_ == DType::kF32) {
+  if (inputIsTrainers(parts_.size(), dtype_)) {
     input_ = reinterpret_cast<const float*>(parts_[0]->data);
   } else {
     float* sum = sum_buf_.get(pool_, n_);
@@ -339,7 +339,7 @@ void HostBackend::commit(const Commit& c) {
   } else if (c.state && stateReadsInput()) {
     // The result goes to the trainer's buffer that holds the input in the commit's own pass.
     kernels::WriteBack wb;
-    if (write_back_pending_ && dtype_ == DType::kF32 && parts_.size() == 1) {
+    if (write_back_pending_ && inputIsTrainers(parts_.size(), dtype_)) {
       wb = {result_, reinterpret_cast<float*>(parts_[0]->data)};
     }
     if (auto st = codec_.commitState(ctx_, chunking_, input(), c.sent, c.selected, state_,

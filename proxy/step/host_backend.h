@@ -25,6 +25,17 @@ struct HostBuffers {
   std::vector<double> blocks;          // block sums of the statistics' norm
 };
 
+/// Which of a host step's buffers of tensor size come from the pool (docs/deploy.md "Sizing"):
+/// the input is one fp32 trainer's own memory, or a local sum; the result is decoded into that
+/// memory only for one round and when no codec state reads the input at commit.
+inline bool inputIsTrainers(size_t trainers, kernels::DType dtype) {
+  return trainers == 1 && dtype == kernels::DType::kF32;
+}
+inline bool resultInPlace(size_t trainers, kernels::DType dtype, int rounds,
+                          bool state_reads_input) {
+  return inputIsTrainers(trainers, dtype) && rounds == 1 && !state_reads_input;
+}
+
 /// One step on the host. Not copyable; lives for one step.
 class HostBackend final : public StepBackend {
  public:

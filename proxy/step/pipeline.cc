@@ -406,9 +406,8 @@ StepPipeline::Stage StepPipeline::makeState() {
   // local sum from the pool.
   const uint64_t floats = codec.stateFloats(n_, p_.shape);
   const uint64_t need = (gpu_ordinal_ ? 2 : 1) * floats * sizeof(float);
-  const bool own_result =
-      floats > 0 || trainers_ > 1 || p_.dtype != kernels::DType::kF32 || codec.traits().rounds > 1;
-  const bool own_sum = trainers_ > 1 || p_.dtype != kernels::DType::kF32;
+  const bool own_result = !resultInPlace(trainers_, p_.dtype, codec.traits().rounds, floats > 0);
+  const bool own_sum = !inputIsTrainers(trainers_, p_.dtype);
   const uint64_t step_need =
       gpu_ordinal_ ? 0 : ((own_result ? 1 : 0) + (own_sum ? 1 : 0)) * uint64_t{n_} * sizeof(float);
   const uint64_t cap = engine_.options_.max_state_bytes;
@@ -623,7 +622,7 @@ StepPipeline::Stage StepPipeline::beginExchange() {
   t_.payloads.resize(static_cast<size_t>(rounds_));
   // One fp32 trainer whose step has one round: decode straight into its buffer (its values were
   // read by the encoder already), which saves a pass over the result.
-  const bool in_place = trainers_ == 1 && p_.dtype == kernels::DType::kF32 && rounds_ == 1;
+  const bool in_place = resultInPlace(trainers_, p_.dtype, rounds_, false);
   if (auto st = backend_->prepareResult(in_place); !st.isOk()) return backendFailed(st);
   decoded_.assign(chunking_.count(), 0);
   contributors_ = engine_.exchange_.worldSize();
