@@ -3,6 +3,8 @@
 #include <spdlog/fmt/fmt.h>
 #include <spdlog/spdlog.h>
 
+#include "kernels/reuse.h"
+
 namespace lightwire::proxy::peer {
 namespace {
 
@@ -213,21 +215,8 @@ void PeerMailboxes::discard(uint64_t tensor, uint64_t step) {
 }
 
 std::optional<std::vector<uint8_t>> takeFitting(std::vector<std::vector<uint8_t>>& pool, size_t n) {
-  // The smallest buffer that already holds n bytes (shrinking writes nothing); else the one of
-  // the largest size (growing within its capacity zero-fills only the growth): a step's buffers
-  // of the same sizes as the last step's then never pay a pass to zero them.
-  size_t best = pool.size();
-  for (size_t i = 0; i < pool.size(); ++i) {
-    const auto& b = pool[i];
-    if (b.capacity() < n) continue;
-    if (best == pool.size()) {
-      best = i;
-      continue;
-    }
-    const auto& cur = pool[best];
-    const bool fits = b.size() >= n, cur_fits = cur.size() >= n;
-    if (fits != cur_fits ? fits : fits ? b.size() < cur.size() : b.size() > cur.size()) best = i;
-  }
+  // A step's buffers of the same sizes as the last step's then never pay a pass to zero them.
+  const size_t best = kernels::bestReuse(pool, n, /*capacity_only=*/true);
   if (best == pool.size()) return std::nullopt;
   std::vector<uint8_t> b = std::move(pool[best]);
   pool[best] = std::move(pool.back());

@@ -2,20 +2,12 @@
 
 #include <algorithm>
 
+#include "kernels/reuse.h"
+
 namespace lightwire::proxy {
 
 std::vector<float> StepPool::take(size_t n) {
-  size_t best = kept_.size();
-  for (size_t i = 0; i < kept_.size(); ++i) {
-    const size_t cap = kept_[i].capacity();
-    if (best == kept_.size()) {
-      best = i;
-      continue;
-    }
-    const size_t cur = kept_[best].capacity();
-    const bool fits = cap >= n, cur_fits = cur >= n;
-    if (fits != cur_fits ? fits : fits ? cap < cur : cap > cur) best = i;
-  }
+  const size_t best = kernels::bestReuse(kept_, n, /*capacity_only=*/false);
   std::vector<float> b;
   if (best < kept_.size()) {
     b = std::move(kept_[best]);
