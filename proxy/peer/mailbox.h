@@ -99,8 +99,9 @@ class PeerMailboxes {
 
   // --- payload buffers ---------------------------------------------------------------------------
 
-  /// A buffer of `n` bytes for an incoming payload: a recycled one when there is one large
-  /// enough (only growth beyond its last size is zero-filled), else a new one.
+  /// A buffer of `n` bytes for a payload: a recycled one (kernels::bestReuse: only growth beyond
+  /// its last size is zero-filled; the largest, grown, when none is large enough), else a new
+  /// one.
   std::vector<uint8_t> takeBuffer(size_t n);
   /// Keeps a consumed payload's buffer for takeBuffer() (within the pool's bounds).
   void recycle(std::vector<uint8_t> buffer);
