@@ -205,7 +205,7 @@ using Settled = std::pair<Span, Span>;
 /// is committed with the pairs (commitState), which must not fail.
 void settle(const Parsed& p, const Codec& codec, const Chunking& chunking,
             const std::vector<std::optional<Settled>>& settled) {
-  CodecState state(codec.stateFloats(p.n));
+  CodecState state(codec.stateFloats(p.n, p.shape));
   if (state.floats() == 0) return;
   const std::vector<float> fill = pattern(state.floats(), static_cast<uint32_t>(p.step));
   check(state.restore(fill).isOk(), "restoring a state of the codec's size failed");
@@ -249,7 +249,7 @@ void settle(const Parsed& p, const Codec& codec, const Chunking& chunking,
 void recompress(const Parsed& p, const Chunking& chunking, const std::vector<float>& sum) {
   const Codec& server = serverCodecAt(p.config);
   const Chunking sc = kernels::chunkingFor(server, p.n, chunking.chunk_elements);
-  CodecState state(server.stateFloats(p.n));
+  CodecState state(server.stateFloats(p.n, p.shape));
   auto payloads = kernels::encodeTensor(server, contextFor(p, 0), sc,
                                         ConstTensor{sum.data(), p.n, DType::kF32}, state);
   check(payloads.isOk(), "re-compressing a decoded sum failed: " +
@@ -313,7 +313,7 @@ void twoRounds(const Parsed& p, const Codec& codec) {
   const StepContext ctx = contextFor(p, 0);
   const std::vector<float> x = pattern(p.n, static_cast<uint32_t>(p.step));
   const ConstTensor input{x.data(), p.n, DType::kF32};
-  CodecState state(codec.stateFloats(p.n));
+  CodecState state(codec.stateFloats(p.n, ctx.shape));
   std::vector<std::byte> ws(codec.workspaceBytes(chunking));
   const Status analyzed = codec.analyze(ctx, chunking, input, state, ws);
   check(analyzed.isOk(), "powersgd analyze of a valid tensor failed: " + analyzed.message());
@@ -362,7 +362,7 @@ std::vector<std::vector<uint8_t>> twoRankRounds(const Codec& codec, const Parsed
   std::vector<std::vector<std::byte>> wss;
   for (uint32_t r = 0; r < 2; ++r) {
     xs.push_back(pattern(p.n, 3 + r));
-    states.emplace_back(codec.stateFloats(p.n));
+    states.emplace_back(codec.stateFloats(p.n, p.shape));
     wss.emplace_back(codec.workspaceBytes(chunking));
     const ConstTensor input{xs[r].data(), p.n, DType::kF32};
     if (!codec.analyze(contextFor(p, r), chunking, input, states[r], wss[r]).isOk()) {
