@@ -24,7 +24,7 @@
 namespace lightwire::policies {
 
 // 2: PowerSGD's state holds the warm-start Q of its matrix view (cols · rank values), no longer
-// a reservation for any view of the tensor's size (docs/codecs.md "powersgd").
+// a reservation for any view of the tensor's size (docs/determinism.md "4.12 `powersgd`").
 inline constexpr uint32_t kCheckpointVersion = 2;
 
 /// One tensor's durable state. Plain value.

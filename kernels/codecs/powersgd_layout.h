@@ -37,9 +37,9 @@ uint64_t rankFor(int approx_rank, uint64_t rows, uint64_t cols);
 
 /// Room for one factor (rows·r or cols·r values) of any view of n elements.
 size_t capFactor(size_t n, int approx_rank);
-/// The codec state of n elements with `shape` (docs/codecs.md "powersgd"): the error (n), the
-/// meta block and the warm-start Q of the shape's matrix view (cols · rank), 0 when n is 0. A
-/// shape that does not hold n elements is sized as no shape (the step then fails on it).
+/// The codec state of n elements with `shape` (docs/determinism.md "4.12 `powersgd`"): the error
+/// (n), the meta block and the warm-start Q of the shape's matrix view (cols · rank), 0 when n is
+/// 0. A shape that does not hold n elements is sized as no shape (the step then fails on it).
 size_t stateFloats(size_t n, std::span<const uint64_t> shape, int approx_rank);
 /// Whether a state of `floats` values is one of n elements for some shape (stateFloats() of the
 /// flat view or of a rows x cols view with cols dividing n): what a caller without the shape can

@@ -369,7 +369,7 @@ StepPipeline::Stage StepPipeline::makeCodec() {
   } else if (t_.has_state && t_.state_floats != t_.codec->stateFloats(n_, p_.shape)) {
     // PowerSGD's state ends with the warm start of its matrix view, which the shape decides: the
     // state is made again at its new size (within the budget), its error kept and its warm start
-    // drawn afresh, as any change of view does (docs/codecs.md "powersgd").
+    // drawn afresh, as any change of view does (docs/determinism.md "4.12 `powersgd`").
     if (t_.state_on_gpu) {
       auto host = gpu::downloadState(*t_.gpu);
       if (host) {
