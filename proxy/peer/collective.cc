@@ -166,7 +166,7 @@ void RingExchange::stepDone(const std::string& tensor, uint64_t step) {
   transport_.discard(tensorKey(tensor), step);
   for (auto& b : held_) transport_.recycle(std::move(b));
   held_.clear();
-  for (auto& b : sums_) spare_sums_.push_back(std::move(b));
+  for (auto& b : sums_) transport_.recycle(std::move(b));
   sums_.clear();
   for (const auto& [key, s] : buckets_) transport_.discard(key, s);
   buckets_.clear();
@@ -591,9 +591,7 @@ std::span<const uint8_t> RingExchange::keep(std::vector<uint8_t> received) {
 }
 
 std::vector<uint8_t>& RingExchange::sumBuffer(size_t bytes) {
-  // A spare of the last steps that needs no zero-fill if there is one (takeFitting).
-  auto b = takeFitting(spare_sums_, bytes);
-  sums_.push_back(b ? std::move(*b) : std::vector<uint8_t>(bytes));
+  sums_.push_back(transport_.takeBuffer(bytes));
   return sums_.back();
 }
 

@@ -157,17 +157,17 @@ class RingExchange final : public Exchange {
   Result<ExchangeRound*> denseRound(ExchangeRound& r);
   /// Keeps a received payload until the step ends; returns a view of it.
   std::span<const uint8_t> keep(std::vector<uint8_t> received);
-  /// A buffer of `bytes` for a partial sum, kept until the step ends (reused across steps).
+  /// A buffer of `bytes` for a partial sum, kept until the step ends (from the transport's pool,
+  /// given back to it then).
   std::vector<uint8_t>& sumBuffer(size_t bytes);
 
   Transport& transport_;
   std::chrono::milliseconds timeout_;
   std::chrono::steady_clock::time_point deadline_;  // of the exchange in progress
   // Payload bytes received or computed for the step in progress (spans returned point here);
-  // given back (to the transport, or spare_sums_) when the step ends.
+  // given back to the transport when the step ends.
   std::vector<std::vector<uint8_t>> held_;
   std::deque<std::vector<uint8_t>> sums_;  // deque: references stay valid as it grows
-  std::vector<std::vector<uint8_t>> spare_sums_;
   // denseRound(): our decoded chunks, as codec `none` payloads, their spans, the round (deques:
   // references stay valid as they grow).
   std::deque<std::vector<float>> dense_inputs_;

@@ -214,17 +214,6 @@ void PeerMailboxes::discard(uint64_t tensor, uint64_t step) {
   }
 }
 
-std::optional<std::vector<uint8_t>> takeFitting(std::vector<std::vector<uint8_t>>& pool, size_t n) {
-  // A step's buffers of the same sizes as the last step's then never pay a pass to zero them.
-  const size_t best = kernels::bestReuse(pool, n, /*capacity_only=*/true);
-  if (best == pool.size()) return std::nullopt;
-  std::vector<uint8_t> b = std::move(pool[best]);
-  pool[best] = std::move(pool.back());
-  pool.pop_back();
-  b.resize(n);
-  return b;
-}
-
 std::vector<uint8_t> PeerMailboxes::takeBuffer(size_t n) {
   std::vector<uint8_t> b;
   {

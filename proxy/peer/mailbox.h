@@ -23,11 +23,6 @@
 
 namespace lightwire::proxy::peer {
 
-/// Takes from `pool` a buffer of capacity at least n, resized to n: the smallest that already
-/// holds n bytes, else the largest (only the growth is zero-filled); nullopt when none is large
-/// enough. Not thread-safe.
-std::optional<std::vector<uint8_t>> takeFitting(std::vector<std::vector<uint8_t>>& pool, size_t n);
-
 /// The mailboxes and connection state of every peer rank of one transport. Thread-safe.
 ///
 /// mutex() guards the per-peer state and may guard the owning transport's own state too (its

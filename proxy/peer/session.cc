@@ -355,8 +355,8 @@ Status PeerSession::send(uint32_t dst, FrameType type, const FrameKey& key, uint
 }
 
 Status PeerSession::post(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-                         std::span<const uint8_t> payload) {
-  auto op = queueFrame(dst, type, key, codec, payload);
+                         std::span<const uint8_t> payload, std::vector<uint8_t>* owned) {
+  auto op = queueFrame(dst, type, key, codec, payload, owned);
   if (!op) return op.status();
   std::lock_guard lock(posted_mu_);
   posted_.push_back(std::move(*op));
@@ -366,11 +366,7 @@ Status PeerSession::post(uint32_t dst, FrameType type, const FrameKey& key, uint
 Status PeerSession::postOwned(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
                               std::vector<uint8_t> payload) {
   const std::span<const uint8_t> bytes = payload;
-  auto op = queueFrame(dst, type, key, codec, bytes, &payload);
-  if (!op) return op.status();
-  std::lock_guard lock(posted_mu_);
-  posted_.push_back(std::move(*op));
-  return Status::ok();
+  return post(dst, type, key, codec, bytes, &payload);
 }
 
 void PeerSession::reclaim() {

@@ -205,8 +205,9 @@ class PeerSession {
 
   Status send(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
               std::span<const uint8_t> payload, Clock::time_point deadline);
+  /// `owned`: the frame takes the buffer `payload` lies in (postOwned).
   Status post(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
-              std::span<const uint8_t> payload);
+              std::span<const uint8_t> payload, std::vector<uint8_t>* owned = nullptr);
   Status postOwned(uint32_t dst, FrameType type, const FrameKey& key, uint8_t codec,
                    std::vector<uint8_t> payload);
   void reclaim();
