@@ -7,23 +7,36 @@
 
 namespace lightwire::kernels {
 
-/// The index in `pool` of the buffer to reuse for n elements, pool.size() when none: the smallest
-/// that already holds n (shrinking writes nothing), else the largest (growing writes only the
-/// growth, within its capacity); with `capacity_only`, only buffers whose capacity holds n are
-/// candidates (no reallocation).
-template <typename T, typename A>
-size_t bestReuse(const std::vector<std::vector<T, A>>& pool, size_t n, bool capacity_only) {
+/// The index in `pool` of the buffer to reuse for n elements, pool.size() when none: among those
+/// whose capacity holds n, the smallest capacity (ties: the largest size, the least growth to
+/// write) — never a larger one while a smaller one fits, so a large buffer stays free for a large
+/// request instead of being spent on a small one and a second large one allocated (a pool that
+/// did so would hold more and more large buffers for the same requests). When none holds n, the
+/// largest capacity, to grow it (the least new memory); with `capacity_only`, none.
+template <typename Buffer>
+size_t bestReuse(const std::vector<Buffer>& pool, size_t n, bool capacity_only) {
   size_t best = pool.size();
   for (size_t i = 0; i < pool.size(); ++i) {
     const auto& b = pool[i];
-    if (capacity_only && b.capacity() < n) continue;
+    const bool holds = b.capacity() >= n;
+    if (capacity_only && !holds) continue;
     if (best == pool.size()) {
       best = i;
       continue;
     }
     const auto& cur = pool[best];
-    const bool fits = b.size() >= n, cur_fits = cur.size() >= n;
-    if (fits != cur_fits ? fits : fits ? b.size() < cur.size() : b.size() > cur.size()) best = i;
+    const bool cur_holds = cur.capacity() >= n;
+    bool better;
+    if (holds != cur_holds) {
+      better = holds;
+    } else if (!holds) {
+      better = b.capacity() > cur.capacity();
+    } else if (b.capacity() != cur.capacity()) {
+      better = b.capacity() < cur.capacity();
+    } else {
+      better = b.size() > cur.size();
+    }
+    if (better) best = i;
   }
   return best;
 }

@@ -277,6 +277,9 @@ def train(rank, spec, out_path):
         os.replace(out_path + ".tmp", out_path)  # whole, for the parent watching for it
     if hook_state is not None:
         hook_state.close()
+    # Every rank leaves together: a rank tearing gloo down while another is still writing its
+    # results or closing its hook can abort the other at exit (its pair threads see the peer go).
+    dist.barrier()
     dist.destroy_process_group()
 
 

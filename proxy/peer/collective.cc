@@ -153,6 +153,7 @@ Result<std::vector<uint32_t>> RingExchange::compareResults(const std::string& na
         return fail(s);
       }
     }
+    transport_.recycle(std::move(got->payload));  // written (send returns once it is)
   }
   std::sort(differ.begin(), differ.end());
   return differ;

@@ -234,6 +234,11 @@ std::vector<uint8_t> PeerMailboxes::takeBuffer(size_t n) {
   return b;
 }
 
+uint64_t PeerMailboxes::pooledBytes() {
+  std::lock_guard lock(pool_mu_);
+  return pool_bytes_;
+}
+
 void PeerMailboxes::recycle(std::vector<uint8_t> buffer) {
   if (buffer.capacity() == 0) return;
   std::lock_guard lock(pool_mu_);

@@ -100,6 +100,8 @@ class PeerMailboxes {
   std::vector<uint8_t> takeBuffer(size_t n);
   /// Keeps a consumed payload's buffer for takeBuffer() (within the pool's bounds).
   void recycle(std::vector<uint8_t> buffer);
+  /// Bytes (capacity) of the buffers the pool holds idle now.
+  uint64_t pooledBytes();
 
  private:
   /// What is kept per peer rank. Guarded by mu_.

@@ -227,7 +227,9 @@ void PeerSession::dispatch(const std::shared_ptr<Link>& link, const FrameHeader&
                          std::string(payload.begin(), payload.end()));
       break;
     case FrameType::kPing:
-      link->sendOwned(FrameType::kPong, {}, std::move(payload));
+      // The pong carries the ping's bytes in a buffer of their own: the received one came from
+      // the receive pool (it may be a large frame's, lent to this small one) and goes back to it.
+      link->sendOwned(FrameType::kPong, {}, std::vector<uint8_t>(payload.begin(), payload.end()));
       break;
     case FrameType::kState:
       if (take_state_) take_state_(h.src, payload);
@@ -249,6 +251,10 @@ void PeerSession::dispatch(const std::shared_ptr<Link>& link, const FrameHeader&
     default:
       break;
   }
+  // Every frame's buffer came from the receive pool: a data frame's goes back once its consumer
+  // is done with it, every other one's now. A buffer not given back takes its capacity out of the
+  // pool for good, and the next large frame needs a new allocation (the heap churns).
+  if (h.type != FrameType::kData) mail_.recycle(std::move(payload));
 }
 
 void PeerSession::onPong(uint32_t src, const std::vector<uint8_t>& payload) {

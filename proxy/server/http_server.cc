@@ -24,6 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kernels/reuse.h"
 #include "proxy/server/utf8.h"
 
 namespace lightwire::proxy {
@@ -63,6 +64,11 @@ struct Shared {
   // Bytes of request bodies being read or held by a handler, all connections together
   // (limits.max_inflight_body_bytes): reserved from the Content-Length before the body is read.
   std::atomic<uint64_t> inflight_body{0};
+  // Strings of large bodies whose replies were written, for the next large body (takeBody):
+  // docs/deploy.md "Sizing", request bodies. Under bodies_mu.
+  std::mutex bodies_mu;
+  std::vector<std::string> bodies;
+  uint64_t bodies_bytes = 0;
   std::mutex mu;
   // One per session: close it if idle (on stop). Entries of ended sessions are pruned as new
   // ones arrive, so the list stays about as long as the number of open connections.
@@ -153,6 +159,40 @@ struct Budget {
 namespace {
 
 constexpr size_t kSmallBuffer = size_t{1} << 16;  // read buffer of a connection
+
+// Kept body strings (Shared::bodies): at most this many, of this many bytes together.
+constexpr size_t kKeptBodies = 8;
+constexpr uint64_t kKeptBodyBytes = uint64_t{256} << 20;
+
+/// An empty string with room for `n` bytes: a kept one (the smallest that holds n), else a new
+/// one that the body's reader reserves. A body is one string from its first byte to its reply's
+/// last (the raw emit path replies in the request's own string), and bodies of the same sizes
+/// come back at every step: reusing their strings keeps the heap's arrangement as it was, where
+/// a new string per request leaves gaps of every size that the next ones rarely fit, and the
+/// process grows a little at each new arrangement.
+std::string takeBody(Shared& shared, uint64_t n) {
+  std::lock_guard lock(shared.bodies_mu);
+  const size_t best = kernels::bestReuse(shared.bodies, n, /*capacity_only=*/true);
+  if (best == shared.bodies.size()) return {};
+  std::string s = std::move(shared.bodies[best]);
+  shared.bodies[best] = std::move(shared.bodies.back());
+  shared.bodies.pop_back();
+  shared.bodies_bytes -= s.capacity();
+  s.clear();
+  return s;
+}
+
+/// Keeps a written reply's string for takeBody(), within the caps (else it is freed).
+void giveBody(Shared& shared, std::string&& s) {
+  std::lock_guard lock(shared.bodies_mu);
+  if (s.capacity() < kSmallBuffer) return;
+  if (shared.bodies.size() >= kKeptBodies || shared.bodies_bytes + s.capacity() > kKeptBodyBytes) {
+    return;
+  }
+  shared.bodies_bytes += s.capacity();
+  shared.bodies.push_back(std::move(s));
+}
+
 constexpr size_t kLargeBuffer = size_t{1} << 20;  // ... while it reads a large body
 constexpr int kSocketBuffer = 4 << 20;            // SO_RCVBUF / SO_SNDBUF of a connection
 // A body's share of limits.max_inflight_body_bytes runs this far ahead of what has arrived.
@@ -365,9 +405,12 @@ class Session : public std::enable_shared_from_this<Session> {
     // client that declares a large body and sends it slowly holds little of the budget.
     if (!parser_->is_done() && !reserveAhead(0)) return;
     // Beast reads at most the buffer's free capacity (at least 512 bytes) per system call: a large
-    // body gets a large buffer, or 100 MB would take 200 000 reads.
+    // body gets a large buffer, or 100 MB would take 200 000 reads. Always the same size (only the
+    // pages a body's reads touch become resident): read buffers of two sizes only come and go, so
+    // each fits the gap the last one left in the heap.
     if (const auto len = parser_->content_length(); len && *len > kSmallBuffer) {
-      buffer_.reserve(static_cast<size_t>(std::min<uint64_t>(*len, kLargeBuffer)));
+      buffer_.reserve(kLargeBuffer);
+      parser_->get().body() = takeBody(*shared_, *len);  // before the body's reader reserves
     }
     if (beast::iequals(req[http::field::expect], "100-continue")) {
       auto cont = std::make_shared<http::response<http::empty_body>>(http::status::continue_,
@@ -450,6 +493,7 @@ class Session : public std::enable_shared_from_this<Session> {
           self->busy_ = false;
           if (ec == beast::error::timeout) self->limitHit("request_timeout");  // never read it
           const bool again = !ec && self->response_->keep_alive();
+          giveBody(*self->shared_, std::move(self->response_->body()));
           self->response_.reset();
           if (again) {
             if (self->buffer_.capacity() > kSmallBuffer && self->buffer_.size() == 0) {

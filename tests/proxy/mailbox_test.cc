@@ -1,11 +1,14 @@
 // PeerMailboxes (proxy/peer/mailbox.h): aborts against kept frames, stale aborts after a step is
-// over here, and their accounting; waits that a second frame may end.
+// over here, and their accounting; waits that a second frame may end; the receive pool, and
+// every frame's buffer going back to it from PeerSession::dispatch.
 #include <doctest.h>
 
 #include <chrono>
 #include <thread>
 
+#include "metrics/metrics.h"
 #include "proxy/peer/mailbox.h"
+#include "proxy/peer/session.h"
 
 namespace lightwire::proxy::peer {
 namespace {
@@ -169,6 +172,61 @@ TEST_CASE("mailbox buffers: a frame takes the pooled buffer that needs no zero-f
   CHECK(d.data() == roomy_data);
   CHECK(d[9] == 3);
   CHECK(d[99] == 0);
+}
+
+}  // namespace
+}  // namespace lightwire::proxy::peer
+
+namespace lightwire::proxy::peer {
+namespace {
+
+/// A link that keeps what the session queues on it.
+struct RecordingLink : Link {
+  void post(std::shared_ptr<SendOp>) override {}
+  void sendOwned(FrameType type, const FrameKey&, std::vector<uint8_t> payload) override {
+    sent.emplace_back(type, std::move(payload));
+  }
+  void abandon(const std::shared_ptr<SendOp>&) override {}
+  void close(const std::string&) override {}
+  std::vector<std::pair<FrameType, std::vector<uint8_t>>> sent;
+};
+
+TEST_CASE("session: every frame's buffer that is not data goes back to the receive pool") {
+  metrics::Metrics metrics;
+  PeerSession session(SessionOptions{}, metrics);
+  session.mail().reset(2, 0);
+  auto link = std::make_shared<RecordingLink>();
+  link->peer = 1;
+  // A small frame may be read into a large pooled buffer (the smallest kept one that holds it):
+  // whatever the frame, that buffer must come back, or the next large frame needs a new one.
+  auto lent = [&](size_t size) {
+    std::vector<uint8_t> b = session.mail().takeBuffer(size_t{1} << 20);
+    b.resize(size);
+    for (size_t i = 0; i < size; ++i) b[i] = static_cast<uint8_t>(i + 1);
+    return b;
+  };
+  FrameHeader h{};
+  h.src = 1;
+  h.type = FrameType::kPing;
+  h.length = kPingBytes;
+  session.dispatch(link, h, lent(kPingBytes));
+  CHECK(session.mail().pooledBytes() >= (size_t{1} << 20));
+  // The pong echoes the ping's bytes, in a buffer of their own size.
+  REQUIRE(link->sent.size() == 1);
+  CHECK(link->sent[0].first == FrameType::kPong);
+  CHECK(link->sent[0].second == std::vector<uint8_t>{1, 2, 3, 4, 5, 6, 7, 8});
+  CHECK(link->sent[0].second.capacity() < 1024);
+  for (FrameType type : {FrameType::kPong, FrameType::kAbort}) {
+    const uint64_t before = session.mail().pooledBytes();
+    h.type = type;
+    session.dispatch(link, h, lent(kPingBytes));
+    CHECK(session.mail().pooledBytes() == before);  // taken from the pool and given back
+  }
+  // A data frame's buffer stays with the frame (its consumer gives it back).
+  const uint64_t before = session.mail().pooledBytes();
+  h.type = FrameType::kData;
+  session.dispatch(link, h, lent(16));
+  CHECK(session.mail().pooledBytes() < before);
 }
 
 }  // namespace

@@ -1756,6 +1756,48 @@ TEST_CASE("a live socket is not replaced; a stale one is") {
   CHECK_FALSE(std::filesystem::exists(stale));
 }
 
+TEST_CASE("a large body's string is reused for the next large body, within its capacity") {
+  // An echo server that records where each body's bytes were: the reply is the request's own
+  // string, as on the raw emit path.
+  Stack s;
+  std::mutex mu;
+  std::vector<const char*> seen;
+  std::vector<size_t> capacity;
+  HttpServer echo(s.io, {}, [&](Request&& req, const RequestInfo&, Reply reply) {
+    {
+      std::lock_guard lock(mu);
+      seen.push_back(req.body().data());
+      capacity.push_back(req.body().capacity());
+    }
+    Response r{http::status::ok, 11};
+    r.body() = std::move(req.body());
+    reply(std::move(r));
+  });
+  const std::string path = s.dir.path() + "/echo.sock";
+  REQUIRE(echo.listenUnix(path, ListenerKind::kControl) == "");
+  const std::string big(1 << 20, 'a'), smaller((1 << 20) - 4096, 'b'), larger((2 << 20), 'c');
+  {
+    Client c = Client::unixSocket(path);
+    CHECK(c.request(http::verb::post, "/x", big).body() == big);
+    CHECK(c.request(http::verb::post, "/x", smaller).body() == smaller);  // fits: reused
+  }
+  {
+    Client c = Client::unixSocket(path);  // another connection: the strings are the server's
+    CHECK(c.request(http::verb::post, "/x", big).body() == big);
+    CHECK(c.request(http::verb::post, "/x", larger).body() == larger);  // does not fit: new
+    CHECK(c.request(http::verb::post, "/x", "small").body() == "small");
+  }
+  echo.stop();
+  std::lock_guard lock(mu);
+  REQUIRE(seen.size() == 5);
+  // The smaller body was read into the first one's string: its room, not its own size.
+  CHECK(capacity[1] == capacity[0]);
+  CHECK(capacity[1] > smaller.size());
+  CHECK(seen[1] == seen[0]);
+  CHECK(seen[2] == seen[0]);
+  CHECK(seen[3] != seen[0]);
+}
+
 TEST_CASE("HEAD, pipelined requests, HTTP/1.0 and Expect: 100-continue") {
   Stack s;
   SUBCASE("HEAD gets headers only, and the connection goes on") {
