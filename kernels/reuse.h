@@ -3,6 +3,7 @@
 // pool): the rule in one place.
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace lightwire::kernels {
@@ -39,6 +40,19 @@ size_t bestReuse(const std::vector<Buffer>& pool, size_t n, bool capacity_only) 
     if (better) best = i;
   }
   return best;
+}
+
+/// Removes from `pool` the buffer bestReuse() picks and returns it (an empty buffer when none),
+/// its capacity in bytes taken off `pooled_bytes`. The caller resizes it to what it needs.
+template <typename Buffer>
+Buffer takeReused(std::vector<Buffer>& pool, size_t n, bool capacity_only, uint64_t& pooled_bytes) {
+  const size_t best = bestReuse(pool, n, capacity_only);
+  if (best == pool.size()) return Buffer{};
+  Buffer b = std::move(pool[best]);
+  pool[best] = std::move(pool.back());
+  pool.pop_back();
+  pooled_bytes -= b.capacity() * sizeof(typename Buffer::value_type);
+  return b;
 }
 
 }  // namespace lightwire::kernels

@@ -221,13 +221,7 @@ std::vector<uint8_t> PeerMailboxes::takeBuffer(size_t n) {
     // A kept buffer even when none is large enough: the largest is grown (reallocated) rather
     // than a new one added, so the pool holds as many buffers as were ever in use at once, of
     // the largest sizes asked for — not one more for every size that did not fit.
-    const size_t best = kernels::bestReuse(pool_, n, /*capacity_only=*/false);
-    if (best < pool_.size()) {
-      b = std::move(pool_[best]);
-      pool_[best] = std::move(pool_.back());
-      pool_.pop_back();
-      pool_bytes_ -= b.capacity();
-    }
+    b = kernels::takeReused(pool_, n, /*capacity_only=*/false, pool_bytes_);
   }
   if (b.capacity() < n) b.clear();  // reallocated: its old bytes are not copied
   b.resize(n);

@@ -172,20 +172,16 @@ constexpr uint64_t kKeptBodyBytes = uint64_t{256} << 20;
 /// process grows a little at each new arrangement.
 std::string takeBody(Shared& shared, uint64_t n) {
   std::lock_guard lock(shared.bodies_mu);
-  const size_t best = kernels::bestReuse(shared.bodies, n, /*capacity_only=*/true);
-  if (best == shared.bodies.size()) return {};
-  std::string s = std::move(shared.bodies[best]);
-  shared.bodies[best] = std::move(shared.bodies.back());
-  shared.bodies.pop_back();
-  shared.bodies_bytes -= s.capacity();
+  std::string s =
+      kernels::takeReused(shared.bodies, n, /*capacity_only=*/true, shared.bodies_bytes);
   s.clear();
   return s;
 }
 
 /// Keeps a written reply's string for takeBody(), within the caps (else it is freed).
 void giveBody(Shared& shared, std::string&& s) {
+  if (s.capacity() < kSmallBuffer) return;  // most replies: no lock
   std::lock_guard lock(shared.bodies_mu);
-  if (s.capacity() < kSmallBuffer) return;
   if (shared.bodies.size() >= kKeptBodies || shared.bodies_bytes + s.capacity() > kKeptBodyBytes) {
     return;
   }

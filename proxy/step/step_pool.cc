@@ -7,13 +7,7 @@
 namespace lightwire::proxy {
 
 std::vector<float> StepPool::take(size_t n) {
-  const size_t best = kernels::bestReuse(kept_, n, /*capacity_only=*/false);
-  std::vector<float> b;
-  if (best < kept_.size()) {
-    b = std::move(kept_[best]);
-    kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(best));
-    kept_bytes_ -= b.capacity() * sizeof(float);
-  }
+  std::vector<float> b = kernels::takeReused(kept_, n, /*capacity_only=*/false, kept_bytes_);
   // Growing within the capacity writes only the growth; a shrink writes nothing.
   b.resize(n);
   lent_bytes_ += b.capacity() * sizeof(float);
