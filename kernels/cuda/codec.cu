@@ -26,19 +26,12 @@ Result<DeviceState> DeviceState::create(size_t floats) {
   if (floats == 0) return Result<DeviceState>(std::move(s));
   const size_t bytes = floats * sizeof(float);
   void* a = nullptr;
-  void* b = nullptr;
   if (cudaError_t e = cudaMalloc(&a, bytes); e != cudaSuccess) {
-    return cudaStatus(e, "codec state of " + std::to_string(bytes) + " bytes");
-  }
-  if (cudaError_t e = cudaMalloc(&b, bytes); e != cudaSuccess) {
-    cudaFree(a);
     return cudaStatus(e, "codec state of " + std::to_string(bytes) + " bytes");
   }
   s.floats_ = floats;
   s.current_ = static_cast<float*>(a);
-  s.next_ = static_cast<float*>(b);
   cudaError_t e = cudaMemset(a, 0, bytes);
-  if (e == cudaSuccess) e = cudaMemset(b, 0, bytes);
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) return cudaStatus(e, "zeroing the codec state");
   return Result<DeviceState>(std::move(s));
@@ -46,33 +39,55 @@ Result<DeviceState> DeviceState::create(size_t floats) {
 
 DeviceState::~DeviceState() {
   cudaFree(current_);
-  cudaFree(next_);
+  cudaFree(owned_work_);
 }
 
 DeviceState::DeviceState(DeviceState&& other) noexcept
-    : floats_(other.floats_), current_(other.current_), next_(other.next_) {
+    : floats_(other.floats_),
+      current_(other.current_),
+      owned_work_(other.owned_work_),
+      lent_(other.lent_) {
   other.floats_ = 0;
-  other.current_ = other.next_ = nullptr;
+  other.current_ = other.owned_work_ = other.lent_ = nullptr;
 }
 
 DeviceState& DeviceState::operator=(DeviceState&& other) noexcept {
   if (this != &other) {
     cudaFree(current_);
-    cudaFree(next_);
+    cudaFree(owned_work_);
     floats_ = other.floats_;
     current_ = other.current_;
-    next_ = other.next_;
+    owned_work_ = other.owned_work_;
+    lent_ = other.lent_;
     other.floats_ = 0;
-    other.current_ = other.next_ = nullptr;
+    other.current_ = other.owned_work_ = other.lent_ = nullptr;
   }
   return *this;
 }
 
+Status DeviceState::ensureWork() {
+  if (floats_ == 0 || work() != nullptr) return Status::ok();
+  const size_t bytes = floats_ * sizeof(float);
+  void* w = nullptr;
+  if (cudaError_t e = cudaMalloc(&w, bytes); e != cudaSuccess) {
+    return cudaStatus(e, "codec work area of " + std::to_string(bytes) + " bytes");
+  }
+  owned_work_ = static_cast<float*>(w);
+  return Status::ok();
+}
+
+Status DeviceState::commit(cudaStream_t stream) {
+  if (floats_ == 0) return Status::ok();
+  if (work() == nullptr) return failedPrecondition("committing a codec state no step prepared");
+  return cudaStatus(
+      cudaMemcpyAsync(current_, work(), floats_ * sizeof(float), cudaMemcpyDeviceToDevice, stream),
+      "committing the codec state");
+}
+
 Status DeviceState::reset(cudaStream_t stream) {
   if (floats_ == 0) return Status::ok();
-  cudaError_t e = cudaMemsetAsync(current_, 0, floats_ * sizeof(float), stream);
-  if (e == cudaSuccess) e = cudaMemsetAsync(next_, 0, floats_ * sizeof(float), stream);
-  return cudaStatus(e, "resetting the codec state");
+  return cudaStatus(cudaMemsetAsync(current_, 0, floats_ * sizeof(float), stream),
+                    "resetting the codec state");
 }
 
 Result<std::vector<float>> DeviceState::download(cudaStream_t stream) const {
@@ -152,6 +167,7 @@ Status CudaCodec::analyze(const StepContext& ctx, const Chunking& chunking, Devi
                            std::to_string(workspace.size) + " bytes, the codec needs " +
                            std::to_string(workspaceBytes(chunking)));
   }
+  LW_RETURN_IF_ERROR(state.ensureWork());
   return doAnalyze(ctx, chunking, input, state, workspace, stream);
 }
 
@@ -169,6 +185,9 @@ Status CudaCodec::encodeChunk(const StepContext& ctx, const Chunking& chunking, 
   LW_RETURN_IF_ERROR(checkChunkAndRound(name, chunking, chunk, round, traits().rounds));
   if (d_out == nullptr || d_size == nullptr) {
     return invalidArgument(name + ": payload or size pointer is null");
+  }
+  if (state.floats() > 0 && state.work() == nullptr) {
+    return failedPrecondition(name + ": encodeChunk() before analyze() (no work area)");
   }
   return doEncodeChunk(ctx, chunking, chunk, round, previous, input, state, workspace, d_out,
                        d_size, stream);
@@ -209,6 +228,7 @@ Status CudaCodec::flush(const StepContext& ctx, const Chunking& chunking, Device
   if (chunking.elements > 0 && d_out == nullptr) {
     return invalidArgument(std::string(traits().name) + " (cuda): flush output is null");
   }
+  LW_RETURN_IF_ERROR(state.ensureWork());
   return doFlush(ctx, chunking, input, state, d_out, stream);
 }
 
@@ -224,7 +244,7 @@ Status CudaCodec::doFlush(const StepContext&, const Chunking& chunking, DeviceTe
   }
   if (state.floats() > 0) {
     LW_RETURN_IF_ERROR(
-        cudaStatus(cudaMemcpyAsync(state.next(), state.current(), state.floats() * sizeof(float),
+        cudaStatus(cudaMemcpyAsync(state.work(), state.current(), state.floats() * sizeof(float),
                                    cudaMemcpyDeviceToDevice, stream),
                    "flush: copying the state"));
   }
@@ -319,12 +339,12 @@ class CudaErrorFeedback final : public CudaCodec {
     if (n > 0) {
       visitDeviceDType(input.dtype, [&](auto d) {
         addResidualKernel<decltype(d)::value><<<blocksFor(n), kBlockThreads, 0, stream>>>(
-            input.data, state.current(), state.next(), n);
+            input.data, state.current(), state.work(), n);
       });
       LW_RETURN_IF_ERROR(cudaStatus(cudaGetLastError(), "error feedback"));
     }
     DeviceState none;
-    return inner_->analyze(ctx, chunking, DeviceTensor{state.next(), n, DType::kF32}, none,
+    return inner_->analyze(ctx, chunking, DeviceTensor{state.work(), n, DType::kF32}, none,
                            innerWorkspace(chunking, workspace), stream);
   }
 
@@ -333,7 +353,7 @@ class CudaErrorFeedback final : public CudaCodec {
                        DeviceBytes workspace, uint8_t* d_out, uint64_t* d_size,
                        cudaStream_t stream) const override {
     DeviceState none;
-    float* a = state.next();
+    float* a = state.work();
     LW_RETURN_IF_ERROR(inner_->encodeChunk(
         ctx, chunking, chunk, round, previous, DeviceTensor{a, chunking.elements, DType::kF32},
         none, innerWorkspace(chunking, workspace), d_out, d_size, stream));
@@ -358,7 +378,7 @@ class CudaErrorFeedback final : public CudaCodec {
     if (n == 0) return Status::ok();
     visitDeviceDType(input.dtype, [&](auto d) {
       flushResidualKernel<decltype(d)::value><<<blocksFor(n), kBlockThreads, 0, stream>>>(
-          input.data, state.current(), d_out, state.next(), n);
+          input.data, state.current(), d_out, state.work(), n);
     });
     return cudaStatus(cudaGetLastError(), "error feedback flush");
   }

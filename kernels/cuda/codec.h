@@ -6,12 +6,12 @@
 // hot path neither allocates nor synchronises the device, and every call returns a Status.
 //
 // One step of one tensor on the GPU, as on the CPU (kernels/codec.h):
-//   analyze(...)                          whole tensor; prepares state.next()
+//   analyze(...)                          whole tensor; prepares the next state in state.work()
 //   encodeChunk(...) for each chunk       payload into device memory, its size into a device u64
 //   ... the caller copies sizes and payloads to the host and exchanges them ...
 //   decodeChunk(...) for every payload    host bytes, validated on the host, then decoded on the
 //                                         device: d_out += weight · decoded
-//   state.commit() once the step succeeded everywhere.
+//   state.commit(stream) once the step succeeded everywhere (the work area over the state).
 // Multi-round codecs (PowerSGD) take the previous round's reduced payload as host bytes, decode
 // with decodeRounds() and need finishStep() before the commit, as on the CPU.
 //
@@ -50,12 +50,17 @@ struct DeviceBytes {
   size_t size = 0;
 };
 
-/// Persistent per-tensor codec state in device memory, double-buffered like CodecState. Owns its
-/// memory (allocated once, when the tensor's state is created: not on the hot path). Move-only.
+/// Persistent per-tensor codec state in device memory, one copy (docs/cuda.md "Memory"): what
+/// the last committed step left. A step never writes it: analyze(), encodeChunk(), finishStep()
+/// and flush() prepare the next state in the step's work area (floats() values, the state's
+/// layout), which the owner lends for the step (attachWork) or which the state allocates itself on
+/// first use (tests, tools); commit() copies it over the committed state once the step succeeded
+/// everywhere, so a failed step changes nothing. Owns its memory (allocated when the tensor's
+/// state is created, not on the hot path). Move-only.
 class DeviceState {
  public:
   DeviceState() = default;
-  /// Both buffers of `floats` fp32 values, zero-filled (synchronously).
+  /// `floats` fp32 values, zero-filled (synchronously).
   static Result<DeviceState> create(size_t floats);
   ~DeviceState();
   DeviceState(DeviceState&& other) noexcept;
@@ -64,12 +69,21 @@ class DeviceState {
   DeviceState& operator=(const DeviceState&) = delete;
 
   size_t floats() const { return floats_; }
-  size_t bytes() const { return 2 * floats_ * sizeof(float); }
+  /// Bytes of the committed state (the work area is step-scoped memory, not counted).
+  size_t bytes() const { return floats_ * sizeof(float); }
   const float* current() const { return current_; }
-  float* next() { return next_; }
-  /// Makes the prepared state current (once the step succeeded everywhere).
-  void commit() { std::swap(current_, next_); }
-  /// Zeroes both buffers (on `stream`).
+  /// The step's work area: the lent one, else the one the state owns (null before ensureWork()).
+  float* work() { return lent_ != nullptr ? lent_ : owned_work_; }
+  /// A work area for the step: the lent one, else one the state allocates (once). analyze() and
+  /// flush() call it; no-op for a state of no floats.
+  Status ensureWork();
+  /// Lends `area` (device memory of floats() values) as the work area until detachWork().
+  void attachWork(float* area) { lent_ = area; }
+  void detachWork() { lent_ = nullptr; }
+  /// The step succeeded everywhere: the state prepared in the work area becomes the committed one
+  /// (a device copy on `stream`, after the step's kernels). Asynchronous.
+  Status commit(cudaStream_t stream);
+  /// Zeroes the committed state (on `stream`).
   Status reset(cudaStream_t stream);
   /// The committed state, copied to the host (synchronises `stream`).
   Result<std::vector<float>> download(cudaStream_t stream) const;
@@ -80,7 +94,8 @@ class DeviceState {
  private:
   size_t floats_ = 0;
   float* current_ = nullptr;
-  float* next_ = nullptr;
+  float* owned_work_ = nullptr;
+  float* lent_ = nullptr;
 };
 
 /// A compression algorithm with fixed parameters on the GPU. Thread-safe (const methods only);
@@ -150,7 +165,7 @@ class CudaCodec {
   virtual Status validate(std::span<const uint8_t> payload, size_t out_elements) const;
 
   /// Full synchronisation (as Codec::flush): d_out[0..n) = input + what the state holds back;
-  /// state.next() = the state after a flush. Checks as analyze() (no workspace), then doFlush().
+  /// state.work() = the state after a flush. Checks as analyze() (no workspace), then doFlush().
   Status flush(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                DeviceState& state, float* d_out, cudaStream_t stream) const;
 
@@ -180,7 +195,7 @@ class CudaCodec {
                                int round, std::span<const uint8_t> previous, DeviceTensor input,
                                DeviceState& state, DeviceBytes workspace, uint8_t* d_out,
                                uint64_t* d_size, cudaStream_t stream) const = 0;
-  /// Default, for stateless codecs: d_out = input widened to fp32; state.next() = current.
+  /// Default, for stateless codecs: d_out = input widened to fp32; state.work() = current.
   virtual Status doFlush(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                          DeviceState& state, float* d_out, cudaStream_t stream) const;
 

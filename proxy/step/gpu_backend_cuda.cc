@@ -5,11 +5,13 @@
 // need them, a sampled chunk for the cosine and the result for the divergence checksum).
 
 #include <cuda_runtime_api.h>
+#include <spdlog/spdlog.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
 
@@ -66,7 +68,64 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
+/// The work areas of the steps on the node's GPUs (docs/cuda.md "Memory"): a step with codec
+/// state borrows one from its analyze() or flush() to its end, so device memory holds one work
+/// area per step in flight, not one per tensor. A borrower gets the smallest free area of its
+/// GPU that holds what it needs, else the largest grown (or a new one); areas go back when the
+/// step ends, once its stream has drained.
+class WorkPool {
+ public:
+  Result<std::unique_ptr<DeviceBuffer>> take(int ordinal, size_t bytes) {
+    std::unique_ptr<DeviceBuffer> area;
+    {
+      std::lock_guard lock(mu_);
+      auto& free = free_[ordinal];
+      auto best = free.end();
+      for (auto it = free.begin(); it != free.end(); ++it) {
+        const bool holds = (*it)->size() >= bytes;
+        if (best == free.end()) {
+          best = it;
+        } else if (holds && ((*best)->size() < bytes || (*it)->size() < (*best)->size())) {
+          best = it;
+        } else if (!holds && (*best)->size() < bytes && (*it)->size() > (*best)->size()) {
+          best = it;
+        }
+      }
+      if (best != free.end()) {
+        area = std::move(*best);
+        free.erase(best);
+        bytes_ -= area->size();
+      }
+    }
+    if (!area) area = std::make_unique<DeviceBuffer>();
+    LW_RETURN_IF_ERROR(area->ensure(bytes, "a codec work area"));
+    return area;
+  }
+  void give(int ordinal, std::unique_ptr<DeviceBuffer> area) {
+    if (!area) return;
+    std::lock_guard lock(mu_);
+    bytes_ += area->size();
+    free_[ordinal].push_back(std::move(area));
+  }
+  uint64_t bytes() {
+    std::lock_guard lock(mu_);
+    return bytes_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int, std::vector<std::unique_ptr<DeviceBuffer>>> free_;
+  uint64_t bytes_ = 0;
+};
+
+WorkPool& workPool() {
+  static WorkPool* pool = new WorkPool();  // never destroyed: device memory outlives main()
+  return *pool;
+}
+
 }  // namespace
+
+uint64_t pooledWorkBytes() { return workPool().bytes(); }
 
 class TensorGpu {
  public:
@@ -87,7 +146,8 @@ class TensorGpu {
   int ordinal_;
   cudaStream_t stream_ = nullptr;
   std::mutex mu_;  // one operation at a time (the exchange may encode from its own thread)
-  // The tensor's CUDA codec (of config_key_) and its committed state; `none` for dense steps.
+  // The tensor's CUDA codec (of config_key_) and its committed state (one copy: a step prepares
+  // the next in a work area from workPool()); `none` for dense steps.
   std::string config_key_;
   std::unique_ptr<kc::CudaCodec> codec_, none_;
   kc::DeviceState state_, no_state_;
@@ -139,7 +199,8 @@ struct GpuStep::Impl {
   const float* input = nullptr;  // the step's input (fp32, n)
   float* result = nullptr;
   bool in_place = false;
-  bool dense = false;  // this step compresses with `none` (bypass, full sync)
+  bool dense = false;                  // this step compresses with `none` (bypass, full sync)
+  std::unique_ptr<DeviceBuffer> work;  // the state's work area, borrowed from workPool()
 
   std::unique_lock<std::mutex> lock() {
     std::unique_lock l(t.mu_);
@@ -149,6 +210,22 @@ struct GpuStep::Impl {
   const kc::CudaCodec& codec() const { return dense ? *t.none_ : *t.codec_; }
   kc::DeviceState& state() { return dense ? t.no_state_ : t.state_; }
   Status sync(const char* what) { return deviceError(cudaStreamSynchronize(t.stream_), what); }
+  /// Lends the tensor's state a work area for this step (nothing for a state of no floats).
+  Status lendWork() {
+    if (work || t.state_.floats() == 0) return Status::ok();
+    auto area = workPool().take(t.ordinal_, t.state_.floats() * sizeof(float));
+    if (!area) return area.status();
+    work = std::move(*area);
+    t.state_.attachWork(work->as<float>());
+    return Status::ok();
+  }
+  /// The work area goes back to the pool (the stream has drained: nothing reads it any more).
+  void returnWork() {
+    if (!work) return;
+    // Only its own: a later step of the tensor may have lent the state another area already.
+    if (t.state_.work() == work->as<float>()) t.state_.detachWork();
+    workPool().give(t.ordinal_, std::move(work));
+  }
 };
 
 GpuStep::GpuStep(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -157,6 +234,7 @@ GpuStep::~GpuStep() {
   // writes their results: it ends before the reply goes out.
   auto l = impl_->lock();
   cudaStreamSynchronize(impl_->t.stream_);
+  impl_->returnWork();
 }
 
 std::string GpuStep::deviceName() const { return "cuda:" + std::to_string(impl_->t.ordinal_); }
@@ -279,6 +357,7 @@ Status GpuStep::flush(const kernels::StepContext& ctx, const kernels::Chunking& 
   auto l = impl_->lock();
   Impl& s = *impl_;
   LW_RETURN_IF_ERROR(s.t.flushed_.ensure(s.n * sizeof(float), "the flushed input"));
+  LW_RETURN_IF_ERROR(s.lendWork());
   LW_RETURN_IF_ERROR(s.t.codec_->flush(ctx, chunking, {s.input, s.n, DType::kF32}, s.t.state_,
                                        s.t.flushed_.as<float>(), s.t.stream_));
   s.input = s.t.flushed_.as<float>();
@@ -361,6 +440,7 @@ Status GpuStep::analyze(const kernels::StepContext& ctx, const kernels::Chunking
                                            "the codec workspace"));
   LW_RETURN_IF_ERROR(s.t.payload_.ensure(std::max<size_t>(max_payload, 1), "a payload"));
   LW_RETURN_IF_ERROR(s.t.size_.ensure(sizeof(uint64_t), "a payload size"));
+  if (!dense) LW_RETURN_IF_ERROR(s.lendWork());
   return codec.analyze(ctx, chunking, {s.input, s.n, DType::kF32}, s.state(),
                        s.t.workspace_.bytes(), s.t.stream_);
 }
@@ -520,7 +600,19 @@ Status GpuStep::writeBack() {
 void GpuStep::commit(const Commit& c) {
   auto l = impl_->lock();
   Impl& s = *impl_;
-  if (c.state) s.t.state_.commit();
+  // Bypass steps prepared nothing (no work area): their state stays as it was.
+  if (!c.state || !s.work) return;
+  Status st = s.t.state_.commit(s.t.stream_);
+  if (st.isOk()) st = s.sync("committing the codec state");
+  if (!st.isOk()) {
+    // A device failure after the write-back: the state may be partly copied. It starts over
+    // rather than carry a mix (as the host backend does after a failed commit).
+    spdlog::error("committing the codec state on the GPU failed, the state is reset: {}",
+                  st.message());
+    (void)s.t.state_.reset(s.t.stream_);
+    (void)s.sync("resetting the codec state");
+  }
+  s.returnWork();
 }
 
 }  // namespace lightwire::proxy::gpu

@@ -401,15 +401,16 @@ StepPipeline::Stage StepPipeline::makeCodec() {
 StepPipeline::Stage StepPipeline::makeState() {
   if (t_.has_state) return std::nullopt;
   const kernels::Codec& codec = *t_.codec;
-  // The device keeps a second copy of the state (docs/cuda.md); the host one copy, and its steps
-  // take a result buffer (the codec's work area) and, with several trainers or a narrow dtype, a
-  // local sum from the pool.
+  // One copy of the state on either backend. The host's steps take a result buffer (the codec's
+  // work area) and, with several trainers or a narrow dtype, a local sum from the pool; the
+  // device's a work area of the state's size from its own pool (docs/cuda.md "Memory").
   const uint64_t floats = codec.stateFloats(n_, p_.shape);
-  const uint64_t need = (gpu_ordinal_ ? 2 : 1) * floats * sizeof(float);
+  const uint64_t need = floats * sizeof(float);
   const bool own_result = !resultInPlace(trainers_, p_.dtype, codec.traits().rounds, floats > 0);
   const bool own_sum = !inputIsTrainers(trainers_, p_.dtype);
   const uint64_t step_need =
-      gpu_ordinal_ ? 0 : ((own_result ? 1 : 0) + (own_sum ? 1 : 0)) * uint64_t{n_} * sizeof(float);
+      gpu_ordinal_ ? need
+                   : ((own_result ? 1 : 0) + (own_sum ? 1 : 0)) * uint64_t{n_} * sizeof(float);
   const uint64_t cap = engine_.options_.max_state_bytes;
   if (cap > 0 && need + step_need > 0) {
     uint64_t held = 0;

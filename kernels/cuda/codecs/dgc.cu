@@ -350,8 +350,8 @@ class DgcCuda final : public sparse::SparseCudaCodec {
     const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
     LW_RETURN_IF_ERROR(checkChunk(len));
     const Carved w = carve(workspace, chunking);
-    float* un = momentum_ ? state.next() : nullptr;
-    float* vn = n == 0 ? nullptr : (momentum_ ? un + n : state.next());
+    float* un = momentum_ ? state.work() : nullptr;
+    float* vn = n == 0 ? nullptr : (momentum_ ? un + n : state.work());
     sparse::PlanArg plan;
     plan.dev = w.select.state;
     return cudaStatus(sparse::encodeChunk(CodecId::kDgc, input.dtype, values_, plan,
@@ -361,7 +361,7 @@ class DgcCuda final : public sparse::SparseCudaCodec {
   }
 
   /// Steps 1–3 of analyze, bit for bit, then everything accumulated is sent: out = v'. The
-  /// prepared u' and v' are zero. No workspace: the clipping norm's block sums go to state.next()
+  /// prepared u' and v' are zero. No workspace: the clipping norm's block sums go to state.work()
   /// (n > 4096; zeroed afterwards), a one-block kernel does it all for n <= 4096.
   Status doFlush(const StepContext&, const Chunking& chunking, DeviceTensor input,
                  DeviceState& state, float* d_out, cudaStream_t stream) const override {
@@ -377,7 +377,7 @@ class DgcCuda final : public sparse::SparseCudaCodec {
       });
       e = cudaGetLastError();
     } else {
-      auto* sums = reinterpret_cast<double*>(state.next());  // cudaMalloc'd: aligned
+      auto* sums = reinterpret_cast<double*>(state.work());  // cudaMalloc'd: aligned
       if (clip) {
         e = canonicalBlockSums(input.data, input.dtype, n, ReduceTerm::kSquare, sums, stream);
         if (e == cudaSuccess) {
@@ -395,7 +395,7 @@ class DgcCuda final : public sparse::SparseCudaCodec {
       }
     }
     if (e == cudaSuccess) {
-      e = cudaMemsetAsync(state.next(), 0, state.floats() * sizeof(float), stream);
+      e = cudaMemsetAsync(state.work(), 0, state.floats() * sizeof(float), stream);
     }
     return cudaStatus(e, "dgc (cuda): flush");
   }
@@ -448,8 +448,8 @@ class DgcCuda final : public sparse::SparseCudaCodec {
     SelectState* s = w.select.state;
     LW_CUDA_TRY(cudaMemsetAsync(s, 0, sizeof(SelectState), stream));
     const Accumulate acc = accumulation(state.current(), n);
-    float* un = momentum_ ? state.next() : nullptr;
-    float* vn = momentum_ ? un + n : state.next();
+    float* un = momentum_ ? state.work() : nullptr;
+    float* vn = momentum_ ? un + n : state.work();
 
     // 1. Clipping.
     if (clip_norm_ > 0.0) {

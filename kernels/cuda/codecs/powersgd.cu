@@ -10,11 +10,11 @@
 // within the 1e-4 tolerance determinism.md allows for cuBLAS.
 //
 // Kernels (RT = 8 factor columns per launch; larger ranks loop over column tiles):
-//   mKernel            M = widen(x) + e (fp32) into the error slot of state.next(), as the CPU.
+//   mKernel            M = widen(x) + e (fp32) into the error slot of the work area, as the CPU.
 //   initQKernel        one block per factor column j: the committed warm start when the committed
 //                      meta block is valid for this view and the column is not all ±0, else the
-//                      shared Philox draw; writes Q (state.next()) and Qᵀ (workspace), and the meta
-//                      block (valid = 0).
+//                      shared Philox draw; writes Q (the work area) and Qᵀ (workspace), and the
+//                      meta block (valid = 0).
 //   rowProductKernel   round 0, P[i][j] = Σ_k M[i][k]·Q[k][j]: eight consecutive lanes own one
 //                      (row, 4096-column block) pair, lane a is accumulator a_a (columns ≡ a mod 8,
 //                      in order, reading Qᵀ rows contiguously); three width-8 shuffles combine.
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/// Block j = factor column j: Q[k][j] for k < cols into q (state.next()) and qt[j·cols + k].
+/// Block j = factor column j: Q[k][j] for k < cols into q (the work area) and qt[j·cols + k].
 /// The committed column when `warm` (meta valid for this view) and not entirely ±0.0, else
 /// (float)(2·u − 1) with u = word(k·r + j)·2^-32 of Philox(step, shared stream, purpose 5).
 /// Block 0 also writes the next meta block.
@@ -426,7 +426,7 @@ __global__ void finishMetaKernel(float* meta, View view, Meta next) {
   for (unsigned f = 0; f < kMetaFloats; ++f) meta[f] = next.v[f];
 }
 
-/// The 32 header bytes of a factor payload and its size. `meta` (state.next()'s meta block, null
+/// The 32 header bytes of a factor payload and its size. `meta` (the work area's meta block, null
 /// for n = 0): unless it records `view`, the size is 0 (analyze() used another view).
 struct FactorHeader {
   uint8_t bytes[kFactorOffset];
@@ -509,13 +509,14 @@ class CudaPowerSgd final : public CudaCodec {
     if (!f) return f.status();
     const auto& [p, q] = *f;
     if (n == 0) return Status::ok();
-    float* m = state.next();
+    float* m = state.work();
+    if (m == nullptr) return failedPrecondition("powersgd (cuda): finishStep() before analyze()");
     float* meta = m + n;
     const Areas ar = areas(workspace.data, n);
     LW_RETURN_IF_ERROR(stageAndOrthonormalize(p, ar, stream));
     LW_RETURN_IF_ERROR(stage(q, ar.f2, stream));
     // e' = M − weight · (P̂·Tᵀ), then Q' = weight · T (the warm start), then the meta block: each
-    // only when state.next() holds a matching analyze() that no finishStep() has completed.
+    // only when the work area holds a matching analyze() that no finishStep() has completed.
     productKernel<true><<<blocksFor(n), kThreads, 0, stream>>>(
         ar.f1, ar.f2, n, p.view.cols, p.view.rank, weight, m, meta, p.view);
     finishQKernel<<<blocksFor(q.count), kThreads, 0, stream>>>(ar.f2, q.count, weight,
@@ -553,7 +554,7 @@ class CudaPowerSgd final : public CudaCodec {
     if (n == 0) return Status::ok();
     const View v = *view;
     const float* e = state.current();
-    float* m = state.next();
+    float* m = state.work();
     visitDeviceDType(input.dtype, [&](auto d) {
       mKernel<decltype(d)::value><<<blocksFor(n), kThreads, 0, stream>>>(input.data, e, m, n);
     });
@@ -574,7 +575,7 @@ class CudaPowerSgd final : public CudaCodec {
     const View v = *view;
     const size_t n = chunking.elements;
     const uint64_t r = v.rank, rows = v.rows, cols = v.cols;
-    const float* m = state.next();
+    const float* m = state.work();
     const float* meta = n == 0 ? nullptr : m + n;
     uint8_t* body = d_out + kFactorOffset;
     const Areas ar = areas(workspace.data, n);
@@ -630,7 +631,7 @@ class CudaPowerSgd final : public CudaCodec {
     const size_t n = chunking.elements;
     if (n == 0) return Status::ok();
     const float* e = state.current();
-    float* en = state.next();
+    float* en = state.work();
     visitDeviceDType(input.dtype, [&](auto d) {
       flushKernel<decltype(d)::value>
           <<<blocksFor(n), kThreads, 0, stream>>>(input.data, e, d_out, en, n);

@@ -232,11 +232,12 @@ inline std::vector<std::vector<uint8_t>> checkCudaMatchesCpu(
         CHECK_MESSAGE(sameBits(gpu_out.download<float>(len), cpu_out), "decoded result differs");
         last.push_back(std::move(cpu_payload));
       }
-      // The host state is committed from what was sent (the GPU's double buffer by commit()).
+      // The host state is committed from what was sent (the GPU's by copying its work area,
+      // commit()).
       const std::vector<std::span<const uint8_t>> sent(last.begin(), last.end());
       LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, sent, {}, cpu_state, cpu_ws));
     }
-    gpu_state.commit();
+    LW_STATUS_OK(gpu_state.commit(stream));
     auto gpu_committed = gpu_state.download(stream);
     REQUIRE_MESSAGE(gpu_committed.isOk(), gpu_committed.status().message());
     const auto cpu_committed = cpu_state.currentSpan();

@@ -168,7 +168,7 @@ std::vector<std::string> runCase(const json::object& c, size_t* nan_skipped) {
     }
     if (std::string e = compareDecoded(d_out, *want, n); !e.empty()) errors.push_back(where + e);
     if (!errors.empty()) return errors;  // later steps depend on this one's state
-    state.commit();
+    LW_STATUS_OK(state.commit(nullptr));
   }
   return errors;
 }
@@ -306,7 +306,7 @@ std::vector<std::string> runMultiRoundCase(const json::object& c) {
       if (!f.isOk()) return {where + "finishStep: " + f.message()};
     }
     if (!errors.empty()) return errors;
-    for (auto& st : states) st.commit();
+    for (auto& st : states) LW_STATUS_OK(st.commit(nullptr));
   }
   return errors;
 }

@@ -528,7 +528,7 @@ std::vector<std::vector<uint8_t>> comparePowerSgd(
     }
     for (size_t rank = 0; rank < world; ++rank) {
       CAPTURE(rank);
-      gpu_ranks[rank].state.commit();
+      LW_STATUS_OK(gpu_ranks[rank].state.commit(stream));
       auto committed = gpu_ranks[rank].state.download(stream);
       REQUIRE_MESSAGE(committed.isOk(), committed.status().message());
       CHECK_MESSAGE(sameBits(*committed, hostState(cpu_states[rank])), "committed state differs");
@@ -960,7 +960,7 @@ TEST_CASE("powersgd cuda: hostile reduced payloads, decodeChunk and the device-s
   LW_STATUS_OK((*gpu)->finishStep(ctx, chunking, views, 1.0f, gin, gs, gws.span(), nullptr));
   const std::vector<std::span<const uint8_t>> sent{reduced[0]};  // W = 1: round 0 as sent
   LW_STATUS_OK((*cpu)->commitState(ctx, chunking, cin, sent, {}, cs, ws));
-  gs.commit();
+  LW_STATUS_OK(gs.commit(nullptr));
   auto committed = gs.download(nullptr);
   REQUIRE(committed.isOk());
   CHECK(sameBits(*committed, hostState(cs)));

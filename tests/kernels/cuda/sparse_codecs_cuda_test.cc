@@ -231,7 +231,7 @@ void checkNonFiniteMatchesCpu(const CodecConfig& config,
     }
     const std::vector<std::span<const uint8_t>> sent_views(sent.begin(), sent.end());
     LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, sent_views, {}, cpu_state, cpu_ws));
-    gpu_state.commit();
+    LW_STATUS_OK(gpu_state.commit(nullptr));
     auto gpu_committed = gpu_state.download(nullptr);
     REQUIRE_MESSAGE(gpu_committed.isOk(), gpu_committed.status().message());
     const auto cpu_committed = cpu_state.currentSpan();
@@ -650,6 +650,71 @@ TEST_CASE("sparse codecs (cuda): hostile payloads are rejected, the output untou
     escape.pop_back();  // a truncated dense escape
     checkRejectedLikeCpu(config, escape, n);
   }
+}
+
+TEST_CASE("DeviceState: one copy; a step prepares the next in the work area, commit copies it") {
+  CodecConfig config;
+  config.name = "dgc";
+  config.density = 0.05;
+  config.momentum = 0.9;
+  auto gpu_r = createCudaCodec(config);
+  REQUIRE_MESSAGE(gpu_r.isOk(), gpu_r.status().message());
+  const CudaCodec& gpu = **gpu_r;
+  const size_t n = 10000;
+  const Chunking chunking = chunkingFor(gpu.host(), n, 4096);
+  auto made = DeviceState::create(gpu.stateFloats(n));
+  REQUIRE(made.isOk());
+  DeviceState state = std::move(*made);
+  CHECK(state.bytes() == gpu.stateFloats(n) * sizeof(float));
+  // Nothing prepared yet: no commit, no encode.
+  CHECK(state.commit(nullptr).code() == StatusCode::kFailedPrecondition);
+  DeviceMem ws(gpu.workspaceBytes(chunking));
+  DeviceMem d_payload(gpu.maxPayloadBytes(chunking.chunk_elements));
+  DeviceMem d_size(sizeof(uint64_t));
+  const std::vector<float> x = normalInput(n, 77);
+  DeviceMem d_input(n * sizeof(float));
+  d_input.upload(x.data(), n * sizeof(float));
+  const DeviceTensor gin{d_input.as(), n, DType::kF32};
+  StepContext ctx;
+  ctx.seed = 1;
+  ctx.step = 1;
+  CHECK_FALSE(gpu.encodeChunk(ctx, chunking, 0, 0, {}, gin, state, ws.span(),
+                              d_payload.as<uint8_t>(), d_size.as<uint64_t>(), nullptr)
+                  .isOk());
+  // A lent work area is used as is; a step that is not committed leaves the state at zero.
+  DeviceMem lent(gpu.stateFloats(n) * sizeof(float));
+  state.attachWork(lent.as<float>());
+  CHECK(state.work() == lent.as<float>());
+  auto step = [&] {
+    LW_STATUS_OK(gpu.analyze(ctx, chunking, gin, state, ws.span(), nullptr));
+    for (size_t c = 0; c < chunking.count(); ++c) {
+      LW_STATUS_OK(gpu.encodeChunk(ctx, chunking, c, 0, {}, gin, state, ws.span(),
+                                   d_payload.as<uint8_t>(), d_size.as<uint64_t>(), nullptr));
+    }
+  };
+  step();
+  auto after = state.download(nullptr);
+  REQUIRE(after.isOk());
+  CHECK(std::all_of(after->begin(), after->end(), [](float f) { return f == 0.0f; }));
+  // Committed: the state is what the work area held.
+  const std::vector<float> prepared = [&] {
+    std::vector<float> h(gpu.stateFloats(n));
+    LW_CUDA_CHECK_OK(
+        cudaMemcpy(h.data(), lent.as<float>(), h.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return h;
+  }();
+  LW_STATUS_OK(state.commit(nullptr));
+  auto committed = state.download(nullptr);
+  REQUIRE(committed.isOk());
+  CHECK(std::memcmp(committed->data(), prepared.data(), prepared.size() * sizeof(float)) == 0);
+  CHECK(std::any_of(committed->begin(), committed->end(), [](float f) { return f != 0.0f; }));
+  // Detached: the state allocates a work area of its own at the next analyze.
+  state.detachWork();
+  CHECK(state.work() == nullptr);
+  ctx.step = 2;
+  step();
+  CHECK(state.work() != nullptr);
+  CHECK(state.work() != lent.as<float>());
 }
 
 }  // namespace

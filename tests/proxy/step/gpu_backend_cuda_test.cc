@@ -174,6 +174,11 @@ class RecordingExchange final : public Exchange {
  public:
   unsigned worldSize() const override { return 1; }
   Result<std::vector<std::vector<std::span<const uint8_t>>>> run(ExchangeRound& round) override {
+    // A failure after compression (a peer gone, a corrupt frame): the step fails here.
+    if (fail_rounds.load() > 0) {
+      fail_rounds.fetch_sub(1);
+      return Status(StatusCode::kUnavailable, "exchange failed (injected by the test)");
+    }
     RoundRecord r;
     r.tensor = round.tensor;
     r.step = round.step;
@@ -191,6 +196,7 @@ class RecordingExchange final : public Exchange {
     std::lock_guard lock(mu_);
     return std::exchange(log_, {});
   }
+  std::atomic<int> fail_rounds{0};  // rounds still to fail
 
  private:
   LocalExchange inner_;
@@ -1207,4 +1213,43 @@ TEST_CASE("a trainer event that cannot be waited on fails the step and commits n
   // Step 3: as if step 2 had never been (the host engine never saw it).
   pair.step("w", 3, DType::kF32, gradients(2, 8000, 3));
   pair.step("w", 4, DType::kF32, gradients(2, 8000, 4));
+}
+
+// --- memory --------------------------------------------------------------------------------------
+
+TEST_CASE(
+    "the GPU keeps one copy of the state: a step borrows a work area, a step that fails after "
+    "compression commits nothing") {
+  // The work area's pooled bytes and the state's, from the engine's gauges.
+  auto gauge = [](Side& side, const std::string& name) {
+    const std::string text = side.metrics.exposition();
+    const auto at = text.find("\n" + name + " ");
+    REQUIRE_MESSAGE(at != std::string::npos, name);
+    return std::stod(text.substr(at + name.size() + 2));
+  };
+  kernels::CodecConfig dgc = named("dgc"), topk = named("topk"), psgd = named("powersgd");
+  dgc.density = 0.05;
+  dgc.momentum = 0.9;
+  topk.density = 0.05;  // error feedback by default
+  psgd.approx_rank = 2;
+  const size_t n = 40000;
+  const std::vector<uint64_t> shape = {160, 250};
+  for (const auto& config : {dgc, topk, psgd}) {
+    CAPTURE(describe(config));
+    Pair pair(baseOptions(1), always(config));
+    const double floats =
+        static_cast<double>(kernels::createCodec(config).value()->stateFloats(n, shape));
+    const double before_pool = gauge(pair.gpu, "lightwire_pool_bytes");
+    pair.step("m", 1, DType::kF32, gradients(1, n, 11), {}, shape);
+    CHECK(gauge(pair.gpu, "lightwire_state_bytes") == 4.0 * floats);  // one copy
+    // The work area went back to the pool for the next step (of any tensor on this GPU).
+    CHECK(gauge(pair.gpu, "lightwire_pool_bytes") >= before_pool + 4.0 * floats);
+    // Step 2 fails on the GPU engine after analyze and encode (its exchange fails): nothing is
+    // committed, so step 3 continues as if step 2 had never been (the host engine never saw it).
+    pair.gpu.exchange.fail_rounds = 1;
+    Run failed = runStep(pair.gpu, "m", 2, DType::kF32, gradients(1, n, 12), {}, shape);
+    CHECK_FALSE(failed.outcomes[0].ok());
+    pair.step("m", 3, DType::kF32, gradients(1, n, 13), {}, shape);
+    pair.step("m", 4, DType::kF32, gradients(1, n, 14), {}, shape);
+  }
 }
