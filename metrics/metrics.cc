@@ -116,6 +116,18 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> r)
                      .Help("Bytes of step buffers (results, local sums) kept and lent.")
                      .Register(*r)
                      .Add({})),
+      receive_pool_bytes(BuildGauge()
+                             .Name("lightwire_buffer_pool_bytes")
+                             .Help("Bytes of buffers kept for reuse outside the step pool: frames "
+                                   "received from peers, request bodies.")
+                             .Register(*r)
+                             .Add({{"pool", "receive"}})),
+      body_pool_bytes(BuildGauge()
+                          .Name("lightwire_buffer_pool_bytes")
+                          .Help("Bytes of buffers kept for reuse outside the step pool: frames "
+                                "received from peers, request bodies.")
+                          .Register(*r)
+                          .Add({{"pool", "request_bodies"}})),
       registered_buffers(BuildGauge()
                              .Name("lightwire_registered_buffers")
                              .Help("Shared-memory buffers registered by clients.")

@@ -80,6 +80,10 @@ class Metrics {
   prometheus::Gauge& state_bytes;
   // lightwire_pool_bytes: bytes of step buffers (results, local sums), kept and lent.
   prometheus::Gauge& pool_bytes;
+  // lightwire_buffer_pool_bytes{pool}: buffers kept for reuse outside the step pool: frames
+  // received from peers ("receive") and request bodies ("request_bodies"). Set at each scrape.
+  prometheus::Gauge& receive_pool_bytes;
+  prometheus::Gauge& body_pool_bytes;
   // lightwire_registered_buffers.
   prometheus::Gauge& registered_buffers;
   // lightwire_auth_failures_total: peer connections refused at the handshake.

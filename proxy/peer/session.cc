@@ -489,6 +489,8 @@ std::vector<uint8_t> SessionTransport::takeBuffer(size_t n) {
   return session_.mail().takeBuffer(n);
 }
 
+uint64_t SessionTransport::pooledBytes() { return session_.mail().pooledBytes(); }
+
 Result<Frame> SessionTransport::receive(uint32_t src, const FrameKey& key,
                                         std::chrono::steady_clock::time_point deadline) {
   return session_.receive(src, key, deadline);

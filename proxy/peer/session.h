@@ -278,6 +278,7 @@ class SessionTransport : public Transport {
                    std::chrono::steady_clock::time_point deadline) override;
   void reclaim() override;
   std::vector<uint8_t> takeBuffer(size_t n) override;
+  uint64_t pooledBytes() override;
   Result<Frame> receive(uint32_t src, const FrameKey& key,
                         std::chrono::steady_clock::time_point deadline) override;
   Result<std::optional<Frame>> receiveOrWake(

@@ -121,6 +121,9 @@ class Transport {
   virtual void reclaim() = 0;
   /// A buffer of `n` bytes for a payload, a recycled one where one fits (its bytes unspecified).
   virtual std::vector<uint8_t> takeBuffer(size_t n) = 0;
+  /// Bytes of received frames' buffers kept for reuse
+  /// (lightwire_buffer_pool_bytes{pool="receive"}).
+  virtual uint64_t pooledBytes() { return 0; }
 
   /// Waits for the frame with `key` from `src` (data), or for an abort of (key.tensor, key.step)
   /// from any rank; frames that arrive for other keys are kept until asked for (or until their

@@ -98,6 +98,11 @@ void ControlApi::setAfterResume(std::function<void()> after) {
   after_resume_ = std::move(after);
 }
 
+void ControlApi::setBeforeScrape(std::function<void()> before) {
+  std::lock_guard lock(mu_);
+  before_scrape_ = std::move(before);
+}
+
 void ControlApi::setPeers(std::function<std::vector<bool>()> peers_up) {
   std::lock_guard lock(mu_);
   peers_up_ = std::move(peers_up);
@@ -261,6 +266,12 @@ Response ControlApi::readyz(RouteCall& /*call*/) {
 
 Response ControlApi::metricsText(RouteCall& /*call*/) {
   metrics_.registered_buffers.Set(static_cast<double>(buffers_.count()));
+  std::function<void()> before;
+  {
+    std::lock_guard lock(mu_);
+    before = before_scrape_;
+  }
+  if (before) before();
   return textResponse(status::ok, metrics_.exposition(), "text/plain; version=0.0.4");
 }
 

@@ -73,6 +73,9 @@ class ControlApi {
   void setCuda(std::shared_ptr<ipc::CudaDriver> driver, std::string why_not);
   /// Called after a successful POST /v1/resume (tells the other sidecars).
   void setAfterResume(std::function<void()> after);
+  /// Called before each /metrics exposition, to set gauges read from parts the API does not own
+  /// (the buffer pools of the transport and the HTTP server).
+  void setBeforeScrape(std::function<void()> before);
   /// Releases the buffers of trainers that exited without releasing them (logged, counted in
   /// lightwire_buffers_released_total{reason="owner_exited"}); returns how many. Call it
   /// periodically (serve does, every second).
@@ -136,6 +139,7 @@ class ControlApi {
   std::function<std::vector<bool>()> peers_up_;
   std::function<boost::json::value()> peer_tls_;
   std::function<void()> after_resume_;
+  std::function<void()> before_scrape_;
   std::shared_ptr<ipc::CudaDriver> cuda_;
   std::string cuda_why_not_ = "not probed";
   std::shared_ptr<const CompressionConfig> compression_;

@@ -711,6 +711,11 @@ void HttpServer::onLimit(LimitHook hook) { impl_->shared->on_limit = std::move(h
 
 void HttpServer::onHeader(HeaderCheck check) { impl_->shared->on_header = std::move(check); }
 
+uint64_t HttpServer::keptBodyBytes() const {
+  std::lock_guard lock(impl_->shared->bodies_mu);
+  return impl_->shared->bodies_bytes;
+}
+
 size_t HttpServer::connections(std::string_view listener) const {
   size_t n = 0;
   for (const auto& l : impl_->tcp_listeners) {

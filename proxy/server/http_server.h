@@ -116,6 +116,8 @@ class HttpServer {
   size_t connections() const { return connections_->load(); }
   /// Connections open now on the listener of that name (0 when there is none).
   size_t connections(std::string_view listener) const;
+  /// Bytes of large bodies' strings kept for the next large bodies (docs/deploy.md "Sizing").
+  uint64_t keptBodyBytes() const;
 
  private:
   struct Impl;

@@ -748,6 +748,10 @@ int runServe(const FlagValues& flags, const std::optional<std::string>& check_co
     spdlog::error("{}", st.message());
     return kExitFailure;
   }
+  api.setBeforeScrape([&metrics, &server, t = peers.transport.get()] {
+    metrics.receive_pool_bytes.Set(t != nullptr ? static_cast<double>(t->pooledBytes()) : 0.0);
+    metrics.body_pool_bytes.Set(static_cast<double>(server.keptBodyBytes()));
+  });
   spdlog::info(
       "lightwire {} serving: job '{}', {} local trainer(s), default codec {}, {} compute "
       "thread(s)",

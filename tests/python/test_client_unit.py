@@ -531,3 +531,23 @@ def test_hook_counts_the_elements_exchanged_dense():
         assert lwt._dense_elements(None) == (0, 0)
     finally:
         state.close()
+
+
+def test_buffer_pool_gauges(sidecar):
+    """lightwire_buffer_pool_bytes (docs/metrics.md): a large body's string is kept for the next
+    large body once its reply is written, and the gauge shows it; without peers the receive pool
+    is empty."""
+    from conftest import metric_total
+    c = sidecar.client(trainer=0)
+    text = c.metrics()
+    assert metric_total(text, "lightwire_buffer_pool_bytes", 'pool="request_bodies"') == 0, text
+    a = np.arange(1 << 18, dtype=np.float32)  # a 1 MiB body
+    for step in (1, 2, 3):
+        out = c.emit_gradient(a, name="pooled", step=step)
+        assert out.tobytes() == a.tobytes()
+    text = c.metrics()
+    kept = metric_total(text, "lightwire_buffer_pool_bytes", 'pool="request_bodies"')
+    # One string of at least the body's size (reused at every step: not one per step).
+    assert (1 << 20) <= kept < 3 << 20, text
+    assert metric_total(text, "lightwire_buffer_pool_bytes", 'pool="receive"') == 0
+    c.close()
