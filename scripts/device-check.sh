@@ -32,7 +32,8 @@
 #    (the step engine's GPU path against its host path, bit for bit; must pass), kernels_tests
 #    (the CPU suite, on that machine's CPU), `lightwire --version`, the CUDA IPC checks
 #    (tests/python/cuda_ipc_check.py: this machine's python3 with PyTorch CUDA as the trainer,
-#    `lightwire serve` as the sidecar), and, for figures only (never judged),
+#    `lightwire serve` as the sidecar), the device memory per codec (bench/memory_gpu.py: fails
+#    only when a row cannot run), and, for figures only (never judged),
 #    `lightwire bench codec --device cuda --all` at 100M elements (with the device copy and
 #    torch.topk baselines) and the CPU `bench codec --all` at 25M elements. Logs, summary.txt and
 #    summary.json land in OUTDIR. The packed binaries are read from LW_DEVICE_DIR (default
@@ -139,6 +140,10 @@ check "lightwire --version" version.log "$dir/lightwire" --version
 check "CUDA IPC: trainer process -> lightwire serve, results in place" cuda_ipc.log \
   "$python" tests/python/cuda_ipc_check.py "$dir/lightwire" "$out/cuda_ipc.json"
 cat "$out/cuda_ipc.log"
+# Device memory per codec (docs/cuda.md "Memory"): figures, and a failure only if a row cannot run.
+check "bench/memory_gpu.py: device memory per codec, 100 MB tensor" memory_gpu.log \
+  "$python" bench/memory_gpu.py "$dir/lightwire" --steps 3 --json "$out/memory_gpu.json"
+cat "$out/memory_gpu.log"
 # One JSON object per codec on stdout (bench_cuda.jsonl), progress on stderr (bench_cuda.log).
 t0=$SECONDS
 if "$dir/lightwire" bench codec --device cuda --all --elements 100000000 --python "$python" \
