@@ -727,7 +727,7 @@ void StepEngine::endStep(Tensor& t, uint64_t step, Pending& p, const StepOutcome
     t.state_bytes = t.state_on_gpu ? gpu::stateBytes(t.gpu.get()) : t.state.bytes();
     publishStateBytes();
     // The host's step buffers and the GPUs' work areas (docs/metrics.md).
-    metrics_.pool_bytes.Set(static_cast<double>(pool_.bytes() + gpu::pooledWorkBytes()));
+    metrics_.pool_bytes.Set(static_cast<double>(pool_.bytes() + gpu::pooledDeviceBytes()));
   }
   if (outcome.ok()) dropIdleStates(step);
   if (outcome.ok()) {

@@ -35,9 +35,10 @@ std::optional<int> eligibleDevice(std::span<const Contribution* const> parts,
 
 /// Device bytes of the codec state `tg` holds (0 for none): one copy, the committed state.
 uint64_t stateBytes(const TensorGpu* tg);
-/// Device bytes of the codec work areas kept for the next steps (docs/cuda.md "Memory"): a step
-/// with codec state borrows one for its duration; the node's GPUs together.
-uint64_t pooledWorkBytes();
+/// Device bytes of step buffers kept for the next steps (docs/cuda.md "Memory"): work areas, local
+/// sums, results, flushed inputs, copies of other GPUs' gradients, which a step borrows for its
+/// duration; the node's GPUs together.
+uint64_t pooledDeviceBytes();
 /// The committed codec state `tg` holds, copied to the host (a checkpoint, or the tensor moving
 /// to the host backend).
 Result<kernels::CodecState> downloadState(TensorGpu& tg);

@@ -68,14 +68,15 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
-/// The work areas of the steps on the node's GPUs (docs/cuda.md "Memory"): a step with codec
-/// state borrows one from its analyze() or flush() to its end, so device memory holds one work
-/// area per step in flight, not one per tensor. A borrower gets the smallest free area of its
-/// GPU that holds what it needs, else the largest grown (or a new one); areas go back when the
-/// step ends, once its stream has drained.
-class WorkPool {
+/// The step buffers of the node's GPUs (docs/cuda.md "Memory"): the codec state's work area, the
+/// local sum, the result, a full sync's flushed input and the copies of other GPUs' gradients. A
+/// step borrows them for its duration, so device memory holds those of the steps in flight, not
+/// a set per tensor. A borrower gets the smallest free buffer of its GPU that holds what it
+/// needs, else the largest grown (or a new one); buffers go back when the step ends, once its
+/// stream has drained.
+class DevicePool {
  public:
-  Result<std::unique_ptr<DeviceBuffer>> take(int ordinal, size_t bytes) {
+  Result<std::unique_ptr<DeviceBuffer>> take(int ordinal, size_t bytes, const char* what) {
     std::unique_ptr<DeviceBuffer> area;
     {
       std::lock_guard lock(mu_);
@@ -98,7 +99,7 @@ class WorkPool {
       }
     }
     if (!area) area = std::make_unique<DeviceBuffer>();
-    LW_RETURN_IF_ERROR(area->ensure(bytes, "a codec work area"));
+    LW_RETURN_IF_ERROR(area->ensure(bytes, what));
     return area;
   }
   void give(int ordinal, std::unique_ptr<DeviceBuffer> area) {
@@ -118,14 +119,14 @@ class WorkPool {
   uint64_t bytes_ = 0;
 };
 
-WorkPool& workPool() {
-  static WorkPool* pool = new WorkPool();  // never destroyed: device memory outlives main()
+DevicePool& devicePool() {
+  static DevicePool* pool = new DevicePool();  // never destroyed: device memory outlives main()
   return *pool;
 }
 
 }  // namespace
 
-uint64_t pooledWorkBytes() { return workPool().bytes(); }
+uint64_t pooledDeviceBytes() { return devicePool().bytes(); }
 
 class TensorGpu {
  public:
@@ -147,15 +148,14 @@ class TensorGpu {
   cudaStream_t stream_ = nullptr;
   std::mutex mu_;  // one operation at a time (the exchange may encode from its own thread)
   // The tensor's CUDA codec (of config_key_) and its committed state (one copy: a step prepares
-  // the next in a work area from workPool()); `none` for dense steps.
+  // the next in a work area from devicePool()); `none` for dense steps.
   std::string config_key_;
   std::unique_ptr<kc::CudaCodec> codec_, none_;
   kc::DeviceState state_, no_state_;
   bool has_state_ = false;
-  // Trainers on other GPUs of the node: their gradient copied here (peer to peer), and their
-  // result narrowed here before it is copied back. Index = trainer.
-  std::vector<std::unique_ptr<DeviceBuffer>> remote_;
-  DeviceBuffer sum_, flushed_, result_, workspace_, payload_, size_, scratch_, stats_;
+  // The codec's workspace, one chunk's payload and its size, decode scratch, statistics (the step
+  // buffers of the tensor's size come from devicePool()).
+  DeviceBuffer workspace_, payload_, size_, scratch_, stats_;
 };
 
 uint64_t stateBytes(const TensorGpu* tg) {
@@ -198,9 +198,14 @@ struct GpuStep::Impl {
   DType dtype = DType::kF32;
   const float* input = nullptr;  // the step's input (fp32, n)
   float* result = nullptr;
+  float* own_result = nullptr;  // a result buffer from devicePool(), when not written in place
   bool in_place = false;
   bool dense = false;                  // this step compresses with `none` (bypass, full sync)
-  std::unique_ptr<DeviceBuffer> work;  // the state's work area, borrowed from workPool()
+  std::unique_ptr<DeviceBuffer> work;  // the state's work area, borrowed from devicePool()
+  // The other step buffers borrowed from devicePool(): the local sum, the result, the flushed
+  // input, and the copies of trainers' gradients on other GPUs (each trainer's result is narrowed
+  // there before it is copied back).
+  std::vector<std::unique_ptr<DeviceBuffer>> borrowed;
 
   std::unique_lock<std::mutex> lock() {
     std::unique_lock l(t.mu_);
@@ -213,7 +218,8 @@ struct GpuStep::Impl {
   /// Lends the tensor's state a work area for this step (nothing for a state of no floats).
   Status lendWork() {
     if (work || t.state_.floats() == 0) return Status::ok();
-    auto area = workPool().take(t.ordinal_, t.state_.floats() * sizeof(float));
+    auto area =
+        devicePool().take(t.ordinal_, t.state_.floats() * sizeof(float), "a codec work area");
     if (!area) return area.status();
     work = std::move(*area);
     t.state_.attachWork(work->as<float>());
@@ -224,7 +230,19 @@ struct GpuStep::Impl {
     if (!work) return;
     // Only its own: a later step of the tensor may have lent the state another area already.
     if (t.state_.work() == work->as<float>()) t.state_.detachWork();
-    workPool().give(t.ordinal_, std::move(work));
+    devicePool().give(t.ordinal_, std::move(work));
+  }
+  /// A step buffer of at least `bytes` for the rest of the step.
+  Result<void*> borrow(size_t bytes, const char* what) {
+    auto area = devicePool().take(t.ordinal_, std::max<size_t>(bytes, 1), what);
+    if (!area) return area.status();
+    borrowed.push_back(std::move(*area));
+    return borrowed.back()->as<void>();
+  }
+  /// Every borrowed step buffer goes back (the stream has drained).
+  void giveBack() {
+    for (auto& b : borrowed) devicePool().give(t.ordinal_, std::move(b));
+    borrowed.clear();
   }
 };
 
@@ -235,6 +253,7 @@ GpuStep::~GpuStep() {
   auto l = impl_->lock();
   cudaStreamSynchronize(impl_->t.stream_);
   impl_->returnWork();
+  impl_->giveBack();
 }
 
 std::string GpuStep::deviceName() const { return "cuda:" + std::to_string(impl_->t.ordinal_); }
@@ -297,17 +316,15 @@ Result<std::unique_ptr<GpuStep>> GpuStep::begin(std::shared_ptr<TensorGpu>& tg, 
     t.has_state_ = true;
   }
   auto impl = std::make_unique<Impl>(Impl{t, target, {}, {}, {}, n, dtype});
-  if (t.remote_.size() < parts.size()) t.remote_.resize(parts.size());
   for (size_t k = 0; k < parts.size(); ++k) {
     Contribution* c = parts[k];
     impl->parts.push_back(c->device->ptr);
     impl->part_devices.push_back(c->device->ordinal);
     impl->local.push_back(c->device->ptr);
     if (c->device->ordinal != ordinal) {
-      if (!t.remote_[k]) t.remote_[k] = std::make_unique<DeviceBuffer>();
-      LW_RETURN_IF_ERROR(
-          t.remote_[k]->ensure(n * kernels::dtypeSize(dtype), "a copy of another GPU's gradient"));
-      impl->local.back() = t.remote_[k]->as<void>();
+      auto copy = impl->borrow(n * kernels::dtypeSize(dtype), "a copy of another GPU's gradient");
+      if (!copy) return copy.status();
+      impl->local.back() = *copy;
     }
     if (std::string why; c->device->wait && !c->device->wait(t.stream_, &why)) {
       return internalError("GPU path: waiting for trainer " + std::to_string(c->spec.trainer) +
@@ -337,12 +354,13 @@ Status GpuStep::ingest() {
     s.input = static_cast<const float*>(s.local[0]);
     return Status::ok();
   }
-  LW_RETURN_IF_ERROR(s.t.sum_.ensure(s.n * sizeof(float), "the local sum"));
+  auto sum = s.borrow(s.n * sizeof(float), "the local sum");
+  if (!sum) return sum.status();
   LW_RETURN_IF_ERROR(
       deviceError(kc::sumWidened(s.local.data(), static_cast<unsigned>(s.local.size()), s.dtype,
-                                 s.n, s.t.sum_.as<float>(), s.t.stream_),
+                                 s.n, static_cast<float*>(*sum), s.t.stream_),
                   "summing the local trainers"));
-  s.input = s.t.sum_.as<float>();
+  s.input = static_cast<const float*>(*sum);
   return Status::ok();
 }
 
@@ -356,11 +374,12 @@ Status GpuStep::addAccumulation() {
 Status GpuStep::flush(const kernels::StepContext& ctx, const kernels::Chunking& chunking) {
   auto l = impl_->lock();
   Impl& s = *impl_;
-  LW_RETURN_IF_ERROR(s.t.flushed_.ensure(s.n * sizeof(float), "the flushed input"));
+  auto flushed = s.borrow(s.n * sizeof(float), "the flushed input");
+  if (!flushed) return flushed.status();
   LW_RETURN_IF_ERROR(s.lendWork());
   LW_RETURN_IF_ERROR(s.t.codec_->flush(ctx, chunking, {s.input, s.n, DType::kF32}, s.t.state_,
-                                       s.t.flushed_.as<float>(), s.t.stream_));
-  s.input = s.t.flushed_.as<float>();
+                                       static_cast<float*>(*flushed), s.t.stream_));
+  s.input = static_cast<const float*>(*flushed);
   return Status::ok();
 }
 
@@ -496,8 +515,12 @@ Status GpuStep::prepareResult(bool in_place) {
     s.result = static_cast<float*>(s.parts[0]);
     return Status::ok();
   }
-  LW_RETURN_IF_ERROR(s.t.result_.ensure(std::max<size_t>(s.n, 1) * sizeof(float), "the result"));
-  s.result = s.t.result_.as<float>();
+  if (s.own_result == nullptr) {
+    auto result = s.borrow(s.n * sizeof(float), "the result");
+    if (!result) return result.status();
+    s.own_result = static_cast<float*>(*result);
+  }
+  s.result = s.own_result;
   return Status::ok();
 }
 

@@ -12,7 +12,7 @@ std::optional<int> eligibleDevice(std::span<const Contribution* const>, std::str
   return std::nullopt;
 }
 uint64_t stateBytes(const TensorGpu*) { return 0; }
-uint64_t pooledWorkBytes() { return 0; }
+uint64_t pooledDeviceBytes() { return 0; }
 Result<kernels::CodecState> downloadState(TensorGpu&) {
   return failedPrecondition("this build has no GPU path");
 }

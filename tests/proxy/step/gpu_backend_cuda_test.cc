@@ -1253,3 +1253,36 @@ TEST_CASE(
     pair.step("m", 4, DType::kF32, gradients(1, n, 14), {}, shape);
   }
 }
+
+TEST_CASE("many tensors share the device's step buffers: they are those of the steps in flight") {
+  // Ten tensors of 4 Mi elements, three trainers (a local sum, a result that is not the trainer's
+  // memory) with topk and error feedback (a work area): per-tensor buffers would keep ten sets of
+  // sum, result and work area on the device; borrowed, they are one set.
+  kernels::CodecConfig topk = named("topk");
+  topk.density = 0.01;
+  const size_t n = size_t{4} << 20, tensors = 10;
+  Pair pair(baseOptions(3), always(topk));
+  pair.step("first", 1, DType::kF32, gradients(3, n, 1));  // the context and the pool warm
+  cudaOk(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  size_t free_before = 0, total = 0;
+  cudaOk(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo");
+  for (uint64_t step = 1; step <= 2; ++step) {
+    for (size_t t = 0; t < tensors; ++t) {
+      pair.step("t" + std::to_string(t), step, DType::kF32,
+                gradients(3, n, static_cast<uint32_t>(100 * step + t)));
+    }
+  }
+  cudaOk(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  size_t free_after = 0;
+  cudaOk(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo");
+  const double kept = static_cast<double>(free_before) - static_cast<double>(free_after);
+  const double tensor = 4.0 * n;
+  // Each tensor's state (its residual: one tensor's size) and its small per-tensor buffers (8
+  // tensor sizes of slack for them and allocation granularity); the trainers' buffers besides
+  // (the harness's: two engines x three trainers x ten tensors). Per-tensor step buffers would
+  // add three tensor sizes per tensor: 30 in all.
+  const double trainers_buffers = 2.0 * 3.0 * tensors * tensor;
+  CHECK_MESSAGE(kept <= trainers_buffers + tensors * tensor + 8 * tensor,
+                "the device kept " << kept / 1e6 << " MB for " << tensors << " tensors of "
+                                   << tensor / 1e6 << " MB");
+}
