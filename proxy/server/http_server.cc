@@ -221,6 +221,11 @@ class Session : public std::enable_shared_from_this<Session> {
     return [weak] {
       if (auto s = weak.lock()) {
         asio::post(s->stream_.get_executor(), [s] {
+          // Chosen while it had completed no request, it may have completed one since (the
+          // choice and this close are not atomic): a client with a request in hand is kept, its
+          // reply not cut. Its budget slot is already free, so the listener holds one connection
+          // more than its budget until it ends.
+          if (s->requests_ > 0) return;
           s->limitHit("evicted");
           s->close();
         });
