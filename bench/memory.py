@@ -123,6 +123,33 @@ class Sampler(threading.Thread):
         self.join()
 
 
+def gauge(text, name):
+    """The value of an unlabelled (or first) sample of metric `name` in an exposition, 0 if none."""
+    m = re.search(r"^%s(?:\{[^}]*\})? (\S+)" % name, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_for_socket(proc, sock, what, timeout=60.0):
+    """Waits until `proc` (a starting sidecar) has created its socket `sock`."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(sock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("%s: a sidecar did not start" % what)
+        time.sleep(0.05)
+
+
+def stop(procs):
+    """Terminates every process of `procs` (Popen), then waits for each (killed after 30 s)."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def shape_of(n):
     for rows in (5000, 4096, 1000, 500, 100):
         if n % rows == 0 and n // rows > 1:
@@ -153,11 +180,10 @@ def run_row(binary, row, n, world, steps, tensors, timeout, check_state=True, pa
             procs.append((subprocess.Popen(args, stdout=log, stderr=log, env=env), sock, log))
         clients = []
         for p, sock, _ in procs:
-            deadline = time.monotonic() + 60
-            while not os.path.exists(sock):
-                if p.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("memory: a sidecar did not start (logs in %s)" % d)
-                time.sleep(0.05)
+            try:
+                wait_for_socket(p, sock, "memory")
+            except RuntimeError as e:
+                raise SystemExit("%s (logs in %s)" % (e, d))
             c = lightwire.Client(socket_path=sock, timeout=timeout)
             c.wait_ready(timeout=60)
             clients.append(c)
@@ -217,8 +243,7 @@ def run_row(binary, row, n, world, steps, tensors, timeout, check_state=True, pa
                                         rep.get("mode"), want))
         states = []
         for c in clients:
-            m = re.search(r"^lightwire_state_bytes(?:\{[^}]*\})? (\S+)", c.metrics(), re.M)
-            states.append(float(m.group(1)) if m else 0.0)
+            states.append(gauge(c.metrics(), "lightwire_state_bytes"))
         expect = tensors * state_bytes(row, per, shape)
         for r, s in enumerate(states):
             if check_state and int(s) != expect:
@@ -241,14 +266,8 @@ def run_row(binary, row, n, world, steps, tensors, timeout, check_state=True, pa
                 "met": peak_over_idle / (4.0 * n) <= target,
                 "step_s": min(times) if times else None}
     finally:
-        for p, _, log in procs:
-            p.terminate()
-        for p, _, log in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop([p for p, _, _ in procs])
+        for _, _, log in procs:
             log.close()
         for seg in locals().get("segs", []):
             try:

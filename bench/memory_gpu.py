@@ -24,7 +24,6 @@ Exit status 77 when there is no usable GPU (nothing measured), 1 when a row fail
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -35,14 +34,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "clients", "python"))
 
-import memory  # noqa: E402  (bench/memory.py: rows, formulas, shapes)
+import memory  # noqa: E402  (bench/memory.py: rows, formulas, shapes, process helpers)
 
 SKIP = 77
-
-
-def gauge(text, name):
-    m = re.search(r"^%s(?:\{[^}]*\})? (\S+)" % name, text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def run_row(binary, row, n, steps, tensors):
@@ -58,11 +52,7 @@ def run_row(binary, row, n, steps, tensors):
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     c = None
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sock):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("%s: the sidecar did not start (log in %s)" % (row, d))
-            time.sleep(0.05)
+        memory.wait_for_socket(proc, sock, row)
         c = lightwire.Client(socket_path=sock, timeout=(2.0, 600.0))
         c.wait_ready(timeout=60)
         per = n // tensors
@@ -78,7 +68,7 @@ def run_row(binary, row, n, steps, tensors):
             raise RuntimeError("%s: the warm-up step ran on %s, not a GPU" % (row, warm.get("device")))
         torch.cuda.synchronize()
         free_idle = torch.cuda.mem_get_info()[0]
-        state_idle = gauge(c.metrics(), "lightwire_state_bytes")  # the warm-up tensor's
+        state_idle = memory.gauge(c.metrics(), "lightwire_state_bytes")  # the warm-up tensor's
         want = memory.EXPECT_CODEC.get(row, row)
         times = []
         for step in range(steps):
@@ -98,8 +88,8 @@ def run_row(binary, row, n, steps, tensors):
         torch.cuda.synchronize()
         free_after = torch.cuda.mem_get_info()[0]
         text = c.metrics()
-        state = gauge(text, "lightwire_state_bytes") - state_idle
-        pool = gauge(text, "lightwire_pool_bytes")
+        state = memory.gauge(text, "lightwire_state_bytes") - state_idle
+        pool = memory.gauge(text, "lightwire_pool_bytes")
         expect = tensors * memory.state_bytes(row, per, shape)
         if int(state) != expect:
             raise RuntimeError("%s: %d state bytes, the formula says %d (one copy)"
@@ -114,12 +104,7 @@ def run_row(binary, row, n, steps, tensors):
     finally:
         if c is not None:
             c.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        memory.stop([proc])
         log.close()
         shutil.rmtree(d, ignore_errors=True)
 

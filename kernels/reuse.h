@@ -1,6 +1,6 @@
 #pragma once
 // Which kept buffer to reuse for a request of n elements (the transports' receive pool, the step
-// pool): the rule in one place.
+// pool, the request bodies, the GPU's step buffers): the rule in one place.
 
 #include <cstddef>
 #include <cstdint>

@@ -10,15 +10,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include "kernels/cuda/codec.h"
 #include "kernels/cuda/engine_ops.h"
 #include "kernels/cuda/reduce.h"
 #include "kernels/registry.h"
+#include "kernels/reuse.h"
 #include "proxy/step/gpu_backend.h"
 
 namespace lightwire::proxy::gpu {
@@ -31,13 +34,25 @@ Status deviceError(cudaError_t e, const std::string& what) {
   return kc::cudaStatus(e, "GPU path: " + what);
 }
 
-/// Grow-only device memory of one GPU.
+/// Grow-only device memory of one GPU. Movable (the pool keeps them by value); its device
+/// pointer stays the same when it moves.
 class DeviceBuffer {
  public:
+  using value_type = std::byte;  // kernels::takeReused counts capacity() bytes
   DeviceBuffer() = default;
   ~DeviceBuffer() { cudaFree(data_); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      cudaFree(data_);
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
 
   Status ensure(size_t bytes, const char* what) {
     if (bytes <= size_) return Status::ok();
@@ -57,11 +72,7 @@ class DeviceBuffer {
   }
   kc::DeviceBytes bytes() const { return {data_, size_}; }
   size_t size() const { return size_; }
-  void release() {
-    cudaFree(data_);
-    data_ = nullptr;
-    size_ = 0;
-  }
+  size_t capacity() const { return size_; }
 
  private:
   void* data_ = nullptr;
@@ -71,41 +82,24 @@ class DeviceBuffer {
 /// The step buffers of the node's GPUs (docs/cuda.md "Memory"): the codec state's work area, the
 /// local sum, the result, a full sync's flushed input and the copies of other GPUs' gradients. A
 /// step borrows them for its duration, so device memory holds those of the steps in flight, not
-/// a set per tensor. A borrower gets the smallest free buffer of its GPU that holds what it
-/// needs, else the largest grown (or a new one); buffers go back when the step ends, once its
-/// stream has drained.
+/// a set per tensor. A borrower gets the free buffer of its GPU that kernels::takeReused picks
+/// (the smallest that holds what it needs, else the largest, grown); buffers go back when the
+/// step ends, once its stream has drained.
 class DevicePool {
  public:
-  Result<std::unique_ptr<DeviceBuffer>> take(int ordinal, size_t bytes, const char* what) {
-    std::unique_ptr<DeviceBuffer> area;
+  Result<DeviceBuffer> take(int ordinal, size_t bytes, const char* what) {
+    DeviceBuffer area;
     {
       std::lock_guard lock(mu_);
-      auto& free = free_[ordinal];
-      auto best = free.end();
-      for (auto it = free.begin(); it != free.end(); ++it) {
-        const bool holds = (*it)->size() >= bytes;
-        if (best == free.end()) {
-          best = it;
-        } else if (holds && ((*best)->size() < bytes || (*it)->size() < (*best)->size())) {
-          best = it;
-        } else if (!holds && (*best)->size() < bytes && (*it)->size() > (*best)->size()) {
-          best = it;
-        }
-      }
-      if (best != free.end()) {
-        area = std::move(*best);
-        free.erase(best);
-        bytes_ -= area->size();
-      }
+      area = kernels::takeReused(free_[ordinal], bytes, /*capacity_only=*/false, bytes_);
     }
-    if (!area) area = std::make_unique<DeviceBuffer>();
-    LW_RETURN_IF_ERROR(area->ensure(bytes, what));
+    LW_RETURN_IF_ERROR(area.ensure(bytes, what));
     return area;
   }
-  void give(int ordinal, std::unique_ptr<DeviceBuffer> area) {
-    if (!area) return;
+  void give(int ordinal, DeviceBuffer area) {
+    if (area.size() == 0) return;
     std::lock_guard lock(mu_);
-    bytes_ += area->size();
+    bytes_ += area.size();
     free_[ordinal].push_back(std::move(area));
   }
   uint64_t bytes() {
@@ -115,7 +109,7 @@ class DevicePool {
 
  private:
   std::mutex mu_;
-  std::map<int, std::vector<std::unique_ptr<DeviceBuffer>>> free_;
+  std::map<int, std::vector<DeviceBuffer>> free_;
   uint64_t bytes_ = 0;
 };
 
@@ -200,12 +194,12 @@ struct GpuStep::Impl {
   float* result = nullptr;
   float* own_result = nullptr;  // a result buffer from devicePool(), when not written in place
   bool in_place = false;
-  bool dense = false;                  // this step compresses with `none` (bypass, full sync)
-  std::unique_ptr<DeviceBuffer> work;  // the state's work area, borrowed from devicePool()
+  bool dense = false;  // this step compresses with `none` (bypass, full sync)
+  DeviceBuffer work;   // the state's work area, borrowed from devicePool() (size 0: none)
   // The other step buffers borrowed from devicePool(): the local sum, the result, the flushed
   // input, and the copies of trainers' gradients on other GPUs (each trainer's result is narrowed
   // there before it is copied back).
-  std::vector<std::unique_ptr<DeviceBuffer>> borrowed;
+  std::vector<DeviceBuffer> borrowed;
 
   std::unique_lock<std::mutex> lock() {
     std::unique_lock l(t.mu_);
@@ -217,19 +211,19 @@ struct GpuStep::Impl {
   Status sync(const char* what) { return deviceError(cudaStreamSynchronize(t.stream_), what); }
   /// Lends the tensor's state a work area for this step (nothing for a state of no floats).
   Status lendWork() {
-    if (work || t.state_.floats() == 0) return Status::ok();
+    if (work.size() > 0 || t.state_.floats() == 0) return Status::ok();
     auto area =
         devicePool().take(t.ordinal_, t.state_.floats() * sizeof(float), "a codec work area");
     if (!area) return area.status();
     work = std::move(*area);
-    t.state_.attachWork(work->as<float>());
+    t.state_.attachWork(work.as<float>());
     return Status::ok();
   }
   /// The work area goes back to the pool (the stream has drained: nothing reads it any more).
   void returnWork() {
-    if (!work) return;
+    if (work.size() == 0) return;
     // Only its own: a later step of the tensor may have lent the state another area already.
-    if (t.state_.work() == work->as<float>()) t.state_.detachWork();
+    if (t.state_.work() == work.as<float>()) t.state_.detachWork();
     devicePool().give(t.ordinal_, std::move(work));
   }
   /// A step buffer of at least `bytes` for the rest of the step.
@@ -237,7 +231,7 @@ struct GpuStep::Impl {
     auto area = devicePool().take(t.ordinal_, std::max<size_t>(bytes, 1), what);
     if (!area) return area.status();
     borrowed.push_back(std::move(*area));
-    return borrowed.back()->as<void>();
+    return borrowed.back().as<void>();  // device memory: it stays put when the vector grows
   }
   /// Every borrowed step buffer goes back (the stream has drained).
   void giveBack() {
@@ -624,7 +618,7 @@ void GpuStep::commit(const Commit& c) {
   auto l = impl_->lock();
   Impl& s = *impl_;
   // Bypass steps prepared nothing (no work area): their state stays as it was.
-  if (!c.state || !s.work) return;
+  if (!c.state || s.work.size() == 0) return;
   Status st = s.t.state_.commit(s.t.stream_);
   if (st.isOk()) st = s.sync("committing the codec state");
   if (!st.isOk()) {
