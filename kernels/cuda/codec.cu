@@ -21,7 +21,7 @@ Status cudaStatus(cudaError_t e, std::string_view what) {
 // --- DeviceState
 // ----------------------------------------------------------------------------------
 
-Result<DeviceState> DeviceState::create(size_t floats) {
+Result<DeviceState> DeviceState::create(size_t floats, size_t work_floats) {
   DeviceState s;
   if (floats == 0) return Result<DeviceState>(std::move(s));
   const size_t bytes = floats * sizeof(float);
@@ -30,6 +30,7 @@ Result<DeviceState> DeviceState::create(size_t floats) {
     return cudaStatus(e, "codec state of " + std::to_string(bytes) + " bytes");
   }
   s.floats_ = floats;
+  s.work_floats_ = work_floats;
   s.current_ = static_cast<float*>(a);
   cudaError_t e = cudaMemset(a, 0, bytes);
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
@@ -44,10 +45,11 @@ DeviceState::~DeviceState() {
 
 DeviceState::DeviceState(DeviceState&& other) noexcept
     : floats_(other.floats_),
+      work_floats_(other.work_floats_),
       current_(other.current_),
       owned_work_(other.owned_work_),
       lent_(other.lent_) {
-  other.floats_ = 0;
+  other.floats_ = other.work_floats_ = 0;
   other.current_ = other.owned_work_ = other.lent_ = nullptr;
 }
 
@@ -56,10 +58,11 @@ DeviceState& DeviceState::operator=(DeviceState&& other) noexcept {
     cudaFree(current_);
     cudaFree(owned_work_);
     floats_ = other.floats_;
+    work_floats_ = other.work_floats_;
     current_ = other.current_;
     owned_work_ = other.owned_work_;
     lent_ = other.lent_;
-    other.floats_ = 0;
+    other.floats_ = other.work_floats_ = 0;
     other.current_ = other.owned_work_ = other.lent_ = nullptr;
   }
   return *this;
@@ -67,7 +70,7 @@ DeviceState& DeviceState::operator=(DeviceState&& other) noexcept {
 
 Status DeviceState::ensureWork() {
   if (floats_ == 0 || work() != nullptr) return Status::ok();
-  const size_t bytes = floats_ * sizeof(float);
+  const size_t bytes = std::max<size_t>(work_floats_, 1) * sizeof(float);
   void* w = nullptr;
   if (cudaError_t e = cudaMalloc(&w, bytes); e != cudaSuccess) {
     return cudaStatus(e, "codec work area of " + std::to_string(bytes) + " bytes");
@@ -79,6 +82,11 @@ Status DeviceState::ensureWork() {
 Status DeviceState::commit(cudaStream_t stream) {
   if (floats_ == 0) return Status::ok();
   if (work() == nullptr) return failedPrecondition("committing a codec state no step prepared");
+  if (work_floats_ < floats_) {
+    return failedPrecondition("the work area holds " + std::to_string(work_floats_) +
+                              " floats of a state of " + std::to_string(floats_) +
+                              ": its codec commits in place (CudaCodec::commitState)");
+  }
   return cudaStatus(
       cudaMemcpyAsync(current_, work(), floats_ * sizeof(float), cudaMemcpyDeviceToDevice, stream),
       "committing the codec state");
@@ -167,8 +175,30 @@ Status CudaCodec::analyze(const StepContext& ctx, const Chunking& chunking, Devi
                            std::to_string(workspace.size) + " bytes, the codec needs " +
                            std::to_string(workspaceBytes(chunking)));
   }
+  LW_RETURN_IF_ERROR(checkWorkArea(ctx, chunking, state));
   LW_RETURN_IF_ERROR(state.ensureWork());
   return doAnalyze(ctx, chunking, input, state, workspace, stream);
+}
+
+Status CudaCodec::checkWorkArea(const StepContext& ctx, const Chunking& chunking,
+                                const DeviceState& state) const {
+  const size_t need = workFloats(chunking.elements, ctx.shape);
+  if (state.floats() > 0 && state.workFloats() < need) {
+    return invalidArgument(std::string(traits().name) + " (cuda): a work area of " +
+                           std::to_string(state.workFloats()) + " floats, the codec works in " +
+                           std::to_string(need));
+  }
+  return Status::ok();
+}
+
+Status CudaCodec::commitState(const Chunking&, DeviceTensor,
+                              std::span<const std::span<const uint8_t>>, DeviceState& state,
+                              DeviceBytes, DeviceBytes, cudaStream_t stream) const {
+  return state.commit(stream);
+}
+
+Status CudaCodec::commitFlush(DeviceState& state, cudaStream_t stream) const {
+  return state.commit(stream);
 }
 
 Status CudaCodec::encodeChunk(const StepContext& ctx, const Chunking& chunking, size_t chunk,
@@ -228,6 +258,7 @@ Status CudaCodec::flush(const StepContext& ctx, const Chunking& chunking, Device
   if (chunking.elements > 0 && d_out == nullptr) {
     return invalidArgument(std::string(traits().name) + " (cuda): flush output is null");
   }
+  LW_RETURN_IF_ERROR(checkWorkArea(ctx, chunking, state));
   LW_RETURN_IF_ERROR(state.ensureWork());
   return doFlush(ctx, chunking, input, state, d_out, stream);
 }

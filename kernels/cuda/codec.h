@@ -11,7 +11,9 @@
 //   ... the caller copies sizes and payloads to the host and exchanges them ...
 //   decodeChunk(...) for every payload    host bytes, validated on the host, then decoded on the
 //                                         device: d_out += weight · decoded
-//   state.commit(stream) once the step succeeded everywhere (the work area over the state).
+//   commitState(...) once the step succeeded everywhere (the work area over the state, or, for a
+//                                         codec that commits in place, the step recomputed into
+//                                         the state from the input and what was sent).
 // Multi-round codecs (PowerSGD) take the previous round's reduced payload as host bytes, decode
 // with decodeRounds() and need finishStep() before the commit, as on the CPU.
 //
@@ -51,17 +53,21 @@ struct DeviceBytes {
 };
 
 /// Persistent per-tensor codec state in device memory, one copy (docs/cuda.md "Memory"): what
-/// the last committed step left. A step never writes it: analyze(), encodeChunk(), finishStep()
-/// and flush() prepare the next state in the step's work area (floats() values, the state's
-/// layout), which the owner lends for the step (attachWork) or which the state allocates itself on
-/// first use (tests, tools); commit() copies it over the committed state once the step succeeded
-/// everywhere, so a failed step changes nothing. Owns its memory (allocated when the tensor's
-/// state is created, not on the hot path). Move-only.
+/// the last committed step left. A step never writes it before its commit: analyze(),
+/// encodeChunk(), finishStep() and flush() work in the step's work area (workFloats() values: the
+/// whole next state in the state's layout, or less for a codec that commits in place), which the
+/// owner lends for the step (attachWork) or which the state allocates itself on first use (tests,
+/// tools). Once the step succeeded everywhere the codec's commitState() applies it (commit():
+/// the work area copied over the state, or a recomputation in place), so a failed step changes
+/// nothing. Owns its memory (allocated when the tensor's state is created, not on the hot path).
+/// Move-only.
 class DeviceState {
  public:
   DeviceState() = default;
-  /// `floats` fp32 values, zero-filled (synchronously).
-  static Result<DeviceState> create(size_t floats);
+  /// `floats` fp32 values, zero-filled (synchronously); a work area of `work_floats` (the codec's
+  /// CudaCodec::workFloats; the one-argument form: `floats`, what any codec can work in).
+  static Result<DeviceState> create(size_t floats, size_t work_floats);
+  static Result<DeviceState> create(size_t floats) { return create(floats, floats); }
   ~DeviceState();
   DeviceState(DeviceState&& other) noexcept;
   DeviceState& operator=(DeviceState&& other) noexcept;
@@ -69,19 +75,25 @@ class DeviceState {
   DeviceState& operator=(const DeviceState&) = delete;
 
   size_t floats() const { return floats_; }
+  /// fp32 values of the step's work area.
+  size_t workFloats() const { return work_floats_; }
   /// Bytes of the committed state (the work area is step-scoped memory, not counted).
   size_t bytes() const { return floats_ * sizeof(float); }
   const float* current() const { return current_; }
+  /// The committed state, for CudaCodec::commitState() and commitFlush() only.
+  float* mutableCurrent() { return current_; }
   /// The step's work area: the lent one, else the one the state owns (null before ensureWork()).
   float* work() { return lent_ != nullptr ? lent_ : owned_work_; }
   /// A work area for the step: the lent one, else one the state allocates (once). analyze() and
   /// flush() call it; no-op for a state of no floats.
   Status ensureWork();
-  /// Lends `area` (device memory of floats() values) as the work area until detachWork().
+  /// Lends `area` (device memory of workFloats() values) as the work area until detachWork().
   void attachWork(float* area) { lent_ = area; }
   void detachWork() { lent_ = nullptr; }
-  /// The step succeeded everywhere: the state prepared in the work area becomes the committed one
-  /// (a device copy on `stream`, after the step's kernels). Asynchronous.
+  /// The state prepared whole in the work area becomes the committed one (a device copy on
+  /// `stream`, after the step's kernels; asynchronous): the default CudaCodec::commitState().
+  /// failedPrecondition when no step prepared one, or when the work area is smaller than the
+  /// state (its codec commits in place).
   Status commit(cudaStream_t stream);
   /// Zeroes the committed state (on `stream`).
   Status reset(cudaStream_t stream);
@@ -93,6 +105,7 @@ class DeviceState {
 
  private:
   size_t floats_ = 0;
+  size_t work_floats_ = 0;
   float* current_ = nullptr;
   float* owned_work_ = nullptr;
   float* lent_ = nullptr;
@@ -110,6 +123,21 @@ class CudaCodec {
   const CodecConfig& config() const { return host().config(); }
   size_t stateFloats(size_t n, std::span<const uint64_t> shape = {}) const {
     return host().stateFloats(n, shape);
+  }
+  /// fp32 values of a step's work area for n elements (DeviceState::create's `work_floats`): by
+  /// default the whole next state, which commitState() copies over the state; fewer for a codec
+  /// that commits in place (dgc: v' alone, n).
+  virtual size_t workFloats(size_t n, std::span<const uint64_t> shape = {}) const {
+    return stateFloats(n, shape);
+  }
+  /// Whether commitState() rereads the step's input: the result must not be written over the
+  /// input before the commit (the GPU backend then decodes it into the work area and copies it
+  /// to the trainer once the state is committed, as the host backend does). Default: no.
+  virtual bool commitReadsInput() const { return false; }
+  /// Device bytes of the scratch commitState() needs for a sent payload of `payload_bytes` of a
+  /// chunk of `chunk_elements` (0: it reads no payload; the default).
+  virtual size_t commitScratchBytes(size_t /*payload_bytes*/, size_t /*chunk_elements*/) const {
+    return 0;
   }
   size_t maxPayloadBytes(size_t chunk_elements) const {
     return host().maxPayloadBytes(chunk_elements);
@@ -165,9 +193,23 @@ class CudaCodec {
   virtual Status validate(std::span<const uint8_t> payload, size_t out_elements) const;
 
   /// Full synchronisation (as Codec::flush): d_out[0..n) = input + what the state holds back;
-  /// state.work() = the state after a flush. Checks as analyze() (no workspace), then doFlush().
+  /// commitFlush() applies it. Checks as analyze() (no workspace), then doFlush().
   Status flush(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                DeviceState& state, float* d_out, cudaStream_t stream) const;
+
+  /// The step succeeded everywhere: the committed state takes it, on `stream` (asynchronous).
+  /// `input` and `workspace` as the step had them (the input unchanged since analyze()); `sent`:
+  /// this sidecar's round-0 payload of every chunk, host bytes this codec wrote, staged through
+  /// `scratch` (commitScratchBytes of the largest) by a codec that reads them. Default: the work
+  /// area over the state (DeviceState::commit). A codec that commits in place recomputes the
+  /// state from itself, the input and what was sent, with the CPU codec's commitState()
+  /// arithmetic (docs/determinism.md §4.6c), so the state stays bit-identical to the host's.
+  virtual Status commitState(const Chunking& chunking, DeviceTensor input,
+                             std::span<const std::span<const uint8_t>> sent, DeviceState& state,
+                             DeviceBytes workspace, DeviceBytes scratch, cudaStream_t stream) const;
+  /// A full sync (flush()) succeeded: the state as after a flush, on `stream`. Default: the work
+  /// area doFlush() prepared over the state.
+  virtual Status commitFlush(DeviceState& state, cudaStream_t stream) const;
 
   /// Squared L2 norm (fp64, canonical order) of what the committed state holds back, as
   /// Codec::residualNorm2. Synchronises `stream`. `scratch`: residualScratchBytes(n) device bytes.
@@ -195,13 +237,17 @@ class CudaCodec {
                                int round, std::span<const uint8_t> previous, DeviceTensor input,
                                DeviceState& state, DeviceBytes workspace, uint8_t* d_out,
                                uint64_t* d_size, cudaStream_t stream) const = 0;
-  /// Default, for stateless codecs: d_out = input widened to fp32; state.work() = current.
+  /// Default, for stateless codecs: d_out = input widened to fp32; state.work() = current (what the
+  /// default commitFlush() copies).
   virtual Status doFlush(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                          DeviceState& state, float* d_out, cudaStream_t stream) const;
 
  private:
   Status checkTensorArgs(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                          const DeviceState& state) const;
+  /// The state's work area holds workFloats() (a lent one is the lender's to size).
+  Status checkWorkArea(const StepContext& ctx, const Chunking& chunking,
+                       const DeviceState& state) const;
 };
 
 /// Builds a CUDA codec from the unwrapped CPU codec of the same configuration (error feedback is

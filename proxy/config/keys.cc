@@ -329,8 +329,9 @@ void addLimitsKeys(KeyAdder& add) {
                         std::numeric_limits<uint64_t>::max()),
       [](const C& c) { return json::value(c.limits.drop_state_after_steps); });
   add("limits.max_pool_bytes", "--max-pool-bytes", "integer >= 0", "1073741824",
-      "Step buffers (results, local sums) kept after a step for the next steps of any tensor, in "
-      "bytes; beyond it a step's buffers are freed when it ends (0 = none kept)",
+      "Step buffers (results, local sums; on the GPU path work areas too) kept after a step for "
+      "the next steps of any tensor, in bytes, on the host and on the GPUs each; beyond it a "
+      "step's buffers are freed when it ends (0 = none kept)",
       unsignedSetter<C>([](C& c) -> uint64_t& { return c.limits.max_pool_bytes; }, 0,
                         std::numeric_limits<uint64_t>::max()),
       [](const C& c) { return json::value(c.limits.max_pool_bytes); });

@@ -47,6 +47,7 @@ StepEngine::StepEngine(EngineOptions options, CodecChooser chooser, metrics::Met
       stream_(std::max(1u, options.threads)),
       pool_(options.max_pool_bytes),
       chooser_(std::move(chooser)) {
+  gpu::keepPooledDeviceBytes(options.max_pool_bytes);
   thread_ = std::thread([this] { loop(); });
 }
 

@@ -39,6 +39,14 @@ uint64_t stateBytes(const TensorGpu* tg);
 /// sums, results, flushed inputs, copies of other GPUs' gradients, which a step borrows for its
 /// duration; the node's GPUs together.
 uint64_t pooledDeviceBytes();
+/// At most `bytes` of step buffers stay in the device pool between steps (limits.max_pool_bytes,
+/// the node's GPUs together); one given back beyond it is freed. Applies from the next give-back.
+void keepPooledDeviceBytes(uint64_t bytes);
+/// Device bytes of a step's work area for a tensor of `n` elements and `shape` with codec
+/// `config` (the CUDA codec's CudaCodec::workFloats; 0 when the codec has no CUDA implementation
+/// or no state).
+uint64_t workAreaBytes(const kernels::CodecConfig& config, size_t n,
+                       std::span<const uint64_t> shape);
 /// The committed codec state `tg` holds, copied to the host (a checkpoint, or the tensor moving
 /// to the host backend).
 Result<kernels::CodecState> downloadState(TensorGpu& tg);

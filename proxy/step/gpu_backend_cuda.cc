@@ -84,9 +84,22 @@ class DeviceBuffer {
 /// step borrows them for its duration, so device memory holds those of the steps in flight, not
 /// a set per tensor. A borrower gets the free buffer of its GPU that kernels::takeReused picks
 /// (the smallest that holds what it needs, else the largest, grown); buffers go back when the
-/// step ends, once its stream has drained.
+/// step ends, once its stream has drained, and are freed there when the pool would keep more
+/// than limits.max_pool_bytes (keepBytes).
 class DevicePool {
  public:
+  /// A lower cap frees kept buffers (idle: given back after their streams drained) until the
+  /// pool is within it.
+  void keepBytes(uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    keep_bytes_ = bytes;
+    for (auto& [ordinal, free] : free_) {
+      while (bytes_ > keep_bytes_ && !free.empty()) {
+        bytes_ -= free.back().size();
+        free.pop_back();
+      }
+    }
+  }
   Result<DeviceBuffer> take(int ordinal, size_t bytes, const char* what) {
     DeviceBuffer area;
     {
@@ -99,6 +112,7 @@ class DevicePool {
   void give(int ordinal, DeviceBuffer area) {
     if (area.size() == 0) return;
     std::lock_guard lock(mu_);
+    if (bytes_ + area.size() > keep_bytes_) return;  // freed (the stream that used it drained)
     bytes_ += area.size();
     free_[ordinal].push_back(std::move(area));
   }
@@ -111,6 +125,7 @@ class DevicePool {
   std::mutex mu_;
   std::map<int, std::vector<DeviceBuffer>> free_;
   uint64_t bytes_ = 0;
+  uint64_t keep_bytes_ = uint64_t{1} << 30;  // limits.max_pool_bytes' default
 };
 
 DevicePool& devicePool() {
@@ -121,6 +136,14 @@ DevicePool& devicePool() {
 }  // namespace
 
 uint64_t pooledDeviceBytes() { return devicePool().bytes(); }
+void keepPooledDeviceBytes(uint64_t bytes) { devicePool().keepBytes(bytes); }
+
+uint64_t workAreaBytes(const kernels::CodecConfig& config, size_t n,
+                       std::span<const uint64_t> shape) {
+  auto codec = kc::createCudaCodec(config);
+  if (!codec) return 0;
+  return (*codec)->stateFloats(n, shape) > 0 ? (*codec)->workFloats(n, shape) * sizeof(float) : 0;
+}
 
 class TensorGpu {
  public:
@@ -194,8 +217,13 @@ struct GpuStep::Impl {
   float* result = nullptr;
   float* own_result = nullptr;  // a result buffer from devicePool(), when not written in place
   bool in_place = false;
-  bool dense = false;  // this step compresses with `none` (bypass, full sync)
-  DeviceBuffer work;   // the state's work area, borrowed from devicePool() (size 0: none)
+  // The result is decoded into the work area and reaches the trainer whose memory is the input
+  // only at the commit, which rereads the input (CudaCodec::commitReadsInput).
+  bool write_at_commit = false;
+  bool dense = false;          // this step compresses with `none` (bypass, full sync)
+  bool flushed = false;        // a full sync: the commit leaves the state as after a flush
+  kernels::Chunking chunking;  // the step's, from analyze() (for the commit)
+  DeviceBuffer work;           // the state's work area, borrowed from devicePool() (size 0: none)
   // The other step buffers borrowed from devicePool(): the local sum, the result, the flushed
   // input, and the copies of trainers' gradients on other GPUs (each trainer's result is narrowed
   // there before it is copied back).
@@ -213,7 +241,8 @@ struct GpuStep::Impl {
   Status lendWork() {
     if (work.size() > 0 || t.state_.floats() == 0) return Status::ok();
     auto area =
-        devicePool().take(t.ordinal_, t.state_.floats() * sizeof(float), "a codec work area");
+        devicePool().take(t.ordinal_, std::max<size_t>(t.state_.workFloats(), 1) * sizeof(float),
+                          "a codec work area");
     if (!area) return area.status();
     work = std::move(*area);
     t.state_.attachWork(work.as<float>());
@@ -237,6 +266,30 @@ struct GpuStep::Impl {
   void giveBack() {
     for (auto& b : borrowed) devicePool().give(t.ordinal_, std::move(b));
     borrowed.clear();
+  }
+  /// Every trainer's tensor = the result in its dtype (enqueued on the stream).
+  Status writeResult() {
+    const size_t bytes = n * kernels::dtypeSize(dtype);
+    for (size_t k = 0; k < parts.size(); ++k) {
+      // A trainer on another GPU: narrowed here (its gradient's copy is no longer needed), then
+      // copied over.
+      void* here = const_cast<void*>(local[k]);
+      LW_RETURN_IF_ERROR(
+          deviceError(kc::narrowFloats(result, n, dtype, here, t.stream_), "writing the result"));
+      if (here != parts[k]) {
+        LW_RETURN_IF_ERROR(deviceError(
+            cudaMemcpyPeerAsync(parts[k], part_devices[k], here, t.ordinal_, bytes, t.stream_),
+            "copying the result to GPU " + std::to_string(part_devices[k])));
+      }
+    }
+    return Status::ok();
+  }
+  /// The decode scratch holds `bytes` (grown once the stream has drained: earlier decodes may
+  /// still read it).
+  Status ensureScratch(size_t bytes, const char* what) {
+    if (bytes <= t.scratch_.size()) return Status::ok();
+    LW_RETURN_IF_ERROR(sync(what));
+    return t.scratch_.ensure(bytes, "decode scratch");
   }
 };
 
@@ -301,7 +354,7 @@ Result<std::unique_ptr<GpuStep>> GpuStep::begin(std::shared_ptr<TensorGpu>& tg, 
   if (host_state != nullptr) {
     // The state moves here: the host's when it is this codec's for this size, else fresh zeros.
     const size_t floats = t.codec_->stateFloats(n, shape);
-    auto state = kc::DeviceState::create(floats);
+    auto state = kc::DeviceState::create(floats, t.codec_->workFloats(n, shape));
     if (!state) return state.status();
     if (host_state->floats() == floats && floats > 0) {
       LW_RETURN_IF_ERROR(state->upload(host_state->currentSpan(), t.stream_));
@@ -374,6 +427,7 @@ Status GpuStep::flush(const kernels::StepContext& ctx, const kernels::Chunking& 
   LW_RETURN_IF_ERROR(s.t.codec_->flush(ctx, chunking, {s.input, s.n, DType::kF32}, s.t.state_,
                                        static_cast<float*>(*flushed), s.t.stream_));
   s.input = static_cast<const float*>(*flushed);
+  s.flushed = true;
   return Status::ok();
 }
 
@@ -444,6 +498,7 @@ Status GpuStep::analyze(const kernels::StepContext& ctx, const kernels::Chunking
   auto l = impl_->lock();
   Impl& s = *impl_;
   s.dense = dense;
+  s.chunking = chunking;
   const kc::CudaCodec& codec = s.codec();
   size_t max_payload = 0;
   for (size_t c = 0; c < chunking.count(); ++c) {
@@ -504,6 +559,15 @@ Result<const float*> GpuStep::chunkInput(const kernels::Chunking& chunking, size
 Status GpuStep::prepareResult(bool in_place) {
   auto l = impl_->lock();
   Impl& s = *impl_;
+  if (!s.dense && s.work.size() > 0 && s.t.codec_->commitReadsInput()) {
+    // The commit rereads the input: the result goes to the work area, whose values the encoder
+    // has used up by the time this backend decodes (after the exchange), and reaches a trainer
+    // whose memory is the input at the commit (docs/determinism.md §4.6c).
+    s.in_place = false;
+    s.result = s.work.as<float>();
+    s.write_at_commit = s.input == s.local[0];
+    return Status::ok();
+  }
   s.in_place = in_place && s.parts.size() == 1 && s.dtype == DType::kF32;
   if (s.in_place) {
     s.result = static_cast<float*>(s.parts[0]);
@@ -529,11 +593,7 @@ Status GpuStep::decodeChunk(const kernels::Chunking& chunking, size_t chunk,
   for (const auto& p : payloads) {
     scratch = std::max(scratch, decoder.decodeScratchBytes(p.size(), len));
   }
-  if (scratch > s.t.scratch_.size()) {
-    // Growing frees the old scratch, which earlier decodes on the stream may still read.
-    LW_RETURN_IF_ERROR(s.sync("decompressing"));
-    LW_RETURN_IF_ERROR(s.t.scratch_.ensure(scratch, "decode scratch"));
-  }
+  LW_RETURN_IF_ERROR(s.ensureScratch(scratch, "decompressing"));
   cudaStream_t stream = s.t.stream_;
   LW_RETURN_IF_ERROR(deviceError(cudaMemsetAsync(s.result + begin, 0, len * sizeof(float), stream),
                                  "zeroing the result"));
@@ -594,22 +654,9 @@ Result<uint64_t> GpuStep::resultChecksum() {
 Status GpuStep::writeBack() {
   auto l = impl_->lock();
   Impl& s = *impl_;
-  if (!s.in_place) {
-    const size_t bytes = s.n * kernels::dtypeSize(s.dtype);
-    for (size_t k = 0; k < s.parts.size(); ++k) {
-      // A trainer on another GPU: narrowed here (its gradient's copy is no longer needed), then
-      // copied over.
-      void* here = const_cast<void*>(s.local[k]);
-      LW_RETURN_IF_ERROR(deviceError(kc::narrowFloats(s.result, s.n, s.dtype, here, s.t.stream_),
-                                     "writing the result"));
-      if (here != s.parts[k]) {
-        LW_RETURN_IF_ERROR(
-            deviceError(cudaMemcpyPeerAsync(s.parts[k], s.part_devices[k], here, s.t.ordinal_,
-                                            bytes, s.t.stream_),
-                        "copying the result to GPU " + std::to_string(s.part_devices[k])));
-      }
-    }
-  }
+  // Left to the commit where the trainer's memory is the input the commit rereads; the sync
+  // surfaces any device error of the step before anything is committed.
+  if (!s.in_place && !s.write_at_commit) LW_RETURN_IF_ERROR(s.writeResult());
   // In place before the reply: the trainer reads its tensor as soon as it has the reply.
   return s.sync("writing the result");
 }
@@ -617,17 +664,40 @@ Status GpuStep::writeBack() {
 void GpuStep::commit(const Commit& c) {
   auto l = impl_->lock();
   Impl& s = *impl_;
+  cudaStream_t stream = s.t.stream_;
   // Bypass steps prepared nothing (no work area): their state stays as it was.
-  if (!c.state || s.work.size() == 0) return;
-  Status st = s.t.state_.commit(s.t.stream_);
-  if (st.isOk()) st = s.sync("committing the codec state");
-  if (!st.isOk()) {
-    // A device failure after the write-back: the state may be partly copied. It starts over
+  const bool state = c.state && s.work.size() > 0;
+  Status st;
+  if (state && s.flushed) {
+    st = s.t.codec_->commitFlush(s.t.state_, stream);
+  } else if (state) {
+    const kc::CudaCodec& codec = *s.t.codec_;
+    size_t scratch = 0;
+    for (size_t k = 0; k < c.sent.size() && k < s.chunking.count(); ++k) {
+      scratch = std::max(scratch, codec.commitScratchBytes(c.sent[k].size(), s.chunking.size(k)));
+    }
+    st = s.ensureScratch(scratch, "committing the codec state");
+    if (st.isOk()) {
+      st = codec.commitState(s.chunking, {s.input, s.n, DType::kF32}, c.sent, s.t.state_,
+                             s.t.workspace_.bytes(), s.t.scratch_.bytes(), stream);
+    }
+  }
+  // The result reaches the trainer whose memory held the input once the commit has read it.
+  const Status wrote = s.write_at_commit ? s.writeResult() : Status::ok();
+  const Status synced = s.sync("committing the codec state");
+  if (state && (!st.isOk() || !synced.isOk())) {
+    // A device failure after the write-back: the state may be partly updated. It starts over
     // rather than carry a mix (as the host backend does after a failed commit).
     spdlog::error("committing the codec state on the GPU failed, the state is reset: {}",
-                  st.message());
-    (void)s.t.state_.reset(s.t.stream_);
+                  (!st.isOk() ? st : synced).message());
+    (void)s.t.state_.reset(stream);
     (void)s.sync("resetting the codec state");
+  }
+  if (s.write_at_commit && (!wrote.isOk() || !synced.isOk())) {
+    spdlog::error(
+        "writing the result to the trainer's GPU memory after the commit failed, its "
+        "tensor may not hold the result: {}",
+        (!wrote.isOk() ? wrote : synced).message());
   }
   s.returnWork();
 }

@@ -13,6 +13,8 @@ std::optional<int> eligibleDevice(std::span<const Contribution* const>, std::str
 }
 uint64_t stateBytes(const TensorGpu*) { return 0; }
 uint64_t pooledDeviceBytes() { return 0; }
+void keepPooledDeviceBytes(uint64_t) {}
+uint64_t workAreaBytes(const kernels::CodecConfig&, size_t, std::span<const uint64_t>) { return 0; }
 Result<kernels::CodecState> downloadState(TensorGpu&) {
   return failedPrecondition("this build has no GPU path");
 }

@@ -403,13 +403,13 @@ StepPipeline::Stage StepPipeline::makeState() {
   const kernels::Codec& codec = *t_.codec;
   // One copy of the state on either backend. The host's steps take a result buffer (the codec's
   // work area) and, with several trainers or a narrow dtype, a local sum from the pool; the
-  // device's a work area of the state's size from its own pool (docs/cuda.md "Memory").
+  // device's a work area from its own pool (docs/cuda.md "Memory").
   const uint64_t floats = codec.stateFloats(n_, p_.shape);
   const uint64_t need = floats * sizeof(float);
   const bool own_result = !resultInPlace(trainers_, p_.dtype, codec.traits().rounds, floats > 0);
   const bool own_sum = !inputIsTrainers(trainers_, p_.dtype);
   const uint64_t step_need =
-      gpu_ordinal_ ? need
+      gpu_ordinal_ ? gpu::workAreaBytes(settings_.codec, n_, p_.shape)
                    : ((own_result ? 1 : 0) + (own_sum ? 1 : 0)) * uint64_t{n_} * sizeof(float);
   const uint64_t cap = engine_.options_.max_state_bytes;
   if (cap > 0 && need + step_need > 0) {

@@ -7,16 +7,23 @@
 //   n > 32768 (sampled threshold):
 //   2. the M sample keys key(v'_idx(j)), v' computed from x, u, v at the sampled index exactly as
 //      the fused pass will (the Philox words of §3/§4.4), sorted descending (CUB radix sort);
-//   3. the fused pass, the one full pass over the state: u' = (m·u) + g, v' = v + u' (or v' = v +
-//      g), written, and c = #{key(v') >= s_r} counted (r the initial rank);
+//   3. the fused pass, the one full pass over the state: v' = v + u' with u' = (m·u) + g (or v' =
+//      v + g) into the work area (u' is not stored), and c = #{key(v') >= s_r} counted (r the
+//      initial rank);
 //   4. acceptance and up to three refinements of §4.4: a one-thread kernel decides, a counting
 //      pass over v' recounts (both do nothing once decided);
 //   5. the exact top-k fallback on v' (kernels/cuda/codecs/sparse.cuh), whose kernels do nothing
 //      unless step 4 chose it;
 //   n <= 32768: the fused pass, then exact top-k on v';
 //   6. min_magnitude on the plan.
-// encodeChunk(): the chunk's compaction and payload from v' (sparse.cuh), whose last kernel also
-// masks what was sent: v'_i = v'_i − value_i and u'_i = 0 (step 6 of §4.4).
+// encodeChunk(): the chunk's compaction and payload from v' (sparse.cuh). Without momentum its
+// last kernel also masks what was sent, v'_i = v'_i − value_i (step 6 of §4.4): the work area is
+// the whole next state, which the commit copies. With momentum the state is u then v (2n) and the
+// work area v' alone (n: docs/cuda.md "Memory"): commitState() recomputes u' and v' in place from
+// u, v and the input (the fused pass's arithmetic, the clipping analyze() decided), then masks
+// what was sent, v_i −= value_i and u_i = 0, read back from the sent payloads — the CPU codec's
+// commit, so the state is bit-identical to the host's; the work area is free for the result once
+// the step's chunks are encoded.
 //
 // Arithmetic is spelled out (__fmul_rn, __fadd_rn, __dsqrt_rn, __ddiv_rn, __double2float_rn), so
 // every finite v' is bit-identical to the CPU's; only NaN payload bits produced by arithmetic may
@@ -113,12 +120,12 @@ __device__ __forceinline__ void addCount(typename Reduce::TempStorage& temp, uns
   if (threadIdx.x == 0 && sum != 0) atomicAdd(total, sum);
 }
 
-/// The fused pass: u' and v' everywhere; with Count, *count += #{key(v') >= *threshold}.
+/// The fused pass: v' everywhere; with Count, *count += #{key(v') >= *threshold}.
 template <DType D, bool Count>
 __global__ void __launch_bounds__(kBlockThreads)
     fusedPassKernel(const void* __restrict__ x, Accumulate acc, const SelectState* s, size_t n,
-                    float* __restrict__ un, float* __restrict__ vn,
-                    const uint32_t* __restrict__ threshold, unsigned long long* count) {
+                    float* __restrict__ vn, const uint32_t* __restrict__ threshold,
+                    unsigned long long* count) {
   using Reduce = cub::BlockReduce<unsigned long long, kBlockThreads>;
   __shared__ typename Reduce::TempStorage temp;
   const bool clip = s->clip != 0;
@@ -128,13 +135,30 @@ __global__ void __launch_bounds__(kBlockThreads)
   unsigned long long c = 0;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float ui = 0.0f;
-    const float vi = acc.at<D>(x, i, clip, factor, &ui);
-    if (acc.momentum) un[i] = ui;
+    float unused;
+    const float vi = acc.at<D>(x, i, clip, factor, &unused);
     vn[i] = vi;
     if constexpr (Count) c += sparse::keyOf(vi) >= t;
   }
   if constexpr (Count) addCount<Reduce>(temp, c, count);
+}
+
+/// The commit's pass with momentum (steps 2–3 in place): u = (m·u) + g, v = v + u, with the
+/// clipping analyze() decided — Accumulate's arithmetic, so u and v are the fused pass's u', v'.
+template <DType D>
+__global__ void __launch_bounds__(kBlockThreads)
+    commitPassKernel(const void* __restrict__ x, float* u, float* v, float m, const SelectState* s,
+                     size_t n) {
+  const Accumulate acc{u, v, true, m};
+  const bool clip = s->clip != 0;
+  const float factor = s->factor;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    float ui = 0.0f;
+    const float vi = acc.at<D>(x, i, clip, factor, &ui);
+    u[i] = ui;
+    v[i] = vi;
+  }
 }
 
 /// Recount for a refined threshold: s->count += #{key(v') >= s->sample_threshold}, unless decided.
@@ -303,6 +327,71 @@ class DgcCuda final : public sparse::SparseCudaCodec {
            2 * sparse::alignUp(m * sizeof(uint32_t)) + sparse::alignUp(sortTempBytes(m));
   }
 
+  /// The work area holds v' (n), with or without momentum.
+  size_t workFloats(size_t n, std::span<const uint64_t>) const override { return n; }
+  /// With momentum the commit recomputes u' and v' from the input and masks what was sent.
+  bool commitReadsInput() const override { return momentum_; }
+  size_t commitScratchBytes(size_t payload_bytes, size_t chunk_elements) const override {
+    return momentum_ ? decodeScratchBytes(payload_bytes, chunk_elements) : 0;
+  }
+
+  /// Without momentum: the masked v' over v. With momentum: steps 2–3 in place (u = u', v = v'),
+  /// then step 6 from the payloads as sent: v_i = v_i − value_i (decoded with weight −1, the
+  /// same operation) and u_i = 0 for every entry.
+  Status commitState(const Chunking& chunking, DeviceTensor input,
+                     std::span<const std::span<const uint8_t>> sent, DeviceState& state,
+                     DeviceBytes workspace, DeviceBytes scratch,
+                     cudaStream_t stream) const override {
+    if (!momentum_)
+      return CudaCodec::commitState(chunking, input, sent, state, workspace, scratch, stream);
+    const size_t n = chunking.elements;
+    if (n == 0) return Status::ok();
+    const std::string name = "dgc (cuda): commit";
+    if (state.floats() != stateFloats(n) || input.elements != n ||
+        workspace.size < workspaceBytes(chunking) || workspace.data == nullptr) {
+      return invalidArgument(name + ": the state, input or workspace is not the step's");
+    }
+    if (sent.size() != chunking.count()) {
+      return invalidArgument(name + ": " + std::to_string(sent.size()) + " sent payloads for " +
+                             std::to_string(chunking.count()) + " chunks");
+    }
+    const Carved w = carve(workspace, chunking);
+    float* u = state.mutableCurrent();
+    float* v = u + n;
+    visitDeviceDType(input.dtype, [&](auto d) {
+      commitPassKernel<decltype(d)::value>
+          <<<blocksFor(n), kBlockThreads, 0, stream>>>(input.data, u, v, m_, w.select.state, n);
+    });
+    LW_RETURN_IF_ERROR(cudaStatus(cudaGetLastError(), name));
+    for (size_t c = 0; c < sent.size(); ++c) {
+      const size_t begin = chunking.begin(c), len = chunking.size(c);
+      const size_t need = commitScratchBytes(sent[c].size(), len);
+      if (scratch.size < need || (scratch.data == nullptr && need > 0)) {
+        return invalidArgument(name + ": scratch of " + std::to_string(scratch.size) +
+                               " bytes, chunk " + std::to_string(c) + " needs " +
+                               std::to_string(need));
+      }
+      // Pageable host bytes: staged before cudaMemcpyAsync returns; the stream orders this copy
+      // after the previous chunk's masking, which read the same scratch.
+      auto* staged = static_cast<uint8_t*>(scratch.data);
+      LW_RETURN_IF_ERROR(cudaStatus(
+          cudaMemcpyAsync(staged, sent[c].data(), sent[c].size(), cudaMemcpyHostToDevice, stream),
+          name + ": staging a sent payload"));
+      const size_t staged_bytes = (sent[c].size() + 255) & ~size_t{255};
+      LW_RETURN_IF_ERROR(cudaStatus(
+          sparse::accumulateSparse(staged, -1.0f, v + begin, len,
+                                   DeviceBytes{staged + staged_bytes, scratch.size - staged_bytes},
+                                   stream, u + begin),
+          name + ": masking what was sent"));
+    }
+    return Status::ok();
+  }
+
+  /// After a flush everything accumulated was sent: u = v = 0.
+  Status commitFlush(DeviceState& state, cudaStream_t stream) const override {
+    return state.reset(stream);
+  }
+
   /// Σ v_i² of the committed accumulated velocity (not the momentum u).
   Result<double> residualNorm2(const DeviceState& state, size_t n, DeviceBytes scratch,
                                cudaStream_t stream) const override {
@@ -350,19 +439,20 @@ class DgcCuda final : public sparse::SparseCudaCodec {
     const size_t begin = chunking.begin(chunk), len = chunking.size(chunk);
     LW_RETURN_IF_ERROR(checkChunk(len));
     const Carved w = carve(workspace, chunking);
-    float* un = momentum_ ? state.work() : nullptr;
-    float* vn = n == 0 ? nullptr : (momentum_ ? un + n : state.work());
+    float* vn = n == 0 ? nullptr : state.work();
     sparse::PlanArg plan;
     plan.dev = w.select.state;
+    // Without momentum the work area is the next state: what is sent is masked there now. With
+    // momentum the commit masks the state itself.
     return cudaStatus(sparse::encodeChunk(CodecId::kDgc, input.dtype, values_, plan,
                                           DeviceTensor{vn, n, DType::kF32}, begin, len, w.encode,
-                                          d_out, d_size, vn, un, stream),
+                                          d_out, d_size, momentum_ ? nullptr : vn, nullptr, stream),
                       "dgc (cuda): encoding a chunk");
   }
 
-  /// Steps 1–3 of analyze, bit for bit, then everything accumulated is sent: out = v'. The
-  /// prepared u' and v' are zero. No workspace: the clipping norm's block sums go to state.work()
-  /// (n > 4096; zeroed afterwards), a one-block kernel does it all for n <= 4096.
+  /// Steps 1–3 of analyze, bit for bit, then everything accumulated is sent: out = v'
+  /// (commitFlush() zeroes u and v). No workspace: the clipping norm's block sums go to
+  /// state.work() (n > 4096), a one-block kernel does it all for n <= 4096.
   Status doFlush(const StepContext&, const Chunking& chunking, DeviceTensor input,
                  DeviceState& state, float* d_out, cudaStream_t stream) const override {
     const size_t n = chunking.elements;
@@ -393,9 +483,6 @@ class DgcCuda final : public sparse::SparseCudaCodec {
         });
         e = cudaGetLastError();
       }
-    }
-    if (e == cudaSuccess) {
-      e = cudaMemsetAsync(state.work(), 0, state.floats() * sizeof(float), stream);
     }
     return cudaStatus(e, "dgc (cuda): flush");
   }
@@ -448,8 +535,7 @@ class DgcCuda final : public sparse::SparseCudaCodec {
     SelectState* s = w.select.state;
     LW_CUDA_TRY(cudaMemsetAsync(s, 0, sizeof(SelectState), stream));
     const Accumulate acc = accumulation(state.current(), n);
-    float* un = momentum_ ? state.work() : nullptr;
-    float* vn = momentum_ ? un + n : state.work();
+    float* vn = state.work();
 
     // 1. Clipping.
     if (clip_norm_ > 0.0) {
@@ -465,7 +551,7 @@ class DgcCuda final : public sparse::SparseCudaCodec {
       // 2–3, then exact selection of k (§4.3) on v'.
       visitDeviceDType(input.dtype, [&](auto d) {
         fusedPassKernel<decltype(d)::value, false><<<blocksFor(n), kBlockThreads, 0, stream>>>(
-            input.data, acc, s, n, un, vn, nullptr, nullptr);
+            input.data, acc, s, n, vn, nullptr, nullptr);
       });
       LW_CUDA_TRY(cudaGetLastError());
       if (k >= n) {
@@ -494,7 +580,7 @@ class DgcCuda final : public sparse::SparseCudaCodec {
     // 2–3 fused with the first count, at T = s_r0.
     visitDeviceDType(input.dtype, [&](auto d) {
       fusedPassKernel<decltype(d)::value, true><<<blocksFor(n), kBlockThreads, 0, stream>>>(
-          input.data, acc, s, n, un, vn, w.sorted + (r0 - 1), &s->count);
+          input.data, acc, s, n, vn, w.sorted + (r0 - 1), &s->count);
     });
     LW_CUDA_TRY(cudaGetLastError());
 

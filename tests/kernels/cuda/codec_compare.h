@@ -145,6 +145,21 @@ inline bool sameBits(const std::vector<float>& a, const std::vector<float>& b) {
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
+/// The step succeeded: gpu.commitState() with `sent` (the step's payloads) and the scratch it
+/// asks for, then the stream drained.
+inline Status commitOnGpu(const CudaCodec& gpu, const Chunking& chunking, DeviceTensor input,
+                          std::span<const std::span<const uint8_t>> sent, DeviceState& state,
+                          DeviceBytes workspace, cudaStream_t stream) {
+  size_t bytes = 0;
+  for (size_t c = 0; c < sent.size() && c < chunking.count(); ++c) {
+    bytes = std::max(bytes, gpu.commitScratchBytes(sent[c].size(), chunking.size(c)));
+  }
+  DeviceMem scratch(bytes);
+  LW_RETURN_IF_ERROR(
+      gpu.commitState(chunking, input, sent, state, workspace, scratch.span(), stream));
+  return cudaStatus(cudaStreamSynchronize(stream), "committing");
+}
+
 /// Runs inputs.size() steps (step s takes inputs[s]) of `config` on the CPU and the GPU, committing
 /// after each, and CHECKs: every chunk's payload identical; every committed state identical;
 /// decoding each payload (CPU decodeChunk vs GPU decodeChunk of the same bytes) into the same
@@ -200,6 +215,7 @@ inline std::vector<std::vector<uint8_t>> checkCudaMatchesCpu(
       LW_CUDA_CHECK_OK(cudaStreamSynchronize(stream));
       CHECK_MESSAGE(sameBits(gpu_out.download<float>(n), cpu_out), "flush output differs");
       cpu.commitFlush(cpu_state, n);
+      LW_STATUS_OK(gpu.commitFlush(gpu_state, stream));
     } else {
       LW_STATUS_OK(cpu.analyze(ctx, chunking, cin, cpu_state, cpu_ws));
       LW_STATUS_OK(gpu.analyze(ctx, chunking, gin, gpu_state, gpu_ws.span(), stream));
@@ -232,12 +248,13 @@ inline std::vector<std::vector<uint8_t>> checkCudaMatchesCpu(
         CHECK_MESSAGE(sameBits(gpu_out.download<float>(len), cpu_out), "decoded result differs");
         last.push_back(std::move(cpu_payload));
       }
-      // The host state is committed from what was sent (the GPU's by copying its work area,
-      // commit()).
+      // Both states are committed from what was sent (the same bytes, checked above): the host's
+      // in place, the GPU's by copying its work area or in place (dgc with momentum, which reads
+      // the input and the payloads back).
       const std::vector<std::span<const uint8_t>> sent(last.begin(), last.end());
       LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, sent, {}, cpu_state, cpu_ws));
+      LW_STATUS_OK(commitOnGpu(gpu, chunking, gin, sent, gpu_state, gpu_ws.span(), stream));
     }
-    LW_STATUS_OK(gpu_state.commit(stream));
     auto gpu_committed = gpu_state.download(stream);
     REQUIRE_MESSAGE(gpu_committed.isOk(), gpu_committed.status().message());
     const auto cpu_committed = cpu_state.currentSpan();

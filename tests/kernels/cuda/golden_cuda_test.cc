@@ -21,6 +21,7 @@ namespace json = boost::json;
 namespace lightwire::kernels::cuda {
 namespace {
 
+using testing::commitOnGpu;
 using testing::DeviceMem;
 
 using golden::configFrom;
@@ -134,13 +135,14 @@ std::vector<std::string> runCase(const json::object& c, size_t* nan_skipped) {
       off += len;
     }
     if (golden_payloads.size() != chunking.count()) return {where + "chunk count differs"};
+    std::vector<std::vector<uint8_t>> sent;  // what the GPU sent, for its commit
     for (size_t k = 0; k < chunking.count(); ++k) {
       Status e = codec.encodeChunk(ctx, chunking, k, 0, {}, in, state, ws.span(),
                                    d_payload.as<uint8_t>(), d_size.as<uint64_t>(), nullptr);
       if (!e.isOk()) return {where + "encodeChunk: " + e.message()};
       if (cudaDeviceSynchronize() != cudaSuccess) return {where + "device error"};
       const uint64_t size = d_size.download<uint64_t>(1)[0];
-      const std::vector<uint8_t> got = d_payload.download<uint8_t>(size);
+      const std::vector<uint8_t>& got = sent.emplace_back(d_payload.download<uint8_t>(size));
       if (got != golden_payloads[k]) {
         if (nan_input) {
           ++*nan_skipped;
@@ -168,7 +170,8 @@ std::vector<std::string> runCase(const json::object& c, size_t* nan_skipped) {
     }
     if (std::string e = compareDecoded(d_out, *want, n); !e.empty()) errors.push_back(where + e);
     if (!errors.empty()) return errors;  // later steps depend on this one's state
-    LW_STATUS_OK(state.commit(nullptr));
+    const std::vector<std::span<const uint8_t>> sent_views(sent.begin(), sent.end());
+    LW_STATUS_OK(commitOnGpu(codec, chunking, in, sent_views, state, ws.span(), nullptr));
   }
   return errors;
 }
@@ -306,7 +309,9 @@ std::vector<std::string> runMultiRoundCase(const json::object& c) {
       if (!f.isOk()) return {where + "finishStep: " + f.message()};
     }
     if (!errors.empty()) return errors;
-    for (auto& st : states) LW_STATUS_OK(st.commit(nullptr));
+    for (size_t r = 0; r < world; ++r) {
+      LW_STATUS_OK(commitOnGpu(codec, chunking, inputOf(r), {}, states[r], ws[r]->span(), nullptr));
+    }
   }
   return errors;
 }

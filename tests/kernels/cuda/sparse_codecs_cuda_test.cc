@@ -231,7 +231,7 @@ void checkNonFiniteMatchesCpu(const CodecConfig& config,
     }
     const std::vector<std::span<const uint8_t>> sent_views(sent.begin(), sent.end());
     LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, sent_views, {}, cpu_state, cpu_ws));
-    LW_STATUS_OK(gpu_state.commit(nullptr));
+    LW_STATUS_OK(commitOnGpu(gpu, chunking, gin, sent_views, gpu_state, gpu_ws.span(), nullptr));
     auto gpu_committed = gpu_state.download(nullptr);
     REQUIRE_MESSAGE(gpu_committed.isOk(), gpu_committed.status().message());
     const auto cpu_committed = cpu_state.currentSpan();
@@ -655,8 +655,7 @@ TEST_CASE("sparse codecs (cuda): hostile payloads are rejected, the output untou
 TEST_CASE("DeviceState: one copy; a step prepares the next in the work area, commit copies it") {
   CodecConfig config;
   config.name = "dgc";
-  config.density = 0.05;
-  config.momentum = 0.9;
+  config.density = 0.05;  // error feedback alone: the work area is the whole next state
   auto gpu_r = createCudaCodec(config);
   REQUIRE_MESSAGE(gpu_r.isOk(), gpu_r.status().message());
   const CudaCodec& gpu = **gpu_r;
@@ -715,6 +714,94 @@ TEST_CASE("DeviceState: one copy; a step prepares the next in the work area, com
   step();
   CHECK(state.work() != nullptr);
   CHECK(state.work() != lent.as<float>());
+}
+
+TEST_CASE(
+    "dgc with momentum on the GPU: a work area of n floats, the commit recomputes u and v in place "
+    "from the input and what was sent, bit-identical to the CPU's") {
+  CodecConfig config;
+  config.name = "dgc";
+  config.density = 0.02;
+  config.momentum = 0.9;
+  config.clip_norm = 40.0;
+  auto gpu_r = createCudaCodec(config);
+  REQUIRE_MESSAGE(gpu_r.isOk(), gpu_r.status().message());
+  auto cpu_r = createCodec(config);
+  REQUIRE_MESSAGE(cpu_r.isOk(), cpu_r.status().message());
+  const CudaCodec& gpu = **gpu_r;
+  const Codec& cpu = **cpu_r;
+  const size_t n = 70001;  // the sampled threshold, chunks of 16384 and a short last one
+  const Chunking chunking = chunkingFor(cpu, n, 16384);
+  REQUIRE(gpu.stateFloats(n) == 2 * n);
+  CHECK(gpu.workFloats(n) == n);
+  CHECK(gpu.commitReadsInput());
+  auto made = DeviceState::create(gpu.stateFloats(n), gpu.workFloats(n));
+  REQUIRE(made.isOk());
+  DeviceState state = std::move(*made);
+  // A state whose work area is smaller than the codec works in is refused.
+  {
+    auto small = DeviceState::create(gpu.stateFloats(n), n - 1);
+    REQUIRE(small.isOk());
+    DeviceMem ws(gpu.workspaceBytes(chunking));
+    DeviceMem d_in(n * sizeof(float));
+    StepContext ctx;
+    CHECK(gpu.analyze(ctx, chunking, {d_in.as(), n, DType::kF32}, *small, ws.span(), nullptr)
+              .code() == StatusCode::kInvalidArgument);
+  }
+  CodecState cpu_state(cpu.stateFloats(n));
+  std::vector<std::byte> cpu_ws(cpu.workspaceBytes(chunking));
+  DeviceMem ws(gpu.workspaceBytes(chunking));
+  DeviceMem d_payload(gpu.maxPayloadBytes(chunking.chunk_elements));
+  DeviceMem d_size(sizeof(uint64_t));
+  DeviceMem d_input(n * sizeof(float));
+  for (uint64_t step = 1; step <= 6; ++step) {
+    CAPTURE(step);
+    const std::vector<float> x = normalInput(n, static_cast<uint32_t>(300 + step));
+    d_input.upload(x.data(), n * sizeof(float));
+    const DeviceTensor gin{d_input.as(), n, DType::kF32};
+    const ConstTensor cin{x.data(), n, DType::kF32};
+    StepContext ctx;
+    ctx.seed = 5;
+    ctx.step = step;
+    const auto before = state.download(nullptr);
+    REQUIRE(before.isOk());
+    LW_STATUS_OK(cpu.analyze(ctx, chunking, cin, cpu_state, cpu_ws));
+    LW_STATUS_OK(gpu.analyze(ctx, chunking, gin, state, ws.span(), nullptr));
+    std::vector<std::vector<uint8_t>> sent;
+    for (size_t c = 0; c < chunking.count(); ++c) {
+      LW_STATUS_OK(gpu.encodeChunk(ctx, chunking, c, 0, {}, gin, state, ws.span(),
+                                   d_payload.as<uint8_t>(), d_size.as<uint64_t>(), nullptr));
+      LW_CUDA_CHECK_OK(cudaStreamSynchronize(nullptr));
+      sent.push_back(d_payload.download<uint8_t>(d_size.download<uint64_t>(1)[0]));
+      std::vector<uint8_t> cpu_payload(cpu.maxPayloadBytes(chunking.size(c)));
+      auto size = cpu.encodeChunk(ctx, chunking, c, 0, {}, cin, cpu_state, cpu_ws, cpu_payload);
+      REQUIRE(size.isOk());
+      cpu_payload.resize(*size);
+      CHECK(sent.back() == cpu_payload);
+    }
+    // Analysis and encoding wrote neither the state nor the input.
+    const auto during = state.download(nullptr);
+    REQUIRE(during.isOk());
+    CHECK(sameBits(*during, *before));
+    CHECK(sameBits(d_input.download<float>(n), x));
+    // The copy commit refuses a work area smaller than the state.
+    CHECK(state.commit(nullptr).code() == StatusCode::kFailedPrecondition);
+    if (step == 3) continue;  // a step that failed elsewhere: nothing committed on either side
+    const std::vector<std::span<const uint8_t>> views(sent.begin(), sent.end());
+    LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, views, {}, cpu_state, cpu_ws));
+    LW_STATUS_OK(commitOnGpu(gpu, chunking, gin, views, state, ws.span(), nullptr));
+    const auto committed = state.download(nullptr);
+    REQUIRE(committed.isOk());
+    const auto want = cpu_state.currentSpan();
+    CHECK_MESSAGE(sameBits(*committed, std::vector<float>(want.begin(), want.end())),
+                  "committed state differs from the CPU's");
+  }
+  // After a flush the state is zero.
+  LW_STATUS_OK(gpu.commitFlush(state, nullptr));
+  LW_CUDA_CHECK_OK(cudaStreamSynchronize(nullptr));
+  const auto flushed = state.download(nullptr);
+  REQUIRE(flushed.isOk());
+  CHECK(std::all_of(flushed->begin(), flushed->end(), [](float f) { return f == 0.0f; }));
 }
 
 }  // namespace

@@ -41,6 +41,7 @@
 #include "policies/policy.h"
 #include "policies/stats.h"
 #include "proxy/step/engine.h"
+#include "proxy/step/gpu_backend.h"
 #include "proxy/step/pipeline.h"
 #include "tests/temp_dir.h"
 
@@ -1239,11 +1240,15 @@ TEST_CASE(
     Pair pair(baseOptions(1), always(config));
     const double floats =
         static_cast<double>(kernels::createCodec(config).value()->stateFloats(n, shape));
+    const double work = static_cast<double>(gpu::workAreaBytes(config, n, shape));
+    // dgc with momentum works in v' alone (its commit recomputes u and v in place): n floats
+    // for a state of 2n; the others prepare their whole next state.
+    CHECK(work == (config.name == "dgc" ? 4.0 * n : 4.0 * floats));
     const double before_pool = gauge(pair.gpu, "lightwire_pool_bytes");
     pair.step("m", 1, DType::kF32, gradients(1, n, 11), {}, shape);
     CHECK(gauge(pair.gpu, "lightwire_state_bytes") == 4.0 * floats);  // one copy
     // The work area went back to the pool for the next step (of any tensor on this GPU).
-    CHECK(gauge(pair.gpu, "lightwire_pool_bytes") >= before_pool + 4.0 * floats);
+    CHECK(gauge(pair.gpu, "lightwire_pool_bytes") >= before_pool + work);
     // Step 2 fails on the GPU engine after analyze and encode (its exchange fails): nothing is
     // committed, so step 3 continues as if step 2 had never been (the host engine never saw it).
     pair.gpu.exchange.fail_rounds = 1;
@@ -1285,4 +1290,32 @@ TEST_CASE("many tensors share the device's step buffers: they are those of the s
   CHECK_MESSAGE(kept <= trainers_buffers + tensors * tensor + 8 * tensor,
                 "the device kept " << kept / 1e6 << " MB for " << tensors << " tensors of "
                                    << tensor / 1e6 << " MB");
+}
+
+TEST_CASE("the device pool keeps at most limits.max_pool_bytes of step buffers between steps") {
+  kernels::CodecConfig topk = named("topk");
+  topk.density = 0.01;
+  const size_t n = size_t{1} << 20;
+  {
+    // Nothing kept: every step's buffers are freed when it ends; the results stay the host's.
+    EngineOptions o = baseOptions(3);
+    o.max_pool_bytes = 0;
+    Pair pair(o, always(topk));
+    for (uint64_t step = 1; step <= 3; ++step) {
+      pair.step("p", step, DType::kF32, gradients(3, n, static_cast<uint32_t>(step)));
+      CHECK(gpu::pooledDeviceBytes() == 0);
+    }
+  }
+  {
+    // A cap of two tensor sizes: the step's local sum and work area (a tensor size each) are kept,
+    // its result buffer (a third) is freed.
+    EngineOptions o = baseOptions(3);
+    o.max_pool_bytes = 2 * 4 * n;
+    Pair pair(o, always(topk));
+    for (uint64_t step = 1; step <= 3; ++step) {
+      pair.step("p", step, DType::kF32, gradients(3, n, static_cast<uint32_t>(10 + step)));
+      CHECK(gpu::pooledDeviceBytes() <= o.max_pool_bytes);
+      CHECK(gpu::pooledDeviceBytes() > 0);
+    }
+  }
 }
