@@ -191,7 +191,7 @@ Status CudaCodec::checkWorkArea(const StepContext& ctx, const Chunking& chunking
   return Status::ok();
 }
 
-Status CudaCodec::commitState(const Chunking&, DeviceTensor,
+Status CudaCodec::commitState(const StepContext&, const Chunking&, DeviceTensor,
                               std::span<const std::span<const uint8_t>>, DeviceState& state,
                               DeviceBytes, DeviceBytes, cudaStream_t stream) const {
   return state.commit(stream);

@@ -57,10 +57,9 @@ struct DeviceBytes {
 /// encodeChunk(), finishStep() and flush() work in the step's work area (workFloats() values: the
 /// whole next state in the state's layout, or less for a codec that commits in place), which the
 /// owner lends for the step (attachWork) or which the state allocates itself on first use (tests,
-/// tools). Once the step succeeded everywhere the codec's commitState() applies it (commit():
-/// the work area copied over the state, or a recomputation in place), so a failed step changes
-/// nothing. Owns its memory (allocated when the tensor's state is created, not on the hot path).
-/// Move-only.
+/// tools). Once the step succeeded everywhere the codec's commitState() applies it (the work area
+/// copied over the state, or a recomputation in place), so a failed step changes nothing. Owns its
+/// memory (allocated when the tensor's state is created, not on the hot path). Move-only.
 class DeviceState {
  public:
   DeviceState() = default;
@@ -90,11 +89,6 @@ class DeviceState {
   /// Lends `area` (device memory of workFloats() values) as the work area until detachWork().
   void attachWork(float* area) { lent_ = area; }
   void detachWork() { lent_ = nullptr; }
-  /// The state prepared whole in the work area becomes the committed one (a device copy on
-  /// `stream`, after the step's kernels; asynchronous): the default CudaCodec::commitState().
-  /// failedPrecondition when no step prepared one, or when the work area is smaller than the
-  /// state (its codec commits in place).
-  Status commit(cudaStream_t stream);
   /// Zeroes the committed state (on `stream`).
   Status reset(cudaStream_t stream);
   /// The committed state, copied to the host (synchronises `stream`).
@@ -104,6 +98,14 @@ class DeviceState {
   Status upload(std::span<const float> current, cudaStream_t stream);
 
  private:
+  friend class CudaCodec;
+  /// The state prepared whole in the work area becomes the committed one (a device copy on
+  /// `stream`, after the step's kernels; asynchronous): the default CudaCodec::commitState() and
+  /// commitFlush(), so only a codec that prepares the whole state commits this way.
+  /// failedPrecondition when no step prepared one, or when the work area is smaller than the
+  /// state.
+  Status commit(cudaStream_t stream);
+
   size_t floats_ = 0;
   size_t work_floats_ = 0;
   float* current_ = nullptr;
@@ -198,13 +200,14 @@ class CudaCodec {
                DeviceState& state, float* d_out, cudaStream_t stream) const;
 
   /// The step succeeded everywhere: the committed state takes it, on `stream` (asynchronous).
-  /// `input` and `workspace` as the step had them (the input unchanged since analyze()); `sent`:
+  /// `ctx`, `input` and `workspace` as the step had them (the input unchanged since analyze(), the
+  /// workspace holding what finishStep() left); `sent`:
   /// this sidecar's round-0 payload of every chunk, host bytes this codec wrote, staged through
   /// `scratch` (commitScratchBytes of the largest) by a codec that reads them. Default: the work
   /// area over the state (DeviceState::commit). A codec that commits in place recomputes the
   /// state from itself, the input and what was sent, with the CPU codec's commitState()
   /// arithmetic (docs/determinism.md §4.6c), so the state stays bit-identical to the host's.
-  virtual Status commitState(const Chunking& chunking, DeviceTensor input,
+  virtual Status commitState(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                              std::span<const std::span<const uint8_t>> sent, DeviceState& state,
                              DeviceBytes workspace, DeviceBytes scratch, cudaStream_t stream) const;
   /// A full sync (flush()) succeeded: the state as after a flush, on `stream`. Default: the work

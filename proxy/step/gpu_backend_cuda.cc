@@ -220,10 +220,13 @@ struct GpuStep::Impl {
   // The result is decoded into the work area and reaches the trainer whose memory is the input
   // only at the commit, which rereads the input (CudaCodec::commitReadsInput).
   bool write_at_commit = false;
-  bool dense = false;          // this step compresses with `none` (bypass, full sync)
-  bool flushed = false;        // a full sync: the commit leaves the state as after a flush
-  kernels::Chunking chunking;  // the step's, from analyze() (for the commit)
-  DeviceBuffer work;           // the state's work area, borrowed from devicePool() (size 0: none)
+  bool dense = false;    // this step compresses with `none` (bypass, full sync)
+  bool flushed = false;  // a full sync: the commit leaves the state as after a flush
+  // The step's context and chunking, from analyze() (for the commit; the context's shape is the
+  // pipeline's, alive until the step ends).
+  kernels::StepContext ctx;
+  kernels::Chunking chunking;
+  DeviceBuffer work;  // the state's work area, borrowed from devicePool() (size 0: none)
   // The other step buffers borrowed from devicePool(): the local sum, the result, the flushed
   // input, and the copies of trainers' gradients on other GPUs (each trainer's result is narrowed
   // there before it is copied back).
@@ -498,6 +501,7 @@ Status GpuStep::analyze(const kernels::StepContext& ctx, const kernels::Chunking
   auto l = impl_->lock();
   Impl& s = *impl_;
   s.dense = dense;
+  s.ctx = ctx;
   s.chunking = chunking;
   const kc::CudaCodec& codec = s.codec();
   size_t max_payload = 0;
@@ -678,7 +682,7 @@ void GpuStep::commit(const Commit& c) {
     }
     st = s.ensureScratch(scratch, "committing the codec state");
     if (st.isOk()) {
-      st = codec.commitState(s.chunking, {s.input, s.n, DType::kF32}, c.sent, s.t.state_,
+      st = codec.commitState(s.ctx, s.chunking, {s.input, s.n, DType::kF32}, c.sent, s.t.state_,
                              s.t.workspace_.bytes(), s.t.scratch_.bytes(), stream);
     }
   }

@@ -338,12 +338,13 @@ class DgcCuda final : public sparse::SparseCudaCodec {
   /// Without momentum: the masked v' over v. With momentum: steps 2–3 in place (u = u', v = v'),
   /// then step 6 from the payloads as sent: v_i = v_i − value_i (decoded with weight −1, the
   /// same operation) and u_i = 0 for every entry.
-  Status commitState(const Chunking& chunking, DeviceTensor input,
+  Status commitState(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                      std::span<const std::span<const uint8_t>> sent, DeviceState& state,
                      DeviceBytes workspace, DeviceBytes scratch,
                      cudaStream_t stream) const override {
-    if (!momentum_)
-      return CudaCodec::commitState(chunking, input, sent, state, workspace, scratch, stream);
+    if (!momentum_) {
+      return CudaCodec::commitState(ctx, chunking, input, sent, state, workspace, scratch, stream);
+    }
     const size_t n = chunking.elements;
     if (n == 0) return Status::ok();
     const std::string name = "dgc (cuda): commit";

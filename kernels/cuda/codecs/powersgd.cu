@@ -30,13 +30,24 @@
 //                      by all threads.
 //   productKernel      decode / error update, one thread per element: v = (float) canonical
 //                      Σ_j P̂[i][j]·T[k][j] (j < r <= 1024: one canonical block), then
-//                      out = out + (w·v), or e' = M − (w·v).
-//   finishQKernel      Q' = w·T (fp32) and the meta block (valid = 1).
+//                      out = out + (w·v), or e = e − (w·v) at commit.
+//   finishQKernel      Q' = w·T (fp32) and the meta block (valid = 1) into the work area, after
+//                      the error: finishStep keeps P̂, T and w in the workspace for the commit.
+//   commitErrorKernel  the commit, in place: e = widen(x) + e (M again, bit for bit), then
+//                      productKernel's e = e − (w·v), then copyNextKernel the meta block and Q'.
+//
+// The work area has the state's layout: M (n), then the next meta block and Q'. M is used up by
+// the end of round 1, so the result is decoded over it (the GPU backend decodes after the
+// exchange) and the commit recomputes the error from the input, as the CPU's commitState() does
+// (docs/determinism.md §4.6c): no result buffer beside the work area.
 //
 // Checks the CPU makes against device state (encodeChunk: the matrix view analyze() wrote;
 // finishStep: a matching analyze() and a single call per step) cannot return a Status without a
 // device synchronisation. They are made on the device instead: encodeChunk writes a payload size
-// of 0 (an invalid payload every decoder refuses) and finishStep changes nothing.
+// of 0 (an invalid payload every decoder refuses); finishStep without a matching analyze(), or a
+// second time, prepares nothing (it stages its factors into the workspace again, so a commit after
+// it uses that call's: the GPU backend calls it once per step), and commitState changes nothing
+// unless a finishStep prepared the step.
 
 #include <algorithm>
 #include <cmath>
@@ -377,13 +388,16 @@ __global__ void __launch_bounds__(kOrthoThreads)
 
 /// For every real element idx = i·cols + k < n: v = (float)(0.0 + canonical Σ_j P̂[i][j]·T[k][j])
 /// (j < r <= 1024, one canonical block), then dst[idx] = dst[idx] + (w·v), or − (w·v) when
-/// kSubtract. `meta`: when non-null, the kernel does nothing unless it records `view` with
-/// valid = 0 (finishStep's guard).
+/// kSubtract. `w_dev`: when non-null, w is read there (the commit: finishStep stored it). `meta`:
+/// when non-null, the kernel does nothing unless it records `view` with valid = 1 (the commit's
+/// guard: finishStep ran for this view).
 template <bool kSubtract>
 __global__ void __launch_bounds__(kThreads)
     productKernel(const float* __restrict__ phat, const float* __restrict__ t, uint64_t n,
-                  uint64_t cols, uint64_t r, float w, float* dst, const float* meta, View view) {
-  if (meta != nullptr && (meta[0] != 0.0f || !sameView(metaView(meta), view))) return;
+                  uint64_t cols, uint64_t r, float w, const float* w_dev, float* dst,
+                  const float* meta, View view) {
+  if (meta != nullptr && (meta[0] != 1.0f || !sameView(metaView(meta), view))) return;
+  if (w_dev != nullptr) w = *w_dev;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t idx = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += stride) {
@@ -417,6 +431,38 @@ __global__ void __launch_bounds__(kThreads)
   for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride) {
     qn[i] = __fmul_rn(w, t[i]);
+  }
+}
+
+/// finishStep: the step's weight for the commit (one thread), under the same guard.
+__global__ void finishWeightKernel(const float* meta, View view, float w, float* w_dev) {
+  if (meta[0] != 0.0f || !sameView(metaView(meta), view)) return;
+  *w_dev = w;
+}
+
+/// The commit's first pass: e = widen(x) + e (M of analyze, bit for bit), unless the work area's
+/// meta block `next` says finishStep() has not run for `view`.
+template <DType D>
+__global__ void __launch_bounds__(kThreads)
+    commitErrorKernel(const void* __restrict__ x, float* e, size_t n, const float* next,
+                      View view) {
+  if (next[0] != 1.0f || !sameView(metaView(next), view)) return;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    e[i] = __fadd_rn(loadWidenedDevice<D>(x, i), e[i]);
+  }
+}
+
+/// The commit's last pass: the meta block and Q' (`count` floats from `next`) into the state,
+/// under the same guard.
+__global__ void __launch_bounds__(kThreads)
+    copyNextKernel(const float* __restrict__ next, float* __restrict__ dst, uint64_t count,
+                   View view) {
+  if (next[0] != 1.0f || !sameView(metaView(next), view)) return;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    dst[i] = next[i];
   }
 }
 
@@ -454,10 +500,11 @@ class CudaPowerSgd final : public CudaCodec {
 
   const Codec& host() const override { return *host_; }
 
-  /// F1 (Qᵀ, then P̂), F2 (the reduced Q in finishStep), the orthonormalisation's block sums and
-  /// the products' block sums (views with more than 4096 columns or rows).
+  /// F1 (Qᵀ, then P̂), F2 (the reduced Q in finishStep), the orthonormalisation's block sums,
+  /// the products' block sums (views with more than 4096 columns or rows) and the step's weight
+  /// (finishStep to the commit).
   size_t workspaceBytes(const Chunking& c) const override {
-    return decodeBytes(c.elements) + alignUp(8 * partialDoubles(c.elements));
+    return decodeBytes(c.elements) + alignUp(8 * partialDoubles(c.elements)) + kAlign;
   }
   /// decodeRounds(): the two staged factors and the orthonormalisation's block sums.
   size_t accumulateScratchBytes(size_t n) const override { return decodeBytes(n); }
@@ -490,7 +537,8 @@ class CudaPowerSgd final : public CudaCodec {
     LW_RETURN_IF_ERROR(stageAndOrthonormalize(p, ar, stream));
     LW_RETURN_IF_ERROR(stage(q, ar.f2, stream));
     productKernel<false><<<blocksFor(out_elements), kThreads, 0, stream>>>(
-        ar.f1, ar.f2, out_elements, p.view.cols, p.view.rank, weight, d_out, nullptr, p.view);
+        ar.f1, ar.f2, out_elements, p.view.cols, p.view.rank, weight, nullptr, d_out, nullptr,
+        p.view);
     return cudaStatus(cudaGetLastError(), "powersgd (cuda): decoding");
   }
 
@@ -513,16 +561,53 @@ class CudaPowerSgd final : public CudaCodec {
     if (m == nullptr) return failedPrecondition("powersgd (cuda): finishStep() before analyze()");
     float* meta = m + n;
     const Areas ar = areas(workspace.data, n);
+    // P̂ and T stay in the workspace, and the weight beside them, for commitState()'s
+    // e' = (x + e) − weight · (P̂·Tᵀ); Q' = weight · T (the warm start) and the meta block go to
+    // the work area: each only when it holds a matching analyze() that no finishStep() has
+    // completed. M (the work area's first n floats) is not read: the result may be there now.
     LW_RETURN_IF_ERROR(stageAndOrthonormalize(p, ar, stream));
     LW_RETURN_IF_ERROR(stage(q, ar.f2, stream));
-    // e' = M − weight · (P̂·Tᵀ), then Q' = weight · T (the warm start), then the meta block: each
-    // only when the work area holds a matching analyze() that no finishStep() has completed.
-    productKernel<true><<<blocksFor(n), kThreads, 0, stream>>>(
-        ar.f1, ar.f2, n, p.view.cols, p.view.rank, weight, m, meta, p.view);
+    finishWeightKernel<<<1, 1, 0, stream>>>(meta, p.view, weight, ar.weight);
     finishQKernel<<<blocksFor(q.count), kThreads, 0, stream>>>(ar.f2, q.count, weight,
                                                                meta + kMetaFloats, meta, p.view);
     finishMetaKernel<<<1, 1, 0, stream>>>(meta, p.view, metaFor(p.view, 1.0f));
     return cudaStatus(cudaGetLastError(), "powersgd (cuda): finishStep");
+  }
+
+  /// The commit rereads the input (the error is recomputed in place).
+  bool commitReadsInput() const override { return true; }
+
+  /// e = (x + e) − weight · (P̂·Tᵀ) in place with what finishStep() kept in the workspace (the
+  /// arithmetic of the double-buffered form, bit for bit), then the meta block and Q' of the work
+  /// area. Guarded on the device: nothing changes unless finishStep() ran for this view.
+  Status commitState(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
+                     std::span<const std::span<const uint8_t>>, DeviceState& state,
+                     DeviceBytes workspace, DeviceBytes, cudaStream_t stream) const override {
+    auto view = stepView(ctx, chunking);
+    if (!view) return view.status();
+    const size_t n = chunking.elements;
+    if (n == 0) return Status::ok();
+    const View v = *view;
+    const size_t q_floats = v.cols * v.rank;
+    if (state.floats() != n + kMetaFloats + q_floats || input.elements != n ||
+        workspace.size < workspaceBytes(chunking) || workspace.data == nullptr) {
+      return invalidArgument(
+          "powersgd (cuda): commit: the state, input or workspace is not the step's");
+    }
+    const float* next = state.work();
+    if (next == nullptr) return failedPrecondition("powersgd (cuda): commit before analyze()");
+    next += n;
+    float* e = state.mutableCurrent();
+    const Areas ar = areas(workspace.data, n);
+    visitDeviceDType(input.dtype, [&](auto d) {
+      commitErrorKernel<decltype(d)::value>
+          <<<blocksFor(n), kThreads, 0, stream>>>(input.data, e, n, next, v);
+    });
+    productKernel<true><<<blocksFor(n), kThreads, 0, stream>>>(ar.f1, ar.f2, n, v.cols, v.rank,
+                                                               0.0f, ar.weight, e, next, v);
+    copyNextKernel<<<blocksFor(kMetaFloats + q_floats), kThreads, 0, stream>>>(
+        next, e + n, kMetaFloats + q_floats, v);
+    return cudaStatus(cudaGetLastError(), "powersgd (cuda): commit");
   }
 
   Result<double> residualNorm2(const DeviceState& state, size_t n, DeviceBytes scratch,
@@ -663,11 +748,13 @@ class CudaPowerSgd final : public CudaCodec {
     return 2 * alignUp(4 * capFactor(n)) + alignUp(8 * orthoDoubles(n));
   }
 
+  /// The workspace's areas (decodeRounds' scratch: the first three).
   struct Areas {
     float* f1 = nullptr;
     float* f2 = nullptr;
     double* ortho = nullptr;
     double* partial = nullptr;
+    float* weight = nullptr;
   };
   Areas areas(void* base, size_t n) const {
     auto* p = static_cast<uint8_t*>(base);
@@ -677,6 +764,7 @@ class CudaPowerSgd final : public CudaCodec {
     a.f2 = reinterpret_cast<float*>(p + f);
     a.ortho = reinterpret_cast<double*>(p + 2 * f);
     a.partial = reinterpret_cast<double*>(p + 2 * f + alignUp(8 * orthoDoubles(n)));
+    a.weight = reinterpret_cast<float*>(p + decodeBytes(n) + alignUp(8 * partialDoubles(n)));
     return a;
   }
 

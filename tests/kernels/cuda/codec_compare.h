@@ -147,16 +147,16 @@ inline bool sameBits(const std::vector<float>& a, const std::vector<float>& b) {
 
 /// The step succeeded: gpu.commitState() with `sent` (the step's payloads) and the scratch it
 /// asks for, then the stream drained.
-inline Status commitOnGpu(const CudaCodec& gpu, const Chunking& chunking, DeviceTensor input,
-                          std::span<const std::span<const uint8_t>> sent, DeviceState& state,
-                          DeviceBytes workspace, cudaStream_t stream) {
+inline Status commitOnGpu(const CudaCodec& gpu, const StepContext& ctx, const Chunking& chunking,
+                          DeviceTensor input, std::span<const std::span<const uint8_t>> sent,
+                          DeviceState& state, DeviceBytes workspace, cudaStream_t stream) {
   size_t bytes = 0;
   for (size_t c = 0; c < sent.size() && c < chunking.count(); ++c) {
     bytes = std::max(bytes, gpu.commitScratchBytes(sent[c].size(), chunking.size(c)));
   }
   DeviceMem scratch(bytes);
   LW_RETURN_IF_ERROR(
-      gpu.commitState(chunking, input, sent, state, workspace, scratch.span(), stream));
+      gpu.commitState(ctx, chunking, input, sent, state, workspace, scratch.span(), stream));
   return cudaStatus(cudaStreamSynchronize(stream), "committing");
 }
 
@@ -253,7 +253,7 @@ inline std::vector<std::vector<uint8_t>> checkCudaMatchesCpu(
       // the input and the payloads back).
       const std::vector<std::span<const uint8_t>> sent(last.begin(), last.end());
       LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, sent, {}, cpu_state, cpu_ws));
-      LW_STATUS_OK(commitOnGpu(gpu, chunking, gin, sent, gpu_state, gpu_ws.span(), stream));
+      LW_STATUS_OK(commitOnGpu(gpu, ctx, chunking, gin, sent, gpu_state, gpu_ws.span(), stream));
     }
     auto gpu_committed = gpu_state.download(stream);
     REQUIRE_MESSAGE(gpu_committed.isOk(), gpu_committed.status().message());

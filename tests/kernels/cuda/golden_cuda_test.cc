@@ -171,7 +171,7 @@ std::vector<std::string> runCase(const json::object& c, size_t* nan_skipped) {
     if (std::string e = compareDecoded(d_out, *want, n); !e.empty()) errors.push_back(where + e);
     if (!errors.empty()) return errors;  // later steps depend on this one's state
     const std::vector<std::span<const uint8_t>> sent_views(sent.begin(), sent.end());
-    LW_STATUS_OK(commitOnGpu(codec, chunking, in, sent_views, state, ws.span(), nullptr));
+    LW_STATUS_OK(commitOnGpu(codec, ctx, chunking, in, sent_views, state, ws.span(), nullptr));
   }
   return errors;
 }
@@ -310,7 +310,8 @@ std::vector<std::string> runMultiRoundCase(const json::object& c) {
     }
     if (!errors.empty()) return errors;
     for (size_t r = 0; r < world; ++r) {
-      LW_STATUS_OK(commitOnGpu(codec, chunking, inputOf(r), {}, states[r], ws[r]->span(), nullptr));
+      LW_STATUS_OK(commitOnGpu(codec, ctxOf(r), chunking, inputOf(r), {}, states[r], ws[r]->span(),
+                               nullptr));
     }
   }
   return errors;

@@ -231,7 +231,8 @@ void checkNonFiniteMatchesCpu(const CodecConfig& config,
     }
     const std::vector<std::span<const uint8_t>> sent_views(sent.begin(), sent.end());
     LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, sent_views, {}, cpu_state, cpu_ws));
-    LW_STATUS_OK(commitOnGpu(gpu, chunking, gin, sent_views, gpu_state, gpu_ws.span(), nullptr));
+    LW_STATUS_OK(
+        commitOnGpu(gpu, ctx, chunking, gin, sent_views, gpu_state, gpu_ws.span(), nullptr));
     auto gpu_committed = gpu_state.download(nullptr);
     REQUIRE_MESSAGE(gpu_committed.isOk(), gpu_committed.status().message());
     const auto cpu_committed = cpu_state.currentSpan();
@@ -665,8 +666,6 @@ TEST_CASE("DeviceState: one copy; a step prepares the next in the work area, com
   REQUIRE(made.isOk());
   DeviceState state = std::move(*made);
   CHECK(state.bytes() == gpu.stateFloats(n) * sizeof(float));
-  // Nothing prepared yet: no commit, no encode.
-  CHECK(state.commit(nullptr).code() == StatusCode::kFailedPrecondition);
   DeviceMem ws(gpu.workspaceBytes(chunking));
   DeviceMem d_payload(gpu.maxPayloadBytes(chunking.chunk_elements));
   DeviceMem d_size(sizeof(uint64_t));
@@ -677,6 +676,9 @@ TEST_CASE("DeviceState: one copy; a step prepares the next in the work area, com
   StepContext ctx;
   ctx.seed = 1;
   ctx.step = 1;
+  // Nothing prepared yet: no commit, no encode.
+  CHECK(gpu.commitState(ctx, chunking, gin, {}, state, ws.span(), {}, nullptr).code() ==
+        StatusCode::kFailedPrecondition);
   CHECK_FALSE(gpu.encodeChunk(ctx, chunking, 0, 0, {}, gin, state, ws.span(),
                               d_payload.as<uint8_t>(), d_size.as<uint64_t>(), nullptr)
                   .isOk());
@@ -702,7 +704,7 @@ TEST_CASE("DeviceState: one copy; a step prepares the next in the work area, com
         cudaMemcpy(h.data(), lent.as<float>(), h.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return h;
   }();
-  LW_STATUS_OK(state.commit(nullptr));
+  LW_STATUS_OK(gpu.commitState(ctx, chunking, gin, {}, state, ws.span(), {}, nullptr));
   auto committed = state.download(nullptr);
   REQUIRE(committed.isOk());
   CHECK(std::memcmp(committed->data(), prepared.data(), prepared.size() * sizeof(float)) == 0);
@@ -784,12 +786,10 @@ TEST_CASE(
     REQUIRE(during.isOk());
     CHECK(sameBits(*during, *before));
     CHECK(sameBits(d_input.download<float>(n), x));
-    // The copy commit refuses a work area smaller than the state.
-    CHECK(state.commit(nullptr).code() == StatusCode::kFailedPrecondition);
     if (step == 3) continue;  // a step that failed elsewhere: nothing committed on either side
     const std::vector<std::span<const uint8_t>> views(sent.begin(), sent.end());
     LW_STATUS_OK(cpu.commitState(ctx, chunking, cin, views, {}, cpu_state, cpu_ws));
-    LW_STATUS_OK(commitOnGpu(gpu, chunking, gin, views, state, ws.span(), nullptr));
+    LW_STATUS_OK(commitOnGpu(gpu, ctx, chunking, gin, views, state, ws.span(), nullptr));
     const auto committed = state.download(nullptr);
     REQUIRE(committed.isOk());
     const auto want = cpu_state.currentSpan();
