@@ -49,6 +49,11 @@ jobs=${LW_JOBS:-2}
 if [[ -d /usr/local/cuda/bin && ":$PATH:" != *":/usr/local/cuda/bin:"* ]]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
+# Meson calls `nvcc` by name: scripts/nvcc/nvcc runs the real one and has it write the dependency
+# file ninja reads, so an edited CUDA header rebuilds the objects that include it.
+if command -v nvcc >/dev/null 2>&1; then
+  export PATH=$PWD/scripts/nvcc:$PATH
+fi
 
 targets=()  # all
 case "$variant" in
