@@ -356,6 +356,20 @@ class DgcCuda final : public sparse::SparseCudaCodec {
       return invalidArgument(name + ": " + std::to_string(sent.size()) + " sent payloads for " +
                              std::to_string(chunking.count()) + " chunks");
     }
+    // The payloads are this codec's own, but the device reads them without bounds: checked on
+    // the host first (O(entries)), before anything changes.
+    for (size_t c = 0; c < sent.size(); ++c) {
+      if (Status st = sparse::validateSparse(sent[c], CodecId::kDgc, chunking.size(c));
+          !st.isOk()) {
+        return invalidArgument(name + ": chunk " + std::to_string(c) + ": " + st.message());
+      }
+      const size_t need = commitScratchBytes(sent[c].size(), chunking.size(c));
+      if (scratch.size < need || scratch.data == nullptr) {
+        return invalidArgument(name + ": scratch of " + std::to_string(scratch.size) +
+                               " bytes, chunk " + std::to_string(c) + " needs " +
+                               std::to_string(need));
+      }
+    }
     const Carved w = carve(workspace, chunking);
     float* u = state.mutableCurrent();
     float* v = u + n;
@@ -366,12 +380,6 @@ class DgcCuda final : public sparse::SparseCudaCodec {
     LW_RETURN_IF_ERROR(cudaStatus(cudaGetLastError(), name));
     for (size_t c = 0; c < sent.size(); ++c) {
       const size_t begin = chunking.begin(c), len = chunking.size(c);
-      const size_t need = commitScratchBytes(sent[c].size(), len);
-      if (scratch.size < need || (scratch.data == nullptr && need > 0)) {
-        return invalidArgument(name + ": scratch of " + std::to_string(scratch.size) +
-                               " bytes, chunk " + std::to_string(c) + " needs " +
-                               std::to_string(need));
-      }
       // Pageable host bytes: staged before cudaMemcpyAsync returns; the stream orders this copy
       // after the previous chunk's masking, which read the same scratch.
       auto* staged = static_cast<uint8_t*>(scratch.data);
