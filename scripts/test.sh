@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # THE test command (.ci/run runs it): installs the dependencies, builds the release, the
 # ASan+UBSan (clang, with the libFuzzer targets) and the ThreadSanitizer (exchange tests only)
-# variants, and runs
+# variants — the sanitizer builds in the background at nice 10, beside the release build's tests
+# and the Python tests, which leave about one processor of two idle — and runs
 #   - the doctest unit tests in the release and ASan builds, the exchange tests under TSan as well
 #     (each test case counts; every sanitizer report is a failure); the codec tests under ASan run
 #     beside the others;
@@ -9,15 +10,18 @@
 #   - the CUDA tests when the CUDA kernels were built: their host-side part, and the GPU part,
 #     which counts as skipped on a machine without a GPU (exit 77), never as passed;
 #   - the golden payload check of the independent reference implementation (one test);
-#   - the Python client and DDP hook tests (pytest) against the real sidecar and PyTorch;
-#     they include the deployment files (tests/python/test_deploy.py: docker-compose config of
+#   - the Python client and DDP hook tests (pytest) against the real sidecar and PyTorch (the
+#     container test, tests/python/test_containers.py, last, once the background images are
+#     built); they include the deployment files (tests/python/test_deploy.py: docker-compose config of
 #     docker/compose.yml, the Dockerfile against the binary's libraries, the Kubernetes manifests
 #     and `serve --check-config` of their configuration, the compose job's commands on loopback);
 #   - promtool checks of docker/prometheus (config, rules, rule unit tests);
 #   - docker/Dockerfile's sidecar and trainer stages run on a debootstrapped Debian 12 (as root;
 #     scripts/check-image.py): health check, a gradient, one compose node's trainer; it runs in
 #     the background (at nice 10) from the end of the release build on: it mostly waits on the
-#     mirror and the disk;
+#     mirror and the disk. After it, still in the background, the container test's images are
+#     built ahead (scripts/containers.py images), so that the test rebuilds them from the engine's
+#     cache in seconds instead of building them on the suite's critical path;
 #   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan);
 #   - a 2-minute soak (bench/soak/soak.py): fails on any error, RSS growth or fd growth; it runs
 #     beside the fuzzing and the short checks, which, like it, take a fixed time.
@@ -152,28 +156,73 @@ quiet "build $release_dir" "$logs/build-release.log" bash scripts/build.sh relea
 # disk (debootstrap, apt-get in the stages' trees): it runs in the background from here on and is
 # reported in its place below. At nice 10 it takes little from the builds beside it (they keep
 # both processors busy) and uses what the tests leave idle.
+# The container test's images (tests/python/test_containers.py) are built after it, in the same
+# background job: the emulation leaves the debootstrapped base in the cache they start from, and
+# the test then finds them in its engine's data root (build-image-cache/docker). Only with the
+# default prefix (the test takes build-release's binary and build-image-cache); a failure there
+# is the test's to report, when it builds them itself.
+images_in_background() {
+  nice -n 10 "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
+    --cache "$prefix-image-cache"
+  local rc=$?
+  if [[ "$prefix" == build ]]; then
+    local t0=$SECONDS
+    nice -n 10 "$python" scripts/containers.py images >"$logs/images-ahead.log" 2>&1
+    echo "container test's images built ahead: exit $? ($((SECONDS - t0)) s)" >>"$logs/images-ahead.log"
+  fi
+  return "$rc"
+}
 image_started=0
 if ((release_ok)) && [[ $(id -u) -eq 0 ]]; then
-  beside image nice -n 10 "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
-    --cache "$prefix-image-cache"
+  beside image images_in_background
   image_started=1
   note "      (image emulation started in the background, pid ${beside_pids[image]})"
 fi
-quiet "build $asan_dir" "$logs/build-asan.log" bash scripts/build.sh asan "$asan_dir" \
-  && asan_ok=1 || fail "build asan" "see $logs/build-asan.log"
-tsan_ok=0
-quiet "build $tsan_dir (exchange tests)" "$logs/build-tsan.log" bash scripts/build.sh tsan "$tsan_dir" \
-  && tsan_ok=1 || fail "build tsan" "see $logs/build-tsan.log"
+# The sanitizer builds run in the background too, at nice 10, beside the release build's unit
+# tests and the Python tests: those use about one processor of two on average (they mostly wait on
+# sockets, timers and subprocesses), the compilers take what they leave, and at nice 10 they take
+# little from them. Each build's outcome is reported once both are done.
+sanitizer_builds() {
+  local t0=$SECONDS
+  if nice -n 10 bash scripts/build.sh asan "$asan_dir" >"$logs/build-asan.log" 2>&1; then
+    echo $((SECONDS - t0)) >"$logs/build-asan.ok"
+  fi
+  t0=$SECONDS
+  if nice -n 10 bash scripts/build.sh tsan "$tsan_dir" >"$logs/build-tsan.log" 2>&1; then
+    echo $((SECONDS - t0)) >"$logs/build-tsan.ok"
+  fi
+}
+beside sanitizer-builds sanitizer_builds
+note "      (ASan and TSan builds started in the background, pid ${beside_pids[sanitizer-builds]})"
 
-note "== unit tests"
-# The codec tests under ASan keep one processor busy for about 80 s; the others mostly wait on
-# sockets and timers (the exchange tests use a quarter to three quarters of one), so they run
-# beside it.
-if ((asan_ok)); then
-  doctest_start kernels-asan "$asan_dir/tests/kernels_tests" \
-    ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1 \
-    UBSAN_OPTIONS=print_stacktrace=1
-fi
+# Runs pytest on the Python tests (tests/python/run.sh ARGS) into LOG and adds its counts.
+# pytest_run LABEL LOG ARGS...
+pytest_run() {
+  local label=$1 log=$2 t0=$SECONDS
+  shift 2
+  LIGHTWIRE_BIN=$PWD/$release_dir/proxy/lightwire PYTHON=$python bash tests/python/run.sh \
+    "$@" >"$log" 2>&1
+  local rc=$?
+  # pytest's last line: "N passed, M failed, K skipped in T s" (any subset, any order).
+  local line
+  line=$(grep -E '^[=]* *[0-9]+ (passed|failed|skipped|error|deselected)' "$log" | tail -n 1)
+  count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' || echo 0; }
+  # An expected failure (xfail: a known gap, named in its reason) counts as skipped, not passed.
+  local p f s
+  p=$(( $(count passed) + $(count xpassed) )) f=$(( $(count failed) + $(count error) ))
+  s=$(( $(count skipped) + $(count xfailed) ))
+  passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
+  note "      $label: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s)"
+  if ((f > 0)); then
+    grep -E '^(FAILED|ERROR)' "$log" | head -n 20
+    failures+=("$label: $f test(s), see $log")
+  elif ((rc != 0)) || [[ -z "$line" ]]; then
+    tail -n 30 "$log"
+    fail "$label" "exit code $rc, see $log"
+  fi
+}
+
+note "== unit tests (release)"
 if ((release_ok)); then
   doctest_run kernels-release "$release_dir/tests/kernels_tests"
   if [[ -x "$release_dir/tests/kernels_cuda_tests" ]]; then
@@ -197,12 +246,42 @@ if ((release_ok)); then
   else
     note "      (CUDA kernels not built in $release_dir: no CUDA toolkit)"
   fi
-fi
-if ((release_ok)); then
   doctest_run proxy-release "$release_dir/tests/proxy_tests"
   doctest_run exchange-release "$release_dir/tests/exchange_tests"
 fi
+
+# The container test waits for the background images (it starts an engine on the data root their
+# builds use): it runs last, on its own.
+note "== Python client and DDP hook (pytest, real sidecar, real PyTorch; the container test last)"
+if ((release_ok)); then
+  pytest_run pytest "$logs/python.log" --durations=20 --ignore=tests/python/test_containers.py
+fi
+
+beside_wait sanitizer-builds
+asan_ok=0 tsan_ok=0
+if [[ -f "$logs/build-asan.ok" ]]; then
+  asan_ok=1
+  note "ok    build $asan_dir ($(cat "$logs/build-asan.ok") s, in the background)"
+else
+  tail -n 40 "$logs/build-asan.log"
+  fail "build asan" "see $logs/build-asan.log"
+fi
+if [[ -f "$logs/build-tsan.ok" ]]; then
+  tsan_ok=1
+  note "ok    build $tsan_dir (exchange tests; $(cat "$logs/build-tsan.ok") s, in the background)"
+else
+  tail -n 40 "$logs/build-tsan.log"
+  fail "build tsan" "see $logs/build-tsan.log"
+fi
+
+note "== unit tests (sanitizers)"
+# The codec tests under ASan keep one processor busy for about 80 s; the others mostly wait on
+# sockets and timers (the exchange tests use a quarter to three quarters of one), so they run
+# beside it.
 if ((asan_ok)); then
+  doctest_start kernels-asan "$asan_dir/tests/kernels_tests" \
+    ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1 \
+    UBSAN_OPTIONS=print_stacktrace=1
   doctest_run proxy-asan "$asan_dir/tests/proxy_tests" \
     ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1 UBSAN_OPTIONS=print_stacktrace=1
   doctest_run exchange-asan "$asan_dir/tests/exchange_tests" \
@@ -218,7 +297,7 @@ if ((asan_ok)); then
 fi
 
 # The soak runs for a fixed time, as does the fuzzing: it runs beside the fuzzing and the short
-# checks after it (golden payloads, promtool, formatting, smoke runs), before the Python tests.
+# checks after it (golden payloads, promtool, formatting, smoke runs), before the container test.
 # Under the shared processors each does fewer steps or executions in its time; the soak's verdict
 # (errors, RSS and descriptor growth, progress) does not depend on its rate.
 soak_started=0
@@ -361,27 +440,15 @@ if ((soak_started)); then
   fi
 fi
 
-note "== Python client and DDP hook (pytest, real sidecar, real PyTorch)"
+# The background images are done (their engine stopped) before the container test starts its own.
+image_ok=0
+if ((image_started)); then
+  beside_wait image && image_ok=1
+  note "      (image emulation and the container test's images: $(beside_seconds image) s in the background; $(tail -n 1 "$logs/images-ahead.log" 2>/dev/null))"
+fi
+note "== the images and the compose stack on a real Docker engine (pytest)"
 if ((release_ok)); then
-  t0=$SECONDS
-  LIGHTWIRE_BIN=$PWD/$release_dir/proxy/lightwire PYTHON=$python bash tests/python/run.sh \
-    --durations=20 >"$logs/python.log" 2>&1
-  rc=$?
-  # pytest's last line: "N passed, M failed, K skipped in T s" (any subset, any order).
-  line=$(grep -E '^[=]* *[0-9]+ (passed|failed|skipped|error)' "$logs/python.log" | tail -n 1)
-  count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' || echo 0; }
-  # An expected failure (xfail: a known gap, named in its reason) counts as skipped, not passed.
-  p=$(( $(count passed) + $(count xpassed) )) f=$(( $(count failed) + $(count error) ))
-  s=$(( $(count skipped) + $(count xfailed) ))
-  passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
-  note "      pytest: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s)"
-  if ((f > 0)); then
-    grep -E '^(FAILED|ERROR)' "$logs/python.log" | head -n 20
-    failures+=("pytest: $f test(s), see $logs/python.log")
-  elif ((rc != 0)) || [[ -z "$line" ]]; then
-    tail -n 30 "$logs/python.log"
-    fail "pytest" "exit code $rc, see $logs/python.log"
-  fi
+  pytest_run "pytest (containers)" "$logs/python-containers.log" tests/python/test_containers.py
 fi
 
 note "== the sidecar and trainer images, emulated (docker/Dockerfile on a debootstrapped Debian 12)"
@@ -389,8 +456,8 @@ if [[ $(id -u) -ne 0 ]]; then
   skip "image emulation" "needs root (debootstrap, chroot): sudo $python scripts/check-image.py"
 elif ((!image_started)); then
   fail "image emulation" "no $release_dir/proxy/lightwire"
-elif beside_wait image; then
-  pass "image emulation: sidecar and trainer stages, health check, a compose node's training ($(beside_seconds image) s, in the background)"
+elif ((image_ok)); then
+  pass "image emulation: sidecar and trainer stages, health check, a compose node's training (in the background)"
 else
   grep '^check-image' "$logs/image.log" | tail -n 20
   fail "image emulation" "see $logs/image.log"
