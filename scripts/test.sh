@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # THE test command (.ci/run runs it): installs the dependencies, builds the release, the
 # ASan+UBSan (clang, with the libFuzzer targets) and the ThreadSanitizer (exchange tests only)
-# variants — the sanitizer builds in the background at nice 10, beside the release build's tests
-# and the Python tests, which leave about one processor of two idle — and runs
+# variants, and runs
 #   - the doctest unit tests in the release and ASan builds, the exchange tests under TSan as well
 #     (each test case counts; every sanitizer report is a failure); the codec tests under ASan run
 #     beside the others;
@@ -178,22 +177,11 @@ if ((release_ok)) && [[ $(id -u) -eq 0 ]]; then
   image_started=1
   note "      (image emulation started in the background, pid ${beside_pids[image]})"
 fi
-# The sanitizer builds run in the background too, at nice 10, beside the release build's unit
-# tests and the Python tests: those use about one processor of two on average (they mostly wait on
-# sockets, timers and subprocesses), the compilers take what they leave, and at nice 10 they take
-# little from them. Each build's outcome is reported once both are done.
-sanitizer_builds() {
-  local t0=$SECONDS
-  if nice -n 10 bash scripts/build.sh asan "$asan_dir" >"$logs/build-asan.log" 2>&1; then
-    echo $((SECONDS - t0)) >"$logs/build-asan.ok"
-  fi
-  t0=$SECONDS
-  if nice -n 10 bash scripts/build.sh tsan "$tsan_dir" >"$logs/build-tsan.log" 2>&1; then
-    echo $((SECONDS - t0)) >"$logs/build-tsan.ok"
-  fi
-}
-beside sanitizer-builds sanitizer_builds
-note "      (ASan and TSan builds started in the background, pid ${beside_pids[sanitizer-builds]})"
+quiet "build $asan_dir" "$logs/build-asan.log" bash scripts/build.sh asan "$asan_dir" \
+  && asan_ok=1 || fail "build asan" "see $logs/build-asan.log"
+tsan_ok=0
+quiet "build $tsan_dir (exchange tests)" "$logs/build-tsan.log" bash scripts/build.sh tsan "$tsan_dir" \
+  && tsan_ok=1 || fail "build tsan" "see $logs/build-tsan.log"
 
 # Runs pytest on the Python tests (tests/python/run.sh ARGS) into LOG and adds its counts.
 # pytest_run LABEL LOG ARGS...
@@ -329,23 +317,6 @@ fi
 note "== Python client and DDP hook (pytest, real sidecar, real PyTorch; the container test last)"
 if ((release_ok)); then
   pytest_run pytest "$logs/python.log" --durations=20 --ignore=tests/python/test_containers.py
-fi
-
-beside_wait sanitizer-builds
-asan_ok=0 tsan_ok=0
-if [[ -f "$logs/build-asan.ok" ]]; then
-  asan_ok=1
-  note "ok    build $asan_dir ($(cat "$logs/build-asan.ok") s, in the background)"
-else
-  tail -n 40 "$logs/build-asan.log"
-  fail "build asan" "see $logs/build-asan.log"
-fi
-if [[ -f "$logs/build-tsan.ok" ]]; then
-  tsan_ok=1
-  note "ok    build $tsan_dir (exchange tests; $(cat "$logs/build-tsan.ok") s, in the background)"
-else
-  tail -n 40 "$logs/build-tsan.log"
-  fail "build tsan" "see $logs/build-tsan.log"
 fi
 
 note "== unit tests (sanitizers)"

@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <future>
 
 #include "metrics/metrics.h"
 
@@ -431,12 +432,20 @@ void PeerSession::abortStep(uint64_t tensor, uint64_t step, const std::string& r
   if (!started_) return;
   std::vector<uint8_t> payload(reason.begin(), reason.end());
   if (payload.size() > 4096) payload.resize(4096);  // a reason, not a payload
-  post_([this, tensor, step, payload = std::move(payload)] {
+  // The caller fails the step right after this, and its trainer may then send the same step to
+  // another sidecar: the ABORT frames are handed to the links (on an idle link, written) before
+  // this returns, so that they travel ahead of that request (docs/exchange.md "Failure"). A
+  // busy link thread delays the failure by kAbortQueued at most; it never blocks the step.
+  auto queued = std::make_shared<std::promise<void>>();
+  std::future<void> done = queued->get_future();
+  post_([this, tensor, step, payload = std::move(payload), queued] {
     FrameKey key;
     key.tensor = tensor;
     key.step = step;
     for (auto& link : upLinks()) link->sendOwned(FrameType::kAbort, key, payload);
+    queued->set_value();
   });
+  done.wait_for(kAbortQueued);
 }
 
 void PeerSession::broadcastState() {

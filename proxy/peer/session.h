@@ -215,7 +215,10 @@ class PeerSession {
   Result<Frame> receive(uint32_t src, const FrameKey& key, Clock::time_point deadline);
   Result<std::optional<Frame>> receiveOrWake(uint32_t src, const FrameKey& key, const Wake& wake,
                                              Clock::time_point deadline);
+  /// Sends an ABORT of (tensor, step) to every connected peer; returns once the frames are handed
+  /// to the links (at most kAbortQueued). Not from the link thread (it would wait kAbortQueued).
   void abortStep(uint64_t tensor, uint64_t step, const std::string& reason);
+  static constexpr std::chrono::milliseconds kAbortQueued{250};
   void broadcastState();
   void setJobState(std::function<std::vector<uint8_t>()> provide,
                    std::function<void(uint32_t, std::span<const uint8_t>)> take);
