@@ -240,16 +240,19 @@ Status CudaCodec::decodeChunk(std::span<const uint8_t> payload, float weight, fl
                            std::to_string(decodeScratchBytes(payload.size(), out_elements)));
   }
   LW_RETURN_IF_ERROR(validate(payload, out_elements));
+  auto staged = stage(payload, scratch, stream, name + ": staging a payload");
+  if (!staged) return staged.status();
+  return accumulate(staged->payload, weight, d_out, out_elements, staged->rest, stream);
+}
+
+Result<CudaCodec::Staged> CudaCodec::stage(std::span<const uint8_t> payload, DeviceBytes scratch,
+                                           cudaStream_t stream, const std::string& what) {
   auto* staged = static_cast<uint8_t*>(scratch.data);
-  // Pageable host memory: the copy is staged before cudaMemcpyAsync returns, so `payload` may go.
   LW_RETURN_IF_ERROR(cudaStatus(
       cudaMemcpyAsync(staged, payload.data(), payload.size(), cudaMemcpyHostToDevice, stream),
-      name + ": staging a payload"));
-  const size_t staged_bytes = (payload.size() + 255) & ~size_t{255};
-  return accumulate(
-      staged, weight, d_out, out_elements,
-      DeviceBytes{static_cast<uint8_t*>(scratch.data) + staged_bytes, scratch.size - staged_bytes},
-      stream);
+      what));
+  const size_t taken = stagedBytes(payload.size());
+  return Staged{staged, DeviceBytes{staged + taken, scratch.size - taken}};
 }
 
 Status CudaCodec::flush(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,

@@ -153,7 +153,7 @@ class CudaCodec {
   /// Device bytes decodeChunk() / decodeRounds() need for a payload of `payload_bytes` decoded into
   /// `out_elements` elements: the staged payload (rounded up to 256) + accumulateScratchBytes.
   size_t decodeScratchBytes(size_t payload_bytes, size_t out_elements) const {
-    return ((payload_bytes + 255) & ~size_t{255}) + accumulateScratchBytes(out_elements);
+    return stagedBytes(payload_bytes) + accumulateScratchBytes(out_elements);
   }
 
   /// Whole-tensor phase of a step (as Codec::analyze), on `stream`. Checks the arguments (input
@@ -232,6 +232,21 @@ class CudaCodec {
                             cudaStream_t stream) const;
 
  protected:
+  /// Device bytes a staged payload of `payload_bytes` takes (rounded up to 256, so that what
+  /// follows it in the scratch stays aligned).
+  static size_t stagedBytes(size_t payload_bytes) { return (payload_bytes + 255) & ~size_t{255}; }
+  /// A host payload copied to the front of a device scratch, and the scratch after it.
+  struct Staged {
+    const uint8_t* payload;
+    DeviceBytes rest;
+  };
+  /// Copies host `payload` to the front of `scratch` on `stream` (pageable memory: the copy is
+  /// staged before cudaMemcpyAsync returns, so `payload` may go; the stream orders it after
+  /// earlier work that read the same scratch). The caller checked that `scratch` holds
+  /// stagedBytes(payload.size()); `what` names the copy in an error.
+  static Result<Staged> stage(std::span<const uint8_t> payload, DeviceBytes scratch,
+                              cudaStream_t stream, const std::string& what);
+
   /// After the argument checks of analyze() / encodeChunk() / flush(), as in kernels/codec.h.
   virtual Status doAnalyze(const StepContext& ctx, const Chunking& chunking, DeviceTensor input,
                            DeviceState& state, DeviceBytes workspace,

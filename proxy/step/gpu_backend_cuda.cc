@@ -615,9 +615,8 @@ Status GpuStep::decodeRounds(const kernels::StepContext& ctx, const kernels::Chu
   Impl& s = *impl_;
   const kc::CudaCodec& codec = s.codec();
   cudaStream_t stream = s.t.stream_;
-  LW_RETURN_IF_ERROR(s.sync("decompressing"));
   LW_RETURN_IF_ERROR(
-      s.t.scratch_.ensure(std::max<size_t>(codec.decodeScratchBytes(0, s.n), 1), "decode scratch"));
+      s.ensureScratch(std::max<size_t>(codec.decodeScratchBytes(0, s.n), 1), "decompressing"));
   LW_RETURN_IF_ERROR(
       deviceError(cudaMemsetAsync(s.result, 0, s.n * sizeof(float), stream), "zeroing the result"));
   LW_RETURN_IF_ERROR(

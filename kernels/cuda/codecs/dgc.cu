@@ -380,18 +380,13 @@ class DgcCuda final : public sparse::SparseCudaCodec {
     LW_RETURN_IF_ERROR(cudaStatus(cudaGetLastError(), name));
     for (size_t c = 0; c < sent.size(); ++c) {
       const size_t begin = chunking.begin(c), len = chunking.size(c);
-      // Pageable host bytes: staged before cudaMemcpyAsync returns; the stream orders this copy
-      // after the previous chunk's masking, which read the same scratch.
-      auto* staged = static_cast<uint8_t*>(scratch.data);
-      LW_RETURN_IF_ERROR(cudaStatus(
-          cudaMemcpyAsync(staged, sent[c].data(), sent[c].size(), cudaMemcpyHostToDevice, stream),
-          name + ": staging a sent payload"));
-      const size_t staged_bytes = (sent[c].size() + 255) & ~size_t{255};
-      LW_RETURN_IF_ERROR(cudaStatus(
-          sparse::accumulateSparse(staged, -1.0f, v + begin, len,
-                                   DeviceBytes{staged + staged_bytes, scratch.size - staged_bytes},
-                                   stream, u + begin),
-          name + ": masking what was sent"));
+      // The stream orders this chunk's staging after the previous chunk's masking, which read
+      // the same scratch.
+      auto staged = stage(sent[c], scratch, stream, name + ": staging a sent payload");
+      if (!staged) return staged.status();
+      LW_RETURN_IF_ERROR(cudaStatus(sparse::accumulateSparse(staged->payload, -1.0f, v + begin, len,
+                                                             staged->rest, stream, u + begin),
+                                    name + ": masking what was sent"));
     }
     return Status::ok();
   }
