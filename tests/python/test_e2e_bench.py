@@ -175,6 +175,33 @@ def test_noise_scale_bench_smoke(tmp_path):
                 assert row["qsgd4_factor"] >= row["qsgd8_factor"] >= 1, row
 
 
+def test_dgc_masking_bench_smoke(tmp_path):
+    """bench/e2e/dgc_masking.py at smoke size: every variant trains both tasks to finite losses;
+    with every element sent every step by one rank, dgc without masking is momentum SGD itself
+    (the MLP's evaluations equal the dense run's bit for bit), while masking, which clears the
+    momentum of every element it sends, does not."""
+    out = tmp_path / "masking.json"
+    r = subprocess.run([PYTHON, os.path.join(REPO, "bench", "e2e", "dgc_masking.py"), "--tasks",
+                        "mlp,lm", "--size", "smoke", "--steps", "6", "--eval-every", "3",
+                        "--variants", "dense,mask,biascorr,nomask", "--world-size", "1",
+                        "--density", "1", "--warmup", "0", "--dense-max-elements", "0",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(x["task"], x["variant"]) for x in runs] == [
+        (t, v) for t in ("mlp", "lm") for v in ("dense", "mask", "biascorr", "nomask")]
+    for x in runs:
+        assert [e[0] for e in x["evals"]] == [3, 6], x
+        assert all(math.isfinite(e[1]) for e in x["evals"]), x
+    mlp = {x["variant"]: x["evals"] for x in runs if x["task"] == "mlp"}
+    assert mlp["nomask"] == mlp["dense"], mlp
+    assert mlp["mask"] != mlp["dense"], mlp
+    assert "final eval loss" in r.stdout
+    bad = subprocess.run([PYTHON, os.path.join(REPO, "bench", "e2e", "dgc_masking.py"),
+                          "--variants", "mask,other"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--variants" in bad.stderr, bad.stderr
+
+
 def test_region_shares_bench_smoke(tmp_path):
     """bench/e2e/region_shares.py, 2 steps of the MLP at W = 2: per layer of several regions and
     per share rule the share of the global top-k the regions kept and of its magnitude, in (0, 1];
