@@ -2,10 +2,11 @@
 # The whole container scenario on a real Docker engine (docs/deploy.md "Built and run for real"):
 # what the test command runs (images built, the compose stack trains to the end, health checks
 # healthy, Prometheus's targets up and its query of the trainers' steps answered, the unprivileged
-# user) plus the failures — a sidecar killed by its host pid while its trainer trains (the trainer
-# falls back, the restart policy brings the sidecar back, compressed steps resume) and `docker
-# stop` / `docker start` of a sidecar (its SIGTERM checkpoint on the volume, restored from it).
-# About 2 minutes with the images cached (build-image-cache/docker), 4 without. As root:
+# user, a sidecar killed by its host pid while its trainer trains and brought back by the restart
+# policy, `docker stop` / `docker start` through the SIGTERM checkpoint), with the sidecar image
+# compiled inside the engine (LW_BINARY=build-cpu) instead of taking this tree's release binary,
+# and longer training. 14 minutes with the base image cached (build-image-cache/docker) on 2 busy
+# cores, the in-engine compile most of it. As root:
 #
 #   bash scripts/container-scenario.sh
 set -euo pipefail

@@ -5,12 +5,14 @@ stopped by its pid), the base image made with debootstrap, the images of docker/
 built with BuildKit, then docker/compose.yml with docker/compose.test.yml: two nodes of trainer +
 sidecar and a Prometheus. The training runs to the end with compression, the engine's health
 checks turn `healthy`, Prometheus's targets are up and it answers a query of the trainers'
-steps, the sidecars run as the image's unprivileged user.
+steps, the sidecars run as the image's unprivileged user; and while the trainers train, the
+failures: a sidecar killed by its host pid (its trainer falls back, the restart policy brings it
+back, compressed steps resume) and `docker stop` / `docker start` (the SIGTERM checkpoint on the
+volume, resumed from it).
 
-LW_CONTAINER_SCENARIO=full (scripts/container-scenario.sh) adds the failure scenarios: a
-sidecar killed by its host pid (its trainer falls back, the restart policy brings it back,
-compressed steps resume) and `docker stop` / `docker start` (the SIGTERM checkpoint on the volume,
-resumed from it).
+LW_CONTAINER_SCENARIO=full (scripts/container-scenario.sh) builds the sidecar image from source
+inside the engine (`LW_BINARY=build-cpu`) instead of taking this tree's release binary, and
+trains longer.
 
 Skips without root or without the docker.io package; a daemon that fails to start where both
 exist is a failure."""
@@ -24,6 +26,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 
@@ -35,6 +38,10 @@ import containers  # noqa: E402
 from conftest import metric_total as metric, poll_until  # noqa: E402
 
 FULL = os.environ.get("LW_CONTAINER_SCENARIO") == "full"
+# The trainers' steps in the test command, each at least MIN_STEP_SECONDS long: 32 s of training
+# at the least, however fast the machine; the failure scenario's waits take about 15 s of it.
+STEPS = 4000
+MIN_STEP_SECONDS = 0.008
 FILES = [os.path.join(REPO, "docker", "compose.yml"),
          os.path.join(REPO, "docker", "compose.test.yml")]
 
@@ -49,8 +56,14 @@ def free_ports(n):
     return ports
 
 
+_T0 = time.monotonic()
+
+
 def wait_until(what, pred, timeout, every=1.0):
-    return poll_until(what, pred, timeout, every=every)
+    """poll_until, and when it was met (seconds since the module loaded: in the test's output)."""
+    got = poll_until(what, pred, timeout, every=every)
+    print("%7.1f s  %s" % (time.monotonic() - _T0, what))
+    return got
 
 
 def http_json(url, timeout=5):
@@ -66,7 +79,7 @@ def engine():
     e = containers.Engine(os.path.join(containers.CACHE, "docker"))
     e.start()  # an engine that cannot start here is a failure, not a skip
     try:
-        containers.build_images(e, "prebuilt")
+        containers.build_images(e, "cpu" if FULL else "prebuilt")
         yield e
     finally:
         e.stop()
@@ -75,7 +88,7 @@ def engine():
 class Stack(object):
     """The compose stack of one test: its project name, ports and environment."""
 
-    def __init__(self, engine, steps):
+    def __init__(self, engine, steps, min_step_seconds):
         self.engine = engine
         self.project = "lwtest%d" % os.getpid()
         (self.peer0, self.peer1, self.admin0, self.admin1, self.master,
@@ -103,6 +116,7 @@ class Stack(object):
             "LIGHTWIRE_SECRET": "unused",
             "LW_SECRET_FILE": self.secret_file,
             "LIGHTWIRE_DEMO_STEPS": str(steps),
+            "LW_MIN_STEP_SECONDS": str(min_step_seconds),
             "LW_PEER_PORT_0": str(self.peer0), "LW_PEER_PORT_1": str(self.peer1),
             "LW_ADMIN_PORT_0": str(self.admin0), "LW_ADMIN_PORT_1": str(self.admin1),
             "LW_MASTER_PORT": str(self.master), "LW_PROMETHEUS_PORT": str(self.prom),
@@ -140,8 +154,8 @@ class Stack(object):
 def stack(engine):
     made = []
 
-    def make(steps):
-        s = Stack(engine, steps)
+    def make(steps, min_step_seconds=0.0):
+        s = Stack(engine, steps, min_step_seconds)
         made.append(s)
         return s
 
@@ -167,8 +181,8 @@ def test_images_are_built_and_the_sidecar_runs_unprivileged(engine):
 
 
 def test_compose_stack_trains_and_prometheus_sees_it(stack):
-    # The full scenario's failures happen while the trainers train (about 6 ms a step here).
-    s = stack(steps=12000 if FULL else 120)
+    # The failures happen while the trainers train.
+    s = stack(steps=12000 if FULL else STEPS, min_step_seconds=0 if FULL else MIN_STEP_SECONDS)
     s.compose("up", "-d", "--no-build")
     for service in ("lightwire-0", "lightwire-1"):
         wait_until("%s healthy" % service,
@@ -188,9 +202,8 @@ def test_compose_stack_trains_and_prometheus_sees_it(stack):
         r = s.engine.docker("exec", s.container(service), "/bin/sh", "-c",
                             "touch /usr/local/bin/x 2>&1; echo $?", check=False)
         assert "Read-only file system" in r.stdout, r.stdout
-    if FULL:
-        crash_and_restart(s)
-        stop_and_start(s)
+    crash_and_restart(s)
+    stop_and_start(s)
     # Training runs to the end, with compression, on both nodes.
     for service in ("trainer-0", "trainer-1"):
         wait_until("%s to exit" % service,
@@ -198,13 +211,12 @@ def test_compose_stack_trains_and_prometheus_sees_it(stack):
         assert s.inspect(service, "{{.State.ExitCode}}") == "0", s.logs(service)[-3000:]
     log0 = s.logs("trainer-0")
     assert "final loss" in log0 and "compression" in log0, log0[-3000:]
-    if FULL:
-        # The trainers fell back to DDP's own allreduce while a sidecar was away (the hook says
-        # so), and went on; rank 0's summary counts its fallbacks.
-        for service in ("trainer-0", "trainer-1"):
-            assert "falls back to the process group's allreduce" in s.logs(service)
-        final = re.search(r"final loss .* (\d+) fallbacks", log0)
-        assert final and int(final.group(1)) > 0, log0[-3000:]
+    # The trainers fell back to DDP's own allreduce while a sidecar was away (the hook says so),
+    # and went on; rank 0's summary counts its fallbacks.
+    for service in ("trainer-0", "trainer-1"):
+        assert "falls back to the process group's allreduce" in s.logs(service)
+    final = re.search(r"final loss .* (\d+) fallbacks", log0)
+    assert final and int(final.group(1)) > 0, log0[-3000:]
     ok_steps = [metric(s.metrics(r), "lightwire_steps_total", 'result="ok"') for r in (0, 1)]
     assert min(ok_steps) > 0, ok_steps
     # Prometheus (Debian's, in its own container) scrapes both sidecars and answers a query.

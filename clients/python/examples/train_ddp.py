@@ -118,6 +118,7 @@ def train(rank, args, init_method, sockets, results, world_size=None, target=Non
     shown = 0.0  # seconds spent on the progress lines (their accuracy): not training
     steps = args.steps if target is None else 3 * args.steps
     for step in range(1, steps + 1):
+        step_start = time.monotonic()
         idx = torch.randint(0, x.shape[0], (args.batch,), generator=g)
         opt.zero_grad()
         loss = loss_fn(ddp(x[idx]), y[idx])
@@ -133,6 +134,8 @@ def train(rank, args, init_method, sockets, results, world_size=None, target=Non
                 state.client.report(step, loss=loss.item(), trainer=0)
             except lightwire.LightwireError:
                 pass
+        if args.min_step_seconds > 0:  # a pace of at most one step per min_step_seconds
+            time.sleep(max(0.0, step_start + args.min_step_seconds - time.monotonic()))
         losses.append(loss.item())
         times.append(time.monotonic() - t0 - shown)
         if target is not None and step % 5 == 0:
@@ -234,7 +237,12 @@ def main():
                    help="plain DDP first; then lightwire until it reaches DDP's final loss")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for the sidecar's GET /readyz")
+    p.add_argument("--min-step-seconds", type=float, default=0.0,
+                   help="a step takes at least this long (sleeping the rest): training that "
+                        "lasts a known time however fast the machine (the container test)")
     args = p.parse_args()
+    if args.min_step_seconds < 0:
+        p.error("--min-step-seconds must be >= 0")
     sockets = [s for s in args.sockets.split(",") if s]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return run_one(args, sockets)
