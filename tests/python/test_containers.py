@@ -39,7 +39,7 @@ from conftest import metric_total as metric, poll_until  # noqa: E402
 
 FULL = os.environ.get("LW_CONTAINER_SCENARIO") == "full"
 # The trainers' steps in the test command, each at least MIN_STEP_SECONDS long: 32 s of training
-# at the least, however fast the machine; the failure scenario's waits take about 15 s of it.
+# at the least, however fast the machine; the failure scenario's waits take about 19 s of it.
 STEPS = 4000
 MIN_STEP_SECONDS = 0.008
 FILES = [os.path.join(REPO, "docker", "compose.yml"),

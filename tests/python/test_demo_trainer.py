@@ -42,3 +42,12 @@ def test_to_baseline_loss_reports_when_lightwire_reached_ddps_final_loss(cluster
     assert int(ours_row.group(3)) < int(ddp_row.group(3))
     assert re.search(r"lightwire reached plain DDP's final loss [0-9.]+x sooner \([0-9.]+ s "
                      r"against [0-9.]+ s\), sending [0-9]+x fewer bytes per step", text), text
+
+
+def test_a_negative_min_step_seconds_is_refused():
+    """--min-step-seconds (the container test's pace) refuses a negative value before starting
+    anything."""
+    r = subprocess.run([sys.executable, TRAINER, "--min-step-seconds", "-1", "--sockets", "/x"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "--min-step-seconds must be >= 0" in r.stderr, r.stderr
