@@ -50,13 +50,16 @@ class CpuStream;
 /// range; fields it does not use are ignored.
 struct CodecConfig {
   std::string name = "none";
-  std::optional<double> density;       // topk, dgc: k/n in (0, 1]
-  std::optional<double> ratio;         // topk, dgc: n/k >= 1 (alternative to density)
-  int bits = 8;                        // qsgd: bits per element including sign, 2..8
-  uint32_t bucket_size = 512;          // qsgd (and codecs with per-bucket scales): bucket size
-  double momentum = 0.0;               // dgc: momentum correction factor in [0, 1)
-  double clip_norm = 0.0;              // dgc: local gradient clipping (0 = off)
-  double sample_fraction = 0.01;       // dgc: threshold sample in [0.001, 0.01]
+  std::optional<double> density;  // topk, dgc: k/n in (0, 1]
+  std::optional<double> ratio;    // topk, dgc: n/k >= 1 (alternative to density)
+  int bits = 8;                   // qsgd: bits per element including sign, 2..8
+  uint32_t bucket_size = 512;     // qsgd (and codecs with per-bucket scales): bucket size
+  double momentum = 0.0;          // dgc: momentum correction factor in [0, 1)
+  double clip_norm = 0.0;         // dgc: local gradient clipping (0 = off)
+  double sample_fraction = 0.01;  // dgc: threshold sample in [0.001, 0.01]
+  /// dgc with momentum: divide each element's momentum by 1 − m^a (a = steps since the element
+  /// was last sent, or since the start) before accumulating it (docs/determinism.md §4.4).
+  bool bias_correction = false;
   DType sparse_values = DType::kF32;   // topk, dgc, threshold: value encoding, kF32 or kF16
   std::optional<double> threshold;     // threshold: send elements with |g| >= threshold
   std::optional<bool> error_feedback;  // unset = the codec's default (docs/codecs.md)

@@ -121,6 +121,7 @@ std::string configKey(const CodecConfig& c) {
   // Fields added later appear only when set, so the keys of existing configurations stay as
   // they were.
   if (c.min_magnitude != 0.0) o << "|min_magnitude=" << c.min_magnitude;
+  if (c.bias_correction) o << "|bias_correction=1";
   return o.str();
 }
 

@@ -152,8 +152,38 @@ struct DgcPass {
   float factor = 1.0f;
   bool momentum = false;  // u' = m · u + g, v' = v + u'; else v' = v + g (no u')
   float m = 0.0f;
+  /// Bias correction (with `momentum`): c' = (m · c) + 1, v' = v + (u' / (c' · w)).
+  const float* c = nullptr;
+  bool bias = false;
+  float w = 1.0f;          // (float)(1 − m)
   uint32_t threshold = 0;  // list the elements with key(v') >= threshold
 };
+
+/// Steps 2–3 of docs/determinism.md §4.4 for element i of `p` from its clipped gradient g: the
+/// scalar form of what dgcFusedPassF32 computes (u' and c' are 0 where they are not kept).
+struct DgcNext {
+  float u = 0.0f;  // u' (momentum)
+  float c = 0.0f;  // c' (bias correction)
+  float v = 0.0f;  // v'
+};
+inline DgcNext dgcNext(const DgcPass& p, size_t i, float g) {
+  DgcNext r;
+  if (!p.momentum) {
+    r.v = p.v[i] + g;
+    return r;
+  }
+  const float mu = p.m * p.u[i];
+  r.u = mu + g;
+  if (!p.bias) {
+    r.v = p.v[i] + r.u;
+    return r;
+  }
+  const float mc = p.m * p.c[i];
+  r.c = mc + 1.0f;
+  const float d = r.c * p.w;
+  r.v = p.v[i] + (r.u / d);
+  return r;
+}
 
 /// Runs `p` over [lo, hi): writes v' (and u' with momentum, where un is not null) there, and the
 /// indices i (ascending, as u32; needs hi <= 2^32) with key(v'_i) >= p.threshold to list[0, count);

@@ -1,8 +1,8 @@
 // Highway kernels of the sparse selection (kernels/select.h, "SIMD kernels"), compiled for every
 // x86 target Highway knows and chosen at run time (HWY_DYNAMIC_DISPATCH): one binary is fast on
 // AVX2/AVX-512 and still runs on SSE2. Every kernel computes exactly what its scalar reference in
-// select.h describes — element-wise fp32 adds and multiplies (no MulAdd, determinism.md §1),
-// integer compares and counts — so the results never depend on the target.
+// select.h describes — element-wise fp32 adds, multiplies and divides (no MulAdd, determinism.md
+// §1), integer compares and counts — so the results never depend on the target.
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/select_simd.cc"
@@ -77,26 +77,23 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
   const float* x = p.x;
   const float* u = p.u;
   const float* v = p.v;
+  const float* cb = p.c;
   float* un = p.un;
   float* vn = p.vn;
   const auto vt = hn::Set(di, static_cast<int32_t>(p.threshold) - 1);  // >= T <=> > T - 1
   const auto vf = hn::Set(df, p.factor);
   const auto vm = hn::Set(df, p.m);
+  const auto vw = hn::Set(df, p.w);
+  const auto one = hn::Set(df, 1.0f);
   const hn::RebindToUnsigned<decltype(df)> du;
   uint64_t c = 0;
 
   // One element, exactly as the vector body computes it.
   auto scalar = [&](size_t i) {
     const float g = p.clip ? x[i] * p.factor : x[i];
-    float vi;
-    if (p.momentum) {
-      const float mu = p.m * u[i];
-      const float ui = mu + g;
-      if (un != nullptr) un[i] = ui;
-      vi = v[i] + ui;
-    } else {
-      vi = v[i] + g;
-    }
+    const DgcNext next = dgcNext(p, i, g);
+    if (p.momentum && un != nullptr) un[i] = next.u;
+    const float vi = next.v;
     vn[i] = vi;
     list[c] = static_cast<uint32_t>(i);
     c += magnitudeKey(vi) >= p.threshold;
@@ -124,7 +121,12 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
       } else if (keep_u) {
         hn::StoreU(ui, df, un + i);
       }
-      vi = hn::Add(hn::LoadU(df, v + i), ui);
+      if (p.bias) {  // c' = (m · c) + 1, v' = v + (u' / (c' · w)); Div is IEEE division
+        const auto ci = hn::Add(hn::Mul(vm, hn::LoadU(df, cb + i)), one);
+        vi = hn::Add(hn::LoadU(df, v + i), hn::Div(ui, hn::Mul(ci, vw)));
+      } else {
+        vi = hn::Add(hn::LoadU(df, v + i), ui);
+      }
     } else {
       vi = hn::Add(hn::LoadU(df, v + i), g);
     }

@@ -152,6 +152,11 @@ EXTRA_CONFIGS = [
     ("lightwire_dgc_warmup100", "lightwire dgc 1 % (momentum correction, warm-up 100)",
      "lightwire", None, ["--codec", "dgc", "--density", "0.01", "--warmup-steps", "100"]
      + DGC_MOMENTUM + POLICIES_OFF),
+    # dgc's bias correction (docs/codecs.md "dgc's bias correction"): the momentum an element
+    # restarts after it was sent is divided by 1 - m^a before it is accumulated.
+    ("lightwire_dgc_bc", "lightwire dgc 1 % (momentum correction, bias-corrected)", "lightwire",
+     None, ["--codec", "dgc", "--density", "0.01", "--bias-correction", "true"] + DGC_MOMENTUM
+     + POLICIES_OFF),
 ]
 ALL_CONFIGS = CONFIGS + EXTRA_CONFIGS
 
@@ -167,7 +172,7 @@ TTA_CONFIGS.append("lightwire_dgc_flat")
 TTA_SEEDS = {"ddp": "all", "lightwire_dgc": "all", "lightwire_topk": "all",
              "lightwire_qsgd4": "all", "lightwire_powersgd4": "all", "lightwire_auto": "all",
              "lightwire_auto_dgcm": "all", "lightwire_dgc_allreduce": "all",
-             "lightwire_dgc4_allreduce": "all", "*": "first"}
+             "lightwire_dgc4_allreduce": "all", "lightwire_dgc_bc": "all", "*": "first"}
 # Per task, where it differs (task name -> rules as TTA_SEEDS's, which win over those). None
 # now: under AdamW (the LM) dgc's momentum correction is Adam's first moment with
 # lightwire.torch.AdamW (docs/codecs.md "Adam with sparse codecs"), so lightwire_dgc is the dgc

@@ -1,7 +1,8 @@
 // `dgc`, Deep Gradient Compression (docs/determinism.md §4.4): local clipping, momentum
-// correction, accumulation, a sampled threshold whose count is accepted within [0.8k, 1.3k] (exact
-// top-k otherwise), and momentum factor masking. Keeps its own state (u then v with momentum, v
-// alone without), so it is never wrapped in error feedback. A step computes v' into the work area
+// correction (optionally bias-corrected after masking), accumulation, a sampled threshold whose
+// count is accepted within [0.8k, 1.3k] (exact top-k otherwise), and momentum factor masking. Keeps
+// its own state (u then v with momentum, then c with bias correction; v alone without momentum),
+// so it is never wrapped in error feedback. A step computes v' into the work area
 // (u' is not stored); commitState() recomputes u' and v' in place and masks what was sent
 // (docs/determinism.md "4.6c Atomic steps (one copy of the state)").
 
@@ -45,11 +46,12 @@ class DgcCodec final : public Codec {
 
   const CodecTraits& traits() const override { return kDgcTraits; }
   const CodecConfig& config() const override { return config_; }
-  /// u then v with momentum; v alone without (u' would be zero everywhere: not stored, not
-  /// written, which saves a quarter of the fused pass's memory traffic).
+  /// u then v with momentum, then c with bias correction; v alone without momentum (u' would be
+  /// zero everywhere: not stored, not written, which saves a quarter of the fused pass's memory
+  /// traffic).
   using Codec::stateFloats;
   size_t stateFloats(size_t n, std::span<const uint64_t>) const override {
-    return hasMomentum() ? 2 * n : n;
+    return hasMomentum() ? (config_.bias_correction ? 3 * n : 2 * n) : n;
   }
   size_t workspaceBytes(const Chunking& c) const override {
     const size_t n = c.elements;
@@ -88,8 +90,6 @@ class DgcCodec final : public Codec {
       return Status::ok();
     }
 
-    const float* u = hasMomentum() ? state.current() : nullptr;
-    const float* v = hasMomentum() ? u + n : state.current();
     float* vn = state.work(n);  // v'; u' is not kept (commitState() recomputes it)
 
     // 1. Clipping: the canonical fp64 norm of x over the whole tensor.
@@ -116,14 +116,10 @@ class DgcCodec final : public Codec {
     // computed from x_i, u_i, v_i alone), so the one pass that writes u' and v' also counts and
     // lists the elements at or above the first sampled threshold. When that count is accepted
     // (nearly always), the list is the selection and encoding reads only it.
-    DgcPass pass;
-    pass.u = u;
-    pass.v = v;
+    DgcPass pass = passOver(state.current(), n);
     pass.vn = vn;
     pass.clip = clip;
     pass.factor = factor;
-    pass.momentum = hasMomentum();
-    pass.m = static_cast<float>(config_.momentum);
     const size_t k = selectionSize(n, density);
     const ConstTensor acc{vn, n, DType::kF32};
     const bool sampled = n > kExactMaxElements;
@@ -205,9 +201,10 @@ class DgcCodec final : public Codec {
     return written->bytes;
   }
 
-  /// Steps 2–3 in place (u = u', v = v', the same arithmetic as the fused pass, with the clipping
-  /// analyze() decided), then step 6, momentum factor masking of what was sent (the value as
-  /// decoded): v −= value, u = 0 — under a global selection only where the selection kept it.
+  /// Steps 2–3 in place (u = u', v = v', c = c', the same arithmetic as the fused pass, with the
+  /// clipping analyze() decided), then step 6, momentum factor masking of what was sent (the value
+  /// as decoded): v −= value, u = 0, c = 0 — under a global selection only where the selection
+  /// kept it.
   Status doCommitState(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                        std::span<const std::span<const uint8_t>> sent,
                        std::span<const std::span<const uint8_t>> selected, CodecState& state,
@@ -223,21 +220,18 @@ class DgcCodec final : public Codec {
     const bool momentum = hasMomentum();
     float* u = momentum ? state.mutableCurrent() : nullptr;
     float* v = momentum ? u + n : state.mutableCurrent();
-    const float m = static_cast<float>(config_.momentum);
+    float* cb = momentum && config_.bias_correction ? v + n : nullptr;
+    const DgcPass pass = passOver(state.current(), n);
     visitDType(input.dtype, [&](auto d) {
       constexpr DType D = decltype(d)::value;
       forEach(ctx.stream, n, [&](size_t lo, size_t hi) {
         for (size_t i = lo; i < hi; ++i) {
           const float xi = loadWidened<D>(input.data, i);
           const float g = memo.clip ? xi * memo.factor : xi;
-          if (momentum) {
-            const float mu = m * u[i];
-            const float ui = mu + g;
-            u[i] = ui;
-            v[i] = v[i] + ui;
-          } else {
-            v[i] = v[i] + g;
-          }
+          const DgcNext next = dgcNext(pass, i, g);  // reads u_i, c_i, v_i before they change
+          if (momentum) u[i] = next.u;
+          if (cb != nullptr) cb[i] = next.c;
+          v[i] = next.v;
           if (write_back) write_back.to[i] = write_back.from[i];  // x_i read above
         }
       });
@@ -248,6 +242,7 @@ class DgcCodec final : public Codec {
       auto mask = [&](size_t i, float value) {
         v[begin + i] = v[begin + i] - value;
         if (u != nullptr) u[begin + i] = 0.0f;
+        if (cb != nullptr) cb[begin + i] = 0.0f;
       };
       Status st;
       if (selected.empty()) {
@@ -285,16 +280,12 @@ class DgcCodec final : public Codec {
   }
 
   /// Steps 1–3 of doAnalyze (clipping, momentum correction, accumulation), bit for bit, then
-  /// everything accumulated is sent: out = v'. commitFlush() zeroes u and v.
+  /// everything accumulated is sent: out = v'. commitFlush() zeroes u, v (and c).
   Status doFlush(const StepContext& ctx, const Chunking& chunking, ConstTensor input,
                  CodecState& state, float* out) const override {
     const size_t n = chunking.elements;
     if (n == 0) return Status::ok();
-    DgcPass pass;
-    pass.momentum = hasMomentum();
-    pass.m = static_cast<float>(config_.momentum);
-    pass.u = hasMomentum() ? state.current() : nullptr;
-    pass.v = hasMomentum() ? pass.u + n : state.current();
+    DgcPass pass = passOver(state.current(), n);
     ConstTensor x = input;
     if (config_.clip_norm > 0.0) {
       if (input.dtype != DType::kF32) {  // widen into out (overwritten element-wise below)
@@ -335,6 +326,19 @@ class DgcCodec final : public Codec {
 
   bool hasMomentum() const { return config_.momentum > 0.0; }
 
+  /// The fused pass's parameters over the committed state `current` (u, v, c as laid out).
+  DgcPass passOver(const float* current, size_t n) const {
+    DgcPass p;
+    p.momentum = hasMomentum();
+    p.m = static_cast<float>(config_.momentum);
+    p.u = p.momentum ? current : nullptr;
+    p.v = p.momentum ? current + n : current;
+    p.bias = p.momentum && config_.bias_correction;
+    p.c = p.bias ? current + 2 * n : nullptr;
+    p.w = static_cast<float>(1.0 - config_.momentum);
+    return p;
+  }
+
   /// fn(c) for every chunk c < chunks, in parallel.
   static void forEachChunk(CpuStream* stream, size_t chunks,
                            const std::function<void(size_t)>& fn) {
@@ -359,13 +363,7 @@ class DgcCodec final : public Codec {
   template <DType D>
   static float accumulatedAt(const DgcPass& p, const void* x, size_t i) {
     const float xi = loadWidened<D>(x, i);
-    const float g = p.clip ? xi * p.factor : xi;
-    if (p.momentum) {
-      const float mu = p.m * p.u[i];
-      const float ui = mu + g;
-      return p.v[i] + ui;
-    }
-    return p.v[i] + g;
+    return dgcNext(p, i, p.clip ? xi * p.factor : xi).v;
   }
 
   /// The fused pass over [lo, hi) for fp16/bf16 input (dgcFusedPassF32 takes fp32).
@@ -375,16 +373,9 @@ class DgcCodec final : public Codec {
     uint64_t c = 0;
     for (size_t i = lo; i < hi; ++i) {
       const float xi = loadWidened<D>(x, i);
-      const float g = p.clip ? xi * p.factor : xi;
-      float vi;
-      if (p.momentum) {
-        const float mu = p.m * p.u[i];
-        const float ui = mu + g;
-        if (p.un != nullptr) p.un[i] = ui;
-        vi = p.v[i] + ui;
-      } else {
-        vi = p.v[i] + g;
-      }
+      const DgcNext next = dgcNext(p, i, p.clip ? xi * p.factor : xi);
+      if (p.momentum && p.un != nullptr) p.un[i] = next.u;
+      const float vi = next.v;
       p.vn[i] = vi;
       list[c] = static_cast<uint32_t>(i);
       c += magnitudeKey(vi) >= p.threshold;
@@ -427,6 +418,7 @@ class DgcCodec final : public Codec {
             __builtin_prefetch(static_cast<const char*>(x.data) + ahead * dtypeSize(D));
             __builtin_prefetch(p.v + ahead);
             if (p.momentum) __builtin_prefetch(p.u + ahead);
+            if (p.bias) __builtin_prefetch(p.c + ahead);
           }
           keys[j] = magnitudeKey(accumulatedAt<D>(p, x.data, idx[j]));
         }
@@ -509,6 +501,12 @@ Result<std::unique_ptr<Codec>> makeDgc(const CodecConfig& c) {
   LW_RETURN_IF_ERROR(checkSparseValues(c, "dgc"));
   if (!(c.momentum >= 0.0 && c.momentum < 1.0)) {
     return invalidArgument("dgc: momentum must be in [0, 1), got " + formatNumber(c.momentum));
+  }
+  if (c.bias_correction && !(c.momentum > 0.0)) {
+    return invalidArgument(
+        "dgc: bias_correction corrects the momentum's restart after masking and needs momentum > "
+        "0, got momentum " +
+        formatNumber(c.momentum));
   }
   if (!(c.clip_norm >= 0.0)) {
     return invalidArgument("dgc: clip_norm must be >= 0 (0 = off), got " +

@@ -65,6 +65,12 @@ const std::vector<CodecKey>& codecKeys() {
        "dgc: fraction sampled to estimate the threshold, in [0.001, 0.01]",
        [](CodecConfig& c, std::string_view s) { return setAnyNumber(s, c.sample_fraction); },
        [](const CodecConfig& c) { return json::value(c.sample_fraction); }},
+      {"bias_correction", "--bias-correction", kBoolType, "false",
+       "dgc with momentum: divide each element's momentum by 1 - momentum^a (a: steps since the "
+       "element was last sent) before accumulating it, so an element sent often is not slowed "
+       "by the masking of its momentum (one more fp32 of state per element)",
+       [](CodecConfig& c, std::string_view s) { return setBool(s, c.bias_correction); },
+       [](const CodecConfig& c) { return json::value(c.bias_correction); }},
       {"values", "--values", "float32 | float16", "float32",
        "topk, dgc, randomk, threshold: encoding of the values sent",
        [](CodecConfig& c, std::string_view s) -> std::string {

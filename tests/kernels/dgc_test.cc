@@ -42,6 +42,7 @@ struct DgcSettings {
   double clip_norm = 0.0;
   double sample_fraction = 0.01;
   DType values = DType::kF32;
+  bool bias_correction = false;
 };
 
 std::unique_ptr<Codec> makeDgc(const DgcSettings& s) {
@@ -52,6 +53,7 @@ std::unique_ptr<Codec> makeDgc(const DgcSettings& s) {
   c.clip_norm = s.clip_norm;
   c.sample_fraction = s.sample_fraction;
   c.sparse_values = s.values;
+  c.bias_correction = s.bias_correction;
   auto codec = createCodec(c);
   REQUIRE_MESSAGE(codec.isOk(), codec.status().message());
   return std::move(codec).value();
@@ -192,7 +194,8 @@ std::vector<size_t> referenceSelect(const std::vector<float>& v, size_t k, doubl
 
 struct ReferenceDgc {
   DgcSettings settings;
-  std::vector<float> u, v;  // committed state
+  std::vector<float> u, v;                                    // committed state
+  std::vector<float> c = std::vector<float>(u.size(), 0.0f);  // bias correction's c
 
   /// One step; returns what the payload must carry and updates (u, v) as if committed.
   Selected step(const std::vector<float>& x, const StepContext& ctx) {
@@ -205,10 +208,20 @@ struct ReferenceDgc {
         for (size_t i = 0; i < n; ++i) g[i] = x[i] * f;
       }
     }
-    std::vector<float> u2(n), v2(n);
+    std::vector<float> u2(n), v2(n), c2(n, 0.0f);
+    const float m = static_cast<float>(settings.momentum);
+    const float w = static_cast<float>(1.0 - settings.momentum);
     for (size_t i = 0; i < n; ++i) {
-      if (settings.momentum > 0.0) {
-        const float mu = static_cast<float>(settings.momentum) * u[i];
+      if (settings.momentum > 0.0 && settings.bias_correction) {
+        const float mu = m * u[i];
+        u2[i] = mu + g[i];
+        const float mc = m * c[i];
+        c2[i] = mc + 1.0f;
+        const float d = c2[i] * w;
+        const float q = u2[i] / d;
+        v2[i] = v[i] + q;
+      } else if (settings.momentum > 0.0) {
+        const float mu = m * u[i];
         u2[i] = mu + g[i];
         v2[i] = v[i] + u2[i];
       } else {
@@ -224,9 +237,11 @@ struct ReferenceDgc {
       sel.values.push_back(value);
       v2[i] = v2[i] - value;
       u2[i] = 0.0f;
+      c2[i] = 0.0f;
     }
     u = u2;
     v = v2;
+    c = c2;
     return sel;
   }
 };
@@ -261,7 +276,12 @@ void compareWithReference(const DgcSettings& settings, size_t n, int steps, size
     CAPTURE(s);
     REQUIRE(got.indices == want.indices);
     CHECK(sameBits(got.values, want.values));
-    if (settings.momentum > 0.0) {  // u then v
+    if (settings.momentum > 0.0 && settings.bias_correction) {  // u, v, then c
+      REQUIRE(state.floats() == 3 * n);
+      CHECK(sameBits(state.currentSpan().first(n), ref.u));
+      CHECK(sameBits(state.currentSpan().subspan(n, n), ref.v));
+      CHECK(sameBits(state.currentSpan().subspan(2 * n), ref.c));
+    } else if (settings.momentum > 0.0) {  // u then v
       REQUIRE(state.floats() == 2 * n);
       CHECK(sameBits(state.currentSpan().first(n), ref.u));
       CHECK(sameBits(state.currentSpan().subspan(n), ref.v));
@@ -279,6 +299,47 @@ TEST_CASE("dgc momentum correction and masking equal a plain reference (exact pa
   s.momentum = 0.9;
   compareWithReference(s, 3000, 6, 0, 1);
   compareWithReference(s, 3000, 6, 700, 2);
+}
+
+TEST_CASE("dgc bias correction equals a plain reference (exact and sampled paths)") {
+  DgcSettings s;
+  s.density = 0.05;
+  s.momentum = 0.9;
+  s.bias_correction = true;
+  compareWithReference(s, 3000, 8, 0, 1);
+  compareWithReference(s, 3000, 6, 700, 2);
+  s.clip_norm = 20.0;
+  s.values = DType::kF16;
+  compareWithReference(s, 3000, 6, 1000, 2);
+  s.density = 0.01;
+  s.clip_norm = 0.0;
+  s.values = DType::kF32;
+  compareWithReference(s, 40000, 4, 9000, 2);
+}
+
+TEST_CASE("dgc bias correction speeds up an element sent every step, as specified") {
+  // One element with a constant gradient 1, always selected (k = 1 of 2, the other 0): c' = 1
+  // after every masking, so each step sends u' / (1 · (1 − m)) = 1 / 0.1 = 10 (fp32: the value
+  // rounds to 10.000000149...); without the correction it sends u' = 1, the masked momentum.
+  DgcSettings s;
+  s.density = 0.5;
+  s.momentum = 0.9;
+  for (const bool bias : {false, true}) {
+    s.bias_correction = bias;
+    CAPTURE(bias);
+    const auto codec = makeDgc(s);
+    CpuStream stream(1);
+    CodecState state(codec->stateFloats(2));
+    const std::vector<float> x = {1.0f, 0.0f};
+    for (int step = 0; step < 3; ++step) {
+      const auto payloads =
+          encode(*codec, stepContext(step, &stream), ConstTensor{x.data(), 2}, 0, state, true);
+      const Selected got = parsePayloads(payloads, 2, 0);
+      REQUIRE(got.indices == std::vector<size_t>{0});
+      const float w = static_cast<float>(1.0 - 0.9);
+      CHECK(got.values[0] == (bias ? 1.0f / (1.0f * w) : 1.0f));
+    }
+  }
 }
 
 TEST_CASE("dgc clipping equals a plain reference") {
@@ -576,6 +637,8 @@ TEST_CASE("dgc traits: own memory with state (u then) v, never wrapped in error 
   DgcSettings with_momentum;
   with_momentum.momentum = 0.9;
   CHECK(makeDgc(with_momentum)->stateFloats(1000) == 2000);
+  with_momentum.bias_correction = true;  // u, v, then c
+  CHECK(makeDgc(with_momentum)->stateFloats(1000) == 3000);
 }
 
 TEST_CASE("dgc of an empty tensor sends an empty payload") {
@@ -623,6 +686,12 @@ TEST_CASE("dgc rejects bad configs with messages naming the parameter") {
   c.clip_norm = -1.0;
   expectConfigError(c, "clip_norm");
   c.clip_norm = 0.0;
+  c.momentum = 0.0;
+  c.bias_correction = true;  // without momentum: nothing to correct
+  expectConfigError(c, "bias_correction");
+  c.momentum = 0.9;  // with it: accepted
+  CHECK(createCodec(c).isOk());
+  c.bias_correction = false;
   c.sparse_values = DType::kBF16;
   expectConfigError(c, "sparse_values");
   c.sparse_values = DType::kF16;
@@ -696,6 +765,9 @@ TEST_CASE("dgc fused pass and listed selection equal the reference on every High
     s.momentum = 0.9;
     s.clip_norm = 100.0;
     compareWithReference(s, 100003, 3, 25000, 2);
+    s.bias_correction = true;
+    compareWithReference(s, 100003, 3, 25000, 2);
+    s.bias_correction = false;
     s.momentum = 0.0;
     s.values = DType::kF16;
     s.clip_norm = 0.0;

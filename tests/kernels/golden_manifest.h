@@ -57,6 +57,9 @@ inline CodecConfig configFrom(const boost::json::object& o) {
   const boost::json::value& ef = o.at("error_feedback");
   if (!ef.is_null()) c.error_feedback = ef.as_bool();
   c.threshold = toOptDouble(o.if_contains("threshold"));
+  if (const boost::json::value* b = o.if_contains("bias_correction")) {
+    c.bias_correction = b->as_bool();
+  }
   if (const boost::json::value* r = o.if_contains("approx_rank")) {
     c.approx_rank = static_cast<int>(r->to_number<int64_t>());
   }

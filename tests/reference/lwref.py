@@ -596,6 +596,7 @@ class Codec:
         self.e = np.zeros(n, dtype=np.float32)          # error-feedback residual
         self.u = np.zeros(n, dtype=np.float32)          # dgc momentum
         self.v = np.zeros(n, dtype=np.float32)          # dgc accumulated residual
+        self.c = np.zeros(n, dtype=np.float32)          # dgc bias correction (1 - m^a) / (1 - m)
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, raw, dtype, chunking, seed, name, step, rank, step_density, defer_sent=False):
@@ -826,7 +827,13 @@ class Codec:
                 info["clipped"] = True
         # 2-3. momentum correction and accumulation
         m = cfg["momentum"]
-        if m > 0:
+        c2 = np.zeros(n, dtype=np.float32)
+        if m > 0 and cfg.get("bias_correction"):
+            # c' = (m c) + 1; v' = v + (u' / (c' (float)(1 - m))), each operation rounded to fp32
+            u2 = _f32(_f32(F32(m) * self.u) + g)
+            c2 = _f32(_f32(F32(m) * self.c) + F32(1.0))
+            v2 = _f32(self.v + _f32(u2 / _f32(c2 * to_f32(1.0 - m))))
+        elif m > 0:
             u2 = _f32(_f32(F32(m) * self.u) + g)
             v2 = _f32(self.v + u2)
         else:
@@ -844,11 +851,12 @@ class Codec:
         # 5. payload carries v'_i for i in S
         payloads = self._sparse_chunks(6, v2, sel, dcode, chunking)
         if defer_sent:
-            self._deferred = ("dgc", u2, v2)
+            self._deferred = ("dgc", u2, v2, c2)
             return payloads, info
         # 6. masking: v'_i = v'_i - value_i (as decoded), u'_i = 0
         v2 = v2.copy()
         u2 = u2.copy()
+        c2 = c2.copy()
         if len(sel):
             if cfg["sparse_values"] == "fp16":
                 sat = np.array([f32_bits_to_f16_saturating(int(u)) for u in bits_of(v2[sel])],
@@ -858,8 +866,9 @@ class Codec:
                 dec = v2[sel].copy()
             v2[sel] = _f32(v2[sel] - dec)
             u2[sel] = F32(0.0)
+            c2[sel] = F32(0.0)
         # 7. commit
-        self.u, self.v = u2, v2
+        self.u, self.v, self.c = u2, v2, c2
         return payloads, info
 
     # -- global selection (determinism §4.6b) ---------------------------------------------------
@@ -872,7 +881,7 @@ class Codec:
         if kind == "ef":
             e = self._deferred[1].copy()
         else:
-            u2, v2 = self._deferred[1].copy(), self._deferred[2].copy()
+            u2, v2, c2 = (a.copy() for a in self._deferred[1:])
         with np.errstate(all="ignore"):
             for (b, m), own, sel in zip(chunking, own_payloads, selected):
                 oi, ov = sparse_entries(own, cid, m)
@@ -884,10 +893,11 @@ class Codec:
                 else:
                     v2[idx] = _f32(v2[idx] - vals)
                     u2[idx] = F32(0.0)
+                    c2[idx] = F32(0.0)
         if kind == "ef":
             self.e = e
         else:
-            self.u, self.v = u2, v2
+            self.u, self.v, self.c = u2, v2, c2
         self._deferred = None
 
     # -- decoding ---------------------------------------------------------------------------------

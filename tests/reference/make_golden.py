@@ -168,7 +168,7 @@ def cfg(name, **kw):
     c = {
         "name": name, "density": None, "ratio": None, "bits": 8, "bucket_size": 512,
         "momentum": 0.0, "clip_norm": 0.0, "sample_fraction": 0.01, "sparse_values": "fp32",
-        "error_feedback": None, "threshold": None, "approx_rank": 1,
+        "error_feedback": None, "threshold": None, "approx_rank": 1, "bias_correction": False,
     }
     for k, v in kw.items():
         assert k in c, k
@@ -374,6 +374,19 @@ def cases(log):
     C.append(case("dgc_constant_40000", cfg("dgc", density=0.01, momentum=0.9), "bf16",
                   [Step(cst, 0), Step(cst, 1, input_of=0), Step(cst, 2, input_of=0)],
                   chunk=12000, seed=1, rank=0))
+    # dgc's bias correction (momentum 0.9): c' = 0.9 c + 1 and v' = v + u' / (c' * 0.1); the
+    # same inputs again, so elements sent at one step are sent again with a restarted c.
+    bc = [gaussian(91 + (j % 2), 3000) for j in range(4)]
+    C.append(case("dgc_exact_m09_biascorr",
+                  cfg("dgc", density=0.02, momentum=0.9, bias_correction=True), "fp32",
+                  [Step(bc[j], j) for j in range(4)], chunk=1000, tensor="fc2.weight", seed=9))
+    C.append(case("dgc_sample_40000_m09_biascorr_clip_f16values",
+                  cfg("dgc", density=0.01, momentum=0.9, clip_norm=100.0, sparse_values="fp16",
+                      bias_correction=True), "fp16",
+                  [Step(to_f16_bits(gaussian(93, 40000)), 0),
+                   Step(to_f16_bits(gaussian(93, 40000)), 1, 0.5, input_of=0),
+                   Step(to_f16_bits(gaussian(93, 40000)), 2, input_of=0)],
+                  chunk=16384, tensor="blocks.0.attn.qkv.weight", seed=6, rank=2))
     # --- qsgd ---------------------------------------------------------------------------------
     C.append(case("qsgd_b8_d512_ef", cfg("qsgd", bits=8, bucket_size=512, error_feedback=True),
                   "fp32", [Step(qsgd_input(90, 3500, zero_bucket=(1024, 512)), 0),
@@ -453,6 +466,11 @@ def global_cases():
     # count would give 383); in step 1, residuals carried, 309, 295 and 389.
     C.append(gs_case("global_dgc_sampled_cap_w3", cfg("dgc", density=0.01), 8250,
                      [GSStep(ranks(981, 3, 33000), 0), GSStep(ranks(980, 3, 33000), 1)]))
+    # dgc with bias correction, 3 ranks: what the global selection drops keeps its c' (and u'),
+    # what it keeps restarts them at 0.
+    C.append(gs_case("global_dgc_m09_biascorr_w3", cfg("dgc", density=0.05, momentum=0.9,
+                                                       bias_correction=True), 1000,
+                     [GSStep(ranks(990 + j, 3, 3000), j) for j in range(3)]))
     # threshold with error feedback, 3 ranks: the owner keeps the sums whose mean reaches tau
     # (|sum| >= fl32(3 tau)), however many; what a rank sent and that drops stays in its
     # residual, which grows until the next steps send it.
@@ -550,6 +568,8 @@ def run_gs_case(c, outdir, log, written):
         "elements": n, "chunk_elements": c["chunk"], "chunk_sizes": [m for _, m in chunking],
         "global_world": world, "steps": steps_json,
     }
+    if config["bias_correction"]:
+        cj["config"]["bias_correction"] = True
     if c["note"]:
         cj["note"] = c["note"]
     return cj
@@ -1200,6 +1220,8 @@ def run_case(c, outdir, log, written):
         "chunk_sizes": [m for _, m in chunking],
         "steps": steps_json,
     }
+    if config["bias_correction"]:
+        cj["config"]["bias_correction"] = True
     if c["note"]:
         cj["note"] = c["note"]
     return cj

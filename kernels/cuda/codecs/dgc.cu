@@ -1,5 +1,6 @@
 // `dgc`, Deep Gradient Compression, on the GPU (docs/determinism.md §4.4), byte-identical to
-// kernels/codecs/dgc.cc, with the same state layout (u then v with momentum, v alone without).
+// kernels/codecs/dgc.cc, with the same state layout (u then v with momentum, then c with bias
+// correction; v alone without momentum).
 //
 // analyze(), all on the stream, nothing copied to the host:
 //   1. clipping (clip_norm > 0): the canonical fp64 sum of squares of x (kernels/cuda/reduce.h),
@@ -18,14 +19,16 @@
 //   6. min_magnitude on the plan.
 // encodeChunk(): the chunk's compaction and payload from v' (sparse.cuh). Without momentum its
 // last kernel also masks what was sent, v'_i = v'_i − value_i (step 6 of §4.4): the work area is
-// the whole next state, which the commit copies. With momentum the state is u then v (2n) and the
-// work area v' alone (n: docs/cuda.md "Memory"): commitState() recomputes u' and v' in place from
-// u, v and the input (the fused pass's arithmetic, the clipping analyze() decided), then masks
-// what was sent, v_i −= value_i and u_i = 0, read back from the sent payloads — the CPU codec's
+// the whole next state, which the commit copies. With momentum the state is u then v (2n; u, v, c
+// with bias correction: 3n) and the work area v' alone (n: docs/cuda.md "Memory"): commitState()
+// recomputes u', v' (and c') in place from the state and the input (the fused pass's arithmetic,
+// the clipping analyze() decided), then masks what was sent, v_i −= value_i and u_i = c_i = 0,
+// read back from the sent payloads — the CPU codec's
 // commit, so the state is bit-identical to the host's; the work area is free for the result once
 // the step's chunks are encoded.
 //
-// Arithmetic is spelled out (__fmul_rn, __fadd_rn, __dsqrt_rn, __ddiv_rn, __double2float_rn), so
+// Arithmetic is spelled out (__fmul_rn, __fadd_rn, __fdiv_rn, __dsqrt_rn, __ddiv_rn,
+// __double2float_rn), so
 // every finite v' is bit-identical to the CPU's; only NaN payload bits produced by arithmetic may
 // differ (determinism.md §1), which never changes which finite elements are selected.
 
@@ -52,20 +55,29 @@ constexpr size_t kExactMaxElements = 32768;
 constexpr size_t kMinSamples = 1024;
 constexpr int kMaxRefinements = 3;
 
-/// Steps 1–3 for one element (accumulatedAt / the fused pass of kernels/codecs/dgc.cc).
+/// Steps 1–3 for one element (dgcNext in kernels/select.h, the host's fused pass).
 struct Accumulate {
   const float* u;  // momentum (read only with `momentum`)
   const float* v;  // accumulated residual
+  const float* c;  // bias correction (read only with `bias`)
   bool momentum;
+  bool bias;
   float m;
+  float w;  // (float)(1 − m)
+  /// v'_i; u'_i and c'_i to *u_prime and *c_prime where kept and asked for.
   template <DType D>
   __device__ __forceinline__ float at(const void* x, size_t i, bool clip, float factor,
-                                      float* u_prime) const {
+                                      float* u_prime = nullptr, float* c_prime = nullptr) const {
     const float xi = loadWidenedDevice<D>(x, i);
     const float g = clip ? __fmul_rn(xi, factor) : xi;
     if (momentum) {
       const float ui = __fadd_rn(__fmul_rn(m, u[i]), g);
-      *u_prime = ui;
+      if (u_prime != nullptr) *u_prime = ui;
+      if (bias) {  // c' = (m · c) + 1, v' = v + (u' / (c' · w))
+        const float ci = __fadd_rn(__fmul_rn(m, c[i]), 1.0f);
+        if (c_prime != nullptr) *c_prime = ci;
+        return __fadd_rn(v[i], __fdiv_rn(ui, __fmul_rn(ci, w)));
+      }
       return __fadd_rn(v[i], ui);
     }
     return __fadd_rn(v[i], g);
@@ -106,8 +118,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (size_t q = 0; q < 4 && 4 * g + q < m; ++q) {
       // (r · n) >> 32 for r < 2^32: the high 64 bits of (r · 2^32) · n.
       const size_t index = __umul64hi(static_cast<uint64_t>(words[q]) << 32, n);
-      float unused;
-      keys[4 * g + q] = sparse::keyOf(acc.at<D>(x, index, clip, factor, &unused));
+      keys[4 * g + q] = sparse::keyOf(acc.at<D>(x, index, clip, factor));
     }
   }
 }
@@ -135,28 +146,28 @@ __global__ void __launch_bounds__(kBlockThreads)
   unsigned long long c = 0;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float unused;
-    const float vi = acc.at<D>(x, i, clip, factor, &unused);
+    const float vi = acc.at<D>(x, i, clip, factor);
     vn[i] = vi;
     if constexpr (Count) c += sparse::keyOf(vi) >= t;
   }
   if constexpr (Count) addCount<Reduce>(temp, c, count);
 }
 
-/// The commit's pass with momentum (steps 2–3 in place): u = (m·u) + g, v = v + u, with the
-/// clipping analyze() decided — Accumulate's arithmetic, so u and v are the fused pass's u', v'.
+/// The commit's pass with momentum (steps 2–3 in place): u = (m·u) + g, v = v + u (with bias
+/// correction c = (m·c) + 1 and v = v + (u / (c·w))), with the clipping analyze() decided —
+/// Accumulate's arithmetic over the state it reads, so u, v, c are the fused pass's u', v', c'.
 template <DType D>
 __global__ void __launch_bounds__(kBlockThreads)
-    commitPassKernel(const void* __restrict__ x, float* u, float* v, float m, const SelectState* s,
-                     size_t n) {
-  const Accumulate acc{u, v, true, m};
+    commitPassKernel(const void* __restrict__ x, Accumulate acc, float* u, float* v, float* c,
+                     const SelectState* s, size_t n) {
   const bool clip = s->clip != 0;
   const float factor = s->factor;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float ui = 0.0f;
-    const float vi = acc.at<D>(x, i, clip, factor, &ui);
+    float ui = 0.0f, ci = 0.0f;
+    const float vi = acc.at<D>(x, i, clip, factor, &ui, &ci);
     u[i] = ui;
+    if (c != nullptr) c[i] = ci;
     v[i] = vi;
   }
 }
@@ -261,8 +272,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
   __syncthreads();
   for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
-    float unused;
-    out[i] = acc.at<D>(x, i, clip != 0, factor, &unused);
+    out[i] = acc.at<D>(x, i, clip != 0, factor);
   }
 }
 
@@ -288,8 +298,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const float factor = clip_info != nullptr ? __uint_as_float(clip_info[1]) : 1.0f;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float unused;
-    out[i] = acc.at<D>(x, i, clip, factor, &unused);
+    out[i] = acc.at<D>(x, i, clip, factor);
   }
 }
 
@@ -313,7 +322,9 @@ class DgcCuda final : public sparse::SparseCudaCodec {
       : SparseCudaCodec(std::move(host), CodecId::kDgc), density_(density) {
     const CodecConfig& c = host_->config();
     momentum_ = c.momentum > 0.0;
+    bias_ = momentum_ && c.bias_correction;
     m_ = static_cast<float>(c.momentum);
+    w_ = static_cast<float>(1.0 - c.momentum);
     clip_norm_ = c.clip_norm;
     sample_fraction_ = c.sample_fraction;
   }
@@ -373,9 +384,11 @@ class DgcCuda final : public sparse::SparseCudaCodec {
     const Carved w = carve(workspace, chunking);
     float* u = state.mutableCurrent();
     float* v = u + n;
+    float* cb = bias_ ? v + n : nullptr;
+    const Accumulate acc = accumulation(u, n);
     visitDeviceDType(input.dtype, [&](auto d) {
-      commitPassKernel<decltype(d)::value>
-          <<<blocksFor(n), kBlockThreads, 0, stream>>>(input.data, u, v, m_, w.select.state, n);
+      commitPassKernel<decltype(d)::value><<<blocksFor(n), kBlockThreads, 0, stream>>>(
+          input.data, acc, u, v, cb, w.select.state, n);
     });
     LW_RETURN_IF_ERROR(cudaStatus(cudaGetLastError(), name));
     for (size_t c = 0; c < sent.size(); ++c) {
@@ -384,9 +397,10 @@ class DgcCuda final : public sparse::SparseCudaCodec {
       // the same scratch.
       auto staged = stage(sent[c], scratch, stream, name + ": staging a sent payload");
       if (!staged) return staged.status();
-      LW_RETURN_IF_ERROR(cudaStatus(sparse::accumulateSparse(staged->payload, -1.0f, v + begin, len,
-                                                             staged->rest, stream, u + begin),
-                                    name + ": masking what was sent"));
+      LW_RETURN_IF_ERROR(cudaStatus(
+          sparse::accumulateSparse(staged->payload, -1.0f, v + begin, len, staged->rest, stream,
+                                   u + begin, cb == nullptr ? nullptr : cb + begin),
+          name + ": masking what was sent"));
     }
     return Status::ok();
   }
@@ -528,9 +542,12 @@ class DgcCuda final : public sparse::SparseCudaCodec {
   Accumulate accumulation(const float* current, size_t n) const {
     Accumulate acc;
     acc.momentum = momentum_;
+    acc.bias = bias_;
     acc.m = m_;
+    acc.w = w_;
     acc.u = momentum_ ? current : nullptr;
     acc.v = momentum_ ? current + n : current;
+    acc.c = bias_ ? current + 2 * n : nullptr;
     return acc;
   }
 
@@ -607,7 +624,9 @@ class DgcCuda final : public sparse::SparseCudaCodec {
 
   double density_;
   bool momentum_ = false;
+  bool bias_ = false;  // bias correction: the state is u, v, then c
   float m_ = 0.0f;
+  float w_ = 1.0f;  // (float)(1 − m)
   double clip_norm_ = 0.0;
   double sample_fraction_ = 0.01;
 };

@@ -430,13 +430,15 @@ struct GapPlusOne {
 };
 
 /// Scan output (j, index_j + 1): out[index_j] = out[index_j] + weight · value_j, and
-/// zero[index_j] = 0 when `zero` is set (dgc's masking of the momentum at commit).
+/// zero[index_j] = 0 (zero2[index_j] = 0) when `zero` (`zero2`) is set (dgc's masking of the
+/// momentum and of its bias correction at commit).
 struct AddEntry {
   const uint8_t* p;
   uint64_t n;
   float weight;
   float* out;
   float* zero;
+  float* zero2;
   __device__ void operator()(ptrdiff_t jj, unsigned long long s) const {
     const uint64_t j = static_cast<uint64_t>(jj);
     float value;
@@ -459,15 +461,16 @@ struct AddEntry {
     const size_t i = static_cast<size_t>(s - 1);
     out[i] = __fadd_rn(out[i], __fmul_rn(weight, value));
     if (zero != nullptr) zero[i] = 0.0f;
+    if (zero2 != nullptr) zero2[i] = 0.0f;
   }
 };
 
 cudaError_t runDecodeScan(void* temp, size_t& bytes, const uint8_t* p, float weight, float* out,
-                          float* zero, size_t n, cudaStream_t stream) {
+                          float* zero, float* zero2, size_t n, cudaStream_t stream) {
   using Counting = thrust::counting_iterator<unsigned long long>;
   const thrust::transform_iterator<GapPlusOne, Counting, unsigned long long> in(Counting(0ull),
                                                                                 GapPlusOne{p, n});
-  const thrust::tabulate_output_iterator<AddEntry> sink(AddEntry{p, n, weight, out, zero});
+  const thrust::tabulate_output_iterator<AddEntry> sink(AddEntry{p, n, weight, out, zero, zero2});
   return cub::DeviceScan::InclusiveSum(temp, bytes, in, sink, static_cast<uint64_t>(n), stream);
 }
 
@@ -582,7 +585,8 @@ cudaError_t encodeChunk(CodecId codec, DType source, DType values, const PlanArg
 size_t accumulateBytes(size_t n) {
   if (n == 0) return 0;
   size_t bytes = 0;
-  if (runDecodeScan(nullptr, bytes, nullptr, 0.0f, nullptr, nullptr, n, nullptr) != cudaSuccess) {
+  if (runDecodeScan(nullptr, bytes, nullptr, 0.0f, nullptr, nullptr, nullptr, n, nullptr) !=
+      cudaSuccess) {
     (void)cudaGetLastError();
     bytes = 4096 + n / 16;  // no usable device: nothing will run
   }
@@ -590,10 +594,11 @@ size_t accumulateBytes(size_t n) {
 }
 
 cudaError_t accumulateSparse(const uint8_t* d_payload, float weight, float* d_out, size_t n,
-                             DeviceBytes scratch, cudaStream_t stream, float* d_zero) {
+                             DeviceBytes scratch, cudaStream_t stream, float* d_zero,
+                             float* d_zero2) {
   if (n == 0) return cudaSuccess;
   size_t bytes = scratch.size;
-  return runDecodeScan(scratch.data, bytes, d_payload, weight, d_out, d_zero, n, stream);
+  return runDecodeScan(scratch.data, bytes, d_payload, weight, d_out, d_zero, d_zero2, n, stream);
 }
 
 Status validateSparse(std::span<const uint8_t> payload, CodecId codec, size_t out_elements) {

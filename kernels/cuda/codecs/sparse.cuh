@@ -157,10 +157,12 @@ cudaError_t encodeChunk(CodecId codec, DType source, DType values, const PlanArg
 /// Device bytes accumulateSparse needs for n output elements (CUB scan storage).
 size_t accumulateBytes(size_t n);
 /// d_out[0..n) += weight · decoded(d_payload): a sparse payload (or the `none` escape) of n
-/// elements, trusted. Bit-identical to decodeSparsePayload. With `d_zero`, d_zero[i] = 0 for
-/// every entry i of the payload too (dgc's masking at commit: docs/determinism.md §4.4 step 6).
+/// elements, trusted. Bit-identical to decodeSparsePayload. With `d_zero` (and `d_zero2`),
+/// d_zero[i] = 0 (d_zero2[i] = 0) for every entry i of the payload too (dgc's masking of u and c
+/// at commit: docs/determinism.md §4.4 step 6).
 cudaError_t accumulateSparse(const uint8_t* d_payload, float weight, float* d_out, size_t n,
-                             DeviceBytes scratch, cudaStream_t stream, float* d_zero = nullptr);
+                             DeviceBytes scratch, cudaStream_t stream, float* d_zero = nullptr,
+                             float* d_zero2 = nullptr);
 /// Every check decodeSparsePayload makes, on the host, without decoding into an output.
 Status validateSparse(std::span<const uint8_t> payload, CodecId codec, size_t out_elements);
 

@@ -522,6 +522,28 @@ TEST_CASE("dgc (cuda): densities, chunkings, rank, seed, flush") {
   checkCudaMatchesCpu(dgcConfig(0.01, 0.5, 0.0), inputs, override_density);
 }
 
+TEST_CASE("dgc (cuda): bias correction: sampled and exact paths, chunkings, flush, fp16 input") {
+  auto biased = [](CodecConfig c) {
+    c.bias_correction = true;
+    return c;
+  };
+  const auto inputs = stepsOf(Kind::kNormal, 100003, 5);
+  for (DType values : {DType::kF32, DType::kF16}) {
+    CAPTURE(static_cast<int>(values));
+    checkCudaMatchesCpu(biased(dgcConfig(0.01, 0.9, 0.0, 0.01, values)), inputs);
+    CompareOptions chunked;
+    chunked.chunk_elements = 16384;
+    checkCudaMatchesCpu(biased(dgcConfig(0.05, 0.5, 50.0, 0.001, values)), inputs, chunked);
+  }
+  CompareOptions flush;
+  flush.flush_last = true;
+  checkCudaMatchesCpu(biased(dgcConfig(0.01, 0.9, 50.0)), inputs, flush);
+  CompareOptions exact;
+  exact.dtype = DType::kF16;
+  exact.chunk_elements = 1000;
+  checkCudaMatchesCpu(biased(dgcConfig(0.05, 0.9, 20.0)), stepsOf(Kind::kHeavy, 4097, 4), exact);
+}
+
 TEST_CASE("dgc (cuda): refinement and exact fallback on tied and constant inputs") {
   for (double momentum : {0.0, 0.9}) {
     for (DType values : {DType::kF32, DType::kF16}) {

@@ -246,6 +246,7 @@ TEST_CASE("config: every key: file < environment < flag") {
       {"compression.default.momentum", {"0.1", "0.2", "0.3"}},
       {"compression.default.clip_norm", {"1", "2", "3"}},
       {"compression.default.sample_fraction", {"0.001", "0.002", "0.003"}},
+      {"compression.default.bias_correction", {"true", "false", "on"}},
       {"compression.default.values", {"float16", "float32", "float16"}},
       {"compression.default.threshold", {"0.1", "0.2", "0.3"}},
       {"compression.default.error_feedback", {"true", "off", "on"}},
