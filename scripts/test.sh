@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # THE test command (.ci/run runs it): installs the dependencies, builds the release, the
 # ASan+UBSan (clang, with the libFuzzer targets) and the ThreadSanitizer (exchange tests only)
-# variants, and runs
+# variants (the sanitizer builds in the background, at nice 10, while the release build's tests
+# run), and runs
 #   - the doctest unit tests in the release and ASan builds, the exchange tests under TSan as well
 #     (each test case counts; every sanitizer report is a failure); the codec tests under ASan run
 #     beside the others;
@@ -177,11 +178,39 @@ if ((release_ok)) && [[ $(id -u) -eq 0 ]]; then
   image_started=1
   note "      (image emulation started in the background, pid ${beside_pids[image]})"
 fi
-quiet "build $asan_dir" "$logs/build-asan.log" bash scripts/build.sh asan "$asan_dir" \
-  && asan_ok=1 || fail "build asan" "see $logs/build-asan.log"
 tsan_ok=0
-quiet "build $tsan_dir (exchange tests)" "$logs/build-tsan.log" bash scripts/build.sh tsan "$tsan_dir" \
-  && tsan_ok=1 || fail "build tsan" "see $logs/build-tsan.log"
+# The sanitizer builds run in the background, one after the other at nice 10, beside the release
+# build's tests below (unit tests, golden check, pytest), which keep about one of the two
+# processors busy and wait on sockets, timers and PyTorch's start-up the rest of the time: the
+# builds take what they leave (pytest measured 122 % of one processor over its 447 s). Each
+# build's exit code and seconds go to $logs/build-VARIANT.{rc,seconds}; they are reported before
+# the sanitizer tests, which wait for them.
+sanitizer_builds() {
+  local variant dir t0
+  for variant in asan tsan; do
+    dir=$asan_dir
+    [[ $variant == tsan ]] && dir=$tsan_dir
+    t0=$SECONDS
+    nice -n 10 bash scripts/build.sh "$variant" "$dir" >"$logs/build-$variant.log" 2>&1
+    echo $? >"$logs/build-$variant.rc"
+    echo $((SECONDS - t0)) >"$logs/build-$variant.seconds"
+  done
+}
+beside sanitizer-builds sanitizer_builds
+note "      (sanitizer builds started in the background, pid ${beside_pids[sanitizer-builds]})"
+# Reports a background sanitizer build: report_build VARIANT LABEL; exit 0 when it succeeded.
+report_build() {
+  local variant=$1 label=$2
+  local rc
+  rc=$(cat "$logs/build-$variant.rc" 2>/dev/null || echo '?')
+  if [[ "$rc" == 0 ]]; then
+    note "ok    build $label ($(cat "$logs/build-$variant.seconds") s, in the background)"
+    return 0
+  fi
+  tail -n 40 "$logs/build-$variant.log"
+  fail "build $variant" "exit code $rc, see $logs/build-$variant.log"
+  return 1
+}
 
 # Runs pytest on the Python tests (tests/python/run.sh ARGS) into LOG and adds its counts.
 # pytest_run LABEL LOG ARGS...
@@ -318,6 +347,13 @@ note "== Python client and DDP hook (pytest, real sidecar, real PyTorch; the con
 if ((release_ok)); then
   pytest_run pytest "$logs/python.log" --durations=20 --ignore=tests/python/test_containers.py
 fi
+
+note "== sanitizer builds (in the background since the release build)"
+t0=$SECONDS
+beside_wait sanitizer-builds
+note "      (waited $((SECONDS - t0)) s for them)"
+report_build asan "$asan_dir" && asan_ok=1
+report_build tsan "$tsan_dir (exchange tests)" && tsan_ok=1
 
 note "== unit tests (sanitizers)"
 # The codec tests under ASan keep one processor busy for about 80 s; the others mostly wait on
