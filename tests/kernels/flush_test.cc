@@ -82,6 +82,7 @@ std::vector<CodecConfig> everyCodec() {
       {.name = "dgc", .density = 0.01, .momentum = 0.9},
       {.name = "dgc", .density = 0.02, .momentum = 0.5, .clip_norm = 20.0},
       {.name = "dgc", .density = 0.02, .momentum = 0.9, .sparse_values = DType::kF16},
+      {.name = "dgc", .density = 0.02, .momentum = 0.9, .bias_correction = true},
       {.name = "qsgd", .bits = 4, .bucket_size = 128},
       {.name = "qsgd", .bits = 4, .bucket_size = 128, .error_feedback = true},
       {.name = "terngrad", .bucket_size = 128},
@@ -288,10 +289,16 @@ TEST_CASE("flush: dgc sends exactly this step's v' (momentum, clipping), then ze
        {CodecConfig{.name = "dgc", .density = 0.01},
         CodecConfig{.name = "dgc", .density = 0.01, .momentum = 0.9},
         CodecConfig{.name = "dgc", .density = 0.01, .clip_norm = 30.0},
-        CodecConfig{.name = "dgc", .density = 0.01, .momentum = 0.7, .clip_norm = 30.0}}) {
+        CodecConfig{.name = "dgc", .density = 0.01, .momentum = 0.7, .clip_norm = 30.0},
+        CodecConfig{.name = "dgc",
+        .density = 0.01,
+        .momentum = 0.9,
+        .clip_norm = 30.0,
+        .bias_correction = true}}) {
     for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
       CAPTURE(testing::describe(c));
       CAPTURE(c.clip_norm);
+      CAPTURE(c.bias_correction);
       CAPTURE(dtypeName(dtype));
       auto codec = make(c);
       const Chunking ch = chunkingFor(*codec, n, 8192);
