@@ -65,7 +65,8 @@ std::string rankList(const std::vector<uint32_t>& ranks) {
 
 /// The server's state of one tensor.
 struct PsExchange::ServerTensor {
-  // Re-compression: the tensor's codec with momentum 0 and clipping off, its own state.
+  // Re-compression: the tensor's codec with momentum 0 (so no bias correction) and clipping off,
+  // its own state.
   std::string config_key;
   size_t elements = 0;
   std::shared_ptr<const kernels::Codec> codec;  // also decodes the workers' payloads
@@ -310,6 +311,7 @@ Result<PsExchange::Spans> PsExchange::worker(ExchangeRound& r, uint64_t tensor) 
 Status PsExchange::prepareServerCodec(const ExchangeRound& r, ServerTensor& st) {
   kernels::CodecConfig config = r.codec.config();
   config.momentum = 0.0;
+  config.bias_correction = false;  // corrects a momentum the server does not have
   config.clip_norm = 0.0;
   const std::string key = kernels::configKey(config);
   const size_t n = r.chunking.elements;
