@@ -282,3 +282,23 @@ def test_listener_budget_keys_in_help_check_config_and_docs(tmp_path):
         r = subprocess.run([LIGHTWIRE_BIN, "serve", "--check-config", str(bad)],
                            capture_output=True, text=True)
         assert r.returncode != 0 and named in r.stderr + r.stdout, (body, r.stderr)
+
+
+def test_check_config_refuses_bias_correction_without_momentum_and_bad_values(tmp_path):
+    import subprocess
+    from conftest import LIGHTWIRE_BIN
+    cases = (("codec: dgc\n    bias_correction: true\n", "needs momentum > 0"),
+             ("codec: dgc\n    momentum: 0.9\n    bias_correction: maybe\n",
+              "compression.default.bias_correction must be true or false"))
+    for body, message in cases:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("compression:\n  default:\n    " + body)
+        r = subprocess.run([LIGHTWIRE_BIN, "serve", "--check-config", str(bad)],
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and message in r.stderr + r.stdout, (body, r.stderr)
+    good = tmp_path / "good.yaml"
+    good.write_text("compression:\n  default:\n    codec: dgc\n    momentum: 0.9\n"
+                    "    bias_correction: true\n")
+    r = subprocess.run([LIGHTWIRE_BIN, "serve", "--check-config", str(good)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
