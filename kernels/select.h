@@ -190,6 +190,12 @@ inline DgcNext dgcNext(const DgcPass& p, size_t i, float g) {
 /// list must hold hi − lo entries. Returns count.
 uint64_t dgcFusedPassF32(const DgcPass& p, size_t lo, size_t hi, uint32_t* list);
 
+/// The commit's form of the same pass: writes v' to p.vn and, with momentum, u' to p.un (not
+/// null) and, with bias correction, c' to `cn` over [lo, hi), bit for bit dgcNext; lists nothing.
+/// Each output may be its own input (p.vn == p.v, p.un == p.u, cn == p.c): the state updated in
+/// place.
+void dgcStatePassF32(const DgcPass& p, float* cn, size_t lo, size_t hi);
+
 /// Upper bound of a sparse payload for a chunk of n elements with values of type `values`.
 size_t sparseMaxPayloadBytes(size_t n, DType values);
 

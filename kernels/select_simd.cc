@@ -69,28 +69,37 @@ uint64_t CollectComposites(const float* HWY_RESTRICT x, size_t lo, size_t hi, ui
   return c;
 }
 
+/// dgcNext for the N lanes at i, in its operation order: u' goes to put_u (with momentum), c' to
+/// put_c (with bias correction); returns v'.
+template <class DF, class PutU, class PutC>
+HWY_INLINE hn::Vec<DF> DgcNextLanes(DF df, const DgcPass& p, size_t i, PutU&& put_u, PutC&& put_c) {
+  auto g = hn::LoadU(df, p.x + i);
+  if (p.clip) g = hn::Mul(g, hn::Set(df, p.factor));
+  if (!p.momentum) return hn::Add(hn::LoadU(df, p.v + i), g);
+  const auto vm = hn::Set(df, p.m);
+  const auto ui = hn::Add(hn::Mul(vm, hn::LoadU(df, p.u + i)), g);
+  put_u(ui);
+  if (!p.bias) return hn::Add(hn::LoadU(df, p.v + i), ui);
+  // c' = (m · c) + 1, v' = v + (u' / (c' · w)); Div is IEEE division.
+  const auto ci = hn::Add(hn::Mul(vm, hn::LoadU(df, p.c + i)), hn::Set(df, 1.0f));
+  put_c(ci);
+  return hn::Add(hn::LoadU(df, p.v + i), hn::Div(ui, hn::Mul(ci, hn::Set(df, p.w))));
+}
+
 uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_RESTRICT list) {
   const hn::ScalableTag<float> df;
   const hn::RebindToSigned<decltype(df)> di;
   const size_t N = hn::Lanes(df);
   // x may be v' itself (widened fp16/bf16 input under clipping): read before written.
-  const float* x = p.x;
-  const float* u = p.u;
-  const float* v = p.v;
-  const float* cb = p.c;
   float* un = p.un;
   float* vn = p.vn;
   const auto vt = hn::Set(di, static_cast<int32_t>(p.threshold) - 1);  // >= T <=> > T - 1
-  const auto vf = hn::Set(df, p.factor);
-  const auto vm = hn::Set(df, p.m);
-  const auto vw = hn::Set(df, p.w);
-  const auto one = hn::Set(df, 1.0f);
   const hn::RebindToUnsigned<decltype(df)> du;
   uint64_t c = 0;
 
   // One element, exactly as the vector body computes it.
   auto scalar = [&](size_t i) {
-    const float g = p.clip ? x[i] * p.factor : x[i];
+    const float g = p.clip ? p.x[i] * p.factor : p.x[i];
     const DgcNext next = dgcNext(p, i, g);
     if (p.momentum && un != nullptr) un[i] = next.u;
     const float vi = next.v;
@@ -111,25 +120,16 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
     while (i < hi && reinterpret_cast<uintptr_t>(vn + i) % bytes != 0) scalar(i++);
   }
   for (; i + N <= hi; i += N) {
-    auto g = hn::LoadU(df, x + i);
-    if (p.clip) g = hn::Mul(g, vf);
-    hn::Vec<decltype(df)> vi;
-    if (p.momentum) {
-      const auto ui = hn::Add(hn::Mul(vm, hn::LoadU(df, u + i)), g);
-      if (keep_u && stream) {
-        hn::Stream(ui, df, un + i);
-      } else if (keep_u) {
-        hn::StoreU(ui, df, un + i);
-      }
-      if (p.bias) {  // c' = (m · c) + 1, v' = v + (u' / (c' · w)); Div is IEEE division
-        const auto ci = hn::Add(hn::Mul(vm, hn::LoadU(df, cb + i)), one);
-        vi = hn::Add(hn::LoadU(df, v + i), hn::Div(ui, hn::Mul(ci, vw)));
-      } else {
-        vi = hn::Add(hn::LoadU(df, v + i), ui);
-      }
-    } else {
-      vi = hn::Add(hn::LoadU(df, v + i), g);
-    }
+    const auto vi = DgcNextLanes(
+        df, p, i,
+        [&](hn::Vec<decltype(df)> ui) {
+          if (keep_u && stream) {
+            hn::Stream(ui, df, un + i);
+          } else if (keep_u) {
+            hn::StoreU(ui, df, un + i);
+          }
+        },
+        [](hn::Vec<decltype(df)>) {});
     if (stream) {
       hn::Stream(vi, df, vn + i);
     } else {
@@ -147,6 +147,26 @@ uint64_t DgcFusedPass(const DgcPass& p, size_t lo, size_t hi, uint32_t* HWY_REST
   return c;
 }
 
+void DgcStatePass(const DgcPass& p, float* cn, size_t lo, size_t hi) {
+  const hn::ScalableTag<float> df;
+  const size_t N = hn::Lanes(df);
+  size_t i = lo;
+  // Every lane's inputs are loaded before its outputs are stored: in place is safe.
+  for (; i + N <= hi; i += N) {
+    const auto vi = DgcNextLanes(
+        df, p, i, [&](hn::Vec<decltype(df)> ui) { hn::StoreU(ui, df, p.un + i); },
+        [&](hn::Vec<decltype(df)> ci) { hn::StoreU(ci, df, cn + i); });
+    hn::StoreU(vi, df, p.vn + i);
+  }
+  for (; i < hi; ++i) {
+    const float g = p.clip ? p.x[i] * p.factor : p.x[i];
+    const DgcNext next = dgcNext(p, i, g);
+    if (p.momentum) p.un[i] = next.u;
+    if (p.bias) cn[i] = next.c;
+    p.vn[i] = next.v;
+  }
+}
+
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace lightwire::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -156,6 +176,7 @@ namespace lightwire::kernels {
 
 HWY_EXPORT(CollectComposites);
 HWY_EXPORT(DgcFusedPass);
+HWY_EXPORT(DgcStatePass);
 
 uint64_t collectCompositesF32(const float* x, size_t lo, size_t hi, uint32_t a, uint64_t* dst,
                               uint64_t cap) {
@@ -164,6 +185,10 @@ uint64_t collectCompositesF32(const float* x, size_t lo, size_t hi, uint32_t a, 
 
 uint64_t dgcFusedPassF32(const DgcPass& p, size_t lo, size_t hi, uint32_t* list) {
   return HWY_DYNAMIC_DISPATCH(DgcFusedPass)(p, lo, hi, list);
+}
+
+void dgcStatePassF32(const DgcPass& p, float* cn, size_t lo, size_t hi) {
+  HWY_DYNAMIC_DISPATCH(DgcStatePass)(p, cn, lo, hi);
 }
 
 }  // namespace lightwire::kernels

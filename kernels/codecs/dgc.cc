@@ -221,18 +221,30 @@ class DgcCodec final : public Codec {
     float* u = momentum ? state.mutableCurrent() : nullptr;
     float* v = momentum ? u + n : state.mutableCurrent();
     float* cb = momentum && config_.bias_correction ? v + n : nullptr;
-    const DgcPass pass = passOver(state.current(), n);
+    DgcPass pass = passOver(state.current(), n);
+    pass.clip = memo.clip;
+    pass.factor = memo.factor;
+    pass.un = u;
+    pass.vn = v;
     visitDType(input.dtype, [&](auto d) {
       constexpr DType D = decltype(d)::value;
       forEach(ctx.stream, n, [&](size_t lo, size_t hi) {
-        for (size_t i = lo; i < hi; ++i) {
-          const float xi = loadWidened<D>(input.data, i);
-          const float g = memo.clip ? xi * memo.factor : xi;
-          const DgcNext next = dgcNext(pass, i, g);  // reads u_i, c_i, v_i before they change
-          if (momentum) u[i] = next.u;
-          if (cb != nullptr) cb[i] = next.c;
-          v[i] = next.v;
-          if (write_back) write_back.to[i] = write_back.from[i];  // x_i read above
+        if constexpr (D == DType::kF32) {
+          DgcPass p = pass;
+          p.x = static_cast<const float*>(input.data);
+          dgcStatePassF32(p, cb, lo, hi);  // reads u_i, c_i, v_i, x_i before they change
+        } else {
+          for (size_t i = lo; i < hi; ++i) {
+            const float xi = loadWidened<D>(input.data, i);
+            const float g = memo.clip ? xi * memo.factor : xi;
+            const DgcNext next = dgcNext(pass, i, g);  // reads u_i, c_i, v_i before they change
+            if (momentum) u[i] = next.u;
+            if (cb != nullptr) cb[i] = next.c;
+            v[i] = next.v;
+          }
+        }
+        if (write_back) {  // x[lo, hi) read above
+          std::memmove(write_back.to + lo, write_back.from + lo, (hi - lo) * sizeof(float));
         }
       });
     });

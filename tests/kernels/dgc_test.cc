@@ -753,9 +753,12 @@ TEST_CASE("dgc without density or ratio uses the documented default of 0.001") {
 namespace lightwire::kernels {
 namespace {
 
-TEST_CASE("dgc fused pass and listed selection equal the reference on every Highway target") {
-  // The fused pass (momentum, clipping, accumulation, first count) and the listed encode run on
-  // each target; fp16 values, clipping and several steps exercise masking and state.
+TEST_CASE(
+    "dgc fused pass, commit pass and listed selection equal the reference on every Highway "
+    "target") {
+  // The fused pass (momentum, clipping, accumulation, first count), the listed encode and the
+  // commit's state pass run on each target; fp16 values, clipping and several steps exercise
+  // masking and state.
   for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     const std::string target_name = hwy::TargetName(target);
