@@ -44,8 +44,13 @@ double stepsFactor(const kernels::CodecConfig& c) {
   if (c.name == "topk" || c.name == "dgc" || c.name == "randomk") {
     const double d = c.density.value_or(0.01);
     // dgc with momentum correction: 1.45 (540 and 600 steps against DDP's 380 and 400,
-    // docs/BENCHMARKS-tta-auto.md); error feedback alone: topk's 2.5.
-    const double base = c.name == "randomk" ? 5.0 : (c.momentum > 0 ? 1.45 : 2.5);
+    // docs/BENCHMARKS-tta-auto.md); with bias correction 1.33, the larger of its two measured
+    // (DDP's 343 steps on the MLP, docs/BENCHMARKS-tta-biascorr.md; 400 against 300 on the LM,
+    // docs/BENCHMARKS-tta-lm-biascorr.md); error feedback alone: topk's 2.5.
+    const double base = c.name == "randomk" ? 5.0
+                        : c.bias_correction ? 1.33
+                        : c.momentum > 0    ? 1.45
+                                            : 2.5;
     return d >= 0.01 ? base : base * 2;  // sparser than measured: twice the steps, a guess
   }
   return 2.0;
@@ -92,9 +97,20 @@ std::string parseRung(std::string_view full, Rung* out) {
     r.codec.bits = static_cast<int>(v);
     r.label = "qsgd " + arg + " bits";
   } else if (name == "dgc" && arg.find(':') != std::string::npos) {
-    // dgc:DENSITY:MOMENTUM: DGC's momentum correction, the sidecar owning the layer's momentum
-    // while the rung is in force (docs/policies.md "What a switch does to a layer's state").
-    const std::string d = arg.substr(0, arg.find(':')), m = arg.substr(arg.find(':') + 1);
+    // dgc:DENSITY:MOMENTUM[:bc]: DGC's momentum correction, the sidecar owning the layer's
+    // momentum while the rung is in force (docs/policies.md "What a switch does to a layer's
+    // state"); `bc`: with dgc's bias correction (docs/codecs.md "dgc's bias correction").
+    const std::string d = arg.substr(0, arg.find(':'));
+    std::string m = arg.substr(arg.find(':') + 1);
+    bool bias = false;
+    if (const size_t third = m.find(':'); third != std::string::npos) {
+      if (m.substr(third + 1) != "bc") {
+        return "dgc's last part (after the third ':') can only be 'bc', bias correction "
+               "(dgc:0.01:0.9:bc)";
+      }
+      bias = true;
+      m = m.substr(0, third);
+    }
     double mom = 0;
     if (!numberIn(d, &v) || !(v > 0 && v <= 1)) {
       return "dgc needs its density in (0, 1] (dgc:0.01:0.9)";
@@ -105,7 +121,8 @@ std::string parseRung(std::string_view full, Rung* out) {
     r.codec.name = "dgc";
     r.codec.density = v;
     r.codec.momentum = mom;
-    r.label = "dgc " + percent(v) + " momentum " + m;
+    r.codec.bias_correction = bias;
+    r.label = "dgc " + percent(v) + " momentum " + m + (bias ? " bias-corrected" : "");
   } else if (name == "topk" || name == "dgc" || name == "randomk") {
     if (!number(&v) || !(v > 0 && v <= 1))
       return name + " needs its density in (0, 1] (" + name + ":0.01)";
@@ -121,8 +138,8 @@ std::string parseRung(std::string_view full, Rung* out) {
     r.label = "powersgd rank " + arg;
   } else {
     return "unknown rung '" + name +
-           "' (direct, none, fp16, bf16, qsgd:BITS, topk:D, dgc:D, dgc:D:MOMENTUM, randomk:D, "
-           "powersgd:RANK)";
+           "' (direct, none, fp16, bf16, qsgd:BITS, topk:D, dgc:D, dgc:D:MOMENTUM, "
+           "dgc:D:MOMENTUM:bc, randomk:D, powersgd:RANK)";
   }
   auto codec = kernels::createCodec(r.codec);
   if (!codec) return codec.status().message();

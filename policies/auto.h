@@ -45,7 +45,8 @@ inline constexpr std::string_view kDefaultLadder =
 /// Parses a ladder: comma-separated rungs from least to most lossy, each `direct` (first only),
 /// `none`, `fp16`, `bf16`, `qsgd:BITS`, `topk:DENSITY`, `dgc:DENSITY` (error feedback, no
 /// momentum: the optimizer keeps momentum), `dgc:DENSITY:MOMENTUM` (DGC's momentum correction:
-/// the sidecar owns the layer's momentum while the rung is in force), `randomk:DENSITY` or
+/// the sidecar owns the layer's momentum while the rung is in force), `dgc:DENSITY:MOMENTUM:bc`
+/// (the same with dgc's bias correction), `randomk:DENSITY` or
 /// `powersgd:RANK`, optionally followed by `@FACTOR` (its steps factor, >= 1). At most 16 rungs,
 /// none twice. Errors name the rung.
 Result<std::vector<Rung>> parseLadder(std::string_view text);

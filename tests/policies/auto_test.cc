@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/registry.h"
 #include "policies/policy.h"
 
 namespace lightwire::policies {
@@ -99,6 +100,16 @@ TEST_SUITE("auto") {
     CHECK((*corrected)[2].codec.density == 0.01);
     CHECK((*corrected)[2].label == "dgc 1 % momentum 0.9");
     CHECK((*corrected)[2].steps_factor < (*corrected)[1].steps_factor);
+    CHECK_FALSE((*corrected)[2].codec.bias_correction);
+    // With dgc's bias correction: its own rung (and codec key), fewer steps again.
+    auto biased = parseLadder("none,dgc:0.01:0.9:bc,dgc:0.01:0.9");
+    REQUIRE(biased.isOk());
+    CHECK((*biased)[1].codec.bias_correction);
+    CHECK((*biased)[1].codec.momentum == 0.9);
+    CHECK((*biased)[1].label == "dgc 1 % momentum 0.9 bias-corrected");
+    CHECK((*biased)[1].text == "dgc:0.01:0.9:bc");
+    CHECK((*biased)[1].steps_factor < (*biased)[2].steps_factor);
+    CHECK(kernels::configKey((*biased)[1].codec) != kernels::configKey((*biased)[2].codec));
     for (const char* bad : {"",
                             "none,,fp16",
                             "fp16,direct",
@@ -119,7 +130,12 @@ TEST_SUITE("auto") {
                             "dgc:0.01:",
                             "dgc::0.9",
                             "dgc:0.01:x",
-                            "topk:0.01:0.9"}) {
+                            "topk:0.01:0.9",
+                            "dgc:0.01:0.9:",
+                            "dgc:0.01:0.9:bias",
+                            "dgc:0.01:0.9:bc:bc",
+                            "dgc:0.01:bc",
+                            "dgc:0.01:0.9:bc,dgc:0.01:0.9:bc@2"}) {
       INFO(bad);
       auto r = parseLadder(bad);
       REQUIRE_FALSE(r.isOk());
