@@ -16,12 +16,13 @@
 #     docker/compose.yml, the Dockerfile against the binary's libraries, the Kubernetes manifests
 #     and `serve --check-config` of their configuration, the compose job's commands on loopback);
 #   - promtool checks of docker/prometheus (config, rules, rule unit tests);
-#   - docker/Dockerfile's sidecar and trainer stages run on a debootstrapped Debian 12 (as root;
-#     scripts/check-image.py): health check, a gradient, one compose node's trainer; it runs in
-#     the background (at nice 10) from the end of the release build on: it mostly waits on the
-#     mirror and the disk. After it, still in the background, the container test's images are
-#     built ahead (scripts/containers.py images), so that the test rebuilds them from the engine's
-#     cache in seconds instead of building them on the suite's critical path;
+#   - the container test's images are built ahead in the background (at nice 10, from the end of
+#     the release build on: scripts/containers.py images), so that the test rebuilds them from the
+#     engine's cache in seconds instead of building them on the suite's critical path. Where no
+#     engine can run (no docker.io), docker/Dockerfile's sidecar and trainer stages are emulated
+#     on a debootstrapped Debian 12 instead (as root; scripts/check-image.py): health check, a
+#     gradient, one compose node's trainer. The real engine's test covers all of that, so the
+#     emulation does not run beside it;
 #   - smoke runs of the `lightwire` executable (release, and `bench codec --all` under ASan);
 #   - a 2-minute soak (bench/soak/soak.py): fails on any error, RSS growth or fd growth; it runs
 #     beside the fuzzing, which, like it, takes a fixed time, and is judged after it.
@@ -152,31 +153,37 @@ note "== build"
 release_ok=0 asan_ok=0
 quiet "build $release_dir" "$logs/build-release.log" bash scripts/build.sh release "$release_dir" \
   && release_ok=1 || fail "build release" "see $logs/build-release.log"
-# The image emulation needs only the release binary and mostly waits on the Debian mirror and the
-# disk (debootstrap, apt-get in the stages' trees): it runs in the background from here on and is
-# reported in its place below. At nice 10 it takes little from the builds beside it (they keep
-# both processors busy) and uses what the tests leave idle.
-# The container test's images (tests/python/test_containers.py) are built after it, in the same
-# background job: the emulation leaves the debootstrapped base in the cache they start from, and
-# the test then finds them in its engine's data root (build-image-cache/docker). Only with the
-# default prefix (the test takes build-release's binary and build-image-cache); a failure there
-# is the test's to report, when it builds them itself.
+# Where a real engine can run (root and docker.io), the container test's images
+# (tests/python/test_containers.py) are built in the background from here on: they need only the
+# release binary and mostly wait on the Debian mirror and the disk (debootstrap, apt-get in the
+# builds); at nice 10 they take little from the builds beside them and use what the tests leave
+# idle. The test then finds them in its engine's data root (build-image-cache/docker). Only with
+# the default prefix (the test takes build-release's binary and build-image-cache); a failure
+# there is the test's to report, when it builds them itself.
+# Where no engine can run, the image emulation (scripts/check-image.py, root only) runs in the
+# background instead and is reported in its place below.
+engine_why=$("$python" -c 'import sys; sys.path.insert(0, "scripts"); import containers
+ok, why = containers.available(); print("" if ok else why)' 2>&1)
 images_in_background() {
-  nice -n 10 "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
-    --cache "$prefix-image-cache"
-  local rc=$?
-  if [[ "$prefix" == build ]]; then
+  if [[ -z "$engine_why" ]]; then
+    [[ "$prefix" == build ]] || return 0
     local t0=$SECONDS
     nice -n 10 "$python" scripts/containers.py images >"$logs/images-ahead.log" 2>&1
     echo "container test's images built ahead: exit $? ($((SECONDS - t0)) s)" >>"$logs/images-ahead.log"
+    return 0
   fi
-  return "$rc"
+  nice -n 10 "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
+    --cache "$prefix-image-cache"
 }
 image_started=0
 if ((release_ok)) && [[ $(id -u) -eq 0 ]]; then
   beside image images_in_background
   image_started=1
-  note "      (image emulation started in the background, pid ${beside_pids[image]})"
+  if [[ -z "$engine_why" ]]; then
+    note "      (the container test's images: built in the background, pid ${beside_pids[image]})"
+  else
+    note "      (image emulation started in the background, pid ${beside_pids[image]}: no engine, $engine_why)"
+  fi
 fi
 tsan_ok=0
 # The sanitizer builds run in the background, one after the other at nice 10, beside the release
@@ -463,23 +470,30 @@ fi
 image_ok=0
 if ((image_started)); then
   beside_wait image && image_ok=1
-  note "      (image emulation and the container test's images: $(beside_seconds image) s in the background; $(tail -n 1 "$logs/images-ahead.log" 2>/dev/null))"
+  if [[ -z "$engine_why" ]]; then
+    note "      (the container test's images: $(beside_seconds image) s in the background; $(tail -n 1 "$logs/images-ahead.log" 2>/dev/null))"
+  else
+    note "      (image emulation: $(beside_seconds image) s in the background)"
+  fi
 fi
 note "== the images and the compose stack on a real Docker engine (pytest)"
 if ((release_ok)); then
   pytest_run "pytest (containers)" "$logs/python-containers.log" tests/python/test_containers.py
 fi
 
-note "== the sidecar and trainer images, emulated (docker/Dockerfile on a debootstrapped Debian 12)"
-if [[ $(id -u) -ne 0 ]]; then
-  skip "image emulation" "needs root (debootstrap, chroot): sudo $python scripts/check-image.py"
-elif ((!image_started)); then
-  fail "image emulation" "no $release_dir/proxy/lightwire"
-elif ((image_ok)); then
-  pass "image emulation: sidecar and trainer stages, health check, a compose node's training (in the background)"
-else
-  grep '^check-image' "$logs/image.log" | tail -n 20
-  fail "image emulation" "see $logs/image.log"
+# Only where no engine can run: the real engine's test above covers what the emulation checks.
+if [[ -n "$engine_why" ]]; then
+  note "== the sidecar and trainer images, emulated (docker/Dockerfile on a debootstrapped Debian 12)"
+  if [[ $(id -u) -ne 0 ]]; then
+    skip "image emulation" "needs root (debootstrap, chroot): sudo $python scripts/check-image.py"
+  elif ((!image_started)); then
+    fail "image emulation" "no $release_dir/proxy/lightwire"
+  elif ((image_ok)); then
+    pass "image emulation: sidecar and trainer stages, health check, a compose node's training (in the background)"
+  else
+    grep '^check-image' "$logs/image.log" | tail -n 20
+    fail "image emulation" "see $logs/image.log"
+  fi
 fi
 
 note "== $((SECONDS - start)) s"
