@@ -3,8 +3,9 @@
 
     sudo $PYTHON scripts/check-image.py [--bin build-release/proxy/lightwire] [--keep DIR]
 
-There is no Docker engine on the development machines, so this emulates the stage on a real
-Debian 12 root file system: `debootstrap --variant=minbase bookworm` (what the debian:12 image is
+For machines where no container engine can run (the test command runs it only there; with an
+engine, tests/python/test_containers.py builds and runs the images for real), this emulates the
+stage on a real Debian 12 root file system: `debootstrap --variant=minbase bookworm` (what the debian:12 image is
 made of), then the stage's instructions in order, read from the Dockerfile itself: COPY from the
 repository, `COPY --from=build` from this machine's release build (the build stage needs NVIDIA's
 repository, which these machines cannot reach), ENV, and every RUN in a chroot (apt-get reaches
