@@ -185,6 +185,15 @@ inline DgcNext dgcNext(const DgcPass& p, size_t i, float g) {
   return r;
 }
 
+/// dgcNext of element i from its input value x (clipped here as `p` says), stored: v' to p.vn[i],
+/// u' to p.un[i] with momentum, c' to cn[i] with bias correction — the commit's scalar form.
+inline void dgcStoreNext(const DgcPass& p, float* cn, size_t i, float x) {
+  const DgcNext next = dgcNext(p, i, p.clip ? x * p.factor : x);
+  if (p.momentum) p.un[i] = next.u;
+  if (p.bias) cn[i] = next.c;
+  p.vn[i] = next.v;
+}
+
 /// Runs `p` over [lo, hi): writes v' (and u' with momentum, where un is not null) there, and the
 /// indices i (ascending, as u32; needs hi <= 2^32) with key(v'_i) >= p.threshold to list[0, count);
 /// list must hold hi − lo entries. Returns count.

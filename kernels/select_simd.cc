@@ -158,13 +158,7 @@ void DgcStatePass(const DgcPass& p, float* cn, size_t lo, size_t hi) {
         [&](hn::Vec<decltype(df)> ci) { hn::StoreU(ci, df, cn + i); });
     hn::StoreU(vi, df, p.vn + i);
   }
-  for (; i < hi; ++i) {
-    const float g = p.clip ? p.x[i] * p.factor : p.x[i];
-    const DgcNext next = dgcNext(p, i, g);
-    if (p.momentum) p.un[i] = next.u;
-    if (p.bias) cn[i] = next.c;
-    p.vn[i] = next.v;
-  }
+  for (; i < hi; ++i) dgcStoreNext(p, cn, i, p.x[i]);
 }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)

@@ -235,12 +235,7 @@ class DgcCodec final : public Codec {
           dgcStatePassF32(p, cb, lo, hi);  // reads u_i, c_i, v_i, x_i before they change
         } else {
           for (size_t i = lo; i < hi; ++i) {
-            const float xi = loadWidened<D>(input.data, i);
-            const float g = memo.clip ? xi * memo.factor : xi;
-            const DgcNext next = dgcNext(pass, i, g);  // reads u_i, c_i, v_i before they change
-            if (momentum) u[i] = next.u;
-            if (cb != nullptr) cb[i] = next.c;
-            v[i] = next.v;
+            dgcStoreNext(pass, cb, i, loadWidened<D>(input.data, i));  // reads before it writes
           }
         }
         if (write_back) {  // x[lo, hi) read above
