@@ -166,7 +166,6 @@ engine_why=$("$python" -c 'import sys; sys.path.insert(0, "scripts"); import con
 ok, why = containers.available(); print("" if ok else why)' 2>&1)
 images_in_background() {
   if [[ -z "$engine_why" ]]; then
-    [[ "$prefix" == build ]] || return 0
     local t0=$SECONDS
     nice -n 10 "$python" scripts/containers.py images >"$logs/images-ahead.log" 2>&1
     echo "container test's images built ahead: exit $? ($((SECONDS - t0)) s)" >>"$logs/images-ahead.log"
@@ -176,7 +175,8 @@ images_in_background() {
     --cache "$prefix-image-cache"
 }
 image_started=0
-if ((release_ok)) && [[ $(id -u) -eq 0 ]]; then
+# (With an engine and another prefix there is nothing to do ahead: the test builds its images.)
+if ((release_ok)) && [[ $(id -u) -eq 0 ]] && [[ -n "$engine_why" || "$prefix" == build ]]; then
   beside image images_in_background
   image_started=1
   if [[ -z "$engine_why" ]]; then
