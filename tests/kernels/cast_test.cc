@@ -15,7 +15,7 @@
 #include "kernels/registry.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_cast {
 
 /// What a test needs to know about one cast format.
 struct Format {
@@ -429,5 +429,5 @@ TEST_CASE("fp16 and bf16 encoder refuses bad calls") {
   }
 }
 
-}  // namespace
+}  // namespace test_cast
 }  // namespace lightwire::kernels

@@ -6,6 +6,8 @@
 #include "kernels/parallel.h"
 #include "tests/kernels/test_util.h"
 
+namespace test_determinism {
+
 using namespace lightwire::kernels;
 
 namespace {
@@ -129,3 +131,5 @@ TEST_CASE("determinism: lengths 0, 1 and 2 work for every codec") {
     }
   }
 }
+
+}  // namespace test_determinism

@@ -24,7 +24,7 @@
 #include "tests/kernels/test_util.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_dgc {
 
 using Bytes = std::vector<uint8_t>;
 
@@ -731,7 +731,7 @@ TEST_CASE("dgc decoder rejects other codecs' payloads and damaged ones without t
   CHECK(codec->decodeChunk(good, 1.0f, out.data(), n).isOk());
 }
 
-}  // namespace
+}  // namespace test_dgc
 }  // namespace lightwire::kernels
 
 TEST_CASE("dgc without density or ratio uses the documented default of 0.001") {
@@ -751,7 +751,7 @@ TEST_CASE("dgc without density or ratio uses the documented default of 0.001") {
 }
 
 namespace lightwire::kernels {
-namespace {
+namespace test_dgc {
 
 TEST_CASE(
     "dgc fused pass, commit pass and listed selection equal the reference on every Highway "
@@ -869,5 +869,5 @@ TEST_CASE("global selection: a layer's shares add up to at most k when the ranks
   CHECK(empty.second.empty());
 }
 
-}  // namespace
+}  // namespace test_dgc
 }  // namespace lightwire::kernels

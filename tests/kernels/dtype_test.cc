@@ -16,7 +16,7 @@
 #include "kernels/dtype.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_dtype {
 
 #if defined(__clang__) && __clang_major__ < 15
 // clang 14 has no _Float16 on x86; its __fp16 converts the same way (IEEE binary16, round to
@@ -267,5 +267,5 @@ TEST_CASE("dtype widenToFloat and ConstTensor::at widen exactly") {
   for (size_t i = 0; i < halves.size(); ++i) CHECK(floatBits(out[i]) == uint32_t{halves[i]} << 16);
 }
 
-}  // namespace
+}  // namespace test_dtype
 }  // namespace lightwire::kernels

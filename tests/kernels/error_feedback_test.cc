@@ -6,6 +6,8 @@
 #include "kernels/parallel.h"
 #include "tests/kernels/test_util.h"
 
+namespace test_error_feedback {
+
 using namespace lightwire::kernels;
 
 namespace {
@@ -100,3 +102,5 @@ TEST_CASE("error feedback: fp16 sparse values saturate so the residual stays fin
   CHECK(std::isfinite(state.currentSpan()[0]));
   CHECK(std::isfinite(state.currentSpan()[1]));
 }
+
+}  // namespace test_error_feedback

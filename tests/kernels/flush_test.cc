@@ -22,6 +22,8 @@
 #include "tests/kernels/multirank.h"
 #include "tests/kernels/test_util.h"
 
+namespace test_flush {
+
 using namespace lightwire::kernels;
 using lightwire::kernels::testing::bitEqual;
 using lightwire::kernels::testing::gaussian;
@@ -714,3 +716,5 @@ TEST_CASE("min_magnitude: everything below it gives empty, valid payloads") {
     CHECK(bitEqual(flushed, x));
   }
 }
+
+}  // namespace test_flush

@@ -28,6 +28,8 @@
 #include "tests/kernels/golden_manifest.h"
 #include "tests/kernels/test_util.h"
 
+namespace test_golden {
+
 namespace json = boost::json;
 using namespace lightwire::kernels;
 
@@ -618,3 +620,5 @@ TEST_CASE("golden payloads: codecs reproduce tests/kernels/golden byte for byte"
   MESSAGE("golden cases passed: " << passed << " of " << total
                                   << " (cases x thread counts x SIMD targets)");
 }
+
+}  // namespace test_golden

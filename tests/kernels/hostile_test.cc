@@ -6,6 +6,8 @@
 
 #include "tests/kernels/test_util.h"
 
+namespace test_hostile {
+
 using namespace lightwire::kernels;
 
 namespace {
@@ -107,3 +109,5 @@ TEST_CASE("hostile: every decoder accepts the dense escape layout and nothing wi
     CHECK(!decodeGuarded(*codec, dense, 10));
   }
 }
+
+}  // namespace test_hostile

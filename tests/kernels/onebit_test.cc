@@ -15,7 +15,7 @@
 #include "tests/kernels/bucket_codec_test_util.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_onebit {
 
 using namespace bucket_test;
 
@@ -120,5 +120,5 @@ TEST_CASE("onebit keeps each bucket's sum; tiny means stay non-zero") {
   CHECK(o == std::vector<float>(5, 1.0f));
 }
 
-}  // namespace
+}  // namespace test_onebit
 }  // namespace lightwire::kernels

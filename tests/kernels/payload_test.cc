@@ -8,6 +8,8 @@
 
 #include "kernels/payload.h"
 
+namespace test_payload {
+
 using namespace lightwire::kernels;
 
 TEST_CASE("payload: header bytes are little-endian as documented") {
@@ -128,3 +130,5 @@ TEST_CASE("payload: a dense payload plus values is its sum; a malformed payload 
   refused(topk, 5, out.size(), "another codec");
   refused(a, 5, out.size() - 1, "output too small");
 }
+
+}  // namespace test_payload

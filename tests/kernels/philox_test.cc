@@ -7,6 +7,8 @@
 
 #include "kernels/philox.h"
 
+namespace test_philox {
+
 using namespace lightwire::kernels;
 
 TEST_CASE("philox: Random123 known-answer vectors for philox4x32-10") {
@@ -59,3 +61,5 @@ TEST_CASE("philox: unitDouble maps words into [0, 1) exactly") {
   for (uint64_t i = 0; i < 65536; ++i) ++buckets[s.word(i) >> 28];
   for (int b : buckets) CHECK(std::abs(b - 4096) < 400);
 }
+
+}  // namespace test_philox

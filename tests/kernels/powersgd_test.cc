@@ -11,7 +11,7 @@
 #include "tests/kernels/test_util.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_powersgd {
 
 using testing::gaussian;
 using testing::make;
@@ -499,5 +499,5 @@ TEST_CASE("powersgd: hostile reduced payloads leave out untouched") {
   }
 }
 
-}  // namespace
+}  // namespace test_powersgd
 }  // namespace lightwire::kernels

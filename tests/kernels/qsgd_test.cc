@@ -18,7 +18,7 @@
 #include "tests/kernels/hostile_payload_util.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_qsgd {
 
 std::unique_ptr<Codec> makeQsgd(int bits, uint32_t bucket_size) {
   CodecConfig config;
@@ -556,5 +556,5 @@ TEST_CASE("qsgd encoder refuses bad calls") {
   CHECK(makeQsgd(8, 1)->maxPayloadBytes(100) >= 24 + 4 * 100 + 100);
 }
 
-}  // namespace
+}  // namespace test_qsgd
 }  // namespace lightwire::kernels

@@ -20,7 +20,7 @@
 #include "tests/kernels/test_util.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_randomk {
 
 using Bytes = std::vector<uint8_t>;
 constexpr size_t kFixed = 56;
@@ -609,5 +609,5 @@ TEST_CASE("randomk decoder adds weight times the values") {
   CHECK(out == std::vector<float>{0.5f, 2.0f, 0.75f});
 }
 
-}  // namespace
+}  // namespace test_randomk
 }  // namespace lightwire::kernels

@@ -8,6 +8,8 @@
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
 
+namespace test_reduce {
+
 using namespace lightwire::kernels;
 
 namespace {
@@ -65,3 +67,5 @@ TEST_CASE("reduce: CpuStream partitions cover every index once") {
     }
   }
 }
+
+}  // namespace test_reduce

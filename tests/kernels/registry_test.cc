@@ -8,6 +8,8 @@
 #include "kernels/registry.h"
 #include "tests/kernels/test_util.h"
 
+namespace test_registry {
+
 using namespace lightwire::kernels;
 
 TEST_CASE("registry: every codec of docs/codecs.md is registered once") {
@@ -139,3 +141,5 @@ TEST_CASE("codec: decodeChunkInto writes the bits of decodeChunk into zeros, −
   CHECK(!none->decodeChunkInto((*p)[0], 1.0f, out.data(), 9).isOk());
   CHECK(std::all_of(out.begin(), out.end(), [](float v) { return v == 7.0f; }));
 }
+
+}  // namespace test_registry

@@ -6,6 +6,8 @@
 
 #include "kernels/reuse.h"
 
+namespace test_reuse {
+
 using lightwire::kernels::bestReuse;
 
 namespace {
@@ -86,3 +88,5 @@ TEST_CASE(
     CHECK(total <= 4096 + 64);
   }
 }
+
+}  // namespace test_reuse

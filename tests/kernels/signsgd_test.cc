@@ -15,7 +15,7 @@
 #include "tests/kernels/bucket_codec_test_util.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_signsgd {
 
 using namespace bucket_test;
 
@@ -88,5 +88,5 @@ TEST_CASE("signsgd mean uses the bucket's own count in a short last bucket") {
   CHECK(out[514] == 2.0f);
 }
 
-}  // namespace
+}  // namespace test_signsgd
 }  // namespace lightwire::kernels

@@ -21,6 +21,8 @@
 #include "kernels/simd/targets.h"
 #include "tests/kernels/test_util.h"
 
+namespace test_simd {
+
 using namespace lightwire::kernels;
 
 namespace {
@@ -465,3 +467,5 @@ TEST_CASE(
     }
   }
 }
+
+}  // namespace test_simd

@@ -19,7 +19,7 @@
 #include "tests/kernels/bucket_codec_test_util.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_terngrad {
 
 using namespace bucket_test;
 
@@ -216,5 +216,5 @@ TEST_CASE("terngrad is unbiased and within TernGrad's variance") {
   }
 }
 
-}  // namespace
+}  // namespace test_terngrad
 }  // namespace lightwire::kernels

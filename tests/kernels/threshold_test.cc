@@ -18,7 +18,7 @@
 #include "tests/kernels/test_util.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_threshold {
 
 using Bytes = std::vector<uint8_t>;
 
@@ -348,5 +348,5 @@ TEST_CASE("threshold decoder accepts the none escape layout") {
   CHECK(out == std::vector<float>{2.5f, -3.5f});
 }
 
-}  // namespace
+}  // namespace test_threshold
 }  // namespace lightwire::kernels

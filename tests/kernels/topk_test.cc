@@ -23,7 +23,7 @@
 #include "kernels/select.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_topk {
 
 using Bytes = std::vector<uint8_t>;
 
@@ -550,13 +550,13 @@ TEST_CASE("topk decoder adds weight times fp16 values") {
   CHECK(out == std::vector<float>{1.0f, -2.0f, 1.0f, 1.0f, 1.5f});
 }
 
-}  // namespace
+}  // namespace test_topk
 }  // namespace lightwire::kernels
 
 // --- The one-pass listed selection (select.cc selectGuidedList) and its SIMD kernels ---
 
 namespace lightwire::kernels {
-namespace {
+namespace test_topk {
 
 /// Inputs whose keys defeat a radix or sampled selection: all equal, two values, NaN/Inf among
 /// finite ones, denormals only, keys packed in one key >> 20 bucket, a huge tie at the
@@ -767,5 +767,5 @@ TEST_CASE("SIMD selection kernels equal their scalar definition on every target 
   hwy::SetSupportedTargetsForTest(0);
 }
 
-}  // namespace
+}  // namespace test_topk
 }  // namespace lightwire::kernels

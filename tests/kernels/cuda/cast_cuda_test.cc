@@ -17,7 +17,7 @@
 #include "tests/kernels/cuda/cast_inputs.h"
 
 namespace lightwire::kernels {
-namespace {
+namespace test_cast_cuda {
 
 #define LW_CUDA_REQUIRE(call)                                         \
   do {                                                                \
@@ -193,5 +193,5 @@ TEST_CASE("cuda casts: argument checks, no launch for n = 0") {
   CHECK(cudaGetLastError() == cudaSuccess);
 }
 
-}  // namespace
+}  // namespace test_cast_cuda
 }  // namespace lightwire::kernels

@@ -28,7 +28,7 @@
 #include "tests/kernels/cuda/codec_compare.h"
 
 namespace lightwire::kernels::cuda {
-namespace {
+namespace test_dense_codecs_cuda {
 
 using testing::checkCudaMatchesCpu;
 using testing::checkRejectedLikeCpu;
@@ -764,5 +764,5 @@ TEST_CASE("encodeChunk and decodeChunk refuse bad arguments") {
   LW_CUDA_CHECK_OK(cudaDeviceSynchronize());
 }
 
-}  // namespace
+}  // namespace test_dense_codecs_cuda
 }  // namespace lightwire::kernels::cuda

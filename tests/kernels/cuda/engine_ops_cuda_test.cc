@@ -21,7 +21,7 @@
 #include "kernels/reduce.h"
 
 namespace lightwire::kernels::cuda {
-namespace {
+namespace test_engine_ops_cuda {
 
 #define LW_OPS_REQUIRE(call)                                          \
   do {                                                                \
@@ -167,5 +167,5 @@ TEST_CASE("countValues, addFloats and narrowFloats") {
   }
 }
 
-}  // namespace
+}  // namespace test_engine_ops_cuda
 }  // namespace lightwire::kernels::cuda

@@ -19,7 +19,7 @@
 namespace json = boost::json;
 
 namespace lightwire::kernels::cuda {
-namespace {
+namespace test_golden_cuda {
 
 using testing::commitOnGpu;
 using testing::DeviceMem;
@@ -340,5 +340,5 @@ TEST_CASE("cuda golden payloads: the CUDA codecs reproduce tests/kernels/golden"
   CHECK(total > 0);
 }
 
-}  // namespace
+}  // namespace test_golden_cuda
 }  // namespace lightwire::kernels::cuda

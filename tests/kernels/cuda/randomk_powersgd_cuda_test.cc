@@ -34,7 +34,7 @@
 #include "tests/kernels/cuda/codec_compare.h"
 
 namespace lightwire::kernels::cuda::testing {
-namespace {
+namespace test_randomk_powersgd_cuda {
 
 // --- randomk -------------------------------------------------------------------------------------
 
@@ -987,5 +987,5 @@ TEST_CASE("powersgd cuda: hostile reduced payloads, decodeChunk and the device-s
   CHECK_FALSE(createCudaCodec(ef).isOk());
 }
 
-}  // namespace
+}  // namespace test_randomk_powersgd_cuda
 }  // namespace lightwire::kernels::cuda::testing

@@ -12,7 +12,7 @@
 #include "tests/kernels/cuda/codec_compare.h"
 
 namespace lightwire::kernels::cuda {
-namespace {
+namespace test_reduce_cuda {
 
 using testing::DeviceMem;
 
@@ -95,5 +95,5 @@ TEST_CASE("cuda canonicalSum rejects null pointers") {
   CHECK(sameDouble(zero, 0.0));
 }
 
-}  // namespace
+}  // namespace test_reduce_cuda
 }  // namespace lightwire::kernels::cuda

@@ -24,7 +24,7 @@
 #include "tests/kernels/cuda/codec_compare.h"
 
 namespace lightwire::kernels::cuda::testing {
-namespace {
+namespace test_sparse_codecs_cuda {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -826,5 +826,5 @@ TEST_CASE(
   CHECK(std::all_of(flushed->begin(), flushed->end(), [](float f) { return f == 0.0f; }));
 }
 
-}  // namespace
+}  // namespace test_sparse_codecs_cuda
 }  // namespace lightwire::kernels::cuda::testing
