@@ -69,6 +69,9 @@ def trainer(rank, world, way, store, steps, size, queue):
             raise RuntimeError("the lightwire hook averaged no bucket in its direct path")
         queue.put({"median_step_seconds": statistics.median(seconds[10:]),
                    "trainer_cpu_seconds_per_step": cpu.item() / steps})
+    # Every rank leaves together (as in worker.py): a rank tearing gloo down while the other is
+    # still in the last collective can abort it ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -83,8 +86,10 @@ def main():
     args = p.parse_args()
     if args.repeats < 1 or args.steps < 20 or args.world_size < 2:
         sys.exit("hook_cost.py: --repeats >= 1, --steps >= 20, --world-size >= 2")
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    import multiprocessing
+    # Trainers start from a fork server that imported torch once (worker.py says why).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel"])
     runs = {w: [] for w in WAYS}
     work = tempfile.mkdtemp(prefix="lightwire-hook-cost-")
     try:

@@ -19,11 +19,12 @@ def init_pg(store_dir, rank=0, world_size=1):
 
 
 def run_ranks(fn, args, nprocs, timeout_s):
-    """Runs fn(rank, *args) in `nprocs` spawned processes and waits for them; returns None when
+    """Runs fn(rank, *args) in `nprocs` trainer processes and waits for them; returns None when
     they all ended within `timeout_s`, else kills the ones left and returns what to fail with."""
     import time
     import torch.multiprocessing as mp
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    from conftest import START_METHOD
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=START_METHOD)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import lightwire  # noqa: E402
 import lightwire.torch as lwt  # noqa: E402
 import ddp_helpers as H  # noqa: E402
-from conftest import metric_total  # noqa: E402
+from conftest import START_METHOD, metric_total  # noqa: E402
 
 
 @pytest.fixture
@@ -205,8 +205,9 @@ def _run_two_trainers(sidecar_factory, tmp_path, steps=H.STEPS, bucket_cap_mb=25
     sc = sidecar_factory(local_trainers=2)
     store = tmp_path / "store2"
     store.mkdir()
-    mp.spawn(_two_trainers, args=(str(store), sc.socket, str(tmp_path), steps, bucket_cap_mb, hidden),
-             nprocs=2, join=True)
+    mp.start_processes(_two_trainers, args=(str(store), sc.socket, str(tmp_path), steps,
+                                            bucket_cap_mb, hidden),
+                       nprocs=2, join=True, start_method=START_METHOD)
     return [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(2)]
 
 
@@ -353,8 +354,9 @@ def _run_split(sidecar, tmp_path, agree, timeout_s, bucket_cap_mb=25, hidden=(64
     import torch.multiprocessing as mp
     store = tmp_path / "store"
     store.mkdir()
-    mp.spawn(_split_outcome, args=(str(store), sidecar.socket, str(tmp_path), agree, timeout_s,
-                                   bucket_cap_mb, hidden), nprocs=2, join=True)
+    mp.start_processes(_split_outcome, args=(str(store), sidecar.socket, str(tmp_path), agree,
+                                             timeout_s, bucket_cap_mb, hidden),
+                       nprocs=2, join=True, start_method=START_METHOD)
     return [torch.load(str(tmp_path / ("rank%d.pt" % i))) for i in range(2)]
 
 

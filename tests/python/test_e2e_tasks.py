@@ -146,6 +146,8 @@ def test_ddp_two_ranks(name, tmp_path):
     """DDP over gloo: no unused parameters, the ranks stay equal, evaluate() on the DDP wrapper
     involves no collective (so rank 0 alone may call it)."""
     import torch.multiprocessing as mp
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), name, str(tmp_path)), nprocs=2, join=True)
+    from conftest import START_METHOD
+    mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "store"), name, str(tmp_path)),
+                       nprocs=2, join=True, start_method=START_METHOD)
     p0, p1 = (torch.load(str(tmp_path / ("params-%d.pt" % r))) for r in range(2))
     assert torch.equal(p0, p1)

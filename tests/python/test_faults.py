@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import CLIENT_DIR, poll_until
+from conftest import CLIENT_DIR, START_METHOD, poll_until
 from fault_relay import FaultRelay
 from test_exchange import TENSOR, lwref, Reference, assert_bitwise, ref_cfg, run_trainers, trainer_input
 
@@ -307,7 +307,7 @@ def test_ddp_hook_falls_back_on_every_rank_at_the_same_step(cluster_factory, tmp
     cl = cluster_factory(W, codec="none", chunk_elements=384, peer_timeout=PEER_TIMEOUT)
     gates = str(tmp_path)
     ctx = mp.start_processes(_ddp_rank, args=(W, [sc.socket for sc in cl.sidecars], gates), nprocs=W,
-                             join=False, start_method="spawn")
+                             join=False, start_method=START_METHOD)
     try:
         for r in range(W):
             _wait_file(gates, "rank%d-at-kill" % r, 90)
