@@ -11,8 +11,8 @@
 #     which counts as skipped on a machine without a GPU (exit 77), never as passed;
 #   - the golden payload check of the independent reference implementation (one test);
 #   - the Python client and DDP hook tests (pytest) against the real sidecar and PyTorch (the
-#     container test, tests/python/test_containers.py, last, once the background images are
-#     built); they include the deployment files (tests/python/test_deploy.py: docker-compose config of
+#     container test, tests/python/test_containers.py, after the others, once the background
+#     images are built, while the sanitizer builds finish); they include the deployment files (tests/python/test_deploy.py: docker-compose config of
 #     docker/compose.yml, the Dockerfile against the binary's libraries, the Kubernetes manifests
 #     and `serve --check-config` of their configuration, the compose job's commands on loopback);
 #   - promtool checks of docker/prometheus (config, rules, rule unit tests);
@@ -349,10 +349,43 @@ PY
 fi
 
 # The container test waits for the background images (it starts an engine on the data root their
-# builds use): it runs last, on its own.
-note "== Python client and DDP hook (pytest, real sidecar, real PyTorch; the container test last)"
+# builds use): it runs after the others, on its own.
+note "== Python client and DDP hook (pytest, real sidecar, real PyTorch; the container test after)"
 if ((release_ok)); then
   pytest_run pytest "$logs/python.log" --durations=20 --ignore=tests/python/test_containers.py
+fi
+
+# The container test runs while the sanitizer builds finish: most of its time is the engine's
+# start, the compose stack's start and its trainers' paced steps (at least 32 s), waits that
+# leave the processors to the builds; at nice 0 it comes first when it does compute. The
+# background images are done (their engine stopped) before it starts its own engine.
+image_ok=0
+if ((image_started)); then
+  beside_wait image && image_ok=1
+  if [[ -z "$engine_why" ]]; then
+    note "      (the container test's images: $(beside_seconds image) s in the background; $(tail -n 1 "$logs/images-ahead.log" 2>/dev/null))"
+  else
+    note "      (image emulation: $(beside_seconds image) s in the background)"
+  fi
+fi
+note "== the images and the compose stack on a real Docker engine (pytest)"
+if ((release_ok)); then
+  pytest_run "pytest (containers)" "$logs/python-containers.log" tests/python/test_containers.py
+fi
+
+# Only where no engine can run: the real engine's test above covers what the emulation checks.
+if [[ -n "$engine_why" ]]; then
+  note "== the sidecar and trainer images, emulated (docker/Dockerfile on a debootstrapped Debian 12)"
+  if [[ $(id -u) -ne 0 ]]; then
+    skip "image emulation" "needs root (debootstrap, chroot): sudo $python scripts/check-image.py"
+  elif ((!image_started)); then
+    fail "image emulation" "no $release_dir/proxy/lightwire"
+  elif ((image_ok)); then
+    pass "image emulation: sidecar and trainer stages, health check, a compose node's training (in the background)"
+  else
+    grep '^check-image' "$logs/image.log" | tail -n 20
+    fail "image emulation" "see $logs/image.log"
+  fi
 fi
 
 note "== sanitizer builds (in the background since the release build)"
@@ -463,36 +496,6 @@ if ((soak_started)); then
   else
     tail -n 25 "$logs/soak.log"
     fail "soak $((soak_warmup + 60)) s" "see $logs/soak.log"
-  fi
-fi
-
-# The background images are done (their engine stopped) before the container test starts its own.
-image_ok=0
-if ((image_started)); then
-  beside_wait image && image_ok=1
-  if [[ -z "$engine_why" ]]; then
-    note "      (the container test's images: $(beside_seconds image) s in the background; $(tail -n 1 "$logs/images-ahead.log" 2>/dev/null))"
-  else
-    note "      (image emulation: $(beside_seconds image) s in the background)"
-  fi
-fi
-note "== the images and the compose stack on a real Docker engine (pytest)"
-if ((release_ok)); then
-  pytest_run "pytest (containers)" "$logs/python-containers.log" tests/python/test_containers.py
-fi
-
-# Only where no engine can run: the real engine's test above covers what the emulation checks.
-if [[ -n "$engine_why" ]]; then
-  note "== the sidecar and trainer images, emulated (docker/Dockerfile on a debootstrapped Debian 12)"
-  if [[ $(id -u) -ne 0 ]]; then
-    skip "image emulation" "needs root (debootstrap, chroot): sudo $python scripts/check-image.py"
-  elif ((!image_started)); then
-    fail "image emulation" "no $release_dir/proxy/lightwire"
-  elif ((image_ok)); then
-    pass "image emulation: sidecar and trainer stages, health check, a compose node's training (in the background)"
-  else
-    grep '^check-image' "$logs/image.log" | tail -n 20
-    fail "image emulation" "see $logs/image.log"
   fi
 fi
 
