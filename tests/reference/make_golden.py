@@ -426,7 +426,7 @@ def cases(log):
     C.append(case("dgc_clip_reduction_order_b", cfg("dgc", density=0.01, clip_norm=clip_b), "fp32",
                   [Step(dx, 0, input_of=0, input_case="dgc_clip_reduction_order_a")], chunk=3000,
                   tensor="probe", note="clip_norm / N lies just below an fp32 rounding boundary"))
-    C.extend(cases_issue3(log))
+    C.extend(cases_later_codecs(log))
     C.extend(global_cases())
     return C
 
@@ -494,6 +494,44 @@ def gs_case(name, config, chunk, steps, tensor="layer.0.weight", seed=0, note=""
                 n=n, note=note, world=world, chunk=chunk, global_selection=True)
 
 
+def put_file(outdir, written, name, data):
+    """Writes one golden file (its path relative to outdir) and remembers its bytes."""
+    with open(os.path.join(outdir, name), "wb") as fh:
+        fh.write(data)
+    written[name] = data
+
+
+def _opt_repr(v):
+    return None if v is None else repr(float(v))
+
+
+def config_json(config):
+    """A case's codec configuration as the manifest holds it (doubles as decimal strings)."""
+    cj = {
+        "name": config["name"],
+        "density": _opt_repr(config["density"]),
+        "ratio": _opt_repr(config["ratio"]),
+        "bits": config["bits"],
+        "bucket_size": config["bucket_size"],
+        "momentum": repr(float(config["momentum"])),
+        "clip_norm": repr(float(config["clip_norm"])),
+        "sample_fraction": repr(float(config["sample_fraction"])),
+        "sparse_values": config["sparse_values"],
+        "error_feedback": config["error_feedback"],
+        "threshold": _opt_repr(config["threshold"]),
+        "approx_rank": config["approx_rank"],
+    }
+    if config["bias_correction"]:
+        cj["bias_correction"] = True
+    return cj
+
+
+def with_note(cj, c):
+    if c["note"]:
+        cj["note"] = c["note"]
+    return cj
+
+
 def run_gs_case(c, outdir, log, written):
     """W ranks: each encodes with the effect of sending deferred; each chunk's owner sums the
     ranks' payloads in rank order and keeps its share of k by the entries the ranks sent for it,
@@ -507,9 +545,7 @@ def run_gs_case(c, outdir, log, written):
     os.makedirs(os.path.join(outdir, c["name"]), exist_ok=True)
 
     def put(nm, data):
-        with open(os.path.join(outdir, nm), "wb") as fh:
-            fh.write(data)
-        written[nm] = data
+        put_file(outdir, written, nm, data)
 
     steps_json = []
     for j, st in enumerate(c["steps"]):
@@ -550,29 +586,12 @@ def run_gs_case(c, outdir, log, written):
             "decoded_format": "dense", "info": {"k": k, "selected": int(nnz)}})
         log("    step %d: k %d, selected %d, entries sent %s, payloads %s bytes per rank" % (
             st.step, k, nnz, entries, [sum(sz) for sz in sent_sizes]))
-    cj = {
-        "name": c["name"],
-        "config": {
-            "name": config["name"],
-            "density": None if config["density"] is None else repr(float(config["density"])),
-            "ratio": None,
-            "bits": config["bits"], "bucket_size": config["bucket_size"],
-            "momentum": repr(float(config["momentum"])),
-            "clip_norm": repr(float(config["clip_norm"])),
-            "sample_fraction": repr(float(config["sample_fraction"])),
-            "sparse_values": config["sparse_values"], "error_feedback": config["error_feedback"],
-            "threshold": None if config["threshold"] is None else repr(float(config["threshold"])),
-            "approx_rank": config["approx_rank"],
-        },
+    return with_note({
+        "name": c["name"], "config": config_json(config),
         "tensor_name": c["tensor"], "seed": c["seed"], "rank": 0, "dtype": "fp32",
         "elements": n, "chunk_elements": c["chunk"], "chunk_sizes": [m for _, m in chunking],
         "global_world": world, "steps": steps_json,
-    }
-    if config["bias_correction"]:
-        cj["config"]["bias_correction"] = True
-    if c["note"]:
-        cj["note"] = c["note"]
-    return cj
+    }, c)
 
 
 def with_nonfinite(x, at):
@@ -596,7 +615,8 @@ def bucket_edges(seed, n):
     return x
 
 
-def cases_issue3(log):
+def cases_later_codecs(log):
+    """randomk, threshold, terngrad, signsgd, onebit and powersgd (two ranks, two rounds)."""
     C = []
     # --- randomk ------------------------------------------------------------------------------
     C.append(case("randomk_density_f32", cfg("randomk", density=0.05), "fp32",
@@ -1140,9 +1160,7 @@ def run_case(c, outdir, log, written):
         data = raw_bytes(st.data, c["dtype"])
         if st.input_of is None:
             in_name = "%s/s%d.in" % (c["name"], j)
-            with open(os.path.join(outdir, in_name), "wb") as fh:
-                fh.write(data)
-            written[in_name] = data
+            put_file(outdir, written, in_name, data)
         else:
             in_name = "%s/s%d.in" % (st.input_case or c["name"], st.input_of)
             assert written[in_name] == data, in_name  # an earlier file with the same bytes
@@ -1151,17 +1169,16 @@ def run_case(c, outdir, log, written):
         out = np.zeros(n, dtype=np.float32)
         codec.decode(payloads, chunking, st.weight, out)
         pay_name = "%s/s%d.payload" % (c["name"], j)
-        with open(os.path.join(outdir, pay_name), "wb") as fh:
-            fh.write(b"".join(payloads))
+        put_file(outdir, written, pay_name, b"".join(payloads))
         dec_name = "%s/s%d.decoded" % (c["name"], j)
         bits = out.view(np.uint32)
         sparse = 8 * int(np.count_nonzero(bits)) < 4 * n  # whichever file is smaller
-        with open(os.path.join(outdir, dec_name), "wb") as fh:
-            if sparse:
-                nz = np.nonzero(bits != 0)[0]
-                fh.write(b"".join(struct.pack("<II", int(i), int(bits[i])) for i in nz))
-            else:
-                fh.write(out.astype("<f4").tobytes())
+        if sparse:
+            nz = np.nonzero(bits != 0)[0]
+            decoded = b"".join(struct.pack("<II", int(i), int(bits[i])) for i in nz)
+        else:
+            decoded = out.astype("<f4").tobytes()
+        put_file(outdir, written, dec_name, decoded)
         sj = {
             "step": st.step,
             "weight": repr(float(st.weight)),
@@ -1175,19 +1192,14 @@ def run_case(c, outdir, log, written):
         }
         if other_codec is not None:
             oin = "%s/s%d.other.in" % (c["name"], j)
-            odata = raw_bytes(st.other, c["dtype"])
-            with open(os.path.join(outdir, oin), "wb") as fh:
-                fh.write(odata)
-            written[oin] = odata
+            put_file(outdir, written, oin, raw_bytes(st.other, c["dtype"]))
             opay, _ = other_codec.step(st.other, c["dtype"], chunking, c["seed"], c["tensor"],
                                        st.step, c["other_rank"], st.density)
             sums = [lwref.add_payloads(config["name"], pa, pb) for pa, pb in zip(payloads, opay)]
             opn = "%s/s%d.other.payload" % (c["name"], j)
             spn = "%s/s%d.sum.payload" % (c["name"], j)
-            with open(os.path.join(outdir, opn), "wb") as fh:
-                fh.write(b"".join(opay))
-            with open(os.path.join(outdir, spn), "wb") as fh:
-                fh.write(b"".join(sums))
+            put_file(outdir, written, opn, b"".join(opay))
+            put_file(outdir, written, spn, b"".join(sums))
             sj["add"] = {"rank": c["other_rank"], "input": oin, "payload": opn,
                          "payload_sizes": [len(p) for p in opay], "sum": spn,
                          "sum_sizes": [len(p) for p in sums]}
@@ -1195,36 +1207,12 @@ def run_case(c, outdir, log, written):
         desc = " ".join("%s=%s" % (k, v) for k, v in info.items() if k != "dgc_lo_hi")
         log("    step %d: %d chunk(s), %d payload bytes %s" % (
             st.step, len(payloads), sum(len(p) for p in payloads), desc))
-    cj = {
-        "name": c["name"],
-        "config": {
-            "name": config["name"],
-            "density": None if config["density"] is None else repr(float(config["density"])),
-            "ratio": None if config["ratio"] is None else repr(float(config["ratio"])),
-            "bits": config["bits"],
-            "bucket_size": config["bucket_size"],
-            "momentum": repr(float(config["momentum"])),
-            "clip_norm": repr(float(config["clip_norm"])),
-            "sample_fraction": repr(float(config["sample_fraction"])),
-            "sparse_values": config["sparse_values"],
-            "error_feedback": config["error_feedback"],
-            "threshold": None if config["threshold"] is None else repr(float(config["threshold"])),
-            "approx_rank": config["approx_rank"],
-        },
-        "tensor_name": c["tensor"],
-        "seed": c["seed"],
-        "rank": c["rank"],
-        "dtype": c["dtype"],
-        "elements": n,
-        "chunk_elements": c["chunk"],
-        "chunk_sizes": [m for _, m in chunking],
+    return with_note({
+        "name": c["name"], "config": config_json(config),
+        "tensor_name": c["tensor"], "seed": c["seed"], "rank": c["rank"], "dtype": c["dtype"],
+        "elements": n, "chunk_elements": c["chunk"], "chunk_sizes": [m for _, m in chunking],
         "steps": steps_json,
-    }
-    if config["bias_correction"]:
-        cj["config"]["bias_correction"] = True
-    if c["note"]:
-        cj["note"] = c["note"]
-    return cj
+    }, c)
 
 
 class MRStep:
@@ -1266,10 +1254,7 @@ def run_mr_case(c, outdir, log, written):
         in_names = []
         for rk, x in enumerate(st.inputs):
             nm = "%s/s%d.r%d.in" % (c["name"], j, rk)
-            data = raw_bytes(x, c["dtype"])
-            with open(os.path.join(outdir, nm), "wb") as fh:
-                fh.write(data)
-            written[nm] = data
+            put_file(outdir, written, nm, raw_bytes(x, c["dtype"]))
             in_names.append(nm)
         shape = c["shape"] if st.shape == "case" else st.shape
         sent0 = [ranks[rk].begin(st.inputs[rk], c["dtype"], c["seed"], c["tensor"], st.step,
@@ -1292,19 +1277,16 @@ def run_mr_case(c, outdir, log, written):
             names = []
             for rk, p in enumerate(sent):
                 nm = "%s/s%d.r%d.round%d.payload" % (c["name"], j, rk, q)
-                with open(os.path.join(outdir, nm), "wb") as fh:
-                    fh.write(p)
+                put_file(outdir, written, nm, p)
                 names.append(nm)
             sent_names.append(names)
         red_names = []
         for q, red in enumerate((red0, red1)):
             nm = "%s/s%d.round%d.reduced" % (c["name"], j, q)
-            with open(os.path.join(outdir, nm), "wb") as fh:
-                fh.write(red)
+            put_file(outdir, written, nm, red)
             red_names.append(nm)
         dec_name = "%s/s%d.decoded" % (c["name"], j)
-        with open(os.path.join(outdir, dec_name), "wb") as fh:
-            fh.write(out.astype("<f4").tobytes())
+        put_file(outdir, written, dec_name, out.astype("<f4").tobytes())
         steps_json.append({
             "step": st.step, "weight": repr(float(st.weight)), "density": None,
             "shape": shape, "inputs": in_names, "sent": sent_names, "reduced": red_names,
@@ -1312,23 +1294,12 @@ def run_mr_case(c, outdir, log, written):
         log("    step %d: view %dx%d r=%d, redrawn %s, %d + %d bytes per rank" % (
             st.step, info["rows"], info["cols"], info["r"], info["redrawn_columns"], len(sent0[0]),
             len(sent1[0])))
-    cj = {
-        "name": c["name"],
-        "config": {
-            "name": config["name"], "density": None, "ratio": None, "bits": config["bits"],
-            "bucket_size": config["bucket_size"], "momentum": repr(float(config["momentum"])),
-            "clip_norm": repr(float(config["clip_norm"])),
-            "sample_fraction": repr(float(config["sample_fraction"])),
-            "sparse_values": config["sparse_values"], "error_feedback": config["error_feedback"],
-            "threshold": None, "approx_rank": config["approx_rank"],
-        },
+    return with_note({
+        "name": c["name"], "config": config_json(config),
         "tensor_name": c["tensor"], "seed": c["seed"], "rank": 0, "dtype": c["dtype"],
         "elements": n, "chunk_elements": 0, "chunk_sizes": [n], "world": world,
         "shape": c["shape"], "steps": steps_json,
-    }
-    if c["note"]:
-        cj["note"] = c["note"]
-    return cj
+    }, c)
 
 
 def check_coverage(manifest):
