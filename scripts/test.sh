@@ -12,9 +12,10 @@
 #   - the golden payload check of the independent reference implementation (one test);
 #   - the Python client and DDP hook tests (pytest) against the real sidecar and PyTorch (the
 #     container test, tests/python/test_containers.py, after the others, once the background
-#     images are built, while the sanitizer builds finish); they include the deployment files (tests/python/test_deploy.py: docker-compose config of
-#     docker/compose.yml, the Dockerfile against the binary's libraries, the Kubernetes manifests
-#     and `serve --check-config` of their configuration, the compose job's commands on loopback);
+#     images are built, while the sanitizer builds finish); they include the deployment files
+#     (tests/python/test_deploy.py: docker-compose config of docker/compose.yml, the Dockerfile
+#     against the binary's libraries, the Kubernetes manifests and `serve --check-config` of
+#     their configuration, the compose job's commands on loopback);
 #   - promtool checks of docker/prometheus (config, rules, rule unit tests);
 #   - the container test's images are built ahead in the background (at nice 10, from the end of
 #     the release build on: scripts/containers.py images), so that the test rebuilds them from the

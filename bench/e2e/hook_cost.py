@@ -86,10 +86,8 @@ def main():
     args = p.parse_args()
     if args.repeats < 1 or args.steps < 20 or args.world_size < 2:
         sys.exit("hook_cost.py: --repeats >= 1, --steps >= 20, --world-size >= 2")
-    import multiprocessing
-    # Trainers start from a fork server that imported torch once (worker.py says why).
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel"])
+    import worker
+    ctx = worker.rank_context()  # the e2e ranks' fork server
     runs = {w: [] for w in WAYS}
     work = tempfile.mkdtemp(prefix="lightwire-hook-cost-")
     try:

@@ -294,18 +294,23 @@ def _entry(rank, spec, out_path):
         os._exit(1)  # noqa: the other ranks are stuck in collectives: the parent kills them
 
 
+def rank_context():
+    """The multiprocessing context the ranks start from: a fork server that imported torch once
+    (the parent does not need it), so each rank is a fresh process as with "spawn" without
+    importing torch again (about 2 CPU-seconds a rank)."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel"])
+    return ctx
+
+
 def main(argv):
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
     with open(argv[1]) as f:
         spec = json.load(f)
-    import multiprocessing
-    # The ranks start from a fork server that imported torch once (this process does not need
-    # it): each a fresh process as with "spawn", without importing torch again (about 2
-    # CPU-seconds a rank).
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel"])
+    ctx = rank_context()
     procs = [ctx.Process(target=_entry, args=(r, spec, argv[2])) for r in range(spec["world_size"])]
     for p in procs:
         p.start()
