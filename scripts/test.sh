@@ -45,6 +45,17 @@ failures=()
 start=$SECONDS
 
 note() { printf '%s\n' "$*"; }
+# Sets cpu to the CPU seconds (user + system) of the processes this shell, or the subshell that
+# calls it, has waited for so far: the steps below report their CPU time beside their wall time
+# (the suite's processors are busy throughout, so its CPU time is what its duration follows).
+# Not through $(...): `times` in a command substitution would count the substitution's children.
+cpu_now() {
+  local file=$logs/.times.$BASHPID
+  times >"$file"
+  cpu=$(awk 'NR == 2 { for (i = 1; i <= 2; i++) { split($i, a, "m"); s += a[1] * 60 + a[2] }
+                       printf "%.0f\n", s }' "$file")
+  rm -f "$file"
+}
 pass() { passed=$((passed + 1)); note "PASS  $1"; }
 fail() { failed=$((failed + 1)); failures+=("$1"); note "FAIL  $1${2:+ ($2)}"; }
 skip() { skipped=$((skipped + 1)); note "SKIP  $1${2:+ ($2)}"; }
@@ -54,9 +65,11 @@ skip() { skipped=$((skipped + 1)); note "SKIP  $1${2:+ ($2)}"; }
 quiet() {
   local name=$1 log=$2
   shift 2
-  local t0=$SECONDS
+  local t0=$SECONDS c0
+  cpu_now && c0=$cpu
   if "$@" >"$log" 2>&1; then
-    note "ok    $name ($((SECONDS - t0)) s)"
+    cpu_now
+    note "ok    $name ($((SECONDS - t0)) s, $((cpu - c0)) CPU-s)"
     return 0
   fi
   tail -n 40 "$log"
@@ -66,14 +79,18 @@ quiet() {
 # Runs a doctest binary and adds its test-case counts.
 # doctest_run NAME BINARY [ENV=VALUE...]
 doctest_run() {
-  local name=$1 binary=$2 t0=$SECONDS
+  local name=$1 binary=$2 t0=$SECONDS c0 rc
   shift 2
+  cpu_now && c0=$cpu
   env "$@" "$binary" -r=console --no-version >"$logs/$name.log" 2>&1
-  doctest_report "$name" $? $((SECONDS - t0))
+  rc=$?
+  cpu_now
+  doctest_report "$name" $rc "$((SECONDS - t0)) s, $((cpu - c0)) CPU-s"
 }
 
 # Runs a command in the background, beside the steps that follow: output to $logs/NAME.log, its
-# duration in seconds to $logs/NAME.seconds. beside_wait NAME waits for it and returns its status.
+# wall and CPU time to $logs/NAME.took ("T s, C CPU-s"). beside_wait NAME waits for it and returns
+# its status.
 # beside NAME CMD...
 declare -A beside_pids
 beside() {
@@ -83,13 +100,14 @@ beside() {
     t0=$SECONDS
     "$@" >"$logs/$name.log" 2>&1
     rc=$?
-    echo $((SECONDS - t0)) >"$logs/$name.seconds"
+    cpu_now
+    echo "$((SECONDS - t0)) s, $cpu CPU-s" >"$logs/$name.took"
     exit $rc
   ) &
   beside_pids[$name]=$!
 }
 beside_wait() { wait "${beside_pids[$1]}"; }
-beside_seconds() { cat "$logs/$1.seconds" 2>/dev/null || echo '?'; }
+beside_took() { cat "$logs/$1.took" 2>/dev/null || echo '? s'; }
 
 # A doctest binary beside the other tests; doctest_wait reports it.
 # doctest_start NAME BINARY [ENV=VALUE...]
@@ -103,13 +121,13 @@ doctest_wait() {
   local name=$1 rc
   beside_wait "$name"
   rc=$?
-  doctest_report "$name" $rc "$(beside_seconds "$name")" "beside the others"
+  doctest_report "$name" $rc "$(beside_took "$name")" "beside the others"
 }
 
 # Adds the test-case counts of a finished doctest run (its log: $logs/NAME.log).
-# doctest_report NAME EXIT_CODE SECONDS [HOW]
+# doctest_report NAME EXIT_CODE TOOK [HOW]   (TOOK: "T s, C CPU-s")
 doctest_report() {
-  local name=$1 rc=$2 seconds=$3 how=${4:+, $4}
+  local name=$1 rc=$2 took=$3 how=${4:+, $4}
   local log=$logs/$name.log
   local summary
   summary=$(grep -E '^\[doctest\] test cases:' "$log" | tail -n 1)
@@ -126,7 +144,7 @@ doctest_report() {
   passed=$((passed + p))
   failed=$((failed + f))
   skipped=$((skipped + s))
-  note "      $name: $p passed, $f failed, $s skipped ($seconds s$how)"
+  note "      $name: $p passed, $f failed, $s skipped ($took$how)"
   if ((f > 0)); then
     grep -E 'ERROR|FATAL' "$log" | head -n 20
     failures+=("$name: $f test case(s)")
@@ -167,9 +185,8 @@ engine_why=$("$python" -c 'import sys; sys.path.insert(0, "scripts"); import con
 ok, why = containers.available(); print("" if ok else why)' 2>&1)
 images_in_background() {
   if [[ -z "$engine_why" ]]; then
-    local t0=$SECONDS
     nice -n 10 "$python" scripts/containers.py images >"$logs/images-ahead.log" 2>&1
-    echo "container test's images built ahead: exit $? ($((SECONDS - t0)) s)" >>"$logs/images-ahead.log"
+    echo "container test's images built ahead: exit $?" >>"$logs/images-ahead.log"
     return 0
   fi
   nice -n 10 "$python" scripts/check-image.py --bin "$release_dir/proxy/lightwire" \
@@ -191,17 +208,19 @@ tsan_ok=0
 # build's tests below (unit tests, golden check, pytest), which keep about one of the two
 # processors busy and wait on sockets, timers and PyTorch's start-up the rest of the time: the
 # builds take what they leave (pytest measured 122 % of one processor over its 447 s). Each
-# build's exit code and seconds go to $logs/build-VARIANT.{rc,seconds}; they are reported before
-# the sanitizer tests, which wait for them.
+# build's exit code and time go to $logs/build-VARIANT.{rc,took}; they are reported before the
+# sanitizer tests, which wait for them.
 sanitizer_builds() {
-  local variant dir t0
+  local variant dir t0 c0
   for variant in asan tsan; do
     dir=$asan_dir
     [[ $variant == tsan ]] && dir=$tsan_dir
     t0=$SECONDS
+    cpu_now && c0=$cpu
     nice -n 10 bash scripts/build.sh "$variant" "$dir" >"$logs/build-$variant.log" 2>&1
     echo $? >"$logs/build-$variant.rc"
-    echo $((SECONDS - t0)) >"$logs/build-$variant.seconds"
+    cpu_now
+    echo "$((SECONDS - t0)) s, $((cpu - c0)) CPU-s" >"$logs/build-$variant.took"
   done
 }
 beside sanitizer-builds sanitizer_builds
@@ -212,7 +231,7 @@ report_build() {
   local rc
   rc=$(cat "$logs/build-$variant.rc" 2>/dev/null || echo '?')
   if [[ "$rc" == 0 ]]; then
-    note "ok    build $label ($(cat "$logs/build-$variant.seconds") s, in the background)"
+    note "ok    build $label ($(cat "$logs/build-$variant.took"), in the background)"
     return 0
   fi
   tail -n 40 "$logs/build-$variant.log"
@@ -223,11 +242,13 @@ report_build() {
 # Runs pytest on the Python tests (tests/python/run.sh ARGS) into LOG and adds its counts.
 # pytest_run LABEL LOG ARGS...
 pytest_run() {
-  local label=$1 log=$2 t0=$SECONDS
+  local label=$1 log=$2 t0=$SECONDS c0
   shift 2
+  cpu_now && c0=$cpu
   LIGHTWIRE_BIN=$PWD/$release_dir/proxy/lightwire PYTHON=$python bash tests/python/run.sh \
     "$@" >"$log" 2>&1
   local rc=$?
+  cpu_now
   # pytest's last line: "N passed, M failed, K skipped in T s" (any subset, any order).
   local line
   line=$(grep -E '^[=]* *[0-9]+ (passed|failed|skipped|error|deselected)' "$log" | tail -n 1)
@@ -237,7 +258,7 @@ pytest_run() {
   p=$(( $(count passed) + $(count xpassed) )) f=$(( $(count failed) + $(count error) ))
   s=$(( $(count skipped) + $(count xfailed) ))
   passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
-  note "      $label: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s)"
+  note "      $label: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s, $((cpu - c0)) CPU-s)"
   if ((f > 0)); then
     grep -E '^(FAILED|ERROR)' "$log" | head -n 20
     failures+=("$label: $f test(s), see $log")
@@ -364,9 +385,9 @@ image_ok=0
 if ((image_started)); then
   beside_wait image && image_ok=1
   if [[ -z "$engine_why" ]]; then
-    note "      (the container test's images: $(beside_seconds image) s in the background; $(tail -n 1 "$logs/images-ahead.log" 2>/dev/null))"
+    note "      (the container test's images: $(beside_took image) in the background; $(tail -n 1 "$logs/images-ahead.log" 2>/dev/null))"
   else
-    note "      (image emulation: $(beside_seconds image) s in the background)"
+    note "      (image emulation: $(beside_took image) in the background)"
   fi
 fi
 note "== the images and the compose stack on a real Docker engine (pytest)"
@@ -465,6 +486,7 @@ fi
 note "== fuzzing (libFuzzer, ASan+UBSan, every target ${LW_FUZZ_SECONDS:-10} s)"
 if ((asan_ok)); then
   t0=$SECONDS
+  cpu_now && c0=$cpu
   bash scripts/fuzz.sh "${LW_FUZZ_SECONDS:-10}" "$asan_dir" >"$logs/fuzz.log" 2>&1
   rc=$?
   # One line per target: "<target> <runs> ... <result>", result "ok" or "FAILED ...".
@@ -487,20 +509,22 @@ if ((asan_ok)); then
   elif ((rc != 0 && fuzz_failed == 0)); then
     fail "fuzz" "exit code $rc, see $logs/fuzz.log"
   fi
-  note "      ($((SECONDS - t0)) s)"
+  cpu_now
+  note "      ($((SECONDS - t0)) s, $((cpu - c0)) CPU-s)"
 fi
 
 note "== soak (3 sidecars x 2 trainers at full rate, beside the fuzzing; judged over 60 s)"
 if ((soak_started)); then
   if beside_wait soak; then
-    pass "soak $((soak_warmup + 60)) s: $(grep -E '^VERDICT:' "$logs/soak.log" | tail -n 1) ($(beside_seconds soak) s)"
+    pass "soak $((soak_warmup + 60)) s: $(grep -E '^VERDICT:' "$logs/soak.log" | tail -n 1) ($(beside_took soak))"
   else
     tail -n 25 "$logs/soak.log"
     fail "soak $((soak_warmup + 60)) s" "see $logs/soak.log"
   fi
 fi
 
-note "== $((SECONDS - start)) s"
+cpu_now
+note "== $((SECONDS - start)) s, $cpu CPU-s (every process the steps waited for)"
 for f in "${failures[@]}"; do note "failed: $f"; done
 summary="$passed passed, $failed failed"
 ((skipped > 0)) && summary+=", $skipped skipped"
