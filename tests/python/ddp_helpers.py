@@ -1,6 +1,7 @@
 """A small learnable task trained with DDP (gloo, CPU), with or without the lightwire hook."""
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -18,20 +19,42 @@ def init_pg(store_dir, rank=0, world_size=1):
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world_size)
 
 
+def _rank_with_stacks(rank, fn, *args):
+    """A trainer process: fn(rank, *args), its threads' Python stacks written to its standard
+    error on SIGUSR1 (run_ranks asks for them before it kills a process that overran)."""
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    fn(rank, *args)
+
+
 def run_ranks(fn, args, nprocs, timeout_s):
     """Runs fn(rank, *args) in `nprocs` trainer processes and waits for them; returns None when
-    they all ended within `timeout_s`, else kills the ones left and returns what to fail with."""
+    they all ended within `timeout_s`, else writes the Python stacks of the ones left to standard
+    error (with LW_GDB_ON_HANG=1 also gdb's native stacks), kills them and returns what to fail
+    with."""
+    import signal
     import time
     import torch.multiprocessing as mp
     from conftest import START_METHOD
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=START_METHOD)
+    ctx = mp.start_processes(_rank_with_stacks, args=(fn,) + tuple(args), nprocs=nprocs,
+                             join=False, start_method=START_METHOD)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            return "%d trainer processes still running after %d s" % (nprocs, timeout_s)
+            left = [p for p in ctx.processes if p.is_alive()]
+            for p in left:
+                os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(2)
+            if os.environ.get("LW_GDB_ON_HANG"):  # and their native stacks, where gdb is
+                import subprocess
+                for p in left:
+                    subprocess.run(["gdb", "-p", str(p.pid), "-batch", "-ex", "thread apply all bt"],
+                                   stdout=sys.stderr, stderr=subprocess.STDOUT, timeout=60)
+            for p in left:
+                p.kill()
+            return "%d trainer processes still running after %d s (their stacks: standard error)" % (
+                len(left), timeout_s)
     return None
 
 

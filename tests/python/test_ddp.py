@@ -187,14 +187,23 @@ def _two_trainers(rank, store_dir, socket_path, out_dir, steps, bucket_cap_mb, h
         kw = dict(rank=rank, world_size=2, steps=steps, bucket_cap_mb=bucket_cap_mb, hidden=hidden)
         plain, p_plain = H.train(**kw)
         state = lwt.LightwireHookState(client=lightwire.Client(socket_path=socket_path, timeout=(2.0, 10.0)))
+        no_fallback, flags = _no_fallback(state), []
+
+        def on_step(i):
+            no_fallback(i)
+            flags.append({k: id(t) for k, t in state._flags.items()})
         try:
-            hooked, p_hooked = H.train(state, on_step=_no_fallback(state), **kw)
+            hooked, p_hooked = H.train(state, on_step=on_step, **kw)
+            flags.append({k: id(t) for k, t in state._flags.items()})
+            used = list(state._flags.values())
         finally:
             state.close()
         torch.save({"plain": plain, "hooked": hooked, "p_plain": p_plain, "p_hooked": p_hooked,
                     "fallbacks": state.fallbacks, "trainer": state.trainer,
                     "sidecar_steps": state.sidecar_steps, "agreements": state.agreements,
-                    "buckets": dict(state.steps)}, os.path.join(out_dir, "rank%d.pt" % rank))
+                    "buckets": dict(state.steps), "flags": flags,
+                    "flags_retired": [any(t is r for r in lwt._RETIRED) for t in used]},
+                   os.path.join(out_dir, "rank%d.pt" % rank))
     finally:
         H.destroy_pg()
 
@@ -315,6 +324,14 @@ def test_one_agreement_per_iteration_with_several_buckets(sidecar_factory, tmp_p
         assert len(r[i]["buckets"]) >= 3, r[i]["buckets"]  # the rebuilt buckets
         assert r[i]["sidecar_steps"] == sum(r[i]["buckets"].values()) > 20, r[i]
         assert r[i]["agreements"] == 20, r[i]  # not one per bucket
+        # Each agreement of a length reuses one tensor, which outlives the closed hook state:
+        # gloo must never drop the last reference to it (lightwire/torch.py, _RETIRED).
+        seen = {}
+        for step in r[i]["flags"]:
+            for key, ident in step.items():
+                assert seen.setdefault(key, ident) == ident, (key, r[i]["flags"])
+        assert len(seen) == 2, seen  # the first iteration's buckets and the rebuilt ones
+        assert r[i]["flags_retired"] == [True, True], r[i]["flags_retired"]
         for a, b in zip(r[i]["plain"], r[i]["hooked"]):
             assert abs(a - b) <= 1e-5
     assert torch.equal(r[0]["p_hooked"], r[1]["p_hooked"])

@@ -610,6 +610,7 @@ class LightwireHookState(object):
         self.fallbacks_reported = 0
         self.agreements = 0        # agreement collectives (one per iteration, see agree)
         self._held = []            # the iteration's answered buckets, until its last one
+        self._flags = {}           # the agreement's tensors, by (length, device): see _all_ok
         self.sidecar_steps = 0
         # Elements the sidecar averaged, and of those the ones it exchanged dense (codec `none`,
         # or a dense step: bypass, full sync, before PowerSGD's start), from every reply.
@@ -852,6 +853,19 @@ class LightwireHookState(object):
             self._drop_slot(index, slot)
         for index, slot in list(self._cuda_slots.items()):
             self._drop_cuda_slot(index, slot)
+        self._retire_flags()
+
+    def _retire_flags(self):
+        _RETIRED.extend(self._flags.values())
+        self._flags = {}
+        del _RETIRED[:-_RETIRED_KEPT]
+
+    def __del__(self):  # DDP frees its hook state (a model never closed) with the GIL held
+        try:
+            if self._flags:
+                self._retire_flags()
+        except Exception:  # a state half made, or the interpreter shutting down
+            pass
 
     # ------------------------------------------------------------------ one bucket
 
@@ -981,8 +995,13 @@ class LightwireHookState(object):
         group = self._group()
         if dist.get_world_size(group) == 1:
             return oks
-        on = device if dist.get_backend(group) == "nccl" else "cpu"
-        flags = torch.tensor([1 if ok else 0 for ok in oks], dtype=torch.int32, device=on)
+        on = torch.device(device if dist.get_backend(group) == "nccl" else "cpu")
+        # One tensor per length, kept (_RETIRED), never a fresh one per collective: see there.
+        key = (len(oks), str(on))
+        flags = self._flags.get(key)
+        if flags is None:
+            flags = self._flags[key] = torch.empty(len(oks), dtype=torch.int32, device=on)
+        flags.copy_(torch.tensor([1 if ok else 0 for ok in oks], dtype=torch.int32))
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True).wait()
         with self._lock:
             self.agreements += 1
@@ -1091,6 +1110,18 @@ class LightwireHookState(object):
             return  # unreachable: reported with the next successful step
         with self._lock:
             self.fallbacks_reported += count
+
+
+# The agreement's tensors of hook states that closed or were freed. gloo's worker thread drops its
+# reference to a collective's tensor a moment after the waiter wakes, under the process group's
+# lock. Were that the last reference to a tensor Python made, freeing it would need the GIL in that
+# thread; and a process group destroyed meanwhile by a thread that holds the GIL
+# (destroy_process_group, or the DDP model freed after it, which frees the group) waits for that
+# lock: both wait forever. Seen with torch 1.13 at the end of two-rank training runs, about one run
+# in ten on a loaded machine, when every collective had a fresh tensor. So a hook state keeps its
+# tensors, and these outlive it (the newest _RETIRED_KEPT: a handful of int32 each).
+_RETIRED = []
+_RETIRED_KEPT = 64
 
 
 def ddp_comm_hook(state, bucket):
