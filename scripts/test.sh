@@ -56,6 +56,24 @@ cpu_now() {
                        printf "%.0f\n", s }' "$file")
   rm -f "$file"
 }
+# Runs CMD in a subshell and sets took="T s, C CPU-s" (only its own processes: bash reaps a
+# background job's processes whenever they end, so the calling shell's count would take in the
+# jobs that ended meanwhile); returns CMD's status.
+# timed CMD...
+timed() {
+  local t0=$SECONDS rc
+  (
+    "$@"
+    rc=$?
+    cpu_now
+    echo "$cpu" >"$logs/.step-cpu"
+    exit $rc
+  )
+  rc=$?
+  took="$((SECONDS - t0)) s, $(cat "$logs/.step-cpu" 2>/dev/null || echo '?') CPU-s"
+  rm -f "$logs/.step-cpu"
+  return $rc
+}
 pass() { passed=$((passed + 1)); note "PASS  $1"; }
 fail() { failed=$((failed + 1)); failures+=("$1"); note "FAIL  $1${2:+ ($2)}"; }
 skip() { skipped=$((skipped + 1)); note "SKIP  $1${2:+ ($2)}"; }
@@ -65,11 +83,8 @@ skip() { skipped=$((skipped + 1)); note "SKIP  $1${2:+ ($2)}"; }
 quiet() {
   local name=$1 log=$2
   shift 2
-  local t0=$SECONDS c0
-  cpu_now && c0=$cpu
-  if "$@" >"$log" 2>&1; then
-    cpu_now
-    note "ok    $name ($((SECONDS - t0)) s, $((cpu - c0)) CPU-s)"
+  if timed "$@" >"$log" 2>&1; then
+    note "ok    $name ($took)"
     return 0
   fi
   tail -n 40 "$log"
@@ -79,13 +94,11 @@ quiet() {
 # Runs a doctest binary and adds its test-case counts.
 # doctest_run NAME BINARY [ENV=VALUE...]
 doctest_run() {
-  local name=$1 binary=$2 t0=$SECONDS c0 rc
+  local name=$1 binary=$2 rc
   shift 2
-  cpu_now && c0=$cpu
-  env "$@" "$binary" -r=console --no-version >"$logs/$name.log" 2>&1
+  timed env "$@" "$binary" -r=console --no-version >"$logs/$name.log" 2>&1
   rc=$?
-  cpu_now
-  doctest_report "$name" $rc "$((SECONDS - t0)) s, $((cpu - c0)) CPU-s"
+  doctest_report "$name" $rc "$took"
 }
 
 # Runs a command in the background, beside the steps that follow: output to $logs/NAME.log, its
@@ -166,12 +179,23 @@ doctest_report() {
 
 # ---------------------------------------------------------------------------------------------
 note "== dependencies"
-quiet install-deps "$logs/install-deps.log" bash scripts/install-deps.sh || fail "install-deps"
+# What the release build needs first; everything else (PyTorch, clang, Docker, Prometheus, ...)
+# is installed in the background while it compiles: on a fresh machine that is mostly waiting on
+# the mirror's downloads, which the compiler's work fills.
+quiet "install-deps build" "$logs/install-deps.log" bash scripts/install-deps.sh build ||
+  fail "install-deps build"
+beside install-deps-all bash scripts/install-deps.sh all
 
 note "== build"
 release_ok=0 asan_ok=0
 quiet "build $release_dir" "$logs/build-release.log" bash scripts/build.sh release "$release_dir" \
   && release_ok=1 || fail "build release" "see $logs/build-release.log"
+if beside_wait install-deps-all; then
+  note "ok    install-deps all ($(beside_took install-deps-all), beside the build)"
+else
+  tail -n 40 "$logs/install-deps-all.log"
+  fail "install-deps all" "see $logs/install-deps-all.log"
+fi
 # Where a real engine can run (root and docker.io), the container test's images
 # (tests/python/test_containers.py) are built in the background from here on: they need only the
 # release binary and mostly wait on the Debian mirror and the disk (debootstrap, apt-get in the
@@ -242,13 +266,11 @@ report_build() {
 # Runs pytest on the Python tests (tests/python/run.sh ARGS) into LOG and adds its counts.
 # pytest_run LABEL LOG ARGS...
 pytest_run() {
-  local label=$1 log=$2 t0=$SECONDS c0
+  local label=$1 log=$2
   shift 2
-  cpu_now && c0=$cpu
-  LIGHTWIRE_BIN=$PWD/$release_dir/proxy/lightwire PYTHON=$python bash tests/python/run.sh \
-    "$@" >"$log" 2>&1
+  timed env LIGHTWIRE_BIN="$PWD/$release_dir/proxy/lightwire" PYTHON="$python" \
+    bash tests/python/run.sh "$@" >"$log" 2>&1
   local rc=$?
-  cpu_now
   # pytest's last line: "N passed, M failed, K skipped in T s" (any subset, any order).
   local line
   line=$(grep -E '^[=]* *[0-9]+ (passed|failed|skipped|error|deselected)' "$log" | tail -n 1)
@@ -258,7 +280,7 @@ pytest_run() {
   p=$(( $(count passed) + $(count xpassed) )) f=$(( $(count failed) + $(count error) ))
   s=$(( $(count skipped) + $(count xfailed) ))
   passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
-  note "      $label: $p passed, $f failed, $s skipped ($((SECONDS - t0)) s, $((cpu - c0)) CPU-s)"
+  note "      $label: $p passed, $f failed, $s skipped ($took)"
   if ((f > 0)); then
     grep -E '^(FAILED|ERROR)' "$log" | head -n 20
     failures+=("$label: $f test(s), see $log")
@@ -485,9 +507,7 @@ fi
 
 note "== fuzzing (libFuzzer, ASan+UBSan, every target ${LW_FUZZ_SECONDS:-10} s)"
 if ((asan_ok)); then
-  t0=$SECONDS
-  cpu_now && c0=$cpu
-  bash scripts/fuzz.sh "${LW_FUZZ_SECONDS:-10}" "$asan_dir" >"$logs/fuzz.log" 2>&1
+  timed bash scripts/fuzz.sh "${LW_FUZZ_SECONDS:-10}" "$asan_dir" >"$logs/fuzz.log" 2>&1
   rc=$?
   # One line per target: "<target> <runs> ... <result>", result "ok" or "FAILED ...".
   # A failed target's statistics may be missing: its line is recognised by "FAILED".
@@ -509,8 +529,7 @@ if ((asan_ok)); then
   elif ((rc != 0 && fuzz_failed == 0)); then
     fail "fuzz" "exit code $rc, see $logs/fuzz.log"
   fi
-  cpu_now
-  note "      ($((SECONDS - t0)) s, $((cpu - c0)) CPU-s)"
+  note "      ($took)"
 fi
 
 note "== soak (3 sidecars x 2 trainers at full rate, beside the fuzzing; judged over 60 s)"
