@@ -436,7 +436,31 @@ class Session : public std::enable_shared_from_this<Session> {
     readBodySome();
   }
 
+  /// Makes room in the body for what the next read can bring, here, where a failed allocation
+  /// is a refusal: Beast's string body would reserve the declared length (or grow a chunked body)
+  /// inside the read, where std::bad_alloc ends the process (an address-space limit, strict
+  /// overcommit). A declared length is reserved at once (the reads never move the body), a chunked
+  /// body one read ahead. False, with the refusal sent, when the memory is not there.
+  bool roomForBody() {
+    auto& body = parser_->get().body();
+    const auto len = parser_->content_length();
+    const uint64_t want = len ? *len : body.size() + buffer_.capacity();
+    if (want <= body.capacity()) return true;
+    try {
+      body.reserve(static_cast<size_t>(want));
+      return true;
+    } catch (const std::exception&) {  // std::bad_alloc, std::length_error
+      limitHit("body_memory");
+      fail(http::status::service_unavailable, "busy",
+           "the sidecar could not allocate " + std::to_string(want) +
+               " bytes for this request's body (out of memory); retry later",
+           /*retry_after=*/true);
+      return false;
+    }
+  }
+
   void readBodySome() {
+    if (!roomForBody()) return;
     const uint64_t rate = shared_->limits.min_body_rate;
     if (rate == 0) {
       stream_.expires_after(shared_->limits.idle_timeout);

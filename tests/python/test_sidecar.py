@@ -213,6 +213,47 @@ def test_client_waits_out_a_busy_listener(sidecar_factory):
     holder2.close()
 
 
+def test_a_body_the_memory_cannot_hold_is_refused_not_a_crash(sidecar_factory):
+    """Under an address-space limit (ulimit -v, or strict overcommit), bodies whose declared
+    lengths the sidecar cannot reserve are answered 503 `busy` with Retry-After, counted as
+    `body_memory`, and the sidecar serves on."""
+    import resource
+    import socket
+    sc = sidecar_factory()
+    client = sc.client()
+    assert client.healthz()
+    with open("/proc/%d/status" % sc.proc.pid) as f:
+        vm = [int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:")][0]
+    declared = 600 << 20  # two do not fit under the limit; limits.max_body_bytes is 1 GiB
+    resource.prlimit(sc.proc.pid, resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))
+    head = ("POST /v1/emit_gradient?name=big&step=0&dtype=float32&shape=%d HTTP/1.1\r\nHost: x\r\n"
+            "Content-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n"
+            % (declared // 4, declared)).encode()
+    conns, replies = [], []
+    try:
+        for _ in range(3):
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(5.0)
+            s.connect(sc.socket)
+            s.sendall(head + b"\0" * 4096)
+            conns.append(s)
+        for s in conns[1:]:
+            replies.append(s.recv(4096).decode("utf-8", "replace"))
+    finally:
+        for s in conns:
+            s.close()
+    for r in replies:
+        assert r.startswith("HTTP/1.1 503"), r
+        assert "Retry-After: 1" in r and '"busy"' in r and "out of memory" in r, r
+    assert sc.proc.poll() is None, sc.stderr()
+    assert client.healthz()
+    a = np.arange(8, dtype=np.float32)
+    assert client.emit_gradient(a, name="small", step=0).tobytes() == a.tobytes()
+    text = client.metrics()
+    assert 'lightwire_limit_hits_total{limit="body_memory",listener="unix"} 2' in text, text
+    client.close()
+
+
 def test_connection_budgets_over_the_open_file_limit_refuse_to_start(tmp_path):
     import resource
     import subprocess
