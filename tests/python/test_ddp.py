@@ -202,7 +202,7 @@ def _two_trainers(rank, store_dir, socket_path, out_dir, steps, bucket_cap_mb, h
                     "fallbacks": state.fallbacks, "trainer": state.trainer,
                     "sidecar_steps": state.sidecar_steps, "agreements": state.agreements,
                     "buckets": dict(state.steps), "flags": flags,
-                    "flags_retired": [any(t is r for r in lwt._RETIRED) for t in used]},
+                    "flags_retired": [any(t is r for r in lwt._AGREEMENT_TENSORS) for t in used]},
                    os.path.join(out_dir, "rank%d.pt" % rank))
     finally:
         H.destroy_pg()
@@ -325,7 +325,7 @@ def test_one_agreement_per_iteration_with_several_buckets(sidecar_factory, tmp_p
         assert r[i]["sidecar_steps"] == sum(r[i]["buckets"].values()) > 20, r[i]
         assert r[i]["agreements"] == 20, r[i]  # not one per bucket
         # Each agreement of a length reuses one tensor, which outlives the closed hook state:
-        # gloo must never drop the last reference to it (lightwire/torch.py, _RETIRED).
+        # gloo must never drop the last reference to it (lightwire/torch.py, _AGREEMENT_TENSORS).
         seen = {}
         for step in r[i]["flags"]:
             for key, ident in step.items():

@@ -853,19 +853,6 @@ class LightwireHookState(object):
             self._drop_slot(index, slot)
         for index, slot in list(self._cuda_slots.items()):
             self._drop_cuda_slot(index, slot)
-        self._retire_flags()
-
-    def _retire_flags(self):
-        _RETIRED.extend(self._flags.values())
-        self._flags = {}
-        del _RETIRED[:-_RETIRED_KEPT]
-
-    def __del__(self):  # DDP frees its hook state (a model never closed) with the GIL held
-        try:
-            if self._flags:
-                self._retire_flags()
-        except Exception:  # a state half made, or the interpreter shutting down
-            pass
 
     # ------------------------------------------------------------------ one bucket
 
@@ -996,11 +983,14 @@ class LightwireHookState(object):
         if dist.get_world_size(group) == 1:
             return oks
         on = torch.device(device if dist.get_backend(group) == "nccl" else "cpu")
-        # One tensor per length, kept (_RETIRED), never a fresh one per collective: see there.
+        # One tensor per length, never a fresh one per collective, and kept beyond this state:
+        # see _AGREEMENT_TENSORS.
         key = (len(oks), str(on))
         flags = self._flags.get(key)
         if flags is None:
             flags = self._flags[key] = torch.empty(len(oks), dtype=torch.int32, device=on)
+            _AGREEMENT_TENSORS.append(flags)
+            del _AGREEMENT_TENSORS[:-64]  # a handful of int32 each
         flags.copy_(torch.tensor([1 if ok else 0 for ok in oks], dtype=torch.int32))
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True).wait()
         with self._lock:
@@ -1112,16 +1102,14 @@ class LightwireHookState(object):
             self.fallbacks_reported += count
 
 
-# The agreement's tensors of hook states that closed or were freed. gloo's worker thread drops its
-# reference to a collective's tensor a moment after the waiter wakes, under the process group's
-# lock. Were that the last reference to a tensor Python made, freeing it would need the GIL in that
-# thread; and a process group destroyed meanwhile by a thread that holds the GIL
-# (destroy_process_group, or the DDP model freed after it, which frees the group) waits for that
-# lock: both wait forever. Seen with torch 1.13 at the end of two-rank training runs, about one run
-# in ten on a loaded machine, when every collective had a fresh tensor. So a hook state keeps its
-# tensors, and these outlive it (the newest _RETIRED_KEPT: a handful of int32 each).
-_RETIRED = []
-_RETIRED_KEPT = 64
+# The agreement's tensors of every hook state, the newest 64, kept beyond the state's life. gloo's
+# worker thread drops its reference to a collective's tensor a moment after the waiter wakes, under
+# the process group's lock. Were that the last reference to a tensor Python made, freeing it would
+# need the GIL in that thread; and a process group destroyed meanwhile by a thread that holds the
+# GIL (destroy_process_group, or the DDP model freed after it, which frees the group) waits for
+# that lock: both wait forever. Seen with torch 1.13 at the end of two-rank training runs (2 of
+# about 30 on a loaded machine) when every collective had a fresh tensor.
+_AGREEMENT_TENSORS = []
 
 
 def ddp_comm_hook(state, bucket):
